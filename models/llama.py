@@ -1,0 +1,311 @@
+"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over packed, paged rows.
+
+One call of ``forward`` runs every decoder block over a packed iteration: the
+token rows of several sequences (decode rows, prefill chunks with committed
+history, whole prompts) laid end to end, plus padding rows. Row-wise work
+(norms, projections, MLP) runs once over all rows; attention is
+request-local and reads the paged KV cache through
+``attention.ragged.ragged_paged_attention``.
+
+The blocks' weights are stacked on a leading layer axis and run with
+``flax.linen.scan`` (a ``lax.scan``), so one block is traced and compiled
+whatever ``n_layers`` is. The whole KV cache travels in the scan carry as a
+flat pool of ``n_layers * num_pages`` pages; layer ``l`` owns pages
+``[l * num_pages, (l + 1) * num_pages)``. Each block scatters its rows into its
+own pages and hands attention a page table shifted by ``l * num_pages``, so no
+block slices out (copies) its layer's cache, and XLA updates the carry in place.
+
+Conventions follow HF ``transformers``' ``LlamaForCausalLM``: RMSNorm computed
+in float32 then scaled, RoPE with the rotate-half layout (the first half of a
+head holds the "real" parts), ``silu(x W_gate) * (x W_up)`` MLP, no embedding
+scaling. Weights are stored ``[in, out]`` (the transpose of torch's Linear).
+
+Parameter tree (``L = n_layers``; ``lm_head`` only when embeddings are untied)::
+
+  embed/embedding        [vocab, d_model]
+  layers/attn_norm/scale [L, d_model]
+  layers/attn/wq         [L, d_model, n_heads * head_dim]
+  layers/attn/wk         [L, d_model, n_kv_heads * head_dim]
+  layers/attn/wv         [L, d_model, n_kv_heads * head_dim]
+  layers/attn/wo         [L, n_heads * head_dim, d_model]
+  layers/mlp_norm/scale  [L, d_model]
+  layers/mlp/w_gate      [L, d_model, ffn_dim]
+  layers/mlp/w_up        [L, d_model, ffn_dim]
+  layers/mlp/w_down      [L, ffn_dim, d_model]
+  final_norm/scale       [d_model]
+  lm_head                [d_model, vocab]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from attention.ragged import ragged_paged_attention, write_kv_pages
+from models.config import ModelConfig
+
+_WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
+
+
+@struct.dataclass
+class KVCache:
+  """Paged key/value cache of every layer.
+
+  Attributes:
+    k: [n_layers, num_pages, page_size, n_kv_heads, head_dim] keys after RoPE.
+    v: [n_layers, num_pages, page_size, n_kv_heads, head_dim] values.
+  Page ``p`` of a sequence's page table addresses ``k[:, p]`` in every layer.
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[2]
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
+                  dtype=jnp.float32) -> KVCache:
+  """Zero-filled ``KVCache`` of ``num_pages`` pages of ``page_size`` token slots."""
+  shape = (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
+  """f32[head_dim // 2] inverse frequencies ``theta ** (-2i / head_dim)``."""
+  exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+  return 1.0 / (theta ** exponent)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding, rotate-half layout (HF Llama convention).
+
+  Args:
+    x: [T, n_heads, head_dim] queries or keys.
+    positions: i32[T] absolute position of each row.
+    theta: RoPE base.
+
+  Returns:
+    ``x * cos + rotate_half(x) * sin`` in ``x.dtype``, where dimension ``i``
+    and ``i + head_dim // 2`` form one rotated pair with angle
+    ``positions * inv_freq[i]`` (computed in float32).
+  """
+  half = x.shape[-1] // 2
+  angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(x.shape[-1], theta)
+  cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
+  sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+@struct.dataclass
+class _Batch:
+  """Per-iteration metadata broadcast to every scanned block."""
+
+  positions: jax.Array     # i32[T]
+  slot_mapping: jax.Array  # i32[T]
+  kv_lens: jax.Array       # i32[S]
+  page_table: jax.Array    # i32[S, P]
+  cu_q_lens: jax.Array     # i32[S + 1]
+  num_seqs: jax.Array      # i32[]
+
+
+class RMSNorm(nn.Module):
+  """``scale * x / sqrt(mean(x**2) + eps)``, normalised in float32."""
+
+  eps: float
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale * normed.astype(self.dtype)
+
+
+class Attention(nn.Module):
+  """GQA self-attention of one block over packed rows and the paged cache."""
+
+  cfg: ModelConfig
+  dtype: Any
+  attention_impl: str
+
+  @nn.compact
+  def __call__(self, x, k_pool, v_pool, layer, batch: _Batch):
+    cfg = self.cfg
+    num_rows = x.shape[0]
+    wq = self.param("wq", _WEIGHT_INIT, (cfg.d_model, cfg.q_dim), self.dtype)
+    wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
+    wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
+    wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
+    q = (x @ wq).reshape(num_rows, cfg.n_heads, cfg.head_dim)
+    k = (x @ wk).reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
+    v = (x @ wv).reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
+    q = apply_rope(q, batch.positions, cfg.rope_theta)
+    k = apply_rope(k, batch.positions, cfg.rope_theta)
+
+    # This layer's pages inside the flat pool of all layers.
+    pages_per_layer = k_pool.shape[0] // cfg.n_layers
+    first_page = layer * pages_per_layer
+    slots = jnp.where(batch.slot_mapping >= 0,
+                      batch.slot_mapping + first_page * k_pool.shape[1], -1)
+    k_pool, v_pool = write_kv_pages(k_pool, v_pool, k, v, slots)
+    out = ragged_paged_attention(
+        q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
+        batch.cu_q_lens, batch.num_seqs, sm_scale=cfg.head_dim ** -0.5,
+        impl=self.attention_impl)
+    out = out.reshape(num_rows, cfg.q_dim).astype(self.dtype) @ wo
+    return out, k_pool, v_pool
+
+
+class MLP(nn.Module):
+  """SwiGLU: ``(silu(x W_gate) * (x W_up)) W_down``."""
+
+  cfg: ModelConfig
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    w_gate = self.param("w_gate", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
+    w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
+    w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
+    return (nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+class DecoderLayer(nn.Module):
+  """One pre-norm block; the scan body. Carry: ``(x, k_pool, v_pool)``."""
+
+  cfg: ModelConfig
+  dtype: Any
+  attention_impl: str
+
+  @nn.compact
+  def __call__(self, carry, layer, batch: _Batch):
+    x, k_pool, v_pool = carry
+    h = RMSNorm(self.cfg.rms_eps, self.dtype, name="attn_norm")(x)
+    attn, k_pool, v_pool = Attention(self.cfg, self.dtype, self.attention_impl,
+                                     name="attn")(h, k_pool, v_pool, layer, batch)
+    x = x + attn
+    h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
+    x = x + MLP(self.cfg, self.dtype, name="mlp")(h)
+    return (x, k_pool, v_pool), None
+
+
+class Llama(nn.Module):
+  """The decoder; ``__call__`` runs the blocks, ``logits`` the LM head."""
+
+  cfg: ModelConfig
+  dtype: Any = jnp.float32
+  attention_impl: str = "gather"
+
+  def setup(self):
+    cfg = self.cfg
+    self.embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype,
+                          param_dtype=self.dtype, embedding_init=_WEIGHT_INIT)
+    self.layers = nn.scan(
+        DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(0, nn.broadcast), length=cfg.n_layers,
+    )(cfg, self.dtype, self.attention_impl)
+    self.final_norm = RMSNorm(cfg.rms_eps, self.dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = self.param("lm_head", _WEIGHT_INIT,
+                                (cfg.d_model, cfg.vocab_size), self.dtype)
+
+  def __call__(self, tokens, k_pool, v_pool, batch: _Batch):
+    x = self.embed(tokens)
+    layer_ids = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
+    (x, k_pool, v_pool), _ = self.layers((x, k_pool, v_pool), layer_ids, batch)
+    return self.final_norm(x), k_pool, v_pool
+
+  def logits(self, hidden):
+    hidden = hidden.astype(self.dtype)
+    if self.cfg.tie_embeddings:
+      table = self.embed.embedding.T
+    else:
+      table = self.lm_head
+    return jnp.dot(hidden, table, preferred_element_type=jnp.float32)
+
+  def init_all(self, tokens, k_pool, v_pool, batch: _Batch):
+    """Touches every parameter (used only by ``init_params``)."""
+    hidden, _, _ = self(tokens, k_pool, v_pool, batch)
+    return self.logits(hidden)
+
+
+def _params_dtype(params):
+  return params["embed"]["embedding"].dtype
+
+
+def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
+            slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs, *,
+            attention_impl: str):
+  """Runs every block over one packed iteration and writes its K/V.
+
+  Args:
+    params: parameter tree (module docstring); its embedding dtype (float32
+      or bfloat16) is the activation dtype.
+    cfg: the model's config (static under jit).
+    kv: the paged cache; the current rows' K/V are written into it.
+    tokens: i32[T] packed token ids (padding rows: any valid id).
+    positions: i32[T] absolute position of each row (RoPE angle).
+    slot_mapping: i32[T] ``page * page_size + offset`` cache slot of each row;
+      negative for padding rows, which write nothing.
+    kv_lens: i32[S] committed plus current rows of each sequence.
+    page_table: i32[S, P] logical -> physical page of each sequence.
+    cu_q_lens: i32[S + 1] packed row offsets of the sequences.
+    num_seqs: i32[] live sequences; rows at or beyond ``cu_q_lens[num_seqs]``
+      are padding.
+    attention_impl: ``impl`` passed to ``ragged_paged_attention`` (static).
+
+  Returns:
+    ``(hidden f32[T, d_model], kv)``: the final-normed hidden state of every
+    row (padding rows hold unspecified finite values) and the updated cache.
+  """
+  dtype = _params_dtype(params)
+  model = Llama(cfg, dtype=dtype, attention_impl=attention_impl)
+  num_layers, num_pages = kv.k.shape[:2]
+  if num_layers != cfg.n_layers:
+    raise ValueError(f"kv has {num_layers} layers, cfg.n_layers is {cfg.n_layers}")
+  flat = (num_layers * num_pages,) + kv.k.shape[2:]
+  batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
+                 page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
+  hidden, k_pool, v_pool = model.apply(
+      {"params": params}, tokens, kv.k.reshape(flat), kv.v.reshape(flat), batch)
+  return hidden.astype(jnp.float32), KVCache(k=k_pool.reshape(kv.k.shape),
+                                             v=v_pool.reshape(kv.v.shape))
+
+
+def compute_logits(params, cfg: ModelConfig, hidden) -> jax.Array:
+  """f32[N, vocab] logits of ``hidden`` [N, d_model] (tied or untied head)."""
+  model = Llama(cfg, dtype=_params_dtype(params))
+  return model.apply({"params": params}, hidden, method=Llama.logits)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):
+  """Random parameters (weights ~ N(0, 0.02), norm scales 1) in ``dtype``."""
+  model = Llama(cfg, dtype=dtype)
+  kv = init_kv_cache(cfg, 1, 1, dtype)
+  flat = (cfg.n_layers,) + kv.k.shape[2:]
+  one = jnp.zeros((1,), jnp.int32)
+  batch = _Batch(positions=one, slot_mapping=one, kv_lens=one + 1,
+                 page_table=jnp.zeros((1, 1), jnp.int32),
+                 cu_q_lens=jnp.array([0, 1], jnp.int32), num_seqs=jnp.int32(1))
+  init = jax.jit(lambda r: model.init(r, one, kv.k.reshape(flat), kv.v.reshape(flat),
+                                      batch, method=Llama.init_all))
+  return init(rng)["params"]
+
+
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl"),
+                      donate_argnames=("kv",))
+forward_jit.__doc__ = "``forward`` under ``jax.jit`` (cfg, impl static; kv donated)."
+compute_logits_jit = jax.jit(compute_logits, static_argnames=("cfg",))

@@ -1,0 +1,185 @@
+"""Packed, paged forward of models.llama against the dense numpy reference."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import perturbed_params
+from llama_reference import dense_forward
+from models import llama
+
+PAGE_SIZE = 4
+NUM_PAGES = 16
+MAX_SEQS = 4
+PAGES_PER_SEQ = 4
+ROWS = 16
+
+
+@dataclasses.dataclass
+class Seq:
+  pages: list      # physical pages, logical order
+  tokens: np.ndarray  # the whole sequence
+
+
+def pack(parts, num_rows=ROWS, pad_token=0, pad_position=0):
+  """parts: list of (Seq, start, end): rows for positions [start, end)."""
+  tokens, positions, slots, kv_lens, table, cu = [], [], [], [], [], [0]
+  for seq, start, end in parts:
+    for pos in range(start, end):
+      tokens.append(seq.tokens[pos])
+      positions.append(pos)
+      slots.append(seq.pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
+    kv_lens.append(end)
+    table.append(seq.pages + [0] * (PAGES_PER_SEQ - len(seq.pages)))
+    cu.append(cu[-1] + end - start)
+  num_seqs = len(parts)
+  pad = num_rows - len(tokens)
+  tokens += [pad_token] * pad
+  positions += [pad_position] * pad
+  slots += [-1] * pad
+  kv_lens += [0] * (MAX_SEQS - num_seqs)
+  table += [[0] * PAGES_PER_SEQ] * (MAX_SEQS - num_seqs)
+  cu += [cu[-1]] * (MAX_SEQS - num_seqs)
+  i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+  return dict(tokens=i32(tokens), positions=i32(positions), slot_mapping=i32(slots),
+              kv_lens=i32(kv_lens), page_table=i32(table), cu_q_lens=i32(cu),
+              num_seqs=jnp.int32(num_seqs))
+
+
+def nan_cache(cfg):
+  kv = llama.init_kv_cache(cfg, NUM_PAGES, PAGE_SIZE)
+  return llama.KVCache(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan))
+
+
+def run(params, cfg, kv, batch):
+  return llama.forward_jit(params, cfg, kv, **batch, attention_impl="gather")
+
+
+def cached_rows(kv, seq, start, end):
+  """[n_layers, end - start, n_kv, head_dim] K and V of positions [start, end)."""
+  idx = [(seq.pages[p // PAGE_SIZE], p % PAGE_SIZE) for p in range(start, end)]
+  k = np.stack([np.asarray(kv.k[:, page, off]) for page, off in idx], axis=1)
+  v = np.stack([np.asarray(kv.v[:, page, off]) for page, off in idx], axis=1)
+  return k, v
+
+
+@pytest.fixture(scope="module")
+def seqs(tiny_cfg):
+  rng = np.random.default_rng(1)
+  perm = [int(p) for p in rng.permutation(NUM_PAGES)]
+  toks = lambda n: rng.integers(0, tiny_cfg.vocab_size, n)
+  return {
+      "decode": Seq(perm[0:2], toks(8)),      # history 7, one decode row
+      "chunk": Seq(perm[2:5], toks(9)),       # history 5, chunk of 4
+      "prompt": Seq(perm[5:7], toks(6)),      # whole prompt
+  }
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_cfg, tiny_params, seqs):
+  """Two iterations: history prefill, then a mixed batch."""
+  kv = nan_cache(tiny_cfg)
+  first = pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)])
+  hidden1, kv = run(tiny_params, tiny_cfg, kv, first)
+  parts = [(seqs["decode"], 7, 8), (seqs["chunk"], 5, 9), (seqs["prompt"], 0, 6)]
+  second = pack(parts)
+  kv_before = jax.tree_util.tree_map(np.asarray, kv)
+  hidden2, kv = run(tiny_params, tiny_cfg, kv, second)
+  return dict(hidden1=np.asarray(hidden1), hidden2=np.asarray(hidden2), kv=kv,
+              kv_before=kv_before, parts=parts)
+
+
+def test_mixed_batch_matches_dense_reference(tiny_cfg, tiny_params, seqs, mixed):
+  refs = {name: dense_forward(tiny_params, tiny_cfg, s.tokens) for name, s in seqs.items()}
+  # Iteration 1 rows: decode seq [0, 7) then chunk seq [0, 5).
+  np.testing.assert_allclose(mixed["hidden1"][:7], refs["decode"]["hidden"][:7], atol=2e-5)
+  np.testing.assert_allclose(mixed["hidden1"][7:12], refs["chunk"]["hidden"][:5], atol=2e-5)
+  row = 0
+  for (seq, start, end), name in zip(mixed["parts"], ["decode", "chunk", "prompt"]):
+    got = mixed["hidden2"][row:row + end - start]
+    np.testing.assert_allclose(got, refs[name]["hidden"][start:end], atol=2e-5,
+                               err_msg=name)
+    logits = llama.compute_logits_jit(tiny_params, tiny_cfg, jnp.asarray(got))
+    np.testing.assert_allclose(np.asarray(logits), refs[name]["logits"][start:end],
+                               atol=2e-5, err_msg=name)
+    k, v = cached_rows(mixed["kv"], seq, 0, end)
+    np.testing.assert_allclose(k, refs[name]["k"], atol=2e-5, err_msg=name)
+    np.testing.assert_allclose(v, refs[name]["v"], atol=2e-5, err_msg=name)
+    row += end - start
+
+
+def test_only_live_rows_write_the_cache(tiny_cfg, seqs, mixed):
+  written = np.zeros((NUM_PAGES, PAGE_SIZE), bool)
+  for seq in seqs.values():
+    for pos in range(len(seq.tokens)):
+      written[seq.pages[pos // PAGE_SIZE], pos % PAGE_SIZE] = True
+  k = np.asarray(mixed["kv"].k)
+  assert np.all(np.isnan(k[:, ~written])), "padding rows or page tails were written"
+  assert not np.any(np.isnan(k[:, written]))
+  # The second iteration left the first iteration's rows untouched.
+  seq = seqs["decode"]
+  before = mixed["kv_before"].k[:, seq.pages[0]]
+  np.testing.assert_array_equal(k[:, seq.pages[0]], before)
+
+
+def test_padding_rows_do_not_change_results(tiny_cfg, tiny_params, seqs, mixed):
+  kv = nan_cache(tiny_cfg)
+  kv = run(tiny_params, tiny_cfg, kv, pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)]))[1]
+  # Twice the padding, and padding rows carrying arbitrary tokens/positions.
+  batch = pack(mixed["parts"], num_rows=2 * ROWS, pad_token=5, pad_position=3)
+  hidden, kv = run(tiny_params, tiny_cfg, kv, batch)
+  np.testing.assert_allclose(np.asarray(hidden)[:11], mixed["hidden2"][:11], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(kv.k), np.asarray(mixed["kv"].k), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(kv.v), np.asarray(mixed["kv"].v), atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 10])
+def test_chunked_prefill_equals_full_prefill(tiny_cfg, tiny_params, chunk):
+  rng = np.random.default_rng(2)
+  seq = Seq([9, 3, 12], rng.integers(0, tiny_cfg.vocab_size, 10))
+  full_hidden, full_kv = run(tiny_params, tiny_cfg, nan_cache(tiny_cfg), pack([(seq, 0, 10)]))
+  kv = nan_cache(tiny_cfg)
+  for start in range(0, 10, chunk):
+    end = min(start + chunk, 10)
+    hidden, kv = run(tiny_params, tiny_cfg, kv, pack([(seq, start, end)]))
+  np.testing.assert_allclose(np.asarray(hidden)[end - start - 1],
+                             np.asarray(full_hidden)[9], atol=1e-5)
+  for got, want in zip(cached_rows(kv, seq, 0, 10), cached_rows(full_kv, seq, 0, 10)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_untied_head_and_rope_theta(tiny_cfg):
+  cfg = dataclasses.replace(tiny_cfg, tie_embeddings=False, rope_theta=500.0)
+  params = perturbed_params(cfg, seed=3)
+  assert params["lm_head"].shape == (cfg.d_model, cfg.vocab_size)
+  seq = Seq([1, 2], np.arange(7) * 11)
+  hidden, _ = run(params, cfg, nan_cache(cfg), pack([(seq, 0, 7)]))
+  ref = dense_forward(params, cfg, seq.tokens)
+  np.testing.assert_allclose(np.asarray(hidden)[:7], ref["hidden"], atol=2e-5)
+  logits = llama.compute_logits_jit(params, cfg, hidden[:7])
+  np.testing.assert_allclose(np.asarray(logits), ref["logits"], atol=2e-5)
+
+
+def test_bfloat16_params_track_float32(tiny_cfg, tiny_params):
+  seq = Seq([4, 5], np.arange(8) * 7)
+  batch = pack([(seq, 0, 8)])
+  want, _ = run(tiny_params, tiny_cfg, nan_cache(tiny_cfg), batch)
+  params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), tiny_params)
+  kv16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nan_cache(tiny_cfg))
+  got, kv16 = run(params16, tiny_cfg, kv16, batch)
+  assert got.dtype == jnp.float32 and kv16.k.dtype == jnp.bfloat16
+  err = np.abs(np.asarray(got)[:8] - np.asarray(want)[:8]).max()
+  assert 0 < err < 0.1, err  # bf16 rounding (~3 significant digits), not garbage
+
+
+def test_rope_matches_hand_worked_rotation():
+  # head_dim 4, theta 100: pairs (0, 2) turn by pos * 1, (1, 3) by pos * 0.1.
+  x = jnp.array([[[1.0, 2.0, 3.0, 4.0]]])
+  got = np.asarray(llama.apply_rope(x, jnp.array([2]), 100.0))[0, 0]
+  a, b = 2.0, 0.2
+  want = [1 * np.cos(a) - 3 * np.sin(a), 2 * np.cos(b) - 4 * np.sin(b),
+          3 * np.cos(a) + 1 * np.sin(a), 4 * np.cos(b) + 2 * np.sin(b)]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
