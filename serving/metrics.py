@@ -1,0 +1,413 @@
+"""Serving metrics: per-request records -> a vLLM-style benchmark report.
+
+Definitions follow vLLM's `benchmark_serving` (key names and latency
+definitions) with two changes the continuous-batching article (§0x07) asks for:
+
+* Percentiles use the nearest-rank estimator `x_(ceil(p n))` and are gated by
+  a sample contract: a p-th percentile is reported only when
+  `n >= 1 / (1 - p)` (p50: 2, p90: 10, p95: 20, p99: 100). A gated value is
+  None and its key is listed in `report["insufficient_sample"]`.
+* A one-output request has no inter-output interval, so it has no TPOT (it is
+  left out of the TPOT sample, never counted as TPOT = 0).
+
+Latencies are measured from the request's original arrival (§0x07: nothing
+restarts a clock at admission). All report latencies are in milliseconds;
+record times are in seconds on one clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+OUTCOMES = ("completed", "failed", "rejected", "cancelled")
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
+
+
+# --------------------------------------------------------------------------
+# Percentiles with a sample contract
+
+
+def _fraction(p: float) -> Fraction:
+    """p percent as an exact fraction of 1 (Fraction(repr) avoids 0.07*100 != 7)."""
+    f = Fraction(repr(float(p))) / 100
+    if not (0 < f < 1):
+        raise ValueError(f"percentile p={p} must be in (0, 100)")
+    return f
+
+
+def min_samples_for_percentile(p: float) -> int:
+    """Smallest n for which the p-th percentile is reported: ceil(1 / (1 - p/100)).
+
+    The article's reciprocal tail-mass rule (§0x07, "Tail Metrics Need A Sample
+    Contract"): p50 -> 2, p90 -> 10, p95 -> 20, p99 -> 100, p99.9 -> 1000.
+
+    Raises:
+      ValueError: p not in (0, 100).
+    """
+    return math.ceil(1 / (1 - _fraction(p)))
+
+
+def percentile_nearest_rank(values: Sequence[float] | np.ndarray, p: float) -> float | None:
+    """Nearest-rank p-th percentile `x_(ceil(p/100 * n))`, or None if n is too small.
+
+    Args:
+      values: f64[n] samples in any order (any unit; the result has the same).
+      p: percentile in (0, 100), e.g. 50, 90, 95, 99.
+
+    Returns:
+      An observed sample, or None when n < `min_samples_for_percentile(p)`
+      (the caller reports it as insufficient_sample).
+
+    Raises:
+      ValueError: p not in (0, 100), or a value is NaN.
+    """
+    x = np.sort(np.asarray(values, dtype=np.float64).ravel())
+    if np.isnan(x).any():
+        raise ValueError("percentile of a sample containing NaN")
+    n = x.size
+    if n < min_samples_for_percentile(p):
+        return None
+    rank = math.ceil(_fraction(p) * n)  # 1-based
+    return float(x[rank - 1])
+
+
+# --------------------------------------------------------------------------
+# Per-request record
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one offered request.
+
+    Attributes:
+      request_id: unique within a run.
+      client: tenant name.
+      arrival_s: original arrival time (s), the origin of TTFT and E2EL.
+      first_token_s: emission time of the first output token (s), or None if
+        none was emitted; equals token_times_s[0] when tokens exist.
+      token_times_s: f64[output_tokens] emission time of every output token
+        (s), non-decreasing, all >= arrival_s.
+      prompt_tokens: prompt length served (tokens).
+      output_tokens: output tokens emitted (tokens) == len(token_times_s).
+      outcome: one of "completed", "failed", "rejected", "cancelled".
+      finish_reason: e.g. "length", "stop", "abort", a rejection reason; free text.
+      num_preemptions: times the request was preempted and later resumed.
+      clipped: the workload cut this request's prompt.
+
+    Raises (on construction):
+      ValueError: unknown outcome, inconsistent token times, or a completed
+        request without output tokens.
+    """
+
+    request_id: str
+    client: str
+    arrival_s: float
+    first_token_s: float | None
+    token_times_s: tuple[float, ...]
+    prompt_tokens: int
+    output_tokens: int
+    outcome: str
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    clipped: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))
+        rid, times = self.request_id, self.token_times_s
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"{rid}: outcome={self.outcome!r} not in {OUTCOMES}")
+        if self.output_tokens != len(times):
+            raise ValueError(f"{rid}: output_tokens={self.output_tokens} but {len(times)} token times")
+        if self.prompt_tokens < 0 or self.num_preemptions < 0:
+            raise ValueError(f"{rid}: negative prompt_tokens or num_preemptions")
+        if times:
+            if self.first_token_s != times[0]:
+                raise ValueError(f"{rid}: first_token_s={self.first_token_s} != token_times_s[0]={times[0]}")
+            if times[0] < self.arrival_s:
+                raise ValueError(f"{rid}: first token at {times[0]} s before arrival {self.arrival_s} s")
+            if any(b < a for a, b in zip(times, times[1:])):
+                raise ValueError(f"{rid}: token_times_s not non-decreasing")
+        elif self.first_token_s is not None:
+            raise ValueError(f"{rid}: first_token_s set but no token times")
+        if self.outcome == "completed" and not times:
+            raise ValueError(f"{rid}: completed with no output tokens")
+
+    @property
+    def ttft_s(self) -> float | None:
+        """First token time - arrival (s); None without output."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def e2el_s(self) -> float | None:
+        """Last token time - arrival (s); None without output."""
+        return self.token_times_s[-1] - self.arrival_s if self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(e2el - ttft) / (output_tokens - 1) (s); None for <= 1 output token (§0x07)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls_s(self) -> tuple[float, ...]:
+        """Gaps between consecutive output tokens (s), output_tokens - 1 of them."""
+        t = self.token_times_s
+        return tuple(b - a for a, b in zip(t, t[1:]))
+
+
+# --------------------------------------------------------------------------
+# Report
+
+
+def _check_partition(records: Sequence[RequestRecord], num_offered: int | None) -> dict[str, int]:
+    ids = [r.request_id for r in records]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})[:5]
+        raise ValueError(f"duplicate request ids in records: {dup}")
+    counts = {o: sum(r.outcome == o for r in records) for o in OUTCOMES}
+    offered = len(records) if num_offered is None else num_offered
+    if sum(counts.values()) != offered:
+        raise ValueError(
+            f"outcome partition does not close: completed+failed+rejected+cancelled = "
+            f"{sum(counts.values())} ({counts}) != {offered} offered requests"
+        )
+    return counts
+
+
+def _summarize(name: str, samples: Sequence[float], percentiles: Sequence[float],
+               report: dict, gated: list[str]) -> None:
+    """Adds mean/median/std/p* of `samples` (ms) to report under vLLM key names."""
+    x = np.asarray(samples, dtype=np.float64)
+    report[f"mean_{name}"] = float(x.mean()) if x.size else None
+    report[f"std_{name}"] = float(x.std()) if x.size else None
+    if not x.size:
+        gated.extend([f"mean_{name}", f"std_{name}"])
+    report[f"median_{name}"] = percentile_nearest_rank(x, 50)
+    if report[f"median_{name}"] is None:
+        gated.append(f"median_{name}")
+    for p in percentiles:
+        key = f"p{p:g}_{name}"
+        report[key] = percentile_nearest_rank(x, p)
+        if report[key] is None:
+            gated.append(key)
+    report[f"num_samples_{name}"] = int(x.size)
+
+
+def build_report(
+    records: Iterable[RequestRecord],
+    duration_s: float,
+    config: dict | None = None,
+    *,
+    num_offered: int | None = None,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+) -> dict:
+    """A JSON-ready benchmark report with vLLM `benchmark_serving` key names.
+
+    Over COMPLETED requests (vLLM): `total_input_tokens`, `total_output_tokens`,
+    `request_throughput` (req/s), `output_throughput` and
+    `total_token_throughput` (tokens/s), all divided by `duration_s`; and for
+    X in ttft_ms, tpot_ms, itl_ms, e2el_ms: `mean_X`, `std_X`, `median_X`,
+    `p<P>_X` for P in `percentiles`, and `num_samples_X`.
+      TTFT = first token - arrival; E2EL = last token - arrival;
+      TPOT = (E2EL - TTFT) / (output_tokens - 1), only for > 1 output token;
+      ITL  = every gap between consecutive output tokens, pooled.
+    Gated or empty statistics are None and named in `insufficient_sample`.
+
+    Args:
+      records: one per offered request.
+      duration_s: benchmark wall time (s), > 0.
+      config: echoed under "config" (engine/workload description).
+      num_offered: if given, the partition must close against it (e.g. the
+        workload's length), catching records lost by the engine.
+      percentiles: tail percentiles to report, each in (0, 100).
+
+    Raises:
+      ValueError: duration_s <= 0, duplicate request ids, or
+        completed + failed + rejected + cancelled != offered requests.
+    """
+    records = list(records)
+    if not (math.isfinite(duration_s) and duration_s > 0):
+        raise ValueError(f"duration_s={duration_s} must be finite and > 0")
+    counts = _check_partition(records, num_offered)
+    done = [r for r in records if r.outcome == "completed"]
+    total_in = sum(r.prompt_tokens for r in done)
+    total_out = sum(r.output_tokens for r in done)
+    report: dict = {
+        "num_requests": len(records),
+        **counts,
+        "duration_s": float(duration_s),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration_s,
+        "output_throughput": total_out / duration_s,
+        "total_token_throughput": (total_in + total_out) / duration_s,
+        "num_preemptions": sum(r.num_preemptions for r in records),
+        "num_clipped": sum(r.clipped for r in records),
+    }
+    samples = {
+        "ttft_ms": [r.ttft_s * 1e3 for r in done],
+        "tpot_ms": [r.tpot_s * 1e3 for r in done if r.tpot_s is not None],
+        "itl_ms": [g * 1e3 for r in done for g in r.itls_s],
+        "e2el_ms": [r.e2el_s * 1e3 for r in done],
+    }
+    gated: list[str] = []
+    for name in LATENCY_METRICS:
+        _summarize(name, samples[name], percentiles, report, gated)
+    report["insufficient_sample"] = gated
+    report["percentile_method"] = "nearest_rank, reported when n >= ceil(1/(1-p))"
+    report["config"] = dict(config or {})
+    return report
+
+
+def goodput(
+    records: Iterable[RequestRecord],
+    *,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+    e2el_ms: float | None = None,
+    duration_s: float | None = None,
+) -> dict:
+    """Request-level SLO goodput and its three attainment denominators (§0x07).
+
+    A request is SLO-valid when it completed and every given limit holds
+    (metric <= limit, as vLLM's goodput): TTFT from original arrival, TPOT
+    only where defined (a one-output request passes the TPOT limit vacuously,
+    its TTFT still counts), E2EL.
+
+    Returns a dict with counts `offered, admitted, completed, valid, missed,
+    rejected, other` (other = failed + cancelled; offered = valid + missed +
+    rejected + other), the fractions `offered_attainment` (valid/offered),
+    `admitted_attainment` (valid/admitted) and
+    `completion_conditioned_attainment` (valid/completed, diagnostic only),
+    each None on a zero denominator; and, when duration_s is given,
+    `request_goodput` (valid/s) and `token_goodput` (output tokens of valid
+    requests per s).
+
+    Raises:
+      ValueError: no limit given, duration_s <= 0, duplicate request ids.
+    """
+    if ttft_ms is None and tpot_ms is None and e2el_ms is None:
+        raise ValueError("goodput needs at least one of ttft_ms, tpot_ms, e2el_ms")
+    records = list(records)
+    counts = _check_partition(records, None)
+
+    def valid(r: RequestRecord) -> bool:
+        if r.outcome != "completed":
+            return False
+        if ttft_ms is not None and r.ttft_s * 1e3 > ttft_ms:
+            return False
+        if tpot_ms is not None and r.tpot_s is not None and r.tpot_s * 1e3 > tpot_ms:
+            return False
+        return e2el_ms is None or r.e2el_s * 1e3 <= e2el_ms
+
+    good = [r for r in records if valid(r)]
+    offered, completed = len(records), counts["completed"]
+    admitted = offered - counts["rejected"]
+
+    def ratio(a: int, b: int) -> float | None:
+        return a / b if b else None
+
+    out = {
+        "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2el_ms": e2el_ms},
+        "offered": offered,
+        "admitted": admitted,
+        "completed": completed,
+        "valid": len(good),
+        "missed": completed - len(good),
+        "rejected": counts["rejected"],
+        "other": counts["failed"] + counts["cancelled"],
+        "offered_attainment": ratio(len(good), offered),
+        "admitted_attainment": ratio(len(good), admitted),
+        "completion_conditioned_attainment": ratio(len(good), completed),
+    }
+    if duration_s is not None:
+        if not (math.isfinite(duration_s) and duration_s > 0):
+            raise ValueError(f"duration_s={duration_s} must be finite and > 0")
+        out["request_goodput"] = len(good) / duration_s
+        out["token_goodput"] = sum(r.output_tokens for r in good) / duration_s
+    return out
+
+
+# --------------------------------------------------------------------------
+# Output
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(report: dict) -> str:
+    """A fixed-width text table of a `build_report` result, like vLLM's printout.
+
+    Gated statistics print as "n/a (n=<samples>)".
+    """
+    width = 50
+    lines = [" Serving Benchmark Result ".center(width, "=")]
+
+    def row(label: str, value, digits: int = 2):
+        lines.append(f"{label:<40}{_fmt(value, digits):>10}")
+
+    row("Successful requests:", report["completed"])
+    row("Failed requests:", report["failed"])
+    row("Rejected requests:", report["rejected"])
+    row("Cancelled requests:", report["cancelled"])
+    row("Benchmark duration (s):", report["duration_s"])
+    row("Total input tokens:", report["total_input_tokens"])
+    row("Total generated tokens:", report["total_output_tokens"])
+    row("Request throughput (req/s):", report["request_throughput"])
+    row("Output token throughput (tok/s):", report["output_throughput"])
+    row("Total token throughput (tok/s):", report["total_token_throughput"])
+    row("Preemptions:", report.get("num_preemptions"))
+    titles = {"ttft_ms": ("Time to First Token", "TTFT"),
+              "tpot_ms": ("Time per Output Token (excl. 1st token)", "TPOT"),
+              "itl_ms": ("Inter-token Latency", "ITL"),
+              "e2el_ms": ("End-to-end Latency", "E2EL")}
+    for name in LATENCY_METRICS:
+        title, short = titles[name]
+        lines.append(title.center(width, "-"))
+        n = report.get(f"num_samples_{name}")
+        stats = [k for k in report if k.endswith(f"_{name}") and not k.startswith(("num_samples_", "std_"))]
+        for key in stats:
+            stat = key[: -len(name) - 1]
+            label = {"mean": "Mean", "median": "Median"}.get(stat, stat.upper())
+            value = report[key]
+            text = _fmt(value) if value is not None else f"n/a (n={n})"
+            lines.append(f"{label + ' ' + short + ' (ms):':<40}{text:>10}")
+    lines.append("=" * width)
+    if report.get("insufficient_sample"):
+        lines.append("insufficient_sample: " + ", ".join(report["insufficient_sample"]))
+    return "\n".join(lines)
+
+
+def write_report(path: str | Path, report: dict) -> None:
+    """Writes `report` as indented JSON (NaN/inf rejected), creating parent dirs."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+__all__ = [
+    "DEFAULT_PERCENTILES",
+    "LATENCY_METRICS",
+    "OUTCOMES",
+    "RequestRecord",
+    "build_report",
+    "format_table",
+    "goodput",
+    "min_samples_for_percentile",
+    "percentile_nearest_rank",
+    "write_report",
+]

@@ -1,0 +1,184 @@
+"""Metrics: nearest-rank percentiles with sample gates, vLLM-style report, goodput."""
+
+import json
+
+import pytest
+
+from serving.metrics import (
+    RequestRecord,
+    build_report,
+    format_table,
+    goodput,
+    min_samples_for_percentile,
+    percentile_nearest_rank,
+    write_report,
+)
+
+
+def _rec(rid, arrival_s, times, outcome="completed", prompt_tokens=10, **kw):
+    return RequestRecord(
+        request_id=rid, client=kw.pop("client", "default"), arrival_s=arrival_s,
+        first_token_s=times[0] if times else None, token_times_s=tuple(times),
+        prompt_tokens=prompt_tokens, output_tokens=len(times), outcome=outcome, **kw,
+    )
+
+
+def _example():
+    """Hand-worked example (times in s).
+
+    A: arrival 0, tokens 0.10 0.15 0.25 0.30 -> TTFT 100, E2EL 300,
+       TPOT (300-100)/3 = 66.67, ITL 50 100 50 (ms).
+    B: arrival 1, one token at 1.2 -> TTFT 200, E2EL 200, no TPOT, no ITL.
+    C: arrival 2, tokens 2.05 2.25 -> TTFT 50, E2EL 250, TPOT 200, ITL 200.
+    D: rejected. E: cancelled after one token (left out of latency stats).
+    """
+    return [
+        _rec("A", 0.0, [0.10, 0.15, 0.25, 0.30], prompt_tokens=10, num_preemptions=1),
+        _rec("B", 1.0, [1.2], prompt_tokens=20),
+        _rec("C", 2.0, [2.05, 2.25], prompt_tokens=30, clipped=True),
+        _rec("D", 2.5, [], outcome="rejected", prompt_tokens=40, finish_reason="queue_full"),
+        _rec("E", 3.0, [3.1], outcome="cancelled", prompt_tokens=50, finish_reason="abort"),
+    ]
+
+
+@pytest.mark.parametrize("p,n", [(50, 2), (90, 10), (95, 20), (99, 100), (99.9, 1000), (75, 4)])
+def test_sample_gate_is_reciprocal_tail_mass(p, n):
+    assert min_samples_for_percentile(p) == n
+    assert percentile_nearest_rank(list(range(n - 1)), p) is None
+    assert percentile_nearest_rank(list(range(n)), p) is not None
+
+
+def test_nearest_rank_values():
+    assert percentile_nearest_rank([5.0], 50) is None
+    assert percentile_nearest_rank([2.0, 1.0], 50) == 1.0  # rank ceil(1.0) = 1
+    assert percentile_nearest_rank([4, 1, 3, 2, 5], 50) == 3.0  # rank ceil(2.5) = 3
+    assert percentile_nearest_rank(range(1, 11), 90) == 9.0
+    values = list(range(1, 101))
+    assert percentile_nearest_rank(values, 99) == 99.0
+    # 7/100*100 is 7.000000000000001 in floats; the rank must still be 7.
+    assert percentile_nearest_rank(values, 7) == 7.0
+    for bad in (0, 100, -1, 101):
+        with pytest.raises(ValueError):
+            percentile_nearest_rank(values, bad)
+    with pytest.raises(ValueError, match="NaN"):
+        percentile_nearest_rank([1.0, float("nan")], 50)
+
+
+def test_article_tail_probe():
+    values = [10.0] * 98 + [500.0] * 2
+    assert sum(values) / len(values) == pytest.approx(19.8)
+    assert percentile_nearest_rank(values, 95) == 10.0
+    assert percentile_nearest_rank(values, 99) == 500.0
+    assert percentile_nearest_rank(values[:99], 99) is None  # n = 99 < 100
+
+
+def test_report_on_hand_example():
+    r = build_report(_example(), duration_s=4.0, config={"policy": "fcfs"}, num_offered=5)
+    assert (r["completed"], r["failed"], r["rejected"], r["cancelled"]) == (3, 0, 1, 1)
+    assert r["num_requests"] == 5
+    assert r["total_input_tokens"] == 60 and r["total_output_tokens"] == 7
+    assert r["request_throughput"] == 0.75
+    assert r["output_throughput"] == 1.75
+    assert r["total_token_throughput"] == 16.75
+    assert r["num_preemptions"] == 1 and r["num_clipped"] == 1
+    approx = pytest.approx
+    assert r["mean_ttft_ms"] == approx(350 / 3) and r["median_ttft_ms"] == approx(100)
+    assert r["mean_e2el_ms"] == approx(250) and r["median_e2el_ms"] == approx(250)
+    # TPOT: B (one output) is excluded, never counted as 0.
+    assert r["num_samples_tpot_ms"] == 2
+    assert r["mean_tpot_ms"] == approx((200 / 3 + 200) / 2)
+    assert r["median_tpot_ms"] == approx(200 / 3)
+    # ITL pools every gap: 50, 100, 50, 200.
+    assert r["num_samples_itl_ms"] == 4
+    assert r["mean_itl_ms"] == approx(100) and r["median_itl_ms"] == approx(50)
+    assert r["std_itl_ms"] == approx((((50 - 100) ** 2 * 2 + 0 + 100 ** 2) / 4) ** 0.5)
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        for p in ("p90", "p95", "p99"):
+            assert r[f"{p}_{name}"] is None
+            assert f"{p}_{name}" in r["insufficient_sample"]
+    assert "median_ttft_ms" not in r["insufficient_sample"]
+    assert r["config"] == {"policy": "fcfs"}
+
+
+def test_report_percentiles_once_sample_is_large_enough():
+    # 100 requests; request i has TTFT 10 ms except two of 500 ms (the tail probe).
+    records = [_rec(f"r{i}", float(i), [i + (0.5 if i >= 98 else 0.01), i + 0.6]) for i in range(100)]
+    r = build_report(records, duration_s=100.0)
+    assert r["mean_ttft_ms"] == pytest.approx(19.8)
+    assert r["p90_ttft_ms"] == pytest.approx(10) and r["p95_ttft_ms"] == pytest.approx(10)
+    assert r["p99_ttft_ms"] == pytest.approx(500)
+    assert r["insufficient_sample"] == []
+
+
+def test_partition_must_close():
+    records = _example()
+    with pytest.raises(ValueError, match="partition does not close"):
+        build_report(records, duration_s=4.0, num_offered=6)
+    with pytest.raises(ValueError, match="duplicate request ids"):
+        build_report(records + [records[0]], duration_s=4.0)
+    with pytest.raises(ValueError, match="duration_s"):
+        build_report(records, duration_s=0.0)
+
+
+def test_record_validation():
+    with pytest.raises(ValueError, match="outcome"):
+        _rec("x", 0.0, [1.0], outcome="done")
+    with pytest.raises(ValueError, match="completed with no output"):
+        _rec("x", 0.0, [])
+    with pytest.raises(ValueError, match="before arrival"):
+        _rec("x", 1.0, [0.5])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _rec("x", 0.0, [1.0, 0.5])
+    with pytest.raises(ValueError, match="output_tokens"):
+        RequestRecord("x", "c", 0.0, 1.0, (1.0,), 3, 2, "completed")
+    with pytest.raises(ValueError, match="first_token_s"):
+        RequestRecord("x", "c", 0.0, 0.9, (1.0,), 3, 1, "completed")
+
+
+def test_report_with_no_completion_gates_everything():
+    r = build_report([_rec("a", 0.0, [], outcome="rejected"), _rec("b", 0.0, [], outcome="failed")],
+                     duration_s=1.0)
+    assert (r["completed"], r["failed"], r["rejected"]) == (0, 1, 1)
+    assert r["request_throughput"] == 0.0
+    assert r["mean_ttft_ms"] is None and "mean_ttft_ms" in r["insufficient_sample"]
+
+
+def test_goodput_denominators_on_hand_example():
+    g = goodput(_example(), ttft_ms=150, tpot_ms=100, duration_s=4.0)
+    # A valid; B misses TTFT (200); C misses TPOT (200); D rejected; E cancelled.
+    assert (g["offered"], g["admitted"], g["completed"]) == (5, 4, 3)
+    assert (g["valid"], g["missed"], g["rejected"], g["other"]) == (1, 2, 1, 1)
+    assert g["offered"] == g["valid"] + g["missed"] + g["rejected"] + g["other"]
+    assert g["offered_attainment"] == 0.2
+    assert g["admitted_attainment"] == 0.25
+    assert g["completion_conditioned_attainment"] == pytest.approx(1 / 3)
+    assert g["request_goodput"] == 0.25 and g["token_goodput"] == 1.0
+    # One-output B has no TPOT: a TPOT-only SLO cannot fail it.
+    assert goodput(_example(), tpot_ms=1.0)["valid"] == 1
+    assert goodput(_example(), e2el_ms=250)["valid"] == 2  # B 200, C 250 (<= limit)
+    with pytest.raises(ValueError, match="at least one"):
+        goodput(_example())
+
+
+def test_goodput_article_saturation_fixture():
+    # §0x07: 240 offered, 118 rejected, the 122 completed all meet the SLO.
+    records = [_rec(f"ok{i}", 0.0, [0.01, 0.02]) for i in range(122)]
+    records += [_rec(f"rej{i}", 0.0, [], outcome="rejected") for i in range(118)]
+    g = goodput(records, ttft_ms=30, tpot_ms=20)
+    assert g["completion_conditioned_attainment"] == 1.0
+    assert round(100 * g["offered_attainment"], 3) == 50.833
+
+
+def test_format_table_and_json(tmp_path):
+    r = build_report(_example(), duration_s=4.0, config={"policy": "fcfs"})
+    text = format_table(r)
+    lines = text.splitlines()
+    assert "Successful requests:" in lines[1] and lines[1].endswith(" 3")
+    assert f"{'Mean TTFT (ms):':<40}{'116.67':>10}" in lines
+    assert f"{'P99 TTFT (ms):':<40}{'n/a (n=3)':>10}" in lines
+    assert f"{'Median TPOT (ms):':<40}{'66.67':>10}" in lines
+    assert f"{'Median ITL (ms):':<40}{'50.00':>10}" in lines
+    assert text.splitlines()[-1].startswith("insufficient_sample: p90_ttft_ms")
+    path = tmp_path / "out" / "report.json"
+    write_report(path, r)
+    assert json.loads(path.read_text()) == r
