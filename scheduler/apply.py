@@ -1,0 +1,119 @@
+"""The only writer of the successor SchedulerState (§0x01A, §0x03).
+
+A plan alone never advances a counter: ``apply`` publishes completed
+intervals, emitted outputs and their clocks, terminal events, queue intents
+the plan made (admission, recompute preemption) and completed-service debits
+(per client, from the result's completed rows, never from the plan).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from scheduler import records as rec
+
+
+def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+          plan: rec.IterationPlan,
+          result: rec.IterationResult) -> rec.SchedulerState:
+  """Successor state from a validated ``(plan, result)`` pair.
+
+  Shapes follow ``scheduler.records``. Pure and jit-compatible; the caller
+  validates first (``scheduler.validate``).
+  """
+  completed = result.completed
+  computed = jnp.where(completed, result.completed_end, state.computed)
+  emitted_now = result.emitted.astype(jnp.int32)
+  emitted = state.emitted + emitted_now
+  first_token_ms = jnp.where(result.emitted & (state.emitted == 0),
+                             result.emit_ms, state.first_token_ms)
+  last_token_ms = jnp.where(result.emitted, result.emit_ms, state.last_token_ms)
+
+  status = jnp.where(plan.admit & completed, rec.RUNNING, state.status)
+  # Recompute preemption: pages released, frontier back to 0, new generation.
+  preempted = plan.preempt
+  status = jnp.where(preempted, rec.WAITING, status)
+  computed = jnp.where(preempted, 0, computed)
+  generation = state.generation + preempted.astype(jnp.int32)
+
+  ended = result.finished | result.failed
+  status = jnp.where(ended, rec.FINISHED, status)
+  finish_reason = jnp.where(
+      result.finished, result.finish_reason,
+      jnp.where(result.failed, rec.FINISH_ERROR, state.finish_reason))
+
+  changed = completed | preempted | ended | plan.admit
+  service = state.service_rows + jnp.zeros_like(state.service_rows).at[
+      manifest.client].add(jnp.where(completed, result.service_rows, 0))
+  return state.replace(
+      decision_id=state.decision_id + 1,
+      state_version=state.state_version + 1,
+      now_ms=jnp.maximum(state.now_ms, result.emit_ms),
+      status=status.astype(jnp.int32),
+      generation=generation,
+      snapshot_version=state.snapshot_version + changed.astype(jnp.int32),
+      emitted=emitted,
+      computed=computed,
+      committed=computed,
+      first_token_ms=first_token_ms,
+      last_token_ms=last_token_ms,
+      finish_reason=finish_reason.astype(jnp.int32),
+      num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
+      service_rows=service)
+
+
+def tick(state: rec.SchedulerState, now_ms) -> rec.SchedulerState:
+  """Publishes the engine clock (monotonic: never moves back)."""
+  return state.replace(now_ms=jnp.maximum(state.now_ms, jnp.float32(now_ms)))
+
+
+def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
+           request_id, arrival_ms, arrival_seq, prompt_len, max_tokens,
+           priority, client):
+  """A declared request enters a FREE slot as WAITING, ready, generation 0.
+
+  Returns ``(manifest, state)``; the state version is bumped.
+  """
+  set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
+  manifest = manifest.replace(
+      request_id=set_(manifest.request_id, request_id),
+      arrival_ms=set_(manifest.arrival_ms, arrival_ms),
+      arrival_seq=set_(manifest.arrival_seq, arrival_seq),
+      prompt_len=set_(manifest.prompt_len, prompt_len),
+      max_tokens=set_(manifest.max_tokens, max_tokens),
+      priority=set_(manifest.priority, priority),
+      client=set_(manifest.client, client))
+  state = state.replace(
+      state_version=state.state_version + 1,
+      status=set_(state.status, rec.WAITING),
+      ready=set_(state.ready, True),
+      generation=set_(state.generation, 0),
+      snapshot_version=state.snapshot_version.at[slot].add(1),
+      emitted=set_(state.emitted, 0),
+      computed=set_(state.computed, 0),
+      committed=set_(state.committed, 0),
+      first_token_ms=set_(state.first_token_ms, -1.0),
+      last_token_ms=set_(state.last_token_ms, -1.0),
+      finish_reason=set_(state.finish_reason, rec.NOT_FINISHED),
+      num_preemptions=set_(state.num_preemptions, 0))
+  return manifest, state
+
+
+def cancel(state: rec.SchedulerState, mask) -> rec.SchedulerState:
+  """Live slots in ``mask`` (bool[R]) end with FINISH_ABORT."""
+  live = mask & ((state.status == rec.WAITING) | (state.status == rec.RUNNING))
+  return state.replace(
+      state_version=state.state_version + 1,
+      status=jnp.where(live, rec.FINISHED, state.status),
+      generation=state.generation + live.astype(jnp.int32),
+      snapshot_version=state.snapshot_version + live.astype(jnp.int32),
+      finish_reason=jnp.where(live, rec.FINISH_ABORT, state.finish_reason))
+
+
+def release(state: rec.SchedulerState, mask) -> rec.SchedulerState:
+  """FINISHED slots in ``mask`` (drained by the host) become FREE."""
+  done = mask & (state.status == rec.FINISHED)
+  return state.replace(
+      state_version=state.state_version + 1,
+      status=jnp.where(done, rec.FREE, state.status),
+      ready=jnp.where(done, False, state.ready))

@@ -1,0 +1,241 @@
+"""The four scheduling records of §0x01A as immutable pytrees.
+
+Every record is a ``flax.struct`` dataclass over fixed-size arrays indexed by
+request slot ``r in [0, R)``. A slot holds at most one request generation at a
+time; free slots have ``status == FREE``. Four writers, four records:
+
+* ``WorkloadManifest`` — request declarations (written on arrival). Its
+  ``hidden_realized_output_tokens`` is fixture-only truth; ``online()`` strips
+  it before any policy sees the manifest (§0x06).
+* ``SchedulerState`` — versioned facts: frontiers, queue membership, clocks,
+  completed-service counters. Only ``scheduler.apply.apply`` writes a
+  successor state.
+* ``IterationPlan`` — a policy's proposal: selected (slot, generation,
+  snapshot) with ``[start, end)``, derived work kind, budget ledger, queue and
+  preemption intents, and the tie-break key of every candidate.
+* ``IterationResult`` — what execution completed: intervals, emitted tokens,
+  terminal events, failures, completed-service rows.
+
+Frontier names follow §0x01A: ``prompt_len`` (p), ``emitted`` (e),
+``computed`` (c), ``committed`` (k). The legal ordinary work is prefill
+``[c, end)`` with ``c < end <= target`` and decode exactly ``[c, c + 1)`` with
+``c == p + e - 1``. After a recompute preemption (§0x0C) the request rebuilds
+``[c, p + e - 1)`` (``REBUILD``), which publishes no output.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+# Queue membership (SchedulerState.status).
+FREE, WAITING, RUNNING, FINISHED = 0, 1, 2, 3
+STATUS_NAMES = ("free", "waiting", "running", "finished")
+
+# Derived work annotation (IterationPlan.kind).
+NO_WORK, PREFILL_CHUNK, DECODE_ROW, REBUILD = 0, 1, 2, 3
+KIND_NAMES = ("none", "prefill_chunk", "decode_row", "rebuild")
+
+# Terminal reasons (SchedulerState.finish_reason / IterationResult).
+NOT_FINISHED, FINISH_EOS, FINISH_STOP, FINISH_LENGTH = 0, 1, 2, 3
+FINISH_ABORT, FINISH_ERROR = 4, 5
+FINISH_NAMES = ("", "eos", "stop", "length", "abort", "error")
+
+# Tie-break key columns recorded in IterationPlan.sort_key.
+SORT_KEY_FIELDS = ("phase_rank", "priority", "arrival_seq", "request_id",
+                   "generation")
+NUM_SORT_KEYS = len(SORT_KEY_FIELDS)
+
+
+@flax.struct.dataclass
+class WorkloadManifest:
+  """Request declarations, one per slot (§0x01A).
+
+  Attributes:
+    request_id: i32[R], engine-unique id; -1 for a free slot.
+    arrival_ms: f32[R], original arrival on the engine clock (ms).
+    arrival_seq: i32[R], global arrival order (the FCFS key).
+    prompt_len: i32[R], prompt tokens p.
+    max_tokens: i32[R], declared output cap (the only length a policy sees).
+    priority: i32[R], lower runs first.
+    client: i32[R], client index for completed-service accounting.
+    hidden_realized_output_tokens: i32[R] or None. Fixture-only truth; never
+      present in the online projection.
+  """
+
+  request_id: jax.Array
+  arrival_ms: jax.Array
+  arrival_seq: jax.Array
+  prompt_len: jax.Array
+  max_tokens: jax.Array
+  priority: jax.Array
+  client: jax.Array
+  hidden_realized_output_tokens: Optional[jax.Array] = None
+
+  @property
+  def num_slots(self) -> int:
+    return self.request_id.shape[0]
+
+  def online(self) -> "WorkloadManifest":
+    """The projection a policy may read: hidden truth removed (§0x06)."""
+    return self.replace(hidden_realized_output_tokens=None)
+
+
+@flax.struct.dataclass
+class SchedulerState:
+  """Versioned scheduler facts at one decision boundary (§0x01A).
+
+  Attributes:
+    decision_id: i32[], id of the next decision.
+    state_version: i32[], bumped by every ``apply``.
+    now_ms: f32[], monotonic engine clock of this state (ms).
+    status: i32[R], FREE / WAITING / RUNNING / FINISHED.
+    ready: bool[R], readiness facts (e.g. foreign cache present).
+    generation: i32[R], request generation; bumped on preemption.
+    snapshot_version: i32[R], per-request service-view version; bumped
+      whenever that request's facts change.
+    emitted: i32[R], output tokens emitted (e).
+    computed: i32[R], token rows computed (c).
+    committed: i32[R], all-layer committed cache rows (k == c at a boundary).
+    first_token_ms, last_token_ms: f32[R], emission clocks (ms; -1 if none).
+    finish_reason: i32[R], FINISH_* code, NOT_FINISHED while live.
+    num_preemptions: i32[R].
+    service_rows: i32[C], completed-service counter per client (rows).
+  """
+
+  decision_id: jax.Array
+  state_version: jax.Array
+  now_ms: jax.Array
+  status: jax.Array
+  ready: jax.Array
+  generation: jax.Array
+  snapshot_version: jax.Array
+  emitted: jax.Array
+  computed: jax.Array
+  committed: jax.Array
+  first_token_ms: jax.Array
+  last_token_ms: jax.Array
+  finish_reason: jax.Array
+  num_preemptions: jax.Array
+  service_rows: jax.Array
+
+
+@flax.struct.dataclass
+class AllocatorView:
+  """The allocator facts a policy may read (never page ids; §0x06).
+
+  Attributes:
+    free_pages: i32[], pages on the free list.
+    pages_held: i32[R], pages owned by each slot.
+    page_size: static, token rows per page.
+  """
+
+  free_pages: jax.Array
+  pages_held: jax.Array
+  page_size: int = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
+class IterationPlan:
+  """One policy decision (§0x01A). Planning advances nothing.
+
+  Attributes:
+    decision_id, input_state_version: i32[], bound to the input state.
+    policy_id, policy_version: static strings.
+    selected: bool[R], slots that run this iteration.
+    generation, snapshot_version: i32[R], bound at selection time.
+    start, end: i32[R], the half-open interval ``[start, end)``.
+    kind: i32[R], derived PREFILL_CHUNK / DECODE_ROW / REBUILD.
+    rank: i32[R], packing order among selected slots (-1 if not selected).
+    admit: bool[R], WAITING -> RUNNING queue intents.
+    preempt: bool[R], RUNNING -> WAITING recompute-preemption intents.
+    sort_key: i32[R, NUM_SORT_KEYS], the recorded tie-break key of every
+      slot (columns SORT_KEY_FIELDS).
+    num_tokens, num_seqs: i32[], the budget ledger (rows, sequences).
+    token_budget, seq_budget: static ints the ledger was checked against.
+  """
+
+  decision_id: jax.Array
+  input_state_version: jax.Array
+  selected: jax.Array
+  generation: jax.Array
+  snapshot_version: jax.Array
+  start: jax.Array
+  end: jax.Array
+  kind: jax.Array
+  rank: jax.Array
+  admit: jax.Array
+  preempt: jax.Array
+  sort_key: jax.Array
+  num_tokens: jax.Array
+  num_seqs: jax.Array
+  policy_id: str = flax.struct.field(pytree_node=False, default="")
+  policy_version: str = flax.struct.field(pytree_node=False, default="")
+  token_budget: int = flax.struct.field(pytree_node=False, default=0)
+  seq_budget: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@flax.struct.dataclass
+class IterationResult:
+  """Facts returned by execution of one plan (§0x01A).
+
+  Attributes:
+    decision_id, input_state_version: i32[], copied from the plan.
+    completed: bool[R], the planned interval completed.
+    completed_end: i32[R], computed frontier after the interval.
+    emitted: bool[R], an output token was emitted.
+    token: i32[R], the emitted token id (-1 if none).
+    emit_ms: f32[], engine clock when the outputs were published (ms).
+    finished: bool[R], terminal event this iteration.
+    finish_reason: i32[R], FINISH_* code for finished slots.
+    failed: bool[R], execution failed for this slot.
+    service_rows: i32[R], completed rows debited to the slot's client.
+  """
+
+  decision_id: jax.Array
+  input_state_version: jax.Array
+  completed: jax.Array
+  completed_end: jax.Array
+  emitted: jax.Array
+  token: jax.Array
+  emit_ms: jax.Array
+  finished: jax.Array
+  finish_reason: jax.Array
+  failed: jax.Array
+  service_rows: jax.Array
+
+
+def empty_manifest(num_slots: int) -> WorkloadManifest:
+  """A manifest with every slot free."""
+  i32 = lambda v: jnp.full((num_slots,), v, jnp.int32)
+  return WorkloadManifest(
+      request_id=i32(-1), arrival_ms=jnp.zeros((num_slots,), jnp.float32),
+      arrival_seq=i32(0), prompt_len=i32(0), max_tokens=i32(0),
+      priority=i32(0), client=i32(0))
+
+
+def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
+  """State version 0: every slot free, clocks at zero."""
+  i32 = lambda v: jnp.full((num_slots,), v, jnp.int32)
+  f32 = lambda v: jnp.full((num_slots,), v, jnp.float32)
+  return SchedulerState(
+      decision_id=jnp.int32(0), state_version=jnp.int32(0),
+      now_ms=jnp.float32(0.0), status=i32(FREE),
+      ready=jnp.zeros((num_slots,), bool), generation=i32(0),
+      snapshot_version=i32(0), emitted=i32(0), computed=i32(0),
+      committed=i32(0), first_token_ms=f32(-1.0), last_token_ms=f32(-1.0),
+      finish_reason=i32(NOT_FINISHED), num_preemptions=i32(0),
+      service_rows=jnp.zeros((num_clients,), jnp.int32))
+
+
+def prefill_target(manifest: WorkloadManifest, state: SchedulerState):
+  """i32[R]: where prefill-like work must stop.
+
+  ``p`` while nothing was emitted; ``p + e - 1`` after a recompute
+  preemption, so the latest emitted token is consumed by an ordinary decode.
+  """
+  return jnp.where(state.emitted == 0, manifest.prompt_len,
+                   manifest.prompt_len + state.emitted - 1)

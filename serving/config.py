@@ -1,0 +1,149 @@
+"""Engine and sampling configuration (frozen, checked on construction).
+
+Presets live as JSON in ``configs/`` and load with ``EngineConfig.preset``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional, Tuple
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
+  if not cond:
+    raise ValueError(f"{cls}.{field} {rule}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """Per-request sampling and stopping rules.
+
+  Attributes:
+    max_tokens: output tokens to generate at most (>= 1).
+    temperature: 0 means greedy (argmax); > 0 samples.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: nucleus mass in (0, 1] (1 = off).
+    seed: per-request seed; same seed and prompt give the same tokens.
+    min_tokens: EOS and stop tokens are masked until this many were emitted.
+    stop_token_ids: extra token ids that end the request (reason "stop").
+    ignore_eos: do not stop on EOS (benchmark replays).
+  """
+
+  max_tokens: int = 64
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  min_tokens: int = 0
+  stop_token_ids: Tuple[int, ...] = ()
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    c = "SamplingParams"
+    _require(self.max_tokens >= 1, c, "max_tokens", "must be >= 1", self.max_tokens)
+    _require(self.temperature >= 0.0, c, "temperature", "must be >= 0", self.temperature)
+    _require(self.top_k >= 0, c, "top_k", "must be >= 0 (0 = off)", self.top_k)
+    _require(0.0 < self.top_p <= 1.0, c, "top_p", "must be in (0, 1]", self.top_p)
+    _require(0 <= self.seed < 2**32, c, "seed", "must be in [0, 2**32)", self.seed)
+    _require(0 <= self.min_tokens <= self.max_tokens, c, "min_tokens",
+             "must be in [0, max_tokens]", self.min_tokens)
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Engine shape: slots, budgets, KV pages, buckets, policy.
+
+  Attributes:
+    max_num_seqs: sequence budget per iteration (S).
+    max_num_batched_tokens: token budget per iteration (tau).
+    long_prefill_token_threshold: per-request prefill chunk cap.
+    max_request_slots: requests held by the scheduler at once (R >= S);
+      later arrivals wait on the host queue.
+    page_size: token rows per KV page.
+    num_pages: physical KV pages, including the reserved null page.
+    max_model_len: longest prompt + output (tokens).
+    min_bucket: smallest token-row bucket; buckets double up to the budget.
+    watermark_pages: pages kept free at admission while anything runs.
+    policy: registered policy name.
+    attention_impl: "auto", or an implementation name of attention.ragged.
+    dtype: "float32" or "bfloat16" for weights and activations.
+    num_clients: size of the completed-service counter table.
+    max_stop_ids: stop token ids per request.
+    sample_rows: rows of the logits matrix (>= max_num_seqs).
+  """
+
+  max_num_seqs: int = 32
+  max_num_batched_tokens: int = 256
+  long_prefill_token_threshold: int = 256
+  max_request_slots: int = 64
+  page_size: int = 16
+  num_pages: int = 2048
+  max_model_len: int = 2048
+  min_bucket: int = 64
+  watermark_pages: int = 0
+  policy: str = "sarathi_serve"
+  attention_impl: str = "auto"
+  dtype: str = "float32"
+  num_clients: int = 64
+  max_stop_ids: int = 8
+  sample_rows: int = 64
+
+  def __post_init__(self):
+    c = "EngineConfig"
+    for f in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+              "page_size", "num_pages", "max_model_len", "min_bucket", "num_clients"):
+      _require(getattr(self, f) >= 1, c, f, "must be >= 1", getattr(self, f))
+    _require(self.max_request_slots >= self.max_num_seqs, c, "max_request_slots",
+             f"must be >= max_num_seqs ({self.max_num_seqs})", self.max_request_slots)
+    _require(self.max_num_batched_tokens >= self.max_num_seqs, c,
+             "max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})",
+             self.max_num_batched_tokens)
+    _require(self.num_pages >= 2, c, "num_pages", "must be >= 2 (one is the null page)",
+             self.num_pages)
+    _require(self.sample_rows >= self.max_num_seqs, c, "sample_rows",
+             f"must be >= max_num_seqs ({self.max_num_seqs})", self.sample_rows)
+    _require(self.dtype in ("float32", "bfloat16"), c, "dtype",
+             "must be 'float32' or 'bfloat16'", self.dtype)
+    _require(self.watermark_pages >= 0, c, "watermark_pages", "must be >= 0",
+             self.watermark_pages)
+
+  @property
+  def pages_per_seq(self) -> int:
+    return -(-self.max_model_len // self.page_size)
+
+  @property
+  def token_buckets(self) -> Tuple[int, ...]:
+    """Static token-row sizes the model step is compiled for."""
+    buckets, size = [], min(self.min_bucket, self.max_num_batched_tokens)
+    while size < self.max_num_batched_tokens:
+      buckets.append(size)
+      size *= 2
+    buckets.append(self.max_num_batched_tokens)
+    return tuple(buckets)
+
+  def bucket_for(self, num_tokens: int) -> int:
+    for b in self.token_buckets:
+      if num_tokens <= b:
+        return b
+    raise ValueError(f"num_tokens {num_tokens} exceeds the token budget "
+                     f"{self.max_num_batched_tokens}")
+
+  @classmethod
+  def preset(cls, name: str, **overrides) -> "EngineConfig":
+    """Loads ``configs/<name>.json`` (or a JSON path) and applies overrides."""
+    path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+      known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+      raise ValueError(f"engine preset {name!r} not found; known presets: {known}")
+    fields = json.loads(path.read_text())
+    fields.pop("description", None)
+    unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"{path}: unknown EngineConfig fields {sorted(unknown)}")
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**fields)

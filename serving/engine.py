@@ -1,0 +1,335 @@
+"""The engine loop: state -> plan -> validate -> pack/execute -> validate -> apply.
+
+The host only feeds arrivals, stamps clocks and drains streamed tokens; every
+decision and every state transition is a pure, jitted function of pytrees:
+
+* ``policy(manifest.online(), state, allocator view)`` -> IterationPlan
+* ``execute`` (one program per token-row bucket) -> IterationResult
+* ``apply(manifest, state, plan, result)`` -> next SchedulerState
+
+The set of compiled programs is fixed by the config: one planner, one
+publisher, one arrival writer, one release/cancel writer, and one executor per
+bucket in ``EngineConfig.token_buckets`` (``compiled_programs()`` reports
+what was actually compiled).
+
+Every accepted request ends with exactly one outcome: ``completed``,
+``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
+``failed`` (non-finite logits); ``Request.finish_reason`` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import llama
+from scheduler import apply as apply_lib
+from scheduler import records as rec
+from scheduler import validate
+from scheduler.policies import Budgets, make_policy
+from serving import kv_pages
+from serving.config import EngineConfig, SamplingParams
+from serving.executor import ModelRunner, execute, init_buffers
+
+OUTCOMES = ("completed", "rejected", "cancelled", "failed")
+
+
+@dataclasses.dataclass
+class Request:
+  """Host-side record of one request (ids, clocks in ms, outputs)."""
+
+  request_id: str
+  uid: int
+  prompt_token_ids: List[int]
+  sampling: SamplingParams
+  arrival_ms: float
+  priority: int = 0
+  client: str = "default"
+  output_token_ids: List[int] = dataclasses.field(default_factory=list)
+  token_times_ms: List[float] = dataclasses.field(default_factory=list)
+  outcome: Optional[str] = None
+  finish_reason: str = ""
+  num_preemptions: int = 0
+  slot: int = -1
+
+  @property
+  def finished(self) -> bool:
+    return self.outcome is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """One step's news for a request: new tokens and, at the end, the outcome."""
+
+  request_id: str
+  new_token_ids: List[int]
+  finished: bool
+  outcome: Optional[str]
+  finish_reason: str
+
+
+class Engine:
+  """Iteration-level batching engine over a paged KV cache.
+
+  Args:
+    model_cfg: ``models.config.ModelConfig`` (hashable).
+    params: model parameters (pytree).
+    config: ``EngineConfig``.
+    clock: returns seconds (monotonic); injectable for tests.
+  """
+
+  def __init__(self, model_cfg, params, config: EngineConfig,
+               clock: Callable[[], float] = time.monotonic):
+    self.model_cfg = model_cfg
+    self.config = config
+    self.params = params
+    self._clock = clock
+    self._t0 = clock()
+    c = config
+    self.policy = make_policy(c.policy, Budgets(
+        token_budget=c.max_num_batched_tokens, seq_budget=c.max_num_seqs,
+        chunk_cap=c.long_prefill_token_threshold,
+        watermark_pages=c.watermark_pages))
+    dtype = jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
+    self.kv = llama.init_kv_cache(model_cfg, c.num_pages, c.page_size, dtype)
+    self.pages = kv_pages.init_pages(c.max_request_slots, c.pages_per_seq,
+                                     c.num_pages, c.page_size)
+    self.buffers = init_buffers(c.max_request_slots, c.max_model_len, c.max_stop_ids)
+    self.manifest = rec.empty_manifest(c.max_request_slots)
+    self.state = rec.initial_state(c.max_request_slots, c.num_clients)
+    self._runner = ModelRunner(model_cfg, c.attention_impl)
+    self._slots: List[Optional[Request]] = [None] * c.max_request_slots
+    self._pending: List[Request] = []      # accepted, not yet in a slot
+    self._requests: Dict[str, Request] = {}
+    self._clients: Dict[str, int] = {}
+    self._next_uid = 0
+    self.num_iterations = 0
+    self.num_preemptions = 0
+    self.buckets_used: Dict[int, int] = {}
+
+    self._plan_fn = jax.jit(self._plan)
+    self._execute_fn = jax.jit(
+        functools.partial(execute, model=self._runner, num_seqs=c.max_num_seqs,
+                          sample_rows=c.sample_rows, max_model_len=c.max_model_len),
+        static_argnames=("num_rows",), donate_argnums=(1, 2, 3))
+    self._publish_fn = jax.jit(self._publish)
+    self._arrive_fn = jax.jit(self._arrive, donate_argnums=(2,))
+    self._release_fn = jax.jit(self._release)
+
+  # ------------------------------------------------------------------ pure
+  def _plan(self, manifest, state, view):
+    plan = self.policy(manifest.online(), state, view)
+    return plan, validate.any_violation(validate.plan_violations(manifest, state, plan))
+
+  @staticmethod
+  def _publish(manifest, state, plan, result):
+    bad = validate.any_violation(
+        validate.result_violations(plan, state, manifest, result))
+    return apply_lib.apply(manifest, state, plan, result), bad
+
+  @staticmethod
+  def _arrive(manifest, state, buffers, slot, fields, prompt, stop_ids):
+    manifest, state = apply_lib.arrive(manifest, state, slot, *fields[:7])
+    temperature, top_k, top_p, seed, min_tokens, ignore_eos = fields[7:]
+    set_ = lambda a, v: a.at[slot].set(jnp.asarray(v).astype(a.dtype))
+    buffers = buffers.replace(
+        tokens=buffers.tokens.at[slot].set(prompt),
+        temperature=set_(buffers.temperature, temperature),
+        top_k=set_(buffers.top_k, top_k), top_p=set_(buffers.top_p, top_p),
+        seed=set_(buffers.seed, seed), min_tokens=set_(buffers.min_tokens, min_tokens),
+        ignore_eos=set_(buffers.ignore_eos, ignore_eos),
+        stop_ids=buffers.stop_ids.at[slot].set(stop_ids))
+    return manifest, state, buffers
+
+  @staticmethod
+  def _release(state, pages, cancel_mask, release_mask):
+    state = apply_lib.cancel(state, cancel_mask)
+    pages = kv_pages.deallocate(pages, cancel_mask)
+    return apply_lib.release(state, release_mask), pages
+
+  # ------------------------------------------------------------------ host
+  def now_ms(self) -> float:
+    """Engine clock: ms since construction."""
+    return (self._clock() - self._t0) * 1000.0
+
+  def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                  sampling: SamplingParams = SamplingParams(), *,
+                  arrival_ms: Optional[float] = None, priority: int = 0,
+                  client: str = "default") -> Request:
+    """Accepts a request, or raises ValueError naming the bad field.
+
+    A request whose full length can never fit the KV cache is accepted and
+    ends at once with outcome ``rejected`` (the rest keep running).
+    """
+    c = self.config
+    ids = [int(t) for t in prompt_token_ids]
+    if request_id in self._requests:
+      raise ValueError(f"request_id {request_id!r} is already in use")
+    if not ids:
+      raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
+    if len(ids) >= c.max_model_len:
+      raise ValueError(
+          f"request {request_id!r}: prompt_token_ids has {len(ids)} tokens; the "
+          f"context (max_model_len={c.max_model_len}) leaves room for at most "
+          f"{c.max_model_len - 1} prompt tokens")
+    bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+    if bad:
+      raise ValueError(f"request {request_id!r}: prompt_token_ids must be in "
+                       f"[0, {self.model_cfg.vocab_size}), got {bad[:4]}")
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f"request {request_id!r}: sampling must be SamplingParams")
+    if len(sampling.stop_token_ids) > c.max_stop_ids:
+      raise ValueError(f"request {request_id!r}: stop_token_ids holds at most "
+                       f"{c.max_stop_ids} ids, got {len(sampling.stop_token_ids)}")
+    if client not in self._clients:
+      if len(self._clients) >= c.num_clients:
+        raise ValueError(f"client {client!r}: at most {c.num_clients} clients "
+                         f"(EngineConfig.num_clients)")
+      self._clients[client] = len(self._clients)
+    req = Request(request_id=request_id, uid=self._next_uid, prompt_token_ids=ids,
+                  sampling=sampling, priority=int(priority), client=client,
+                  arrival_ms=self.now_ms() if arrival_ms is None else float(arrival_ms))
+    self._next_uid += 1
+    self._requests[request_id] = req
+    total = min(len(ids) + sampling.max_tokens, c.max_model_len)
+    need = kv_pages.pages_for(total, c.page_size)
+    if need > c.num_pages - 1:
+      self._end(req, "rejected", f"needs {need} KV pages for {total} tokens; the "
+                f"cache has {c.num_pages - 1}")
+    else:
+      self._pending.append(req)
+    return req
+
+  def abort(self, request_id: str) -> None:
+    """Cancels a request at any lifecycle stage (pages are freed)."""
+    req = self._requests.get(request_id)
+    if req is None:
+      raise ValueError(f"unknown request_id {request_id!r}")
+    if req.finished:
+      return
+    if req in self._pending:
+      self._pending.remove(req)
+      self._end(req, "cancelled", "abort")
+      return
+    mask = np.zeros(self.config.max_request_slots, bool)
+    mask[req.slot] = True
+    self.state, self.pages = self._release_fn(self.state, self.pages, mask, mask)
+    self._slots[req.slot] = None
+    self._end(req, "cancelled", "abort")
+
+  def has_unfinished(self) -> bool:
+    return bool(self._pending) or any(r is not None for r in self._slots)
+
+  @property
+  def requests(self) -> Dict[str, Request]:
+    return self._requests
+
+  def _end(self, req: Request, outcome: str, reason: str) -> None:
+    assert outcome in OUTCOMES
+    req.outcome, req.finish_reason = outcome, reason
+
+  def _fill_slots(self) -> None:
+    """Moves pending requests (arrival order) into free slots."""
+    c = self.config
+    for slot in range(c.max_request_slots):
+      if not self._pending:
+        return
+      if self._slots[slot] is not None:
+        continue
+      req = self._pending.pop(0)
+      prompt = np.zeros(c.max_model_len, np.int32)
+      prompt[:len(req.prompt_token_ids)] = req.prompt_token_ids
+      stop = np.full(c.max_stop_ids, -1, np.int32)
+      stop[:len(req.sampling.stop_token_ids)] = req.sampling.stop_token_ids
+      s = req.sampling
+      fields = (req.uid, req.arrival_ms, req.uid, len(req.prompt_token_ids),
+                s.max_tokens, req.priority, self._clients[req.client],
+                s.temperature, s.top_k, s.top_p, np.uint32(s.seed), s.min_tokens,
+                s.ignore_eos)
+      self.manifest, self.state, self.buffers = self._arrive_fn(
+          self.manifest, self.state, self.buffers, np.int32(slot), fields, prompt, stop)
+      req.slot = slot
+      self._slots[slot] = req
+
+  def step(self) -> List[RequestOutput]:
+    """Runs one iteration; returns the news for every request it touched."""
+    self._fill_slots()
+    self.state = apply_lib.tick(self.state, self.now_ms())
+    plan, bad = self._plan_fn(self.manifest, self.state, kv_pages.view(self.pages))
+    bad, num_tokens, num_seqs, any_preempt = jax.device_get(
+        (bad, plan.num_tokens, plan.num_seqs, jnp.any(plan.preempt)))
+    if bad:
+      validate.validate_plan(self.manifest.online(), self.state, plan)
+    if num_seqs == 0 and not any_preempt:
+      return []
+    bucket = self.config.bucket_for(max(int(num_tokens), 1))
+    self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
+    self.kv, self.pages, self.buffers, result = self._execute_fn(
+        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+        plan, num_rows=bucket)
+    fetched = jax.device_get((result.emitted, result.token, result.finished,
+                              result.finish_reason, result.failed, plan.preempt))
+    emit_ms = self.now_ms()
+    result = result.replace(emit_ms=jnp.float32(emit_ms))
+    state, bad = self._publish_fn(self.manifest, self.state, plan, result)
+    if int(bad):
+      validate.validate_result(plan, self.state, self.manifest, result)
+    self.state = state
+    self.num_iterations += 1
+    return self._drain(emit_ms, *fetched)
+
+  def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
+    outputs, release = [], np.zeros(self.config.max_request_slots, bool)
+    self.num_preemptions += int(preempt.sum())
+    for slot in np.flatnonzero(emitted | failed | preempt):
+      req = self._slots[slot]
+      if preempt[slot]:
+        req.num_preemptions += 1
+      new = []
+      if emitted[slot]:
+        new = [int(token[slot])]
+        req.output_token_ids.extend(new)
+        req.token_times_ms.append(emit_ms)
+      if failed[slot]:
+        self._end(req, "failed", "non-finite logits")
+      elif finished[slot]:
+        self._end(req, "completed", rec.FINISH_NAMES[int(reason[slot])])
+      if req.finished:
+        release[slot] = True
+        self._slots[slot] = None
+      if new or req.finished:
+        outputs.append(RequestOutput(req.request_id, new, req.finished,
+                                     req.outcome, req.finish_reason))
+    if release.any():
+      none = np.zeros_like(release)
+      self.state, self.pages = self._release_fn(self.state, self.pages, none, release)
+    return outputs
+
+  def run(self, max_iterations: Optional[int] = None) -> None:
+    """Steps until every accepted request has an outcome."""
+    n = 0
+    while self.has_unfinished():
+      self.step()
+      n += 1
+      if max_iterations is not None and n >= max_iterations:
+        raise RuntimeError(f"engine did not finish within {max_iterations} iterations")
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams = SamplingParams()) -> List[Request]:
+    """Runs the prompts to completion; returns their Requests in order."""
+    reqs = [self.add_request(f"gen-{self._next_uid}", p, sampling) for p in prompts]
+    self.run()
+    return reqs
+
+  def compiled_programs(self) -> Dict[str, int]:
+    """Number of compiled programs per jitted function."""
+    fns = dict(plan=self._plan_fn, execute=self._execute_fn,
+               publish=self._publish_fn, arrive=self._arrive_fn,
+               release=self._release_fn)
+    return {k: f._cache_size() for k, f in fns.items()}

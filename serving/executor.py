@@ -1,0 +1,163 @@
+"""The model executor: one validated plan -> one IterationResult (§0x04).
+
+``execute`` is a pure function compiled once per token-row bucket. In order:
+release the pages of preempted requests, allocate pages for the planned
+intervals, pack the rows, run the model (row-wise XLA projections + segmented
+paged attention), sample one token for every sequence whose interval emits,
+apply the stop rules, write emitted tokens into the logical stream and free
+the pages of finished requests. It returns facts (``IterationResult``); only
+``scheduler.apply.apply`` turns them into the next state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from models import llama
+from scheduler import records as rec
+from serving import kv_pages
+from serving.pack import pack
+from serving.sampling import sample
+
+
+@flax.struct.dataclass
+class RequestBuffers:
+  """Per-slot token stream and sampling parameters (serving-owned).
+
+  Attributes:
+    tokens: i32[R, max_model_len] prompt then output tokens.
+    temperature, top_p: f32[R]; top_k, min_tokens: i32[R].
+    seed: u32[R]; ignore_eos: bool[R].
+    stop_ids: i32[R, max_stop_ids] (-1 padded).
+  """
+
+  tokens: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  min_tokens: jax.Array
+  ignore_eos: jax.Array
+  stop_ids: jax.Array
+
+
+def init_buffers(num_slots: int, max_model_len: int, max_stop_ids: int) -> RequestBuffers:
+  return RequestBuffers(
+      tokens=jnp.zeros((num_slots, max_model_len), jnp.int32),
+      temperature=jnp.zeros((num_slots,), jnp.float32),
+      top_k=jnp.zeros((num_slots,), jnp.int32),
+      top_p=jnp.ones((num_slots,), jnp.float32),
+      seed=jnp.zeros((num_slots,), jnp.uint32),
+      min_tokens=jnp.zeros((num_slots,), jnp.int32),
+      ignore_eos=jnp.zeros((num_slots,), bool),
+      stop_ids=jnp.full((num_slots, max_stop_ids), -1, jnp.int32))
+
+
+def _mask_stops(logits, seq_slots, buffers, emitted, eos_ids):
+  """Suppresses EOS and stop ids for sequences below min_tokens."""
+  early = emitted[seq_slots] < buffers.min_tokens[seq_slots]          # [S]
+
+  def mask(logits):
+    vocab = jnp.arange(logits.shape[-1])
+    stop_ids = buffers.stop_ids[seq_slots]                              # [S, K]
+    stop = jnp.any(vocab[None, None, :] == stop_ids[:, :, None], axis=1)
+    stop = stop | jnp.isin(vocab, jnp.asarray(eos_ids))[None, :]
+    return jnp.where(early[:, None] & stop, -jnp.inf, logits)
+
+  return jax.lax.cond(jnp.any(early), mask, lambda x: x, logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRunner:
+  """Static, hashable binding of a model config to the executor."""
+
+  cfg: object
+  attention_impl: str = "auto"
+
+  @property
+  def eos_token_ids(self):
+    return tuple(self.cfg.eos_token_ids)
+
+  def forward(self, params, kv, packed):
+    return llama.forward(params, self.cfg, kv, packed.tokens, packed.positions,
+                         packed.slot_mapping, packed.kv_lens, packed.page_table,
+                         packed.cu_q_lens, packed.num_seqs,
+                         attention_impl=self.attention_impl)
+
+  def compute_logits(self, params, hidden):
+    return llama.compute_logits(params, self.cfg, hidden)
+
+
+def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
+            manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+            plan: rec.IterationPlan, *, model, num_rows: int, num_seqs: int,
+            sample_rows: int, max_model_len: int):
+  """Runs one plan. Returns ``(kv, pages, buffers, result)``.
+
+  Args:
+    model: static ``ModelRunner`` (forward / compute_logits / eos ids).
+    num_rows: static token-row bucket T; num_seqs: static S.
+    sample_rows: static logits rows (>= S; >= 64 keeps the LM head's GEMM
+      shape batch-invariant on CPU).
+  The result's ``emit_ms`` is 0: the host stamps the publication time.
+  """
+  pages = kv_pages.deallocate(pages, plan.preempt)
+  rows_needed = jnp.where(plan.selected, plan.end, 0)
+  max_new = -(-(plan.token_budget + pages.page_size) // pages.page_size)
+  pages = kv_pages.allocate(pages, rows_needed, max_new_per_slot=max_new)
+  packed = pack(plan, buffers.tokens, pages.page_table, pages.page_size,
+                num_rows=num_rows, num_seqs=num_seqs)
+
+  hidden, kv = model.forward(params, kv, packed)
+  last = jnp.zeros((sample_rows,), jnp.int32).at[:num_seqs].set(packed.last_row)
+  logits = model.compute_logits(params, hidden[last])[:num_seqs]       # [S, V]
+  slots = packed.seq_slots
+  logits = _mask_stops(logits, slots, buffers, state.emitted, model.eos_token_ids)
+  token = sample(logits, buffers.temperature[slots], buffers.top_k[slots],
+                 buffers.top_p[slots], buffers.seed[slots], state.emitted[slots])
+  finite = jnp.all(jnp.isfinite(logits) | (logits == -jnp.inf), axis=-1) & jnp.any(
+      jnp.isfinite(logits), axis=-1)
+
+  num_slots = plan.selected.shape[0]
+  per_slot = lambda x, fill: jnp.full((num_slots,), fill, x.dtype).at[
+      jnp.where(packed.valid_seq, slots, num_slots)].set(x, mode="drop")
+  slot_token = per_slot(token, -1)
+  slot_finite = per_slot(finite, True)
+
+  p = manifest.prompt_len
+  emits = plan.selected & ((plan.kind == rec.DECODE_ROW) | (
+      (plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
+  failed = emits & ~slot_finite
+  emitted = emits & ~failed
+  done = plan.selected & ~failed
+  new_e = state.emitted + 1
+  is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos
+  is_stop = jnp.any(slot_token[:, None] == buffers.stop_ids, axis=1)
+  at_length = (new_e >= manifest.max_tokens) | (p + new_e >= max_model_len)
+  reason = jnp.select([is_stop, is_eos, at_length],
+                      [rec.FINISH_STOP, rec.FINISH_EOS, rec.FINISH_LENGTH],
+                      rec.NOT_FINISHED)
+  finished = emitted & (reason != rec.NOT_FINISHED)
+
+  write_col = jnp.where(emitted, p + state.emitted, max_model_len)    # OOB -> drop
+  tokens = buffers.tokens.at[jnp.arange(num_slots), write_col].set(slot_token, mode="drop")
+  buffers = buffers.replace(tokens=tokens)
+  pages = kv_pages.deallocate(pages, finished | failed)
+
+  result = rec.IterationResult(
+      decision_id=plan.decision_id,
+      input_state_version=plan.input_state_version,
+      completed=done,
+      completed_end=jnp.where(done, plan.end, state.computed),
+      emitted=emitted,
+      token=jnp.where(emitted, slot_token, -1),
+      emit_ms=jnp.float32(0.0),
+      finished=finished,
+      finish_reason=jnp.where(finished, reason, rec.NOT_FINISHED).astype(jnp.int32),
+      failed=failed,
+      service_rows=jnp.where(done, plan.end - plan.start, 0))
+  return kv, pages, buffers, result

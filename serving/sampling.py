@@ -1,0 +1,53 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+A request's randomness is ``fold_in(PRNGKey(seed), output_index)``: it
+depends only on its own seed and how many tokens it emitted, never on which
+other requests share the batch or on the iteration number.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _filtered_logits(logits, top_k, top_p):
+  """Masks one row [V] to its top-k, then top-p set (-inf elsewhere)."""
+  vocab = logits.shape[-1]
+  desc = -jnp.sort(-logits)
+  kth = desc[jnp.clip(top_k - 1, 0, vocab - 1)]
+  k_thresh = jnp.where(top_k > 0, kth, -jnp.inf)
+  desc = jnp.where(desc >= k_thresh, desc, -jnp.inf)
+  probs = jax.nn.softmax(desc)
+  mass_before = jnp.cumsum(probs) - probs
+  keep = (mass_before < top_p) & (desc > -jnp.inf)
+  p_thresh = jnp.min(jnp.where(keep, desc, jnp.inf))
+  return jnp.where(logits >= jnp.maximum(k_thresh, p_thresh), logits, -jnp.inf)
+
+
+def sample(logits, temperature, top_k, top_p, seed, output_index):
+  """Samples one token per row.
+
+  Args:
+    logits: f32[N, V].
+    temperature: f32[N]; 0 selects greedy argmax (lowest id wins ties).
+    top_k: i32[N] (0 = off); top_p: f32[N] in (0, 1].
+    seed: u32[N] per-request seeds; output_index: i32[N], the index of the
+      output token being drawn (= tokens emitted so far).
+
+  Returns:
+    i32[N] token ids.
+  """
+  logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draw(row, t, k, p, s, i):
+    key = jax.random.fold_in(jax.random.PRNGKey(s), i)
+    scaled = row / jnp.where(t > 0, t, 1.0)
+    return jax.random.categorical(key, _filtered_logits(scaled, k, p)).astype(jnp.int32)
+
+  def sampled(_):
+    return jax.vmap(draw)(logits, temperature, top_k, top_p, seed, output_index)
+
+  drawn = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
+  return jnp.where(temperature > 0, drawn, greedy)
