@@ -12,15 +12,33 @@ Layout shared by every implementation in this file:
 * ``page_table``  i32[S, pages_per_seq]  logical page -> physical page
 * ``cu_q_lens``   i32[S + 1]  packed row offsets; sequence s owns rows
                   ``[cu_q_lens[s], cu_q_lens[s + 1])``
-* ``num_seqs``    i32[]  live sequences; rows at or beyond
+* ``num_seqs``    i32[] (or i32[1])  live sequences; rows at or beyond
                   ``cu_q_lens[num_seqs]`` are padding and produce zeros.
 
 Row ``i`` of sequence ``s`` sits at position ``kv_lens[s] - q_len[s] + i`` and
-sees keys ``0..position`` of its own sequence only. Query head ``h`` reads KV
-head ``h // (n_q_heads // n_kv_heads)`` (grouped-query attention).
+sees keys ``0..position`` of its own sequence only (and, with a sliding
+window ``w``, only keys at positions ``> position - w``). Query head ``h``
+reads KV head ``h // (n_q_heads // n_kv_heads)`` (grouped-query attention).
 
 The current rows' K/V must already be in their pages when attention runs
 (``write_kv_pages`` below does that as a separate jitted update).
+
+Implementations (``impl=``):
+
+* ``"blocked"``  pure jnp online softmax over key blocks, the CPU default.
+* ``"pallas"``   the Pallas kernel of ``attention/pallas_ragged.py``
+                 (``interpret=True`` on CPU).
+* ``"gather"``   each row gathers its sequence's whole page list (memory heavy;
+                 kept as a second jittable cross-check).
+* ``"auto"``     ``"pallas"`` on GPU/TPU, ``"blocked"`` on CPU.
+
+Numerics of ``"blocked"`` and ``"pallas"``: each query walks key blocks
+``j = 0, 1, ...`` where block ``j`` covers key positions
+``[j * block_kv, (j + 1) * block_kv)`` of its own sequence, with float32
+scores, running max, running sum and accumulator. The order depends only on
+the query's position, so a row's output does not depend on how its prompt was
+chunked or which sequences share the launch; on CPU ``"blocked"`` makes that
+bitwise (see ``_block_update``).
 """
 
 from __future__ import annotations
@@ -31,13 +49,128 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention import pallas_ragged
 
+IMPLS = ("auto", "blocked", "pallas", "gather")
+
+
+# --------------------------------------------------------------------------
+# Checks: shapes at trace time, values outside jit.
+
+
+def check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+                 num_seqs, *, sm_scale, sliding_window=None, soft_cap=None):
+  """Trace-time shape/dtype/static-argument checks.
+
+  Raises:
+    ValueError: naming the argument and the violated rule.
+  """
+  if q.ndim != 3:
+    raise ValueError(f"q must be [T, n_q_heads, head_dim], got shape {q.shape}")
+  if k_pages.ndim != 4:
+    raise ValueError("k_pages must be [num_pages, page_size, n_kv_heads, "
+                     f"head_dim], got shape {k_pages.shape}")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape "
+                     f"{k_pages.shape}")
+  num_q_heads, head_dim = q.shape[1:]
+  num_kv_heads = k_pages.shape[2]
+  if k_pages.shape[3] != head_dim:
+    raise ValueError(f"k_pages head_dim {k_pages.shape[3]} must equal q "
+                     f"head_dim {head_dim}")
+  if num_q_heads % num_kv_heads:
+    raise ValueError(f"q n_q_heads {num_q_heads} must be a multiple of "
+                     f"k_pages n_kv_heads {num_kv_heads}")
+  if kv_lens.ndim != 1:
+    raise ValueError(f"kv_lens must be [S], got shape {kv_lens.shape}")
+  num_slots = kv_lens.shape[0]
+  if page_table.ndim != 2 or page_table.shape[0] != num_slots:
+    raise ValueError(f"page_table must be [S={num_slots}, pages_per_seq], got "
+                     f"shape {page_table.shape}")
+  if cu_q_lens.shape != (num_slots + 1,):
+    raise ValueError(f"cu_q_lens must be [S + 1] = [{num_slots + 1}], got "
+                     f"shape {cu_q_lens.shape}")
+  if jnp.shape(num_seqs) not in ((), (1,)):
+    raise ValueError(f"num_seqs must be a scalar or [1], got shape "
+                     f"{jnp.shape(num_seqs)}")
+  for name, x in (("kv_lens", kv_lens), ("page_table", page_table),
+                  ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+      raise ValueError(f"{name} must have an integer dtype, got "
+                       f"{jnp.result_type(x)}")
+  if not (isinstance(sm_scale, (int, float)) and np.isfinite(sm_scale)
+          and sm_scale > 0):
+    raise ValueError(f"sm_scale must be a finite positive float, got "
+                     f"{sm_scale!r}")
+  if sliding_window is not None and (not isinstance(sliding_window, int)
+                                     or sliding_window < 1):
+    raise ValueError(f"sliding_window must be None or an int >= 1, got "
+                     f"{sliding_window!r}")
+  if soft_cap is not None and not (isinstance(soft_cap, (int, float))
+                                   and soft_cap > 0):
+    raise ValueError(f"soft_cap must be None or a positive float, got "
+                     f"{soft_cap!r}")
+
+
+def check_values(kv_lens, page_table, cu_q_lens, num_seqs, *, num_rows,
+                 page_size, num_pages):
+  """Host-side value checks of the ragged descriptors (not jittable).
+
+  Args:
+    kv_lens, page_table, cu_q_lens, num_seqs: as in the module docstring,
+      concrete arrays.
+    num_rows: T, the packed row count of ``q``.
+    page_size, num_pages: of ``k_pages``.
+
+  Raises:
+    ValueError: naming the argument and the violated rule, e.g. a sequence
+      whose ``q_len`` exceeds its ``kv_len``.
+  """
+  kv_lens, page_table, cu_q_lens = map(np.asarray, (kv_lens, page_table,
+                                                    cu_q_lens))
+  n = int(np.asarray(num_seqs).reshape(()))
+  num_slots, pages_per_seq = page_table.shape
+  if not 0 <= n <= num_slots:
+    raise ValueError(f"num_seqs={n} must lie in [0, S={num_slots}]")
+  cu = cu_q_lens[: n + 1]
+  if cu[0] != 0:
+    raise ValueError(f"cu_q_lens[0]={cu[0]} must be 0")
+  q_lens = np.diff(cu)
+  if np.any(q_lens < 0):
+    s = int(np.argmax(q_lens < 0))
+    raise ValueError(f"cu_q_lens must be non-decreasing: cu_q_lens[{s + 1}]="
+                     f"{cu[s + 1]} < cu_q_lens[{s}]={cu[s]}")
+  if cu[-1] > num_rows:
+    raise ValueError(f"cu_q_lens[num_seqs]={cu[-1]} must be <= T={num_rows}")
+  kv = kv_lens[:n]
+  if np.any(q_lens > kv):
+    s = int(np.argmax(q_lens > kv))
+    raise ValueError(f"sequence {s}: q_len={q_lens[s]} must be <= "
+                     f"kv_lens[{s}]={kv[s]}")
+  if np.any(kv > pages_per_seq * page_size):
+    s = int(np.argmax(kv > pages_per_seq * page_size))
+    raise ValueError(f"kv_lens[{s}]={kv[s]} must be <= pages_per_seq * "
+                     f"page_size = {pages_per_seq * page_size}")
+  for s in range(n):
+    used = page_table[s, : -(-int(kv[s]) // page_size)]
+    if np.any((used < 0) | (used >= num_pages)):
+      raise ValueError(f"page_table[{s}] entries for the sequence's "
+                       f"{used.size} pages must lie in [0, {num_pages}), got "
+                       f"{used.tolist()}")
+
+
+# --------------------------------------------------------------------------
+# KV page writes and row metadata.
+
+
+@jax.jit
 def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
   """Scatters the current rows' K/V into their pages.
 
   Args:
     k_pages, v_pages: [num_pages, page_size, n_kv_heads, head_dim].
-    k_new, v_new: [T, n_kv_heads, head_dim] rows to write.
+    k_new, v_new: [T, n_kv_heads, head_dim] rows to write (cast to the pages'
+      dtype).
     slot_mapping: i32[T], ``page * page_size + offset`` for each row; a
       negative entry marks a padding row, whose write is dropped.
 
@@ -63,6 +196,7 @@ def row_metadata(cu_q_lens, kv_lens, num_seqs, num_rows):
     ``(seq_of_row i32[T], position i32[T], valid bool[T])``; padding rows get
     sequence 0, position 0 and ``valid=False``.
   """
+  num_seqs = jnp.reshape(num_seqs, ())
   rows = jnp.arange(num_rows, dtype=jnp.int32)
   num_slots = kv_lens.shape[0]
   seq = jnp.searchsorted(cu_q_lens, rows, side="right").astype(jnp.int32) - 1
@@ -73,20 +207,232 @@ def row_metadata(cu_q_lens, kv_lens, num_seqs, num_rows):
   return (jnp.where(valid, seq, 0), jnp.where(valid, position, 0), valid)
 
 
+# --------------------------------------------------------------------------
+# Query slots: packed rows re-laid out into blocks of one sequence each.
+
+
+def query_slots(cu_q_lens, kv_lens, num_seqs, *, num_rows, block_q,
+                num_slots, select=None):
+  """Lays the selected sequences' rows out as ``block_q``-row slots.
+
+  Sequence ``s`` (if selected) gets ``ceil(q_len / block_q)`` consecutive
+  slots; slot ``b`` holds its rows ``[i * block_q, (i + 1) * block_q)``.
+
+  Args:
+    cu_q_lens: i32[S + 1]; kv_lens: i32[S]; num_seqs: i32[] or i32[1].
+    num_rows: static T. block_q: static rows per slot.
+    num_slots: static slot count, at least the worst case for the selection.
+    select: optional bool[S], which sequences to lay out (default: all).
+
+  Returns:
+    ``(rows i32[num_slots, block_q], start_pos i32[num_slots],
+    num_valid i32[num_slots], seq i32[num_slots])``: the packed row of each
+    slot row (``num_rows`` for an empty row), the position of the slot's first
+    row, its valid row count (0 for an empty slot) and its sequence.
+  """
+  num_seqs = jnp.reshape(num_seqs, ()).astype(jnp.int32)
+  cu_q_lens = cu_q_lens.astype(jnp.int32)
+  kv_lens = kv_lens.astype(jnp.int32)
+  seq_ids = jnp.arange(kv_lens.shape[0], dtype=jnp.int32)
+  q_lens = jnp.where(seq_ids < num_seqs, cu_q_lens[1:] - cu_q_lens[:-1], 0)
+  if select is not None:
+    q_lens = jnp.where(select, q_lens, 0)
+  blocks = (q_lens + block_q - 1) // block_q
+  cu_blocks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
+  slot = jnp.arange(num_slots, dtype=jnp.int32)
+  seq = jnp.searchsorted(cu_blocks, slot, side="right").astype(jnp.int32) - 1
+  seq = jnp.clip(seq, 0, kv_lens.shape[0] - 1)
+  first = (slot - cu_blocks[seq]) * block_q          # first local row
+  num_valid = jnp.clip(q_lens[seq] - first, 0, block_q)
+  num_valid = jnp.where(slot < cu_blocks[-1], num_valid, 0)
+  start_pos = kv_lens[seq] - q_lens[seq] + first
+  r = jnp.arange(block_q, dtype=jnp.int32)
+  rows = jnp.where(r[None, :] < num_valid[:, None],
+                   cu_q_lens[seq][:, None] + first[:, None] + r[None, :],
+                   num_rows)
+  return rows, start_pos, num_valid, seq
+
+
+# --------------------------------------------------------------------------
+# The blocked jnp path.
+
+
+def _block_update(state, q, k, v, pos, key_pos, kv_len, *, sm_scale, soft_cap,
+                  sliding_window):
+  """One online-softmax step of ``W`` slots over one key block.
+
+  Scores and P@V are elementwise products reduced over one axis (not
+  ``dot``): XLA's CPU dot picks kernels by matrix shape and so changes the
+  low bits with ``block_q`` and the slot count, while these reductions keep a
+  fixed sequential order per output element. Rows that see no key of the
+  block keep their state bitwise.
+
+  Args:
+    state: ``(m, l, acc)``: f32[W, bq, Hkv, G], f32[W, bq, Hkv, G],
+      f32[W, bq, Hkv, G, D].
+    q: f32[W, bq, Hkv, G, D]. k, v: f32[W, Bk, Hkv, D].
+    pos: i32[W, bq] row positions, -1 for empty rows. key_pos: i32[Bk].
+    kv_len: i32[W].
+  """
+  m, l, acc = state
+  visible = (key_pos[None, None, :] <= pos[:, :, None])           # [W,bq,Bk]
+  if sliding_window is not None:
+    visible &= key_pos[None, None, :] > pos[:, :, None] - sliding_window
+  key_ok = key_pos[None, :] < kv_len[:, None]                       # [W, Bk]
+  k = jnp.where(key_ok[:, :, None, None], k, 0.0)
+  v = jnp.where(key_ok[:, :, None, None], v, 0.0)
+  # s[w,q,h,g,k] = sum_d q[w,q,h,g,d] * k[w,k,h,d], summed over d in order.
+  kt = jnp.transpose(k, (0, 2, 3, 1))                               # [W,H,D,Bk]
+  qt = jnp.swapaxes(q, -1, -2)                                      # [W,bq,H,D,G]
+  s = jnp.sum(qt[..., None] * kt[:, None, :, :, None, :], axis=3)  # [W,bq,H,G,Bk]
+  s = s * sm_scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  vis = visible[:, :, None, None, :]
+  s = jnp.where(vis, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp(m - m_safe)
+  p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+  l_new = alpha * l + jnp.sum(p, axis=-1)
+  vt = jnp.swapaxes(v, 1, 2)                                        # [W,H,Bk,D]
+  pv = jnp.sum(p[..., None] * vt[:, None, :, None, :, :], axis=-2)  # [W,bq,H,G,D]
+  acc_new = alpha[..., None] * acc + pv
+  seen = jnp.any(visible, axis=-1)[:, :, None, None]                # [W,bq,1,1]
+  return (jnp.where(seen, m_new, m), jnp.where(seen, l_new, l),
+          jnp.where(seen[..., None], acc_new, acc))
+
+
+def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
+                  block_q, block_kv, chunk, sm_scale, soft_cap,
+                  sliding_window):
+  """Online softmax for every slot of one layout; returns f32[NS, bq, Hq, D].
+
+  Slots are sorted by the number of key blocks they need, so at key block
+  ``j`` the active slots are a prefix, processed ``chunk`` at a time; the cost
+  follows the real context lengths, not the page-table width.
+  """
+  rows, start_pos, num_valid, seq = slots
+  num_rows, num_q_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_block = block_kv // page_size
+  pages_per_seq = page_table.shape[1]
+  num_slots = rows.shape[0]
+  padded = -(-num_slots // chunk) * chunk
+
+  r = jnp.arange(block_q, dtype=jnp.int32)
+  pos = jnp.where(r[None, :] < num_valid[:, None],
+                  start_pos[:, None] + r[None, :], -1)
+  last = start_pos + num_valid - 1
+  need = jnp.where(num_valid > 0, last // block_kv + 1, 0)
+  order = jnp.argsort(-need, stable=True)
+  pad = padded - num_slots
+
+  def sort_pad(x, fill):
+    x = x[order]
+    return jnp.concatenate([x, jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
+
+  pos_s, seq_s, need_s = sort_pad(pos, -1), sort_pad(seq, 0), sort_pad(need, 0)
+  rows_s = sort_pad(rows, num_rows)
+  qs = jnp.take(q, rows_s, axis=0, mode="fill", fill_value=0)
+  qs = qs.astype(jnp.float32).reshape(padded, block_q, num_kv_heads, group,
+                                      head_dim)
+  kv_len_s = kv_lens.astype(jnp.int32)[seq_s]
+  table_s = page_table[seq_s]                                     # [NS, P]
+
+  def kv_block(pages_ref, page_ids):
+    blk = jnp.take(pages_ref, page_ids, axis=0, mode="clip")
+    return blk.astype(jnp.float32).reshape(page_ids.shape[0], block_kv,
+                                           num_kv_heads, head_dim)
+
+  def over_chunks(j, state):
+    num_active = jnp.sum(need_s > j)
+    cols = jnp.minimum(j * pages_per_block + jnp.arange(pages_per_block),
+                       pages_per_seq - 1)
+    key_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+
+    def body(c, state):
+      start = c * chunk
+      take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk)
+      page_ids = take(table_s)[:, cols]                           # [W, ppb]
+      sub = tuple(take(x) for x in state)
+      sub = _block_update(sub, take(qs), kv_block(k_pages, page_ids),
+                          kv_block(v_pages, page_ids), take(pos_s), key_pos,
+                          take(kv_len_s), sm_scale=sm_scale,
+                          soft_cap=soft_cap, sliding_window=sliding_window)
+      return tuple(jax.lax.dynamic_update_slice_in_dim(x, y, start, 0)
+                   for x, y in zip(state, sub))
+
+    return jax.lax.fori_loop(0, (num_active + chunk - 1) // chunk, body, state)
+
+  shape = (padded, block_q, num_kv_heads, group)
+  state = (jnp.full(shape, -jnp.inf, jnp.float32),
+           jnp.zeros(shape, jnp.float32),
+           jnp.zeros(shape + (head_dim,), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, jnp.max(need_s), over_chunks, state)
+  out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
+                  0.0)
+  return out.reshape(padded, block_q, num_q_heads, head_dim), rows_s
+
+
+def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
+             sm_scale, soft_cap, sliding_window, block_q, block_kv,
+             chunk_rows, chunk_blocks):
+  """Row path for short sequences (decode), block path for the rest."""
+  num_rows = q.shape[0]
+  num_seq_slots = kv_lens.shape[0]
+  short_q = max(1, block_q // 4)       # q_len <= short_q: one slot per row
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  short = q_lens <= short_q
+  kw = dict(block_kv=block_kv, sm_scale=sm_scale, soft_cap=soft_cap,
+            sliding_window=sliding_window)
+  out = jnp.zeros(q.shape, jnp.float32)
+  if block_q == 1:
+    layouts = [(1, num_rows, None, chunk_rows)]
+  else:
+    long_seqs = min(num_seq_slots, num_rows // (short_q + 1))
+    layouts = [(1, min(num_rows, num_seq_slots * short_q), short, chunk_rows),
+               (block_q, (num_rows + long_seqs * (block_q - 1)) // block_q,
+                ~short, chunk_blocks)]
+  for bq, num_slots, select, chunk in layouts:
+    if num_slots == 0:
+      continue
+    slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
+                        block_q=bq, num_slots=num_slots,
+                        select=select)
+    o, rows = _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots,
+                            block_q=bq, chunk=min(chunk, num_slots), **kw)
+    out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
+                                       mode="drop")
+  return out.astype(q.dtype)
+
+
+# --------------------------------------------------------------------------
+# The interim gather path.
+
+
 def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-                 num_seqs, *, sm_scale):
+                 num_seqs, *, sm_scale, soft_cap, sliding_window):
   """Jittable path: each row gathers its own sequence's pages (memory heavy)."""
   num_rows, num_q_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
   seq, position, valid = row_metadata(cu_q_lens, kv_lens, num_seqs, num_rows)
   pages = page_table[seq]                                   # [T, P]
-  k = k_pages[pages].reshape(num_rows, -1, num_kv_heads, head_dim)
-  v = v_pages[pages].reshape(num_rows, -1, num_kv_heads, head_dim)
+  k = jnp.take(k_pages, pages, axis=0, mode="clip")
+  v = jnp.take(v_pages, pages, axis=0, mode="clip")
+  k = k.reshape(num_rows, -1, num_kv_heads, head_dim)
+  v = v.reshape(num_rows, -1, num_kv_heads, head_dim)
   key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
   visible = (key_pos[None, :] <= position[:, None]) & valid[:, None]
+  if sliding_window is not None:
+    visible &= key_pos[None, :] > position[:, None] - sliding_window
   qg = q.reshape(num_rows, num_kv_heads, group, head_dim).astype(jnp.float32)
-  scores = jnp.einsum("tkgd,tskd->tkgs", qg, k.astype(jnp.float32)) * sm_scale
+  k = jnp.where(visible[:, :, None, None], k.astype(jnp.float32), 0.0)
+  scores = jnp.einsum("tkgd,tskd->tkgs", qg, k) * sm_scale
+  if soft_cap is not None:
+    scores = soft_cap * jnp.tanh(scores / soft_cap)
   scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
   m = jnp.max(scores, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -98,43 +444,148 @@ def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   return out.reshape(num_rows, num_q_heads, head_dim).astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl"))
+# --------------------------------------------------------------------------
+# The public entry point.
+
+
+def resolve_impl(impl: str, backend: str | None = None) -> str:
+  """Maps ``"auto"`` to ``"pallas"`` on GPU/TPU and ``"blocked"`` on CPU."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  if impl != "auto":
+    return impl
+  backend = backend or jax.default_backend()
+  return "pallas" if backend in ("gpu", "cuda", "rocm", "tpu") else "blocked"
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "impl", "sliding_window", "soft_cap",
+                              "block_q", "block_kv", "interpret"))
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                            cu_q_lens, num_seqs, *, sm_scale: float,
-                           impl: str = "gather"):
-  """Request-local causal attention over a packed, paged iteration.
+                           impl: str = "auto",
+                           sliding_window: int | None = None,
+                           soft_cap: float | None = None,
+                           block_q: int | None = None,
+                           block_kv: int | None = None,
+                           interpret: bool | None = None):
+  """Request-local causal attention over a packed, paged iteration (§0x04).
 
-  Shapes and semantics are in the module docstring. Returns
-  ``[T, n_q_heads, head_dim]`` in ``q.dtype``; padding rows are zeros.
+  Args:
+    q: f32/bf16[T, n_q_heads, head_dim] packed query rows.
+    k_pages, v_pages: [num_pages, page_size, n_kv_heads, head_dim]; the current
+      rows' K/V already written (``write_kv_pages``).
+    kv_lens: i32[S] committed + current rows per sequence.
+    page_table: i32[S, pages_per_seq] logical -> physical page.
+    cu_q_lens: i32[S + 1] packed row offsets.
+    num_seqs: i32[] or i32[1], live sequences.
+    sm_scale: static softmax scale applied to ``q . k`` (e.g. head_dim**-0.5).
+    impl: static, one of ``IMPLS`` (see module docstring).
+    sliding_window: static; a row at position ``p`` sees keys ``> p - w``.
+    soft_cap: static; scores become ``c * tanh(scores / c)`` (after scaling).
+    block_q: static query rows per slot (default 16 for "blocked", 16 for
+      "pallas").
+    block_kv: static keys per block, a multiple of ``page_size`` (default:
+      128 rounded up to a multiple of ``page_size``). Results are bitwise
+      reproducible for a fixed ``block_kv`` and ``page_size``.
+    interpret: static, Pallas interpret mode (default: on when the backend is
+      CPU).
+
+  Returns:
+    [T, n_q_heads, head_dim] in ``q.dtype``; padding rows (at or beyond
+    ``cu_q_lens[num_seqs]``) are zeros. Chunked prefill gives the same rows as
+    one full prefill (§0x09).
+
+  Raises:
+    ValueError: at trace time, for inconsistent shapes, dtypes or static
+      arguments (message names the argument). Value rules (e.g.
+      ``q_len <= kv_len``) are checked by ``ragged_paged_attention_checked``.
   """
-  if impl != "gather":
-    raise ValueError(f"impl must be 'gather', got {impl!r}")
-  return _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-                      num_seqs, sm_scale=sm_scale)
+  check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+               sm_scale=sm_scale, sliding_window=sliding_window,
+               soft_cap=soft_cap)
+  impl = resolve_impl(impl)
+  page_size = k_pages.shape[1]
+  if block_kv is None:
+    block_kv = 128
+  block_kv = max(page_size, -(-block_kv // page_size) * page_size)
+  kw = dict(sm_scale=float(sm_scale), soft_cap=soft_cap,
+            sliding_window=sliding_window)
+  if impl == "gather":
+    return _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+                        num_seqs, **kw)
+  if block_q is None:
+    block_q = 16
+  if block_q < 1:
+    raise ValueError(f"block_q must be >= 1, got {block_q}")
+  if impl == "blocked":
+    return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+                    num_seqs, block_q=block_q, block_kv=block_kv,
+                    chunk_rows=32, chunk_blocks=2, **kw)
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  num_rows = q.shape[0]
+  num_slots = (num_rows + min(kv_lens.shape[0], num_rows) * (block_q - 1)
+               ) // block_q
+  slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
+                      block_q=block_q, num_slots=num_slots)
+  return pallas_ragged.ragged_attention_slots(
+      q, k_pages, v_pages, kv_lens, page_table, slots, block_q=block_q,
+      block_kv=block_kv, interpret=interpret, **kw)
+
+
+def ragged_paged_attention_checked(q, k_pages, v_pages, kv_lens, page_table,
+                                   cu_q_lens, num_seqs, **kwargs):
+  """``check_values`` on the host, then ``ragged_paged_attention``.
+
+  Raises:
+    ValueError: for any rule of ``check_shapes`` or ``check_values``.
+  """
+  check_values(kv_lens, page_table, cu_q_lens, num_seqs, num_rows=q.shape[0],
+               page_size=k_pages.shape[1], num_pages=k_pages.shape[0])
+  return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
+                                cu_q_lens, num_seqs, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# The plain reference (test oracle).
 
 
 def reference_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
-                        num_seqs, *, sm_scale: float):
-  """Plain per-sequence loop (numpy, float64); the test oracle."""
+                        num_seqs, *, sm_scale: float,
+                        sliding_window: int | None = None,
+                        soft_cap: float | None = None):
+  """Plain per-sequence loop (numpy, float64); the test oracle.
+
+  Same arguments and result layout as ``ragged_paged_attention``; returns
+  f64[T, n_q_heads, head_dim] with zero padding rows. Reads only the pages a
+  sequence's ``kv_len`` covers.
+  """
   q = np.asarray(q, np.float64)
   k_pages = np.asarray(k_pages, np.float64)
   v_pages = np.asarray(v_pages, np.float64)
-  kv_lens, page_table, cu_q_lens = map(np.asarray, (kv_lens, page_table, cu_q_lens))
+  kv_lens, page_table, cu_q_lens = map(np.asarray, (kv_lens, page_table,
+                                                    cu_q_lens))
+  page_size = k_pages.shape[1]
   num_q_heads, num_kv_heads = q.shape[1], k_pages.shape[2]
   group = num_q_heads // num_kv_heads
   out = np.zeros_like(q)
-  for s in range(int(num_seqs)):
+  for s in range(int(np.asarray(num_seqs).reshape(()))):
     lo, hi = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
     kv_len = int(kv_lens[s])
-    k = k_pages[page_table[s]].reshape(-1, num_kv_heads, q.shape[2])[:kv_len]
-    v = v_pages[page_table[s]].reshape(-1, num_kv_heads, q.shape[2])[:kv_len]
+    pages = page_table[s, : -(-kv_len // page_size)]
+    k = k_pages[pages].reshape(-1, num_kv_heads, q.shape[2])[:kv_len]
+    v = v_pages[pages].reshape(-1, num_kv_heads, q.shape[2])[:kv_len]
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
     for i in range(hi - lo):
       pos = kv_len - (hi - lo) + i
-      scores = np.einsum("hd,shd->hs", q[lo + i], k[: pos + 1]) * sm_scale
+      first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+      scores = np.einsum("hd,shd->hs", q[lo + i], k[first: pos + 1]) * sm_scale
+      if soft_cap is not None:
+        scores = soft_cap * np.tanh(scores / soft_cap)
       scores -= scores.max(axis=-1, keepdims=True)
       p = np.exp(scores)
       p /= p.sum(axis=-1, keepdims=True)
-      out[lo + i] = np.einsum("hs,shd->hd", p, v[: pos + 1])
+      out[lo + i] = np.einsum("hs,shd->hd", p, v[first: pos + 1])
   return out
