@@ -92,10 +92,6 @@ class Engine:
     self._clock = clock
     self._t0 = clock()
     c = config
-    self.policy = make_policy(c.policy, Budgets(
-        token_budget=c.max_num_batched_tokens, seq_budget=c.max_num_seqs,
-        chunk_cap=c.long_prefill_token_threshold,
-        watermark_pages=c.watermark_pages))
     dtype = jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
     self.kv = llama.init_kv_cache(model_cfg, c.num_pages, c.page_size, dtype)
     self.pages = kv_pages.init_pages(c.max_request_slots, c.pages_per_seq,
@@ -103,7 +99,6 @@ class Engine:
     self.buffers = init_buffers(c.max_request_slots, c.max_model_len, c.max_stop_ids)
     self.manifest = rec.empty_manifest(c.max_request_slots)
     self.state = rec.initial_state(c.max_request_slots, c.num_clients)
-    self._runner = ModelRunner(model_cfg, c.attention_impl)
     self._slots: List[Optional[Request]] = [None] * c.max_request_slots
     self._pending: List[Request] = []      # accepted, not yet in a slot
     self._requests: Dict[str, Request] = {}
@@ -113,45 +108,7 @@ class Engine:
     self.num_preemptions = 0
     self.buckets_used: Dict[int, int] = {}
 
-    self._plan_fn = jax.jit(self._plan)
-    self._execute_fn = jax.jit(
-        functools.partial(execute, model=self._runner, num_seqs=c.max_num_seqs,
-                          sample_rows=c.sample_rows, max_model_len=c.max_model_len),
-        static_argnames=("num_rows",), donate_argnums=(1, 2, 3))
-    self._publish_fn = jax.jit(self._publish)
-    self._arrive_fn = jax.jit(self._arrive, donate_argnums=(2,))
-    self._release_fn = jax.jit(self._release)
-
-  # ------------------------------------------------------------------ pure
-  def _plan(self, manifest, state, view):
-    plan = self.policy(manifest.online(), state, view)
-    return plan, validate.any_violation(validate.plan_violations(manifest, state, plan))
-
-  @staticmethod
-  def _publish(manifest, state, plan, result):
-    bad = validate.any_violation(
-        validate.result_violations(plan, state, manifest, result))
-    return apply_lib.apply(manifest, state, plan, result), bad
-
-  @staticmethod
-  def _arrive(manifest, state, buffers, slot, fields, prompt, stop_ids):
-    manifest, state = apply_lib.arrive(manifest, state, slot, *fields[:7])
-    temperature, top_k, top_p, seed, min_tokens, ignore_eos = fields[7:]
-    set_ = lambda a, v: a.at[slot].set(jnp.asarray(v).astype(a.dtype))
-    buffers = buffers.replace(
-        tokens=buffers.tokens.at[slot].set(prompt),
-        temperature=set_(buffers.temperature, temperature),
-        top_k=set_(buffers.top_k, top_k), top_p=set_(buffers.top_p, top_p),
-        seed=set_(buffers.seed, seed), min_tokens=set_(buffers.min_tokens, min_tokens),
-        ignore_eos=set_(buffers.ignore_eos, ignore_eos),
-        stop_ids=buffers.stop_ids.at[slot].set(stop_ids))
-    return manifest, state, buffers
-
-  @staticmethod
-  def _release(state, pages, cancel_mask, release_mask):
-    state = apply_lib.cancel(state, cancel_mask)
-    pages = kv_pages.deallocate(pages, cancel_mask)
-    return apply_lib.release(state, release_mask), pages
+    self._programs = _programs(model_cfg, config)
 
   # ------------------------------------------------------------------ host
   def now_ms(self) -> float:
@@ -219,7 +176,7 @@ class Engine:
       return
     mask = np.zeros(self.config.max_request_slots, bool)
     mask[req.slot] = True
-    self.state, self.pages = self._release_fn(self.state, self.pages, mask, mask)
+    self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
     self._slots[req.slot] = None
     self._end(req, "cancelled", "abort")
 
@@ -252,7 +209,7 @@ class Engine:
                 s.max_tokens, req.priority, self._clients[req.client],
                 s.temperature, s.top_k, s.top_p, np.uint32(s.seed), s.min_tokens,
                 s.ignore_eos)
-      self.manifest, self.state, self.buffers = self._arrive_fn(
+      self.manifest, self.state, self.buffers = self._programs.arrive(
           self.manifest, self.state, self.buffers, np.int32(slot), fields, prompt, stop)
       req.slot = slot
       self._slots[slot] = req
@@ -261,7 +218,7 @@ class Engine:
     """Runs one iteration; returns the news for every request it touched."""
     self._fill_slots()
     self.state = apply_lib.tick(self.state, self.now_ms())
-    plan, bad = self._plan_fn(self.manifest, self.state, kv_pages.view(self.pages))
+    plan, bad = self._programs.plan(self.manifest, self.state, kv_pages.view(self.pages))
     bad, num_tokens, num_seqs, any_preempt = jax.device_get(
         (bad, plan.num_tokens, plan.num_seqs, jnp.any(plan.preempt)))
     if bad:
@@ -270,14 +227,14 @@ class Engine:
       return []
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
-    self.kv, self.pages, self.buffers, result = self._execute_fn(
+    self.kv, self.pages, self.buffers, result = self._programs.execute(
         self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
         plan, num_rows=bucket)
     fetched = jax.device_get((result.emitted, result.token, result.finished,
                               result.finish_reason, result.failed, plan.preempt))
     emit_ms = self.now_ms()
     result = result.replace(emit_ms=jnp.float32(emit_ms))
-    state, bad = self._publish_fn(self.manifest, self.state, plan, result)
+    state, bad = self._programs.publish(self.manifest, self.state, plan, result)
     if int(bad):
       validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
@@ -308,7 +265,7 @@ class Engine:
                                      req.outcome, req.finish_reason))
     if release.any():
       none = np.zeros_like(release)
-      self.state, self.pages = self._release_fn(self.state, self.pages, none, release)
+      self.state, self.pages = self._programs.release(self.state, self.pages, none, release)
     return outputs
 
   def run(self, max_iterations: Optional[int] = None) -> None:
@@ -327,9 +284,78 @@ class Engine:
     self.run()
     return reqs
 
+  @property
+  def policy(self):
+    return self._programs.policy
+
   def compiled_programs(self) -> Dict[str, int]:
-    """Number of compiled programs per jitted function."""
-    fns = dict(plan=self._plan_fn, execute=self._execute_fn,
-               publish=self._publish_fn, arrive=self._arrive_fn,
-               release=self._release_fn)
-    return {k: f._cache_size() for k, f in fns.items()}
+    """Compiled programs per jitted function (shared by engines with equal
+    model and engine configs)."""
+    return self._programs.cache_sizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+  """The engine's jitted functions for one (model config, engine config)."""
+
+  policy: object
+  plan: Callable
+  execute: Callable
+  publish: Callable
+  arrive: Callable
+  release: Callable
+
+  def cache_sizes(self) -> Dict[str, int]:
+    return {f: getattr(self, f)._cache_size()
+            for f in ("plan", "execute", "publish", "arrive", "release")}
+
+
+def _plan(policy, manifest, state, view):
+  plan = policy(manifest.online(), state, view)
+  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan))
+
+
+def _publish(manifest, state, plan, result):
+  bad = validate.any_violation(validate.result_violations(plan, state, manifest, result))
+  return apply_lib.apply(manifest, state, plan, result), bad
+
+
+def _arrive(manifest, state, buffers, slot, fields, prompt, stop_ids):
+  manifest, state = apply_lib.arrive(manifest, state, slot, *fields[:7])
+  temperature, top_k, top_p, seed, min_tokens, ignore_eos = fields[7:]
+  set_ = lambda a, v: a.at[slot].set(jnp.asarray(v).astype(a.dtype))
+  buffers = buffers.replace(
+      tokens=buffers.tokens.at[slot].set(prompt),
+      temperature=set_(buffers.temperature, temperature),
+      top_k=set_(buffers.top_k, top_k), top_p=set_(buffers.top_p, top_p),
+      seed=set_(buffers.seed, seed), min_tokens=set_(buffers.min_tokens, min_tokens),
+      ignore_eos=set_(buffers.ignore_eos, ignore_eos),
+      stop_ids=buffers.stop_ids.at[slot].set(stop_ids))
+  return manifest, state, buffers
+
+
+def _release(state, pages, cancel_mask, release_mask):
+  state = apply_lib.cancel(state, cancel_mask)
+  pages = kv_pages.deallocate(pages, cancel_mask)
+  return apply_lib.release(state, release_mask), pages
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(model_cfg, config: EngineConfig) -> _Programs:
+  """Builds (once per config pair) the jitted plan/execute/publish programs."""
+  policy = make_policy(config.policy, Budgets(
+      token_budget=config.max_num_batched_tokens, seq_budget=config.max_num_seqs,
+      chunk_cap=config.long_prefill_token_threshold,
+      watermark_pages=config.watermark_pages))
+  runner = ModelRunner(model_cfg, config.attention_impl)
+  return _Programs(
+      policy=policy,
+      plan=jax.jit(functools.partial(_plan, policy)),
+      execute=jax.jit(
+          functools.partial(execute, model=runner, num_seqs=config.max_num_seqs,
+                            sample_rows=config.sample_rows,
+                            max_model_len=config.max_model_len),
+          static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
+      publish=jax.jit(_publish),
+      arrive=jax.jit(_arrive, donate_argnums=(2,)),
+      release=jax.jit(_release))

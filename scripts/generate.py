@@ -1,0 +1,74 @@
+"""Generates text for prompts or chat messages, streamed to stdout.
+
+  python scripts/generate.py --prompt="The capital of France is" --max_tokens=16
+  python scripts/generate.py --chat="Write a haiku about autumn."
+  python scripts/generate.py --mt_bench=../shared/data/prompts/mt_bench_questions.jsonl --num=3
+
+Requests run together through the engine (iteration-level batching); each
+answer is printed as its tokens arrive, prefixed by its request id.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags
+
+from serving import launch
+from serving.config import SamplingParams
+
+FLAGS = flags.FLAGS
+flags.DEFINE_multi_string("prompt", [], "Raw text prompt (no chat template).")
+flags.DEFINE_multi_string("chat", [], "User message, wrapped in the model's chat template.")
+flags.DEFINE_string("mt_bench", None, "MT-Bench question JSONL; first turns become chat prompts.")
+flags.DEFINE_integer("num", 3, "With --mt_bench: how many questions.")
+flags.DEFINE_integer("max_tokens", 128, "Output tokens at most.")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
+flags.DEFINE_float("top_p", 1.0, "Top-p (1 = off).")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+launch.define_engine_flags()
+
+
+def collect_prompts(tokenizer):
+  items = [(f"prompt-{i}", text, tokenizer.encode(text)) for i, text in enumerate(FLAGS.prompt)]
+  chats = list(FLAGS.chat)
+  if FLAGS.mt_bench:
+    with open(FLAGS.mt_bench) as f:
+      rows = [json.loads(line) for line in f if line.strip()]
+    chats += [row["turns"][0] for row in rows[:FLAGS.num]]
+  for i, text in enumerate(chats):
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True)
+    items.append((f"chat-{i}", text, tokenizer.encode(rendered)))
+  if not items:
+    raise app.UsageError("give at least one --prompt, --chat or --mt_bench")
+  return items
+
+
+def main(argv):
+  del argv
+  engine, _, tokenizer = launch.build_engine()
+  sampling = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
+                            top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+  detok = {}
+  for rid, text, ids in collect_prompts(tokenizer):
+    print(f"[{rid}] >>> {text}")
+    engine.add_request(rid, ids, sampling)
+    detok[rid] = tokenizer.detokenizer()
+  while engine.has_unfinished():
+    for out in engine.step():
+      piece = "".join(detok[out.request_id].push(t) for t in out.new_token_ids)
+      if piece:
+        print(f"[{out.request_id}] {piece!r}", flush=True)
+      if out.finished:
+        print(f"[{out.request_id}] <{out.outcome}: {out.finish_reason}>", flush=True)
+  for rid, req in engine.requests.items():
+    print(f"\n=== {rid} ({req.outcome}, {len(req.output_token_ids)} tokens)\n"
+          f"{tokenizer.decode(req.output_token_ids)}")
+
+
+if __name__ == "__main__":
+  app.run(main)
