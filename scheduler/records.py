@@ -64,6 +64,9 @@ class WorkloadManifest:
     client: i32[R], client index for completed-service accounting.
     hidden_realized_output_tokens: i32[R] or None. Fixture-only truth; never
       present in the online projection.
+    policy_id, policy_version: static strings, the workload's declared policy
+      identity; a plan from another policy identity is refused (§0x01A).
+      Empty means the workload leaves the policy unbound.
   """
 
   request_id: jax.Array
@@ -74,6 +77,8 @@ class WorkloadManifest:
   priority: jax.Array
   client: jax.Array
   hidden_realized_output_tokens: Optional[jax.Array] = None
+  policy_id: str = flax.struct.field(pytree_node=False, default="")
+  policy_version: str = flax.struct.field(pytree_node=False, default="")
 
   @property
   def num_slots(self) -> int:

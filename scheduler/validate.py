@@ -1,14 +1,42 @@
-"""Mechanical legality checks for plans and results (§0x01A).
+"""Mechanical legality checks for plans, packed rows and results (§0x01A).
 
-``plan_violations`` / ``result_violations`` are pure array predicates (usable
-under ``jax.jit``): each returns ``{rule_name: bool[]}`` where True means the
-rule is broken. ``validate_plan`` / ``validate_result`` run them and raise
-``PlanValidationError`` / ``ResultValidationError`` naming the first broken
-rule and the offending slots.
+``plan_violations`` / ``result_violations`` / ``packed_violations`` are pure
+array predicates (usable under ``jax.jit``): each returns
+``{rule_name: bool[R]}`` (``bool[T]`` for packed rows) where True marks a slot
+that breaks the rule. ``validate_plan`` / ``validate_result`` /
+``validate_packed`` run them on the host and raise the rule's own error type
+(a subclass of ``PlanValidationError`` / ``ResultValidationError`` /
+``PackedValidationError``) for the first broken rule, naming the rule and the
+offending slots. The rule order is the order of the ``*_RULES`` tables.
+
+The negative fixtures of §0x01A map onto the rules:
+
+=====================================================  =======================
+interval before frontier / beyond prompt               frontier, beyond_prompt
+multi-row ordinary decode                              multi_row_decode
+duplicate / stale request generation                   duplicate_generation,
+                                                       stale_generation
+stale snapshot / scheduler-state version               stale_snapshot,
+                                                       state_version
+unready / terminal / duplicated queue member           unready, terminal,
+                                                       duplicate_member
+token / sequence budget, ledger drift                  token_budget,
+                                                       seq_budget, ledger_drift
+forged phase / position trace / policy / tie-break     forged_kind,
+                                                       position_trace (packed),
+                                                       policy_identity,
+                                                       tie_break
+realized-output / physical-block leak                  hidden_truth,
+                                                       physical_block
+unplanned completion, output clock, planned debit      unplanned_completion,
+                                                       output_clock,
+                                                       service_debit
+=====================================================  =======================
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict
 
 import jax
@@ -19,8 +47,13 @@ from scheduler import records as rec
 from scheduler.policies import sort_keys
 
 
+# ---------------------------------------------------------------- errors
+
+
 class PlanValidationError(ValueError):
   """An IterationPlan breaks a legality rule; ``.rule`` names it."""
+
+  rule = ""
 
   def __init__(self, rule: str, message: str):
     super().__init__(f"plan rule '{rule}' violated: {message}")
@@ -30,73 +63,300 @@ class PlanValidationError(ValueError):
 class ResultValidationError(ValueError):
   """An IterationResult breaks a publication rule; ``.rule`` names it."""
 
+  rule = ""
+
   def __init__(self, rule: str, message: str):
     super().__init__(f"result rule '{rule}' violated: {message}")
     self.rule = rule
 
 
+class PackedValidationError(ValueError):
+  """A PackedIteration does not reproduce its plan; ``.rule`` names it."""
+
+  rule = ""
+
+  def __init__(self, rule: str, message: str):
+    super().__init__(f"packed rule '{rule}' violated: {message}")
+    self.rule = rule
+
+
+class HiddenTruthLeak(PlanValidationError):
+  """Hidden realized output length reached the policy's input or the plan."""
+
+
+class PhysicalBlockLeak(PlanValidationError):
+  """Page / block ids (allocator-owned facts) appear in a plan or manifest."""
+
+
+class StaleStateVersion(PlanValidationError):
+  """plan.input_state_version is not the state's version."""
+
+
+class StaleDecision(PlanValidationError):
+  """plan.decision_id is not the state's next decision id."""
+
+
+class ForgedPolicyIdentity(PlanValidationError):
+  """The plan's policy id/version is not the workload's declared policy."""
+
+
+class StaleGeneration(PlanValidationError):
+  """A selected slot binds a request generation the state no longer has."""
+
+
+class StaleSnapshot(PlanValidationError):
+  """A selected slot binds an out-of-date per-request snapshot version."""
+
+
+class DuplicateGeneration(PlanValidationError):
+  """Two selected slots bind the same (request id, generation)."""
+
+
+class DuplicateQueueMember(PlanValidationError):
+  """A selected or admitted request id is live in more than one slot."""
+
+
+class TerminalMember(PlanValidationError):
+  """A finished (terminal) or free slot was selected."""
+
+
+class UnreadyMember(PlanValidationError):
+  """A slot whose readiness fact is false was selected."""
+
+
+class QueueMembership(PlanValidationError):
+  """Selection contradicts queue membership (RUNNING, or WAITING + admit)."""
+
+
+class IntervalBeforeFrontier(PlanValidationError):
+  """The interval does not start at the computed frontier."""
+
+
+class IntervalBeyondPrompt(PlanValidationError):
+  """Prefill-like interval is empty or ends past its target (the prompt)."""
+
+
+class MultiRowDecode(PlanValidationError):
+  """An ordinary decode interval is not exactly one row."""
+
+
+class ForgedPhase(PlanValidationError):
+  """The work kind is not the one derived from the state."""
+
+
+class TokenBudgetOverflow(PlanValidationError):
+  """Selected token rows exceed the token budget."""
+
+
+class SequenceBudgetOverflow(PlanValidationError):
+  """Selected request generations exceed the sequence budget."""
+
+
+class LedgerDrift(PlanValidationError):
+  """The plan's budget ledger does not equal the selected rows / sequences."""
+
+
+class RankOrder(PlanValidationError):
+  """Packing ranks are not a permutation over the selected slots."""
+
+
+class IllegalIntent(PlanValidationError):
+  """Admit / preempt intents on slots in the wrong queue."""
+
+
+class ForgedTieBreak(PlanValidationError):
+  """Recorded keys do not replay from the state, or ranks ignore them."""
+
+
+class StaleResult(ResultValidationError):
+  """Result decision id / state version is not the plan's."""
+
+
+class UnplannedCompletion(ResultValidationError):
+  """A slot the plan did not select reports a completion."""
+
+
+class CompletedEndMismatch(ResultValidationError):
+  """A completed interval does not end at the planned end."""
+
+
+class FailedCompletion(ResultValidationError):
+  """A slot is reported both failed and completed."""
+
+
+class WrongOutputClock(ResultValidationError):
+  """Emission does not follow the token clock of §0x01A."""
+
+
+class PlannedServiceDebit(ResultValidationError):
+  """Service rows do not equal the completed rows."""
+
+
+class UnfoundedTerminal(ResultValidationError):
+  """A slot finished without emitting or failing."""
+
+
+class ForgedPositionTrace(PackedValidationError):
+  """Packed positions are not ``range(start, end)`` of their interval."""
+
+
+class SegmentMismatch(PackedValidationError):
+  """Packed segments are not the selected intervals in rank order."""
+
+
 PLAN_RULES = {
-    "state_version": "plan.input_state_version must equal state.state_version",
-    "decision_id": "plan.decision_id must equal state.decision_id",
-    "member": "a selected slot must be RUNNING, or WAITING with an admit intent, and ready",
-    "generation": "selected generation and snapshot_version must match the state",
-    "frontier": "interval must start at the computed frontier",
-    "prefill_interval": "prefill/rebuild needs computed < end <= target",
-    "decode_interval": "decode needs emitted >= 1, computed == p + e - 1 and end == start + 1",
-    "derived_kind": "kind must be derived from the state, not chosen",
-    "token_budget": "num_tokens must equal the selected rows and be <= token_budget",
-    "seq_budget": "num_seqs must equal the selected count and be <= seq_budget",
-    "rank": "ranks must be a permutation of 0..num_seqs-1 over selected slots",
-    "intents": "admit only WAITING slots; preempt only RUNNING, unselected slots",
-    "tie_break": "recorded sort_key must replay from the state",
+    "hidden_truth": (HiddenTruthLeak,
+                     "policy input and plan must not carry realized output length"),
+    "physical_block": (PhysicalBlockLeak,
+                       "plan and manifest must not carry page or block ids"),
+    "state_version": (StaleStateVersion,
+                      "plan.input_state_version must equal state.state_version"),
+    "decision_id": (StaleDecision, "plan.decision_id must equal state.decision_id"),
+    "policy_identity": (ForgedPolicyIdentity,
+                        "plan policy id/version must equal the workload's"),
+    "stale_generation": (StaleGeneration,
+                         "selected generation must equal state.generation"),
+    "stale_snapshot": (StaleSnapshot,
+                       "selected snapshot_version must equal the state's"),
+    "duplicate_generation": (DuplicateGeneration,
+                             "a (request_id, generation) may be selected once"),
+    "duplicate_member": (DuplicateQueueMember,
+                         "a selected or admitted request must be live in one slot"),
+    "terminal": (TerminalMember, "a selected slot must not be FINISHED or FREE"),
+    "unready": (UnreadyMember, "a selected slot must be ready"),
+    "queue_member": (QueueMembership,
+                     "a selected slot must be RUNNING, or WAITING with an admit intent"),
+    "frontier": (IntervalBeforeFrontier, "interval must start at the computed frontier"),
+    "beyond_prompt": (IntervalBeyondPrompt,
+                      "prefill/rebuild needs computed < end <= target"),
+    "multi_row_decode": (MultiRowDecode,
+                         "ordinary decode is exactly [c, c + 1) with c == p + e - 1"),
+    "forged_kind": (ForgedPhase, "kind must be derived from the state, not chosen"),
+    "token_budget": (TokenBudgetOverflow, "selected rows must be <= token_budget"),
+    "seq_budget": (SequenceBudgetOverflow, "selected sequences must be <= seq_budget"),
+    "ledger_drift": (LedgerDrift,
+                     "num_tokens / num_seqs must equal the selected rows / count"),
+    "rank": (RankOrder, "ranks must be a permutation of 0..num_seqs-1 over selected slots"),
+    "intents": (IllegalIntent,
+                "admit only WAITING slots; preempt only RUNNING, unselected slots"),
+    "tie_break": (ForgedTieBreak,
+                  "recorded sort_key must replay from the state and order the ranks"),
 }
 
 RESULT_RULES = {
-    "binding": "result decision_id/state version must equal the plan's",
-    "unplanned_completion": "only selected slots may complete",
-    "completed_end": "a completed interval ends at the planned end",
-    "output_clock": "emit iff a decode completes or prefill first reaches p",
-    "service_debit": "service rows must equal completed rows (0 if not completed)",
-    "terminal": "a slot may finish only when it emitted or failed",
+    "binding": (StaleResult, "result decision_id/state version must equal the plan's"),
+    "unplanned_completion": (UnplannedCompletion, "only selected slots may complete"),
+    "completed_end": (CompletedEndMismatch, "a completed interval ends at the planned end"),
+    "failed_completion": (FailedCompletion, "a failed slot completes nothing"),
+    "output_clock": (WrongOutputClock,
+                     "emit (with a token) iff a decode completes or prefill first reaches p"),
+    "service_debit": (PlannedServiceDebit,
+                      "service rows must equal completed rows (0 if not completed)"),
+    "terminal": (UnfoundedTerminal, "a slot may finish only when it emitted or failed"),
 }
+
+PACKED_RULES = {
+    "position_trace": (ForgedPositionTrace,
+                       "a packed row's position must be start + its offset in the segment"),
+    "segments": (SegmentMismatch,
+                 "segment i must be the rank-i selected slot with end - start rows"),
+}
+
+_HIDDEN_WORDS = ("hidden", "realized")
+_PHYSICAL_WORDS = ("page", "block", "physical")
+
+
+def _field_names(record):
+  return [f.name for f in dataclasses.fields(record)]
+
+
+def _leaks(record, words, allowed_none=()):
+  """True if ``record`` declares a field named like ``words`` that is set."""
+  for name in _field_names(record):
+    if any(w in name for w in words):
+      if name in allowed_none and getattr(record, name) is None:
+        continue
+      return True
+  return False
+
+
+# ------------------------------------------------------------ predicates
 
 
 def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                     plan: rec.IterationPlan) -> Dict[str, jax.Array]:
-  """Rule name -> bool[R] (True where the rule is broken for that slot)."""
+  """Rule name -> bool[R] (True where the rule is broken for that slot).
+
+  ``manifest`` is the policy's input (the online projection); a manifest that
+  still carries ``hidden_realized_output_tokens`` breaks ``hidden_truth``.
+  Schema and policy-identity rules are static and broadcast to every slot.
+  """
   sel = plan.selected
+  num_slots = sel.shape[0]
+  scalar = lambda x: jnp.broadcast_to(jnp.asarray(x), (num_slots,))
   p, e, c = manifest.prompt_len, state.emitted, state.computed
   target = rec.prefill_target(manifest, state)
   decode_state = (e >= 1) & (c == p + e - 1)
   derived = jnp.where(decode_state, rec.DECODE_ROW,
                       jnp.where(e == 0, rec.PREFILL_CHUNK, rec.REBUILD))
-  width = plan.end - plan.start
-  num_slots = sel.shape[0]
-  scalar = lambda x: jnp.broadcast_to(x, (num_slots,))
+  width = jnp.where(sel, plan.end - plan.start, 0)
+  live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
+
+  # Pairwise identity checks over slots.
+  rid = manifest.request_id
+  same_id = (rid[:, None] == rid[None, :]) & ~jnp.eye(num_slots, dtype=bool)
+  dup_gen = jnp.any(same_id & (plan.generation[:, None] == plan.generation[None, :])
+                    & sel[None, :], axis=1) & sel
+  dup_member = jnp.any(same_id & live[None, :], axis=1) & (sel | plan.admit)
+
   ranks_sorted = jnp.sort(jnp.where(sel, plan.rank, num_slots + 1))
-  rank_ok = jnp.all(jnp.where(jnp.arange(num_slots) < plan.num_seqs,
+  rank_ok = jnp.all(jnp.where(jnp.arange(num_slots) < jnp.sum(sel),
                               ranks_sorted == jnp.arange(num_slots), True))
-  member_ok = ((state.status == rec.RUNNING) & ~plan.admit) | (
-      (state.status == rec.WAITING) & plan.admit)
+
+  # Ranks must follow the recorded key order among selected slots.
+  keys = sort_keys(manifest, state)
+  key_less = jnp.zeros((num_slots, num_slots), bool)
+  key_eq = jnp.ones((num_slots, num_slots), bool)
+  for col in range(keys.shape[1]):
+    a, b = keys[:, col][:, None], keys[:, col][None, :]
+    key_less = key_less | (key_eq & (a < b))
+    key_eq = key_eq & (a == b)
+  both = sel[:, None] & sel[None, :]
+  rank_inverted = jnp.any(both & key_less & (plan.rank[:, None] > plan.rank[None, :]),
+                          axis=1)
+
+  hidden = (_leaks(manifest, _HIDDEN_WORDS, ("hidden_realized_output_tokens",))
+            or _leaks(plan, _HIDDEN_WORDS))
+  physical = _leaks(manifest, _PHYSICAL_WORDS) or _leaks(plan, _PHYSICAL_WORDS)
+  policy_bad = bool(manifest.policy_id) and (
+      (plan.policy_id, plan.policy_version)
+      != (manifest.policy_id, manifest.policy_version))
   return {
+      "hidden_truth": scalar(hidden),
+      "physical_block": scalar(physical),
       "state_version": scalar(plan.input_state_version != state.state_version),
       "decision_id": scalar(plan.decision_id != state.decision_id),
-      "member": sel & ~(member_ok & state.ready),
-      "generation": sel & ((plan.generation != state.generation)
-                           | (plan.snapshot_version != state.snapshot_version)),
+      "policy_identity": scalar(policy_bad),
+      "stale_generation": sel & (plan.generation != state.generation),
+      "stale_snapshot": sel & (plan.snapshot_version != state.snapshot_version),
+      "duplicate_generation": dup_gen,
+      "duplicate_member": dup_member,
+      "terminal": sel & ~live,
+      "unready": sel & live & ~state.ready,
+      "queue_member": sel & live & ~(((state.status == rec.RUNNING) & ~plan.admit)
+                                     | ((state.status == rec.WAITING) & plan.admit)),
       "frontier": sel & (plan.start != c),
-      "prefill_interval": sel & ~decode_state & ~((c < plan.end) & (plan.end <= target)),
-      "decode_interval": sel & (plan.kind == rec.DECODE_ROW) & ~(
-          decode_state & (width == 1)),
-      "derived_kind": sel & (plan.kind != derived),
-      "token_budget": scalar((plan.num_tokens != jnp.sum(jnp.where(sel, width, 0)))
-                             | (plan.num_tokens > plan.token_budget)),
-      "seq_budget": scalar((plan.num_seqs != jnp.sum(sel))
-                           | (plan.num_seqs > plan.seq_budget)),
+      "beyond_prompt": sel & ~decode_state & ~((c < plan.end) & (plan.end <= target)),
+      "multi_row_decode": sel & decode_state & (plan.end - plan.start != 1),
+      "forged_kind": sel & (plan.kind != derived),
+      "token_budget": scalar(jnp.sum(width) > plan.token_budget),
+      "seq_budget": scalar(jnp.sum(sel) > plan.seq_budget),
+      "ledger_drift": scalar((plan.num_tokens != jnp.sum(width))
+                             | (plan.num_seqs != jnp.sum(sel))),
       "rank": scalar(~rank_ok) | (sel != (plan.rank >= 0)),
       "intents": (plan.admit & (state.status != rec.WAITING))
                  | (plan.preempt & ((state.status != rec.RUNNING) | sel)),
-      "tie_break": jnp.any(plan.sort_key != sort_keys(manifest, state), axis=1),
+      "tie_break": jnp.any(plan.sort_key != keys, axis=1) | rank_inverted,
   }
 
 
@@ -115,30 +375,81 @@ def result_violations(plan: rec.IterationPlan, state: rec.SchedulerState,
                         | (result.input_state_version != plan.input_state_version)),
       "unplanned_completion": done & ~plan.selected,
       "completed_end": done & (result.completed_end != plan.end),
-      "output_clock": result.emitted != should_emit,
+      "failed_completion": done & result.failed,
+      "output_clock": (result.emitted != should_emit)
+                      | (result.emitted != (result.token >= 0)),
       "service_debit": result.service_rows != jnp.where(done, rows, 0),
       "terminal": result.finished & ~(result.emitted | result.failed),
   }
 
 
-def _raise_first(violations, rules, error_cls):
+def packed_violations(plan: rec.IterationPlan, packed) -> Dict[str, jax.Array]:
+  """Rule name -> bool[T] over packed rows (§0x04).
+
+  ``packed`` is a ``serving.pack.PackedIteration`` (duck-typed: positions,
+  slot_of_row, valid_row, seq_slots, valid_seq, cu_q_lens). Request-local
+  positions must equal ``range(start, end)`` of the row's interval.
+  """
+  rows = jnp.arange(packed.positions.shape[0])
+  cu = packed.cu_q_lens
+  seq = jnp.clip(jnp.searchsorted(cu, rows, side="right") - 1, 0,
+                 packed.seq_slots.shape[0] - 1)
+  slot = packed.slot_of_row
+  expect = plan.start[slot] + rows - cu[seq]
+  bad_pos = packed.valid_row & (packed.positions != expect)
+  seq_slot = packed.seq_slots
+  q_len = cu[1:] - cu[:-1]
+  seg_bad = packed.valid_seq & (
+      ~plan.selected[seq_slot]
+      | (plan.rank[seq_slot] != jnp.arange(seq_slot.shape[0]))
+      | (q_len != plan.end[seq_slot] - plan.start[seq_slot]))
+  row_bad = packed.valid_row & (seg_bad[seq] | (slot != seq_slot[seq]))
+  count_bad = packed.num_seqs != jnp.sum(plan.selected)
+  return {"position_trace": bad_pos,
+          "segments": row_bad | jnp.any(seg_bad) | count_bad}
+
+
+# --------------------------------------------------------------- raising
+
+
+def _raise_first(violations, rules, base_cls):
   for rule, bad in violations.items():
     bad = np.asarray(bad)
     if bad.any():
+      cls, text = rules[rule]
       slots = np.flatnonzero(bad).tolist()
-      raise error_cls(rule, f"{rules[rule]} (slots {slots[:8]})")
+      raise cls(rule, f"{text} (slots {slots[:8]})")
+
+
+def broken_rules(violations: Dict[str, jax.Array]):
+  """Names of the rules with any True entry, in table order."""
+  return [rule for rule, bad in violations.items() if np.asarray(bad).any()]
 
 
 def validate_plan(manifest, state, plan) -> None:
-  """Raises PlanValidationError for the first broken rule; else None."""
+  """Raises the first broken rule's ``PlanValidationError`` subclass.
+
+  Args:
+    manifest: the WorkloadManifest the policy read (its online projection).
+    state: the SchedulerState the plan claims as input.
+    plan: the IterationPlan.
+  Raises:
+    PlanValidationError subclass named in ``PLAN_RULES``.
+  """
   _raise_first(plan_violations(manifest, state, plan), PLAN_RULES,
                PlanValidationError)
 
 
 def validate_result(plan, state, manifest, result) -> None:
-  """Raises ResultValidationError for the first broken rule; else None."""
+  """Raises the first broken rule's ``ResultValidationError`` subclass."""
   _raise_first(result_violations(plan, state, manifest, result), RESULT_RULES,
                ResultValidationError)
+
+
+def validate_packed(plan, packed) -> None:
+  """Raises ``ForgedPositionTrace`` / ``SegmentMismatch`` (§0x04)."""
+  _raise_first(packed_violations(plan, packed), PACKED_RULES,
+               PackedValidationError)
 
 
 def any_violation(violations: Dict[str, jax.Array]) -> jax.Array:
