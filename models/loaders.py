@@ -231,6 +231,19 @@ def _gguf_tensor(tensors: dict, name: str, shape: tuple, path: Path) -> np.ndarr
   return np.asarray(out, np.float32).reshape(shape)
 
 
+def read_gguf_tensors(path: Union[str, Path]) -> dict:
+  """Every tensor of a GGUF file as f32, torch order (``[out, in]``), rows as stored.
+
+  Raises:
+    ModelLoadError: not a GGUF, truncated, or a tensor of an unsupported type.
+  """
+  path = Path(path)
+  reader = _open_gguf(path)
+  tensors = {t.name: t for t in reader.tensors}
+  return {name: _gguf_tensor(tensors, name, tuple(int(d) for d in reversed(t.shape)), path)
+          for name, t in tensors.items()}
+
+
 def _stack_params(cfg: ModelConfig, get) -> dict:
   """Params tree from ``get(kind, layer) -> f32 [out, in]`` torch-layout arrays."""
   layers = {name: [] for name in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm",

@@ -54,8 +54,8 @@ def nan_cache(cfg):
   return llama.KVCache(k=jnp.full_like(kv.k, jnp.nan), v=jnp.full_like(kv.v, jnp.nan))
 
 
-def run(params, cfg, kv, batch):
-  return llama.forward_jit(params, cfg, kv, **batch, attention_impl="gather")
+def run(params, cfg, kv, batch, impl="blocked"):
+  return llama.forward_jit(params, cfg, kv, **batch, attention_impl=impl)
 
 
 def cached_rows(kv, seq, start, end):
@@ -78,18 +78,19 @@ def seqs(tiny_cfg):
   }
 
 
-@pytest.fixture(scope="module")
-def mixed(tiny_cfg, tiny_params, seqs):
+@pytest.fixture(scope="module", params=["blocked", "gather"])
+def mixed(request, tiny_cfg, tiny_params, seqs):
   """Two iterations: history prefill, then a mixed batch."""
+  impl = request.param
   kv = nan_cache(tiny_cfg)
   first = pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)])
-  hidden1, kv = run(tiny_params, tiny_cfg, kv, first)
+  hidden1, kv = run(tiny_params, tiny_cfg, kv, first, impl)
   parts = [(seqs["decode"], 7, 8), (seqs["chunk"], 5, 9), (seqs["prompt"], 0, 6)]
   second = pack(parts)
   kv_before = jax.tree_util.tree_map(np.asarray, kv)
-  hidden2, kv = run(tiny_params, tiny_cfg, kv, second)
+  hidden2, kv = run(tiny_params, tiny_cfg, kv, second, impl)
   return dict(hidden1=np.asarray(hidden1), hidden2=np.asarray(hidden2), kv=kv,
-              kv_before=kv_before, parts=parts)
+              kv_before=kv_before, parts=parts, impl=impl)
 
 
 def test_mixed_batch_matches_dense_reference(tiny_cfg, tiny_params, seqs, mixed):
@@ -127,10 +128,11 @@ def test_only_live_rows_write_the_cache(tiny_cfg, seqs, mixed):
 
 def test_padding_rows_do_not_change_results(tiny_cfg, tiny_params, seqs, mixed):
   kv = nan_cache(tiny_cfg)
-  kv = run(tiny_params, tiny_cfg, kv, pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)]))[1]
+  first = pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)])
+  kv = run(tiny_params, tiny_cfg, kv, first, mixed["impl"])[1]
   # Twice the padding, and padding rows carrying arbitrary tokens/positions.
   batch = pack(mixed["parts"], num_rows=2 * ROWS, pad_token=5, pad_position=3)
-  hidden, kv = run(tiny_params, tiny_cfg, kv, batch)
+  hidden, kv = run(tiny_params, tiny_cfg, kv, batch, mixed["impl"])
   np.testing.assert_allclose(np.asarray(hidden)[:11], mixed["hidden2"][:11], atol=1e-6)
   np.testing.assert_allclose(np.asarray(kv.k), np.asarray(mixed["kv"].k), atol=1e-6)
   np.testing.assert_allclose(np.asarray(kv.v), np.asarray(mixed["kv"].v), atol=1e-6)
@@ -156,7 +158,7 @@ def test_untied_head_and_rope_theta(tiny_cfg):
   params = perturbed_params(cfg, seed=3)
   assert params["lm_head"].shape == (cfg.d_model, cfg.vocab_size)
   seq = Seq([1, 2], np.arange(7) * 11)
-  hidden, _ = run(params, cfg, nan_cache(cfg), pack([(seq, 0, 7)]))
+  hidden, _ = run(params, cfg, nan_cache(cfg), pack([(seq, 0, 7)]), "gather")
   ref = dense_forward(params, cfg, seq.tokens)
   np.testing.assert_allclose(np.asarray(hidden)[:7], ref["hidden"], atol=2e-5)
   logits = llama.compute_logits_jit(params, cfg, hidden[:7])
@@ -166,10 +168,10 @@ def test_untied_head_and_rope_theta(tiny_cfg):
 def test_bfloat16_params_track_float32(tiny_cfg, tiny_params):
   seq = Seq([4, 5], np.arange(8) * 7)
   batch = pack([(seq, 0, 8)])
-  want, _ = run(tiny_params, tiny_cfg, nan_cache(tiny_cfg), batch)
+  want, _ = run(tiny_params, tiny_cfg, nan_cache(tiny_cfg), batch, "gather")
   params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), tiny_params)
   kv16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nan_cache(tiny_cfg))
-  got, kv16 = run(params16, tiny_cfg, kv16, batch)
+  got, kv16 = run(params16, tiny_cfg, kv16, batch, "gather")
   assert got.dtype == jnp.float32 and kv16.k.dtype == jnp.bfloat16
   err = np.abs(np.asarray(got)[:8] - np.asarray(want)[:8]).max()
   assert 0 < err < 0.1, err  # bf16 rounding (~3 significant digits), not garbage

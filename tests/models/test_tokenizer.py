@@ -1,0 +1,102 @@
+"""Tokenizer wrapper: BPE built from a GGUF-style vocabulary, chat template,
+streaming detokenizer."""
+
+import pytest
+
+from gguf_testing import CHAT_TEMPLATE, bpe_vocab
+from models.tokenizer import Tokenizer, build_bpe_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+  tokens, merges, types = bpe_vocab()
+  return Tokenizer(build_bpe_tokenizer(tokens, merges, types, pre="smollm"),
+                   eos_token_id=2, stop_token_ids=[0], chat_template=CHAT_TEMPLATE)
+
+
+def ids_of(tok, *pieces):
+  return [tok.backend.token_to_id(p) for p in pieces]
+
+
+def test_bpe_merges_digits_and_specials(tok):
+  # " the" merges fully; " th" stops at ("Ġt", "h"); digits stay single
+  # ("smollm" pre-tokenizer); special tokens are matched whole.
+  assert tok.encode(" the") == ids_of(tok, "Ġthe")
+  assert tok.encode(" th") == ids_of(tok, "Ġt", "h")
+  assert tok.encode("42") == ids_of(tok, "4", "2")
+  gpt2 = build_bpe_tokenizer(*bpe_vocab(), pre="gpt-2")
+  assert gpt2.encode("42").ids == ids_of(tok, "42")
+  assert tok.encode("<|im_start|>hi<|im_end|>") == [1] + ids_of(tok, "hi") + [2]
+  assert tok.stop_token_ids == (2, 0)
+
+
+def test_decode_round_trips_unicode(tok):
+  text = "naïve café — 世界 🙂 the end"
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text
+  assert tok.decode(tok.encode("<|im_end|>x"), skip_special_tokens=True) == "x"
+
+
+def test_bos_is_prepended_only_when_configured():
+  tokens, merges, types = bpe_vocab()
+  with_bos = build_bpe_tokenizer(tokens, merges, types, bos_token_id=0)
+  assert with_bos.encode("a", add_special_tokens=True).ids == [0, tokens.index("a")]
+  assert with_bos.encode("a", add_special_tokens=False).ids == [tokens.index("a")]
+  plain = build_bpe_tokenizer(tokens, merges, types)
+  assert plain.encode("a", add_special_tokens=True).ids == [tokens.index("a")]
+
+
+def test_unknown_pre_tokenizer_and_bad_merge():
+  tokens, merges, types = bpe_vocab()
+  with pytest.raises(ValueError, match="pre-tokenizer 'mystery'"):
+    build_bpe_tokenizer(tokens, merges, types, pre="mystery")
+  with pytest.raises(ValueError, match="merge 1 is not 'left right'"):
+    build_bpe_tokenizer(tokens, [merges[0], "abc"], types)
+
+
+def test_chat_template(tok):
+  text = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hi"}])
+  assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                  "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+  no_prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                      add_generation_prompt=False)
+  assert no_prompt == "<|im_start|>user\nHi<|im_end|>\n"
+  bare = Tokenizer(tok.backend, eos_token_id=2)
+  with pytest.raises(ValueError, match="no chat template"):
+    bare.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+
+def test_streaming_holds_split_characters(tok):
+  text = "a 世界🙂!"
+  ids = tok.encode(text)
+  # The vocabulary has no merges for these bytes: one token per UTF-8 byte.
+  assert len(ids) == len(text.encode("utf-8"))
+  detok = tok.detokenizer()
+  pieces = [detok.push(i) for i in ids]
+  assert pieces == ["a", " ", "", "", "世", "", "", "界", "", "", "", "🙂", "!"]
+  assert detok.flush() == "" and detok.text == text
+
+
+def test_streaming_matches_full_decode_with_merges_and_specials(tok):
+  text = "<|im_start|>the heart ist naïve 42<|im_end|>"
+  ids = tok.encode(text)
+  detok = tok.detokenizer()
+  assert "".join(detok.push(i) for i in ids) + detok.flush() == tok.decode(ids) == text
+  skip = tok.detokenizer(skip_special_tokens=True)
+  assert skip.push_many(ids) + skip.flush() == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_streaming_flushes_a_dangling_byte(tok):
+  ids = tok.encode("é")  # two byte tokens
+  detok = tok.detokenizer()
+  assert detok.push(ids[0]) == ""
+  assert detok.flush() == "\ufffd"
+
+
+def test_json_round_trip(tok):
+  again = Tokenizer.from_json(tok.to_json())
+  text = "<|im_start|>the 42 café"
+  assert again.encode(text) == tok.encode(text)
+  assert again.stop_token_ids == tok.stop_token_ids
+  assert again.chat_template == CHAT_TEMPLATE
