@@ -278,6 +278,7 @@ def sensitivity_ledgers(controls: SensitivityControls) -> Dict[str, object]:
       "causal_pairs": causal_pairs(c.prompt_len),
       "history_rows": rows,
       "history_bytes": rows * c.kv_row_bytes,
+      "piggyback_room": max(c.token_budget - min(c.chunk_size, c.prompt_len), 0),
       "piggyback_rows": piggyback_rows(c.decode_rows, c.chunk_size,
                                        c.prompt_len, c.token_budget, c.seq_budget),
       "reservation_intents": reservation_intents(

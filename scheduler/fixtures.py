@@ -149,6 +149,14 @@ def replay_step(policy, manifest, state, emit_ms, *, num_pages: int, page_size: 
   return apply_lib.apply(online, state, plan, result), plan, result, plan_bits, result_bits
 
 
+def plan(policy, manifest, state, view) -> rec.IterationPlan:
+  """``policy(manifest, state, view)``; ``plan_jit`` compiles it once per
+  (policy, shapes)."""
+  return policy(manifest, state, view)
+
+
+plan_jit = jax.jit(plan, static_argnums=0)
+
 replay_step_jit = jax.jit(replay_step,
                           static_argnames=("policy", "num_pages", "page_size"))
 

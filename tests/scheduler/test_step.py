@@ -20,7 +20,6 @@ POLICY = SarathiServe(Budgets(token_budget=8, seq_budget=4, chunk_cap=4))
 # The §0x01A iteration-5 fixture's budgets: K_token = 4, K_seq = 3.
 FIXTURE_POLICY = SarathiServe(Budgets(token_budget=4, seq_budget=3, chunk_cap=4))
 PAGES, PAGE_SIZE = 256, 4
-plan_jit = jax.jit(lambda m, s, a: POLICY(m, s, a))
 arrive_jit = jax.jit(apply_lib.arrive)
 release_jit = jax.jit(apply_lib.release)
 
@@ -40,8 +39,8 @@ def _step(manifest, state, now_ms):
 def test_planning_alone_advances_nothing():
   manifest, state, _ = fx.iteration5_fixture()
   before = jax.tree_util.tree_map(np.asarray, state)
-  plan = FIXTURE_POLICY(manifest.online(), state,
-                        fx.alloc_view(state, num_pages=16, page_size=4))
+  plan = fx.plan_jit(FIXTURE_POLICY, manifest.online(), state,
+                     fx.alloc_view(state, num_pages=16, page_size=4))
   assert bool(plan.selected.any())
   assert _leaves_equal(before, state)
   # A result in which nothing completed publishes no progress and no service.
@@ -61,7 +60,8 @@ def test_planning_alone_advances_nothing():
 def test_failed_slot_keeps_its_frontier():
   manifest, state, _ = fx.iteration5_fixture()
   online = manifest.online()
-  plan = FIXTURE_POLICY(online, state, fx.alloc_view(state, num_pages=16, page_size=4))
+  plan = fx.plan_jit(FIXTURE_POLICY, online, state,
+                     fx.alloc_view(state, num_pages=16, page_size=4))
   fail = jnp.zeros_like(plan.selected).at[1].set(True)          # req-B fails
   result = fx.fixture_execute(manifest, state, plan, 1.0, fail=fail)
   v.validate_result(plan, state, online, result)
@@ -90,6 +90,7 @@ def test_one_jitted_step_compiles_once_over_200_iterations():
       hidden_realized_output_tokens=jnp.zeros((num_slots,), jnp.int32))
   state = rec.initial_state(num_slots, 2)
   next_id, finished_total, rows_total = 0, 0, 0
+  compiled_before = fx.replay_step_jit._cache_size()
   for it in range(200):
     status = np.asarray(state.status)
     for slot in np.flatnonzero(status == rec.FREE):
@@ -107,10 +108,14 @@ def test_one_jitted_step_compiles_once_over_200_iterations():
     done = np.asarray(state.status) == rec.FINISHED
     finished_total += int(done.sum())
     state = release_jit(state, jnp.asarray(done))
+    if it == 0:
+      compiled_after_first = fx.replay_step_jit._cache_size()
   assert finished_total > 50
   # Completed-service counters equal every completed row.
   assert int(state.service_rows.sum()) == rows_total
-  assert fx.replay_step_jit._cache_size() == 1
+  # No retrace per iteration: one program each (the replay step's cache is
+  # shared with other tests, so count what these 200 iterations added).
+  assert fx.replay_step_jit._cache_size() == compiled_after_first <= compiled_before + 1
   assert arrive_jit._cache_size() == 1
   assert release_jit._cache_size() == 1
 
@@ -119,7 +124,9 @@ def test_same_state_gives_bitwise_same_plan():
   manifest, state, _ = fx.iteration5_fixture()
   online = manifest.online()
   view = fx.alloc_view(state, num_pages=16, page_size=4)
-  plans = [plan_jit(online, state, view) for _ in range(3)] + [POLICY(online, state, view)]
+  plans = [fx.plan_jit(FIXTURE_POLICY, online, state, view) for _ in range(3)]
+  rebuilt, rebuilt_state, _ = fx.iteration5_fixture()     # fresh arrays
+  plans.append(fx.plan_jit(FIXTURE_POLICY, rebuilt.online(), rebuilt_state, view))
   assert all(_leaves_equal(plans[0], p) for p in plans[1:])
 
 
@@ -133,10 +140,9 @@ def test_ties_break_on_recorded_key_not_slot_order(perm):
   ids = [40, 12, 33, 7, 21]
   reqs = [dict(slot=perm[i], request_id=rid, arrival_seq=0, prompt_len=1)
           for i, rid in enumerate(ids)]
-  manifest, state = fx.build(reqs, num_slots=6)
-  plan = plan_jit(manifest, state, fx.alloc_view(state, num_pages=PAGES,
-                                                  page_size=PAGE_SIZE))
-  v.validate_plan(manifest, state, plan)
+  manifest, state = fx.build(reqs, num_slots=8)
+  _, plan, _, plan_bits, _ = _step(manifest, state, 1.0)
+  assert int(plan_bits) == 0
   sel = np.flatnonzero(np.asarray(plan.selected))
   order = sel[np.argsort(np.asarray(plan.rank)[sel])]
   assert np.asarray(manifest.request_id)[order].tolist() == [7, 12, 21, 33]
@@ -145,7 +151,7 @@ def test_ties_break_on_recorded_key_not_slot_order(perm):
 def _replay_plans(hidden, steps=40):
   reqs = [dict(slot=i, request_id=i, arrival_seq=i, prompt_len=2 + 3 * i,
                max_tokens=12, hidden=h) for i, h in enumerate(hidden)]
-  manifest, state = fx.build(reqs, num_slots=6)
+  manifest, state = fx.build(reqs, num_slots=8)
   out = []
   for t in range(steps):
     state, plan, result, _, _ = _step(manifest, state, t + 1)

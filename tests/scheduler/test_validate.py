@@ -28,7 +28,8 @@ A, B, C, D, E = range(5)
 def valid():
   manifest, state, _ = fx.iteration5_fixture()
   online = manifest.online()
-  plan = POLICY(online, state, fx.alloc_view(state, num_pages=16, page_size=4))
+  plan = fx.plan_jit(POLICY, online, state,
+                     fx.alloc_view(state, num_pages=16, page_size=4))
   result = fx.fixture_execute(manifest, state, plan, 1.0)
   return online, state, plan, result
 
@@ -130,8 +131,9 @@ def test_duplicate_request_generation():
       [dict(slot=0, request_id=10, prompt_len=2, status=rec.RUNNING, emitted=1,
             computed=2),
        dict(slot=1, request_id=11, arrival_seq=1, prompt_len=2,
-            status=rec.RUNNING, emitted=1, computed=2)], num_slots=3)
-  plan = POLICY(manifest, state, fx.alloc_view(state, num_pages=8, page_size=4))
+            status=rec.RUNNING, emitted=1, computed=2)], num_slots=6)
+  plan = fx.plan_jit(POLICY, manifest, state,
+                     fx.alloc_view(state, num_pages=8, page_size=4))
   v.validate_plan(manifest, state, plan)
   plan_fails(v.DuplicateGeneration, "duplicate_generation",
              manifest.replace(request_id=_set(manifest.request_id, 1, 10)),
