@@ -179,3 +179,26 @@ def test_hidden_realized_lengths_never_change_online_plans():
   assert compared >= 6
   # After a stop the replays legitimately diverge.
   assert not all(_leaves_equal(x[0], y[0]) for x, y in zip(a, b))
+
+
+def test_ttft_clock_starts_at_original_arrival():
+  """§0x07: admission never restarts the first-token clock.
+
+  Five 4-token prompts arrive at t=0 with token budget 8 and sequence budget
+  4; the last is admitted only after a running request finishes, and its TTFT is measured from
+  its original arrival (0 ms), not from its admission.
+  """
+  reqs = [dict(slot=i, request_id=i, arrival_seq=i, prompt_len=4, max_tokens=6,
+               hidden=3) for i in range(5)]
+  manifest, state = fx.build(reqs, num_slots=8)
+  admitted_at = {}
+  for t in range(1, 9):
+    before = np.asarray(state.status)
+    state, plan, _, _, _ = _step(manifest, state, 10.0 * t)
+    for s in np.flatnonzero(np.asarray(plan.admit) & (before == rec.WAITING)):
+      admitted_at.setdefault(int(s), 10.0 * t)
+  first = np.asarray(state.first_token_ms)
+  assert admitted_at[0] == 10.0 and admitted_at[4] > 10.0
+  assert float(manifest.arrival_ms[4]) == 0.0
+  ttft = first - np.asarray(manifest.arrival_ms)
+  assert ttft[4] == first[4] >= admitted_at[4] > ttft[0]
