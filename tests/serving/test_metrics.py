@@ -182,3 +182,12 @@ def test_format_table_and_json(tmp_path):
     path = tmp_path / "out" / "report.json"
     write_report(path, r)
     assert json.loads(path.read_text()) == r
+
+
+def test_goodput_metric_exactly_on_its_limit_passes():
+    # 0.03 s of TTFT is 30.000000000000004 ms in binary floating point; a
+    # request exactly on a 30 ms limit is SLO-valid, one 1 us over is not.
+    on = _rec("on", 0.0, [0.03])
+    over = _rec("over", 0.0, [0.030001])
+    out = goodput([on, over], ttft_ms=30.0)
+    assert out["valid"] == 1 and out["missed"] == 1
