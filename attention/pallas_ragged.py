@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 
 def _ragged_kernel(
@@ -156,6 +157,7 @@ def ragged_attention_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
                              lambda b, h: (b, h, 0, 0)),
       out_shape=jax.ShapeDtypeStruct(qs.shape, jnp.float32),
       interpret=interpret,
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
       name=f"ragged_paged_attention_bq{block_q}_bkv{block_kv}",
   )(seq.astype(jnp.int32), start_pos.astype(jnp.int32),
     num_valid.astype(jnp.int32), kv_lens.astype(jnp.int32), table,

@@ -30,7 +30,8 @@ Implementations (``impl=``):
                  (``interpret=True`` on CPU).
 * ``"gather"``   each row gathers its sequence's whole page list (memory heavy;
                  kept as a second jittable cross-check).
-* ``"auto"``     ``"pallas"`` on GPU/TPU, ``"blocked"`` on CPU.
+* ``"auto"``     ``"pallas"`` on GPU, ``"blocked"`` on CPU and TPU
+                 (``resolve_impl``).
 
 Numerics of ``"blocked"`` and ``"pallas"``: each query walks key blocks
 ``j = 0, 1, ...`` where block ``j`` covers key positions
@@ -238,10 +239,15 @@ def query_slots(cu_q_lens, kv_lens, num_seqs, *, num_rows, block_q,
   if select is not None:
     q_lens = jnp.where(select, q_lens, 0)
   blocks = (q_lens + block_q - 1) // block_q
-  cu_blocks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
+  # Prefix sums and the slot -> sequence search as [S, S] / [NS, S] compares
+  # (S is small): they compile much faster than cumsum and searchsorted.
+  before = seq_ids[:, None] < seq_ids[None, :]                  # [S, S]
+  cu_blocks = jnp.concatenate([jnp.sum(jnp.where(before, blocks[:, None], 0),
+                                       axis=0, dtype=jnp.int32),
+                               jnp.sum(blocks, dtype=jnp.int32)[None]])
   slot = jnp.arange(num_slots, dtype=jnp.int32)
-  seq = jnp.searchsorted(cu_blocks, slot, side="right").astype(jnp.int32) - 1
-  seq = jnp.clip(seq, 0, kv_lens.shape[0] - 1)
+  seq = jnp.sum(cu_blocks[None, 1:-1] <= slot[:, None], axis=1,
+                dtype=jnp.int32)
   first = (slot - cu_blocks[seq]) * block_q          # first local row
   num_valid = jnp.clip(q_lens[seq] - first, 0, block_q)
   num_valid = jnp.where(slot < cu_blocks[-1], num_valid, 0)
@@ -402,7 +408,7 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
                         block_q=bq, num_slots=num_slots,
                         select=select)
     o, rows = _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots,
-                            block_q=bq, chunk=min(chunk, num_slots), **kw)
+                            block_q=bq, chunk=chunk, **kw)
     out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
                                        mode="drop")
   return out.astype(q.dtype)
@@ -449,13 +455,21 @@ def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
 
 
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-  """Maps ``"auto"`` to ``"pallas"`` on GPU/TPU and ``"blocked"`` on CPU."""
+  """Maps ``"auto"`` to the implementation for ``backend`` (default: JAX's).
+
+  ``"pallas"`` on GPU (the kernel lowers through Triton); ``"blocked"`` on
+  CPU (fastest correct path there, see docs/benchmarks.md) and on TPU (the
+  kernel gathers pages with vector indices, which Mosaic TPU does not lower).
+
+  Raises:
+    ValueError: if ``impl`` is not one of ``IMPLS``.
+  """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   if impl != "auto":
     return impl
   backend = backend or jax.default_backend()
-  return "pallas" if backend in ("gpu", "cuda", "rocm", "tpu") else "blocked"
+  return "pallas" if backend in ("gpu", "cuda", "rocm") else "blocked"
 
 
 @functools.partial(
@@ -483,8 +497,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     impl: static, one of ``IMPLS`` (see module docstring).
     sliding_window: static; a row at position ``p`` sees keys ``> p - w``.
     soft_cap: static; scores become ``c * tanh(scores / c)`` (after scaling).
-    block_q: static query rows per slot (default 16 for "blocked", 16 for
-      "pallas").
+    block_q: static query rows per slot (default 16). "blocked" gives
+      sequences with ``q_len <= block_q // 4`` one slot per row (decode).
     block_kv: static keys per block, a multiple of ``page_size`` (default:
       128 rounded up to a multiple of ``page_size``). Results are bitwise
       reproducible for a fixed ``block_kv`` and ``page_size``.
@@ -521,7 +535,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   if impl == "blocked":
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,
-                    chunk_rows=32, chunk_blocks=2, **kw)
+                    chunk_rows=32, chunk_blocks=4, **kw)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   num_rows = q.shape[0]

@@ -1,0 +1,159 @@
+"""Benchmarks ragged paged attention on the engine's typical mixes; writes JSON.
+
+CPU:  python scripts/bench_attention.py --out=/tmp/attn.json
+GPU:  python scripts/bench_attention.py --backend=gpu --peak_hbm_gbps=4800 \
+          --impls=pallas,gather,dense --out=/tmp/attn_gpu.json
+
+Mixes (page_size 16, 9 query / 3 KV heads, head_dim 64; --dtype):
+  decode32   32 decode rows, kv_len uniform in [500, 1500], T=64
+  prefill0   one 256-row prompt chunk, no history, T=256
+  prefill1k  one 256-row chunk after 1000 committed rows, T=256
+  mixed      31 decode rows + a 225-row chunk after 500 rows, T=256
+
+For each impl: ms per call (median of --iters after one warm-up), speed-up
+over the numpy reference and over "gather", max |error| against the
+reference, and the achieved bandwidth of the K/V bytes the mix must read
+(as a fraction of --peak_hbm_gbps when given).
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention import ragged  # noqa: E402
+
+_OUT = flags.DEFINE_string("out", "/tmp/bench_attention.json", "JSON path.")
+_BACKEND = flags.DEFINE_string("backend", "cpu", "JAX platform to run on.")
+_IMPLS = flags.DEFINE_list("impls", ["blocked", "gather"],
+                           "ragged impls, plus 'dense' (masked attention).")
+_MIXES = flags.DEFINE_list("mixes", ["decode32", "prefill0", "prefill1k",
+                                     "mixed"], "Mixes to run.")
+_ITERS = flags.DEFINE_integer("iters", 5, "Timed calls per impl and mix.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                           "q and K/V dtype.")
+_PEAK = flags.DEFINE_float("peak_hbm_gbps", 0.0, "Device peak bandwidth.")
+_REFERENCE = flags.DEFINE_bool("reference", True, "Time the numpy oracle.")
+
+_MIX_SPECS = {  # name: (T, [(history, q_len), ...])
+    "decode32": (64, "decode", 32),
+    "prefill0": (256, [(0, 256)]),
+    "prefill1k": (256, [(1000, 256)]),
+    "mixed": (256, "mixed", 31),
+}
+_S, _PAGES_PER_SEQ, _PAGE, _HQ, _HKV, _D = 32, 128, 16, 9, 3, 64
+
+
+def _sequences(name, rng):
+  spec = _MIX_SPECS[name]
+  if spec[1] == "decode":
+    return spec[0], [(int(h), 1) for h in rng.integers(499, 1500, spec[2])]
+  if spec[1] == "mixed":
+    decode = [(int(h), 1) for h in rng.integers(499, 1500, spec[2])]
+    return spec[0], decode + [(500, 225)]
+  return spec[0], spec[1]
+
+
+def _make_inputs(seqs, num_rows, dtype, rng):
+  """Random pages (NaN where unused) and descriptors for ``seqs``."""
+  num_pages = _S * _PAGES_PER_SEQ + 1
+  shape = (num_pages, _PAGE, _HKV, _D)
+  k_pages = rng.standard_normal(shape, np.float32)
+  v_pages = rng.standard_normal(shape, np.float32)
+  table = np.zeros((_S, _PAGES_PER_SEQ), np.int32)   # page 0: null page
+  kv_lens = np.zeros(_S, np.int32)
+  cu = np.zeros(_S + 1, np.int32)
+  for s, (history, q_len) in enumerate(seqs):
+    kv_lens[s] = history + q_len
+    used = -(-kv_lens[s] // _PAGE)
+    table[s, :used] = 1 + s * _PAGES_PER_SEQ + np.arange(used)
+    cu[s + 1] = cu[s] + q_len
+  cu[len(seqs) + 1:] = cu[len(seqs)]
+  q = rng.standard_normal((num_rows, _HQ, _D), np.float32)
+  kv_bytes = int(kv_lens.sum()) * _HKV * _D * 2 * jnp.dtype(dtype).itemsize
+  args = (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype),
+          jnp.asarray(v_pages, dtype), jnp.asarray(kv_lens),
+          jnp.asarray(table), jnp.asarray(cu), jnp.int32(len(seqs)))
+  return args, kv_bytes
+
+
+@jax.jit
+def _dense(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs):
+  """Dense masked attention over every sequence's whole page list."""
+  seq, pos, valid = ragged.row_metadata(cu_q_lens, kv_lens, num_seqs,
+                                        q.shape[0])
+  k = k_pages[page_table].reshape(-1, _HKV, _D).astype(jnp.float32)
+  v = v_pages[page_table].reshape(-1, _HKV, _D).astype(jnp.float32)
+  width = page_table.shape[1] * _PAGE
+  key_seq = jnp.arange(k.shape[0]) // width
+  key_pos = jnp.arange(k.shape[0]) % width
+  mask = ((key_seq[None] == seq[:, None]) & (key_pos[None] <= pos[:, None])
+          & valid[:, None])
+  qg = q.reshape(q.shape[0], _HKV, _HQ // _HKV, _D).astype(jnp.float32)
+  s = jnp.einsum("tkgd,skd->tkgs", qg, k) * _D ** -0.5
+  s = jnp.where(mask[:, None, None], s, -1e30)
+  p = jax.nn.softmax(s, axis=-1) * mask[:, None, None]
+  return jnp.einsum("tkgs,skd->tkgd", p, v).reshape(q.shape).astype(q.dtype)
+
+
+def _time(fn, iters):
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return 1e3 * float(np.median(times))
+
+
+def main(argv):
+  del argv
+  jax.config.update("jax_platforms", _BACKEND.value)
+  rng = np.random.default_rng(0)
+  dtype = jnp.dtype(_DTYPE.value)
+  results = []
+  for mix in _MIXES.value:
+    num_rows, seqs = _sequences(mix, rng)
+    args, kv_bytes = _make_inputs(seqs, num_rows, dtype, rng)
+    row = {"mix": mix, "T": num_rows, "num_seqs": len(seqs),
+           "kv_tokens": int(np.asarray(args[3]).sum()), "ms": {}, "max_err": {}}
+    ref = ragged.reference_attention(*args, sm_scale=_D ** -0.5)
+    if _REFERENCE.value:
+      row["ms"]["reference"] = _time(
+          lambda: ragged.reference_attention(*args, sm_scale=_D ** -0.5), 1)
+    for impl in _IMPLS.value:
+      if impl == "dense":
+        fn = lambda: _dense(*args)
+      else:
+        fn = lambda impl=impl: ragged.ragged_paged_attention(
+            *args, sm_scale=_D ** -0.5, impl=impl)
+      row["ms"][impl] = _time(fn, _ITERS.value)
+      out = np.asarray(fn(), np.float64)
+      row["max_err"][impl] = float(np.abs(out - ref).max())
+    base = row["ms"]
+    row["speedup_vs_reference"] = {
+        k: base["reference"] / v for k, v in base.items() if "reference" in base}
+    row["speedup_vs_gather"] = {
+        k: base["gather"] / v for k, v in base.items() if "gather" in base}
+    row["kv_gbps"] = {k: kv_bytes / v / 1e6 for k, v in base.items()}
+    if _PEAK.value:
+      row["hbm_fraction"] = {k: g / _PEAK.value
+                             for k, g in row["kv_gbps"].items()}
+    print(json.dumps(row))
+    results.append(row)
+  meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
+          "dtype": _DTYPE.value, "page_size": _PAGE, "heads": [_HQ, _HKV],
+          "head_dim": _D, "max_num_seqs": _S, "pages_per_seq": _PAGES_PER_SEQ,
+          "iters": _ITERS.value, "jax": jax.__version__}
+  Path(_OUT.value).write_text(json.dumps({"meta": meta, "results": results},
+                                         indent=1))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,282 @@
+"""Segmented ragged paged attention against the numpy reference (§0x04, §0x09).
+
+Every page no sequence owns, every page-table entry beyond a sequence's pages
+(they point at an explicitly reserved null page), every page tail beyond
+``kv_len`` and every padding query row holds NaN, so a stray read poisons
+the output. The Pallas kernel runs in interpret mode on CPU.
+"""
+
+import functools
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+from jax import export
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import ragged
+
+MAX_LEN = 512
+
+
+def make_batch(seqs, *, num_rows=None, max_seqs=None, page_size=16,
+               heads=(9, 3), head_dim=64, dtype=jnp.float32, seed=0,
+               max_kv_len=320, pool_tokens=2048):
+  """Builds a packed batch; ``seqs`` is ``[(key, history, q_len), ...]``.
+
+  A sequence's K/V/Q at position ``t`` depend only on ``(key, t)``, so the
+  same sequence can be split into chunks or mixed with others. Physical pages
+  are shuffled by ``seed``; the last physical page is the reserved null page.
+  The page table holds ``max_kv_len`` tokens per sequence and the pool
+  ``pool_tokens``, so batches of equal ``num_rows``/``max_seqs`` share shapes.
+
+  Returns:
+    ``(args, cu_q_lens, num_seqs)``: ``args`` in ``ragged_paged_attention``
+    order.
+  """
+  num_q_heads, num_kv_heads = heads
+  num_live = len(seqs)
+  max_seqs = max_seqs or num_live
+  kv_lens = [h + q for _, h, q in seqs]
+  num_rows = num_rows or sum(q for _, _, q in seqs)
+  used = [-(-kv // page_size) for kv in kv_lens]
+  pages_per_seq = max_kv_len // page_size
+  num_pages = pool_tokens // page_size
+  assert max(used) <= pages_per_seq and sum(used) + 2 < num_pages
+  null_page = num_pages - 1
+  rng = np.random.default_rng(seed)
+  physical = rng.permutation(null_page)
+  k_pages = np.full((num_pages, page_size, num_kv_heads, head_dim), np.nan,
+                    np.float32)
+  v_pages = k_pages.copy()
+  table = np.full((max_seqs, pages_per_seq), null_page, np.int32)
+  q = np.full((num_rows, num_q_heads, head_dim), np.nan, np.float32)
+  cu = np.zeros(max_seqs + 1, np.int32)
+  lens = np.full(max_seqs, 7, np.int32)            # unused slots: ignored
+  start = 0
+  for s, (key, history, q_len) in enumerate(seqs):
+    data = np.random.default_rng(key)
+    k_all = data.standard_normal((MAX_LEN, num_kv_heads, head_dim))
+    v_all = data.standard_normal((MAX_LEN, num_kv_heads, head_dim))
+    q_all = data.standard_normal((MAX_LEN, num_q_heads, head_dim))
+    pages = physical[start:start + used[s]]
+    start += used[s]
+    table[s, :used[s]] = pages
+    kv = kv_lens[s]
+    for t in range(kv):
+      k_pages[pages[t // page_size], t % page_size] = k_all[t]
+      v_pages[pages[t // page_size], t % page_size] = v_all[t]
+    q[cu[s]:cu[s] + q_len] = q_all[history:kv]
+    cu[s + 1] = cu[s] + q_len
+    lens[s] = kv
+  cu[num_live + 1:] = cu[num_live]
+  args = (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype),
+          jnp.asarray(v_pages, dtype), jnp.asarray(lens), jnp.asarray(table),
+          jnp.asarray(cu), jnp.asarray(num_live, jnp.int32))
+  return args, cu, num_live
+
+
+def attend(args, impl, **kw):
+  kw.setdefault("sm_scale", args[0].shape[-1] ** -0.5)
+  return np.asarray(ragged.ragged_paged_attention(*args, impl=impl, **kw)
+                    .astype(jnp.float32))
+
+
+def assert_matches_reference(args, cu, num_live, impl, **kw):
+  out = attend(args, impl, **kw)
+  kw.setdefault("sm_scale", args[0].shape[-1] ** -0.5)
+  kw = {k: v for k, v in kw.items() if k not in ("block_q", "block_kv")}
+  ref = ragged.reference_attention(*(np.asarray(a.astype(jnp.float32))
+                                     if a.dtype == jnp.bfloat16 else a
+                                     for a in args), **kw)
+  end = cu[num_live]
+  tol = 2e-2 if args[0].dtype == jnp.bfloat16 else 2e-5
+  np.testing.assert_allclose(out[:end], ref[:end], atol=tol, rtol=tol)
+  np.testing.assert_array_equal(out[end:], 0.0)     # padding rows: zeros
+
+
+CASES = {  # name: [(key, history, q_len)]; all packed into T=64, S=16
+    "decode16": [(k, (37 * k) % 90, 1) for k in range(16)],
+    "prefill": [(1, 0, 20), (2, 0, 7), (3, 0, 33)],
+    "mixed": [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 100, 1), (5, 0, 5),
+              (6, 17, 1), (7, 40, 18)],
+    "page_cross": [(1, 15, 1), (2, 16, 1), (3, 14, 3), (4, 31, 2), (5, 0, 33)],
+}
+
+
+@pytest.mark.parametrize("impl", ["blocked", "gather", "pallas"])
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference(case, impl):
+  args, cu, n = make_batch(CASES[case], num_rows=64, max_seqs=16)
+  assert_matches_reference(args, cu, n, impl)
+
+
+VARIANTS = {  # together they cover page_size 8/16/32, GQA 9:3/8:1/4:4,
+    # head_dim 64/128 and bf16/f32 (the CASES above are 16, 9:3, 64, f32)
+    "page8_gqa8to1_head128_bf16": dict(page_size=8, heads=(8, 1),
+                                       head_dim=128, dtype=jnp.bfloat16),
+    "page32_mha4to4": dict(page_size=32, heads=(4, 4)),
+}
+SMALL_MIX = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 9, 1)]
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_match_reference(variant, impl):
+  args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5,
+                           **VARIANTS[variant])
+  assert_matches_reference(args, cu, n, impl)
+
+
+@pytest.mark.parametrize("impl, kw", [
+    ("blocked", dict(sliding_window=8, soft_cap=3.0)),
+    ("gather", dict(sliding_window=8, soft_cap=3.0)),
+    ("pallas", dict(sliding_window=8, soft_cap=3.0)),
+    ("blocked", dict(block_q=4, block_kv=32)),
+    ("pallas", dict(block_q=4, block_kv=32)),
+], ids=["window_softcap-blocked", "window_softcap-gather",
+        "window_softcap-pallas", "small_blocks-blocked", "small_blocks-pallas"])
+def test_options_match_reference(kw, impl):
+  args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
+  assert_matches_reference(args, cu, n, impl, **kw)
+
+
+@pytest.mark.parametrize("impl, chunks", [
+    ("blocked", range(1, 25)), ("pallas", (1, 5, 24))])
+def test_chunked_prefill_equals_full_prefill(impl, chunks):
+  """§0x09: any chunking of a 24-token prompt gives bitwise the same rows."""
+  full_args, _, _ = make_batch([(9, 0, 24)], num_rows=32, max_seqs=4)
+  full = attend(full_args, impl)[:24]
+  for chunk in chunks:
+    rows = []
+    for start in range(0, 24, chunk):
+      q_len = min(chunk, 24 - start)
+      seqs = [(1, 40, 1), (9, start, q_len), (3, 5, 2)]
+      args, cu, _ = make_batch(seqs, num_rows=32, max_seqs=4, seed=start)
+      rows.append(attend(args, impl)[cu[1]:cu[2]])
+    np.testing.assert_array_equal(np.concatenate(rows), full,
+                                  err_msg=f"chunk={chunk}")
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_batch_invariance_is_bitwise(impl):
+  """A sequence's rows are identical alone and inside any mix."""
+  others = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 200, 1)]
+  for seq in [(11, 60, 19), (12, 130, 1)]:
+    alone_args, _, _ = make_batch([seq], num_rows=24, max_seqs=1)
+    alone = attend(alone_args, impl)[:seq[2]]
+    for pos in (0, 2, 4):
+      mix = others[:pos] + [seq] + others[pos:]
+      args, cu, _ = make_batch(mix, num_rows=64, max_seqs=8, seed=pos + 1)
+      np.testing.assert_array_equal(attend(args, impl)[cu[pos]:cu[pos + 1]],
+                                    alone, err_msg=f"{seq} at {pos}")
+
+
+def test_auto_is_blocked_on_cpu_and_num_seqs_may_be_shape_1():
+  assert ragged.resolve_impl("auto", "cpu") == "blocked"
+  assert ragged.resolve_impl("auto", "gpu") == "pallas"
+  args, cu, n = make_batch(CASES["mixed"], num_rows=64, max_seqs=16)
+  auto = attend(args[:-1] + (jnp.asarray([n], jnp.int32),), "auto")
+  np.testing.assert_array_equal(auto, attend(args, "blocked"))
+
+
+@hypothesis.settings(max_examples=20, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(
+    seqs=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 16)),
+                  min_size=1, max_size=6),
+    seed=st.integers(0, 99))
+def test_random_ragged_batches_match_reference(seqs, seed):
+  seqs = [(seed * 10 + i, h, q) for i, (h, q) in enumerate(seqs)]
+  args, cu, n = make_batch(seqs, num_rows=96, max_seqs=6, page_size=8,
+                           seed=seed)
+  assert_matches_reference(args, cu, n, "blocked")
+
+
+# ----------------------------------------------------------------------------
+# write_kv_pages
+
+
+def test_write_kv_pages_writes_rows_and_drops_padding():
+  k_pages = jnp.zeros((4, 8, 2, 16))
+  v_pages = jnp.ones((4, 8, 2, 16))
+  k_new = jnp.arange(3 * 2 * 16, dtype=jnp.float32).reshape(3, 2, 16) + 1
+  slots = jnp.asarray([2 * 8 + 5, -1, 3 * 8 + 7], jnp.int32)
+  k_out, v_out = ragged.write_kv_pages(k_pages, v_pages, k_new, -k_new, slots)
+  expected_k = np.zeros((4, 8, 2, 16), np.float32)
+  expected_v = np.ones((4, 8, 2, 16), np.float32)
+  expected_k[2, 5], expected_k[3, 7] = k_new[0], k_new[2]
+  expected_v[2, 5], expected_v[3, 7] = -k_new[0], -k_new[2]
+  np.testing.assert_array_equal(k_out, expected_k)
+  np.testing.assert_array_equal(v_out, expected_v)
+
+
+# ----------------------------------------------------------------------------
+# Validation
+
+
+def _shape_error_cases():
+  args, _, _ = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
+  q, kp, vp, lens, table, cu, n = args
+  return {
+      "q": ((q[0],) + args[1:], {}),
+      "v_pages": ((q, kp, vp[:, :4]) + args[3:], {}),
+      "head_dim": ((q[..., :32],) + args[1:], {}),
+      "n_q_heads": ((q[:, :8],) + args[1:], {}),
+      "page_table": (args[:4] + (table[:3],) + args[5:], {}),
+      "cu_q_lens": (args[:5] + (cu[:-1], n), {}),
+      "kv_lens": (args[:3] + (lens.astype(jnp.float32),) + args[4:], {}),
+      "sm_scale": (args, {"sm_scale": -1.0}),
+      "sliding_window": (args, {"sliding_window": 0}),
+      "impl": (args, {"impl": "fast"}),
+  }
+
+
+@pytest.mark.parametrize("name", list(_shape_error_cases()))
+def test_inconsistent_shapes_raise_at_trace_time(name):
+  args, kw = _shape_error_cases()[name]
+  kw = {"sm_scale": 0.125, "impl": "blocked", **kw}
+  with pytest.raises(ValueError, match=name):
+    ragged.ragged_paged_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("q_len", lambda lens, table, cu, n: (lens.at[1].set(3), table, cu, n)),
+    ("non-decreasing", lambda lens, table, cu, n: (
+        lens, table, cu.at[2].set(0), n)),
+    ("T=", lambda lens, table, cu, n: (lens, table, cu.at[4].set(99), n)),
+    ("num_seqs", lambda lens, table, cu, n: (lens, table, cu, n + 9)),
+    ("pages_per_seq", lambda lens, table, cu, n: (
+        lens.at[0].set(500), table, cu, n)),
+    ("page_table", lambda lens, table, cu, n: (
+        lens, table.at[0, 0].set(10_000), cu, n)),
+])
+def test_value_errors_name_argument_and_rule(name, edit):
+  args, _, _ = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
+  lens, table, cu, n = edit(*args[3:])
+  with pytest.raises(ValueError, match=name):
+    ragged.ragged_paged_attention_checked(*args[:3], lens, table, cu, n,
+                                          sm_scale=0.125)
+
+
+# ----------------------------------------------------------------------------
+# Lowering for accelerators
+
+
+def test_pallas_kernel_lowers_to_triton_for_cuda():
+  args, _, _ = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
+  fn = jax.jit(functools.partial(ragged.ragged_paged_attention, sm_scale=0.125,
+                                 impl="pallas", interpret=False))
+  exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+  assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.skip(reason="Mosaic TPU lowering reads the attached TPU's chip "
+                  "info, so it cannot lower on a CPU host; the kernel's "
+                  "vector-indexed page gather also needs a DMA-based TPU "
+                  "variant (auto uses 'blocked' on TPU)")
+def test_pallas_kernel_lowers_for_tpu():
+  pass
