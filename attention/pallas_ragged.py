@@ -23,6 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+# float32 tiles multiply in full float32 (Triton's default would be TF32).
+_EXACT = jax.lax.Precision.HIGHEST
+
 
 def _ragged_kernel(
     # Inputs.
@@ -68,6 +71,7 @@ def _ragged_kernel(
     k = jnp.where(key_ok, k, jnp.zeros_like(k))      # page tails may hold NaN
     v = jnp.where(key_ok, v.astype(jnp.float32), 0.0)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            precision=_EXACT,
                             preferred_element_type=jnp.float32) * sm_scale
     if soft_cap is not None:
       s = soft_cap * jnp.tanh(s / soft_cap)
@@ -81,7 +85,7 @@ def _ragged_kernel(
     alpha = jnp.exp(m - m_safe)
     p = jnp.where(visible, jnp.exp(s - m_safe[:, None]), 0.0)
     l = alpha * l + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + jnp.dot(p, v,
+    acc = alpha[:, None] * acc + jnp.dot(p, v, precision=_EXACT,
                                          preferred_element_type=jnp.float32)
     return m_new, l, acc
 

@@ -384,11 +384,16 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
 
 def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
              sm_scale, soft_cap, sliding_window, block_q, block_kv,
-             chunk_rows, chunk_blocks):
-  """Row path for short sequences (decode), block path for the rest."""
+             chunk_rows, chunk_blocks, short_q=None):
+  """Row path for short sequences (decode), block path for the rest.
+
+  A sequence with ``q_len <= short_q`` (default ``block_q // 4``) gets one
+  slot per row instead of a mostly empty ``block_q``-row slot.
+  """
   num_rows = q.shape[0]
   num_seq_slots = kv_lens.shape[0]
-  short_q = max(1, block_q // 4)       # q_len <= short_q: one slot per row
+  if short_q is None:
+    short_q = max(1, block_q // 4)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   short = q_lens <= short_q
   kw = dict(block_kv=block_kv, sm_scale=sm_scale, soft_cap=soft_cap,
@@ -535,7 +540,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   if impl == "blocked":
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,
-                    chunk_rows=32, chunk_blocks=4, **kw)
+                    chunk_rows=16, chunk_blocks=4, **kw)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   num_rows = q.shape[0]
