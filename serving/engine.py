@@ -348,6 +348,9 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       chunk_cap=config.long_prefill_token_threshold,
       watermark_pages=config.watermark_pages))
   runner = ModelRunner(model_cfg, config.attention_impl)
+  # jax.jit caches per underlying callable; a fresh partial per config gives
+  # each config its own cache, so compiled_programs() counts only its own.
+  own = functools.partial
   return _Programs(
       policy=policy,
       plan=jax.jit(functools.partial(_plan, policy)),
@@ -356,6 +359,6 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
                             sample_rows=config.sample_rows,
                             max_model_len=config.max_model_len),
           static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
-      publish=jax.jit(_publish),
-      arrive=jax.jit(_arrive, donate_argnums=(2,)),
-      release=jax.jit(_release))
+      publish=jax.jit(own(_publish)),
+      arrive=jax.jit(own(_arrive), donate_argnums=(2,)),
+      release=jax.jit(own(_release)))

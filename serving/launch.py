@@ -7,7 +7,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
 from models.loaders import load_model
 from serving.config import EngineConfig, SamplingParams
@@ -32,6 +32,7 @@ def define_engine_flags() -> None:
 
 def build_engine():
   """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer)."""
+  logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)

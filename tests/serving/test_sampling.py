@@ -1,0 +1,58 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from serving.sampling import _filtered_logits, sample
+
+sample_jit = jax.jit(sample)
+
+
+def _call(logits, temperature=0.0, top_k=0, top_p=1.0, seed=0, index=0):
+  n = logits.shape[0]
+  full = lambda v, dt: jnp.full((n,), v, dt)
+  return np.asarray(sample_jit(jnp.asarray(logits, jnp.float32), full(temperature, jnp.float32),
+                               full(top_k, jnp.int32), full(top_p, jnp.float32),
+                               full(seed, jnp.uint32), full(index, jnp.int32)))
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+  logits = np.array([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 2.0, 5.0]])
+  assert _call(logits).tolist() == [1, 0]
+
+
+def test_top_k_and_top_p_masks_by_hand():
+  row = jnp.log(jnp.array([0.1, 0.4, 0.2, 0.3]))
+  keep = lambda k, p: np.isfinite(np.asarray(_filtered_logits(row, k, p))).tolist()
+  assert keep(2, 1.0) == [False, True, False, True]
+  # Descending mass 0.4, 0.3, 0.2, 0.1: p = 0.6 needs the first two.
+  assert keep(0, 0.6) == [False, True, False, True]
+  assert keep(0, 0.75) == [False, True, True, True]
+  assert keep(3, 0.5) == [False, True, False, True]
+
+
+def test_top_k_one_equals_greedy_at_any_temperature():
+  logits = np.random.default_rng(0).standard_normal((8, 50))
+  assert (_call(logits, temperature=2.0, top_k=1, seed=3) == _call(logits)).all()
+
+
+def test_seed_and_index_determine_the_draw():
+  logits = np.zeros((1, 1000))
+  a = [_call(logits, 1.0, seed=5, index=i)[0] for i in range(4)]
+  assert a == [_call(logits, 1.0, seed=5, index=i)[0] for i in range(4)]
+  assert len(set(a)) > 1
+  assert a != [_call(logits, 1.0, seed=6, index=i)[0] for i in range(4)]
+
+
+def test_temperature_sampling_follows_the_distribution():
+  # 4000 draws (distinct output indices) from p = [0.5, 0.3, 0.2]: each
+  # frequency within 4 standard errors of its probability.
+  probs = np.array([0.5, 0.3, 0.2])
+  logits = np.tile(np.log(probs), (4000, 1))
+  n = logits.shape[0]
+  draws = np.asarray(sample_jit(jnp.asarray(logits, jnp.float32), jnp.ones((n,)),
+                                jnp.zeros((n,), jnp.int32), jnp.ones((n,)),
+                                jnp.full((n,), 9, jnp.uint32), jnp.arange(n, dtype=jnp.int32)))
+  freq = np.bincount(draws, minlength=3) / n
+  assert np.all(np.abs(freq - probs) < 4 * np.sqrt(probs * (1 - probs) / n))
