@@ -221,6 +221,8 @@ def build_report(
       TPOT = (E2EL - TTFT) / (output_tokens - 1), only for > 1 output token;
       ITL  = every gap between consecutive output tokens, pooled.
     Gated or empty statistics are None and named in `insufficient_sample`.
+    `requests` lists every record (arrival, first-token and every token time
+    in s, tokens in/out, outcome, reason, preemptions).
 
     Args:
       records: one per offered request.
@@ -265,7 +267,15 @@ def build_report(
     report["insufficient_sample"] = gated
     report["percentile_method"] = "nearest_rank, reported when n >= ceil(1/(1-p))"
     report["config"] = dict(config or {})
+    report["requests"] = [_record_dict(r) for r in records]
     return report
+
+
+def _record_dict(r: RequestRecord) -> dict:
+    """One request's line of the report (times in s from the replay start)."""
+    out = dataclasses.asdict(r)
+    out["token_times_s"] = list(r.token_times_s)
+    return out
 
 
 _ON_LIMIT_TOLERANCE_MS = 1e-6
