@@ -99,7 +99,8 @@ def check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
     if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
       raise ValueError(f"{name} must have an integer dtype, got "
                        f"{jnp.result_type(x)}")
-  if not (isinstance(sm_scale, (int, float)) and np.isfinite(sm_scale)
+  if not (isinstance(sm_scale, (int, float, np.floating))
+          and np.isfinite(sm_scale)
           and sm_scale > 0):
     raise ValueError(f"sm_scale must be a finite positive float, got "
                      f"{sm_scale!r}")
