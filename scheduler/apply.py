@@ -4,6 +4,10 @@ A plan alone never advances a counter: ``apply`` publishes completed
 intervals, emitted outputs and their clocks, terminal events, queue intents
 the plan made (admission, recompute preemption) and completed-service debits
 (per client, from the result's completed rows, never from the plan).
+Completed REBUILD rows restore cache after a recompute preemption: they are
+counted in ``recompute_rows``, never as fairness service (§0x0C). A policy
+with counters of its own (VTC, MLFQ, ...) advances them through its pure
+``update`` hook, which ``apply`` calls with the same completed result.
 """
 
 from __future__ import annotations
@@ -43,9 +47,16 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       jnp.where(result.failed, rec.FINISH_ERROR, state.finish_reason))
 
   changed = completed | preempted | ended | plan.admit
-  service = state.service_rows + jnp.zeros_like(state.service_rows).at[
-      manifest.client].add(jnp.where(completed, result.service_rows, 0))
-  return state.replace(
+  rebuild = completed & (plan.kind == rec.REBUILD)
+  per_client = lambda rows: jnp.zeros_like(state.service_rows).at[
+      manifest.client].add(rows)
+  service = state.service_rows + per_client(
+      jnp.where(completed & ~rebuild, result.service_rows, 0))
+  recompute_rows = state.recompute_rows
+  if recompute_rows is not None:
+    recompute_rows = recompute_rows + per_client(
+        jnp.where(rebuild, result.service_rows, 0))
+  successor = state.replace(
       decision_id=state.decision_id + 1,
       state_version=state.state_version + 1,
       now_ms=jnp.maximum(state.now_ms, result.emit_ms),
@@ -59,7 +70,12 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       last_token_ms=last_token_ms,
       finish_reason=finish_reason.astype(jnp.int32),
       num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
-      service_rows=service)
+      service_rows=service,
+      recompute_rows=recompute_rows)
+  update = getattr(plan.policy, "update", None)
+  if update is not None:
+    successor = update(manifest, state, plan, result, successor)
+  return successor
 
 
 def tick(state: rec.SchedulerState, now_ms) -> rec.SchedulerState:
@@ -69,12 +85,23 @@ def tick(state: rec.SchedulerState, now_ms) -> rec.SchedulerState:
 
 def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
            request_id, arrival_ms, arrival_seq, prompt_len, max_tokens,
-           priority, client):
+           priority, client, ttft_ms=float("inf"), tbt_ms=float("inf")):
   """A declared request enters a FREE slot as WAITING, ready, generation 0.
 
+  ``ttft_ms`` / ``tbt_ms`` are its declared SLO limits (ms, +inf = none);
+  they are recorded when the manifest carries SLO fields. Per-slot policy
+  counters (MLFQ level, quantum used, wait) restart for the new request.
   Returns ``(manifest, state)``; the state version is bumped.
   """
   set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
+  if manifest.ttft_ms is not None:
+    manifest = manifest.replace(ttft_ms=set_(manifest.ttft_ms, ttft_ms))
+  if manifest.tbt_ms is not None:
+    manifest = manifest.replace(tbt_ms=set_(manifest.tbt_ms, tbt_ms))
+  if state.mlfq_level is not None:
+    state = state.replace(mlfq_level=set_(state.mlfq_level, -1),
+                          mlfq_used=set_(state.mlfq_used, 0),
+                          wait_iters=set_(state.wait_iters, 0))
   manifest = manifest.replace(
       request_id=set_(manifest.request_id, request_id),
       arrival_ms=set_(manifest.arrival_ms, arrival_ms),

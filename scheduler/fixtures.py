@@ -73,7 +73,7 @@ def build(requests: Sequence[Dict], *, num_slots: int, num_clients: int = 2,
       hidden_realized_output_tokens=(jnp.asarray(hidden) if any(
           "hidden" in r for r in requests) else None),
       policy_id=policy_id, policy_version=policy_version)
-  state = rec.SchedulerState(
+  state = s.replace(  # policy counters keep their initial_state values
       decision_id=jnp.int32(decision_id), state_version=jnp.int32(state_version),
       now_ms=jnp.float32(now_ms), status=j["status"], ready=j["ready"],
       generation=j["generation"], snapshot_version=j["snapshot_version"],

@@ -67,6 +67,9 @@ class WorkloadManifest:
     policy_id, policy_version: static strings, the workload's declared policy
       identity; a plan from another policy identity is refused (§0x01A).
       Empty means the workload leaves the policy unbound.
+    ttft_ms, tbt_ms: f32[R] or None, declared SLOs (ms): first-token limit
+      from original arrival, next-token limit from the previous emission
+      (§0x07). None (or +inf) means no objective; see ``slo_limits``.
   """
 
   request_id: jax.Array
@@ -79,6 +82,8 @@ class WorkloadManifest:
   hidden_realized_output_tokens: Optional[jax.Array] = None
   policy_id: str = flax.struct.field(pytree_node=False, default="")
   policy_version: str = flax.struct.field(pytree_node=False, default="")
+  ttft_ms: Optional[jax.Array] = None
+  tbt_ms: Optional[jax.Array] = None
 
   @property
   def num_slots(self) -> int:
@@ -108,7 +113,24 @@ class SchedulerState:
     first_token_ms, last_token_ms: f32[R], emission clocks (ms; -1 if none).
     finish_reason: i32[R], FINISH_* code, NOT_FINISHED while live.
     num_preemptions: i32[R].
-    service_rows: i32[C], completed-service counter per client (rows).
+    service_rows: i32[C], completed-service counter per client (rows);
+      rebuild rows after a recompute preemption are not service (§0x0C).
+
+  Policy-owned counters (None on a state built without them; every one is
+  advanced only by ``scheduler.apply.apply`` from completed results):
+    recompute_rows: i32[C], completed REBUILD rows per client (resource
+      usage, never fairness service; §0x0C).
+    client_counter: i32[C], VTC virtual counter c_i, or the provisional
+      selection counter C_select of completion-reconciled VTC (§0x09A).
+    client_done: i32[C], authoritative weighted completed service W_done.
+    client_active: bool[C], clients with a live request at the last
+      publication (VTC's counter lift detects newly active clients).
+    last_left_counter: i32[], counter of the last client that left when the
+      active set became empty (VTC Algorithm 2).
+    mlfq_level: i32[R], FastServe queue index (-1 before skip-join).
+    mlfq_used: i32[R], quantum used at the current level (token rows).
+    wait_iters: i32[R], iterations a live, ready request went unserved.
+    hot_streak: i32[], prefix-aware hot selections since the last cold one.
   """
 
   decision_id: jax.Array
@@ -126,6 +148,15 @@ class SchedulerState:
   finish_reason: jax.Array
   num_preemptions: jax.Array
   service_rows: jax.Array
+  recompute_rows: Optional[jax.Array] = None
+  client_counter: Optional[jax.Array] = None
+  client_done: Optional[jax.Array] = None
+  client_active: Optional[jax.Array] = None
+  last_left_counter: Optional[jax.Array] = None
+  mlfq_level: Optional[jax.Array] = None
+  mlfq_used: Optional[jax.Array] = None
+  wait_iters: Optional[jax.Array] = None
+  hot_streak: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -136,11 +167,15 @@ class AllocatorView:
     free_pages: i32[], pages on the free list.
     pages_held: i32[R], pages owned by each slot.
     page_size: static, token rows per page.
+    prefix_hit_tokens: i32[R] or None, exact cached-prefix tokens the
+      allocator has proven resident for each slot's prompt (None reads as
+      zeros until a prefix cache publishes it; see ``prefix_hits``).
   """
 
   free_pages: jax.Array
   pages_held: jax.Array
   page_size: int = flax.struct.field(pytree_node=False)
+  prefix_hit_tokens: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -161,6 +196,14 @@ class IterationPlan:
       slot (columns SORT_KEY_FIELDS).
     num_tokens, num_seqs: i32[], the budget ledger (rows, sequences).
     token_budget, seq_budget: static ints the ledger was checked against.
+    unschedulable: bool[R] or None, live slots the policy can never serve
+      under its static budgets (e.g. an ORCA prompt wider than the token
+      budget); they stay blocked and visible here.
+    policy: static policy object that made the plan, or None. Its
+      ``sort_keys(manifest, state)`` replays ``sort_key`` (default:
+      ``scheduler.policies.sort_keys``) and its optional
+      ``update(manifest, state, plan, result, successor)`` advances its
+      counters inside ``scheduler.apply.apply``.
   """
 
   decision_id: jax.Array
@@ -181,6 +224,8 @@ class IterationPlan:
   policy_version: str = flax.struct.field(pytree_node=False, default="")
   token_budget: int = flax.struct.field(pytree_node=False, default=0)
   seq_budget: int = flax.struct.field(pytree_node=False, default=0)
+  unschedulable: Optional[jax.Array] = None
+  policy: object = flax.struct.field(pytree_node=False, default=None)
 
 
 @flax.struct.dataclass
@@ -214,16 +259,32 @@ class IterationResult:
 
 
 def empty_manifest(num_slots: int) -> WorkloadManifest:
-  """A manifest with every slot free."""
+  """A manifest with every slot free (no SLO declared: limits +inf)."""
   i32 = lambda v: jnp.full((num_slots,), v, jnp.int32)
+  inf = jnp.full((num_slots,), jnp.inf, jnp.float32)
   return WorkloadManifest(
       request_id=i32(-1), arrival_ms=jnp.zeros((num_slots,), jnp.float32),
       arrival_seq=i32(0), prompt_len=i32(0), max_tokens=i32(0),
-      priority=i32(0), client=i32(0))
+      priority=i32(0), client=i32(0), ttft_ms=inf, tbt_ms=inf)
+
+
+def slo_limits(manifest: WorkloadManifest):
+  """(ttft_ms f32[R], tbt_ms f32[R]); +inf where no SLO was declared."""
+  inf = jnp.full((manifest.num_slots,), jnp.inf, jnp.float32)
+  ttft = inf if manifest.ttft_ms is None else manifest.ttft_ms
+  tbt = inf if manifest.tbt_ms is None else manifest.tbt_ms
+  return ttft, tbt
+
+
+def prefix_hits(view: AllocatorView):
+  """i32[R]: the allocator's published prefix-hit tokens (zeros if none)."""
+  if view.prefix_hit_tokens is None:
+    return jnp.zeros_like(view.pages_held)
+  return view.prefix_hit_tokens
 
 
 def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
-  """State version 0: every slot free, clocks at zero."""
+  """State version 0: every slot free, clocks and policy counters at zero."""
   i32 = lambda v: jnp.full((num_slots,), v, jnp.int32)
   f32 = lambda v: jnp.full((num_slots,), v, jnp.float32)
   return SchedulerState(
@@ -233,7 +294,14 @@ def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
       snapshot_version=i32(0), emitted=i32(0), computed=i32(0),
       committed=i32(0), first_token_ms=f32(-1.0), last_token_ms=f32(-1.0),
       finish_reason=i32(NOT_FINISHED), num_preemptions=i32(0),
-      service_rows=jnp.zeros((num_clients,), jnp.int32))
+      service_rows=jnp.zeros((num_clients,), jnp.int32),
+      recompute_rows=jnp.zeros((num_clients,), jnp.int32),
+      client_counter=jnp.zeros((num_clients,), jnp.int32),
+      client_done=jnp.zeros((num_clients,), jnp.int32),
+      client_active=jnp.zeros((num_clients,), bool),
+      last_left_counter=jnp.int32(0),
+      mlfq_level=i32(-1), mlfq_used=i32(0), wait_iters=i32(0),
+      hot_streak=jnp.int32(0))
 
 
 def prefill_target(manifest: WorkloadManifest, state: SchedulerState):

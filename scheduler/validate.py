@@ -283,6 +283,23 @@ def _leaks(record, words, allowed_none=()):
 # ------------------------------------------------------------ predicates
 
 
+def replay_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+                plan: rec.IterationPlan) -> jax.Array:
+  """i32[R, K]: the tie-break key the plan's policy derives from the state.
+
+  ``plan.policy.sort_keys(manifest, state)`` when the plan names a policy
+  object with that method (its id must be the plan's id), else the default
+  ``scheduler.policies.sort_keys``. Raises ValueError on an id mismatch.
+  """
+  keyer = getattr(plan.policy, "sort_keys", None)
+  if keyer is None:
+    return sort_keys(manifest, state)
+  if plan.policy.policy_id != plan.policy_id:
+    raise ValueError(f"plan.policy is {plan.policy.policy_id!r} but plan.policy_id "
+                     f"is {plan.policy_id!r}")
+  return keyer(manifest, state)
+
+
 def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                     plan: rec.IterationPlan) -> Dict[str, jax.Array]:
   """Rule name -> bool[R] (True where the rule is broken for that slot).
@@ -313,8 +330,13 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   rank_ok = jnp.all(jnp.where(jnp.arange(num_slots) < jnp.sum(sel),
                               ranks_sorted == jnp.arange(num_slots), True))
 
-  # Ranks must follow the recorded key order among selected slots.
-  keys = sort_keys(manifest, state)
+  # Ranks must follow the recorded key order among selected slots. The key
+  # is replayed from the state by the plan's own policy (its declared
+  # tie-break), or by the default ``sort_keys``.
+  keys = replay_keys(manifest, state, plan)
+  key_shape_bad = keys.shape != plan.sort_key.shape
+  if key_shape_bad:
+    keys = jnp.zeros(plan.sort_key.shape, jnp.int32)
   key_less = jnp.zeros((num_slots, num_slots), bool)
   key_eq = jnp.ones((num_slots, num_slots), bool)
   for col in range(keys.shape[1]):
@@ -356,7 +378,8 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       "rank": scalar(~rank_ok) | (sel != (plan.rank >= 0)),
       "intents": (plan.admit & (state.status != rec.WAITING))
                  | (plan.preempt & ((state.status != rec.RUNNING) | sel)),
-      "tie_break": jnp.any(plan.sort_key != keys, axis=1) | rank_inverted,
+      "tie_break": (jnp.any(plan.sort_key != keys, axis=1) | rank_inverted
+                    | scalar(key_shape_bad)),
   }
 
 
