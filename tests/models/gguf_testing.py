@@ -46,7 +46,7 @@ def torch_layout(cfg, params):
   out = {"model.embed_tokens.weight": p["embed/embedding"],
          "model.norm.weight": p["final_norm/scale"]}
   if not cfg.tie_embeddings:
-    out["lm_head.weight"] = p["lm_head"].T
+    out["lm_head.weight"] = np.ascontiguousarray(p["lm_head"].T)
   for i in range(cfg.n_layers):
     pre = f"model.layers.{i}."
     out[pre + "input_layernorm.weight"] = p["layers/attn_norm/scale"][i]
