@@ -218,7 +218,9 @@ def query_slots(cu_q_lens, kv_lens, num_seqs, *, num_rows, block_q,
   """Lays the selected sequences' rows out as ``block_q``-row slots.
 
   Sequence ``s`` (if selected) gets ``ceil(q_len / block_q)`` consecutive
-  slots; slot ``b`` holds its rows ``[i * block_q, (i + 1) * block_q)``.
+  slots; its ``i``-th slot holds its local rows
+  ``[i * block_q, min((i + 1) * block_q, q_len))``. Slots past the selected
+  sequences' total are empty.
 
   Args:
     cu_q_lens: i32[S + 1]; kv_lens: i32[S]; num_seqs: i32[] or i32[1].
