@@ -18,6 +18,7 @@ Implemented here:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable, Dict
 
 import jax
@@ -244,8 +245,318 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
       seq_budget=b.seq_budget)
 
 
+# ------------------------------------------------ shared policy helpers
+#
+# A policy built on these helpers (1) derives its recorded key
+# ``sort_keys(manifest, state, view) -> i32[R, K]``, (2) walks the key order
+# with ``lax.scan``, offering each slot to ``try_running`` / ``try_admit``,
+# which keep the token / sequence / page ledgers, and (3) returns
+# ``finish_plan``, whose packing ranks follow the key order among the
+# selected slots (so ``validate``'s tie-break rule replays it).
+
+INT32_MAX = 2**31 - 1
+
+
+def refuse_hidden_truth(manifest: rec.WorkloadManifest) -> None:
+  """Raises ValueError if the manifest still carries realized lengths (§0x06)."""
+  if manifest.hidden_realized_output_tokens is not None:
+    raise ValueError("policy input must be the online projection "
+                     "(manifest.online()): hidden truth present")
+
+
+def pages_for(rows, page_size: int):
+  """Pages needed to hold ``rows`` token rows."""
+  return _ceil_div(rows, page_size)
+
+
+def work_facts(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
+  """Per-slot facts every policy reads (all bool[R] except ``target``).
+
+  ``decode``: running, ready, at the ordinary decode frontier.
+  ``partial``: running, ready, with prefill or rebuild rows left.
+  ``waiting``: WAITING and ready (always has prefill-like work).
+  ``target``: i32[R], where prefill-like work stops (``prefill_target``).
+  """
+  target = rec.prefill_target(manifest, state)
+  running = state.status == rec.RUNNING
+  decode = running & state.ready & (state.emitted >= 1) & (
+      state.computed == manifest.prompt_len + state.emitted - 1)
+  partial = running & state.ready & (state.computed < target)
+  waiting = (state.status == rec.WAITING) & state.ready & (state.computed < target)
+  return dict(target=target, running=running, decode=decode, partial=partial,
+              waiting=waiting, work=decode | partial | waiting)
+
+
+def inverse_permutation(order):
+  """i32[R]: ``pos[order[i]] = i``."""
+  n = order.shape[0]
+  return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def ledger(manifest, state, alloc, budgets: Budgets, order, *,
+           reserve_rows=None, chunk_cap=None, whole_prefill=False,
+           max_prefills=None):
+  """(ctx, carry) for ``try_running`` / ``try_admit`` / ``finish_plan``.
+
+  Args:
+    order: i32[R], the policy's key order; running slots late in it are the
+      recompute-preemption victims of a decode row that finds no page.
+    reserve_rows: i32[R] rows a live request is promised at admission
+      (default: its prefill target; ORCA: prompt + max_tokens). Pages for
+      them are reserved until used, so later admissions cannot take them.
+    chunk_cap: static rows one prefill-like interval may take (default
+      ``budgets.chunk_cap``); ``whole_prefill`` requires the whole remaining
+      prompt in one interval (no chunking).
+    max_prefills: static cap on prefill-like intervals per plan (SARATHI's
+      one anchor chunk), or None.
+  """
+  f = work_facts(manifest, state)
+  ps = alloc.page_size
+  held = alloc.pages_held.astype(jnp.int32)
+  reserve_rows = f["target"] if reserve_rows is None else reserve_rows
+  need_total = jnp.maximum(pages_for(reserve_rows, ps) - held, 0)
+  own = jnp.where(f["running"], need_total, 0)
+  rank_in_order = inverse_permutation(order)
+  victim_order = key_order(jnp.stack(
+      [jnp.where(f["running"], 0, 1), rank_in_order], axis=1))
+  ctx = dict(f, held=held, ps=ps, own=own, need_total=need_total,
+             computed=state.computed, victim_order=victim_order,
+             pos=inverse_permutation(victim_order), budgets=budgets,
+             chunk_cap=budgets.chunk_cap if chunk_cap is None else chunk_cap,
+             whole_prefill=whole_prefill, max_prefills=max_prefills)
+  num_slots = manifest.num_slots
+  carry = dict(
+      free=alloc.free_pages.astype(jnp.int32), reserved=jnp.sum(own),
+      tok=jnp.int32(0), seq=jnp.int32(0), prefills=jnp.int32(0),
+      tail=jnp.sum(f["running"]).astype(jnp.int32),
+      live=jnp.any(f["running"]), blocked=jnp.bool_(False),
+      selected=jnp.zeros((num_slots,), bool), admit=jnp.zeros((num_slots,), bool),
+      preempt=jnp.zeros((num_slots,), bool), end=state.computed,
+      alloc_now=jnp.zeros((num_slots,), jnp.int32))
+  return ctx, carry
+
+
+def _take(x, c, s, end, need):
+  c = dict(c)
+  c["selected"] = c["selected"].at[s].set(True)
+  c["end"] = c["end"].at[s].set(end)
+  c["alloc_now"] = c["alloc_now"].at[s].set(need)
+  c["free"] = c["free"] - need
+  c["tok"] = c["tok"] + (end - x["computed"][s])
+  c["seq"] = c["seq"] + 1
+  c["prefills"] = c["prefills"] + (~x["decode"][s]).astype(jnp.int32)
+  return c
+
+
+def preempt_slot(x, c, v):
+  """Recompute-preempts running slot ``v``: its pages and reservation return."""
+  c = dict(c)
+  c["preempt"] = c["preempt"].at[v].set(True)
+  c["free"] = c["free"] + x["held"][v]
+  c["reserved"] = c["reserved"] - x["own"][v]
+  return c
+
+
+def _prefill_room(x, c):
+  ok = c["seq"] < x["budgets"].seq_budget
+  if x["max_prefills"] is not None:
+    ok = ok & (c["prefills"] < x["max_prefills"])
+  return ok
+
+
+def _prefill_width(x, s, room):
+  rem = x["target"][s] - x["computed"][s]
+  if x["whole_prefill"]:
+    return jnp.where(rem <= room, rem, 0)
+  return jnp.minimum(jnp.minimum(rem, x["chunk_cap"]), room)
+
+
+def try_running(x, c, s, preempt_victims=True):
+  """Offers running slot ``s`` its next interval; returns the new carry.
+
+  A decode row that finds no page preempts running victims from the tail of
+  the policy order (never one before ``s``), else ``s`` itself (§0x0C,
+  recompute). A running prefill/rebuild chunk is cut to the free pages.
+  """
+  b = x["budgets"]
+  live = ~c["preempt"][s] & ~c["selected"][s]
+  avail = c["free"] - (c["reserved"] - x["own"][s])
+  held, comp = x["held"][s], x["computed"][s]
+
+  def decode(c):
+    need = jnp.maximum(pages_for(comp + 1, x["ps"]) - held, 0)
+
+    def cond(c):
+      v = x["victim_order"][jnp.maximum(c["tail"] - 1, 0)]
+      short = need > c["free"] - (c["reserved"] - x["own"][s])
+      return short & (c["tail"] - 1 > x["pos"][s]) & ~c["selected"][v]
+
+    def body(c):
+      c = preempt_slot(x, c, x["victim_order"][c["tail"] - 1])
+      c["tail"] = c["tail"] - 1
+      return c
+
+    if preempt_victims:
+      c = jax.lax.while_loop(cond, body, c)
+    short = need > c["free"] - (c["reserved"] - x["own"][s])
+
+    def self_preempt(c):
+      c = preempt_slot(x, c, s)
+      c["tail"] = jnp.minimum(c["tail"], x["pos"][s])
+      return c
+
+    def run(c):
+      c = _take(x, c, s, comp + 1, need)
+      c["reserved"] = c["reserved"] - jnp.minimum(need, x["own"][s])
+      return c
+
+    return jax.lax.cond(short, self_preempt, run, c)
+
+  def partial(c):
+    room = b.token_budget - c["tok"]
+    by_pages = (held + avail) * x["ps"] - comp
+    width = jnp.minimum(_prefill_width(x, s, room), by_pages)
+    if x["whole_prefill"]:
+      width = jnp.where(width == x["target"][s] - comp, width, 0)
+    end = comp + jnp.maximum(width, 0)
+    need = jnp.maximum(pages_for(end, x["ps"]) - held, 0)
+
+    def run(c):
+      c = _take(x, c, s, end, need)
+      c["reserved"] = c["reserved"] - jnp.minimum(need, x["own"][s])
+      return c
+
+    return jax.lax.cond((width > 0) & _prefill_room(x, c), run, lambda c: c, c)
+
+  fits_decode = (c["tok"] < b.token_budget) & (c["seq"] < b.seq_budget)
+  c = jax.lax.cond(live & x["decode"][s] & fits_decode, decode, lambda c: c, c)
+  return jax.lax.cond(live & x["partial"][s], partial, lambda c: c, c)
+
+
+def admission_fits(x, c, s):
+  """(bool, width): waiting slot ``s`` fits the token / sequence budgets
+  and the pages left after reservations and the watermark."""
+  b = x["budgets"]
+  width = _prefill_width(x, s, b.token_budget - c["tok"])
+  watermark = jnp.where(c["live"], b.watermark_pages, 0)
+  pages_ok = x["need_total"][s] <= c["free"] - c["reserved"] - watermark
+  return x["waiting"][s] & (width > 0) & _prefill_room(x, c) & pages_ok, width
+
+
+def admit(x, c, s, width):
+  """Takes waiting slot ``s`` with ``width`` rows and an admission intent."""
+  comp = x["computed"][s]
+  need = jnp.maximum(pages_for(comp + width, x["ps"]) - x["held"][s], 0)
+  c = _take(x, c, s, comp + width, need)
+  c["admit"] = c["admit"].at[s].set(True)
+  c["reserved"] = c["reserved"] + jnp.maximum(x["need_total"][s] - need, 0)
+  c["live"] = jnp.bool_(True)
+  return c
+
+
+def try_admit(x, c, s, fcfs_break=True):
+  """Offers waiting slot ``s`` admission; with ``fcfs_break`` a waiting slot
+  that does not fit blocks every later one (ORCA's ``break``)."""
+  fits, width = admission_fits(x, c, s)
+  is_waiting = x["waiting"][s] & ~c["selected"][s]
+  go = is_waiting & fits
+  if fcfs_break:
+    go = go & ~c["blocked"]
+    c = dict(c)
+    c["blocked"] = c["blocked"] | (is_waiting & ~fits)
+  return jax.lax.cond(go, lambda c: admit(x, c, s, width), lambda c: c, c)
+
+
+def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True):
+  """One pass over ``order``: running slots via ``try_running``, waiting
+  slots via ``try_admit``."""
+
+  def step(c, s):
+    c = try_running(x, c, s, preempt_victims)
+    return try_admit(x, c, s, fcfs_break), None
+
+  c, _ = jax.lax.scan(step, c, order)
+  return c
+
+
+def finish_plan(manifest, state, x, c, keys, order, policy,
+                unschedulable=None) -> rec.IterationPlan:
+  """The IterationPlan of a finished ledger; ranks follow ``order``."""
+  selected = c["selected"]
+  in_order = selected[order]
+  rank = jnp.full(selected.shape, -1, jnp.int32).at[order].set(
+      jnp.where(in_order, jnp.cumsum(in_order) - 1, -1).astype(jnp.int32))
+  computed = state.computed
+  kind = jnp.where(x["decode"], rec.DECODE_ROW, _work_kind(manifest, state))
+  b = policy.budgets
+  return rec.IterationPlan(
+      decision_id=state.decision_id,
+      input_state_version=state.state_version,
+      selected=selected,
+      generation=state.generation,
+      snapshot_version=state.snapshot_version,
+      start=jnp.where(selected, computed, 0),
+      end=jnp.where(selected, c["end"], 0),
+      kind=jnp.where(selected, kind, rec.NO_WORK).astype(jnp.int32),
+      rank=rank,
+      admit=c["admit"],
+      preempt=c["preempt"],
+      sort_key=keys,
+      num_tokens=jnp.sum(jnp.where(selected, c["end"] - computed, 0)).astype(jnp.int32),
+      num_seqs=jnp.sum(selected).astype(jnp.int32),
+      policy_id=policy.policy_id,
+      policy_version=policy.version,
+      token_budget=b.token_budget,
+      seq_budget=b.seq_budget,
+      unschedulable=unschedulable,
+      policy=policy)
+
+
+def identity_keys(manifest, state, *leading):
+  """i32[R, len(leading) + 3]: ``leading`` columns, then arrival_seq,
+  request_id and generation (the stable tail every policy shares)."""
+  cols = list(leading) + [manifest.arrival_seq, manifest.request_id,
+                          state.generation]
+  return jnp.stack([jnp.asarray(col, jnp.int32) for col in cols], axis=1)
+
+
+def work_rank(manifest, state):
+  """i32[R]: 0 where the slot has legal work now, 1 otherwise."""
+  return jnp.where(work_facts(manifest, state)["work"], 0, 1).astype(jnp.int32)
+
+
+class PolicyBase:
+  """``__call__`` refuses hidden truth, then runs ``plan``."""
+
+  def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+               alloc: rec.AllocatorView) -> rec.IterationPlan:
+    refuse_hidden_truth(manifest)
+    return self.plan(manifest, state, alloc)
+
+
+def _lazy(module: str, name: str, **params):
+  """Factory ``budgets -> policy`` importing ``module`` on first use (the
+  policy modules import this one, so the registry cannot import them)."""
+
+  def make(budgets: Budgets):
+    return getattr(importlib.import_module(module), name)(budgets, **params)
+
+  make.__name__ = name
+  return make
+
+
 POLICIES: Dict[str, Callable[[Budgets], object]] = {
     "sarathi_serve": SarathiServe,
+    "orca": _lazy("scheduler.policy_orca", "Orca"),
+    "sarathi": _lazy("scheduler.policy_sarathi", "Sarathi"),
+    "vllm_v1": _lazy("scheduler.policy_vllm", "VllmV1"),
+    "fastserve": _lazy("scheduler.policy_fairness", "FastServe"),
+    "vtc": _lazy("scheduler.policy_fairness", "Vtc"),
+    "vtc_completion_reconciled": _lazy("scheduler.policy_fairness",
+                                       "VtcCompletionReconciled"),
+    "priority_aging": _lazy("scheduler.policy_slo", "PriorityAging"),
+    "least_slack": _lazy("scheduler.policy_slo", "LeastSlack"),
+    "prefix_aware": _lazy("scheduler.policy_fairness", "PrefixAware"),
 }
 
 

@@ -284,12 +284,14 @@ def _leaks(record, words, allowed_none=()):
 
 
 def replay_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
-                plan: rec.IterationPlan) -> jax.Array:
+                plan: rec.IterationPlan, view=None) -> jax.Array:
   """i32[R, K]: the tie-break key the plan's policy derives from the state.
 
-  ``plan.policy.sort_keys(manifest, state)`` when the plan names a policy
-  object with that method (its id must be the plan's id), else the default
-  ``scheduler.policies.sort_keys``. Raises ValueError on an id mismatch.
+  ``plan.policy.sort_keys(manifest, state, view)`` when the plan names a
+  policy object with that method (its id must be the plan's id), else the
+  default ``scheduler.policies.sort_keys``. ``view`` is the AllocatorView the
+  policy read; only keys built on allocator facts (prefix hits) need it.
+  Raises ValueError on an id mismatch.
   """
   keyer = getattr(plan.policy, "sort_keys", None)
   if keyer is None:
@@ -297,16 +299,17 @@ def replay_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   if plan.policy.policy_id != plan.policy_id:
     raise ValueError(f"plan.policy is {plan.policy.policy_id!r} but plan.policy_id "
                      f"is {plan.policy_id!r}")
-  return keyer(manifest, state)
+  return keyer(manifest, state, view)
 
 
 def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
-                    plan: rec.IterationPlan) -> Dict[str, jax.Array]:
+                    plan: rec.IterationPlan, view=None) -> Dict[str, jax.Array]:
   """Rule name -> bool[R] (True where the rule is broken for that slot).
 
   ``manifest`` is the policy's input (the online projection); a manifest that
   still carries ``hidden_realized_output_tokens`` breaks ``hidden_truth``.
   Schema and policy-identity rules are static and broadcast to every slot.
+  ``view`` (optional AllocatorView) replays keys built on allocator facts.
   """
   sel = plan.selected
   num_slots = sel.shape[0]
@@ -333,7 +336,7 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   # Ranks must follow the recorded key order among selected slots. The key
   # is replayed from the state by the plan's own policy (its declared
   # tie-break), or by the default ``sort_keys``.
-  keys = replay_keys(manifest, state, plan)
+  keys = replay_keys(manifest, state, plan, view)
   key_shape_bad = keys.shape != plan.sort_key.shape
   if key_shape_bad:
     keys = jnp.zeros(plan.sort_key.shape, jnp.int32)
@@ -449,17 +452,18 @@ def broken_rules(violations: Dict[str, jax.Array]):
   return [rule for rule, bad in violations.items() if np.asarray(bad).any()]
 
 
-def validate_plan(manifest, state, plan) -> None:
+def validate_plan(manifest, state, plan, view=None) -> None:
   """Raises the first broken rule's ``PlanValidationError`` subclass.
 
   Args:
     manifest: the WorkloadManifest the policy read (its online projection).
     state: the SchedulerState the plan claims as input.
     plan: the IterationPlan.
+    view: optional AllocatorView the policy read (prefix-hit keys).
   Raises:
     PlanValidationError subclass named in ``PLAN_RULES``.
   """
-  _raise_first(plan_violations(manifest, state, plan), PLAN_RULES,
+  _raise_first(plan_violations(manifest, state, plan, view), PLAN_RULES,
                PlanValidationError)
 
 
