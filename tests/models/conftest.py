@@ -1,6 +1,7 @@
 """Shared fixtures for the model tests: the tiny random-weight decoder."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -9,16 +10,18 @@ from models.llama import init_params
 
 
 def perturbed_params(cfg, seed):
-  """Random weights with norm scales drawn around 1 (so they matter)."""
-  params = init_params(cfg, jax.random.PRNGKey(seed))
+  """Random params in ``init_params``' layout: weights ~ N(0, 0.02), norm
+  scales ~ 1 + N(0, 0.2) (so they matter). Shapes come from ``eval_shape``,
+  values from numpy, so no init program is compiled."""
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
   rng = np.random.default_rng(seed)
 
-  def jitter(path, leaf):
-    if path[-1].key == "scale":
-      return leaf + 0.2 * rng.standard_normal(leaf.shape).astype(leaf.dtype)
-    return leaf
+  def draw(path, leaf):
+    noise = rng.standard_normal(leaf.shape).astype(np.float32)
+    value = 1 + 0.2 * noise if path[-1].key == "scale" else 0.02 * noise
+    return jnp.asarray(value, leaf.dtype)
 
-  return jax.tree_util.tree_map_with_path(jitter, params)
+  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import perturbed_params
 from llama_reference import dense_forward
 from models import llama
 
@@ -78,10 +77,8 @@ def seqs(tiny_cfg):
   }
 
 
-@pytest.fixture(scope="module", params=["blocked", "gather"])
-def mixed(request, tiny_cfg, tiny_params, seqs):
+def build_mixed(impl, tiny_cfg, tiny_params, seqs):
   """Two iterations: history prefill, then a mixed batch."""
-  impl = request.param
   kv = nan_cache(tiny_cfg)
   first = pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)])
   hidden1, kv = run(tiny_params, tiny_cfg, kv, first, impl)
@@ -91,6 +88,11 @@ def mixed(request, tiny_cfg, tiny_params, seqs):
   hidden2, kv = run(tiny_params, tiny_cfg, kv, second, impl)
   return dict(hidden1=np.asarray(hidden1), hidden2=np.asarray(hidden2), kv=kv,
               kv_before=kv_before, parts=parts, impl=impl)
+
+
+@pytest.fixture(scope="module", params=["blocked", "gather"])
+def mixed(request, tiny_cfg, tiny_params, seqs):
+  return build_mixed(request.param, tiny_cfg, tiny_params, seqs)
 
 
 def test_mixed_batch_matches_dense_reference(tiny_cfg, tiny_params, seqs, mixed):
@@ -126,13 +128,14 @@ def test_only_live_rows_write_the_cache(tiny_cfg, seqs, mixed):
   np.testing.assert_array_equal(k[:, seq.pages[0]], before)
 
 
-def test_padding_rows_do_not_change_results(tiny_cfg, tiny_params, seqs, mixed):
+def test_padding_rows_do_not_change_results(tiny_cfg, tiny_params, seqs):
+  mixed = build_mixed("blocked", tiny_cfg, tiny_params, seqs)
   kv = nan_cache(tiny_cfg)
   first = pack([(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)])
-  kv = run(tiny_params, tiny_cfg, kv, first, mixed["impl"])[1]
+  kv = run(tiny_params, tiny_cfg, kv, first)[1]
   # Twice the padding, and padding rows carrying arbitrary tokens/positions.
   batch = pack(mixed["parts"], num_rows=2 * ROWS, pad_token=5, pad_position=3)
-  hidden, kv = run(tiny_params, tiny_cfg, kv, batch, mixed["impl"])
+  hidden, kv = run(tiny_params, tiny_cfg, kv, batch)
   np.testing.assert_allclose(np.asarray(hidden)[:11], mixed["hidden2"][:11], atol=1e-6)
   np.testing.assert_allclose(np.asarray(kv.k), np.asarray(mixed["kv"].k), atol=1e-6)
   np.testing.assert_allclose(np.asarray(kv.v), np.asarray(mixed["kv"].v), atol=1e-6)
@@ -153,10 +156,10 @@ def test_chunked_prefill_equals_full_prefill(tiny_cfg, tiny_params, chunk):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_untied_head_and_rope_theta(tiny_cfg):
+def test_untied_head_and_rope_theta(tiny_cfg, tiny_params):
   cfg = dataclasses.replace(tiny_cfg, tie_embeddings=False, rope_theta=500.0)
-  params = perturbed_params(cfg, seed=3)
-  assert params["lm_head"].shape == (cfg.d_model, cfg.vocab_size)
+  head = jax.random.normal(jax.random.PRNGKey(3), (cfg.d_model, cfg.vocab_size)) * 0.02
+  params = {**tiny_params, "lm_head": head}
   seq = Seq([1, 2], np.arange(7) * 11)
   hidden, _ = run(params, cfg, nan_cache(cfg), pack([(seq, 0, 7)]), "gather")
   ref = dense_forward(params, cfg, seq.tokens)
@@ -185,3 +188,22 @@ def test_rope_matches_hand_worked_rotation():
   want = [1 * np.cos(a) - 3 * np.sin(a), 2 * np.cos(b) - 4 * np.sin(b),
           3 * np.cos(a) + 1 * np.sin(a), 4 * np.cos(b) + 2 * np.sin(b)]
   np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_decode_step_updates_the_cache_in_place(tiny_cfg, impl="blocked"):
+  # The donated cache must be aliased to the output and never copied: XLA's
+  # scratch space does not grow with the number of pages.
+  params = jax.eval_shape(lambda: llama.init_params(tiny_cfg, jax.random.PRNGKey(0)))
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  temp = {}
+  for num_pages in (1024, 8192):
+    kv = jax.eval_shape(lambda: llama.init_kv_cache(tiny_cfg, num_pages, PAGE_SIZE))
+    cache_bytes = 2 * kv.k.size * 4
+    compiled = llama.forward_jit.lower(
+        params, tiny_cfg, kv, i32(8), i32(8), i32(8), i32(4), i32(4, 8), i32(5), i32(),
+        attention_impl=impl).compile()
+    stats = compiled.memory_analysis()
+    assert stats.alias_size_in_bytes == cache_bytes
+    temp[num_pages] = stats.temp_size_in_bytes
+  assert temp[8192] <= temp[1024] + 4096, temp
+  assert temp[8192] < cache_bytes / 8, temp
