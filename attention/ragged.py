@@ -546,6 +546,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                     chunk_rows=16, chunk_blocks=4, **kw)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  if not interpret:                # GPU dot tiles need >= 16 rows
+    group = q.shape[1] // k_pages.shape[2]
+    block_q = max(block_q, 16 // (1 << (group - 1).bit_length()))
   num_rows = q.shape[0]
   num_slots = (num_rows + min(kv_lens.shape[0], num_rows) * (block_q - 1)
                ) // block_q

@@ -103,6 +103,7 @@ CASES = {  # name: [(key, history, q_len)]; all packed into T=64, S=16
     "mixed": [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 100, 1), (5, 0, 5),
               (6, 17, 1), (7, 40, 18)],
     "page_cross": [(1, 15, 1), (2, 16, 1), (3, 14, 3), (4, 31, 2), (5, 0, 33)],
+    "zero_q_len": [(1, 5, 3), (2, 10, 0), (3, 0, 4)],
 }
 
 
@@ -111,6 +112,13 @@ CASES = {  # name: [(key, history, q_len)]; all packed into T=64, S=16
 def test_matches_reference(case, impl):
   args, cu, n = make_batch(CASES[case], num_rows=64, max_seqs=16)
   assert_matches_reference(args, cu, n, impl)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "gather", "pallas"])
+def test_no_live_sequences_gives_zeros(impl):
+  args, _, _ = make_batch(CASES["mixed"], num_rows=64, max_seqs=16)
+  out = attend(args[:-1] + (jnp.asarray(0, jnp.int32),), impl)
+  np.testing.assert_array_equal(out, 0.0)
 
 
 VARIANTS = {  # together they cover page_size 8/16/32, GQA 9:3/8:1/4:4,
