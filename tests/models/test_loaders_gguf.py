@@ -111,26 +111,39 @@ def test_float32_gguf_round_trips_params_and_config(tmp_path, tiny_model):
 
 
 def test_quantized_gguf_matches_gguf_quantizer(tmp_path, tiny_model):
+  # Plumbing of every supported type: the loaded (un-permuted, transposed)
+  # weight equals gguf's own quantize -> dequantize of what was written.
   cfg, params = tiny_model
   tensors = gguf_tensors(cfg, params)
   qtypes = {name: Q.Q4_1 for name in tensors if name.startswith("blk.") and
             not name.endswith("norm.weight")}
-  qtypes["token_embd.weight"] = Q.Q8_0
-  qtypes["blk.1.attn_q.weight"] = Q.Q4_0
-  qtypes["blk.0.ffn_up.weight"] = Q.F16
+  qtypes.update({"token_embd.weight": Q.Q8_0, "blk.1.attn_q.weight": Q.Q4_0,
+                 "blk.0.ffn_up.weight": Q.F16, "blk.0.ffn_down.weight": Q.BF16,
+                 "blk.1.ffn_gate.weight": Q.Q5_0, "blk.1.attn_k.weight": Q.Q5_1})
   path = write_gguf(tmp_path / "q.gguf", cfg, tensors, qtypes=qtypes)
   _, got, _ = loaders.read_gguf(path)
-  roundtrip = lambda w, q: gguf.quants.dequantize(gguf.quants.quantize(w, q), q)
-  want_q1 = loaders.unpermute_rotary(roundtrip(tensors["blk.1.attn_q.weight"], Q.Q4_0), 4)
-  np.testing.assert_array_equal(got["layers"]["attn"]["wq"][1], want_q1.T)
-  want_k0 = loaders.unpermute_rotary(roundtrip(tensors["blk.0.attn_k.weight"], Q.Q4_1), 2)
-  np.testing.assert_array_equal(got["layers"]["attn"]["wk"][0], want_k0.T)
-  np.testing.assert_array_equal(got["embed"]["embedding"],
-                                roundtrip(tensors["token_embd.weight"], Q.Q8_0))
-  np.testing.assert_array_equal(got["layers"]["mlp"]["w_up"][0],
-                                tensors["blk.0.ffn_up.weight"].astype(np.float16).T)
+
+  def want(name):
+    w = tensors[name]
+    q = qtypes[name]
+    w = w.astype(np.float16).astype(np.float32) if q == Q.F16 else \
+        gguf.quants.dequantize(gguf.quants.quantize(w, q), q)
+    if "attn_q" in name:
+      w = loaders.unpermute_rotary(w, cfg.n_heads)
+    if "attn_k" in name:
+      w = loaders.unpermute_rotary(w, cfg.n_kv_heads)
+    return w
+
+  layers = got["layers"]
+  np.testing.assert_array_equal(got["embed"]["embedding"], want("token_embd.weight"))
+  np.testing.assert_array_equal(layers["attn"]["wq"][1], want("blk.1.attn_q.weight").T)
+  np.testing.assert_array_equal(layers["attn"]["wk"][1], want("blk.1.attn_k.weight").T)
+  np.testing.assert_array_equal(layers["attn"]["wk"][0], want("blk.0.attn_k.weight").T)
+  np.testing.assert_array_equal(layers["mlp"]["w_up"][0], want("blk.0.ffn_up.weight").T)
+  np.testing.assert_array_equal(layers["mlp"]["w_down"][0], want("blk.0.ffn_down.weight").T)
+  np.testing.assert_array_equal(layers["mlp"]["w_gate"][1], want("blk.1.ffn_gate.weight").T)
   # Quantization error is real but bounded (Q4: 16 levels per block of 32).
-  err = np.abs(got["layers"]["mlp"]["w_gate"][0] - np.asarray(params["layers"]["mlp"]["w_gate"][0]))
+  err = np.abs(layers["mlp"]["w_gate"][0] - np.asarray(params["layers"]["mlp"]["w_gate"][0]))
   assert 0 < err.max() < 0.02
 
 
