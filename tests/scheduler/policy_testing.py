@@ -15,15 +15,17 @@ from scheduler import validate as v
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "num_pages", "page_size"))
-def step(policy, manifest, state, now_ms, hits, fail, *, num_pages, page_size):
-  """Returns (next_state, plan, result, plan_bits, result_bits)."""
+def step(policy, manifest, state, now_ms, emit_ms, hits, fail, *, num_pages,
+         page_size):
+  """Plans at ``now_ms``, publishes at ``emit_ms``. Returns (next_state, plan,
+  result, plan_bits, result_bits)."""
   online = manifest.online()
   state = apply_lib.tick(state, now_ms)
   view = fx.alloc_view(state, num_pages=num_pages, page_size=page_size).replace(
       prefix_hit_tokens=hits)
   plan = policy(online, state, view)
   plan_bits = v.any_violation(v.plan_violations(online, state, plan, view))
-  result = fx.fixture_execute(manifest, state, plan, now_ms, fail=fail)
+  result = fx.fixture_execute(manifest, state, plan, emit_ms, fail=fail)
   result_bits = v.any_violation(v.result_violations(plan, state, online, result))
   return (apply_lib.apply(online, state, plan, result), plan, result, plan_bits,
           result_bits)
@@ -63,13 +65,13 @@ class Driver:
     self.names[slot] = name
     return slot
 
-  def step(self, now_ms, fail=None):
+  def step(self, now_ms, fail=None, emit_ms=None):
     n = self.manifest.num_slots
     fail = np.zeros(n, bool) if fail is None else np.asarray(fail)
     before = self.state
     self.state, plan, result, pb, rb = step(
         self.policy, self.manifest, self.state, jnp.float32(now_ms),
-        jnp.asarray(self.hits), jnp.asarray(fail), num_pages=self.num_pages,
+        jnp.float32(now_ms if emit_ms is None else emit_ms), jnp.asarray(self.hits), jnp.asarray(fail), num_pages=self.num_pages,
         page_size=self.page_size)
     assert int(pb) == 0, f"plan rules broken: {int(pb):b}"
     assert int(rb) == 0, f"result rules broken: {int(rb):b}"
