@@ -22,23 +22,29 @@ from serving.replay import replay, run_config
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", None, "KIND:PATH with KIND in azure, mooncake, vtc; "
                     "unset = the embedded synthetic Azure-conv workload.")
-flags.DEFINE_integer("num_requests", 48, "Requests of the synthetic default workload.")
+flags.DEFINE_integer("num_requests", 32, "Requests of the synthetic default workload.")
 flags.DEFINE_float("rate_scale", 0.1, "Synthetic default: fraction of the Azure "
                    "conv trace's arrival rate (5.53 req/s).")
 flags.DEFINE_float("time_scale", 1.0, "Multiply inter-arrival gaps (>1 = slower).")
 flags.DEFINE_list("window_s", None, "A,B: keep arrivals in [t0+A, t0+B) seconds.")
 flags.DEFINE_integer("max_requests", None, "Keep at most this many requests.")
-flags.DEFINE_integer("max_prompt_len", 1024, "Clip longer prompts (counted).")
-flags.DEFINE_integer("max_output_len", 512, "Cap output lengths.")
+flags.DEFINE_integer("max_prompt_len", None, "Clip longer prompts (counted); default "
+                     "512 for the synthetic workload, 1024 for traces.")
+flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
+                     "synthetic workload, 512 for traces.")
 flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.")
 flags.DEFINE_string("out", "runs/replay.json", "Report JSON path.")
 launch.define_engine_flags()
 
 
 def load_workload(vocab_size):
-  common = dict(max_prompt_len=FLAGS.max_prompt_len, max_output_len=FLAGS.max_output_len,
+  synthetic = FLAGS.trace is None
+  pick = lambda value, default_synthetic, default_trace: value if value is not None else (
+      default_synthetic if synthetic else default_trace)
+  common = dict(max_prompt_len=pick(FLAGS.max_prompt_len, 512, 1024),
+                max_output_len=pick(FLAGS.max_output_len, 64, 512),
                 seed=FLAGS.seed, vocab_size=vocab_size)
-  if FLAGS.trace is None:
+  if synthetic:
     return workloads.synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
   kind, _, path = FLAGS.trace.partition(":")
   loaders = {"azure": workloads.load_azure_trace, "mooncake": workloads.load_mooncake_trace,

@@ -289,8 +289,9 @@ class Engine:
     return self._programs.policy
 
   def compiled_programs(self) -> Dict[str, int]:
-    """Compiled programs per jitted function (shared by engines with equal
-    model and engine configs)."""
+    """Programs traced (and so compiled) per jitted function, shared by
+    engines with equal model and engine configs. ``execute`` is bounded by
+    ``len(config.token_buckets)``; the others by 1."""
     return self._programs.cache_sizes()
 
 
@@ -305,9 +306,22 @@ class _Programs:
   arrive: Callable
   release: Callable
 
+  traces: Dict[str, int]
+
   def cache_sizes(self) -> Dict[str, int]:
-    return {f: getattr(self, f)._cache_size()
-            for f in ("plan", "execute", "publish", "arrive", "release")}
+    return dict(self.traces)
+
+
+def _counting_jit(name, fn, traces, **jit_kwargs):
+  """jax.jit whose traces (one per compiled program) are counted by name."""
+  traces[name] = 0
+
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    traces[name] += 1          # runs only while tracing, never per call
+    return fn(*args, **kwargs)
+
+  return jax.jit(traced, **jit_kwargs)
 
 
 def _plan(policy, manifest, state, view):
@@ -348,17 +362,16 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       chunk_cap=config.long_prefill_token_threshold,
       watermark_pages=config.watermark_pages))
   runner = ModelRunner(model_cfg, config.attention_impl)
-  # jax.jit caches per underlying callable; a fresh partial per config gives
-  # each config its own cache, so compiled_programs() counts only its own.
-  own = functools.partial
+  traces: Dict[str, int] = {}
+  jit = functools.partial(_counting_jit, traces=traces)
   return _Programs(
       policy=policy,
-      plan=jax.jit(functools.partial(_plan, policy)),
-      execute=jax.jit(
-          functools.partial(execute, model=runner, num_seqs=config.max_num_seqs,
-                            sample_rows=config.sample_rows,
-                            max_model_len=config.max_model_len),
+      plan=jit("plan", functools.partial(_plan, policy)),
+      execute=jit("execute", functools.partial(
+          execute, model=runner, num_seqs=config.max_num_seqs,
+          sample_rows=config.sample_rows, max_model_len=config.max_model_len),
           static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
-      publish=jax.jit(own(_publish)),
-      arrive=jax.jit(own(_arrive), donate_argnums=(2,)),
-      release=jax.jit(own(_release)))
+      publish=jit("publish", _publish),
+      arrive=jit("arrive", _arrive, donate_argnums=(2,)),
+      release=jit("release", _release),
+      traces=traces)

