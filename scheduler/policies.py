@@ -13,6 +13,14 @@ Implemented here:
   budget ``tau`` and a separate sequence budget (§0x05). Under KV pressure a
   decode row that cannot get a page preempts the tail of the running order
   (lowest priority, latest arrival) for recompute (§0x0C, §0x0D).
+
+The rest of the library lives in ``policy_orca`` (``orca``),
+``policy_sarathi`` (``sarathi``), ``policy_vllm`` (``vllm_v1``),
+``policy_fairness`` (``fastserve``, ``vtc``, ``vtc_completion_reconciled``,
+``prefix_aware``) and ``policy_slo`` (``priority_aging``, ``least_slack``),
+built on the shared helpers below and registered by name in ``POLICIES``.
+Each records its own tie-break key (``policy.sort_keys``), which
+``validate`` replays through ``IterationPlan.policy``.
 """
 
 from __future__ import annotations
