@@ -63,12 +63,13 @@ def main(argv):
   workload = load_workload(cfg.vocab_size)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
-  launch.warmup(engine)
+  compile_s = launch.warmup(engine)
   bar = tqdm(total=len(workload), unit="req", desc="replay")
   records, duration_s = replay(engine, workload, on_step=bar.update)
   bar.close()
   config = run_config(engine, FLAGS.model)
   config["workload"] = workload.describe()
+  config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   print(metrics.format_table(report))
   metrics.write_report(FLAGS.out, report)

@@ -180,6 +180,13 @@ class Engine:
     self._slots[req.slot] = None
     self._end(req, "cancelled", "abort")
 
+  def _reject_slots(self, mask, reason: str) -> None:
+    """Ends the requests in ``mask`` (bool[R]) as rejected; frees their pages."""
+    self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
+    for slot in np.flatnonzero(mask):
+      self._end(self._slots[slot], "rejected", reason)
+      self._slots[slot] = None
+
   def has_unfinished(self) -> bool:
     return bool(self._pending) or any(r is not None for r in self._slots)
 
@@ -219,11 +226,24 @@ class Engine:
     self._fill_slots()
     self.state = apply_lib.tick(self.state, self.now_ms())
     plan, bad = self._programs.plan(self.manifest, self.state, kv_pages.view(self.pages))
-    bad, num_tokens, num_seqs, any_preempt = jax.device_get(
-        (bad, plan.num_tokens, plan.num_seqs, jnp.any(plan.preempt)))
+    never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
+    bad, num_tokens, num_seqs, any_preempt, never = jax.device_get(
+        (bad, plan.num_tokens, plan.num_seqs, jnp.any(plan.preempt), never))
     if bad:
       validate.validate_plan(self.manifest.online(), self.state, plan)
+    if never.any():
+      self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
+                         f"(token budget {self.config.max_num_batched_tokens}, "
+                         f"{self.config.num_pages - 1} KV pages)")
+      return self.step()
     if num_seqs == 0 and not any_preempt:
+      if any(r is not None for r in self._slots) and not self._pending:
+        # Nothing selectable and nothing that could change the next plan:
+        # stepping again would spin. A policy that leaves live work
+        # unscheduled forever is a scheduler bug; say so.
+        live = [r.request_id for r in self._slots if r is not None]
+        raise RuntimeError(f"policy {self.policy.policy_id} selected no work while "
+                           f"requests {live[:8]} are live; no progress is possible")
       return []
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1

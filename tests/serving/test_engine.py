@@ -171,3 +171,15 @@ def test_compiled_programs_are_bounded_by_the_buckets(params):
   programs = engine.compiled_programs()
   assert programs["execute"] <= len(BASE.token_buckets) == 2
   assert all(programs[k] == 1 for k in ("plan", "publish", "arrive"))
+
+
+def test_policy_that_can_never_schedule_a_request_rejects_it(params):
+  # ORCA runs a whole prompt in one iteration: a 20-token prompt can never
+  # fit the 16-token budget, so it is rejected and the rest keep running.
+  engine = Engine(CFG, params, dataclasses.replace(BASE, policy="orca"))
+  wide = engine.add_request("wide", _prompts([20])[0], GREEDY)
+  ok = engine.add_request("ok", _prompts([5])[0], GREEDY)
+  engine.run(max_iterations=50)
+  assert wide.outcome == "rejected" and "can never schedule" in wide.finish_reason
+  assert ok.outcome == "completed" and len(ok.output_token_ids) == GREEDY.max_tokens
+  _assert_all_pages_free(engine)
