@@ -107,6 +107,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def _write_rows(k_pool, v_pool, k, v, slots):
+  """``write_kv_pages``, with 16-bit float pools scattered as uint16 bits.
+
+  XLA:CPU has no native bfloat16/float16 scatter: it widens the whole pool
+  to float32 and back around the scatter, which costs a full cache
+  conversion per layer. Scattering the raw bits is exact and stays in place.
+  """
+  if k_pool.dtype.itemsize != 2 or not jnp.issubdtype(k_pool.dtype, jnp.floating):
+    return write_kv_pages(k_pool, v_pool, k, v, slots)
+  dtype = k_pool.dtype
+  bits = lambda x: jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16)
+  k_bits, v_bits = write_kv_pages(bits(k_pool), bits(v_pool), bits(k), bits(v), slots)
+  return (jax.lax.bitcast_convert_type(k_bits, dtype),
+          jax.lax.bitcast_convert_type(v_bits, dtype))
+
+
 @struct.dataclass
 class _Batch:
   """Per-iteration metadata broadcast to every scanned block."""
@@ -159,7 +175,7 @@ class Attention(nn.Module):
     first_page = layer * pages_per_layer
     slots = jnp.where(batch.slot_mapping >= 0,
                       batch.slot_mapping + first_page * k_pool.shape[1], -1)
-    k_pool, v_pool = write_kv_pages(k_pool, v_pool, k, v, slots)
+    k_pool, v_pool = _write_rows(k_pool, v_pool, k, v, slots)
     out = ragged_paged_attention(
         q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
         batch.cu_q_lens, batch.num_seqs, sm_scale=cfg.head_dim ** -0.5,
