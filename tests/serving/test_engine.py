@@ -183,3 +183,12 @@ def test_policy_that_can_never_schedule_a_request_rejects_it(params):
   assert wide.outcome == "rejected" and "can never schedule" in wide.finish_reason
   assert ok.outcome == "completed" and len(ok.output_token_ids) == GREEDY.max_tokens
   _assert_all_pages_free(engine)
+
+
+def test_pallas_kernel_path_gives_the_same_greedy_tokens(params):
+  # The Pallas kernel (interpret mode on CPU) against the default CPU path,
+  # through the whole engine: mixed prefill chunks and decode rows.
+  prompts = _prompts([5, 17, 9], seed=21)
+  _, default = _run(params, BASE, prompts)
+  _, kernel = _run(params, dataclasses.replace(BASE, attention_impl="pallas"), prompts)
+  assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
