@@ -25,13 +25,17 @@ The current rows' K/V must already be in their pages when attention runs
 
 Implementations (``impl=``):
 
-* ``"blocked"``  pure jnp online softmax over key blocks, the CPU default.
+* ``"blocked"``  pure jnp online softmax over key blocks with elementwise
+                 products (the TPU default; the invariance fallback).
+* ``"blocked_dot"`` the same slots and key-block order with batched
+                 ``dot_general`` for scores and P@V (``_dot_update``), the
+                 CPU default.
 * ``"pallas"``   the Pallas kernel of ``attention/pallas_ragged.py``
                  (``interpret=True`` on CPU).
 * ``"gather"``   each row gathers its sequence's whole page list (memory heavy;
                  kept as a second jittable cross-check).
-* ``"auto"``     ``"pallas"`` on GPU, ``"blocked"`` on CPU and TPU
-                 (``resolve_impl``).
+* ``"auto"``     ``"pallas"`` on GPU, ``"blocked_dot"`` on CPU, ``"blocked"``
+                 on TPU (``resolve_impl``).
 
 Numerics of ``"blocked"`` and ``"pallas"``: each query walks key blocks
 ``j = 0, 1, ...`` where block ``j`` covers key positions
@@ -52,7 +56,10 @@ import numpy as np
 
 from attention import pallas_ragged
 
-IMPLS = ("auto", "blocked", "pallas", "gather")
+# "blocked_dot" loop sizes: decode rows / prefill slots per step (the dot's
+# batch, fixed so results do not depend on T), key blocks per decode step.
+_TUNE = dict(chunk_rows=16, chunk_blocks=4, unroll_rows=1)
+IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "gather")
 
 
 # --------------------------------------------------------------------------
@@ -423,6 +430,194 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
 
 
 # --------------------------------------------------------------------------
+# The blocked dot path.
+
+
+def _dot_update(state, q, k, v, pos, key_pos, kv_len, *, sm_scale, soft_cap,
+                sliding_window, group):
+  """One online-softmax step of ``W`` slots over one key block, with dots.
+
+  Scores and P@V are ``dot_general``s batched over (slot, KV head), each
+  batch element a fixed ``[M, D] x [Bk, D]`` / ``[M, Bk] x [Bk, D]`` product
+  with ``M = bq * group`` (at least 2) query rows of one KV head. XLA's CPU
+  batched dot computes every batch element with the same per-element kernel
+  and sums each output element over the contracted axis in the same order
+  for every ``M >= 2``, row index and batch size (``M = 1`` takes a
+  different matrix-vector kernel, hence the floor), so a row's bits do not
+  depend on the slot count, its slot neighbours or the slot height
+  (``tests/attention/test_ragged.py`` checks this bitwise).
+
+  Args:
+    state: ``(m, l, acc)``: f32[W, Hkv, M], f32[W, Hkv, M], f32[W, Hkv, M, D].
+    q: f32[W, Hkv, M, D]. k, v: f32[W, Hkv, Bk, D], v zero past kv_len.
+    pos: i32[W, M] row positions, -1 for empty rows. key_pos: i32[Bk].
+    kv_len: i32[W].
+  """
+  del group
+  m, l, acc = state
+  visible = key_pos[None, None, :] <= pos[:, :, None]              # [W,M,Bk]
+  if sliding_window is not None:
+    visible &= key_pos[None, None, :] > pos[:, :, None] - sliding_window
+  # A key past kv_len (NaN in a page tail) only spoils its own score column,
+  # which the mask below replaces; V is zeroed there (0 * NaN is NaN).
+  del kv_len
+  s = jax.lax.dot_general(q, k, (((3,), (3,)), ((0, 1), (0, 1))),
+                          preferred_element_type=jnp.float32)      # [W,H,M,Bk]
+  s = s * sm_scale
+  if soft_cap is not None:
+    s = soft_cap * jnp.tanh(s / soft_cap)
+  vis = visible[:, None]
+  s = jnp.where(vis, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp(m - m_safe)
+  p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+  l_new = alpha * l + jnp.sum(p, axis=-1)
+  pv = jax.lax.dot_general(p, v, (((3,), (2,)), ((0, 1), (0, 1))),
+                           preferred_element_type=jnp.float32)     # [W,H,M,D]
+  acc_new = alpha[..., None] * acc + pv
+  seen = jnp.any(visible, axis=-1)[:, None]                         # [W,1,M]
+  return (jnp.where(seen, m_new, m), jnp.where(seen, l_new, l),
+          jnp.where(seen[..., None], acc_new, acc))
+
+
+def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
+                      block_q, block_kv, chunk, sm_scale, soft_cap,
+                      sliding_window, unroll=1):
+  """Online softmax for every slot of one layout; returns f32[NS, bq, Hq, D].
+
+  Slots are sorted by the number of key blocks they need and processed
+  ``chunk`` at a time; a chunk walks key blocks ``0 .. need - 1`` of its
+  neediest slot with its state in the loop carry (``unroll`` blocks per
+  loop step, each its own online-softmax update, so the numerics do not
+  depend on ``unroll``).
+  """
+  rows, start_pos, num_valid, seq = slots
+  num_rows, num_q_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_block = block_kv // page_size
+  pages_per_seq = page_table.shape[1]
+  num_slots = rows.shape[0]
+  padded = -(-num_slots // chunk) * chunk
+  m_rows = max(2, block_q * group)            # see _dot_update
+
+  r = jnp.arange(block_q, dtype=jnp.int32)
+  pos = jnp.where(r[None, :] < num_valid[:, None],
+                  start_pos[:, None] + r[None, :], -1)
+  last = start_pos + num_valid - 1
+  need = jnp.where(num_valid > 0, last // block_kv + 1, 0)
+  order = jnp.argsort(-need, stable=True)
+  pad = padded - num_slots
+
+  def sort_pad(x, fill):
+    x = x[order]
+    return jnp.concatenate([x, jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
+
+  pos_s, seq_s, need_s = sort_pad(pos, -1), sort_pad(seq, 0), sort_pad(need, 0)
+  rows_s = sort_pad(rows, num_rows)
+  qs = jnp.take(q, rows_s, axis=0, mode="fill", fill_value=0)
+  qs = qs.astype(jnp.float32).reshape(padded, block_q, num_kv_heads, group,
+                                      head_dim)
+  qs = jnp.transpose(qs, (0, 2, 1, 3, 4)).reshape(
+      padded, num_kv_heads, block_q * group, head_dim)
+  pos_m = jnp.repeat(pos_s, group, axis=1)                        # [NS, bq*G]
+  if m_rows > block_q * group:
+    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, m_rows - block_q * group), (0, 0)))
+    pos_m = jnp.pad(pos_m, ((0, 0), (0, m_rows - block_q * group)),
+                    constant_values=-1)
+  kv_len_s = kv_lens.astype(jnp.int32)[seq_s]
+  table_s = page_table[seq_s]                                     # [NS, P]
+  num_active = jnp.sum(need_s > 0)
+
+  def kv_block(pages_ref, page_ids):
+    blk = jnp.take(pages_ref, page_ids, axis=0, mode="clip")
+    return blk.astype(jnp.float32).reshape(page_ids.shape[0], -1,
+                                           num_kv_heads, head_dim)
+
+  def over_chunks(c, out):
+    start = c * chunk
+    take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk)
+    table_c, q_c, pos_c, kv_len_c = (take(table_s), take(qs), take(pos_m),
+                                     take(kv_len_s))
+
+    def over_blocks(i, state):
+      j0 = i * unroll
+      cols = jnp.minimum(j0 * pages_per_block
+                         + jnp.arange(unroll * pages_per_block),
+                         pages_per_seq - 1)
+      page_ids = table_c[:, cols]                        # [W, unroll * ppb]
+      key_pos = j0 * block_kv + jnp.arange(unroll * block_kv, dtype=jnp.int32)
+      key_ok = (key_pos[None, :] < kv_len_c[:, None])[:, None, :, None]
+      k_all = jnp.transpose(kv_block(k_pages, page_ids), (0, 2, 1, 3))
+      v_all = jnp.where(key_ok, jnp.transpose(kv_block(v_pages, page_ids),
+                                              (0, 2, 1, 3)), 0.0)
+      for u in range(unroll):
+        sl = slice(u * block_kv, (u + 1) * block_kv)
+        state = _dot_update(state, q_c, k_all[:, :, sl], v_all[:, :, sl],
+                            pos_c, key_pos[sl], kv_len_c, sm_scale=sm_scale,
+                            soft_cap=soft_cap, sliding_window=sliding_window,
+                            group=group)
+      return state
+
+    shape = (chunk, num_kv_heads, m_rows)
+    state = (jnp.full(shape, -jnp.inf, jnp.float32),
+             jnp.zeros(shape, jnp.float32),
+             jnp.zeros(shape + (head_dim,), jnp.float32))
+    steps = (need_s[start] + unroll - 1) // unroll
+    _, l, acc = jax.lax.fori_loop(0, steps, over_blocks, state)
+    o = jnp.where(l[..., None] > 0,
+                  acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    return jax.lax.dynamic_update_slice_in_dim(out, o, start, 0)
+
+  out = jnp.zeros((padded, num_kv_heads, m_rows, head_dim), jnp.float32)
+  out = jax.lax.fori_loop(0, (num_active + chunk - 1) // chunk, over_chunks,
+                          out)
+  out = out[:, :, :block_q * group].reshape(padded, num_kv_heads, block_q,
+                                            group, head_dim)
+  out = jnp.transpose(out, (0, 2, 1, 3, 4))
+  return out.reshape(padded, block_q, num_q_heads, head_dim), rows_s
+
+
+def _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+                 num_seqs, *, sm_scale, soft_cap, sliding_window, block_q,
+                 block_kv, chunk_rows, chunk_blocks, unroll_rows=1,
+                 short_q=None):
+  """``_blocked``'s two layouts with ``_attend_slots_dot``."""
+  num_rows = q.shape[0]
+  num_seq_slots = kv_lens.shape[0]
+  if short_q is None:
+    short_q = max(1, block_q // 4)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  short = q_lens <= short_q
+  kw = dict(block_kv=block_kv, sm_scale=sm_scale, soft_cap=soft_cap,
+            sliding_window=sliding_window)
+  out = jnp.zeros(q.shape, jnp.float32)
+  if block_q == 1:
+    layouts = [(1, num_rows, None, chunk_rows, unroll_rows)]
+  else:
+    long_seqs = min(num_seq_slots, num_rows // (short_q + 1))
+    layouts = [(1, min(num_rows, num_seq_slots * short_q), short, chunk_rows,
+                unroll_rows),
+               (block_q, (num_rows + long_seqs * (block_q - 1)) // block_q,
+                ~short, chunk_blocks, 1)]
+  for bq, num_slots, select, chunk, unroll in layouts:
+    if num_slots == 0:
+      continue
+    # ``chunk`` (the dot's batch) stays fixed whatever T: a batch of one
+    # slot lowers to a different kernel.
+    slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
+                        block_q=bq, num_slots=num_slots,
+                        select=select)
+    o, rows = _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table,
+                                slots, block_q=bq, chunk=chunk, unroll=unroll,
+                                **kw)
+    out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
+                                       mode="drop")
+  return out.astype(q.dtype)
+
+
+# --------------------------------------------------------------------------
 # The interim gather path.
 
 
@@ -465,9 +660,10 @@ def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
 def resolve_impl(impl: str, backend: str | None = None) -> str:
   """Maps ``"auto"`` to the implementation for ``backend`` (default: JAX's).
 
-  ``"pallas"`` on GPU (the kernel lowers through Triton); ``"blocked"`` on
-  CPU (fastest correct path there, see docs/benchmarks.md) and on TPU (the
-  kernel gathers pages with vector indices, which Mosaic TPU does not lower).
+  ``"pallas"`` on GPU (the kernel lowers through Triton); ``"blocked_dot"``
+  on CPU (fastest correct path there, see docs/benchmarks.md); ``"blocked"``
+  on TPU (the kernel gathers pages with vector indices, which Mosaic TPU does
+  not lower).
 
   Raises:
     ValueError: if ``impl`` is not one of ``IMPLS``.
@@ -477,7 +673,9 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   if impl != "auto":
     return impl
   backend = backend or jax.default_backend()
-  return "pallas" if backend in ("gpu", "cuda", "rocm") else "blocked"
+  if backend in ("gpu", "cuda", "rocm"):
+    return "pallas"
+  return "blocked_dot" if backend == "cpu" else "blocked"
 
 
 @functools.partial(
@@ -540,6 +738,12 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     block_q = 16
   if block_q < 1:
     raise ValueError(f"block_q must be >= 1, got {block_q}")
+  if impl == "blocked_dot":
+    return _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
+                        num_seqs, block_q=block_q, block_kv=block_kv,
+                        chunk_rows=_TUNE["chunk_rows"],
+                        chunk_blocks=_TUNE["chunk_blocks"],
+                        unroll_rows=_TUNE["unroll_rows"], **kw)
   if impl == "blocked":
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,

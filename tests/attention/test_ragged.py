@@ -107,14 +107,14 @@ CASES = {  # name: [(key, history, q_len)]; all packed into T=64, S=16
 }
 
 
-@pytest.mark.parametrize("impl", ["blocked", "gather", "pallas"])
+@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "gather", "pallas"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case, impl):
   args, cu, n = make_batch(CASES[case], num_rows=64, max_seqs=16)
   assert_matches_reference(args, cu, n, impl)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "gather", "pallas"])
+@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "gather", "pallas"])
 def test_no_live_sequences_gives_zeros(impl):
   args, _, _ = make_batch(CASES["mixed"], num_rows=64, max_seqs=16)
   out = attend(args[:-1] + (jnp.asarray(0, jnp.int32),), impl)
@@ -130,7 +130,7 @@ VARIANTS = {  # together they cover page_size 8/16/32, GQA 9:3/8:1/4:4,
 SMALL_MIX = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 9, 1)]
 
 
-@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "pallas"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_reference(variant, impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5,
@@ -142,17 +142,23 @@ def test_variants_match_reference(variant, impl):
     ("blocked", dict(sliding_window=8, soft_cap=3.0)),
     ("gather", dict(sliding_window=8, soft_cap=3.0)),
     ("pallas", dict(sliding_window=8, soft_cap=3.0)),
+    ("blocked_dot", dict(sliding_window=8, soft_cap=3.0)),
     ("blocked", dict(block_q=4, block_kv=32)),
     ("pallas", dict(block_q=4, block_kv=32)),
+    ("blocked_dot", dict(block_q=4, block_kv=32)),
+    ("blocked_dot", dict(block_q=1, block_kv=16)),
 ], ids=["window_softcap-blocked", "window_softcap-gather",
-        "window_softcap-pallas", "small_blocks-blocked", "small_blocks-pallas"])
+        "window_softcap-pallas", "window_softcap-blocked_dot",
+        "small_blocks-blocked", "small_blocks-pallas",
+        "small_blocks-blocked_dot", "row_slots-blocked_dot"])
 def test_options_match_reference(kw, impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
   assert_matches_reference(args, cu, n, impl, **kw)
 
 
 @pytest.mark.parametrize("impl, chunks", [
-    ("blocked", range(1, 25)), ("pallas", (1, 5, 24))])
+    ("blocked", range(1, 25)), ("blocked_dot", range(1, 25)),
+    ("pallas", (1, 5, 24))])
 def test_chunked_prefill_equals_full_prefill(impl, chunks):
   """§0x09: any chunking of a 24-token prompt gives bitwise the same rows."""
   full_args, _, _ = make_batch([(9, 0, 24)], num_rows=64, max_seqs=16)
@@ -168,7 +174,7 @@ def test_chunked_prefill_equals_full_prefill(impl, chunks):
                                   err_msg=f"chunk={chunk}")
 
 
-@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "pallas"])
 def test_batch_invariance_is_bitwise(impl):
   """A sequence's rows are identical alone and inside any mix."""
   others = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 200, 1)]
@@ -182,8 +188,39 @@ def test_batch_invariance_is_bitwise(impl):
                                     alone, err_msg=f"{seq} at {pos}")
 
 
-def test_auto_is_blocked_on_cpu():
-  assert ragged.resolve_impl("auto", "cpu") == "blocked"
+@pytest.mark.parametrize("variant", [
+    dict(), dict(heads=(4, 4), head_dim=128, dtype=jnp.bfloat16,
+                 page_size=8)], ids=["gqa9to3", "mha4to4_head128_bf16"])
+def test_blocked_dot_invariance_across_buckets_and_slot_counts(variant):
+  """``blocked_dot``: a sequence's rows are bitwise the same alone and mixed
+  into packs of different T buckets (64/128/256) and slot counts, at any
+  position, as decode rows, short chunks (row slots) or long chunks."""
+  max_kv = 480
+  others = [(20 + i, (53 * i) % 300, 1 if i % 3 else 1 + i % 14)
+            for i in range(40)]
+  for seq in [(11, 60, 19), (12, 130, 1), (13, 200, 3), (14, 0, 40)]:
+    alone_args, _, _ = make_batch([seq], num_rows=40, max_seqs=1,
+                                  max_kv_len=max_kv, pool_tokens=4096,
+                                  **variant)
+    alone = attend(alone_args, "blocked_dot")[:seq[2]]
+    for num_rows, num_others, max_seqs, pos in [
+        (64, 6, 7, 3), (128, 30, 32, 30), (128, 30, 32, 11),
+        (256, 12, 100, 12)]:
+      mix = others[:num_others]
+      mix = mix[:pos] + [seq] + mix[pos:]
+      while sum(q for _, _, q in mix) > num_rows:
+        mix.pop(-1 if mix[-1] != seq else 0)
+        pos = mix.index(seq)
+      args, cu, _ = make_batch(mix, num_rows=num_rows, max_seqs=max_seqs,
+                               max_kv_len=max_kv, pool_tokens=16384,
+                               seed=num_rows + pos, **variant)
+      np.testing.assert_array_equal(
+          attend(args, "blocked_dot")[cu[pos]:cu[pos + 1]], alone,
+          err_msg=f"{seq} at {pos} of {len(mix)}, T={num_rows}")
+
+
+def test_auto_is_blocked_dot_on_cpu():
+  assert ragged.resolve_impl("auto", "cpu") == "blocked_dot"
   assert ragged.resolve_impl("auto", "tpu") == "blocked"
   assert ragged.resolve_impl("auto", "gpu") == "pallas"
 
@@ -206,6 +243,7 @@ def test_random_ragged_batches_match_reference(seqs, seed):
   args, cu, n = make_batch(seqs, num_rows=96, max_seqs=6, page_size=8,
                            seed=seed)
   assert_matches_reference(args, cu, n, "blocked")
+  assert_matches_reference(args, cu, n, "blocked_dot")
 
 
 # ----------------------------------------------------------------------------
