@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+# torch's OpenMP threads spin after each op by default, taking cores from
+# XLA's threads in the same process; make them sleep instead.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax

@@ -33,6 +33,8 @@ launch.define_engine_flags()
 
 
 def collect_prompts(tokenizer):
+  if any(not text for text in FLAGS.prompt + FLAGS.chat):
+    raise ValueError("--prompt and --chat must be non-empty text")
   items = [(f"prompt-{i}", text, tokenizer.encode(text)) for i, text in enumerate(FLAGS.prompt)]
   chats = list(FLAGS.chat)
   if FLAGS.mt_bench:
@@ -44,7 +46,7 @@ def collect_prompts(tokenizer):
                                              add_generation_prompt=True)
     items.append((f"chat-{i}", text, tokenizer.encode(rendered)))
   if not items:
-    raise app.UsageError("give at least one --prompt, --chat or --mt_bench")
+    raise ValueError("give at least one --prompt, --chat or --mt_bench")
   return items
 
 
@@ -57,18 +59,22 @@ def main(argv):
   for rid, text, ids in collect_prompts(tokenizer):
     print(f"[{rid}] >>> {text}")
     engine.add_request(rid, ids, sampling)
-    detok[rid] = tokenizer.detokenizer()
+    detok[rid] = tokenizer.detokenizer(skip_special_tokens=True)
+  single = len(detok) == 1
   while engine.has_unfinished():
     for out in engine.step():
       piece = "".join(detok[out.request_id].push(t) for t in out.new_token_ids)
-      if piece:
-        print(f"[{out.request_id}] {piece!r}", flush=True)
+      if single:
+        print(piece, end="", flush=True)
+      elif piece.strip():
+        print(f"[{out.request_id}] {piece.strip()}", flush=True)
       if out.finished:
-        print(f"[{out.request_id}] <{out.outcome}: {out.finish_reason}>", flush=True)
+        print(f"{chr(10) if single else ''}[{out.request_id}] <{out.outcome}: "
+              f"{out.finish_reason}>", flush=True)
   for rid, req in engine.requests.items():
-    print(f"\n=== {rid} ({req.outcome}, {len(req.output_token_ids)} tokens)\n"
-          f"{tokenizer.decode(req.output_token_ids)}")
+    text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    print(f"\n=== {rid} ({req.outcome}, {len(req.output_token_ids)} tokens)\n{text}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(launch.exit_on_bad_input(main))

@@ -1,7 +1,7 @@
 """Replays a workload (a real trace or the embedded default) against a model.
 
   python scripts/replay.py                                 # default workload
-  python scripts/replay.py --trace=azure_conv:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+  python scripts/replay.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,60 --time_scale=4
 
 Prints a table and writes a report JSON (vLLM benchmark key names).
@@ -37,11 +37,12 @@ flags.DEFINE_string("out", "runs/replay.json", "Report JSON path.")
 launch.define_engine_flags()
 
 
-def load_workload(vocab_size):
+def load_workload(vocab_size, max_model_len):
+  """The workload of the flags; prompts are clipped to fit the context."""
   synthetic = FLAGS.trace is None
   pick = lambda value, default_synthetic, default_trace: value if value is not None else (
       default_synthetic if synthetic else default_trace)
-  common = dict(max_prompt_len=pick(FLAGS.max_prompt_len, 512, 1024),
+  common = dict(max_prompt_len=min(pick(FLAGS.max_prompt_len, 512, 1024), max_model_len - 1),
                 max_output_len=pick(FLAGS.max_output_len, 64, 512),
                 seed=FLAGS.seed, vocab_size=vocab_size)
   if synthetic:
@@ -50,22 +51,40 @@ def load_workload(vocab_size):
   loaders = {"azure": workloads.load_azure_trace, "mooncake": workloads.load_mooncake_trace,
              "vtc": workloads.load_vtc_trace}
   if kind not in loaders or not path:
-    raise app.UsageError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
-                         f"got {FLAGS.trace!r}")
-  window = tuple(float(x) for x in FLAGS.window_s) if FLAGS.window_s else None
+    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
+                     f"got {FLAGS.trace!r}")
+  window = None
+  if FLAGS.window_s:
+    try:
+      a, b = (float(x) for x in FLAGS.window_s)
+    except ValueError:
+      raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
+                       f"{','.join(FLAGS.window_s)!r}") from None
+    window = (a, b)
   return loaders[kind](path, time_scale=FLAGS.time_scale, window_s=window,
                        max_requests=FLAGS.max_requests, **common)
 
 
 def main(argv):
   del argv
-  engine, cfg, _ = launch.build_engine()
-  workload = load_workload(cfg.vocab_size)
+  engine_cfg = launch.engine_config()
+  # Read and check the workload before loading the model (fail fast); draw
+  # prompt ids again if the model's vocabulary differs from the default.
+  workload = load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
+  clients = len({spec.client for spec in workload})
+  engine, cfg, _ = launch.build_engine(num_clients=max(engine_cfg.num_clients, clients))
+  if cfg.vocab_size != workloads.DEFAULT_VOCAB_SIZE:
+    workload = load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
   compile_s = launch.warmup(engine)
   bar = tqdm(total=len(workload), unit="req", desc="replay")
-  records, duration_s = replay(engine, workload, on_step=bar.update)
+
+  def progress(outputs):
+    bar.update(sum(1 for o in outputs if o.finished))
+    bar.set_postfix(iterations=engine.num_iterations, refresh=False)
+
+  records, duration_s = replay(engine, workload, on_step=progress)
   bar.close()
   config = run_config(engine, FLAGS.model)
   config["workload"] = workload.describe()
@@ -77,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(launch.exit_on_bad_input(main))

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Optional, Tuple
 
+from attention.ragged import IMPLS
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -111,6 +113,8 @@ class EngineConfig:
              "must be 'float32' or 'bfloat16'", self.dtype)
     _require(self.watermark_pages >= 0, c, "watermark_pages", "must be >= 0",
              self.watermark_pages)
+    _require(self.attention_impl in IMPLS, c, "attention_impl",
+             f"must be one of {IMPLS}", self.attention_impl)
 
   @property
   def pages_per_seq(self) -> int:

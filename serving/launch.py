@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 
 import jax
@@ -30,17 +32,37 @@ def define_engine_flags() -> None:
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
 
-def build_engine():
+def exit_on_bad_input(main):
+  """Wraps an absl main: a ValueError (bad flag, file, model or request)
+  prints one line naming the field and rule, and exits with status 2."""
+
+  @functools.wraps(main)
+  def guarded(argv):
+    try:
+      return main(argv)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+
+  return guarded
+
+
+def engine_config(**overrides) -> EngineConfig:
+  """The --engine preset with the flags' overrides."""
+  return EngineConfig.preset(
+      FLAGS.engine, dtype=FLAGS.dtype, policy=FLAGS.policy,
+      max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+      long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
+      attention_impl=FLAGS.attention_impl, **overrides)
+
+
+def build_engine(**overrides):
   """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer)."""
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-  engine_cfg = EngineConfig.preset(
-      FLAGS.engine, dtype=FLAGS.dtype, policy=FLAGS.policy,
-      max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-      long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
-      attention_impl=FLAGS.attention_impl)
+  engine_cfg = engine_config(**overrides)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,

@@ -33,25 +33,31 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
       soon as the engine is idle or its time has come (False).
     sampling: ``spec -> SamplingParams``; default greedy with the spec's
       ``max_tokens`` and ``ignore_eos``.
-    on_step: called with the step's finished-request count (progress bars).
+    on_step: called after every engine step with its RequestOutputs.
 
   Returns:
     ``(records, duration_s)``: one RequestRecord per workload request, and
-    the replay's wall time (s) from start to the last outcome.
+    the replay's wall time (s) from start to the last outcome. A request the
+    engine refuses (e.g. a prompt that does not fit the context) is recorded
+    as ``rejected`` with the engine's reason; the replay goes on.
   """
   sampling = sampling or (lambda spec: SamplingParams(
       max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos))
   specs = sorted(workload.requests, key=lambda s: s.arrival_s)
   start_ms = engine.now_ms()
   shift_ms = 0.0       # non-realtime: idle gaps are skipped
+  refused = {}
   i = 0
   while i < len(specs) or engine.has_unfinished():
     now_ms = engine.now_ms() - start_ms + shift_ms
     while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
       spec = specs[i]
-      engine.add_request(spec.request_id, spec.prompt_token_ids, sampling(spec),
-                         arrival_ms=start_ms - shift_ms + spec.arrival_s * 1000.0,
-                         priority=spec.priority, client=spec.client)
+      try:
+        engine.add_request(spec.request_id, spec.prompt_token_ids, sampling(spec),
+                           arrival_ms=start_ms - shift_ms + spec.arrival_s * 1000.0,
+                           priority=spec.priority, client=spec.client)
+      except ValueError as e:
+        refused[spec.request_id] = str(e)
       i += 1
     if not engine.has_unfinished():
       if i < len(specs):
@@ -63,9 +69,18 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
       continue
     outputs = engine.step()
     if on_step is not None:
-      on_step(sum(1 for o in outputs if o.finished))
+      on_step(outputs)
   duration_s = (engine.now_ms() - start_ms) / 1000.0
-  return [_record(engine, spec, start_ms - shift_ms) for spec in specs], duration_s
+  origin_ms = start_ms - shift_ms
+  return [_refused(spec, refused[spec.request_id]) if spec.request_id in refused
+          else _record(engine, spec, origin_ms) for spec in specs], duration_s
+
+
+def _refused(spec, reason: str) -> RequestRecord:
+  return RequestRecord(
+      request_id=spec.request_id, client=spec.client, arrival_s=spec.arrival_s,
+      first_token_s=None, token_times_s=[], prompt_tokens=len(spec.prompt_token_ids),
+      output_tokens=0, outcome="rejected", finish_reason=reason, clipped=spec.clipped)
 
 
 def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:

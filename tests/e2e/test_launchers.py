@@ -51,5 +51,15 @@ def test_replay_rejects_a_malformed_trace(tmp_path):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
                          f"--trace=azure:{bad}", f"--out={tmp_path / 'r.json'}"],
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode != 0
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert "GeneratedTokens" in proc.stderr and "bad.csv:2" in proc.stderr
+
+
+def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
+                         "--window_s=1,2,3", "--trace=azure:x.csv"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: --window_s must be two numbers A,B (seconds), got '1,2,3'")
+  assert "Traceback" not in proc.stderr

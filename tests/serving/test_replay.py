@@ -56,3 +56,18 @@ def test_same_seed_and_workload_give_same_tokens_and_report():
   assert [r["output_tokens"] for r in report_a["requests"]] == [s.max_tokens for s in wl]
   assert report_a["total_output_tokens"] == sum(s.max_tokens for s in wl)
   assert report_a["config"]["policy_id"] == "sarathi_serve"
+
+
+def test_request_the_engine_refuses_is_recorded_rejected_and_the_replay_goes_on():
+  import dataclasses
+  params = llama.init_params(CFG, jax.random.PRNGKey(2))
+  wl = _workload()
+  too_long = dataclasses.replace(wl.requests[3], prompt_token_ids=(5,) * CONFIG.max_model_len)
+  wl = dataclasses.replace(wl, requests=wl.requests[:3] + (too_long,) + wl.requests[4:])
+  engine = Engine(CFG, params, CONFIG)
+  records, duration_s = replay(engine, wl, realtime=False)
+  report = metrics.build_report(records, duration_s, num_offered=len(wl))
+  assert report["rejected"] == 1 and report["completed"] == len(wl) - 1
+  rejected = [r for r in report["requests"] if r["outcome"] == "rejected"]
+  assert rejected[0]["request_id"] == too_long.request_id
+  assert "max_model_len=64" in rejected[0]["finish_reason"]
