@@ -99,6 +99,13 @@ class Engine:
     self.buffers = init_buffers(c.max_request_slots, c.max_model_len, c.max_stop_ids)
     self.manifest = rec.empty_manifest(c.max_request_slots)
     self.state = rec.initial_state(c.max_request_slots, c.num_clients)
+    # Commit the initial pytrees to the device, as every later (jit-output)
+    # version is: a fresh engine's first step then reuses the programs that
+    # an engine with equal configs compiled, instead of compiling again for
+    # uncommitted inputs.
+    device = jax.devices()[0]
+    (self.kv, self.pages, self.buffers, self.manifest, self.state) = jax.device_put(
+        (self.kv, self.pages, self.buffers, self.manifest, self.state), device)
     self._slots: List[Optional[Request]] = [None] * c.max_request_slots
     self._pending: List[Request] = []      # accepted, not yet in a slot
     self._requests: Dict[str, Request] = {}
