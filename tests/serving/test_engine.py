@@ -7,6 +7,7 @@ tests reuse a handful of configs.
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -192,3 +193,24 @@ def test_pallas_kernel_path_gives_the_same_greedy_tokens(params):
   _, default = _run(params, BASE, prompts)
   _, kernel = _run(params, dataclasses.replace(BASE, attention_impl="pallas"), prompts)
   assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
+
+
+def test_fresh_engine_reuses_compiled_programs(params):
+  # Bucket 16 is first compiled on an engine's later step; a fresh engine
+  # whose first step needs bucket 16 must not compile it again.
+  config = dataclasses.replace(BASE, max_request_slots=6)
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), params)  # as loaded
+  warm = Engine(CFG, params, config)
+  warm.generate(_prompts([5], seed=30), GREEDY)
+  warm.generate(_prompts([5, 17], seed=31), GREEDY)
+  assert 16 in warm.buckets_used
+  compiles = []
+  listener = lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    fresh = Engine(CFG, params, config)
+    fresh.generate(_prompts([5, 17], seed=31), GREEDY)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert fresh.buckets_used.get(16, 0) >= 1
+  assert compiles == []
