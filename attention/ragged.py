@@ -319,31 +319,23 @@ def _block_update(state, q, k, v, pos, key_pos, kv_len, *, sm_scale, soft_cap,
           jnp.where(seen[..., None], acc_new, acc))
 
 
-def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
-                  block_q, block_kv, chunk, sm_scale, soft_cap,
-                  sliding_window):
-  """Online softmax for every slot of one layout; returns f32[NS, bq, Hq, D].
+def _sort_slots(q, slots, padded, *, block_q, block_kv, num_kv_heads):
+  """Slots sorted by key blocks needed (most first), padded to ``padded``.
 
-  Slots are sorted by the number of key blocks they need, so at key block
-  ``j`` the active slots are a prefix, processed ``chunk`` at a time; the cost
-  follows the real context lengths, not the page-table width.
+  Returns ``(pos_s i32[NS, bq] (-1 = no row), seq_s i32[NS], need_s i32[NS],
+  rows_s i32[NS, bq] (packed row of each query; num_rows = none),
+  qs f32[NS, bq, Hkv, group, D])``; padding slots need 0 blocks.
   """
   rows, start_pos, num_valid, seq = slots
   num_rows, num_q_heads, head_dim = q.shape
-  _, page_size, num_kv_heads, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
-  pages_per_block = block_kv // page_size
-  pages_per_seq = page_table.shape[1]
-  num_slots = rows.shape[0]
-  padded = -(-num_slots // chunk) * chunk
-
+  pad = padded - rows.shape[0]
   r = jnp.arange(block_q, dtype=jnp.int32)
   pos = jnp.where(r[None, :] < num_valid[:, None],
                   start_pos[:, None] + r[None, :], -1)
   last = start_pos + num_valid - 1
   need = jnp.where(num_valid > 0, last // block_kv + 1, 0)
   order = jnp.argsort(-need, stable=True)
-  pad = padded - num_slots
 
   def sort_pad(x, fill):
     x = x[order]
@@ -354,6 +346,30 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   qs = jnp.take(q, rows_s, axis=0, mode="fill", fill_value=0)
   qs = qs.astype(jnp.float32).reshape(padded, block_q, num_kv_heads, group,
                                       head_dim)
+  return pos_s, seq_s, need_s, rows_s, qs
+
+
+def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
+                  block_q, block_kv, chunk, sm_scale, soft_cap,
+                  sliding_window):
+  """Online softmax for every slot of one layout; returns f32[NS, bq, Hq, D].
+
+  Slots are sorted by the number of key blocks they need, so at key block
+  ``j`` the active slots are a prefix, processed ``chunk`` at a time; the cost
+  follows the real context lengths, not the page-table width.
+  """
+  rows = slots[0]
+  num_rows, num_q_heads, head_dim = q.shape
+  _, page_size, num_kv_heads, _ = k_pages.shape
+  group = num_q_heads // num_kv_heads
+  pages_per_block = block_kv // page_size
+  pages_per_seq = page_table.shape[1]
+  num_slots = rows.shape[0]
+  padded = -(-num_slots // chunk) * chunk
+
+  pos_s, seq_s, need_s, rows_s, qs = _sort_slots(
+      q, slots, padded, block_q=block_q, block_kv=block_kv,
+      num_kv_heads=num_kv_heads)
   kv_len_s = kv_lens.astype(jnp.int32)[seq_s]
   table_s = page_table[seq_s]                                     # [NS, P]
 
@@ -492,7 +508,7 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   loop step, each its own online-softmax update, so the numerics do not
   depend on ``unroll``).
   """
-  rows, start_pos, num_valid, seq = slots
+  rows = slots[0]
   num_rows, num_q_heads, head_dim = q.shape
   _, page_size, num_kv_heads, _ = k_pages.shape
   group = num_q_heads // num_kv_heads
@@ -502,23 +518,9 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   padded = -(-num_slots // chunk) * chunk
   m_rows = max(2, block_q * group)            # see _dot_update
 
-  r = jnp.arange(block_q, dtype=jnp.int32)
-  pos = jnp.where(r[None, :] < num_valid[:, None],
-                  start_pos[:, None] + r[None, :], -1)
-  last = start_pos + num_valid - 1
-  need = jnp.where(num_valid > 0, last // block_kv + 1, 0)
-  order = jnp.argsort(-need, stable=True)
-  pad = padded - num_slots
-
-  def sort_pad(x, fill):
-    x = x[order]
-    return jnp.concatenate([x, jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
-
-  pos_s, seq_s, need_s = sort_pad(pos, -1), sort_pad(seq, 0), sort_pad(need, 0)
-  rows_s = sort_pad(rows, num_rows)
-  qs = jnp.take(q, rows_s, axis=0, mode="fill", fill_value=0)
-  qs = qs.astype(jnp.float32).reshape(padded, block_q, num_kv_heads, group,
-                                      head_dim)
+  pos_s, seq_s, need_s, rows_s, qs = _sort_slots(
+      q, slots, padded, block_q=block_q, block_kv=block_kv,
+      num_kv_heads=num_kv_heads)
   qs = jnp.transpose(qs, (0, 2, 1, 3, 4)).reshape(
       padded, num_kv_heads, block_q * group, head_dim)
   pos_m = jnp.repeat(pos_s, group, axis=1)                        # [NS, bq*G]
