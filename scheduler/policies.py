@@ -132,11 +132,11 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
   init = dict(
       free=alloc.free_pages.astype(jnp.int32),
       tail=num_running,  # victim positions >= tail are preempted
-      tok=jnp.int32(0), seq=jnp.int32(0), next_rank=jnp.int32(0),
+      tok=jnp.int32(0), seq=jnp.int32(0),
       selected=jnp.zeros((num_slots,), bool),
       preempt=jnp.zeros((num_slots,), bool),
       admit=jnp.zeros((num_slots,), bool),
-      end=computed, rank=jnp.full((num_slots,), -1, jnp.int32),
+      end=computed,
       alloc_now=jnp.zeros((num_slots,), jnp.int32),
       blocked=jnp.bool_(False))
 
@@ -144,12 +144,10 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
     c = dict(c)
     c["selected"] = c["selected"].at[s].set(True)
     c["end"] = c["end"].at[s].set(end)
-    c["rank"] = c["rank"].at[s].set(c["next_rank"])
     c["alloc_now"] = c["alloc_now"].at[s].set(need_pages)
     c["free"] = c["free"] - need_pages
     c["tok"] = c["tok"] + (end - computed[s])
     c["seq"] = c["seq"] + 1
-    c["next_rank"] = c["next_rank"] + 1
     return c
 
   # 1. Running decode rows, with tail preemption when no page is left.
@@ -229,28 +227,10 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
   c["reserved"] = reserved
   c, _ = jax.lax.scan(admit_step, c, order)
 
-  selected = c["selected"]
-  kind = jnp.where(rank_of_phase == 0, rec.DECODE_ROW,
-                   _work_kind(manifest, state))
-  return rec.IterationPlan(
-      decision_id=state.decision_id,
-      input_state_version=state.state_version,
-      selected=selected,
-      generation=state.generation,
-      snapshot_version=state.snapshot_version,
-      start=jnp.where(selected, computed, 0),
-      end=jnp.where(selected, c["end"], 0),
-      kind=jnp.where(selected, kind, rec.NO_WORK).astype(jnp.int32),
-      rank=c["rank"],
-      admit=c["admit"],
-      preempt=c["preempt"],
-      sort_key=keys,
-      num_tokens=c["tok"],
-      num_seqs=c["seq"],
-      policy_id=policy.policy_id,
-      policy_version=policy.version,
-      token_budget=b.token_budget,
-      seq_budget=b.seq_budget)
+  # Slots were taken in key order (phase rank leads the key), so the
+  # shared builder's order-derived ranks equal the order they were taken in.
+  return finish_plan(manifest, state, {"decode": rank_of_phase == 0}, c, keys,
+                     order, policy)
 
 
 # ------------------------------------------------ shared policy helpers
