@@ -410,12 +410,16 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
 
 def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
              sm_scale, soft_cap, sliding_window, block_q, block_kv,
-             chunk_rows, chunk_blocks, short_q=None):
+             chunk_rows, chunk_blocks, short_q=None, attend=None, row_kw=None,
+             block_kw=None):
   """Row path for short sequences (decode), block path for the rest.
 
   A sequence with ``q_len <= short_q`` (default ``block_q // 4``) gets one
-  slot per row instead of a mostly empty ``block_q``-row slot.
+  slot per row instead of a mostly empty ``block_q``-row slot. ``attend``
+  (default ``_attend_slots``) runs one layout, with ``row_kw`` / ``block_kw``
+  as extra keywords for the row and block layouts.
   """
+  attend = attend or _attend_slots
   num_rows = q.shape[0]
   num_seq_slots = kv_lens.shape[0]
   if short_q is None:
@@ -426,20 +430,23 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
             sliding_window=sliding_window)
   out = jnp.zeros(q.shape, jnp.float32)
   if block_q == 1:
-    layouts = [(1, num_rows, None, chunk_rows)]
+    layouts = [(1, num_rows, None, chunk_rows, row_kw or {})]
   else:
     long_seqs = min(num_seq_slots, num_rows // (short_q + 1))
-    layouts = [(1, min(num_rows, num_seq_slots * short_q), short, chunk_rows),
+    layouts = [(1, min(num_rows, num_seq_slots * short_q), short, chunk_rows,
+                row_kw or {}),
                (block_q, (num_rows + long_seqs * (block_q - 1)) // block_q,
-                ~short, chunk_blocks)]
-  for bq, num_slots, select, chunk in layouts:
+                ~short, chunk_blocks, block_kw or {})]
+  for bq, num_slots, select, chunk, extra in layouts:
     if num_slots == 0:
       continue
     slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
                         block_q=bq, num_slots=num_slots,
                         select=select)
-    o, rows = _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots,
-                            block_q=bq, chunk=chunk, **kw)
+    # ``chunk`` (the slot batch) stays fixed whatever T: for the dot path a
+    # batch of one slot lowers to a different kernel.
+    o, rows = attend(q, k_pages, v_pages, kv_lens, page_table, slots,
+                     block_q=bq, chunk=chunk, **kw, **extra)
     out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
                                        mode="drop")
   return out.astype(q.dtype)
@@ -586,37 +593,13 @@ def _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                  block_kv, chunk_rows, chunk_blocks, unroll_rows=1,
                  short_q=None):
   """``_blocked``'s two layouts with ``_attend_slots_dot``."""
-  num_rows = q.shape[0]
-  num_seq_slots = kv_lens.shape[0]
-  if short_q is None:
-    short_q = max(1, block_q // 4)
-  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-  short = q_lens <= short_q
-  kw = dict(block_kv=block_kv, sm_scale=sm_scale, soft_cap=soft_cap,
-            sliding_window=sliding_window)
-  out = jnp.zeros(q.shape, jnp.float32)
-  if block_q == 1:
-    layouts = [(1, num_rows, None, chunk_rows, unroll_rows)]
-  else:
-    long_seqs = min(num_seq_slots, num_rows // (short_q + 1))
-    layouts = [(1, min(num_rows, num_seq_slots * short_q), short, chunk_rows,
-                unroll_rows),
-               (block_q, (num_rows + long_seqs * (block_q - 1)) // block_q,
-                ~short, chunk_blocks, 1)]
-  for bq, num_slots, select, chunk, unroll in layouts:
-    if num_slots == 0:
-      continue
-    # ``chunk`` (the dot's batch) stays fixed whatever T: a batch of one
-    # slot lowers to a different kernel.
-    slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
-                        block_q=bq, num_slots=num_slots,
-                        select=select)
-    o, rows = _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table,
-                                slots, block_q=bq, chunk=chunk, unroll=unroll,
-                                **kw)
-    out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
-                                       mode="drop")
-  return out.astype(q.dtype)
+  return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
+                  sm_scale=sm_scale, soft_cap=soft_cap,
+                  sliding_window=sliding_window, block_q=block_q,
+                  block_kv=block_kv, chunk_rows=chunk_rows,
+                  chunk_blocks=chunk_blocks, short_q=short_q,
+                  attend=_attend_slots_dot, row_kw={"unroll": unroll_rows},
+                  block_kw={"unroll": 1})
 
 
 # --------------------------------------------------------------------------
