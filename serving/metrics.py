@@ -101,6 +101,8 @@ class RequestRecord:
       finish_reason: e.g. "length", "stop", "abort", a rejection reason; free text.
       num_preemptions: times the request was preempted and later resumed.
       clipped: the workload cut this request's prompt.
+      output_token_ids: int[output_tokens] the emitted token ids (empty when
+        the producer did not record them); replays compare them bit for bit.
 
     Raises (on construction):
       ValueError: unknown outcome, inconsistent token times, or a completed
@@ -118,9 +120,11 @@ class RequestRecord:
     finish_reason: str | None = None
     num_preemptions: int = 0
     clipped: bool = False
+    output_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))
+        object.__setattr__(self, "output_token_ids", tuple(int(t) for t in self.output_token_ids))
         rid, times = self.request_id, self.token_times_s
         if self.outcome not in OUTCOMES:
             raise ValueError(f"{rid}: outcome={self.outcome!r} not in {OUTCOMES}")
@@ -128,6 +132,9 @@ class RequestRecord:
             raise ValueError(f"{rid}: output_tokens={self.output_tokens} but {len(times)} token times")
         if self.prompt_tokens < 0 or self.num_preemptions < 0:
             raise ValueError(f"{rid}: negative prompt_tokens or num_preemptions")
+        if self.output_token_ids and len(self.output_token_ids) != self.output_tokens:
+            raise ValueError(f"{rid}: {len(self.output_token_ids)} output_token_ids but "
+                             f"output_tokens={self.output_tokens}")
         if times:
             if self.first_token_s != times[0]:
                 raise ValueError(f"{rid}: first_token_s={self.first_token_s} != token_times_s[0]={times[0]}")
@@ -275,6 +282,7 @@ def _record_dict(r: RequestRecord) -> dict:
     """One request's line of the report (times in s from the replay start)."""
     out = dataclasses.asdict(r)
     out["token_times_s"] = list(r.token_times_s)
+    out["output_token_ids"] = list(r.output_token_ids)
     return out
 
 

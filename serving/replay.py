@@ -92,7 +92,8 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
       first_token_s=times[0] if times else None, token_times_s=times,
       prompt_tokens=len(spec.prompt_token_ids), output_tokens=len(times),
       outcome=req.outcome, finish_reason=req.finish_reason,
-      num_preemptions=req.num_preemptions, clipped=spec.clipped)
+      num_preemptions=req.num_preemptions, clipped=spec.clipped,
+      output_token_ids=req.output_token_ids)
 
 
 def run_config(engine: Engine, model_name: str) -> dict:

@@ -133,6 +133,9 @@ def test_record_validation():
         RequestRecord("x", "c", 0.0, 1.0, (1.0,), 3, 2, "completed")
     with pytest.raises(ValueError, match="first_token_s"):
         RequestRecord("x", "c", 0.0, 0.9, (1.0,), 3, 1, "completed")
+    with pytest.raises(ValueError, match="2 output_token_ids but output_tokens=1"):
+        RequestRecord("x", "c", 0.0, 1.0, (1.0,), 3, 1, "completed",
+                      output_token_ids=(7, 8))
 
 
 def test_report_with_no_completion_gates_everything():

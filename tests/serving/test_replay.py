@@ -56,6 +56,9 @@ def test_same_seed_and_workload_give_same_tokens_and_report():
   assert [r["output_tokens"] for r in report_a["requests"]] == [s.max_tokens for s in wl]
   assert report_a["total_output_tokens"] == sum(s.max_tokens for s in wl)
   assert report_a["config"]["policy_id"] == "sarathi_serve"
+  # The report carries every request's token ids, as the engine emitted them.
+  assert {r["request_id"]: r["output_token_ids"] for r in report_a["requests"]} == {
+      rid: tokens_a[rid] for rid in tokens_a}
 
 
 def test_request_the_engine_refuses_is_recorded_rejected_and_the_replay_goes_on():
