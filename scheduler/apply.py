@@ -4,7 +4,10 @@ A plan alone never advances a counter: ``apply`` publishes completed
 intervals, emitted outputs and their clocks, terminal events, queue intents
 the plan made (admission, recompute preemption) and completed-service debits
 (per client, from the result's completed rows, never from the plan).
-Completed REBUILD rows restore cache after a recompute preemption: they are
+A preempted request keeps the exact KV prefix its preservation fact
+reports (``IterationResult.preserved_end``: pages copied to host memory and
+back) or restarts from 0 (recompute). Completed REBUILD rows restore cache
+after a recompute preemption: they are
 counted in ``recompute_rows``, never as fairness service (§0x0C). A policy
 with counters of its own (VTC, MLFQ, ...) advances them through its pure
 ``update`` hook, which ``apply`` calls with the same completed result.
@@ -34,10 +37,13 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   last_token_ms = jnp.where(result.emitted, result.emit_ms, state.last_token_ms)
 
   status = jnp.where(plan.admit & completed, rec.RUNNING, state.status)
-  # Recompute preemption: pages released, frontier back to 0, new generation.
+  # Preemption: pages released, new generation; the frontier falls back to
+  # the exact prefix the preservation path kept (``preserved_end``, §0x0C),
+  # 0 for recompute.
   preempted = plan.preempt
   status = jnp.where(preempted, rec.WAITING, status)
-  computed = jnp.where(preempted, 0, computed)
+  kept = 0 if result.preserved_end is None else result.preserved_end
+  computed = jnp.where(preempted, kept, computed)
   generation = state.generation + preempted.astype(jnp.int32)
 
   ended = result.finished | result.failed

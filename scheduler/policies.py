@@ -204,16 +204,20 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
   watermark = jnp.where(live_after > 0, b.watermark_pages, 0)
 
   # 3. New admissions, FCFS with `break` (a head that does not fit blocks).
+  resume = work_facts(manifest, state)["resume"]
+
   def admit_step(c, s):
     is_waiting = rank_of_phase[s] == 2
     room = jnp.minimum(b.token_budget - c["tok"], b.chunk_cap)
-    chunk = jnp.minimum(target[s] - computed[s], room)
-    need_total = _ceil_div(target[s], ps) - held[s]
+    # A resumed decoder (KV prefix preserved) takes one decode row.
+    chunk = jnp.where(resume[s], jnp.minimum(room, 1),
+                      jnp.minimum(target[s] - computed[s], room))
+    need_total = _ceil_div(jnp.maximum(target[s], computed[s] + chunk), ps) - held[s]
     fits = ((c["free"] - c["reserved"] - watermark >= need_total)
             & (chunk > 0) & (c["seq"] < b.seq_budget))
-    go = is_waiting & ~c["blocked"] & fits
+    go = is_waiting & (~c["blocked"] | resume[s]) & fits
     c = dict(c)
-    c["blocked"] = c["blocked"] | (is_waiting & ~fits)
+    c["blocked"] = c["blocked"] | (is_waiting & ~resume[s] & ~fits)
     need = jnp.maximum(_ceil_div(computed[s] + chunk, ps) - held[s], 0)
 
     def do(c):
@@ -229,8 +233,8 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
 
   # Slots were taken in key order (phase rank leads the key), so the
   # shared builder's order-derived ranks equal the order they were taken in.
-  return finish_plan(manifest, state, {"decode": rank_of_phase == 0}, c, keys,
-                     order, policy)
+  return finish_plan(manifest, state, {"decode": rank_of_phase == 0, "resume": resume},
+                     c, keys, order, policy)
 
 
 # ------------------------------------------------ shared policy helpers
@@ -262,17 +266,24 @@ def work_facts(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
 
   ``decode``: running, ready, at the ordinary decode frontier.
   ``partial``: running, ready, with prefill or rebuild rows left.
-  ``waiting``: WAITING and ready (always has prefill-like work).
+  ``waiting``: WAITING and ready, with prefill-like work left.
+  ``resume``: WAITING and ready at the ordinary decode frontier: a request
+    whose whole KV prefix was preserved across a preemption (§0x0C); it is
+    re-admitted with a single decode row.
   ``target``: i32[R], where prefill-like work stops (``prefill_target``).
   """
   target = rec.prefill_target(manifest, state)
   running = state.status == rec.RUNNING
-  decode = running & state.ready & (state.emitted >= 1) & (
+  at_decode = (state.emitted >= 1) & (
       state.computed == manifest.prompt_len + state.emitted - 1)
+  decode = running & state.ready & at_decode
   partial = running & state.ready & (state.computed < target)
-  waiting = (state.status == rec.WAITING) & state.ready & (state.computed < target)
+  waiting_ready = (state.status == rec.WAITING) & state.ready
+  waiting = waiting_ready & (state.computed < target)
+  resume = waiting_ready & at_decode
   return dict(target=target, running=running, decode=decode, partial=partial,
-              waiting=waiting, work=decode | partial | waiting)
+              waiting=waiting, resume=resume,
+              work=decode | partial | waiting | resume)
 
 
 def inverse_permutation(order):
@@ -302,6 +313,9 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
   ps = alloc.page_size
   held = alloc.pages_held.astype(jnp.int32)
   reserve_rows = f["target"] if reserve_rows is None else reserve_rows
+  # A resumed decoder needs pages for its next row as well.
+  reserve_rows = jnp.where(f["resume"], jnp.maximum(reserve_rows, state.computed + 1),
+                           reserve_rows)
   need_total = jnp.maximum(pages_for(reserve_rows, ps) - held, 0)
   own = jnp.where(f["running"], need_total, 0)
   rank_in_order = inverse_permutation(order)
@@ -332,7 +346,7 @@ def _take(x, c, s, end, need):
   c["free"] = c["free"] - need
   c["tok"] = c["tok"] + (end - x["computed"][s])
   c["seq"] = c["seq"] + 1
-  c["prefills"] = c["prefills"] + (~x["decode"][s]).astype(jnp.int32)
+  c["prefills"] = c["prefills"] + (~(x["decode"][s] | x["resume"][s])).astype(jnp.int32)
   return c
 
 
@@ -423,12 +437,16 @@ def try_running(x, c, s, preempt_victims=True):
 
 def admission_fits(x, c, s):
   """(bool, width): waiting slot ``s`` fits the token / sequence budgets
-  and the pages left after reservations and the watermark."""
+  and the pages left after reservations and the watermark. A resumed
+  decoder (``resume``) takes one decode row and no prefill slot."""
   b = x["budgets"]
-  width = _prefill_width(x, s, b.token_budget - c["tok"])
+  room = b.token_budget - c["tok"]
+  resume = x["resume"][s]
+  width = jnp.where(resume, jnp.minimum(room, 1), _prefill_width(x, s, room))
+  slot_ok = jnp.where(resume, c["seq"] < b.seq_budget, _prefill_room(x, c))
   watermark = jnp.where(c["live"], b.watermark_pages, 0)
   pages_ok = x["need_total"][s] <= c["free"] - c["reserved"] - watermark
-  return x["waiting"][s] & (width > 0) & _prefill_room(x, c) & pages_ok, width
+  return (x["waiting"][s] | resume) & (width > 0) & slot_ok & pages_ok, width
 
 
 def admit(x, c, s, width):
@@ -444,14 +462,16 @@ def admit(x, c, s, width):
 
 def try_admit(x, c, s, fcfs_break=True):
   """Offers waiting slot ``s`` admission; with ``fcfs_break`` a waiting slot
-  that does not fit blocks every later one (ORCA's ``break``)."""
+  that does not fit blocks every later one (ORCA's ``break``). A resumed
+  decoder (``resume``) is neither blocked by nor blocks a waiting prompt."""
   fits, width = admission_fits(x, c, s)
-  is_waiting = x["waiting"][s] & ~c["selected"][s]
+  resume = x["resume"][s]
+  is_waiting = (x["waiting"][s] | resume) & ~c["selected"][s]
   go = is_waiting & fits
   if fcfs_break:
-    go = go & ~c["blocked"]
+    go = go & (~c["blocked"] | resume)
     c = dict(c)
-    c["blocked"] = c["blocked"] | (is_waiting & ~fits)
+    c["blocked"] = c["blocked"] | (is_waiting & ~resume & ~fits)
   return jax.lax.cond(go, lambda c: admit(x, c, s, width), lambda c: c, c)
 
 
@@ -475,7 +495,8 @@ def finish_plan(manifest, state, x, c, keys, order, policy,
   rank = jnp.full(selected.shape, -1, jnp.int32).at[order].set(
       jnp.where(in_order, jnp.cumsum(in_order) - 1, -1).astype(jnp.int32))
   computed = state.computed
-  kind = jnp.where(x["decode"], rec.DECODE_ROW, _work_kind(manifest, state))
+  decode = x["decode"] | x.get("resume", False)
+  kind = jnp.where(decode, rec.DECODE_ROW, _work_kind(manifest, state))
   b = policy.budgets
   return rec.IterationPlan(
       decision_id=state.decision_id,
@@ -538,6 +559,8 @@ POLICIES: Dict[str, Callable[[Budgets], object]] = {
     "orca": _lazy("scheduler.policy_orca", "Orca"),
     "sarathi": _lazy("scheduler.policy_sarathi", "Sarathi"),
     "vllm_v1": _lazy("scheduler.policy_vllm", "VllmV1"),
+    "vllm_v1_priority": _lazy("scheduler.policy_vllm", "VllmV1", mode="priority",
+                              policy_id="vllm_v1_priority"),
     "fastserve": _lazy("scheduler.policy_fairness", "FastServe"),
     "vtc": _lazy("scheduler.policy_fairness", "Vtc"),
     "vtc_completion_reconciled": _lazy("scheduler.policy_fairness",

@@ -224,7 +224,7 @@ class Vtc(base.PolicyBase):
     c["done"] = jnp.bool_(False)
 
     def admit_step(c, _):
-      cand = x["waiting"] & ~c["selected"]
+      cand = (x["waiting"] | x["resume"]) & ~c["selected"]
       has = jnp.zeros((num_clients,), bool).at[
           jnp.where(cand, manifest.client, num_clients)].set(True, mode="drop")
       client = jnp.argmin(jnp.where(has, c["prov"], base.INT32_MAX))

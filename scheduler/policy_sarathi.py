@@ -36,7 +36,8 @@ class Sarathi(base.PolicyBase):
   def sort_keys(self, manifest, state, view=None):
     """i32[R, 4]: anchor_rank 0 prefill-like work, 1 decode, 2 none."""
     f = base.work_facts(manifest, state)
-    anchor = jnp.select([f["partial"] | f["waiting"], f["decode"]], [0, 1], 2)
+    anchor = jnp.select([f["partial"] | f["waiting"], f["decode"] | f["resume"]],
+                        [0, 1], 2)
     return base.identity_keys(manifest, state, anchor)
 
   def plan(self, manifest, state, alloc):

@@ -132,13 +132,15 @@ class VllmV1(base.PolicyBase):
     c["wstop"] = jnp.bool_(False)
 
     def waiting_step(c, s):
-      num_new = jnp.minimum(jnp.minimum(x["target"][s] - comp[s], b.chunk_cap),
-                            b.token_budget - c["tok"])
+      room = b.token_budget - c["tok"]
+      num_new = jnp.where(   # a resumed decoder (KV preserved) takes one row
+          x["resume"][s], jnp.minimum(room, 1),
+          jnp.minimum(jnp.minimum(x["target"][s] - comp[s], b.chunk_cap), room))
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
       watermark = jnp.where(c["live"], b.watermark_pages, 0)
       fits = ((c["seq"] < b.seq_budget) & (num_new > 0)
               & (need <= c["free"] - watermark))
-      is_waiting = x["waiting"][s] & ~c["wstop"]
+      is_waiting = (x["waiting"][s] | x["resume"][s]) & ~c["wstop"]
       c = dict(c)
       c["wstop"] = c["wstop"] | (is_waiting & ~fits)
       return jax.lax.cond(is_waiting & fits, lambda c: base.admit(x, c, s, num_new),

@@ -243,6 +243,10 @@ class IterationResult:
     finish_reason: i32[R], FINISH_* code for finished slots.
     failed: bool[R], execution failed for this slot.
     service_rows: i32[R], completed rows debited to the slot's client.
+    preserved_end: i32[R] or None, for a slot the plan preempts: the exact
+      KV prefix ``[0, preserved_end)`` kept by the preservation path (copied
+      to host memory, restored before the request runs again) — its frontier
+      after the preemption (§0x0C ``T_ready``); 0 (or None) means recompute.
   """
 
   decision_id: jax.Array
@@ -256,6 +260,7 @@ class IterationResult:
   finish_reason: jax.Array
   failed: jax.Array
   service_rows: jax.Array
+  preserved_end: Optional[jax.Array] = None
 
 
 def empty_manifest(num_slots: int) -> WorkloadManifest:

@@ -31,6 +31,7 @@ realized-output / physical-block leak                  hidden_truth,
 unplanned completion, output clock, planned debit      unplanned_completion,
                                                        output_clock,
                                                        service_debit
+preserved prefix not bound to a preemption             preserved_prefix
 =====================================================  =======================
 """
 
@@ -196,6 +197,10 @@ class UnfoundedTerminal(ResultValidationError):
   """A slot finished without emitting or failing."""
 
 
+class UnfoundedPreservation(ResultValidationError):
+  """A preserved prefix on a slot not preempted, or beyond its frontier."""
+
+
 class ForgedPositionTrace(PackedValidationError):
   """Packed positions are not ``range(start, end)`` of their interval."""
 
@@ -253,6 +258,9 @@ RESULT_RULES = {
     "service_debit": (PlannedServiceDebit,
                       "service rows must equal completed rows (0 if not completed)"),
     "terminal": (UnfoundedTerminal, "a slot may finish only when it emitted or failed"),
+    "preserved_prefix": (UnfoundedPreservation,
+                         "preserved_end must be 0 unless the plan preempts the slot, "
+                         "and <= its computed frontier"),
 }
 
 PACKED_RULES = {
@@ -406,6 +414,10 @@ def result_violations(plan: rec.IterationPlan, state: rec.SchedulerState,
                       | (result.emitted != (result.token >= 0)),
       "service_debit": result.service_rows != jnp.where(done, rows, 0),
       "terminal": result.finished & ~(result.emitted | result.failed),
+      "preserved_prefix": (jnp.zeros((num_slots,), bool) if result.preserved_end is None
+                           else (result.preserved_end < 0)
+                           | (~plan.preempt & (result.preserved_end != 0))
+                           | (result.preserved_end > state.computed)),
   }
 
 

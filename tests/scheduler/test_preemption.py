@@ -5,13 +5,16 @@ request "r" with generation 2, digest "S", suspension epochs 10 / 11, and the
 frontiers each outcome names (T_target 6, 7, 5).
 """
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from scheduler import fixtures as fx
 from scheduler import preemption as pre
 from scheduler import records as rec
-from scheduler.policies import Budgets
+from scheduler import validate as v
+from scheduler.policies import POLICIES, Budgets, make_policy
 from scheduler.policy_vllm import VllmV1
 from tests.scheduler.policy_testing import step
 
@@ -146,3 +149,31 @@ def test_engine_recompute_rebuild_publishes_no_service():
   assert int(state.recompute_rows[1]) == 3
   state, plan, _, _, _ = run(state, 8)
   assert int(plan.kind[1]) == rec.DECODE_ROW and int(plan.start[1]) == 3
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_readmits_a_preserved_decoder_with_one_decode_row(name):
+  """§0x0C exact preservation: a request suspended with its whole prefix
+  preserved (T_ready = T_target = p + e - 1) is WAITING at the decode
+  frontier holding no pages; re-admission is one DECODE_ROW [c, c + 1)
+  whose pages cover the restored prefix, not a REBUILD."""
+  policy = make_policy(name, Budgets(token_budget=8, seq_budget=2, chunk_cap=8))
+  # max_tokens 3: ORCA's max reservation (p + 3 = 7 rows) fits 2 pages too.
+  reqs = [dict(slot=0, request_id=0, arrival_seq=0, prompt_len=4, emitted=2,
+               computed=5, generation=1, status=rec.WAITING, max_tokens=3),
+          dict(slot=1, request_id=1, arrival_seq=1, prompt_len=9, status=rec.WAITING)]
+  manifest, state = fx.build(reqs, num_slots=3)
+  state = state.replace(num_preemptions=state.num_preemptions.at[0].set(1))
+  # Nothing held (the pages went back at preemption); 2 pages of 4 rows are
+  # free: exactly what the restored prefix and its next row need.
+  view = rec.AllocatorView(free_pages=jnp.int32(2), pages_held=jnp.zeros(3, jnp.int32),
+                           page_size=4)
+  online = manifest.online()
+  plan = jax.jit(lambda m, s, a: policy(m, s, a))(online, state, view)
+  v.validate_plan(online, state, plan)
+  assert bool(plan.selected[0]) and bool(plan.admit[0])
+  assert (int(plan.start[0]), int(plan.end[0])) == (5, 6)
+  assert int(plan.kind[0]) == rec.DECODE_ROW
+  # The fresh prompt needs three pages and must wait; under a FCFS ``break``
+  # it does not block the resumed decoder either.
+  assert not bool(plan.selected[1])

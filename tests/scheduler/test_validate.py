@@ -312,3 +312,14 @@ def test_unfounded_terminal_event(valid):
   result = valid[3]
   result_fails(v.UnfoundedTerminal, "terminal", valid,
                result.replace(finished=_set(result.finished, A, True)))
+
+
+def test_preserved_prefix_needs_a_preemption(valid):
+  manifest, state, plan, result = valid
+  zeros = jnp.zeros_like(result.service_rows)
+  # No slot is preempted by this plan: a preserved prefix is unfounded.
+  result_fails(v.UnfoundedPreservation, "preserved_prefix", valid,
+               result.replace(preserved_end=_set(zeros, A, 1)))
+  # An all-zero preservation fact is the recompute default and passes.
+  assert v.broken_rules(v.result_violations(
+      plan, state, manifest, result.replace(preserved_end=zeros))) == []
