@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 from attention.ragged import IMPLS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
@@ -77,6 +78,15 @@ class EngineConfig:
     num_clients: size of the completed-service counter table.
     max_stop_ids: stop token ids per request.
     sample_rows: rows of the logits matrix (>= max_num_seqs).
+    preemption_mode: how a preempted request's KV cache is recovered
+      (§0x0C): "recompute" frees its pages and rebuilds the prefix later
+      (REBUILD rows); "swap" copies the pages to host memory and back
+      (exact preservation, no rebuild), falling back to recompute when the
+      host swap space is full.
+    swap_space_mb: host memory for preserved KV pages (MiB, "swap" only).
+    force_preempt_every: 0, or N >= 2: every N-th decision preempts one
+      decoding request (``scheduler.policy_forced``), a control for
+      preemption/resume ablations and exactness checks.
   """
 
   max_num_seqs: int = 32
@@ -94,6 +104,9 @@ class EngineConfig:
   num_clients: int = 64
   max_stop_ids: int = 8
   sample_rows: int = 64
+  preemption_mode: str = "recompute"
+  swap_space_mb: float = 1024.0
+  force_preempt_every: int = 0
 
   def __post_init__(self):
     c = "EngineConfig"
@@ -115,6 +128,12 @@ class EngineConfig:
              self.watermark_pages)
     _require(self.attention_impl in IMPLS, c, "attention_impl",
              f"must be one of {IMPLS}", self.attention_impl)
+    _require(self.preemption_mode in PREEMPTION_MODES, c, "preemption_mode",
+             f"must be one of {PREEMPTION_MODES}", self.preemption_mode)
+    _require(self.swap_space_mb >= 0, c, "swap_space_mb", "must be >= 0",
+             self.swap_space_mb)
+    _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
+             "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
 
   @property
   def pages_per_seq(self) -> int:

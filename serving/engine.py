@@ -12,6 +12,14 @@ publisher, one arrival writer, one release/cancel writer, and one executor per
 bucket in ``EngineConfig.token_buckets`` (``compiled_programs()`` reports
 what was actually compiled).
 
+Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
+frees the victim's pages and later rebuilds its prefix; "swap" copies the
+pages to host memory first (``serving.kv_swap``) and writes them back when
+the request is re-admitted, so it resumes exactly where it stopped. Either
+way the host keeps the request's §0x0C QueueRecord / PreemptionIntent /
+ReleaseResult / PreservationResult / ResumeTicket chain, bound by
+(request_id, generation, snapshot digest, suspension epoch).
+
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
 ``failed`` (non-finite logits); ``Request.finish_reason`` says why.
@@ -30,10 +38,13 @@ import numpy as np
 
 from models import llama
 from scheduler import apply as apply_lib
+from scheduler import preemption as pre
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import Budgets, make_policy
+from scheduler.policy_forced import ForcedPreemption
 from serving import kv_pages
+from serving import kv_swap
 from serving.config import EngineConfig, SamplingParams
 from serving.executor import ModelRunner, execute, init_buffers
 
@@ -56,7 +67,9 @@ class Request:
   outcome: Optional[str] = None
   finish_reason: str = ""
   num_preemptions: int = 0
+  recompute_tokens: int = 0
   slot: int = -1
+  queue_record: Optional[pre.QueueRecord] = dataclasses.field(default=None, repr=False)
 
   @property
   def finished(self) -> bool:
@@ -114,6 +127,12 @@ class Engine:
     self.num_iterations = 0
     self.num_preemptions = 0
     self.buckets_used: Dict[int, int] = {}
+    self.swap = kv_swap.SwapSpace(int(c.swap_space_mb * 2**20))
+    # Set ``record_plans = True`` to keep, per iteration, the plan as host
+    # data in ``plan_log`` (request ids, intervals, kinds, intents).
+    self.record_plans = False
+    self.plan_log: List[dict] = []
+    self._page_bytes = kv_swap.page_bytes(self.kv)
 
     self._programs = _programs(model_cfg, config)
 
@@ -204,6 +223,9 @@ class Engine:
   def _end(self, req: Request, outcome: str, reason: str) -> None:
     assert outcome in OUTCOMES
     req.outcome, req.finish_reason = outcome, reason
+    suspended = self.swap.pop(req.request_id)
+    if suspended is not None:      # ended while suspended: the copy is void
+      req.queue_record = pre.cancel(suspended.record)
 
   def _fill_slots(self) -> None:
     """Moves pending requests (arrival order) into free slots."""
@@ -234,8 +256,9 @@ class Engine:
     self.state = apply_lib.tick(self.state, self.now_ms())
     plan, bad = self._programs.plan(self.manifest, self.state, kv_pages.view(self.pages))
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, any_preempt, never = jax.device_get(
-        (bad, plan.num_tokens, plan.num_seqs, jnp.any(plan.preempt), never))
+    bad, num_tokens, num_seqs, preempt, admit, never = jax.device_get(
+        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never))
+    any_preempt = preempt.any()
     if bad:
       validate.validate_plan(self.manifest.online(), self.state, plan)
     if never.any():
@@ -252,6 +275,14 @@ class Engine:
         raise RuntimeError(f"policy {self.policy.policy_id} selected no work while "
                            f"requests {live[:8]} are live; no progress is possible")
       return []
+    if self.record_plans:
+      self._log_plan(plan)
+    preserved = np.zeros(self.config.max_request_slots, np.int32)
+    if any_preempt:
+      preserved = self._suspend(preempt, plan.decision_id)
+    for slot in np.flatnonzero(admit):
+      if self.swap.get(self._slots[slot].request_id) is not None:
+        self._resume(slot, preempt)
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.kv, self.pages, self.buffers, result = self._programs.execute(
@@ -260,13 +291,110 @@ class Engine:
     fetched = jax.device_get((result.emitted, result.token, result.finished,
                               result.finish_reason, result.failed, plan.preempt))
     emit_ms = self.now_ms()
-    result = result.replace(emit_ms=jnp.float32(emit_ms))
+    result = result.replace(emit_ms=jnp.float32(emit_ms),
+                            preserved_end=jnp.asarray(preserved))
     state, bad = self._programs.publish(self.manifest, self.state, plan, result)
     if int(bad):
       validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
     self.num_iterations += 1
     return self._drain(emit_ms, *fetched)
+
+  def _log_plan(self, plan) -> None:
+    sel, start, end, kind, rank, admit, preempt, decision, status = jax.device_get((
+        plan.selected, plan.start, plan.end, plan.kind, plan.rank, plan.admit,
+        plan.preempt, plan.decision_id, self.state.status))
+    name = lambda s: self._slots[s].request_id
+    rows = sorted(np.flatnonzero(sel), key=lambda s: rank[s])
+    self.plan_log.append(dict(
+        decision_id=int(decision), policy_id=plan.policy_id,
+        scheduled=[(name(s), int(start[s]), int(end[s]), rec.KIND_NAMES[kind[s]])
+                   for s in rows],
+        admitted=[name(s) for s in rows if admit[s]],
+        preempted=[name(s) for s in np.flatnonzero(preempt)],
+        running=[name(s) for s in np.flatnonzero(status == rec.RUNNING)]))
+
+  # ------------------------------------------------------- preemption (§0x0C)
+  def _suspend(self, preempt, decision_id) -> np.ndarray:
+    """Settles the preemption of every ``preempt`` slot (bool[R]) on the host:
+    in "swap" mode copies its committed KV pages to host memory. Returns
+    i32[R] preserved prefix tokens (the result's ``preserved_end``)."""
+    c = self.config
+    computed, generation, held, table, decision_id = jax.device_get((
+        self.state.computed, self.state.generation, self.pages.pages_held,
+        self.pages.page_table, decision_id))
+    preserved = np.zeros(c.max_request_slots, np.int32)
+    for slot in np.flatnonzero(preempt):
+      req = self._slots[slot]
+      target = int(computed[slot])
+      snapshot = kv_swap.digest(np.asarray(
+          req.prompt_token_ids + req.output_token_ids, np.int32))
+      epoch = req.num_preemptions + 1
+      record = pre.QueueRecord(req.request_id, int(generation[slot]), snapshot,
+                               epoch - 1)
+      mode = pre.PRESERVE_EXACT if c.preemption_mode == "swap" else pre.RECOMPUTE
+      intent = pre.PreemptionIntent(
+          intent_id=f"{req.request_id}@{epoch}",
+          binding=pre.Binding(req.request_id, int(generation[slot]), snapshot, epoch),
+          mode=mode, fallback=pre.RECOMPUTE, semantic_target_tokens=target,
+          reason="kv_pressure", policy_id=self.policy.policy_id,
+          decision_version=int(decision_id))
+      record = pre.begin_preemption(record, intent)
+      release = pre.ReleaseResult(record.binding, pre.READY,
+                                  int(held[slot]) * self._page_bytes)
+      k = v = preservation = None
+      if mode == pre.PRESERVE_EXACT:
+        n = kv_pages.pages_for(target, c.page_size)
+        if n == 0:
+          preservation = pre.PreservationResult(record.binding, pre.READY, 0)
+        elif self.swap.fits(n * self._page_bytes):
+          ids = np.full(kv_swap.page_bucket(n, c.pages_per_seq), kv_pages.NULL_PAGE,
+                        np.int32)
+          ids[:n] = table[slot, :n]
+          k, v = jax.device_get(self._programs.gather(self.kv, ids))
+          k, v = np.array(k[:, :n]), np.array(v[:, :n])
+          preservation = pre.PreservationResult(record.binding, pre.READY, target)
+        else:
+          self.swap.fallbacks += 1
+          preservation = pre.PreservationResult(record.binding, pre.FAILED, 0)
+      else:
+        preservation = None
+      record = pre.settle(record, intent, release, preservation)
+      if preservation is None:     # recompute: the ticket derives T_ready = 0
+        preservation = pre.PreservationResult(record.binding, pre.FAILED, 0)
+      suspension = kv_swap.Suspension(
+          record, intent, release, preservation, k, v,
+          kv_swap.digest(k, v) if k is not None else "")
+      self.swap.put(req.request_id, suspension)
+      req.queue_record = record
+      preserved[slot] = suspension.ready_tokens
+    return preserved
+
+  def _resume(self, slot: int, preempt) -> None:
+    """Re-admission of a suspended request: derives its ResumeTicket and, for
+    a preserved copy, writes the pages back before the model runs."""
+    c = self.config
+    req = self._slots[slot]
+    s = self.swap.pop(req.request_id)
+    record = pre.request_resume(s.record)
+    allocation = pre.ReadinessReceipt(record.binding, "allocation", pre.READY)
+    ticket = pre.derive_resume_ticket(record, s.intent, s.release, s.preservation,
+                                      (allocation,))
+    if ticket is None:
+      raise RuntimeError(f"request {req.request_id!r}: resume facts incomplete")
+    if s.k is not None:
+      if kv_swap.digest(s.k, s.v) != s.bytes_sha256:
+        raise pre.StaleReceipt(f"request {req.request_id!r}: preserved KV bytes do "
+                               f"not match their digest; refusing to resume from them")
+      n = s.k.shape[1]
+      pad = [(0, 0), (0, kv_swap.page_bucket(n, c.pages_per_seq) - n)] + [(0, 0)] * 3
+      self.kv, self.pages = self._programs.restore(
+          self.kv, self.pages, preempt, np.int32(slot), np.int32(n),
+          np.pad(s.k, pad), np.pad(s.v, pad))
+      self.swap.swapped_in += 1
+      self.swap.bytes_in += s.nbytes
+    req.recompute_tokens += ticket.recompute_overhead_tokens
+    req.queue_record = pre.complete_resume(record, ticket)
 
   def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
     outputs, release = [], np.zeros(self.config.max_request_slots, bool)
@@ -318,7 +446,9 @@ class Engine:
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, shared by
     engines with equal model and engine configs. ``execute`` is bounded by
-    ``len(config.token_buckets)``; the others by 1."""
+    ``len(config.token_buckets)``; ``swap_out`` / ``swap_in`` (swap mode
+    only) by the power-of-two page counts up to ``pages_per_seq``; the
+    others by 1."""
     return self._programs.cache_sizes()
 
 
@@ -332,6 +462,8 @@ class _Programs:
   publish: Callable
   arrive: Callable
   release: Callable
+  gather: Callable
+  restore: Callable
 
   traces: Dict[str, int]
 
@@ -388,6 +520,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       token_budget=config.max_num_batched_tokens, seq_budget=config.max_num_seqs,
       chunk_cap=config.long_prefill_token_threshold,
       watermark_pages=config.watermark_pages))
+  if config.force_preempt_every:
+    policy = ForcedPreemption(policy, config.force_preempt_every)
   runner = ModelRunner(model_cfg, config.attention_impl)
   traces: Dict[str, int] = {}
   jit = functools.partial(_counting_jit, traces=traces)
@@ -401,4 +535,6 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       publish=jit("publish", _publish),
       arrive=jit("arrive", _arrive, donate_argnums=(2,)),
       release=jit("release", _release),
+      gather=jit("swap_out", kv_swap.gather_pages),
+      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
       traces=traces)

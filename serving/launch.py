@@ -28,6 +28,11 @@ def define_engine_flags() -> None:
   flags.DEFINE_integer("max_num_batched_tokens", None, "Override: token budget per iteration.")
   flags.DEFINE_integer("long_prefill_token_threshold", None, "Override: prefill chunk cap.")
   flags.DEFINE_string("attention_impl", None, "Override: attention implementation.")
+  flags.DEFINE_string("preemption_mode", None, "Override: 'recompute' or 'swap' "
+                      "(copy a preempted request's KV pages to host memory and back).")
+  flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
+  flags.DEFINE_integer("force_preempt_every", None, "Override: preempt one decoding "
+                       "request every N decisions (0 = off).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -53,7 +58,9 @@ def engine_config(**overrides) -> EngineConfig:
       FLAGS.engine, dtype=FLAGS.dtype, policy=FLAGS.policy,
       max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
       long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
-      attention_impl=FLAGS.attention_impl, **overrides)
+      attention_impl=FLAGS.attention_impl, preemption_mode=FLAGS.preemption_mode,
+      swap_space_mb=FLAGS.swap_space_mb, force_preempt_every=FLAGS.force_preempt_every,
+      **overrides)
 
 
 def build_engine(**overrides):

@@ -119,4 +119,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "bucket_histogram": {str(k): v for k, v in sorted(engine.buckets_used.items())},
       "iterations": engine.num_iterations,
       "preemptions": engine.num_preemptions,
+      "preemption_mode": c.preemption_mode,
+      "swap": engine.swap.stats(),
+      "recompute_tokens": sum(r.recompute_tokens for r in engine.requests.values()),
   }

@@ -68,6 +68,72 @@ def test_preemption_recomputes_and_keeps_tokens(params):
   _assert_all_pages_free(engine)
 
 
+FEW_PAGES_SWAP = dataclasses.replace(FEW_PAGES, preemption_mode="swap")
+
+
+@pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1", "vtc"])
+def test_swap_preemption_preserves_kv_exactly_and_keeps_tokens(params, policy):
+  """§0x0C exact preservation: the victim's pages go to host memory and come
+  back, so it resumes at its frontier with no REBUILD rows, and every request
+  emits the tokens it emits with ample pages."""
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  ample = dataclasses.replace(BASE, policy=policy)
+  _, reference = _run(params, ample, prompts)
+  engine, swapped = _run(params, dataclasses.replace(FEW_PAGES_SWAP, policy=policy),
+                         prompts)
+  assert engine.num_preemptions > 0
+  assert [r.output_token_ids for r in swapped] == [r.output_token_ids for r in reference]
+  assert all(r.outcome == "completed" for r in swapped)
+  stats = engine.swap.stats()
+  assert stats["swapped_out"] == stats["swapped_in"] == engine.num_preemptions
+  assert stats["bytes_out"] == stats["bytes_in"] > 0
+  assert stats["fallbacks_to_recompute"] == 0 and engine.swap.used_bytes == 0
+  # No rebuild: not one row recomputed, per request and in the ledger.
+  assert all(r.recompute_tokens == 0 for r in swapped)
+  assert int(jnp.sum(engine.state.recompute_rows)) == 0
+  resumed = [r for r in swapped if r.num_preemptions]
+  assert resumed and all(r.queue_record.queue_state == "RUNNING" for r in resumed)
+  assert all(r.queue_record.suspension_epoch == r.num_preemptions for r in resumed)
+  _assert_all_pages_free(engine)
+
+
+def test_recompute_preemption_rebuilds_what_swap_preserves(params):
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  engine, reqs = _run(params, FEW_PAGES, prompts)
+  rebuilt = sum(r.recompute_tokens for r in reqs)
+  # The ledger's REBUILD rows are those of requests preempted after their
+  # first token; one preempted during its prefill re-runs the prompt as
+  # ordinary prefill, which its ResumeTicket still counts as overhead.
+  assert 0 < int(jnp.sum(engine.state.recompute_rows)) <= rebuilt
+  assert engine.swap.stats()["swapped_out"] == 0
+
+
+def test_swap_space_too_small_falls_back_to_recompute(params):
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  _, reference = _run(params, BASE, prompts)
+  tiny_swap = dataclasses.replace(FEW_PAGES_SWAP, swap_space_mb=1e-6)
+  engine, reqs = _run(params, tiny_swap, prompts)
+  stats = engine.swap.stats()
+  assert stats["swapped_out"] == 0 and stats["fallbacks_to_recompute"] > 0
+  assert sum(r.recompute_tokens for r in reqs) > 0
+  assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in reference]
+
+
+def test_abort_while_swapped_out_cancels_and_drops_the_copy(params):
+  engine = Engine(CFG, params, FEW_PAGES_SWAP)
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  reqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+  while engine.has_unfinished() and engine.swap.stats()["swapped_out"] == 0:
+    engine.step()
+  victim = next(r for r in reqs if engine.swap.get(r.request_id) is not None)
+  engine.abort(victim.request_id)
+  assert victim.outcome == "cancelled" and victim.queue_record.queue_state == "CANCELLED"
+  assert engine.swap.get(victim.request_id) is None and engine.swap.used_bytes == 0
+  engine.run()
+  assert all(r.finished for r in reqs)
+  _assert_all_pages_free(engine)
+
+
 def test_request_that_can_never_fit_is_rejected_and_others_finish(params):
   engine = Engine(CFG, params, FEW_PAGES)
   big = engine.add_request("big", _prompts([40])[0], SamplingParams(max_tokens=20))

@@ -41,7 +41,8 @@ def _stable(report):
                       if k not in ("arrival_s", "first_token_s", "token_times_s")}
                      for r in report["requests"]]
   out["config"] = {k: v for k, v in report["config"].items()
-                   if k not in ("bucket_histogram", "iterations", "preemptions")}
+                   if k not in ("bucket_histogram", "iterations", "preemptions", "swap",
+                                 "recompute_tokens")}
   return out
 
 

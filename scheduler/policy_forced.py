@@ -1,0 +1,92 @@
+"""Forced preemption: an instrument for preemption and resume (§0x0C).
+
+``ForcedPreemption(inner, every)`` plans with ``inner`` and, on every
+``every``-th decision, turns the selected decode row last in the plan's rank
+order into a preemption intent (recompute or swap, as the engine's
+``preemption_mode`` says). The plan stays legal: the victim is RUNNING and
+no longer selected, the ranks of the later rows close up, and the token and
+sequence ledgers drop its row. Replays with and without it must emit the same
+tokens: that is what makes recovery exact (a research control, and a test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from scheduler import policies as base
+from scheduler import records as rec
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedPreemption:
+  """Wraps ``inner``; preempts one decoding request every ``every`` decisions.
+
+  Attributes:
+    inner: a registered policy (its keys, tie-break and ``update`` are kept).
+    every: decisions between forced preemptions (>= 2, so that a request
+      preempted alone still makes progress between them).
+
+  Raises:
+    ValueError: ``every < 2``.
+  """
+
+  inner: object
+  every: int
+
+  def __post_init__(self):
+    if self.every < 2:
+      raise ValueError(f"ForcedPreemption.every must be >= 2, got {self.every}")
+
+  @property
+  def policy_id(self) -> str:
+    return f"{self.inner.policy_id}+preempt_every_{self.every}"
+
+  @property
+  def version(self) -> str:
+    return self.inner.version
+
+  @property
+  def budgets(self):
+    return self.inner.budgets
+
+  @property
+  def tie_break(self):
+    return self.inner.tie_break
+
+  def sort_keys(self, manifest, state, view=None):
+    keyer = getattr(self.inner, "sort_keys", None)
+    if keyer is None:
+      return base.sort_keys(manifest, state)
+    return keyer(manifest, state, view)
+
+  def update(self, manifest, state, plan, result, successor):
+    update = getattr(self.inner, "update", None)
+    if update is None:
+      return successor
+    return update(manifest, state, plan, result, successor)
+
+  def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+               alloc: rec.AllocatorView) -> rec.IterationPlan:
+    plan = self.inner(manifest, state, alloc)
+    fire = state.decision_id % self.every == self.every - 1
+    cand = plan.selected & (plan.kind == rec.DECODE_ROW) & (state.status == rec.RUNNING)
+    hit = fire & jnp.any(cand)
+    v = jnp.argmax(jnp.where(cand, plan.rank, -1))
+    victim = hit & (jnp.arange(cand.shape[0]) == v)
+    rank_v = plan.rank[v]
+    width_v = jnp.sum(jnp.where(victim, plan.end - plan.start, 0))
+    rank = jnp.where(victim, -1,
+                     jnp.where(hit & (plan.rank > rank_v), plan.rank - 1, plan.rank))
+    return plan.replace(
+        selected=plan.selected & ~victim,
+        start=jnp.where(victim, 0, plan.start),
+        end=jnp.where(victim, 0, plan.end),
+        kind=jnp.where(victim, rec.NO_WORK, plan.kind).astype(jnp.int32),
+        rank=rank.astype(jnp.int32),
+        preempt=plan.preempt | victim,
+        num_tokens=(plan.num_tokens - width_v).astype(jnp.int32),
+        num_seqs=(plan.num_seqs - hit.astype(jnp.int32)).astype(jnp.int32),
+        policy_id=self.policy_id,
+        policy=self)

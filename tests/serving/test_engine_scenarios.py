@@ -1,0 +1,127 @@
+"""Black-box engine scenarios users rely on (§0x0C, §0x0D, §0x09), on the
+tiny random-weight model, read through the engine's plan log."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from models import llama
+from models.config import get_config
+from serving.config import EngineConfig, SamplingParams
+from serving.engine import Engine
+
+CFG = get_config("tiny")
+BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, chunk cap 8
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_k=50, seed=7)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return llama.init_params(CFG, jax.random.PRNGKey(1))
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+def _engine(params, config, model_cfg=CFG):
+  engine = Engine(model_cfg, params, config)
+  engine.record_plans = True
+  return engine
+
+
+def _add(engine, prompts, sampling, priorities=None):
+  priorities = priorities or [0] * len(prompts)
+  return [engine.add_request(f"r{i}", p, sampling, priority=q)
+          for i, (p, q) in enumerate(zip(prompts, priorities))]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_forced_preemption_every_3_iterations_keeps_every_token(params, mode, sampling):
+  prompts = _prompts([9, 5, 12, 7, 3], seed=5)
+  reference = Engine(CFG, params, BASE).generate(prompts, sampling)
+  forced = dataclasses.replace(BASE, force_preempt_every=3, preemption_mode=mode)
+  engine = _engine(params, forced)
+  reqs = _add(engine, prompts, sampling)
+  engine.run()
+  assert engine.policy.policy_id == "sarathi_serve+preempt_every_3"
+  preempted = [e for e in engine.plan_log if e["preempted"]]
+  assert len(preempted) >= 3
+  assert all(e["decision_id"] % 3 == 2 for e in preempted)
+  assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in reference]
+  assert all(r.outcome == "completed" for r in reqs)
+  kinds = {k for e in engine.plan_log for (_, _, _, k) in e["scheduled"]}
+  # Recompute rebuilds the victims' prefixes; swap restores them exactly.
+  assert ("rebuild" in kinds) == (mode == "recompute")
+
+
+def test_priority_order_with_a_two_sequence_cap(params):
+  """Queue order (priority, arrival): the two highest priorities (lowest
+  values) are admitted first; nothing is preempted while pages suffice."""
+  config = dataclasses.replace(BASE, max_num_seqs=2, policy="vllm_v1_priority")
+  engine = _engine(params, config)
+  reqs = _add(engine, _prompts([6, 6, 6, 6], seed=1), GREEDY, priorities=[3, 1, 2, 0])
+  engine.run()
+  first = engine.plan_log[0]
+  assert first["admitted"] == ["r3", "r1"]
+  admitted = [name for e in engine.plan_log for name in e["admitted"]]
+  assert admitted == ["r3", "r1", "r2", "r0"]
+  assert engine.num_preemptions == 0
+  assert all(len(e["scheduled"]) <= 2 for e in engine.plan_log)
+  assert all(r.outcome == "completed" for r in reqs)
+
+
+def test_equal_priorities_are_pure_fcfs(params):
+  config = dataclasses.replace(BASE, max_num_seqs=2, policy="vllm_v1_priority")
+  engine = _engine(params, config)
+  _add(engine, _prompts([6, 6, 6, 6], seed=1), GREEDY)
+  engine.run()
+  admitted = [name for e in engine.plan_log for name in e["admitted"]]
+  assert admitted == ["r0", "r1", "r2", "r3"]
+
+
+def test_lowest_priority_running_request_is_the_victim_and_resumes(params):
+  """§0x0D PRIORITY victim = max(priority, arrival) among running requests;
+  it is later rebuilt (prompt + generated tokens recomputed) and emits the
+  tokens it emits with ample pages."""
+  prompts = _prompts([8, 8, 8, 8], seed=2)
+  ample = dataclasses.replace(BASE, policy="vllm_v1_priority")
+  reference = Engine(CFG, params, ample).generate(prompts, GREEDY)
+  engine = _engine(params, dataclasses.replace(ample, num_pages=12))
+  reqs = _add(engine, prompts, GREEDY, priorities=[0, 1, 2, 3])
+  engine.run()
+  prio = {r.request_id: r.priority for r in reqs}
+  events = [e for e in engine.plan_log if e["preempted"]]
+  assert events
+  for e in events:
+    kept = [n for n in e["running"] if n not in e["preempted"]]
+    assert min(prio[n] for n in e["preempted"]) >= max(prio[n] for n in kept)
+  victim = events[0]["preempted"][0]
+  rebuilt = [(s, t) for e in engine.plan_log for (n, s, t, k) in e["scheduled"]
+             if n == victim and k == "rebuild"]
+  assert rebuilt and rebuilt[0][0] == 0
+  assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in reference]
+
+
+def test_long_prefill_threshold_400_three_800_token_prompts(params):
+  """vLLM's long_prefill_token_threshold through the engine (§0x09): budget
+  1024, threshold 400, three 800-token prompts: 400/400/224, then
+  400/400/224, then 1/1/352."""
+  model_cfg = dataclasses.replace(CFG, max_position=2048)
+  config = dataclasses.replace(
+      BASE, policy="vllm_v1", max_num_batched_tokens=1024,
+      long_prefill_token_threshold=400, max_num_seqs=4, page_size=16,
+      num_pages=256, max_model_len=1024, min_bucket=1024, sample_rows=64)
+  engine = _engine(params, config, model_cfg)
+  _add(engine, _prompts([800, 800, 800], seed=4), SamplingParams(max_tokens=3,
+                                                               ignore_eos=True))
+  for _ in range(3):
+    engine.step()
+  widths = [[t - s for (_, s, t, _) in e["scheduled"]] for e in engine.plan_log]
+  assert widths == [[400, 400, 224], [400, 400, 224], [1, 1, 352]]
+  engine.run()
