@@ -307,8 +307,16 @@ def compute_logits(params, cfg: ModelConfig, hidden) -> jax.Array:
   return model.apply({"params": params}, hidden, method=Llama.logits)
 
 
-def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):
-  """Random parameters (weights ~ N(0, 0.02), norm scales 1) in ``dtype``."""
+def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,
+                layer_scale: float = 1.0):
+  """Random parameters (weights ~ N(0, 0.02), norm scales 1) in ``dtype``.
+
+  ``layer_scale`` multiplies every decoder-layer weight (not the norms or
+  the embedding). At 1 a small random model with tied embeddings is
+  dominated by its own token embedding and greedily repeats its last token
+  whatever the context; tests of KV-cache and attention exactness use 8, so
+  that the next token depends on every cached row.
+  """
   model = Llama(cfg, dtype=dtype)
   kv = init_kv_cache(cfg, 1, 1, dtype)
   flat = (cfg.n_layers,) + kv.k.shape[2:]
@@ -318,7 +326,11 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32):
                  cu_q_lens=jnp.array([0, 1], jnp.int32), num_seqs=jnp.int32(1))
   init = jax.jit(lambda r: model.init(r, one, kv.k.reshape(flat), kv.v.reshape(flat),
                                       batch, method=Llama.init_all))
-  return init(rng)["params"]
+  params = init(rng)["params"]
+  if layer_scale != 1.0:
+    scale = lambda path, x: x if path[-1].key == "scale" else x * layer_scale
+    params = dict(params, layers=jax.tree_util.tree_map_with_path(scale, params["layers"]))
+  return params
 
 
 forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl"),

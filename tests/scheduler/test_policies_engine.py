@@ -24,7 +24,7 @@ def model(tmp_path_factory):
   jax.config.update(keys[1], 0)
   jax.config.update(keys[2], 0)
   cfg = get_config("tiny")
-  yield cfg, llama.init_params(cfg, jax.random.PRNGKey(0))
+  yield cfg, llama.init_params(cfg, jax.random.PRNGKey(0), layer_scale=8)
   for k, value in saved.items():
     jax.config.update(k, value)
 

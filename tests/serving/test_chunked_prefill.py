@@ -26,7 +26,7 @@ TABLE = jnp.arange(1, 1 + ROWS // PAGE_SIZE, dtype=jnp.int32)
 
 @pytest.fixture(scope="module")
 def params():
-  return llama.init_params(CFG, jax.random.PRNGKey(0))
+  return llama.init_params(CFG, jax.random.PRNGKey(0), layer_scale=8)
 
 
 def _cache():

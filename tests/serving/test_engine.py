@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def params():
-  return llama.init_params(CFG, jax.random.PRNGKey(1))
+  return llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8)
 
 
 def _prompts(lengths, seed=0):
@@ -45,6 +45,19 @@ def _assert_all_pages_free(engine):
   assert np.all(np.asarray(engine.pages.page_table) == NULL_PAGE)
   free = np.asarray(engine.pages.free_stack)[: int(engine.pages.num_free)]
   assert sorted(free.tolist()) == list(range(1, engine.config.num_pages))
+
+
+def test_the_test_model_reads_its_context(params):
+  """Guards every exactness test here: with the same last token, different
+  prefixes must give different greedy continuations (a random model at
+  layer_scale 1 repeats its last token and would hide any KV-cache error)."""
+  prompts = [p[:-1] + [77] for p in _prompts([10] * 4, seed=9)]
+  _, reqs = _run(params, BASE, prompts)
+  outputs = {tuple(r.output_token_ids) for r in reqs}
+  assert len(outputs) == len(prompts)
+  flat = llama.init_params(CFG, jax.random.PRNGKey(1))
+  _, repeat = _run(flat, BASE, prompts[:1])
+  assert repeat[0].output_token_ids == [77] * GREEDY.max_tokens
 
 
 def test_batch_invariance_alone_mixed_and_across_chunk_sizes(params):

@@ -20,7 +20,7 @@ SEEDED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_k=50
 
 @pytest.fixture(scope="module")
 def params():
-  return llama.init_params(CFG, jax.random.PRNGKey(1))
+  return llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8)
 
 
 def _prompts(lengths, seed=0):

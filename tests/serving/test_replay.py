@@ -47,7 +47,7 @@ def _stable(report):
 
 
 def test_same_seed_and_workload_give_same_tokens_and_report():
-  params = llama.init_params(CFG, jax.random.PRNGKey(2))
+  params = llama.init_params(CFG, jax.random.PRNGKey(2), layer_scale=8)
   tokens_a, report_a = _replay(params)
   tokens_b, report_b = _replay(params)
   assert tokens_a == tokens_b
@@ -64,7 +64,7 @@ def test_same_seed_and_workload_give_same_tokens_and_report():
 
 def test_request_the_engine_refuses_is_recorded_rejected_and_the_replay_goes_on():
   import dataclasses
-  params = llama.init_params(CFG, jax.random.PRNGKey(2))
+  params = llama.init_params(CFG, jax.random.PRNGKey(2), layer_scale=8)
   wl = _workload()
   too_long = dataclasses.replace(wl.requests[3], prompt_token_ids=(5,) * CONFIG.max_model_len)
   wl = dataclasses.replace(wl, requests=wl.requests[:3] + (too_long,) + wl.requests[4:])
