@@ -36,7 +36,7 @@ FLAGS.set_default("trace", "vtc:" + str(Path(__file__).resolve().parents[2] /
 
 COLUMNS = ("policy", "completed", "rejected", "failed", "TTFT p50 ms", "TTFT p99 ms",
            "TPOT p50 ms", "TPOT p99 ms", "service gap", "gap pair", "preemptions",
-           "duration s", "output tok/s")
+           "iterations", "duration s", "output tok/s")
 
 
 def summarize(name, report, gap):
@@ -47,7 +47,8 @@ def summarize(name, report, gap):
           "tpot_p99_ms": report["p99_tpot_ms"], "service_gap": gap.gap,
           "gap_pair": list(gap.pair) if gap.pair else None,
           "gap_window_s": list(gap.window_s) if gap.window_s else None,
-          "preemptions": report["num_preemptions"], "duration_s": report["duration_s"],
+          "preemptions": report["num_preemptions"],
+          "iterations": report["config"]["iterations"], "duration_s": report["duration_s"],
           "output_tok_per_s": report["output_throughput"]}
 
 
@@ -63,13 +64,14 @@ def markdown(rows, num_offered, prefix=""):
       cells = [r["policy"], r["completed"], r["rejected"], r["failed"],
                fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p99_ms"], 0), fmt(r["tpot_p50_ms"], 0),
                fmt(r["tpot_p99_ms"], 0), fmt(r["service_gap"], 0), pair or "-",
-               r["preemptions"], fmt(r["duration_s"]), fmt(r["output_tok_per_s"])]
+               r["preemptions"], r["iterations"], fmt(r["duration_s"]),
+               fmt(r["output_tok_per_s"])]
     lines.append("| " + " | ".join(map(str, cells)) + " |")
   return "\n".join(lines) + "\n"
 
 
 def run_policy(name, cfg, params, workload, num_clients):
-  """Warm-up then replay on a fresh engine. Returns (row, result)."""
+  """Warm-up then replay on a fresh engine. Returns (table row, full report)."""
   engine = Engine(cfg, params, launch.engine_config(policy=name, num_clients=num_clients))
   compile_s = launch.warmup(engine)
   records, duration_s = replay(engine, workload)
