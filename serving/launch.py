@@ -12,6 +12,7 @@ import numpy as np
 from absl import flags, logging
 
 from models.loaders import load_model
+from serving import workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 
@@ -28,6 +29,8 @@ def define_engine_flags() -> None:
   flags.DEFINE_integer("max_num_batched_tokens", None, "Override: token budget per iteration.")
   flags.DEFINE_integer("long_prefill_token_threshold", None, "Override: prefill chunk cap.")
   flags.DEFINE_string("attention_impl", None, "Override: attention implementation.")
+  flags.DEFINE_integer("num_pages", None, "Override: physical KV pages, including the "
+                       "null page (fewer pages = KV pressure and preemption).")
   flags.DEFINE_string("preemption_mode", None, "Override: 'recompute' or 'swap' "
                       "(copy a preempted request's KV pages to host memory and back).")
   flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
@@ -35,6 +38,51 @@ def define_engine_flags() -> None:
                        "request every N decisions (0 = off).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
+
+
+def define_workload_flags() -> None:
+  """--trace (or the synthetic default), its window, time scale and clips."""
+  flags.DEFINE_string("trace", None, "KIND:PATH with KIND in azure, mooncake, vtc; "
+                      "unset = the embedded synthetic Azure-conv workload.")
+  flags.DEFINE_integer("num_requests", 32, "Requests of the synthetic default workload.")
+  flags.DEFINE_float("rate_scale", 0.1, "Synthetic default: fraction of the Azure "
+                     "conv trace's arrival rate (5.53 req/s).")
+  flags.DEFINE_float("time_scale", 1.0, "Multiply inter-arrival gaps (>1 = slower).")
+  flags.DEFINE_list("window_s", None, "A,B: keep arrivals in [t0+A, t0+B) seconds.")
+  flags.DEFINE_integer("max_requests", None, "Keep at most this many requests.")
+  flags.DEFINE_integer("max_prompt_len", None, "Clip longer prompts (counted); default "
+                       "512 for the synthetic workload, 1024 for traces.")
+  flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
+                       "synthetic workload, 512 for traces.")
+  flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.")
+
+
+def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
+  """The workload of define_workload_flags(); prompts are clipped to fit the context."""
+  synthetic = FLAGS.trace is None
+  pick = lambda value, default_synthetic, default_trace: value if value is not None else (
+      default_synthetic if synthetic else default_trace)
+  common = dict(max_prompt_len=min(pick(FLAGS.max_prompt_len, 512, 1024), max_model_len - 1),
+                max_output_len=pick(FLAGS.max_output_len, 64, 512),
+                seed=FLAGS.seed, vocab_size=vocab_size)
+  if synthetic:
+    return workloads.synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
+  kind, _, path = FLAGS.trace.partition(":")
+  loaders = {"azure": workloads.load_azure_trace, "mooncake": workloads.load_mooncake_trace,
+             "vtc": workloads.load_vtc_trace}
+  if kind not in loaders or not path:
+    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
+                     f"got {FLAGS.trace!r}")
+  window = None
+  if FLAGS.window_s:
+    try:
+      a, b = (float(x) for x in FLAGS.window_s)
+    except ValueError:
+      raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
+                       f"{','.join(FLAGS.window_s)!r}") from None
+    window = (a, b)
+  return loaders[kind](path, time_scale=FLAGS.time_scale, window_s=window,
+                      max_requests=FLAGS.max_requests, **common)
 
 
 def exit_on_bad_input(main):
@@ -54,28 +102,39 @@ def exit_on_bad_input(main):
 
 def engine_config(**overrides) -> EngineConfig:
   """The --engine preset with the flags' overrides."""
-  return EngineConfig.preset(
-      FLAGS.engine, dtype=FLAGS.dtype, policy=FLAGS.policy,
-      max_num_seqs=FLAGS.max_num_seqs, max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-      long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
-      attention_impl=FLAGS.attention_impl, preemption_mode=FLAGS.preemption_mode,
-      swap_space_mb=FLAGS.swap_space_mb, force_preempt_every=FLAGS.force_preempt_every,
-      **overrides)
+  if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
+    raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
+                     f"got {FLAGS.num_pages}")
+  fields = dict(dtype=FLAGS.dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
+                max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
+                attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,
+                preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
+                force_preempt_every=FLAGS.force_preempt_every)
+  fields.update(overrides)
+  return EngineConfig.preset(FLAGS.engine, **fields)
 
 
-def build_engine(**overrides):
-  """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer)."""
+def load_flags_model(engine_cfg: EngineConfig):
+  """Loads --model in the engine's dtype (and turns on the caches under
+  --cache_dir). Returns (cfg, params, tokenizer)."""
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-  engine_cfg = engine_config(**overrides)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,
                                       cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None)
   print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
         f"{time.perf_counter() - t:.1f} s")
+  return cfg, params, tokenizer
+
+
+def build_engine(**overrides):
+  """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer)."""
+  engine_cfg = engine_config(**overrides)
+  cfg, params, tokenizer = load_flags_model(engine_cfg)
   return Engine(cfg, params, engine_cfg), cfg, tokenizer
 
 

@@ -365,6 +365,146 @@ def goodput(
 
 
 # --------------------------------------------------------------------------
+# Client service gap (VTC fairness)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceGap:
+    """The largest weighted-service difference two clients accumulated while
+    both were backlogged (see `client_service_gap`).
+
+    Attributes:
+      gap: weighted tokens (w_p * prompt tokens + w_q * output tokens); 0 when
+        no two clients were ever backlogged together.
+      pair: (leader, trailer), the clients of the worst pair, the leader being
+        the one that received `gap` more; None when gap is 0.
+      window_s: (t1, t2) (s): the leader's lead grew by `gap` from t1 (before
+        the charges at t1 if the joint interval starts there, after them
+        otherwise) to t2 (after its charges); None when gap is 0.
+    """
+
+    gap: float
+    pair: tuple[str, str] | None
+    window_s: tuple[float, float] | None
+
+
+def _backlog_intervals(records: Sequence[RequestRecord]) -> dict[str, list[tuple[float, float]]]:
+    """Per client, the merged closed intervals [start, end] (s) in which it
+    has a request that arrived and has not ended."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        if r.outcome == "rejected":
+            continue  # refused: it never waited for service
+        end = r.token_times_s[-1] if r.token_times_s else math.inf
+        spans.setdefault(r.client, []).append((r.arrival_s, end))
+    merged = {}
+    for client, items in spans.items():
+        out: list[list[float]] = []
+        for start, end in sorted(items):
+            if out and start <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], end)
+            else:
+                out.append([start, end])
+        merged[client] = [(a, b) for a, b in out]
+    return merged
+
+
+def client_service_gap(records: Iterable[RequestRecord], *, w_p: float = 1.0,
+                       w_q: float = 2.0) -> ServiceGap:
+    """Per-client service gap of a run: max over client pairs (f, g) and
+    sub-intervals [t1, t2] in which both are continuously backlogged of
+    |W_f(t1, t2) - W_g(t1, t2)|.
+
+    Service follows VTC (Sheng et al., "Fairness in Serving Large Language
+    Models", OSDI 2024; the article's §0x09A): W_c(t1, t2) =
+    w_p * n_p + w_q * n_q, with a request's prompt tokens n_p charged at its
+    first-token time and each output token charged at its emission time
+    (charges at t1 and t2 count). Within one maximal interval in which both
+    clients are backlogged this is max D - min D of D(t) = W_f(t) - W_g(t),
+    taking D just before the interval starts as one of the values; it is the
+    quantity VTC's Theorem 4.4 bounds by 2U (`scheduler.fairness`).
+
+    A client is backlogged at t when one of its requests has arrival_s <= t
+    and has not ended; a request ends at its last token time (closed
+    interval). A request without tokens never ends (the records carry no end
+    time), except a `rejected` one, which is never backlogged. Service of a
+    preempted request's recomputed prompt is not charged again.
+
+    One sweep over the event times; each time touches only the pairs of the
+    clients whose state changed, so the cost is O(events x clients).
+
+    Args:
+      records: the run's requests (times in s on one clock).
+      w_p: weight of one prompt token (>= 0).
+      w_q: weight of one output token (>= 0).
+
+    Returns:
+      A ServiceGap (gap in weighted tokens).
+
+    Raises:
+      ValueError: a negative or non-finite weight.
+    """
+    for name, w in (("w_p", w_p), ("w_q", w_q)):
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"client_service_gap: {name}={w} must be finite and >= 0")
+    records = list(records)
+    # time -> (clients opening, {client: charge}, clients closing)
+    events: dict[float, tuple[list[str], dict[str, float], list[str]]] = {}
+
+    def at(t: float):
+        return events.setdefault(t, ([], {}, []))
+
+    for client, spans in _backlog_intervals(records).items():
+        for start, end in spans:
+            at(start)[0].append(client)
+            if end != math.inf:
+                at(end)[2].append(client)
+    for r in records:
+        for i, t in enumerate(r.token_times_s):
+            charges = at(t)[1]
+            charges[r.client] = charges.get(r.client, 0.0) + w_q + (w_p * r.prompt_tokens if i == 0 else 0.0)
+
+    service: dict[str, float] = {}
+    active: set[str] = set()
+    # (f, g) with f < g -> [lo, lo_t, hi, hi_t] of D = W_f - W_g in the current joint interval
+    pairs: dict[tuple[str, str], list[float]] = {}
+    best = ServiceGap(0.0, None, None)
+
+    def key(c: str, d: str) -> tuple[tuple[str, str], float]:
+        f, g = (c, d) if c < d else (d, c)
+        return (f, g), service.get(f, 0.0) - service.get(g, 0.0)
+
+    for t in sorted(events):
+        opening, charges, closing = events[t]
+        for c in opening:
+            for d in active:
+                k, diff = key(c, d)
+                pairs[k] = [diff, t, diff, t]   # D just before the charges at t
+            active.add(c)
+        for c, amount in charges.items():
+            service[c] = service.get(c, 0.0) + amount
+        for c in charges:
+            for d in active:
+                if d == c:
+                    continue
+                k, diff = key(c, d)
+                lo, lo_t, hi, hi_t = pairs[k]
+                if diff - lo > best.gap:       # f pulled ahead of g since lo_t
+                    best = ServiceGap(diff - lo, k, (lo_t, t))
+                if hi - diff > best.gap:       # g pulled ahead of f since hi_t
+                    best = ServiceGap(hi - diff, (k[1], k[0]), (hi_t, t))
+                if diff < lo:
+                    pairs[k][0:2] = [diff, t]
+                if diff > hi:
+                    pairs[k][2:4] = [diff, t]
+        for c in closing:
+            active.discard(c)
+            for d in active:
+                pairs.pop(key(c, d)[0], None)
+    return best
+
+
+# --------------------------------------------------------------------------
 # Output
 
 
@@ -431,7 +571,9 @@ __all__ = [
     "LATENCY_METRICS",
     "OUTCOMES",
     "RequestRecord",
+    "ServiceGap",
     "build_report",
+    "client_service_gap",
     "format_table",
     "goodput",
     "min_samples_for_percentile",

@@ -63,3 +63,17 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
   assert proc.stderr.strip().splitlines()[-1] == (
       "error: --window_s must be two numbers A,B (seconds), got '1,2,3'")
   assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--policies=sarathi_serve,nope"], "error: --policies must name policies in "),
+    (["--num_pages=1"], "error: --num_pages must be >= 2 (page 0 is the null page), got 1"),
+    (["--policy=vtc"], "error: --policy=vtc does not apply here; use --policies"),
+])
+def test_bench_policies_bad_flags_stop_before_loading_the_model(tmp_path, args, line):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_policies.py"),
+                         f"--out={tmp_path / 'b.json'}", *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(line)
+  assert "model:" not in proc.stdout and not (tmp_path / "b.json").exists()

@@ -2,11 +2,19 @@
 
 import json
 
-import pytest
+import itertools
+import math
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler import fairness
 from serving.metrics import (
     RequestRecord,
+    ServiceGap,
     build_report,
+    client_service_gap,
     format_table,
     goodput,
     min_samples_for_percentile,
@@ -194,3 +202,165 @@ def test_goodput_metric_exactly_on_its_limit_passes():
     over = _rec("over", 0.0, [0.030001])
     out = goodput([on, over], ttft_ms=30.0)
     assert out["valid"] == 1 and out["missed"] == 1
+
+
+# --------------------------------------------------------------------------
+# Client service gap
+
+
+def _gap_example():
+    """Hand-worked service gap (times in s, w_p = 1, w_q = 2).
+
+    A: a1 arrives 0, prompt 3, tokens at 1, 2; a2 arrives 2.5, prompt 1, token at 4.
+    B: b1 arrives 0.5, prompt 2, tokens at 3, 5; b2 arrives 5.5 and is rejected.
+    Charges: A +5 at 1 (3 + 2), +2 at 2, +3 at 4 (1 + 2); B +4 at 3, +2 at 5.
+    Backlogged: A on [0, 2] and [2.5, 4]; B on [0.5, 5] (b2 never waits).
+    Joint interval [0.5, 2]: D = W_A - W_B is 0 before, 5 at 1, 7 at 2 -> 7 - 0 = 7
+      (A ahead by 7 over [0.5, 2]).
+    Joint interval [2.5, 4]: D is 7 at 2.5, 3 at 3, 6 at 4 -> 7 - 3 = 4
+      (B ahead by 4 over [2.5, 3]).
+    Gap = max(7, 4) = 7, pair (A, B), window (0.5, 2).
+    Output tokens only (w_p = 0, w_q = 1): D 0, 1, 2 then 2, 1, 2 -> gap 2.
+    """
+    return [
+        _rec("a1", 0.0, [1.0, 2.0], prompt_tokens=3, client="A"),
+        _rec("a2", 2.5, [4.0], prompt_tokens=1, client="A"),
+        _rec("b1", 0.5, [3.0, 5.0], prompt_tokens=2, client="B"),
+        _rec("b2", 5.5, [], outcome="rejected", prompt_tokens=9, client="B"),
+    ]
+
+
+def test_service_gap_on_hand_example():
+    assert client_service_gap(_gap_example()) == ServiceGap(7.0, ("A", "B"), (0.5, 2.0))
+    out_only = client_service_gap(_gap_example(), w_p=0, w_q=1)
+    assert out_only.gap == 2.0 and out_only.pair == ("A", "B")
+    # Only the second joint interval: B leads by 4 from 2.5 to 3.
+    late = [r for r in _gap_example() if r.request_id != "a1"]
+    assert client_service_gap(late) == ServiceGap(4.0, ("B", "A"), (2.5, 3.0))
+
+
+def test_service_gap_is_zero_without_overlap():
+    # B arrives after A's last token; a rejected request of A in B's interval
+    # does not make A backlogged.
+    records = [
+        _rec("a1", 0.0, [1.0, 2.0], prompt_tokens=50, client="A"),
+        _rec("b1", 2.5, [3.0, 9.0], prompt_tokens=1, client="B"),
+        _rec("a2", 4.0, [], outcome="rejected", client="A"),
+    ]
+    assert client_service_gap(records) == ServiceGap(0.0, None, None)
+    assert client_service_gap([]) == ServiceGap(0.0, None, None)
+    with pytest.raises(ValueError, match="w_q"):
+        client_service_gap(records, w_q=-1)
+
+
+def test_service_gap_unfinished_request_keeps_its_client_backlogged():
+    # b1 never got a token (failed): B stays backlogged, so A's later service counts.
+    records = [
+        _rec("b1", 0.0, [], outcome="failed", client="B"),
+        _rec("a1", 5.0, [6.0, 7.0], prompt_tokens=4, client="A"),
+    ]
+    assert client_service_gap(records) == ServiceGap(8.0, ("A", "B"), (5.0, 7.0))
+
+
+def _flood(order):
+    """§0x09A's client flood: A0..A7 and B0..B3 arrive at 0; event k of `order`
+    (a client name) completes one request of that client at time k + 1: a
+    zero-token prompt with one output token, 2 weighted units."""
+    return [_rec(f"{c}{k}", 0.0, [k + 1.0], prompt_tokens=0, client=c)
+            for k, c in enumerate(order)]
+
+
+def test_service_gap_article_client_flood():
+    assert client_service_gap(_flood("A" * 8 + "B" * 4)).gap == 16   # request FIFO
+    assert client_service_gap(_flood("AB" * 4 + "A" * 4)).gap == 2    # least service
+
+
+def _charges(records, w_p, w_q):
+    """(time, client, weighted service) of every emitted token."""
+    return [(t, r.client, w_q + (w_p * r.prompt_tokens if i == 0 else 0))
+            for r in records for i, t in enumerate(r.token_times_s)]
+
+
+def _brute_force_gap(records, w_p, w_q):
+    """O(n^2) oracle: every pair, every [t1, t2] of event times in which both
+    clients are backlogged throughout; service charged in [t1, t2]."""
+    spans = {}
+    for r in records:
+        if r.outcome != "rejected":
+            spans.setdefault(r.client, []).append(
+                (r.arrival_s, r.token_times_s[-1] if r.token_times_s else math.inf))
+
+    def covered(client, t1, t2):
+        # Endpoints are integers (see _runs), so gaps between spans contain a
+        # half-integer: checking those in [t1, t2] is exact.
+        grid = [t1 + k / 2 for k in range(int(2 * (t2 - t1)) + 1)]
+        return all(any(a <= t <= b for a, b in spans[client]) for t in grid)
+
+    charges = _charges(records, w_p, w_q)
+    times = sorted({t for t, _, _ in charges})
+    best = 0.0
+    for f, g in itertools.combinations(sorted(spans), 2):
+        for t1, t2 in itertools.combinations_with_replacement(times, 2):
+            if covered(f, t1, t2) and covered(g, t1, t2):
+                d = sum(w * ((c == f) - (c == g)) for t, c, w in charges if t1 <= t <= t2)
+                best = max(best, abs(d))
+    return best
+
+
+@st.composite
+def _runs(draw):
+    """Random runs on a coarse time grid (so events share times)."""
+    records = []
+    for i in range(draw(st.integers(1, 7))):
+        client = draw(st.sampled_from("ABC"))
+        arrival = draw(st.integers(0, 10))
+        outcome = draw(st.sampled_from(["completed"] * 4 + ["rejected", "failed"]))
+        n = 0 if outcome == "rejected" else draw(st.integers(0 if outcome == "failed" else 1, 4))
+        times = sorted(draw(st.lists(st.integers(arrival, 14), min_size=n, max_size=n)))
+        records.append(_rec(f"r{i}", float(arrival), [float(t) for t in times],
+                            outcome=outcome, prompt_tokens=draw(st.integers(0, 5)), client=client))
+    return records
+
+
+@settings(max_examples=150, deadline=None)
+@given(_runs(), st.sampled_from([(1, 2), (0, 1), (3, 1)]))
+def test_service_gap_matches_brute_force(records, weights):
+    w_p, w_q = weights
+    got = client_service_gap(records, w_p=w_p, w_q=w_q)
+    assert got.gap == _brute_force_gap(records, w_p, w_q)
+    if got.gap:
+        # The window reproduces the gap: the leader's lead grew by it over
+        # [t1, t2] (window opening at t1) or (t1, t2].
+        leader, trailer = got.pair
+        t1, t2 = got.window_s
+        lead = lambda keep: sum(w * ((c == leader) - (c == trailer))
+                                for t, c, w in _charges(records, w_p, w_q) if keep(t))
+        assert got.gap in (lead(lambda t: t1 <= t <= t2), lead(lambda t: t1 < t <= t2))
+    else:
+        assert got == ServiceGap(0.0, None, None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from("AB"), min_size=2, max_size=12),
+       st.lists(st.integers(0, 4), min_size=12, max_size=12))
+def test_service_gap_against_fairness_ledger(order, prompts):
+    """Two clients arriving at 0, one request completed per tick: with the
+    cumulative ledgers of scheduler.fairness, max|W_A - W_B| over the
+    backlogged cuts <= gap <= 2x that, with equality while one client leads
+    throughout (the service difference starts at 0)."""
+    records = [_rec(f"{c}{k}", 0.0, [k + 1.0], prompt_tokens=prompts[k], client=c)
+               for k, c in enumerate(order)]
+    w = {"A": 0, "B": 0}
+    a, b, backlogged = [], [], []
+    last = {c: max((k for k, x in enumerate(order) if x == c), default=-1) for c in "AB"}
+    for k, c in enumerate(order):
+        w[c] += prompts[k] + 2
+        a.append(w["A"])
+        b.append(w["B"])
+        backlogged.append(k <= last["A"] and k <= last["B"])
+    ledger = fairness.max_backlogged_gap(a, b, backlogged)
+    gap = client_service_gap(records).gap
+    assert ledger <= gap <= 2 * ledger
+    diffs = [x - y for x, y, on in zip(a, b, backlogged) if on]
+    if all(d >= 0 for d in diffs) or all(d <= 0 for d in diffs):
+        assert gap == ledger
