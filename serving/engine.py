@@ -513,7 +513,7 @@ def _release(state, pages, cancel_mask, release_mask):
   return apply_lib.release(state, release_mask), pages
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def _programs(model_cfg, config: EngineConfig) -> _Programs:
   """Builds (once per config pair) the jitted plan/execute/publish programs."""
   policy = make_policy(config.policy, Budgets(
