@@ -87,6 +87,8 @@ class EngineConfig:
     force_preempt_every: 0, or N >= 2: every N-th decision preempts one
       decoding request (``scheduler.policy_forced``), a control for
       preemption/resume ablations and exactness checks.
+    max_preemptions_per_request: a request preempted more often ends
+      ``failed`` with that reason (no preemption livelock); 0 = no bound.
   """
 
   max_num_seqs: int = 32
@@ -107,6 +109,7 @@ class EngineConfig:
   preemption_mode: str = "recompute"
   swap_space_mb: float = 1024.0
   force_preempt_every: int = 0
+  max_preemptions_per_request: int = 64
 
   def __post_init__(self):
     c = "EngineConfig"
@@ -132,6 +135,8 @@ class EngineConfig:
              f"must be one of {PREEMPTION_MODES}", self.preemption_mode)
     _require(self.swap_space_mb >= 0, c, "swap_space_mb", "must be >= 0",
              self.swap_space_mb)
+    _require(self.max_preemptions_per_request >= 0, c, "max_preemptions_per_request",
+             "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
     _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
 

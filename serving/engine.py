@@ -206,11 +206,12 @@ class Engine:
     self._slots[req.slot] = None
     self._end(req, "cancelled", "abort")
 
-  def _reject_slots(self, mask, reason: str) -> None:
-    """Ends the requests in ``mask`` (bool[R]) as rejected; frees their pages."""
+  def _reject_slots(self, mask, reason: str, outcome: str = "rejected") -> None:
+    """Ends the live requests in ``mask`` (bool[R]) with ``outcome``; frees
+    their pages."""
     self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
     for slot in np.flatnonzero(mask):
-      self._end(self._slots[slot], "rejected", reason)
+      self._end(self._slots[slot], outcome, reason)
       self._slots[slot] = None
 
   def has_unfinished(self) -> bool:
@@ -399,10 +400,15 @@ class Engine:
   def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
     outputs, release = [], np.zeros(self.config.max_request_slots, bool)
     self.num_preemptions += int(preempt.sum())
+    limit = self.config.max_preemptions_per_request
+    thrashing = np.zeros_like(release)
     for slot in np.flatnonzero(emitted | failed | preempt):
       req = self._slots[slot]
       if preempt[slot]:
         req.num_preemptions += 1
+        if limit and req.num_preemptions > limit:
+          thrashing[slot] = True
+          continue
       new = []
       if emitted[slot]:
         new = [int(token[slot])]
@@ -421,6 +427,12 @@ class Engine:
     if release.any():
       none = np.zeros_like(release)
       self.state, self.pages = self._programs.release(self.state, self.pages, none, release)
+    if thrashing.any():           # no preemption livelock: bounded, reported
+      names = [self._slots[s] for s in np.flatnonzero(thrashing)]
+      self._reject_slots(thrashing, f"preempted more than {limit} times "
+                         f"(EngineConfig.max_preemptions_per_request)", outcome="failed")
+      outputs += [RequestOutput(r.request_id, [], True, r.outcome, r.finish_reason)
+                  for r in names]
     return outputs
 
   def run(self, max_iterations: Optional[int] = None) -> None:

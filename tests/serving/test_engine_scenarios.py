@@ -125,3 +125,21 @@ def test_long_prefill_threshold_400_three_800_token_prompts(params):
   widths = [[t - s for (_, s, t, _) in e["scheduled"]] for e in engine.plan_log]
   assert widths == [[400, 400, 224], [400, 400, 224], [1, 1, 352]]
   engine.run()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemptions_per_request_are_bounded_and_reported(params, mode):
+  """No preemption livelock: past max_preemptions_per_request a request ends
+  ``failed`` with the reason; the others finish and every page is free."""
+  config = dataclasses.replace(BASE, force_preempt_every=2, preemption_mode=mode,
+                               max_preemptions_per_request=1)
+  engine = _engine(params, config)
+  reqs = _add(engine, _prompts([9, 5], seed=6), SamplingParams(max_tokens=8,
+                                                                 ignore_eos=True))
+  engine.run(max_iterations=200)
+  failed = [r for r in reqs if r.outcome == "failed"]
+  assert failed and all(r.num_preemptions == 2 for r in failed)
+  assert all("max_preemptions_per_request" in r.finish_reason for r in failed)
+  assert all(r.outcome in ("completed", "failed") for r in reqs)
+  assert int(engine.pages.num_free) == config.num_pages - 1
+  assert engine.swap.used_bytes == 0
