@@ -21,9 +21,11 @@ Queue states and the only legal transitions (anything else raises
 Rebuild rows ``[T_ready, T_target)`` consume token budget but publish no
 output and no fairness service (the engine's recompute path marks them
 ``records.REBUILD``). Physical pages, host addresses and copy streams never
-appear here: an exact-preservation path (KV pages copied to host memory)
-plugs in by publishing ``ReleaseResult`` / ``PreservationResult`` /
-``ReadinessReceipt`` facts for the same binding.
+appear here: the engine's exact-preservation path (``serving.kv_swap``: KV
+pages copied to host memory and back, ``preemption_mode="swap"``) publishes
+``ReleaseResult`` / ``PreservationResult`` / ``ReadinessReceipt`` facts for
+the same binding, and the state's frontier falls back to the preserved
+prefix (``IterationResult.preserved_end``) instead of 0.
 """
 
 from __future__ import annotations
