@@ -32,15 +32,34 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 launch.define_engine_flags()
 
 
+def _mt_bench_first_turns(path: str, num: int):
+  """First turns of the first ``num`` MT-Bench rows; ValueError names the
+  file, line and field on a missing file or a malformed row."""
+  try:
+    with open(path) as f:
+      lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+  except OSError as e:
+    raise ValueError(f"--mt_bench={path}: cannot read ({e.strerror})") from None
+  turns = []
+  for i, line in lines[:num]:
+    try:
+      turn = json.loads(line)["turns"][0]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+      raise ValueError(f"--mt_bench={path}:{i}: each row must be JSON with a "
+                       f"non-empty 'turns' list") from None
+    if not isinstance(turn, str) or not turn:
+      raise ValueError(f"--mt_bench={path}:{i}: turns[0] must be non-empty text")
+    turns.append(turn)
+  return turns
+
+
 def collect_prompts(tokenizer):
   if any(not text for text in FLAGS.prompt + FLAGS.chat):
     raise ValueError("--prompt and --chat must be non-empty text")
   items = [(f"prompt-{i}", text, tokenizer.encode(text)) for i, text in enumerate(FLAGS.prompt)]
   chats = list(FLAGS.chat)
   if FLAGS.mt_bench:
-    with open(FLAGS.mt_bench) as f:
-      rows = [json.loads(line) for line in f if line.strip()]
-    chats += [row["turns"][0] for row in rows[:FLAGS.num]]
+    chats += _mt_bench_first_turns(FLAGS.mt_bench, FLAGS.num)
   for i, text in enumerate(chats):
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True)

@@ -23,7 +23,7 @@ def define_engine_flags() -> None:
   """--model, --engine preset, and overrides of its budgets."""
   flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
   flags.DEFINE_string("engine", "cpu_default", "Engine preset in configs/ (or a JSON path).")
-  flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "Override the preset's dtype.")
+  flags.DEFINE_string("dtype", None, "Override the preset's dtype: float32 or bfloat16.")
   flags.DEFINE_string("policy", None, "Override the preset's scheduling policy.")
   flags.DEFINE_integer("max_num_seqs", None, "Override: sequence budget per iteration.")
   flags.DEFINE_integer("max_num_batched_tokens", None, "Override: token budget per iteration.")
@@ -58,11 +58,31 @@ def define_workload_flags() -> None:
 
 
 def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
-  """The workload of define_workload_flags(); prompts are clipped to fit the context."""
+  """The workload of define_workload_flags(); prompts are clipped to fit the
+  context (max_model_len - 1 tokens), with a note when that lowers an
+  explicit --max_prompt_len.
+
+  Raises:
+    ValueError: a flag of the other workload kind is set (--window_s,
+      --time_scale, --max_requests apply to --trace only; --num_requests,
+      --rate_scale to the synthetic workload only), or a malformed trace flag.
+  """
   synthetic = FLAGS.trace is None
+  given = lambda name: FLAGS[name].present
+  wrong = [n for n in (("window_s", "time_scale", "max_requests") if synthetic
+                       else ("num_requests", "rate_scale")) if given(n)]
+  if wrong:
+    raise ValueError(
+        f"--{wrong[0]} applies only {'with --trace' if synthetic else 'without --trace'}; "
+        + ("the synthetic workload takes --num_requests and --rate_scale" if synthetic
+           else "a trace takes --window_s, --time_scale and --max_requests"))
   pick = lambda value, default_synthetic, default_trace: value if value is not None else (
       default_synthetic if synthetic else default_trace)
-  common = dict(max_prompt_len=min(pick(FLAGS.max_prompt_len, 512, 1024), max_model_len - 1),
+  prompt_clip = pick(FLAGS.max_prompt_len, 512, 1024)
+  if FLAGS.max_prompt_len is not None and prompt_clip > max_model_len - 1:
+    print(f"note: --max_prompt_len={prompt_clip} lowered to {max_model_len - 1} "
+          f"(the engine's max_model_len={max_model_len} minus one output token)")
+  common = dict(max_prompt_len=min(prompt_clip, max_model_len - 1),
                 max_output_len=pick(FLAGS.max_output_len, 64, 512),
                 seed=FLAGS.seed, vocab_size=vocab_size)
   if synthetic:

@@ -120,6 +120,8 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "iterations": engine.num_iterations,
       "preemptions": engine.num_preemptions,
       "preemption_mode": c.preemption_mode,
+      "force_preempt_every": c.force_preempt_every,
+      "max_preemptions_per_request": c.max_preemptions_per_request,
       "swap": engine.swap.stats(),
       "recompute_tokens": sum(r.recompute_tokens for r in engine.requests.values()),
   }

@@ -66,6 +66,30 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
 
 
 @pytest.mark.parametrize("args,line", [
+    (["--max_requests=4"], "error: --max_requests applies only with --trace; "),
+    (["--window_s=abc"], "error: --window_s applies only with --trace; "),
+    (["--trace=vtc:x.csv", "--num_requests=4"],
+     "error: --num_requests applies only without --trace; "),
+    (["--dtype=float16"], "error: EngineConfig.dtype must be 'float32' or 'bfloat16'"),
+])
+def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
+                         *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(line)
+  assert "model:" not in proc.stdout
+
+
+def test_generate_missing_mt_bench_file_is_one_line(tmp_path):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--engine=cpu_small",
+                         f"--mt_bench={tmp_path / 'none.jsonl'}", "--max_tokens=2"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      f"error: --mt_bench={tmp_path / 'none.jsonl'}: cannot read")
+
+
+@pytest.mark.parametrize("args,line", [
     (["--policies=sarathi_serve,nope"], "error: --policies must name policies in "),
     (["--num_pages=1"], "error: --num_pages must be >= 2 (page 0 is the null page), got 1"),
     (["--policy=vtc"], "error: --policy=vtc does not apply here; use --policies"),
