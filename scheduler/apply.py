@@ -6,8 +6,9 @@ the plan made (admission, recompute preemption) and completed-service debits
 (per client, from the result's completed rows, never from the plan).
 A preempted request keeps the exact KV prefix its preservation fact
 reports (``IterationResult.preserved_end``: pages copied to host memory and
-back) or restarts from 0 (recompute). Completed REBUILD rows restore cache
-after a recompute preemption: they are
+back) or restarts from 0 (recompute). Completed rows below a
+preempted request's old frontier (``rebuild_target``: REBUILD rows, or a
+prompt re-run after a preemption during prefill) restore cache: they are
 counted in ``recompute_rows``, never as fairness service (§0x0C). A policy
 with counters of its own (VTC, MLFQ, ...) advances them through its pure
 ``update`` hook, which ``apply`` calls with the same completed result.
@@ -53,15 +54,24 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       jnp.where(result.failed, rec.FINISH_ERROR, state.finish_reason))
 
   changed = completed | preempted | ended | plan.admit
-  rebuild = completed & (plan.kind == rec.REBUILD)
+  # Completed rows below the frontier a request had when it was preempted
+  # (T_target) recompute lost cache: REBUILD rows, and the prompt rows of a
+  # request preempted during its prefill (their kind stays PREFILL_CHUNK).
+  # They are recompute, never service (§0x0C).
+  target = state.rebuild_target
+  if target is None:
+    redo = jnp.where(completed & (plan.kind == rec.REBUILD), result.service_rows, 0)
+  else:
+    redo = jnp.where(completed, jnp.clip(jnp.minimum(plan.end, target) - plan.start,
+                                         0, result.service_rows), 0)
+    target = jnp.where(preempted, jnp.maximum(target, state.computed), target)
   per_client = lambda rows: jnp.zeros_like(state.service_rows).at[
       manifest.client].add(rows)
   service = state.service_rows + per_client(
-      jnp.where(completed & ~rebuild, result.service_rows, 0))
+      jnp.where(completed, result.service_rows - redo, 0))
   recompute_rows = state.recompute_rows
   if recompute_rows is not None:
-    recompute_rows = recompute_rows + per_client(
-        jnp.where(rebuild, result.service_rows, 0))
+    recompute_rows = recompute_rows + per_client(redo)
   successor = state.replace(
       decision_id=state.decision_id + 1,
       state_version=state.state_version + 1,
@@ -77,7 +87,8 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       finish_reason=finish_reason.astype(jnp.int32),
       num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
       service_rows=service,
-      recompute_rows=recompute_rows)
+      recompute_rows=recompute_rows,
+      rebuild_target=target)
   update = getattr(plan.policy, "update", None)
   if update is not None:
     successor = update(manifest, state, plan, result, successor)
@@ -104,6 +115,8 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
     manifest = manifest.replace(ttft_ms=set_(manifest.ttft_ms, ttft_ms))
   if manifest.tbt_ms is not None:
     manifest = manifest.replace(tbt_ms=set_(manifest.tbt_ms, tbt_ms))
+  if state.rebuild_target is not None:
+    state = state.replace(rebuild_target=set_(state.rebuild_target, 0))
   if state.mlfq_level is not None:
     state = state.replace(mlfq_level=set_(state.mlfq_level, -1),
                           mlfq_used=set_(state.mlfq_used, 0),

@@ -118,8 +118,13 @@ class SchedulerState:
 
   Policy-owned counters (None on a state built without them; every one is
   advanced only by ``scheduler.apply.apply`` from completed results):
-    recompute_rows: i32[C], completed REBUILD rows per client (resource
-      usage, never fairness service; §0x0C).
+    recompute_rows: i32[C], completed rows per client that recompute cache
+      lost to a recompute preemption: REBUILD rows, and prompt rows re-run
+      below ``rebuild_target`` (resource usage, never fairness service;
+      §0x0C).
+    rebuild_target: i32[R], the largest frontier a request had when it was
+      preempted (T_target; 0 if never): completed rows below it are
+      recompute, rows at or above it are service.
     client_counter: i32[C], VTC virtual counter c_i, or the provisional
       selection counter C_select of completion-reconciled VTC (§0x09A).
     client_done: i32[C], authoritative weighted completed service W_done.
@@ -149,6 +154,7 @@ class SchedulerState:
   num_preemptions: jax.Array
   service_rows: jax.Array
   recompute_rows: Optional[jax.Array] = None
+  rebuild_target: Optional[jax.Array] = None
   client_counter: Optional[jax.Array] = None
   client_done: Optional[jax.Array] = None
   client_active: Optional[jax.Array] = None
@@ -301,6 +307,7 @@ def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
       finish_reason=i32(NOT_FINISHED), num_preemptions=i32(0),
       service_rows=jnp.zeros((num_clients,), jnp.int32),
       recompute_rows=jnp.zeros((num_clients,), jnp.int32),
+      rebuild_target=i32(0),
       client_counter=jnp.zeros((num_clients,), jnp.int32),
       client_done=jnp.zeros((num_clients,), jnp.int32),
       client_active=jnp.zeros((num_clients,), bool),

@@ -114,10 +114,12 @@ def test_recompute_preemption_rebuilds_what_swap_preserves(params):
   prompts = _prompts([14, 13, 12, 11], seed=3)
   engine, reqs = _run(params, FEW_PAGES, prompts)
   rebuilt = sum(r.recompute_tokens for r in reqs)
-  # The ledger's REBUILD rows are those of requests preempted after their
-  # first token; one preempted during its prefill re-runs the prompt as
-  # ordinary prefill, which its ResumeTicket still counts as overhead.
-  assert 0 < int(jnp.sum(engine.state.recompute_rows)) <= rebuilt
+  # The ledger's recompute rows (REBUILD rows, and prompt rows re-run after a
+  # preemption during prefill) are exactly the ResumeTickets' overhead, and
+  # service counts every prompt and output row once.
+  assert rebuilt > 0 and int(jnp.sum(engine.state.recompute_rows)) == rebuilt
+  served = sum(len(r.prompt_token_ids) + len(r.output_token_ids) - 1 for r in reqs)
+  assert int(jnp.sum(engine.state.service_rows)) == served
   assert engine.swap.stats()["swapped_out"] == 0
 
 
