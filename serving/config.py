@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from attention.ragged import IMPLS
+from scheduler.policies import POLICIES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
@@ -129,6 +130,8 @@ class EngineConfig:
              "must be 'float32' or 'bfloat16'", self.dtype)
     _require(self.watermark_pages >= 0, c, "watermark_pages", "must be >= 0",
              self.watermark_pages)
+    _require(self.policy in POLICIES, c, "policy", f"must be one of {sorted(POLICIES)}",
+             self.policy)
     _require(self.attention_impl in IMPLS, c, "attention_impl",
              f"must be one of {IMPLS}", self.attention_impl)
     _require(self.preemption_mode in PREEMPTION_MODES, c, "preemption_mode",

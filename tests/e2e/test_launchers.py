@@ -71,6 +71,7 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--trace=vtc:x.csv", "--num_requests=4"],
      "error: --num_requests applies only without --trace; "),
     (["--dtype=float16"], "error: EngineConfig.dtype must be 'float32' or 'bfloat16'"),
+    (["--policy=nope"], "error: EngineConfig.policy must be one of ['fastserve', "),
 ])
 def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
