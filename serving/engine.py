@@ -358,11 +358,7 @@ class Engine:
         else:
           self.swap.fallbacks += 1
           preservation = pre.PreservationResult(record.binding, pre.FAILED, 0)
-      else:
-        preservation = None
       record = pre.settle(record, intent, release, preservation)
-      if preservation is None:     # recompute: the ticket derives T_ready = 0
-        preservation = pre.PreservationResult(record.binding, pre.FAILED, 0)
       suspension = kv_swap.Suspension(
           record, intent, release, preservation, k, v,
           kv_swap.digest(k, v) if k is not None else "")

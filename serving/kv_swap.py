@@ -79,7 +79,8 @@ class Suspension:
 
   Attributes:
     record: the request's QueueRecord (SUSPENDED_PRESERVED / _RECOMPUTE).
-    intent, release, preservation: the facts that settled it.
+    intent, release, preservation: the facts that settled it
+      (``preservation`` is None for a recompute intent).
     k, v: host copy ``[L, n_pages, page_size, kv_heads, head_dim]`` of the
       preserved prefix, or None for recompute.
     bytes_sha256: digest of ``k`` and ``v`` at copy time.
@@ -88,7 +89,7 @@ class Suspension:
   record: pre.QueueRecord
   intent: pre.PreemptionIntent
   release: pre.ReleaseResult
-  preservation: pre.PreservationResult
+  preservation: pre.PreservationResult | None
   k: np.ndarray | None = None
   v: np.ndarray | None = None
   bytes_sha256: str = ""
@@ -96,7 +97,7 @@ class Suspension:
   @property
   def ready_tokens(self) -> int:
     """T_ready: exact prefix tokens preserved (0 for recompute)."""
-    if self.preservation.status != pre.READY:
+    if self.preservation is None or self.preservation.status != pre.READY:
       return 0
     return self.preservation.exact_ready_prefix_tokens
 

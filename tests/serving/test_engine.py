@@ -12,26 +12,15 @@ import numpy as np
 import pytest
 
 from models import llama
-from models.config import get_config
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.kv_pages import NULL_PAGE
+from tests.serving.engine_testing import CFG, prompts as _prompts
 
-CFG = get_config("tiny")
 BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, chunk cap 8
 SMALL_CHUNKS = dataclasses.replace(BASE, long_prefill_token_threshold=3)
 FEW_PAGES = dataclasses.replace(BASE, num_pages=12)   # 11 usable pages of 4 rows
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def params():
-  return llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8)
-
-
-def _prompts(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in lengths]
 
 
 def _run(params, config, prompts, sampling=GREEDY, model_cfg=CFG):

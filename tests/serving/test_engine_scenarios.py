@@ -3,29 +3,15 @@ tiny random-weight model, read through the engine's plan log."""
 
 import dataclasses
 
-import jax
-import numpy as np
 import pytest
 
-from models import llama
-from models.config import get_config
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
+from tests.serving.engine_testing import CFG, prompts as _prompts
 
-CFG = get_config("tiny")
 BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, chunk cap 8
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_k=50, seed=7)
-
-
-@pytest.fixture(scope="module")
-def params():
-  return llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8)
-
-
-def _prompts(lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in lengths]
 
 
 def _engine(params, config, model_cfg=CFG):
