@@ -290,7 +290,7 @@ class Engine:
         self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
         plan, num_rows=bucket)
     fetched = jax.device_get((result.emitted, result.token, result.finished,
-                              result.finish_reason, result.failed, plan.preempt))
+                              result.finish_reason, result.failed))
     emit_ms = self.now_ms()
     result = result.replace(emit_ms=jnp.float32(emit_ms),
                             preserved_end=jnp.asarray(preserved))
@@ -299,7 +299,7 @@ class Engine:
       validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
     self.num_iterations += 1
-    return self._drain(emit_ms, *fetched)
+    return self._drain(emit_ms, *fetched, preempt)
 
   def _log_plan(self, plan) -> None:
     sel, start, end, kind, rank, admit, preempt, decision, status = jax.device_get((
