@@ -80,13 +80,21 @@ def main(argv):
     engine.add_request(rid, ids, sampling)
     detok[rid] = tokenizer.detokenizer(skip_special_tokens=True)
   single = len(detok) == 1
+  pending = {rid: "" for rid in detok}   # several answers: streamed by line
   while engine.has_unfinished():
     for out in engine.step():
       piece = "".join(detok[out.request_id].push(t) for t in out.new_token_ids)
       if single:
         print(piece, end="", flush=True)
-      elif piece.strip():
-        print(f"[{out.request_id}] {piece.strip()}", flush=True)
+      else:
+        buf = pending[out.request_id] + piece
+        *lines, buf = buf.split("\n")
+        if len(buf) >= 72 or out.finished:
+          lines, buf = lines + [buf], ""
+        for line in lines:
+          if line.strip():
+            print(f"[{out.request_id}] {line}", flush=True)
+        pending[out.request_id] = buf
       if out.finished:
         print(f"{chr(10) if single else ''}[{out.request_id}] <{out.outcome}: "
               f"{out.finish_reason}>", flush=True)
