@@ -288,7 +288,7 @@ class Engine:
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.kv, self.pages, self.buffers, result = self._programs.execute(
         self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
-        plan, num_rows=bucket)
+        _execution_view(plan), num_rows=bucket)
     fetched = jax.device_get((result.emitted, result.token, result.finished,
                               result.finish_reason, result.failed))
     emit_ms = self.now_ms()
@@ -474,9 +474,41 @@ class _Programs:
   restore: Callable
 
   traces: Dict[str, int]
+  executor_traces: Dict[str, int]
 
   def cache_sizes(self) -> Dict[str, int]:
-    return dict(self.traces)
+    return {**self.executor_traces, **self.traces}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Executor:
+  execute: Callable
+  traces: Dict[str, int]
+
+
+# Config fields that only the policy reads: engines differing in these alone
+# share one compiled executor.
+_POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
+                    watermark_pages=0, preemption_mode="recompute", swap_space_mb=0.0,
+                    force_preempt_every=0, max_preemptions_per_request=0)
+
+
+def _shape_config(config: EngineConfig) -> EngineConfig:
+  return dataclasses.replace(config, **_POLICY_ONLY)
+
+
+@functools.lru_cache(maxsize=8)
+def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
+  """The model step, compiled per token bucket, for one engine shape."""
+  traces: Dict[str, int] = {}
+  c = shape_config
+  runner = ModelRunner(model_cfg, c.attention_impl)
+  return _Executor(
+      execute=_counting_jit("execute", functools.partial(
+          execute, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
+          max_model_len=c.max_model_len), traces,
+          static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
+      traces=traces)
 
 
 def _counting_jit(name, fn, traces, **jit_kwargs):
@@ -489,6 +521,15 @@ def _counting_jit(name, fn, traces, **jit_kwargs):
     return fn(*args, **kwargs)
 
   return jax.jit(traced, **jit_kwargs)
+
+
+def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
+  """The plan as the executor reads it: intervals, kinds, ranks, intents and
+  budgets, without the policy's identity, keys or unschedulable mask, so
+  that one compiled executor serves every policy of an engine shape."""
+  num_slots = plan.selected.shape[0]
+  return plan.replace(sort_key=jnp.zeros((num_slots, 1), jnp.int32), policy_id="",
+                      policy_version="", unschedulable=None, policy=None)
 
 
 def _plan(policy, manifest, state, view):
@@ -530,19 +571,16 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       watermark_pages=config.watermark_pages))
   if config.force_preempt_every:
     policy = ForcedPreemption(policy, config.force_preempt_every)
-  runner = ModelRunner(model_cfg, config.attention_impl)
   traces: Dict[str, int] = {}
   jit = functools.partial(_counting_jit, traces=traces)
+  executor = _executor(model_cfg, _shape_config(config))
   return _Programs(
       policy=policy,
       plan=jit("plan", functools.partial(_plan, policy)),
-      execute=jit("execute", functools.partial(
-          execute, model=runner, num_seqs=config.max_num_seqs,
-          sample_rows=config.sample_rows, max_model_len=config.max_model_len),
-          static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
+      execute=executor.execute,
       publish=jit("publish", _publish),
       arrive=jit("arrive", _arrive, donate_argnums=(2,)),
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
-      traces=traces)
+      traces=traces, executor_traces=executor.traces)

@@ -244,6 +244,22 @@ def test_compiled_programs_are_bounded_by_the_buckets(params):
   assert all(programs[k] == 1 for k in ("plan", "publish", "arrive"))
 
 
+def test_policies_of_one_engine_shape_share_the_compiled_executor(params):
+  """The model step does not depend on the policy: engines that differ only
+  in policy-side fields reuse its programs (no recompilation per policy)."""
+  prompts = _prompts([3, 25, 7, 16], seed=14)
+  first, _ = _run(params, BASE, prompts)
+  assert set(first.buckets_used) == set(BASE.token_buckets)
+  before = first.compiled_programs()["execute"]
+  other = dataclasses.replace(BASE, policy="vtc", force_preempt_every=3,
+                              preemption_mode="swap", long_prefill_token_threshold=5)
+  engine, reqs = _run(params, other, prompts)
+  assert all(r.outcome == "completed" for r in reqs)
+  assert engine._programs.execute is first._programs.execute
+  assert engine.compiled_programs()["execute"] == before <= len(BASE.token_buckets)
+  assert engine.compiled_programs()["plan"] == 1
+
+
 def test_policy_that_can_never_schedule_a_request_rejects_it(params):
   # ORCA runs a whole prompt in one iteration: a 20-token prompt can never
   # fit the 16-token budget, so it is rejected and the rest keep running.
