@@ -435,14 +435,19 @@ def try_running(x, c, s, preempt_victims=True):
   return jax.lax.cond(live & x["partial"][s], partial, lambda c: c, c)
 
 
+def admission_width(x, s, room):
+  """Rows waiting slot ``s`` takes at admission within ``room`` rows: one
+  decode row for a resumed decoder (``resume``), else its prefill width."""
+  return jnp.where(x["resume"][s], jnp.minimum(room, 1), _prefill_width(x, s, room))
+
+
 def admission_fits(x, c, s):
   """(bool, width): waiting slot ``s`` fits the token / sequence budgets
   and the pages left after reservations and the watermark. A resumed
   decoder (``resume``) takes one decode row and no prefill slot."""
   b = x["budgets"]
-  room = b.token_budget - c["tok"]
   resume = x["resume"][s]
-  width = jnp.where(resume, jnp.minimum(room, 1), _prefill_width(x, s, room))
+  width = admission_width(x, s, b.token_budget - c["tok"])
   slot_ok = jnp.where(resume, c["seq"] < b.seq_budget, _prefill_room(x, c))
   watermark = jnp.where(c["live"], b.watermark_pages, 0)
   pages_ok = x["need_total"][s] <= c["free"] - c["reserved"] - watermark

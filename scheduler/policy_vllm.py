@@ -132,10 +132,7 @@ class VllmV1(base.PolicyBase):
     c["wstop"] = jnp.bool_(False)
 
     def waiting_step(c, s):
-      room = b.token_budget - c["tok"]
-      num_new = jnp.where(   # a resumed decoder (KV preserved) takes one row
-          x["resume"][s], jnp.minimum(room, 1),
-          jnp.minimum(jnp.minimum(x["target"][s] - comp[s], b.chunk_cap), room))
+      num_new = base.admission_width(x, s, b.token_budget - c["tok"])
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
       watermark = jnp.where(c["live"], b.watermark_pages, 0)
       fits = ((c["seq"] < b.seq_budget) & (num_new > 0)

@@ -388,8 +388,7 @@ class Engine:
       self.kv, self.pages = self._programs.restore(
           self.kv, self.pages, preempt, np.int32(slot), np.int32(n),
           np.pad(s.k, pad), np.pad(s.v, pad))
-      self.swap.swapped_in += 1
-      self.swap.bytes_in += s.nbytes
+      self.swap.restored(s)
     req.recompute_tokens += ticket.recompute_overhead_tokens
     req.queue_record = pre.complete_resume(record, ticket)
 

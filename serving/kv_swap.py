@@ -144,6 +144,11 @@ class SwapSpace:
       self.used_bytes -= s.nbytes
     return s
 
+  def restored(self, s: Suspension) -> None:
+    """Counts a copy written back to the device."""
+    self.swapped_in += 1
+    self.bytes_in += s.nbytes
+
   def stats(self) -> dict:
     return dict(capacity_bytes=self.capacity_bytes, peak_bytes=self.peak_bytes,
                 swapped_out=self.swapped_out, swapped_in=self.swapped_in,
