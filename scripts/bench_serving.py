@@ -17,6 +17,7 @@ rejected, any other error as failed.
 
 import asyncio
 import json
+import logging
 import os
 import sys
 import time
@@ -92,6 +93,7 @@ async def _run(workload, model):
 
 def main(argv):
   del argv
+  logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
   info = httpx.get(f"{FLAGS.url}/v1/models", timeout=30).json()["data"][0]
   model = FLAGS.model or info["id"]
   workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, info["max_model_len"])

@@ -645,9 +645,9 @@ class OpenAIServer:
         return _error_response(RuntimeError(event["error"]))
       if event["type"] == "end":
         break
-    if event["outcome"] != "completed":
-      return _error_response(RuntimeError(
-          f"request {event['outcome']}: {event['reason']}"))
+    if event["outcome"] != "completed":     # rejected: can never fit the KV cache
+      kind = BadRequest if event["outcome"] == "rejected" else RuntimeError
+      return _error_response(kind(f"request {event['outcome']}: {event['reason']}"))
     choice = ({"index": 0, "message": {"role": "assistant", "content": event["text"]},
                "logprobs": None, "finish_reason": event["finish_reason"]} if chat else
               {"index": 0, "text": event["text"], "logprobs": None,
