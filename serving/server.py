@@ -84,14 +84,23 @@ class UnknownModel(BadRequest):
   """The body names a model this server does not serve (HTTP 400)."""
 
 
+# Refusals that mean "full, retry later" (HTTP 429): the server's own bound,
+# and any queue-full error the engine's ``add_request`` raises.
+OVERLOAD_ERRORS: tuple = (Overloaded,)
+
+
 def _error_response(exc: Exception) -> JSONResponse:
-  """The one mapping from a refusal to an OpenAI-style error response."""
-  if isinstance(exc, Overloaded):
+  """The one mapping from a refusal to an OpenAI-style error response:
+  OVERLOAD_ERRORS -> 429; BadRequest, and the engine's ValueError naming a
+  bad field -> 400; anything else -> 500."""
+  if isinstance(exc, OVERLOAD_ERRORS):
     status, kind, code, param = 429, "rate_limit_error", "server_overloaded", None
   elif isinstance(exc, UnknownModel):
     status, kind, code, param = 400, "invalid_request_error", "model_not_found", exc.param
   elif isinstance(exc, BadRequest):
     status, kind, code, param = 400, "invalid_request_error", None, exc.param
+  elif isinstance(exc, ValueError):
+    status, kind, code, param = 400, "invalid_request_error", None, None
   else:
     status, kind, code, param = 500, "server_error", None, None
   return JSONResponse({"error": {"message": str(exc), "type": kind, "param": param,
@@ -194,13 +203,17 @@ class EngineLoop:
       while not self._stopping:
         block = not self.engine.has_unfinished()
         if self._drain_commands(block):
-          self.metrics.observe_engine(self.engine)
+          self.metrics.observe_engine(self.engine, self._unslotted())
         if self._stopping:
           break
         if self.engine.has_unfinished():
+          start_ms = self.engine.now_ms()
           outputs = self.engine.step()
+          self._stamp_queue_time(start_ms, outputs)
           self._deliver(outputs)
-          self.metrics.observe_engine(self.engine)
+          self.metrics.observe_engine(self.engine, self._unslotted())
+      for rid in list(self._live):          # shutting down: end what is live
+        self._abort(rid)
     except BaseException as e:          # the engine broke: fail every live request
       self.error = e
       for live in list(self._live.values()):
@@ -209,6 +222,10 @@ class EngineLoop:
         self.metrics.outcome("failed", "engine error")
       self._live.clear()
       raise
+
+  def _unslotted(self) -> int:
+    """Live requests the engine holds that have no slot yet."""
+    return sum(1 for rid in self._live if self.engine.requests[rid].slot < 0)
 
   def _drain_commands(self, block: bool) -> int:
     """Runs queued commands (blocking for the first when ``block``); returns
@@ -234,9 +251,9 @@ class EngineLoop:
     try:
       req = self.engine.add_request(live.rid, p.prompt_token_ids, p.sampling,
                                     priority=p.priority, client=p.client, **p.extra)
-    except ValueError as e:
-      live.push({"type": "error", "status": 400, "error": str(e)})
-      self.metrics.refused("bad_request")
+    except Exception as e:          # refused by the engine: never accepted
+      live.push({"type": "refused", "exc": e})
+      self.metrics.refused("overloaded" if isinstance(e, OVERLOAD_ERRORS) else "bad_request")
       self.metrics.release()
       return
     self._live[live.rid] = live
@@ -244,6 +261,19 @@ class EngineLoop:
     live.push({"type": "accepted"})
     if req.finished:                      # rejected at once (can never fit)
       self._end(live, req)
+
+  def _stamp_queue_time(self, start_ms: float, outputs) -> None:
+    """Queue time (arrival -> start of the first iteration that scheduled
+    the request) for requests first seen running or emitting in this step."""
+    status = np.asarray(jax.device_get(self.engine.state.status))
+    news = {o.request_id for o in outputs}
+    for rid, live in self._live.items():
+      if live.queued_ms is not None:
+        continue
+      req = self.engine.requests[rid]
+      if rid in news or (req.slot >= 0 and status[req.slot] == rec.RUNNING):
+        live.queued_ms = start_ms - req.arrival_ms
+        self.metrics.queue_time.observe(max(live.queued_ms, 0.0) / 1e3)
 
   def _abort(self, rid: str) -> None:
     live = self._live.get(rid)
@@ -380,15 +410,16 @@ class ServerMetrics:
         self.tpot.observe((t[-1] - t[0]) / 1e3 / (len(t) - 1))
     self.e2e.observe((engine.now_ms() - req.arrival_ms) / 1e3)
 
-  def observe_engine(self, engine: Engine) -> None:
-    """Gauges from the engine after a step (engine thread only)."""
+  def observe_engine(self, engine: Engine, unslotted: int) -> None:
+    """Gauges from the engine after a step (engine thread only);
+    ``unslotted``: accepted requests not yet in an engine slot."""
     status, generation, free = jax.device_get((engine.state.status,
                                                engine.state.generation,
                                                engine.pages.num_free))
     waiting = status == rec.WAITING
     self.running.set(int(np.sum(status == rec.RUNNING)))
     self.suspended.set(int(np.sum(waiting & (generation > 0))))
-    self.waiting.set(int(np.sum(waiting & (generation == 0))) + len(engine._pending))
+    self.waiting.set(int(np.sum(waiting & (generation == 0))) + unslotted)
     self.kv_usage.set(1.0 - int(free) / (engine.config.num_pages - 1))
     if engine.num_preemptions > self._preemptions_seen:
       self.preemptions.inc(engine.num_preemptions - self._preemptions_seen)
@@ -615,9 +646,10 @@ class OpenAIServer:
                  asyncio.get_running_loop())
     self.loop.add(live)
     first = await events.get()
+    if first["type"] == "refused":
+      return _error_response(first["exc"])
     if first["type"] == "error":
-      err = BadRequest(first["error"]) if first["status"] == 400 else RuntimeError(first["error"])
-      return _error_response(err)
+      return _error_response(RuntimeError(first["error"]))
     if parsed.stream:
       return StreamingResponse(self._stream(rid, parsed, events, chat),
                                media_type="text/event-stream")
@@ -633,13 +665,18 @@ class OpenAIServer:
             "total_tokens": end["prompt_tokens"] + end["completion_tokens"]}
 
   async def _complete(self, request: HttpRequest, rid: str, events: asyncio.Queue, chat: bool):
+    checked = time.monotonic()
     while True:
       try:
         event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
       except asyncio.TimeoutError:
-        if await request.is_disconnected():
+        event = None
+      if time.monotonic() - checked >= _DISCONNECT_POLL_S:
+        checked = time.monotonic()
+        if await request.is_disconnected():      # abort at the next boundary
           self.loop.abort(rid)
           return Response(status_code=499)
+      if event is None:
         continue
       if event["type"] == "error":
         return _error_response(RuntimeError(event["error"]))

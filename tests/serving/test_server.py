@@ -175,6 +175,26 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(served):
   assert served.server.engine.requests == {}
 
 
+def test_disconnect_while_waiting_for_a_whole_response_aborts(served, monkeypatch):
+  key = ("iterserve:requests_total", (("outcome", "cancelled"),))
+  before = served.metrics().get(key, 0)
+  engine = served.server.engine
+  step = engine.step
+
+  def slow_step():               # >= 50 steps x 20 ms: still running at 0.3 s
+    time.sleep(0.02)
+    return step()
+
+  monkeypatch.setattr(engine, "step", slow_step)
+  with pytest.raises(httpx.ReadTimeout):       # the client gives up and hangs up
+    served.http.post("/v1/completions", timeout=0.3, json={
+        "model": MODEL, "prompt": "the end", "max_tokens": 50, "ignore_eos": True})
+  _wait(lambda: served.metrics().get(key, 0) == before + 1)
+  monkeypatch.undo()
+  _wait(served.pages_free)
+  assert served.server.engine.requests == {}
+
+
 BAD = [
     ("not json", b"{oops", None, "not valid JSON"),
     ("wrong type", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "must be int"),
@@ -270,6 +290,8 @@ def test_overload_burst_gets_429_and_every_accepted_request_completes(params):
     assert m[("vllm:prompt_tokens_total", ())] == len(TOK.encode("the heart")) * codes.count(200)
     assert m[("vllm:time_to_first_token_seconds_count", ())] == codes.count(200)
     assert m[("vllm:inter_token_latency_seconds_count", ())] == 5 * codes.count(200)
+    assert m[("vllm:request_queue_time_seconds_count", ())] == codes.count(200)
+    assert m[("vllm:num_requests_running", ())] == m[("vllm:num_requests_waiting", ())] == 0
     _wait(s.pages_free)
   finally:
     s.close()
