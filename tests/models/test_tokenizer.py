@@ -4,6 +4,8 @@ streaming detokenizer."""
 import hypothesis
 import hypothesis.strategies as st
 import pytest
+import tokenizers
+from tokenizers import decoders, models
 
 from gguf_testing import CHAT_TEMPLATE, bpe_vocab
 from models.tokenizer import _BYTE_LEVEL, Tokenizer, build_bpe_tokenizer
@@ -160,3 +162,27 @@ def test_stream_equals_final_text_over_byte_level_tokenizations(text, data):
   assert "\ufffd" not in "".join(streamed[:-1])        # nothing held is lost mid-stream
   if stop == len(pieces):
     assert final == text
+
+
+def test_byte_fallback_decoder_follows_the_same_rule():
+  # A sentencepiece-style vocabulary (Llama 2): "▁" pieces, <0xHH> byte
+  # fallback, a decoder that strips the first space. Not byte-level, so the
+  # detokenizer re-reads a window; the unfinished-character rule is the same.
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+  vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+  vocab.update({"▁hi": 259, "▁the": 260, "re": 261})
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>",
+                                            byte_fallback=True))
+  backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  tok = Tokenizer(backend, eos_token_id=2)
+  assert not tok.is_byte_level
+  byte = lambda s: [3 + b for b in s.encode()]
+  ids = [259] + byte("你好") + [260, 261] + byte("🙂") + [259] + byte("🙂")[:2]
+  detok = tok.detokenizer()
+  streamed = [detok.push(i) for i in ids]
+  assert "".join(streamed) == "hi你好 there🙂 hi"            # held: 2 of 4 emoji bytes
+  assert streamed[1:4] == ["", "", "你"]
+  tail = detok.flush()                                       # the 2 bytes, as decode() has them
+  assert tail and set(tail) == {"\ufffd"}
+  assert detok.text == tok.decode(ids) == "hi你好 there🙂 hi" + tail
