@@ -152,9 +152,7 @@ class _Live:
     self.loop = loop
     self.text = ""          # text so far, stop-string match removed
     self.sent = 0           # characters of ``text`` already pushed
-    self.num_tokens = 0
     self.queued_ms: Optional[float] = None
-    self.done = False
 
   def push(self, event: dict) -> None:
     self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -220,6 +218,7 @@ class EngineLoop:
         live.push({"type": "error", "status": 500,
                    "error": f"engine failed: {type(e).__name__}: {e}"})
         self.metrics.outcome("failed", "engine error")
+        self.metrics.release()
       self._live.clear()
       raise
 
@@ -288,7 +287,6 @@ class EngineLoop:
       if live is None:
         continue
       req = self.engine.requests[out.request_id]
-      live.num_tokens += len(out.new_token_ids)
       self.metrics.generation_tokens.inc(len(out.new_token_ids))
       piece = live.detok.push_many(out.new_token_ids)
       if out.finished:
