@@ -291,7 +291,9 @@ class EngineLoop:
       piece = live.detok.push_many(out.new_token_ids)
       if out.finished:
         piece += live.detok.flush()
-      stopped = self._append(live, piece)
+      # Like EOS and stop ids, stop strings count from min_tokens on.
+      stopped = self._append(live, piece, check=len(req.output_token_ids) >=
+                             live.parsed.sampling.min_tokens)
       if stopped and not out.finished:
         self.engine.finish(out.request_id, "stop")
       if stopped or out.finished:
@@ -299,14 +301,16 @@ class EngineLoop:
       else:
         self._push_text(live, final=False)
 
-  def _append(self, live: _Live, piece: str) -> bool:
-    """Adds ``piece`` to the text; True when a stop string matched (the text
-    is then cut where the match starts)."""
+  def _append(self, live: _Live, piece: str, check: bool) -> bool:
+    """Adds ``piece`` to the text; when ``check``, True if a stop string
+    ends in it (the text is then cut where the match starts)."""
     stops = live.parsed.stop
     if not piece:
       return False
     start = max(0, len(live.text) - max((len(s) for s in stops), default=0) + 1)
     live.text += piece
+    if not check:
+      return False
     hits = [i for i in (live.text.find(s, start) for s in stops) if i >= 0]
     if hits:
       live.text = live.text[:min(hits)]
