@@ -265,10 +265,13 @@ class Engine:
       if not req.output_token_ids:
         raise ValueError(f"request {request_id!r}: finish needs at least one output "
                          f"token (abort cancels a request that has none)")
-      mask = np.zeros(self.config.max_request_slots, bool)
-      mask[req.slot] = True
-      self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
-      self._slots[req.slot] = None
+      if req in self._pending:
+        self._pending.remove(req)
+      else:
+        mask = np.zeros(self.config.max_request_slots, bool)
+        mask[req.slot] = True
+        self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
+        self._slots[req.slot] = None
       self._end(req, "completed", reason)
     return RequestOutput(req.request_id, [], True, req.outcome, req.finish_reason)
 
