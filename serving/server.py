@@ -532,7 +532,8 @@ class OpenAIServer:
     options = _get(body, "stream_options", dict, {}, "an object")
     include_usage = _get(options, "include_usage", bool, False)
     priority = _get(body, "priority", int, 0)
-    client = _get(body, "client", str, None) or _get(body, "user", str, "default")
+    client = (_get(body, "client", str, None) or _get(body, "tenant", str, None)
+              or _get(body, "user", str, "default"))
     extra = {}
     for name in ("ttft_ms", "tbt_ms"):
       value = _get(body, f"slo_{name}", (int, float), None, "a number of ms")
