@@ -208,8 +208,10 @@ class EngineLoop:
           start_ms = self.engine.now_ms()
           outputs = self.engine.step()
           self._stamp_queue_time(start_ms, outputs)
-          self._deliver(outputs)
+          # Gauges first: a client that sees its last event sees them too.
           self.metrics.observe_engine(self.engine, self._unslotted())
+          if self._deliver(outputs):           # stop strings freed slots
+            self.metrics.observe_engine(self.engine, self._unslotted())
       for rid in list(self._live):          # shutting down: end what is live
         self._abort(rid)
     except BaseException as e:          # the engine broke: fail every live request
@@ -281,7 +283,10 @@ class EngineLoop:
     self.engine.abort(rid)
     self._end(live, self.engine.requests[rid])
 
-  def _deliver(self, outputs) -> None:
+  def _deliver(self, outputs) -> bool:
+    """Pushes each output's text to its client; True when a stop string
+    ended a request here (``Engine.finish``)."""
+    finished_here = False
     for out in outputs:
       live = self._live.get(out.request_id)
       if live is None:
@@ -296,10 +301,12 @@ class EngineLoop:
                              live.parsed.sampling.min_tokens)
       if stopped and not out.finished:
         self.engine.finish(out.request_id, "stop")
+        finished_here = True
       if stopped or out.finished:
         self._end(live, req, stop_string=stopped)
       else:
         self._push_text(live, final=False)
+    return finished_here
 
   def _append(self, live: _Live, piece: str, check: bool) -> bool:
     """Adds ``piece`` to the text; when ``check``, True if a stop string
