@@ -109,24 +109,65 @@ def _compile_template(source: str) -> jinja2.Template:
   return env.from_string(source)
 
 
+def _byte_level_alphabet() -> dict:
+  """GPT-2's byte-level alphabet: printable stand-in character -> byte."""
+  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+               + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+def incomplete_utf8_tail(data: bytes) -> int:
+  """Bytes at the end of ``data`` that start a UTF-8 character but do not
+  finish it (0 when ``data`` ends on a character boundary or in an invalid
+  byte, which no later byte can repair)."""
+  for k in range(1, min(3, len(data)) + 1):
+    b = data[-k]
+    if 0x80 <= b < 0xC0:          # continuation byte: keep looking back
+      continue
+    need = 2 if 0xC2 <= b < 0xE0 else 3 if 0xE0 <= b < 0xF0 else 4 if 0xF0 <= b < 0xF5 else 0
+    return k if need > k else 0
+  return 0
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _decoder_is_byte_level(tokenizer: tokenizers.Tokenizer) -> bool:
+  decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+  parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+  return any(d.get("type") == "ByteLevel" for d in parts)
+
+
 class IncrementalDetokenizer:
   """Turns a stream of token ids into a stream of complete text pieces.
 
-  A character whose UTF-8 bytes are split across tokens is held back until
-  its last byte arrives, so every piece returned is valid text and the pieces
-  concatenate to ``decode(all ids)``. Decoding re-reads only a short window of
-  recent ids (the ids since the previous emitted piece plus the one before),
-  so each step costs O(window), not O(sequence).
-  """
+  The rule for an unfinished character, one rule for the stream and the
+  final text: the first 1-3 bytes of a multi-byte UTF-8 character are held
+  back until its last byte arrives, however many ids carried them (a
+  byte-level vocabulary may cut "\u4f60\u597d\u4e16\u754c\u548c" into pieces of 1, 3, 3, 3, 2 and
+  3 bytes, each ending inside a character); ``flush`` at the request's end
+  emits held bytes as U+FFFD, exactly as ``Tokenizer.decode`` of all ids
+  does. So the pieces always concatenate to ``decode(all ids)``.
 
-  # A UTF-8 character has at most 4 bytes and every token at least 1, so a
-  # window this long that still ends in U+FFFD holds a genuinely invalid byte.
-  _MAX_PENDING = 4
+  A byte-level tokenizer is decoded from the ids' bytes (O(1) per id). Any
+  other decoder re-reads a short window of recent ids (those since the last
+  character boundary plus the piece before, which gives decoders such as
+  sentencepiece's their context).
+  """
 
   def __init__(self, tokenizer: "Tokenizer", *, skip_special_tokens: bool = False):
     self._tok = tokenizer
     self._skip = skip_special_tokens
     self._ids: list[int] = []
+    self._held = b""   # byte-level: bytes of an unfinished character
+    self._tail = b""   # other decoders: last <= 3 bytes of the ids so far
     self._prefix = 0   # window start: ids before it are fully emitted
     self._read = 0     # ids before it have been emitted as text
     self.text = ""     # everything emitted so far
@@ -136,23 +177,36 @@ class IncrementalDetokenizer:
 
   def push(self, token_id: int) -> str:
     """Adds one id; returns the newly completed text (possibly empty)."""
+    data = self._tok.token_bytes(token_id, self._skip)
+    if self._tok.is_byte_level:
+      self._held += data
+      cut = len(self._held) - incomplete_utf8_tail(self._held)
+      piece = self._held[:cut].decode("utf-8", errors="replace")
+      self._held = self._held[cut:]
+      self.text += piece
+      return piece
     self._ids.append(int(token_id))
+    self._tail = (self._tail + data)[-3:]
     return self._emit(final=False)
 
   def push_many(self, token_ids: Iterable[int]) -> str:
     return "".join(self.push(t) for t in token_ids)
 
   def flush(self) -> str:
-    """Returns held-back text (incomplete bytes decode as U+FFFD)."""
+    """Returns held-back text (the bytes of an unfinished character decode as
+    U+FFFD, as in ``Tokenizer.decode``)."""
+    if self._tok.is_byte_level:
+      piece, self._held = self._held.decode("utf-8", errors="replace"), b""
+      self.text += piece
+      return piece
     return self._emit(final=True)
 
   def _emit(self, final: bool) -> str:
+    if not final and incomplete_utf8_tail(self._tail):
+      return ""
     before = self._decode(self._ids[self._prefix:self._read])
     after = self._decode(self._ids[self._prefix:])
-    pending = len(self._ids) - self._read
     if len(after) <= len(before) and not final:
-      return ""
-    if after.endswith("\ufffd") and not final and pending < self._MAX_PENDING:
       return ""
     piece = after[len(before):]
     self._prefix, self._read = self._read, len(self._ids)
@@ -180,6 +234,13 @@ class Tokenizer:
     self.bos_token_id = bos_token_id
     self.chat_template = chat_template
     self._template = _compile_template(chat_template) if chat_template else None
+    self._byte_level = _decoder_is_byte_level(tokenizer)
+    self._bytes_cache: dict = {}
+
+  @property
+  def is_byte_level(self) -> bool:
+    """Whether decoding maps each id to bytes (GPT-2 byte-level alphabet)."""
+    return self._byte_level
 
   @property
   def backend(self) -> tokenizers.Tokenizer:
@@ -192,6 +253,30 @@ class Tokenizer:
 
   def id_to_token(self, token_id: int) -> Optional[str]:
     return self._tok.id_to_token(int(token_id))
+
+  def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+    """The UTF-8 bytes one id contributes to decoded text: the byte-level
+    alphabet mapped back to bytes, ``<0xHH>`` byte-fallback pieces as that
+    byte, added tokens as their text (nothing when skipped as special)."""
+    token_id = int(token_id)
+    key = (token_id, skip_special_tokens)
+    cached = self._bytes_cache.get(key)
+    if cached is not None:
+      return cached
+    piece = self._tok.id_to_token(token_id)
+    added = self._tok.get_added_tokens_decoder().get(token_id)
+    if piece is None:
+      out = b""
+    elif added is not None:
+      out = b"" if (skip_special_tokens and added.special) else added.content.encode()
+    elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+      out = bytes([int(piece[3:5], 16)])
+    elif self._byte_level and all(ch in _BYTE_LEVEL for ch in piece):
+      out = bytes(_BYTE_LEVEL[ch] for ch in piece)
+    else:
+      out = self._tok.decode([token_id], skip_special_tokens=skip_special_tokens).encode()
+    self._bytes_cache[key] = out
+    return out
 
   def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of ``text``; special-token strings in it map to their ids."""

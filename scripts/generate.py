@@ -83,7 +83,9 @@ def main(argv):
   pending = {rid: "" for rid in detok}   # several answers: streamed by line
   while engine.has_unfinished():
     for out in engine.step():
-      piece = "".join(detok[out.request_id].push(t) for t in out.new_token_ids)
+      piece = detok[out.request_id].push_many(out.new_token_ids)
+      if out.finished:          # the held bytes of an unfinished character
+        piece += detok[out.request_id].flush()
       if single:
         print(piece, end="", flush=True)
       else:
@@ -99,7 +101,7 @@ def main(argv):
         print(f"{chr(10) if single else ''}[{out.request_id}] <{out.outcome}: "
               f"{out.finish_reason}>", flush=True)
   for rid, req in engine.requests.items():
-    text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    text = detok[rid].text      # == tokenizer.decode(output ids), as streamed
     print(f"\n=== {rid} ({req.outcome}, {len(req.output_token_ids)} tokens)\n{text}")
 
 

@@ -22,7 +22,17 @@ ReleaseResult / PreservationResult / ResumeTicket chain, bound by
 
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
-``failed`` (non-finite logits); ``Request.finish_reason`` says why.
+``failed`` (non-finite logits); ``Request.finish_reason`` says why. The host
+may also end a request as ``completed`` (``finish``, e.g. a stop string
+matched on the text).
+
+A long-running engine stays bounded: ``evict`` drops a finished request from
+the host tables, and a client with no request left there gives its client
+index (and its device counters) back. Clocks: the host clock is float64 ms
+since construction (``now_ms``); the device holds float32 ms since a device
+epoch that ``step`` moves forward (``DEVICE_REBASE_MS``), shifting every
+live device time with it, so device times stay below ~2**21 ms and keep
+sub-ms resolution however long the engine runs.
 """
 
 from __future__ import annotations
@@ -49,6 +59,11 @@ from serving.config import EngineConfig, SamplingParams
 from serving.executor import ModelRunner, execute, init_buffers
 
 OUTCOMES = ("completed", "rejected", "cancelled", "failed")
+
+# Device times are float32 ms since the device epoch; once the host clock is
+# this far past the epoch (float32 resolution 2**-3 ms here), ``step`` moves
+# the epoch to the oldest live arrival, or to now when nothing is live.
+DEVICE_REBASE_MS = float(2**20)
 
 
 @dataclasses.dataclass
@@ -123,6 +138,9 @@ class Engine:
     self._pending: List[Request] = []      # accepted, not yet in a slot
     self._requests: Dict[str, Request] = {}
     self._clients: Dict[str, int] = {}
+    self._client_refs: Dict[str, int] = {}   # requests per client in _requests
+    self._free_client_indices: List[int] = []
+    self._device_epoch_ms = 0.0   # host ms at device time 0
     self._next_uid = 0
     self.num_iterations = 0
     self.num_preemptions = 0
@@ -138,8 +156,27 @@ class Engine:
 
   # ------------------------------------------------------------------ host
   def now_ms(self) -> float:
-    """Engine clock: ms since construction."""
+    """Engine clock: ms since construction (float64 on the host)."""
     return (self._clock() - self._t0) * 1000.0
+
+  def _device_ms(self, host_ms: float) -> np.float32:
+    """A host time as the device's float32 ms since the device epoch."""
+    return np.float32(host_ms - self._device_epoch_ms)
+
+  def _rebase_device_clock(self, now_ms: float) -> None:
+    """Moves the device epoch forward once ``now_ms`` is DEVICE_REBASE_MS past
+    it, to the oldest arrival of a live or pending request (or to now), and
+    shifts every device time by the same amount."""
+    if now_ms - self._device_epoch_ms < DEVICE_REBASE_MS:
+      return
+    live = [r.arrival_ms for r in self._slots if r is not None]
+    epoch = min([now_ms] + live + [r.arrival_ms for r in self._pending])
+    shift = epoch - self._device_epoch_ms
+    if shift <= 0:
+      return
+    self.manifest, self.state = self._programs.shift_clock(
+        self.manifest, self.state, np.float32(shift))
+    self._device_epoch_ms = epoch
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                   sampling: SamplingParams = SamplingParams(), *,
@@ -173,8 +210,11 @@ class Engine:
     if client not in self._clients:
       if len(self._clients) >= c.num_clients:
         raise ValueError(f"client {client!r}: at most {c.num_clients} clients "
-                         f"(EngineConfig.num_clients)")
-      self._clients[client] = len(self._clients)
+                         f"with requests held by the engine (EngineConfig.num_clients; "
+                         f"evict finished requests to free a client)")
+      self._clients[client] = (self._free_client_indices.pop(0)
+                               if self._free_client_indices else len(self._clients))
+    self._client_refs[client] = self._client_refs.get(client, 0) + 1
     req = Request(request_id=request_id, uid=self._next_uid, prompt_token_ids=ids,
                   sampling=sampling, priority=int(priority), client=client,
                   arrival_ms=self.now_ms() if arrival_ms is None else float(arrival_ms))
@@ -205,6 +245,57 @@ class Engine:
     self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
     self._slots[req.slot] = None
     self._end(req, "cancelled", "abort")
+
+  def finish(self, request_id: str, reason: str = "stop") -> RequestOutput:
+    """Ends a request that has emitted tokens as ``completed`` with
+    ``reason`` (the host's stop rule, e.g. a stop string matched on the
+    text); its pages are freed at once. A finished request is left as it is.
+
+    Returns:
+      The request's final ``RequestOutput`` (no new tokens).
+
+    Raises:
+      ValueError: unknown ``request_id``, or a live request with no output
+        token yet (a completed request has output; ``abort`` cancels).
+    """
+    req = self._requests.get(request_id)
+    if req is None:
+      raise ValueError(f"unknown request_id {request_id!r}")
+    if not req.finished:
+      if not req.output_token_ids:
+        raise ValueError(f"request {request_id!r}: finish needs at least one output "
+                         f"token (abort cancels a request that has none)")
+      if req in self._pending:
+        self._pending.remove(req)
+      else:
+        mask = np.zeros(self.config.max_request_slots, bool)
+        mask[req.slot] = True
+        self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
+        self._slots[req.slot] = None
+      self._end(req, "completed", reason)
+    return RequestOutput(req.request_id, [], True, req.outcome, req.finish_reason)
+
+  def evict(self, request_id: str) -> Request:
+    """Drops a finished request from the host tables and returns it; its
+    client, once no request of it is left there, gives back its client index
+    (its device service counters restart at zero for the next client).
+
+    Raises:
+      ValueError: unknown ``request_id``, or the request has no outcome yet.
+    """
+    req = self._requests.get(request_id)
+    if req is None:
+      raise ValueError(f"unknown request_id {request_id!r}")
+    if not req.finished:
+      raise ValueError(f"request {request_id!r} is live; abort or finish it first")
+    del self._requests[request_id]
+    self._client_refs[req.client] -= 1
+    if not self._client_refs[req.client]:
+      del self._client_refs[req.client]
+      index = self._clients.pop(req.client)
+      self.state = self._programs.forget_client(self.state, np.int32(index))
+      self._free_client_indices.append(index)
+    return req
 
   def _reject_slots(self, mask, reason: str, outcome: str = "rejected") -> None:
     """Ends the live requests in ``mask`` (bool[R]) with ``outcome``; frees
@@ -242,7 +333,7 @@ class Engine:
       stop = np.full(c.max_stop_ids, -1, np.int32)
       stop[:len(req.sampling.stop_token_ids)] = req.sampling.stop_token_ids
       s = req.sampling
-      fields = (req.uid, req.arrival_ms, req.uid, len(req.prompt_token_ids),
+      fields = (req.uid, self._device_ms(req.arrival_ms), req.uid, len(req.prompt_token_ids),
                 s.max_tokens, req.priority, self._clients[req.client],
                 s.temperature, s.top_k, s.top_p, np.uint32(s.seed), s.min_tokens,
                 s.ignore_eos)
@@ -254,7 +345,9 @@ class Engine:
   def step(self) -> List[RequestOutput]:
     """Runs one iteration; returns the news for every request it touched."""
     self._fill_slots()
-    self.state = apply_lib.tick(self.state, self.now_ms())
+    now_ms = self.now_ms()
+    self._rebase_device_clock(now_ms)
+    self.state = apply_lib.tick(self.state, self._device_ms(now_ms))
     plan, bad = self._programs.plan(self.manifest, self.state, kv_pages.view(self.pages))
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
     bad, num_tokens, num_seqs, preempt, admit, never = jax.device_get(
@@ -292,7 +385,7 @@ class Engine:
     fetched = jax.device_get((result.emitted, result.token, result.finished,
                               result.finish_reason, result.failed))
     emit_ms = self.now_ms()
-    result = result.replace(emit_ms=jnp.float32(emit_ms),
+    result = result.replace(emit_ms=jnp.float32(self._device_ms(emit_ms)),
                             preserved_end=jnp.asarray(preserved))
     state, bad = self._programs.publish(self.manifest, self.state, plan, result)
     if int(bad):
@@ -471,6 +564,8 @@ class _Programs:
   release: Callable
   gather: Callable
   restore: Callable
+  shift_clock: Callable
+  forget_client: Callable
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
@@ -561,6 +656,25 @@ def _release(state, pages, cancel_mask, release_mask):
   return apply_lib.release(state, release_mask), pages
 
 
+def _shift_clock(manifest, state, shift_ms):
+  """Device times minus ``shift_ms`` (f32[]): arrivals, the clock, and the
+  emission clocks that are set (-1 = none stays -1)."""
+  shift = lambda t: jnp.where(t >= 0, t - shift_ms, t)
+  return (manifest.replace(arrival_ms=manifest.arrival_ms - shift_ms),
+          state.replace(now_ms=state.now_ms - shift_ms,
+                        first_token_ms=shift(state.first_token_ms),
+                        last_token_ms=shift(state.last_token_ms)))
+
+
+def _forget_client(state, index):
+  """Zeroes client ``index``'s counters (i32[] index into the C tables)."""
+  zero = lambda a: None if a is None else a.at[index].set(jnp.zeros((), a.dtype))
+  return state.replace(
+      service_rows=zero(state.service_rows), recompute_rows=zero(state.recompute_rows),
+      client_counter=zero(state.client_counter), client_done=zero(state.client_done),
+      client_active=zero(state.client_active))
+
+
 @functools.lru_cache(maxsize=16)
 def _programs(model_cfg, config: EngineConfig) -> _Programs:
   """Builds (once per config pair) the jitted plan/execute/publish programs."""
@@ -582,4 +696,6 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
+      shift_clock=jit("shift_clock", _shift_clock),
+      forget_client=jit("forget_client", _forget_client),
       traces=traces, executor_traces=executor.traces)

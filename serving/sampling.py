@@ -31,7 +31,8 @@ def sample(logits, temperature, top_k, top_p, seed, output_index):
   Args:
     logits: f32[N, V].
     temperature: f32[N]; 0 selects greedy argmax (lowest id wins ties).
-    top_k: i32[N] (0 = off); top_p: f32[N] in (0, 1].
+    top_k: i32[N] (0 = off; 1 is greedy argmax, the same tie-break, at any
+      temperature and seed); top_p: f32[N] in (0, 1].
     seed: u32[N] per-request seeds; output_index: i32[N], the index of the
       output token being drawn (= tokens emitted so far).
 
@@ -49,5 +50,6 @@ def sample(logits, temperature, top_k, top_p, seed, output_index):
   def sampled(_):
     return jax.vmap(draw)(logits, temperature, top_k, top_p, seed, output_index)
 
-  drawn = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda _: greedy, None)
-  return jnp.where(temperature > 0, drawn, greedy)
+  draws = (temperature > 0) & (top_k != 1)
+  drawn = jax.lax.cond(jnp.any(draws), sampled, lambda _: greedy, None)
+  return jnp.where(draws, drawn, greedy)

@@ -35,6 +35,11 @@ def test_top_k_and_top_p_masks_by_hand():
 def test_top_k_one_equals_greedy_at_any_temperature():
   logits = np.random.default_rng(0).standard_normal((8, 50))
   assert (_call(logits, temperature=2.0, top_k=1, seed=3) == _call(logits)).all()
+  # Tied top logits: the lowest id, as greedy, for every seed and temperature.
+  tied = np.array([[0.0, 4.0, 1.0, 4.0, 4.0]] * 4)
+  for seed in range(6):
+    for t in (0.5, 1.0, 3.0):
+      assert _call(tied, temperature=t, top_k=1, seed=seed).tolist() == [1] * 4
 
 
 def test_seed_and_index_determine_the_draw():

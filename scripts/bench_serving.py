@@ -1,0 +1,113 @@
+"""Load benchmark of a running OpenAI-compatible server over loopback HTTP.
+
+  python scripts/serve.py --engine=cpu_small &               # the server
+  python scripts/bench_serving.py --num_requests=16 --rate_scale=0.5 \
+      --max_prompt_len=256 --max_output_len=32 --out=runs/bench_serving.json
+
+Replays the workload of ``replay.py``'s flags (the embedded synthetic one or
+``--trace``), each request sent at its arrival time as a streamed
+``/v1/completions`` call with the prompt as token ids. Every timestamp is
+taken on the client: arrival = the intended send time, a token's time = the
+arrival of the SSE chunk that carried its text (a token whose text arrives
+with a later chunk, e.g. the first bytes of a split character, gets that
+chunk's time; the token count is the response's ``usage``). The report is
+``replay.py``'s (``serving.metrics.build_report``); a 429 is recorded as
+rejected, any other error as failed.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import httpx
+from absl import app, flags
+
+from serving import launch, metrics, workloads
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL.")
+flags.DEFINE_string("model", None, "Model name to send (default: the server's only model).")
+flags.DEFINE_string("out", "runs/bench_serving.json", "Report JSON path.")
+flags.DEFINE_float("timeout_s", 1800.0, "Per-request HTTP timeout (s).")
+launch.define_workload_flags()
+
+
+async def _one(client, spec, model, origin):
+  """Sends ``spec`` at its arrival time; returns its RequestRecord."""
+  await asyncio.sleep(max(0.0, origin + spec.arrival_s - time.perf_counter()))
+  body = {"model": model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
+          "temperature": 0, "ignore_eos": spec.ignore_eos, "stream": True,
+          "stream_options": {"include_usage": True}, "client": spec.client,
+          "priority": spec.priority}
+  times, usage, finish, outcome, reason = [], None, None, "failed", ""
+  try:
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+      if r.status_code != 200:
+        error = json.loads(await r.aread()).get("error", {})
+        outcome = "rejected" if r.status_code == 429 else "failed"
+        reason = f"HTTP {r.status_code}: {error.get('message', '')}"
+      else:
+        async for line in r.aiter_lines():
+          if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+          chunk = json.loads(line[6:])
+          if "error" in chunk:
+            reason = chunk["error"]["message"]
+            break
+          for c in chunk["choices"]:
+            if c["text"]:
+              times.append(time.perf_counter() - origin)
+            finish = c["finish_reason"] or finish
+          usage = chunk.get("usage") or usage
+        if usage is not None and finish is not None:
+          outcome, reason = "completed", finish
+  except httpx.HTTPError as e:
+    reason = f"{type(e).__name__}: {e}"
+  n = usage["completion_tokens"] if usage else len(times)
+  if outcome == "completed":
+    times = (times + times[-1:] * n)[:n] if times else []
+    if not times:
+      outcome, reason = "failed", "no text streamed"
+  else:
+    times, n = [], 0
+  return metrics.RequestRecord(
+      request_id=spec.request_id, client=spec.client, arrival_s=spec.arrival_s,
+      first_token_s=times[0] if times else None, token_times_s=times,
+      prompt_tokens=len(spec.prompt_token_ids), output_tokens=len(times), outcome=outcome,
+      finish_reason=reason, clipped=spec.clipped)
+
+
+async def _run(workload, model):
+  limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+  async with httpx.AsyncClient(base_url=FLAGS.url, timeout=FLAGS.timeout_s,
+                               limits=limits) as client:
+    origin = time.perf_counter()
+    records = await asyncio.gather(*[_one(client, s, model, origin) for s in workload])
+    return list(records), time.perf_counter() - origin
+
+
+def main(argv):
+  del argv
+  logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
+  info = httpx.get(f"{FLAGS.url}/v1/models", timeout=30).json()["data"][0]
+  model = FLAGS.model or info["id"]
+  workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, info["max_model_len"])
+  print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
+        f"({workload.source}) against {FLAGS.url} ({model})")
+  records, duration_s = asyncio.run(_run(workload, model))
+  config = {"model": model, "server": FLAGS.url, "client": "HTTP streaming (SSE), "
+            "client-side timestamps", "max_model_len": info["max_model_len"],
+            "workload": workload.describe()}
+  report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  print(metrics.format_table(report))
+  metrics.write_report(FLAGS.out, report)
+  print(f"report: {FLAGS.out}")
+
+
+if __name__ == "__main__":
+  app.run(launch.exit_on_bad_input(main))

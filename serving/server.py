@@ -1,0 +1,763 @@
+"""OpenAI-compatible HTTP server over one ``Engine`` (FastAPI + uvicorn).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
+``stream`` true: server-sent events in OpenAI's chunk format ending with
+``data: [DONE]``, or false), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text; vLLM's metric names where one exists).
+
+Threads: one engine thread owns the ``Engine``. Between iterations it drains
+a command queue (add, abort), runs one ``step``, detokenizes each request's
+new tokens, matches its stop strings on the text and pushes events to the
+request's asyncio queue on the HTTP event loop. When nothing is live it
+blocks on the command queue (no spin). HTTP handlers never touch engine
+state: they validate the body, enqueue an add, and read their queue.
+
+Request lifecycle: every request the server accepts ends completed,
+cancelled (client disconnected: aborted at the next iteration boundary,
+its KV pages freed), rejected or failed, and ``/metrics`` counts each. Once
+its final event is out the request and, if idle, its client are evicted
+from the engine's host tables (bounded memory for a long-running server).
+
+Overload: at most ``max_request_slots + max_waiting`` requests are live at
+once (``max_waiting`` wait for an engine slot); past that a request gets
+HTTP 429 with an OpenAI-style error body (``_error_response`` is the one
+place that maps a refusal to its HTTP status). Bad input gets HTTP 400
+naming the field and the rule, as vLLM does for a prompt plus max_tokens
+beyond the context (both numbers in the message; never silently cut).
+
+Text rules: ``IncrementalDetokenizer`` (one rule for an unfinished UTF-8
+character, stream and final text alike); stop strings match across token
+boundaries on the text, the matched text is not returned (OpenAI), and the
+request ends ``completed`` with finish_reason "stop" through
+``Engine.finish``. While streaming, the last ``len(longest stop) - 1``
+characters are held back until they can no longer start a stop string, so
+the concatenated deltas always equal the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+import inspect
+import itertools
+import json
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+import jax
+import numpy as np
+import prometheus_client as prom
+import uvicorn
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scheduler import records as rec
+from serving.config import SamplingParams
+from serving.engine import Engine
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_STRING_CHARS = 256
+# Seconds between disconnect checks of a non-streaming request.
+_DISCONNECT_POLL_S = 0.25
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                      1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class BadRequest(Exception):
+  """A request body that breaks a rule: HTTP 400 naming ``param``."""
+
+  def __init__(self, message: str, param: Optional[str] = None):
+    super().__init__(message)
+    self.param = param
+
+
+class Overloaded(Exception):
+  """The waiting queue is full: HTTP 429 (nothing accepted is dropped)."""
+
+
+class UnknownModel(BadRequest):
+  """The body names a model this server does not serve (HTTP 400)."""
+
+
+# Refusals that mean "full, retry later" (HTTP 429): the server's own bound,
+# and any queue-full error the engine's ``add_request`` raises.
+OVERLOAD_ERRORS: tuple = (Overloaded,)
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+  """The one mapping from a refusal to an OpenAI-style error response:
+  OVERLOAD_ERRORS -> 429; BadRequest, and the engine's ValueError naming a
+  bad field -> 400; anything else -> 500."""
+  if isinstance(exc, OVERLOAD_ERRORS):
+    status, kind, code, param = 429, "rate_limit_error", "server_overloaded", None
+  elif isinstance(exc, UnknownModel):
+    status, kind, code, param = 400, "invalid_request_error", "model_not_found", exc.param
+  elif isinstance(exc, BadRequest):
+    status, kind, code, param = 400, "invalid_request_error", None, exc.param
+  elif isinstance(exc, ValueError):
+    status, kind, code, param = 400, "invalid_request_error", None, None
+  else:
+    status, kind, code, param = 500, "server_error", None, None
+  return JSONResponse({"error": {"message": str(exc), "type": kind, "param": param,
+                                 "code": code}}, status_code=status)
+
+
+# ----------------------------------------------------------------- bodies
+_MISSING = object()
+
+
+def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
+  """``body[name]`` checked against ``kinds`` (bool is never an int here)."""
+  value = body.get(name, _MISSING)
+  if value is _MISSING or value is None:
+    if default is _MISSING:
+      raise BadRequest(f"'{name}' is required", name)
+    return default
+  kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+  if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+    names = "/".join(k.__name__ for k in kinds)
+    raise BadRequest(f"'{name}' must be {rule or names}, got {type(value).__name__}", name)
+  return value
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+  """A validated request: prompt ids, sampling, stop strings, routing."""
+
+  prompt_token_ids: List[int]
+  sampling: SamplingParams
+  stop: List[str]
+  stream: bool
+  include_usage: bool
+  priority: int
+  client: str
+  extra: Dict[str, Any]      # engine keyword arguments (e.g. SLO targets)
+
+
+# ------------------------------------------------------------- per request
+class _Live:
+  """Server-side state of one request (owned by the engine thread after add)."""
+
+  def __init__(self, rid: str, parsed: ParsedRequest, detok, events: asyncio.Queue,
+               loop: asyncio.AbstractEventLoop):
+    self.rid = rid
+    self.parsed = parsed
+    self.detok = detok
+    self.events = events
+    self.loop = loop
+    self.text = ""          # text so far, stop-string match removed
+    self.sent = 0           # characters of ``text`` already pushed
+    self.queued_ms: Optional[float] = None
+
+  def push(self, event: dict) -> None:
+    self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class EngineLoop:
+  """The thread that owns the engine (see the module docstring).
+
+  Args:
+    engine: the Engine (used from this thread only once ``start`` ran).
+    tokenizer: ``models.tokenizer.Tokenizer``.
+    metrics: ``ServerMetrics``.
+  """
+
+  def __init__(self, engine: Engine, tokenizer, metrics: "ServerMetrics"):
+    self.engine = engine
+    self.tokenizer = tokenizer
+    self.metrics = metrics
+    self._commands: "queue.Queue[tuple]" = queue.Queue()
+    self._live: Dict[str, _Live] = {}
+    self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+    self._stopping = False
+    self.error: Optional[BaseException] = None
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stopping = True
+    self._commands.put(("stop",))
+    self._thread.join(timeout=30)
+
+  def add(self, live: _Live) -> None:
+    self._commands.put(("add", live))
+
+  def abort(self, rid: str) -> None:
+    self._commands.put(("abort", rid))
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive() and self.error is None
+
+  # --------------------------------------------------------- engine thread
+  def _run(self) -> None:
+    try:
+      while not self._stopping:
+        block = not self.engine.has_unfinished()
+        if self._drain_commands(block):
+          self.metrics.observe_engine(self.engine, self._unslotted())
+        if self._stopping:
+          break
+        if self.engine.has_unfinished():
+          start_ms = self.engine.now_ms()
+          outputs = self.engine.step()
+          self._stamp_queue_time(start_ms, outputs)
+          # Gauges first: a client that sees its last event sees them too.
+          self.metrics.observe_engine(self.engine, self._unslotted())
+          if self._deliver(outputs):           # stop strings freed slots
+            self.metrics.observe_engine(self.engine, self._unslotted())
+      for rid in list(self._live):          # shutting down: end what is live
+        self._abort(rid)
+    except BaseException as e:          # the engine broke: fail every live request
+      self.error = e
+      for live in list(self._live.values()):
+        live.push({"type": "error", "status": 500,
+                   "error": f"engine failed: {type(e).__name__}: {e}"})
+        self.metrics.outcome("failed", "engine error")
+        self.metrics.release()
+      self._live.clear()
+      raise
+
+  def _unslotted(self) -> int:
+    """Live requests the engine holds that have no slot yet."""
+    return sum(1 for rid in self._live if self.engine.requests[rid].slot < 0)
+
+  def _drain_commands(self, block: bool) -> int:
+    """Runs queued commands (blocking for the first when ``block``); returns
+    how many ran."""
+    ran = 0
+    while True:
+      try:
+        command = self._commands.get(block=block)
+      except queue.Empty:
+        return ran
+      block = False
+      ran += 1
+      if command[0] == "stop":
+        self._stopping = True
+        return ran
+      if command[0] == "add":
+        self._add(command[1])
+      elif command[0] == "abort":
+        self._abort(command[1])
+
+  def _add(self, live: _Live) -> None:
+    p = live.parsed
+    try:
+      req = self.engine.add_request(live.rid, p.prompt_token_ids, p.sampling,
+                                    priority=p.priority, client=p.client, **p.extra)
+    except Exception as e:          # refused by the engine: never accepted
+      live.push({"type": "refused", "exc": e})
+      self.metrics.refused("overloaded" if isinstance(e, OVERLOAD_ERRORS) else "bad_request")
+      self.metrics.release()
+      return
+    self._live[live.rid] = live
+    self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
+    live.push({"type": "accepted"})
+    if req.finished:                      # rejected at once (can never fit)
+      self._end(live, req)
+
+  def _stamp_queue_time(self, start_ms: float, outputs) -> None:
+    """Queue time (arrival -> start of the first iteration that scheduled
+    the request) for requests first seen running or emitting in this step."""
+    status = np.asarray(jax.device_get(self.engine.state.status))
+    news = {o.request_id for o in outputs}
+    for rid, live in self._live.items():
+      if live.queued_ms is not None:
+        continue
+      req = self.engine.requests[rid]
+      if rid in news or (req.slot >= 0 and status[req.slot] == rec.RUNNING):
+        live.queued_ms = start_ms - req.arrival_ms
+        self.metrics.queue_time.observe(max(live.queued_ms, 0.0) / 1e3)
+
+  def _abort(self, rid: str) -> None:
+    live = self._live.get(rid)
+    if live is None:                      # already ended
+      return
+    self.engine.abort(rid)
+    self._end(live, self.engine.requests[rid])
+
+  def _deliver(self, outputs) -> bool:
+    """Pushes each output's text to its client; True when a stop string
+    ended a request here (``Engine.finish``)."""
+    finished_here = False
+    for out in outputs:
+      live = self._live.get(out.request_id)
+      if live is None:
+        continue
+      req = self.engine.requests[out.request_id]
+      self.metrics.generation_tokens.inc(len(out.new_token_ids))
+      piece = live.detok.push_many(out.new_token_ids)
+      if out.finished:
+        piece += live.detok.flush()
+      # Like EOS and stop ids, stop strings count from min_tokens on.
+      stopped = self._append(live, piece, check=len(req.output_token_ids) >=
+                             live.parsed.sampling.min_tokens)
+      if stopped and not out.finished:
+        self.engine.finish(out.request_id, "stop")
+        finished_here = True
+      if stopped or out.finished:
+        self._end(live, req, stop_string=stopped)
+      else:
+        self._push_text(live, final=False)
+    return finished_here
+
+  def _append(self, live: _Live, piece: str, check: bool) -> bool:
+    """Adds ``piece`` to the text; when ``check``, True if a stop string
+    ends in it (the text is then cut where the match starts)."""
+    stops = live.parsed.stop
+    if not piece:
+      return False
+    start = max(0, len(live.text) - max((len(s) for s in stops), default=0) + 1)
+    live.text += piece
+    if not check:
+      return False
+    hits = [i for i in (live.text.find(s, start) for s in stops) if i >= 0]
+    if hits:
+      live.text = live.text[:min(hits)]
+      return True
+    return False
+
+  def _push_text(self, live: _Live, final: bool) -> None:
+    hold = 0 if final else max((len(s) for s in live.parsed.stop), default=1) - 1
+    upto = max(live.sent, len(live.text) - hold)
+    if upto > live.sent:
+      live.push({"type": "delta", "text": live.text[live.sent:upto]})
+      live.sent = upto
+
+  def _end(self, live: _Live, req, stop_string: bool = False) -> None:
+    self._push_text(live, final=True)
+    outcome, reason = req.outcome, req.finish_reason
+    finish = None
+    if outcome == "completed":   # OpenAI: "stop" (EOS, stop id or string) or "length"
+      finish = "length" if reason == "length" and not stop_string else "stop"
+    self.metrics.finished(self.engine, req, finish)
+    live.push({"type": "end", "outcome": outcome, "reason": reason, "finish_reason": finish,
+               "prompt_tokens": len(req.prompt_token_ids),
+               "completion_tokens": len(req.output_token_ids), "text": live.text})
+    del self._live[live.rid]
+    self.engine.evict(live.rid)
+    self.metrics.release()
+
+
+# ---------------------------------------------------------------- metrics
+class ServerMetrics:
+  """Prometheus metrics (own registry), vLLM's names where one exists.
+
+  Also the admission counter: ``admit`` reserves a live place or raises
+  ``Overloaded``; the engine thread calls ``release`` when a request ends.
+  """
+
+  def __init__(self, model_name: str, capacity: int):
+    self.capacity = capacity
+    self._lock = threading.Lock()
+    self.live = 0
+    r = self.registry = prom.CollectorRegistry()
+    L = ["model_name"]
+    hist = lambda name, doc: prom.Histogram(name, doc, L, registry=r,
+                                            buckets=_LATENCY_BUCKETS_S).labels(model_name)
+    self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (s).")
+    self.itl = hist("vllm:inter_token_latency_seconds", "Inter-token latency (s).")
+    self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                     "Time per output token after the first (s).")
+    self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency (s).")
+    self.queue_time = hist("vllm:request_queue_time_seconds",
+                           "Time from arrival to an engine slot (s).")
+    gauge = lambda name, doc: prom.Gauge(name, doc, L, registry=r).labels(model_name)
+    self.running = gauge("vllm:num_requests_running", "Requests scheduled in the engine.")
+    self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+    self.suspended = gauge("vllm:num_requests_swapped",
+                           "Requests preempted and waiting to resume.")
+    self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV pages in use.")
+    count = lambda name, doc: prom.Counter(name, doc, L, registry=r).labels(model_name)
+    self.preemptions = count("vllm:num_preemptions", "Preemptions.")
+    self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of accepted requests.")
+    self.generation_tokens = count("vllm:generation_tokens", "Generated tokens.")
+    self._success = prom.Counter("vllm:request_success", "Completed requests by finish "
+                                 "reason.", L + ["finished_reason"], registry=r)
+    self._outcomes = prom.Counter("iterserve:requests", "Accepted requests by outcome.",
+                                  L + ["outcome"], registry=r)
+    self._refused = prom.Counter("iterserve:requests_refused", "Requests refused before "
+                                 "acceptance, by reason.", L + ["reason"], registry=r)
+    self._model = model_name
+    self._preemptions_seen = 0
+
+  def admit(self) -> None:
+    with self._lock:
+      if self.live >= self.capacity:
+        self.refused("overloaded")
+        raise Overloaded(f"the server holds {self.live} requests, its bound "
+                         f"(engine slots + --max_waiting = {self.capacity}); retry later")
+      self.live += 1
+
+  def release(self) -> None:
+    with self._lock:
+      self.live -= 1
+
+  def refused(self, reason: str) -> None:
+    self._refused.labels(self._model, reason).inc()
+
+  def outcome(self, outcome: str, finish: Optional[str]) -> None:
+    self._outcomes.labels(self._model, outcome).inc()
+    if outcome == "completed":
+      self._success.labels(self._model, finish).inc()
+
+  def finished(self, engine: Engine, req, finish: Optional[str]) -> None:
+    self.outcome(req.outcome, finish)
+    t = req.token_times_ms
+    if t:
+      self.ttft.observe((t[0] - req.arrival_ms) / 1e3)
+      for a, b in zip(t, t[1:]):
+        self.itl.observe((b - a) / 1e3)
+      if len(t) > 1:
+        self.tpot.observe((t[-1] - t[0]) / 1e3 / (len(t) - 1))
+    self.e2e.observe((engine.now_ms() - req.arrival_ms) / 1e3)
+
+  def observe_engine(self, engine: Engine, unslotted: int) -> None:
+    """Gauges from the engine after a step (engine thread only);
+    ``unslotted``: accepted requests not yet in an engine slot."""
+    status, generation, free = jax.device_get((engine.state.status,
+                                               engine.state.generation,
+                                               engine.pages.num_free))
+    waiting = status == rec.WAITING
+    self.running.set(int(np.sum(status == rec.RUNNING)))
+    self.suspended.set(int(np.sum(waiting & (generation > 0))))
+    self.waiting.set(int(np.sum(waiting & (generation == 0))) + unslotted)
+    self.kv_usage.set(1.0 - int(free) / (engine.config.num_pages - 1))
+    if engine.num_preemptions > self._preemptions_seen:
+      self.preemptions.inc(engine.num_preemptions - self._preemptions_seen)
+      self._preemptions_seen = engine.num_preemptions
+
+
+# -------------------------------------------------------------------- app
+def _sse(payload) -> bytes:
+  return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
+
+
+class OpenAIServer:
+  """The FastAPI app around an ``EngineLoop``.
+
+  Args:
+    engine: a fresh Engine (the loop thread owns it from ``start``).
+    tokenizer: the model's Tokenizer.
+    model_name: the name /v1/models lists and requests must use.
+    max_waiting: requests that may wait for an engine slot (>= 0); more
+      live requests than ``max_request_slots + max_waiting`` get HTTP 429.
+    default_max_tokens: max_tokens when the body has none (None: the rest of
+      the context, as vLLM).
+  """
+
+  def __init__(self, engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
+               default_max_tokens: Optional[int] = None):
+    if max_waiting < 0:
+      raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    self.engine = engine
+    self.tokenizer = tokenizer
+    self.model_name = model_name
+    self.max_model_len = engine.config.max_model_len
+    self.max_stop_ids = engine.config.max_stop_ids
+    self.default_max_tokens = default_max_tokens
+    self.metrics = ServerMetrics(model_name, engine.config.max_request_slots + max_waiting)
+    self.loop = EngineLoop(engine, tokenizer, self.metrics)
+    self._ids = itertools.count()
+    self._slo_fields = {"ttft_ms", "tbt_ms"} & set(
+        inspect.signature(engine.add_request).parameters)
+    self.created = int(time.time())
+    self.app = self._build_app()
+
+  # ------------------------------------------------------------- parsing
+  def parse(self, body: Any, chat: bool) -> ParsedRequest:
+    """Validates an OpenAI request body; raises BadRequest naming the field."""
+    if not isinstance(body, dict):
+      raise BadRequest("the request body must be a JSON object")
+    model = _get(body, "model", str, self.model_name)
+    if model != self.model_name:
+      raise UnknownModel(f"model {model!r} does not exist; this server serves "
+                         f"{self.model_name!r}", "model")
+    n = _get(body, "n", int, 1)
+    if n != 1:
+      raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
+    if chat:
+      ids = self._chat_prompt(body)
+    else:
+      ids = self._completion_prompt(body)
+    max_tokens = _get(body, "max_tokens", int, None)
+    if max_tokens is None:
+      max_tokens = _get(body, "max_completion_tokens", int, None)
+      field = "max_completion_tokens"
+    else:
+      field = "max_tokens"
+    if max_tokens is None:
+      max_tokens = self.default_max_tokens or self.max_model_len - len(ids)
+      max_tokens = min(max_tokens, self.max_model_len - len(ids))
+    if max_tokens < 1:
+      raise BadRequest(f"'{field}' must be >= 1, got {max_tokens}", field)
+    if len(ids) + max_tokens > self.max_model_len:
+      raise BadRequest(
+          f"This model's maximum context length is {self.max_model_len} tokens. However, "
+          f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
+          f"{'messages' if chat else 'prompt'}, {max_tokens} in the completion). Please "
+          f"reduce the length of the {'messages' if chat else 'prompt'} or completion.",
+          field if len(ids) < self.max_model_len else ("messages" if chat else "prompt"))
+    temperature = float(_get(body, "temperature", (int, float), 1.0, "a number"))
+    top_p = float(_get(body, "top_p", (int, float), 1.0, "a number"))
+    top_k = _get(body, "top_k", int, 0)
+    top_k = 0 if top_k == -1 else top_k            # vLLM spells "off" as -1
+    seed = _get(body, "seed", int, 0)
+    min_tokens = _get(body, "min_tokens", int, 0)
+    ignore_eos = _get(body, "ignore_eos", bool, False)
+    stop = _get(body, "stop", (str, list), [], "a string or a list of strings")
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+      raise BadRequest("'stop' must hold non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+      raise BadRequest(f"'stop' holds at most {MAX_STOP_STRINGS} strings of at most "
+                       f"{MAX_STOP_STRING_CHARS} characters", "stop")
+    stop_ids = _get(body, "stop_token_ids", list, [], "a list of token ids")
+    vocab = self.engine.model_cfg.vocab_size
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+               for t in stop_ids):
+      raise BadRequest(f"'stop_token_ids' must be token ids in [0, {vocab})",
+                       "stop_token_ids")
+    if len(stop_ids) > self.max_stop_ids:
+      raise BadRequest(f"'stop_token_ids' holds at most {self.max_stop_ids} ids, got "
+                       f"{len(stop_ids)}", "stop_token_ids")
+    try:
+      sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed, min_tokens=min_tokens,
+                                stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+    except ValueError as e:         # "SamplingParams.top_p must be in (0, 1], got 2.0"
+      field_name = str(e).split(" ", 1)[0].split(".")[-1]
+      raise BadRequest(f"'{field_name}' {str(e).split(' ', 1)[1]}", field_name) from None
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {}, "an object")
+    include_usage = _get(options, "include_usage", bool, False)
+    priority = _get(body, "priority", int, 0)
+    client = (_get(body, "client", str, None) or _get(body, "tenant", str, None)
+              or _get(body, "user", str, "default"))
+    extra = {}
+    for name in ("ttft_ms", "tbt_ms"):
+      value = _get(body, f"slo_{name}", (int, float), None, "a number of ms")
+      if value is None:
+        continue
+      if name not in self._slo_fields:
+        raise BadRequest(f"'slo_{name}' is not supported by this engine", f"slo_{name}")
+      if value <= 0:
+        raise BadRequest(f"'slo_{name}' must be > 0 ms, got {value}", f"slo_{name}")
+      extra[name] = float(value)
+    return ParsedRequest(ids, sampling, stop, stream, include_usage, priority, client, extra)
+
+  def _completion_prompt(self, body: dict) -> List[int]:
+    prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
+    if isinstance(prompt, list):
+      if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+      elif prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise BadRequest("'prompt' must be one prompt (batched prompts are not served)",
+                         "prompt")
+    if isinstance(prompt, str):
+      if not prompt:
+        raise BadRequest("'prompt' must be non-empty", "prompt")
+      return self.tokenizer.encode(prompt)
+    vocab = self.engine.model_cfg.vocab_size
+    if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and
+                             0 <= t < vocab for t in prompt):
+      raise BadRequest(f"'prompt' as token ids must be a non-empty list of ids in "
+                       f"[0, {vocab})", "prompt")
+    return list(prompt)
+
+  def _chat_prompt(self, body: dict) -> List[int]:
+    messages = _get(body, "messages", list, rule="a list of messages")
+    if not messages:
+      raise BadRequest("'messages' must hold at least one message", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+      if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRequest(f"'messages[{i}]' must be an object with a 'role' string",
+                         f"messages[{i}].role")
+      content = m.get("content")
+      if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
+        if not all(isinstance(c, dict) and c.get("type") == "text" and
+                   isinstance(c.get("text"), str) for c in content):
+          raise BadRequest(f"'messages[{i}].content' parts must be text parts",
+                           f"messages[{i}].content")
+        content = "".join(c["text"] for c in content)
+      if not isinstance(content, str):
+        raise BadRequest(f"'messages[{i}].content' must be a string (text content is "
+                         f"required)", f"messages[{i}].content")
+      clean.append({"role": m["role"], "content": content})
+    try:
+      text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+    except Exception as e:          # jinja2 raise_exception in the template
+      raise BadRequest(f"'messages' rejected by the chat template: {e}", "messages") from None
+    return self.tokenizer.encode(text, add_special_tokens=False)
+
+  # ---------------------------------------------------------------- app
+  def _build_app(self) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+      self.loop.start()
+      yield
+      self.loop.stop()
+
+    app = FastAPI(title="iterserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+      if not self.loop.alive:
+        return Response(status_code=503)
+      return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+      return {"object": "list", "data": [{
+          "id": self.model_name, "object": "model", "created": self.created,
+          "owned_by": "iterserve", "max_model_len": self.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+      return Response(prom.generate_latest(self.metrics.registry),
+                      media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+      return await self._serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest):
+      return await self._serve(request, chat=True)
+
+    return app
+
+  async def _serve(self, request: HttpRequest, chat: bool):
+    try:
+      try:
+        body = json.loads(await request.body())
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+      parsed = self.parse(body, chat)
+      if not self.loop.alive:
+        raise RuntimeError("the engine thread has stopped")
+      self.metrics.admit()
+    except BadRequest as e:
+      self.metrics.refused("bad_request")
+      return _error_response(e)
+    except Exception as e:
+      return _error_response(e)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+    events: asyncio.Queue = asyncio.Queue()
+    live = _Live(rid, parsed, self.tokenizer.detokenizer(skip_special_tokens=True), events,
+                 asyncio.get_running_loop())
+    self.loop.add(live)
+    first = await events.get()
+    if first["type"] == "refused":
+      return _error_response(first["exc"])
+    if first["type"] == "error":
+      return _error_response(RuntimeError(first["error"]))
+    if parsed.stream:
+      return StreamingResponse(self._stream(rid, parsed, events, chat),
+                               media_type="text/event-stream")
+    return await self._complete(request, rid, events, chat)
+
+  def _head(self, rid: str, chat: bool, chunk: bool) -> dict:
+    kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+  @staticmethod
+  def _usage(end: dict) -> dict:
+    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": end["completion_tokens"],
+            "total_tokens": end["prompt_tokens"] + end["completion_tokens"]}
+
+  async def _complete(self, request: HttpRequest, rid: str, events: asyncio.Queue, chat: bool):
+    checked = time.monotonic()
+    while True:
+      try:
+        event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+      except asyncio.TimeoutError:
+        event = None
+      if time.monotonic() - checked >= _DISCONNECT_POLL_S:
+        checked = time.monotonic()
+        if await request.is_disconnected():      # abort at the next boundary
+          self.loop.abort(rid)
+          return Response(status_code=499)
+      if event is None:
+        continue
+      if event["type"] == "error":
+        return _error_response(RuntimeError(event["error"]))
+      if event["type"] == "end":
+        break
+    if event["outcome"] != "completed":     # rejected: can never fit the KV cache
+      kind = BadRequest if event["outcome"] == "rejected" else RuntimeError
+      return _error_response(kind(f"request {event['outcome']}: {event['reason']}"))
+    choice = ({"index": 0, "message": {"role": "assistant", "content": event["text"]},
+               "logprobs": None, "finish_reason": event["finish_reason"]} if chat else
+              {"index": 0, "text": event["text"], "logprobs": None,
+               "finish_reason": event["finish_reason"]})
+    return {**self._head(rid, chat, False), "choices": [choice], "usage": self._usage(event)}
+
+  async def _stream(self, rid: str, parsed: ParsedRequest, events: asyncio.Queue, chat: bool):
+    ended = False
+    try:
+      head = self._head(rid, chat, True)
+      if chat:
+        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                         "logprobs": None, "finish_reason": None}]})
+      while True:
+        event = await events.get()
+        if event["type"] == "error":
+          ended = True
+          yield _sse({"error": {"message": event["error"], "type": "server_error",
+                                "param": None, "code": None}})
+          break
+        if event["type"] == "delta":
+          delta = {"content": event["text"]} if chat else None
+          choice = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                    if chat else {"index": 0, "text": event["text"], "logprobs": None,
+                                  "finish_reason": None})
+          yield _sse({**head, "choices": [choice]})
+          continue
+        ended = True                       # "end"
+        if event["outcome"] != "completed":
+          yield _sse({"error": {"message": f"request {event['outcome']}: {event['reason']}",
+                                "type": "server_error", "param": None, "code": None}})
+          break
+        choice = ({"index": 0, "delta": {}, "logprobs": None,
+                   "finish_reason": event["finish_reason"]} if chat else
+                  {"index": 0, "text": "", "logprobs": None,
+                   "finish_reason": event["finish_reason"]})
+        yield _sse({**head, "choices": [choice], "usage": self._usage(event)})
+        if parsed.include_usage:
+          yield _sse({**head, "choices": [], "usage": self._usage(event)})
+        break
+      yield _sse("[DONE]")
+    finally:
+      if not ended:                        # client gone: abort at the next boundary
+        self.loop.abort(rid)
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+  """Runs ``app`` under uvicorn in a daemon thread (tests, benchmarks).
+
+  Returns:
+    ``(server, thread, port)``: ``server.should_exit = True`` and
+    ``thread.join()`` stop it; ``port`` is the bound port (0 picks a free one).
+  """
+  sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, port))
+  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not server.started:
+    if not thread.is_alive() or time.monotonic() > deadline:
+      raise RuntimeError("uvicorn did not start")
+    time.sleep(0.01)
+  return server, thread, sock.getsockname()[1]

