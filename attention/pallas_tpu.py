@@ -204,7 +204,11 @@ def ragged_attention_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
     [T, n_q_heads, head_dim] in ``q.dtype``; rows in no slot are zeros.
 
   Raises:
-    ValueError: if ``block_kv`` is not a multiple of the page size.
+    ValueError: if ``block_kv`` is not a multiple of the page size, or, when
+      compiling for a TPU, if ``page_size`` is not a multiple of the K/V
+      dtype's sublane tile (8 rows of f32, 16 of bf16: each page lands at row
+      ``i * page_size`` of the VMEM buffer, which must be tile-aligned).
+      Interpret mode has no such rule (the tiny test model uses 4-row pages).
   """
   rows, start_pos, num_valid, seq = slots
   num_rows, num_q_heads, head_dim = q.shape
@@ -212,6 +216,10 @@ def ragged_attention_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   if block_kv % page_size:
     raise ValueError(f"block_kv={block_kv} must be a multiple of page_size="
                      f"{page_size}")
+  sublanes = 32 // k_pages.dtype.itemsize
+  if interpret is False and page_size % sublanes:
+    raise ValueError(f"page_size={page_size} must be a multiple of {sublanes} "
+                     f"for {k_pages.dtype} K/V pages on a TPU (VMEM tile rows)")
   group = num_q_heads // num_kv_heads
   num_slots = rows.shape[0]
   tile = -(-block_q * group // 8) * 8

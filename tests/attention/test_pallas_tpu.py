@@ -174,5 +174,14 @@ def test_kernel_lowers_to_mosaic_for_tpu_without_a_device(dtype):
   assert "ragged_paged_attention_tpu_bq16_bkv128" in module
 
 
+def test_tpu_compile_refuses_pages_below_the_sublane_tile():
+  args, _, _ = make_batch(SMALL_MIX, num_rows=28, max_seqs=5, page_size=8,
+                          dtype=jnp.bfloat16)
+  fn = jax.jit(functools.partial(ragged.ragged_paged_attention, sm_scale=0.125,
+                                 impl="pallas_tpu", interpret=False))
+  with pytest.raises(ValueError, match="page_size=8 must be a multiple of 16"):
+    export.export(fn, platforms=["tpu"])(*args)
+
+
 def test_auto_is_the_tpu_kernel_on_tpu():
   assert ragged.resolve_impl("auto", "tpu") == "pallas_tpu"
