@@ -181,7 +181,3 @@ def test_tpu_compile_refuses_pages_below_the_sublane_tile():
                                  impl="pallas_tpu", interpret=False))
   with pytest.raises(ValueError, match="page_size=8 must be a multiple of 16"):
     export.export(fn, platforms=["tpu"])(*args)
-
-
-def test_auto_is_the_tpu_kernel_on_tpu():
-  assert ragged.resolve_impl("auto", "tpu") == "pallas_tpu"
