@@ -40,8 +40,13 @@ Structure (the shape production TPU paged-attention kernels take):
   ``-inf``; V rows past ``kv_len`` are zeroed before P@V.
 
 Not done (the production kernels do more): the next slot's first block is
-not prefetched across grid steps, and decode rows take a ``block_q``-row
-slot each instead of several sequences sharing one query tile.
+not prefetched across grid steps; decode rows take a ``block_q``-row slot
+each instead of several sequences sharing one query tile; each page is
+copied once per KV head (a strided ``[page_size, head_dim]`` slice of the
+``[.., n_kv_heads, head_dim]`` HBM tiles) where copying all heads of a page
+at once and loading heads with strided VMEM reads needs fewer, larger DMAs.
+Mosaic's full compile (layout assignment, DMA legality) runs only on a TPU
+host and is unchecked here.
 
 Lowering without a device: ``jax.export(..., platforms=("tpu",))`` lowers
 this kernel on a CPU-only host (Mosaic serialises the kernel into the
