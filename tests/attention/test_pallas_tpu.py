@@ -52,8 +52,9 @@ def check(args, cu, num_live, races=False, **kw):
 
 # Shape families: CASES (T=64, S=16, page 16, GQA 9:3, head_dim 64, f32);
 # the VARIANTS; several key blocks per slot (block_kv=32: two pages a block,
-# both buffers in use); sliding window + soft cap. One case of each runs
-# with the race detector.
+# both buffers in use); sliding window + soft cap; the chunked-prefill and
+# invariance batches. One case of each runs with the race detector (whose
+# results must also equal the plain interpret mode's bitwise).
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case):
   args, cu, n = make_batch(CASES[case], num_rows=64, max_seqs=16)
@@ -93,7 +94,7 @@ def test_chunked_prefill_equals_full_prefill():
   """§0x09: chunks of 1, 5 and 12 rows give bitwise the full prompt's rows
   (key blocks of one page, so later rows walk several blocks)."""
   full_args, _, _ = make_batch([(9, 0, 12)], num_rows=16, max_seqs=3)
-  full = kernel(full_args, block_kv=16)[:12]
+  full = kernel(full_args, races=True, block_kv=16)[:12]
   for chunk in (1, 5, 12):
     rows = []
     for start in range(0, 12, chunk):
@@ -110,7 +111,7 @@ def test_batch_invariance_is_bitwise():
   others = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 200, 1)]
   for seq in [(11, 60, 19), (12, 130, 1)]:
     alone_args, _, _ = make_batch([seq], num_rows=24, max_seqs=1)
-    alone = kernel(alone_args)[:seq[2]]
+    alone = kernel(alone_args, races=True)[:seq[2]]
     for pos in (0, 4):
       mix = others[:pos] + [seq] + others[pos:]
       args, cu, _ = make_batch(mix, num_rows=48, max_seqs=5, seed=pos + 1)
