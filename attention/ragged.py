@@ -737,26 +737,22 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                     num_seqs, block_q=block_q, block_kv=block_kv,
                     chunk_rows=16, chunk_blocks=4, **kw)
   if impl == "pallas_tpu":
+    kernel = pallas_tpu
     if interpret is None:
       interpret = jax.default_backend() != "tpu"
-    num_slots = (q.shape[0] + min(kv_lens.shape[0], q.shape[0]) * (block_q - 1)
-                 ) // block_q
-    slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=q.shape[0],
-                        block_q=block_q, num_slots=num_slots)
-    return pallas_tpu.ragged_attention_slots(
-        q, k_pages, v_pages, kv_lens, page_table, slots, block_q=block_q,
-        block_kv=block_kv, interpret=interpret, **kw)
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  if not interpret:                # GPU dot tiles need >= 16 rows
-    group = q.shape[1] // k_pages.shape[2]
-    block_q = max(block_q, 16 // (1 << (group - 1).bit_length()))
+  else:
+    kernel = pallas_ragged
+    if interpret is None:
+      interpret = jax.default_backend() == "cpu"
+    if not interpret:                # GPU dot tiles need >= 16 rows
+      group = q.shape[1] // k_pages.shape[2]
+      block_q = max(block_q, 16 // (1 << (group - 1).bit_length()))
   num_rows = q.shape[0]
   num_slots = (num_rows + min(kv_lens.shape[0], num_rows) * (block_q - 1)
                ) // block_q
   slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
                       block_q=block_q, num_slots=num_slots)
-  return pallas_ragged.ragged_attention_slots(
+  return kernel.ragged_attention_slots(
       q, k_pages, v_pages, kv_lens, page_table, slots, block_q=block_q,
       block_kv=block_kv, interpret=interpret, **kw)
 
