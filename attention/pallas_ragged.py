@@ -12,6 +12,17 @@ its sequence (block ``j`` = key positions ``[j * block_kv, (j + 1) *
 block_kv)``, gathered page by page through the page table) with a float32
 online softmax, stopping after the block that holds its last row. Empty
 slots and padding rows read nothing but their slot metadata.
+
+Mosaic GPU: for jax 0.10.2 the Pallas guide documents Mosaic GPU
+(``jax.experimental.pallas.mosaic_gpu``) as its GPU backend; this kernel
+uses the Triton lowering, which still works there. A port needs: the
+vector-indexed page gather (``k_ref[pages]``) replaced by per-page async
+copies from GMEM into double-buffered SMEM with barriers (the structure of
+the TPU kernel, ``attention/pallas_tpu.py``); query tiles of a warpgroup's
+64 rows (``block_q * group`` padded to 64) so scores and P@V run as WGMMA;
+bf16 operands for WGMMA (float32 K/V cast on load); the SMEM refs given
+the swizzle/tiling transforms WGMMA expects; the float32 online-softmax
+state kept in the accumulator's register layout.
 """
 
 from __future__ import annotations

@@ -32,10 +32,12 @@ Implementations (``impl=``):
                  CPU default.
 * ``"pallas"``   the Pallas kernel of ``attention/pallas_ragged.py``
                  (``interpret=True`` on CPU).
+* ``"pallas_tpu"`` the Mosaic TPU kernel of ``attention/pallas_tpu.py``
+                 (DMA'd K/V pages; TPU interpret mode off a TPU).
 * ``"gather"``   each row gathers its sequence's whole page list (memory heavy;
                  kept as a second jittable cross-check).
-* ``"auto"``     ``"pallas"`` on GPU, ``"blocked_dot"`` on CPU, ``"blocked"``
-                 on TPU (``resolve_impl``).
+* ``"auto"``     ``"pallas"`` on GPU, ``"blocked_dot"`` on CPU,
+                 ``"pallas_tpu"`` on TPU (``resolve_impl``).
 
 Numerics of ``"blocked"`` and ``"pallas"``: each query walks key blocks
 ``j = 0, 1, ...`` where block ``j`` covers key positions
@@ -55,11 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention import pallas_ragged
+from attention import pallas_tpu
 
 # "blocked_dot" loop sizes: decode rows / prefill slots per step (the dot's
 # batch, fixed so results do not depend on T), key blocks per decode step.
 _TUNE = dict(chunk_rows=16, chunk_blocks=4, unroll_rows=1)
-IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "gather")
+IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "pallas_tpu", "gather")
 
 
 # --------------------------------------------------------------------------
@@ -646,9 +649,8 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   """Maps ``"auto"`` to the implementation for ``backend`` (default: JAX's).
 
   ``"pallas"`` on GPU (the kernel lowers through Triton); ``"blocked_dot"``
-  on CPU (fastest correct path there, see docs/benchmarks.md); ``"blocked"``
-  on TPU (the kernel gathers pages with vector indices, which Mosaic TPU does
-  not lower).
+  on CPU (fastest correct path there, see docs/benchmarks.md);
+  ``"pallas_tpu"`` on TPU (the Mosaic kernel that DMAs K/V pages).
 
   Raises:
     ValueError: if ``impl`` is not one of ``IMPLS``.
@@ -660,7 +662,7 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   if backend in ("gpu", "cuda", "rocm"):
     return "pallas"
-  return "blocked_dot" if backend == "cpu" else "blocked"
+  return "blocked_dot" if backend == "cpu" else "pallas_tpu"
 
 
 @functools.partial(
@@ -694,7 +696,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
       128 rounded up to a multiple of ``page_size``). Results are bitwise
       reproducible for a fixed ``block_kv`` and ``page_size``.
     interpret: static, Pallas interpret mode (default: on when the backend is
-      CPU).
+      CPU; for "pallas_tpu", on off a TPU). "pallas_tpu" also takes a
+      ``pltpu.InterpretParams`` (e.g. ``detect_races=True``).
 
   Returns:
     [T, n_q_heads, head_dim] in ``q.dtype``; padding rows (at or beyond
@@ -733,17 +736,23 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,
                     chunk_rows=16, chunk_blocks=4, **kw)
-  if interpret is None:
-    interpret = jax.default_backend() == "cpu"
-  if not interpret:                # GPU dot tiles need >= 16 rows
-    group = q.shape[1] // k_pages.shape[2]
-    block_q = max(block_q, 16 // (1 << (group - 1).bit_length()))
+  if impl == "pallas_tpu":
+    kernel = pallas_tpu
+    if interpret is None:
+      interpret = jax.default_backend() != "tpu"
+  else:
+    kernel = pallas_ragged
+    if interpret is None:
+      interpret = jax.default_backend() == "cpu"
+    if not interpret:                # GPU dot tiles need >= 16 rows
+      group = q.shape[1] // k_pages.shape[2]
+      block_q = max(block_q, 16 // (1 << (group - 1).bit_length()))
   num_rows = q.shape[0]
   num_slots = (num_rows + min(kv_lens.shape[0], num_rows) * (block_q - 1)
                ) // block_q
   slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
                       block_q=block_q, num_slots=num_slots)
-  return pallas_ragged.ragged_attention_slots(
+  return kernel.ragged_attention_slots(
       q, k_pages, v_pages, kv_lens, page_table, slots, block_q=block_q,
       block_kv=block_kv, interpret=interpret, **kw)
 

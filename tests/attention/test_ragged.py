@@ -221,7 +221,7 @@ def test_blocked_dot_invariance_across_buckets_and_slot_counts(variant):
 
 def test_auto_is_blocked_dot_on_cpu():
   assert ragged.resolve_impl("auto", "cpu") == "blocked_dot"
-  assert ragged.resolve_impl("auto", "tpu") == "blocked"
+  assert ragged.resolve_impl("auto", "tpu") == "pallas_tpu"
   assert ragged.resolve_impl("auto", "gpu") == "pallas"
 
 

@@ -281,6 +281,16 @@ def test_pallas_kernel_path_gives_the_same_greedy_tokens(params):
   assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
 
 
+def test_tpu_kernel_path_gives_the_same_greedy_tokens(params):
+  # The Mosaic TPU kernel (TPU interpret mode on CPU: simulated DMAs of the
+  # K/V pages) against the default CPU path, through the whole engine.
+  prompts = _prompts([5, 17, 9], seed=21)
+  _, default = _run(params, BASE, prompts)
+  _, kernel = _run(params, dataclasses.replace(BASE, attention_impl="pallas_tpu"),
+                   prompts)
+  assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
+
+
 def test_fresh_engine_reuses_compiled_programs(params):
   # Bucket 16 is first compiled on an engine's later step; a fresh engine
   # whose first step needs bucket 16 must not compile it again.
