@@ -55,6 +55,11 @@ def define_workload_flags() -> None:
   flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
                        "synthetic workload, 512 for traces.")
   flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.")
+  flags.DEFINE_float("slo_ttft_ms", None, "Every request's TTFT SLO (ms, from arrival).")
+  flags.DEFINE_float("slo_tpot_ms", None, "Every request's TPOT/TBT SLO (ms between tokens).")
+  flags.DEFINE_string("slo_class", None, "Per-class SLOs NAME:TTFT_MS:TPOT_MS,...; a "
+                      "request whose client names a class takes it, the others cycle "
+                      "through the classes by arrival index.")
 
 
 def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
@@ -85,6 +90,24 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
   common = dict(max_prompt_len=min(prompt_clip, max_model_len - 1),
                 max_output_len=pick(FLAGS.max_output_len, 64, 512),
                 seed=FLAGS.seed, vocab_size=vocab_size)
+  return _with_flag_slos(_load_flag_workload(synthetic, common))
+
+
+def slo_flags_given() -> bool:
+  return (FLAGS.slo_ttft_ms is not None or FLAGS.slo_tpot_ms is not None
+          or FLAGS.slo_class is not None)
+
+
+def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
+  """Declares --slo_ttft_ms / --slo_tpot_ms / --slo_class on every request."""
+  if not slo_flags_given():
+    return workload
+  classes = workloads.parse_slo_classes(FLAGS.slo_class) if FLAGS.slo_class else ()
+  return workloads.with_slos(workload, ttft_ms=FLAGS.slo_ttft_ms,
+                             tpot_ms=FLAGS.slo_tpot_ms, classes=classes)
+
+
+def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
   if synthetic:
     return workloads.synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
   kind, _, path = FLAGS.trace.partition(":")
