@@ -119,6 +119,8 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "device": str(jax.devices()[0]),
       "platform": platform.platform(),
       "compiled_programs": engine.compiled_programs(),
+      "num_slots": engine.num_slots,
+      "max_queued_requests": c.max_queued_requests,
       "bucket_histogram": {str(k): v for k, v in sorted(engine.buckets_used.items())},
       "iterations": engine.num_iterations,
       "preemptions": engine.num_preemptions,
