@@ -7,10 +7,11 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``execute`` (one program per token-row bucket) -> IterationResult
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
-The set of compiled programs is fixed by the config: one planner, one
-publisher, one arrival writer, one release/cancel writer, and one executor per
-bucket in ``EngineConfig.token_buckets`` (``compiled_programs()`` reports
-what was actually compiled).
+The set of compiled programs is fixed by the config and the slot-table
+size: per size, one planner, one publisher, one arrival writer, one
+release/cancel writer, and one executor per bucket in
+``EngineConfig.token_buckets`` (``compiled_programs()`` reports what was
+actually compiled).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
@@ -19,6 +20,12 @@ the request is re-admitted, so it resumes exactly where it stopped. Either
 way the host keeps the request's §0x0C QueueRecord / PreemptionIntent /
 ReleaseResult / PreservationResult / ResumeTicket chain, bound by
 (request_id, generation, snapshot digest, suspension epoch).
+
+Every accepted, unfinished request holds a slot, so the policy decides over
+the whole queue: the slot table starts at ``max_request_slots`` and doubles
+when full (one compiled program set per size) up to
+``max_queued_requests``; past that bound ``add_request`` raises
+``QueueFull``.
 
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
