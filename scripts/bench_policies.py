@@ -83,7 +83,7 @@ def markdown(rows, num_offered, prefix=""):
 def run_policy(name, cfg, params, workload, num_clients):
   """Warm-up then replay on a fresh engine. Returns (table row, full report)."""
   engine = Engine(cfg, params, launch.engine_config(policy=name, num_clients=num_clients))
-  compile_s = launch.warmup(engine)
+  compile_s = launch.warmup(engine, len(workload))
   records, duration_s = replay(engine, workload)
   config = run_config(engine, FLAGS.model)
   config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}

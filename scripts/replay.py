@@ -42,7 +42,7 @@ def main(argv):
     workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
-  compile_s = launch.warmup(engine)
+  compile_s = launch.warmup(engine, len(workload))
   bar = tqdm(total=len(workload), unit="req", desc="replay")
 
   def progress(outputs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -181,23 +182,31 @@ def build_engine(**overrides):
   return Engine(cfg, params, engine_cfg), cfg, tokenizer
 
 
-def warmup(engine: Engine) -> dict:
-  """Compiles every token-row bucket once, on a throwaway engine with the
-  same configs (engines with equal configs share compiled programs).
+def warmup(engine: Engine, num_requests: int = 0) -> dict:
+  """Compiles every token-row bucket once, on throwaway engines with the
+  same configs (engines with equal configs share compiled programs), for
+  every slot-table size the engine can grow to while ``num_requests``
+  requests queue (so that no compile lands inside a measurement).
 
-  Returns {bucket: seconds} (compile + one tiny run; near zero when XLA's
-  persistent compilation cache already holds the programs).
+  Returns {bucket: seconds} summed over the sizes (compile + one tiny run;
+  near zero when XLA's persistent compilation cache already holds them).
   """
-  scratch = Engine(engine.model_cfg, engine.params, engine.config)
   c = engine.config
+  sizes, size = [c.max_request_slots], c.max_request_slots
+  while size < min(num_requests, c.max_queued_requests):
+    size = min(2 * size, c.max_queued_requests)
+    sizes.append(size)
   rng = np.random.default_rng(0)
   seconds = {}
-  for bucket in c.token_buckets:
-    t = time.perf_counter()
-    n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
-    scratch.add_request(f"warmup-{bucket}", rng.integers(20, 1000, size=n).tolist(),
-                        SamplingParams(max_tokens=2, ignore_eos=True))
-    scratch.run()
-    seconds[bucket] = round(time.perf_counter() - t, 2)
-  print(f"compiled token buckets (s): {seconds}")
+  for size in sizes:
+    scratch = Engine(engine.model_cfg, engine.params,
+                     dataclasses.replace(c, max_request_slots=size))
+    for bucket in c.token_buckets:
+      t = time.perf_counter()
+      n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
+      scratch.add_request(f"warmup-{size}-{bucket}", rng.integers(20, 1000, size=n).tolist(),
+                          SamplingParams(max_tokens=2, ignore_eos=True))
+      scratch.run()
+      seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)
+  print(f"compiled token buckets (s): {seconds} for slot tables {sizes}")
   return seconds
