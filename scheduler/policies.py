@@ -11,8 +11,9 @@ Implemented here:
   rows first, then ongoing partial prefills with ``c = min(remaining,
   chunk_cap, tau - n_t)``, then new admissions in FCFS order, under a token
   budget ``tau`` and a separate sequence budget (§0x05). Under KV pressure a
-  decode row that cannot get a page preempts the tail of the running order
-  (lowest priority, latest arrival) for recompute (§0x0C, §0x0D).
+  decode row that cannot get a page preempts the latest (priority, arrival)
+  running request for recompute (``victim_rank``, §0x0C, §0x0D). It runs on
+  the shared ledger below, as every policy of the library does.
 
 The rest of the library lives in ``policy_orca`` (``orca``),
 ``policy_sarathi`` (``sarathi``), ``policy_vllm`` (``vllm_v1``),
@@ -102,139 +103,20 @@ class SarathiServe:
 
   def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                alloc: rec.AllocatorView) -> rec.IterationPlan:
-    if manifest.hidden_realized_output_tokens is not None:
-      raise ValueError("policy input must be the online projection "
-                       "(manifest.online()): hidden truth present")
+    refuse_hidden_truth(manifest)
     return _sarathi_serve_plan(manifest, state, alloc, self)
 
 
 def _sarathi_serve_plan(manifest, state, alloc, policy):
-  b = policy.budgets
-  ps = alloc.page_size
-  num_slots = manifest.num_slots
+  # Phase rank leads the key, so one walk in key order offers running decode
+  # rows first, then ongoing partial prefills, then FCFS admissions with
+  # ``break`` (a waiting head that does not fit blocks younger ones); the
+  # shared ledger keeps tokens, sequences, pages and victims.
   keys = sort_keys(manifest, state)
   order = key_order(keys)
-  rank_of_phase = keys[:, 0]
-  target = rec.prefill_target(manifest, state)
-  held = alloc.pages_held
-  computed = state.computed
-
-  # Victim order for KV pressure: running slots, best first; the tail is the
-  # lowest priority / latest arrival.
-  running = state.status == rec.RUNNING
-  victim_keys = jnp.stack([jnp.where(running, 0, 1), manifest.priority,
-                           manifest.arrival_seq, manifest.request_id], axis=1)
-  victim_order = key_order(victim_keys)
-  num_running = jnp.sum(running).astype(jnp.int32)
-  position_in_running = jnp.zeros((num_slots,), jnp.int32).at[victim_order].set(
-      jnp.arange(num_slots, dtype=jnp.int32))
-
-  init = dict(
-      free=alloc.free_pages.astype(jnp.int32),
-      tail=num_running,  # victim positions >= tail are preempted
-      tok=jnp.int32(0), seq=jnp.int32(0),
-      selected=jnp.zeros((num_slots,), bool),
-      preempt=jnp.zeros((num_slots,), bool),
-      admit=jnp.zeros((num_slots,), bool),
-      end=computed,
-      alloc_now=jnp.zeros((num_slots,), jnp.int32),
-      blocked=jnp.bool_(False))
-
-  def take(c, s, end, need_pages):
-    c = dict(c)
-    c["selected"] = c["selected"].at[s].set(True)
-    c["end"] = c["end"].at[s].set(end)
-    c["alloc_now"] = c["alloc_now"].at[s].set(need_pages)
-    c["free"] = c["free"] - need_pages
-    c["tok"] = c["tok"] + (end - computed[s])
-    c["seq"] = c["seq"] + 1
-    return c
-
-  # 1. Running decode rows, with tail preemption when no page is left.
-  def decode_step(c, s):
-    is_decode = (rank_of_phase[s] == 0) & ~c["preempt"][s]
-    fits = (c["tok"] < b.token_budget) & (c["seq"] < b.seq_budget)
-    need = jnp.maximum(_ceil_div(computed[s] + 1, ps) - held[s], 0)
-    my_pos = position_in_running[s]
-
-    def evict(c):
-      def cond(c):
-        return (c["free"] < need) & (c["tail"] - 1 > my_pos)
-      def body(c):
-        c = dict(c)
-        victim = victim_order[c["tail"] - 1]
-        c["preempt"] = c["preempt"].at[victim].set(True)
-        c["free"] = c["free"] + held[victim]
-        c["tail"] = c["tail"] - 1
-        return c
-      c = jax.lax.while_loop(cond, body, c)
-      # Still short: preempt this request itself.
-      short = c["free"] < need
-      c = dict(c)
-      c["preempt"] = c["preempt"].at[s].set(short | c["preempt"][s])
-      c["free"] = c["free"] + jnp.where(short, held[s], 0)
-      c["tail"] = jnp.where(short, my_pos, c["tail"])
-      return jax.lax.cond(short, lambda c: c, lambda c: take(c, s, computed[s] + 1, need), c)
-
-    c = jax.lax.cond(is_decode & fits, evict, lambda c: c, c)
-    return c, None
-
-  # 2. Ongoing partial prefills (and rebuilds after preemption).
-  def partial_step(c, s):
-    is_partial = (rank_of_phase[s] == 1) & ~c["preempt"][s]
-    room = jnp.minimum(b.token_budget - c["tok"], b.chunk_cap)
-    by_pages = (held[s] + c["free"]) * ps - computed[s]
-    chunk = jnp.minimum(jnp.minimum(target[s] - computed[s], room), by_pages)
-    ok = is_partial & (chunk > 0) & (c["seq"] < b.seq_budget)
-    need = jnp.maximum(_ceil_div(computed[s] + chunk, ps) - held[s], 0)
-    c = jax.lax.cond(ok, lambda c: take(c, s, computed[s] + chunk, need),
-                     lambda c: c, c)
-    return c, None
-
-  c, _ = jax.lax.scan(decode_step, init, order)
-  c, _ = jax.lax.scan(partial_step, c, order)
-
-  # Pages the ongoing prefills still need to reach their target: admission
-  # must leave them free, or a half-prefilled request could never finish.
-  still_partial = (rank_of_phase == 1) & ~c["preempt"]
-  reserved = jnp.sum(jnp.where(
-      still_partial,
-      jnp.maximum(_ceil_div(target, ps) - held - c["alloc_now"], 0), 0))
-  live_after = jnp.sum(running & ~c["preempt"])
-  watermark = jnp.where(live_after > 0, b.watermark_pages, 0)
-
-  # 3. New admissions, FCFS with `break` (a head that does not fit blocks).
-  resume = work_facts(manifest, state)["resume"]
-
-  def admit_step(c, s):
-    is_waiting = rank_of_phase[s] == 2
-    room = jnp.minimum(b.token_budget - c["tok"], b.chunk_cap)
-    # A resumed decoder (KV prefix preserved) takes one decode row.
-    chunk = jnp.where(resume[s], jnp.minimum(room, 1),
-                      jnp.minimum(target[s] - computed[s], room))
-    need_total = _ceil_div(jnp.maximum(target[s], computed[s] + chunk), ps) - held[s]
-    fits = ((c["free"] - c["reserved"] - watermark >= need_total)
-            & (chunk > 0) & (c["seq"] < b.seq_budget))
-    go = is_waiting & (~c["blocked"] | resume[s]) & fits
-    c = dict(c)
-    c["blocked"] = c["blocked"] | (is_waiting & ~resume[s] & ~fits)
-    need = jnp.maximum(_ceil_div(computed[s] + chunk, ps) - held[s], 0)
-
-    def do(c):
-      c = take(c, s, computed[s] + chunk, need)
-      c["admit"] = c["admit"].at[s].set(True)
-      c["reserved"] = c["reserved"] + (need_total - need)
-      return c
-
-    return jax.lax.cond(go, do, lambda c: c, c), None
-
-  c["reserved"] = reserved
-  c, _ = jax.lax.scan(admit_step, c, order)
-
-  # Slots were taken in key order (phase rank leads the key), so the
-  # shared builder's order-derived ranks equal the order they were taken in.
-  return finish_plan(manifest, state, {"decode": rank_of_phase == 0, "resume": resume},
-                     c, keys, order, policy)
+  x, c = ledger(manifest, state, alloc, policy.budgets, order)
+  c = greedy_scan(x, c, order, fcfs_break=True)
+  return finish_plan(manifest, state, x, c, keys, order, policy)
 
 
 # ------------------------------------------------ shared policy helpers
@@ -286,6 +168,16 @@ def work_facts(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
               work=decode | partial | waiting | resume)
 
 
+def victim_rank(manifest: rec.WorkloadManifest):
+  """i32[R]: the recompute-victim key's rank, ``max(priority, arrival)``
+  first out: a larger rank is evicted before a smaller one, whatever the
+  policy's scheduling order (§0x0C, §0x0D). Among equal priorities the later
+  arrival always goes first, so an earlier arrival is never evicted while a
+  later one of the same priority keeps running."""
+  return inverse_permutation(key_order(jnp.stack(
+      [manifest.priority, manifest.arrival_seq, manifest.request_id], axis=1)))
+
+
 def inverse_permutation(order):
   """i32[R]: ``pos[order[i]] = i``."""
   n = order.shape[0]
@@ -298,10 +190,12 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
   """(ctx, carry) for ``try_running`` / ``try_admit`` / ``finish_plan``.
 
   Args:
-    order: i32[R], the policy's key order; running slots late in it are the
-      recompute-preemption victims of a decode row that finds no page.
+    order: i32[R], the policy's key order (the walk over the slots).
+      Recompute-preemption victims of a decode row that finds no page are
+      taken by ``victim_rank`` instead, the latest (priority, arrival)
+      first, whatever the policy's walk order.
     reserve_rows: i32[R] rows a live request is promised at admission
-      (default: its prefill target; ORCA: prompt + max_tokens). Pages for
+      (default: its prefill target; ORCA: prompt + max_tokens - 1). Pages for
       them are reserved until used, so later admissions cannot take them.
     chunk_cap: static rows one prefill-like interval may take (default
       ``budgets.chunk_cap``); ``whole_prefill`` requires the whole remaining
@@ -318,12 +212,18 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
                            reserve_rows)
   need_total = jnp.maximum(pages_for(reserve_rows, ps) - held, 0)
   own = jnp.where(f["running"], need_total, 0)
-  rank_in_order = inverse_permutation(order)
+  # Pages each running decode row needs for its next row: held back from
+  # admissions and prefill chunks walked before it, so that a policy whose
+  # walk puts prefill work first never makes an earlier decoder a victim.
+  decode_need = jnp.where(f["decode"], jnp.maximum(
+      pages_for(state.computed + 1, ps) - held, 0), 0)
   victim_order = key_order(jnp.stack(
-      [jnp.where(f["running"], 0, 1), rank_in_order], axis=1))
+      [jnp.where(f["running"], 0, 1), victim_rank(manifest)], axis=1))
   ctx = dict(f, held=held, ps=ps, own=own, need_total=need_total,
+             decode_need=decode_need,
              computed=state.computed, victim_order=victim_order,
-             pos=inverse_permutation(victim_order), budgets=budgets,
+             pos=inverse_permutation(victim_order), vrank=victim_rank(manifest),
+             budgets=budgets,
              chunk_cap=budgets.chunk_cap if chunk_cap is None else chunk_cap,
              whole_prefill=whole_prefill, max_prefills=max_prefills)
   num_slots = manifest.num_slots
@@ -332,6 +232,7 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
       tok=jnp.int32(0), seq=jnp.int32(0), prefills=jnp.int32(0),
       tail=jnp.sum(f["running"]).astype(jnp.int32),
       live=jnp.any(f["running"]), blocked=jnp.bool_(False),
+      evicted_best=jnp.int32(INT32_MAX), decode_need=jnp.sum(decode_need),
       selected=jnp.zeros((num_slots,), bool), admit=jnp.zeros((num_slots,), bool),
       preempt=jnp.zeros((num_slots,), bool), end=state.computed,
       alloc_now=jnp.zeros((num_slots,), jnp.int32))
@@ -347,6 +248,7 @@ def _take(x, c, s, end, need):
   c["tok"] = c["tok"] + (end - x["computed"][s])
   c["seq"] = c["seq"] + 1
   c["prefills"] = c["prefills"] + (~(x["decode"][s] | x["resume"][s])).astype(jnp.int32)
+  c["decode_need"] = c["decode_need"] - x["decode_need"][s]
   return c
 
 
@@ -356,6 +258,9 @@ def preempt_slot(x, c, v):
   c["preempt"] = c["preempt"].at[v].set(True)
   c["free"] = c["free"] + x["held"][v]
   c["reserved"] = c["reserved"] - x["own"][v]
+  c["evicted_best"] = jnp.minimum(c["evicted_best"], x["vrank"][v])
+  c["decode_need"] = c["decode_need"] - jnp.where(c["selected"][v], 0,
+                                                  x["decode_need"][v])
   return c
 
 
@@ -382,7 +287,7 @@ def try_running(x, c, s, preempt_victims=True):
   """
   b = x["budgets"]
   live = ~c["preempt"][s] & ~c["selected"][s]
-  avail = c["free"] - (c["reserved"] - x["own"][s])
+  avail = c["free"] - (c["reserved"] - x["own"][s]) - c["decode_need"]
   held, comp = x["held"][s], x["computed"][s]
 
   def decode(c):
@@ -450,8 +355,14 @@ def admission_fits(x, c, s):
   width = admission_width(x, s, b.token_budget - c["tok"])
   slot_ok = jnp.where(resume, c["seq"] < b.seq_budget, _prefill_room(x, c))
   watermark = jnp.where(c["live"], b.watermark_pages, 0)
-  pages_ok = x["need_total"][s] <= c["free"] - c["reserved"] - watermark
-  return (x["waiting"][s] | resume) & (width > 0) & slot_ok & pages_ok, width
+  pages_ok = (x["need_total"][s]
+              <= c["free"] - c["reserved"] - c["decode_need"] - watermark)
+  # Never admit a request that ranks after one this plan evicted: the
+  # victim rule would have evicted it first (no thrash of an earlier
+  # arrival in favour of a later one).
+  not_behind_victim = x["vrank"][s] < c["evicted_best"]
+  return ((x["waiting"][s] | resume) & (width > 0) & slot_ok & pages_ok
+          & not_behind_victim, width)
 
 
 def admit(x, c, s, width):

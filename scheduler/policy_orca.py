@@ -1,8 +1,9 @@
 """ORCA Algorithm 1: iteration-level FCFS with max-token reservation (§0x03).
 
 Every request with legal work is offered in arrival order. A request that
-has not started (INITIATION) reserves ``prompt + max_tokens`` rows (as
-pages) when it is selected; if that reservation, its whole prompt (ORCA does
+has not started (INITIATION) reserves the KV rows of its whole trajectory,
+``prompt + max_tokens - 1`` (``records.kv_rows``: the last output is never
+fed back), as pages when it is selected; if that reservation, its whole prompt (ORCA does
 not chunk) or the sequence budget (``max_bs``) does not fit, selection
 *breaks*: no younger request is admitted ahead of it. The reservation is
 released when the request finishes (it is derived from the running set, so
@@ -43,8 +44,9 @@ class Orca(base.PolicyBase):
     return base.identity_keys(manifest, state, base.work_rank(manifest, state))
 
   def reserve_rows(self, manifest):
-    """i32[R]: rows reserved at initiation, prompt + max_tokens (ORCA)."""
-    return manifest.prompt_len + manifest.max_tokens
+    """i32[R]: rows reserved at initiation: the whole trajectory's KV rows,
+    ``prompt + max_tokens - 1`` (ORCA reserves max_tokens; ``kv_rows``)."""
+    return rec.kv_rows(manifest.prompt_len, manifest.max_tokens)
 
   def unschedulable(self, manifest, state, alloc):
     """bool[R]: live requests this policy can never select."""

@@ -316,6 +316,16 @@ def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
       hot_streak=jnp.int32(0))
 
 
+def kv_rows(prompt_len, max_tokens):
+  """KV rows a request writes at most: ``p + m - 1``.
+
+  Every prompt row is cached; of the ``m`` outputs only the first ``m - 1``
+  are fed back (the last sampled token ends the request unfed), so a
+  request never needs more rows than this. Works on ints and i32 arrays.
+  """
+  return prompt_len + max_tokens - 1
+
+
 def prefill_target(manifest: WorkloadManifest, state: SchedulerState):
   """i32[R]: where prefill-like work must stop.
 

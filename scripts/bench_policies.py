@@ -5,7 +5,9 @@
 
 The trace defaults to the VTC LMSYS trace beside the repository. Per policy:
 outcome counts, TTFT/TPOT p50/p99 (ms), the client service gap (VTC weights,
-`metrics.client_service_gap`), preemptions, duration and output tokens/s.
+`metrics.client_service_gap`), preemptions, duration and output tokens/s;
+with --slo_ttft_ms / --slo_tpot_ms / --slo_class also SLO-valid requests,
+offered and admitted attainment and request goodput (`metrics.goodput`).
 Writes a JSON (every policy's full report) and a markdown table. A policy
 that raises is recorded as failed with its traceback; the sweep goes on.
 """
@@ -36,12 +38,18 @@ FLAGS.set_default("trace", "vtc:" + str(Path(__file__).resolve().parents[2] /
 
 COLUMNS = ("policy", "completed", "rejected", "failed", "TTFT p50 ms", "TTFT p99 ms",
            "TPOT p50 ms", "TPOT p99 ms", "service gap", "gap pair", "preemptions",
-           "iterations", "duration s", "output tok/s")
+           "iterations", "duration s", "output tok/s", "SLO valid", "attain offered",
+           "attain admitted", "goodput req/s")
 
 
 def summarize(name, report, gap):
-  """One table row (None prints as n/a) from a build_report result and a ServiceGap."""
-  return {"policy": name, "completed": report["completed"], "rejected": report["rejected"],
+  """One table row (None prints as n/a) from a build_report result (with
+  ``goodput`` when SLOs were declared) and a ServiceGap."""
+  good = report.get("goodput") or {}
+  return {"policy": name, "slo_valid": good.get("valid"),
+          "offered_attainment": good.get("offered_attainment"),
+          "admitted_attainment": good.get("admitted_attainment"),
+          "request_goodput": good.get("request_goodput"), "completed": report["completed"], "rejected": report["rejected"],
           "failed": report["failed"], "ttft_p50_ms": report["median_ttft_ms"],
           "ttft_p99_ms": report["p99_ttft_ms"], "tpot_p50_ms": report["median_tpot_ms"],
           "tpot_p99_ms": report["p99_tpot_ms"], "service_gap": gap.gap,
@@ -65,7 +73,9 @@ def markdown(rows, num_offered, prefix=""):
                fmt(r["ttft_p50_ms"], 0), fmt(r["ttft_p99_ms"], 0), fmt(r["tpot_p50_ms"], 0),
                fmt(r["tpot_p99_ms"], 0), fmt(r["service_gap"], 0), pair or "-",
                r["preemptions"], r["iterations"], fmt(r["duration_s"]),
-               fmt(r["output_tok_per_s"])]
+               fmt(r["output_tok_per_s"]), fmt(r["slo_valid"]),
+               fmt(r["offered_attainment"], 2), fmt(r["admitted_attainment"], 2),
+               fmt(r["request_goodput"], 2)]
     lines.append("| " + " | ".join(map(str, cells)) + " |")
   return "\n".join(lines) + "\n"
 
@@ -73,11 +83,13 @@ def markdown(rows, num_offered, prefix=""):
 def run_policy(name, cfg, params, workload, num_clients):
   """Warm-up then replay on a fresh engine. Returns (table row, full report)."""
   engine = Engine(cfg, params, launch.engine_config(policy=name, num_clients=num_clients))
-  compile_s = launch.warmup(engine)
+  compile_s = launch.warmup(engine, len(workload))
   records, duration_s = replay(engine, workload)
   config = run_config(engine, FLAGS.model)
   config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  if launch.slo_flags_given():
+    report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
   gap = metrics.client_service_gap(records)
   return summarize(name, report, gap), report
 

@@ -4,7 +4,13 @@
   python scripts/replay.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,60 --time_scale=4
 
-Prints a table and writes a report JSON (vLLM benchmark key names).
+  python scripts/replay.py --policy=least_slack --slo_ttft_ms=2000 --slo_tpot_ms=200
+
+Prints a table and writes a report JSON (vLLM benchmark key names). With
+--slo_ttft_ms / --slo_tpot_ms / --slo_class every request declares SLOs and
+the report adds ``goodput``: SLO-valid requests and the offered, admitted
+and completion-conditioned attainments. Per request the report lists its
+preemptions and recomputed tokens.
 """
 
 import os
@@ -36,7 +42,7 @@ def main(argv):
     workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
-  compile_s = launch.warmup(engine)
+  compile_s = launch.warmup(engine, len(workload))
   bar = tqdm(total=len(workload), unit="req", desc="replay")
 
   def progress(outputs):
@@ -49,7 +55,15 @@ def main(argv):
   config["workload"] = workload.describe()
   config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  if launch.slo_flags_given():           # each request judged by its own SLOs
+    report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
   print(metrics.format_table(report))
+  if "goodput" in report:
+    g = report["goodput"]
+    print(f"goodput: {g['valid']}/{g['offered']} SLO-valid, {g['request_goodput']:.2f} "
+          f"req/s; attainment offered {g['offered_attainment']}, admitted "
+          f"{g['admitted_attainment']}, completion-conditioned "
+          f"{g['completion_conditioned_attainment']}")
   metrics.write_report(FLAGS.out, report)
   print(f"report: {FLAGS.out}")
 

@@ -66,8 +66,12 @@ class EngineConfig:
     max_num_seqs: sequence budget per iteration (S).
     max_num_batched_tokens: token budget per iteration (tau).
     long_prefill_token_threshold: per-request prefill chunk cap.
-    max_request_slots: requests held by the scheduler at once (R >= S);
-      later arrivals wait on the host queue.
+    max_request_slots: initial size R (>= S) of the scheduler's slot table.
+      Every accepted, unfinished request holds a slot, so the policy sees
+      the whole queue; the table doubles when full (one compiled program
+      set per size) up to ``max_queued_requests``.
+    max_queued_requests: bound on accepted, unfinished requests; past it
+      ``Engine.add_request`` raises ``QueueFull`` (a server's HTTP 429).
     page_size: token rows per KV page.
     num_pages: physical KV pages, including the reserved null page.
     max_model_len: longest prompt + output (tokens).
@@ -96,6 +100,7 @@ class EngineConfig:
   max_num_batched_tokens: int = 256
   long_prefill_token_threshold: int = 256
   max_request_slots: int = 64
+  max_queued_requests: int = 4096
   page_size: int = 16
   num_pages: int = 2048
   max_model_len: int = 2048
@@ -119,6 +124,10 @@ class EngineConfig:
       _require(getattr(self, f) >= 1, c, f, "must be >= 1", getattr(self, f))
     _require(self.max_request_slots >= self.max_num_seqs, c, "max_request_slots",
              f"must be >= max_num_seqs ({self.max_num_seqs})", self.max_request_slots)
+    _require(self.max_queued_requests >= self.max_request_slots, c,
+             "max_queued_requests",
+             f"must be >= max_request_slots ({self.max_request_slots})",
+             self.max_queued_requests)
     _require(self.max_num_batched_tokens >= self.max_num_seqs, c,
              "max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})",
              self.max_num_batched_tokens)

@@ -7,10 +7,11 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``execute`` (one program per token-row bucket) -> IterationResult
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
-The set of compiled programs is fixed by the config: one planner, one
-publisher, one arrival writer, one release/cancel writer, and one executor per
-bucket in ``EngineConfig.token_buckets`` (``compiled_programs()`` reports
-what was actually compiled).
+The set of compiled programs is fixed by the config and the slot-table
+size: per size, one planner, one publisher, one arrival writer, one
+release/cancel writer, and one executor per bucket in
+``EngineConfig.token_buckets`` (``compiled_programs()`` reports what was
+actually compiled).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
@@ -19,6 +20,12 @@ the request is re-admitted, so it resumes exactly where it stopped. Either
 way the host keeps the request's §0x0C QueueRecord / PreemptionIntent /
 ReleaseResult / PreservationResult / ResumeTicket chain, bound by
 (request_id, generation, snapshot digest, suspension epoch).
+
+Every accepted, unfinished request holds a slot, so the policy decides over
+the whole queue: the slot table starts at ``max_request_slots`` and doubles
+when full (one compiled program set per size) up to
+``max_queued_requests``; past that bound ``add_request`` raises
+``QueueFull``.
 
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
@@ -42,6 +49,7 @@ import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,9 +74,58 @@ OUTCOMES = ("completed", "rejected", "cancelled", "failed")
 DEVICE_REBASE_MS = float(2**20)
 
 
+class QueueFull(Exception):
+  """``add_request`` refused: ``EngineConfig.max_queued_requests`` accepted
+  requests are unfinished. Nothing was recorded; the caller may retry once
+  requests finish (a server answers HTTP 429)."""
+
+  def __init__(self, request_id: str, limit: int):
+    super().__init__(f"request {request_id!r} refused: {limit} accepted requests are "
+                     f"unfinished (EngineConfig.max_queued_requests={limit}); retry "
+                     f"after some finish")
+    self.request_id, self.limit = request_id, limit
+
+
+@flax.struct.dataclass
+class Arrival:
+  """One request's declaration as the ``arrive`` program writes it into a
+  slot: the manifest fields (``scheduler.apply.arrive``) and the executor's
+  per-slot sampling buffers (``serving.executor.RequestBuffers``).
+
+  Attributes:
+    request_id, arrival_seq: i32[], engine uid (both; arrival order = uid).
+    arrival_ms: f32[], original arrival on the engine clock (ms).
+    prompt_len, max_tokens, priority, client: i32[].
+    ttft_ms, tbt_ms: f32[], declared SLO limits (ms; +inf = none).
+    temperature, top_p: f32[]; top_k, min_tokens: i32[]; seed: u32[];
+    ignore_eos: bool[] (``SamplingParams``).
+    prompt: i32[max_model_len], prompt tokens, zero-padded.
+    stop_ids: i32[max_stop_ids], stop token ids, -1-padded (unused entries).
+  """
+
+  request_id: np.ndarray
+  arrival_seq: np.ndarray
+  arrival_ms: np.ndarray
+  prompt_len: np.ndarray
+  max_tokens: np.ndarray
+  priority: np.ndarray
+  client: np.ndarray
+  ttft_ms: np.ndarray
+  tbt_ms: np.ndarray
+  temperature: np.ndarray
+  top_k: np.ndarray
+  top_p: np.ndarray
+  seed: np.ndarray
+  min_tokens: np.ndarray
+  ignore_eos: np.ndarray
+  prompt: np.ndarray
+  stop_ids: np.ndarray
+
+
 @dataclasses.dataclass
 class Request:
-  """Host-side record of one request (ids, clocks in ms, outputs)."""
+  """Host-side record of one request (ids, clocks in ms, SLO limits in ms
+  with +inf for none, outputs)."""
 
   request_id: str
   uid: int
@@ -81,6 +138,8 @@ class Request:
   token_times_ms: List[float] = dataclasses.field(default_factory=list)
   outcome: Optional[str] = None
   finish_reason: str = ""
+  slo_ttft_ms: float = float("inf")
+  slo_tpot_ms: float = float("inf")
   num_preemptions: int = 0
   recompute_tokens: int = 0
   slot: int = -1
@@ -122,20 +181,18 @@ class Engine:
     c = config
     dtype = jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
     self.kv = llama.init_kv_cache(model_cfg, c.num_pages, c.page_size, dtype)
-    self.pages = kv_pages.init_pages(c.max_request_slots, c.pages_per_seq,
-                                     c.num_pages, c.page_size)
-    self.buffers = init_buffers(c.max_request_slots, c.max_model_len, c.max_stop_ids)
-    self.manifest = rec.empty_manifest(c.max_request_slots)
-    self.state = rec.initial_state(c.max_request_slots, c.num_clients)
     # Commit the initial pytrees to the device, as every later (jit-output)
     # version is: a fresh engine's first step then reuses the programs that
     # an engine with equal configs compiled, instead of compiling again for
     # uncommitted inputs.
-    device = jax.devices()[0]
-    (self.kv, self.pages, self.buffers, self.manifest, self.state) = jax.device_put(
-        (self.kv, self.pages, self.buffers, self.manifest, self.state), device)
+    self.kv = jax.device_put(self.kv, jax.devices()[0])
+    (self.pages, self.buffers, self.manifest, self.state) = _slot_tables(
+        c, c.max_request_slots)
     self._slots: List[Optional[Request]] = [None] * c.max_request_slots
-    self._pending: List[Request] = []      # accepted, not yet in a slot
+    # Accepted since the last step; the next step moves every one of them
+    # into a slot (the slot table grows as needed), so the policy sees the
+    # whole queue: this list never decides an order.
+    self._pending: List[Request] = []
     self._requests: Dict[str, Request] = {}
     self._clients: Dict[str, int] = {}
     self._client_refs: Dict[str, int] = {}   # requests per client in _requests
@@ -153,6 +210,13 @@ class Engine:
     self._page_bytes = kv_swap.page_bytes(self.kv)
 
     self._programs = _programs(model_cfg, config)
+    self._program_sets = [self._programs]     # one per slot-table size used
+
+  @property
+  def num_slots(self) -> int:
+    """Current size R of the scheduler's slot table (grows by doubling from
+    ``max_request_slots`` up to ``max_queued_requests``)."""
+    return len(self._slots)
 
   # ------------------------------------------------------------------ host
   def now_ms(self) -> float:
@@ -181,11 +245,20 @@ class Engine:
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                   sampling: SamplingParams = SamplingParams(), *,
                   arrival_ms: Optional[float] = None, priority: int = 0,
-                  client: str = "default") -> Request:
+                  client: str = "default", slo_ttft_ms: Optional[float] = None,
+                  slo_tpot_ms: Optional[float] = None) -> Request:
     """Accepts a request, or raises ValueError naming the bad field.
 
     A request whose full length can never fit the KV cache is accepted and
-    ends at once with outcome ``rejected`` (the rest keep running).
+    ends at once with outcome ``rejected`` (the rest keep running). Every
+    other accepted request is visible to the policy from the next step on,
+    however many wait. Raises ``QueueFull`` (and records nothing) while
+    ``EngineConfig.max_queued_requests`` accepted requests are unfinished.
+
+    ``slo_ttft_ms`` (first token, from original arrival) and ``slo_tpot_ms``
+    (each later token, from the previous one: the TBT limit) are the
+    request's declared SLOs (§0x07), None for none; SLO-aware policies
+    (``least_slack``) order by the deadlines they give.
     """
     c = self.config
     ids = [int(t) for t in prompt_token_ids]
@@ -207,6 +280,12 @@ class Engine:
     if len(sampling.stop_token_ids) > c.max_stop_ids:
       raise ValueError(f"request {request_id!r}: stop_token_ids holds at most "
                        f"{c.max_stop_ids} ids, got {len(sampling.stop_token_ids)}")
+    for name, limit in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+      if limit is not None and not limit > 0:
+        raise ValueError(f"request {request_id!r}: {name} must be > 0 ms (None for "
+                         f"no objective), got {limit!r}")
+    if self._num_unfinished() >= c.max_queued_requests:
+      raise QueueFull(request_id, c.max_queued_requests)
     if client not in self._clients:
       if len(self._clients) >= c.num_clients:
         raise ValueError(f"client {client!r}: at most {c.num_clients} clients "
@@ -217,14 +296,18 @@ class Engine:
     self._client_refs[client] = self._client_refs.get(client, 0) + 1
     req = Request(request_id=request_id, uid=self._next_uid, prompt_token_ids=ids,
                   sampling=sampling, priority=int(priority), client=client,
+                  slo_ttft_ms=float("inf") if slo_ttft_ms is None else float(slo_ttft_ms),
+                  slo_tpot_ms=float("inf") if slo_tpot_ms is None else float(slo_tpot_ms),
                   arrival_ms=self.now_ms() if arrival_ms is None else float(arrival_ms))
     self._next_uid += 1
     self._requests[request_id] = req
-    total = min(len(ids) + sampling.max_tokens, c.max_model_len)
-    need = kv_pages.pages_for(total, c.page_size)
+    # KV rows written at most: p + m - 1 (the last output is never fed
+    # back), and never past the context (rows [0, max_model_len - 1)).
+    rows = min(rec.kv_rows(len(ids), sampling.max_tokens), c.max_model_len - 1)
+    need = kv_pages.pages_for(rows, c.page_size)
     if need > c.num_pages - 1:
-      self._end(req, "rejected", f"needs {need} KV pages for {total} tokens; the "
-                f"cache has {c.num_pages - 1}")
+      self._end(req, "rejected", f"needs {need} KV pages for {rows} KV rows "
+                f"(prompt + max_tokens - 1); the cache has {c.num_pages - 1}")
     else:
       self._pending.append(req)
     return req
@@ -240,7 +323,7 @@ class Engine:
       self._pending.remove(req)
       self._end(req, "cancelled", "abort")
       return
-    mask = np.zeros(self.config.max_request_slots, bool)
+    mask = np.zeros(self.num_slots, bool)
     mask[req.slot] = True
     self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
     self._slots[req.slot] = None
@@ -268,7 +351,7 @@ class Engine:
       if req in self._pending:
         self._pending.remove(req)
       else:
-        mask = np.zeros(self.config.max_request_slots, bool)
+        mask = np.zeros(self.num_slots, bool)
         mask[req.slot] = True
         self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
         self._slots[req.slot] = None
@@ -308,6 +391,9 @@ class Engine:
   def has_unfinished(self) -> bool:
     return bool(self._pending) or any(r is not None for r in self._slots)
 
+  def _num_unfinished(self) -> int:
+    return len(self._pending) + sum(r is not None for r in self._slots)
+
   @property
   def requests(self) -> Dict[str, Request]:
     return self._requests
@@ -320,27 +406,54 @@ class Engine:
       req.queue_record = pre.cancel(suspended.record)
 
   def _fill_slots(self) -> None:
-    """Moves pending requests (arrival order) into free slots."""
-    c = self.config
-    for slot in range(c.max_request_slots):
-      if not self._pending:
-        return
-      if self._slots[slot] is not None:
-        continue
-      req = self._pending.pop(0)
-      prompt = np.zeros(c.max_model_len, np.int32)
-      prompt[:len(req.prompt_token_ids)] = req.prompt_token_ids
-      stop = np.full(c.max_stop_ids, -1, np.int32)
-      stop[:len(req.sampling.stop_token_ids)] = req.sampling.stop_token_ids
-      s = req.sampling
-      fields = (req.uid, self._device_ms(req.arrival_ms), req.uid, len(req.prompt_token_ids),
-                s.max_tokens, req.priority, self._clients[req.client],
-                s.temperature, s.top_k, s.top_p, np.uint32(s.seed), s.min_tokens,
-                s.ignore_eos)
+    """Moves every request accepted since the last step into a free slot,
+    doubling the slot table when none is free (``_grow``). Which slot a
+    request gets decides nothing: policies order by recorded keys."""
+    free = [s for s, r in enumerate(self._slots) if r is None]
+    if len(free) < len(self._pending):
+      self._grow(self._num_unfinished())
+      free = [s for s, r in enumerate(self._slots) if r is None]
+    for slot, req in zip(free, self._pending):
       self.manifest, self.state, self.buffers = self._programs.arrive(
-          self.manifest, self.state, self.buffers, np.int32(slot), fields, prompt, stop)
+          self.manifest, self.state, self.buffers, np.int32(slot), self._arrival(req))
       req.slot = slot
       self._slots[slot] = req
+    self._pending = []
+
+  def _arrival(self, req: Request) -> Arrival:
+    c, s = self.config, req.sampling
+    prompt = np.zeros(c.max_model_len, np.int32)
+    prompt[:len(req.prompt_token_ids)] = req.prompt_token_ids
+    stop = np.full(c.max_stop_ids, -1, np.int32)
+    stop[:len(s.stop_token_ids)] = s.stop_token_ids
+    i32, f32 = np.int32, np.float32
+    return Arrival(
+        request_id=i32(req.uid), arrival_seq=i32(req.uid), arrival_ms=f32(self._device_ms(req.arrival_ms)),
+        prompt_len=i32(len(req.prompt_token_ids)), max_tokens=i32(s.max_tokens),
+        priority=i32(req.priority), client=i32(self._clients[req.client]),
+        ttft_ms=f32(req.slo_ttft_ms), tbt_ms=f32(req.slo_tpot_ms),
+        temperature=f32(s.temperature), top_k=i32(s.top_k), top_p=f32(s.top_p),
+        seed=np.uint32(s.seed), min_tokens=i32(s.min_tokens),
+        ignore_eos=np.bool_(s.ignore_eos), prompt=prompt, stop_ids=stop)
+
+  def _grow(self, num_requests: int) -> None:
+    """Doubles the slot table until it holds ``num_requests`` (at most
+    ``max_queued_requests``, which ``add_request`` enforces). Live slots
+    keep their rows; the programs of the new size compile once per size,
+    so an engine compiles at most log2(max_queued_requests /
+    max_request_slots) + 1 sets."""
+    c = self.config
+    size = self.num_slots
+    while size < num_requests:
+      size = min(2 * size, c.max_queued_requests)
+    old = (self.pages, self.buffers, self.manifest, self.state)
+    new = _slot_tables(c, size)
+    self.pages, self.buffers, self.manifest, self.state = jax.tree.map(
+        _keep_rows, new, old)
+    self._slots += [None] * (size - self.num_slots)
+    self._programs = _programs(self.model_cfg,
+                               dataclasses.replace(c, max_request_slots=size))
+    self._program_sets.append(self._programs)
 
   def step(self) -> List[RequestOutput]:
     """Runs one iteration; returns the news for every request it touched."""
@@ -371,7 +484,7 @@ class Engine:
       return []
     if self.record_plans:
       self._log_plan(plan)
-    preserved = np.zeros(self.config.max_request_slots, np.int32)
+    preserved = np.zeros(self.num_slots, np.int32)
     if any_preempt:
       preserved = self._suspend(preempt, plan.decision_id)
     for slot in np.flatnonzero(admit):
@@ -417,7 +530,7 @@ class Engine:
     computed, generation, held, table, decision_id = jax.device_get((
         self.state.computed, self.state.generation, self.pages.pages_held,
         self.pages.page_table, decision_id))
-    preserved = np.zeros(c.max_request_slots, np.int32)
+    preserved = np.zeros(self.num_slots, np.int32)
     for slot in np.flatnonzero(preempt):
       req = self._slots[slot]
       target = int(computed[slot])
@@ -486,7 +599,7 @@ class Engine:
     req.queue_record = pre.complete_resume(record, ticket)
 
   def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
-    outputs, release = [], np.zeros(self.config.max_request_slots, bool)
+    outputs, release = [], np.zeros(self.num_slots, bool)
     self.num_preemptions += int(preempt.sum())
     limit = self.config.max_preemptions_per_request
     thrashing = np.zeros_like(release)
@@ -544,12 +657,17 @@ class Engine:
     return self._programs.policy
 
   def compiled_programs(self) -> Dict[str, int]:
-    """Programs traced (and so compiled) per jitted function, shared by
-    engines with equal model and engine configs. ``execute`` is bounded by
+    """Programs traced (and so compiled) per jitted function, summed over
+    the slot-table sizes this engine used and shared by engines with equal
+    model and engine configs. Per size, ``execute`` is bounded by
     ``len(config.token_buckets)``; ``swap_out`` / ``swap_in`` (swap mode
     only) by the power-of-two page counts up to ``pages_per_seq``; the
     others by 1."""
-    return self._programs.cache_sizes()
+    total: Dict[str, int] = {}
+    for programs in self._program_sets:
+      for name, n in programs.cache_sizes().items():
+        total[name] = total.get(name, 0) + n
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,32 +694,45 @@ class _Programs:
 
 @dataclasses.dataclass(frozen=True)
 class _Executor:
+  """The programs that read no policy: the model step, slot writers, swap."""
+
   execute: Callable
+  arrive: Callable
+  release: Callable
+  gather: Callable
+  restore: Callable
   traces: Dict[str, int]
 
 
-# Config fields that only the policy reads: engines differing in these alone
-# share one compiled executor.
+# Config fields that only the policy (or the host) reads: engines differing
+# in these alone share one compiled executor and slot writers.
 _POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
                     watermark_pages=0, preemption_mode="recompute", swap_space_mb=0.0,
-                    force_preempt_every=0, max_preemptions_per_request=0)
+                    force_preempt_every=0, max_preemptions_per_request=0,
+                    max_queued_requests=1 << 30)
 
 
 def _shape_config(config: EngineConfig) -> EngineConfig:
   return dataclasses.replace(config, **_POLICY_ONLY)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
-  """The model step, compiled per token bucket, for one engine shape."""
+  """The model step (compiled per token bucket) and the policy-free slot
+  and swap programs, for one engine shape (shared by every policy)."""
   traces: Dict[str, int] = {}
   c = shape_config
   runner = ModelRunner(model_cfg, c.attention_impl)
+  jit = functools.partial(_counting_jit, traces=traces)
   return _Executor(
-      execute=_counting_jit("execute", functools.partial(
+      execute=jit("execute", functools.partial(
           execute, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
-          max_model_len=c.max_model_len), traces,
+          max_model_len=c.max_model_len),
           static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
+      arrive=jit("arrive", _arrive, donate_argnums=(2,)),
+      release=jit("release", _release),
+      gather=jit("swap_out", kv_swap.gather_pages),
+      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
       traces=traces)
 
 
@@ -636,18 +767,39 @@ def _publish(manifest, state, plan, result):
   return apply_lib.apply(manifest, state, plan, result), bad
 
 
-def _arrive(manifest, state, buffers, slot, fields, prompt, stop_ids):
-  manifest, state = apply_lib.arrive(manifest, state, slot, *fields[:7])
-  temperature, top_k, top_p, seed, min_tokens, ignore_eos = fields[7:]
-  set_ = lambda a, v: a.at[slot].set(jnp.asarray(v).astype(a.dtype))
+def _arrive(manifest, state, buffers, slot, arrival: Arrival):
+  a = arrival
+  manifest, state = apply_lib.arrive(
+      manifest, state, slot, request_id=a.request_id, arrival_ms=a.arrival_ms,
+      arrival_seq=a.arrival_seq, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
+      priority=a.priority, client=a.client, ttft_ms=a.ttft_ms, tbt_ms=a.tbt_ms)
+  set_ = lambda buf, v: buf.at[slot].set(jnp.asarray(v).astype(buf.dtype))
   buffers = buffers.replace(
-      tokens=buffers.tokens.at[slot].set(prompt),
-      temperature=set_(buffers.temperature, temperature),
-      top_k=set_(buffers.top_k, top_k), top_p=set_(buffers.top_p, top_p),
-      seed=set_(buffers.seed, seed), min_tokens=set_(buffers.min_tokens, min_tokens),
-      ignore_eos=set_(buffers.ignore_eos, ignore_eos),
-      stop_ids=buffers.stop_ids.at[slot].set(stop_ids))
+      tokens=buffers.tokens.at[slot].set(a.prompt),
+      temperature=set_(buffers.temperature, a.temperature),
+      top_k=set_(buffers.top_k, a.top_k), top_p=set_(buffers.top_p, a.top_p),
+      seed=set_(buffers.seed, a.seed), min_tokens=set_(buffers.min_tokens, a.min_tokens),
+      ignore_eos=set_(buffers.ignore_eos, a.ignore_eos),
+      stop_ids=buffers.stop_ids.at[slot].set(a.stop_ids))
   return manifest, state, buffers
+
+
+def _slot_tables(config: EngineConfig, num_slots: int):
+  """Fresh (pages, buffers, manifest, state) for ``num_slots`` slots, on
+  the device."""
+  c = config
+  tables = (kv_pages.init_pages(num_slots, c.pages_per_seq, c.num_pages, c.page_size),
+            init_buffers(num_slots, c.max_model_len, c.max_stop_ids),
+            rec.empty_manifest(num_slots), rec.initial_state(num_slots, c.num_clients))
+  return jax.device_put(tables, jax.devices()[0])
+
+
+def _keep_rows(new, old):
+  """A leaf of the grown slot table: ``old``'s rows over ``new``'s free ones
+  for per-slot arrays (leading axis R -> R'), ``old`` for the rest."""
+  if new.shape == old.shape:
+    return old
+  return new.at[:old.shape[0]].set(old)
 
 
 def _release(state, pages, cancel_mask, release_mask):
@@ -692,10 +844,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       plan=jit("plan", functools.partial(_plan, policy)),
       execute=executor.execute,
       publish=jit("publish", _publish),
-      arrive=jit("arrive", _arrive, donate_argnums=(2,)),
-      release=jit("release", _release),
-      gather=jit("swap_out", kv_swap.gather_pages),
-      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
+      arrive=executor.arrive, release=executor.release,
+      gather=executor.gather, restore=executor.restore,
       shift_clock=jit("shift_clock", _shift_clock),
       forget_client=jit("forget_client", _forget_client),
       traces=traces, executor_traces=executor.traces)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -55,6 +56,11 @@ def define_workload_flags() -> None:
   flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
                        "synthetic workload, 512 for traces.")
   flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.")
+  flags.DEFINE_float("slo_ttft_ms", None, "Every request's TTFT SLO (ms, from arrival).")
+  flags.DEFINE_float("slo_tpot_ms", None, "Every request's TPOT/TBT SLO (ms between tokens).")
+  flags.DEFINE_string("slo_class", None, "Per-class SLOs NAME:TTFT_MS:TPOT_MS,...; a "
+                      "request whose client names a class takes it, the others cycle "
+                      "through the classes by arrival index.")
 
 
 def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
@@ -85,6 +91,24 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
   common = dict(max_prompt_len=min(prompt_clip, max_model_len - 1),
                 max_output_len=pick(FLAGS.max_output_len, 64, 512),
                 seed=FLAGS.seed, vocab_size=vocab_size)
+  return _with_flag_slos(_load_flag_workload(synthetic, common))
+
+
+def slo_flags_given() -> bool:
+  return (FLAGS.slo_ttft_ms is not None or FLAGS.slo_tpot_ms is not None
+          or FLAGS.slo_class is not None)
+
+
+def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
+  """Declares --slo_ttft_ms / --slo_tpot_ms / --slo_class on every request."""
+  if not slo_flags_given():
+    return workload
+  classes = workloads.parse_slo_classes(FLAGS.slo_class) if FLAGS.slo_class else ()
+  return workloads.with_slos(workload, ttft_ms=FLAGS.slo_ttft_ms,
+                             tpot_ms=FLAGS.slo_tpot_ms, classes=classes)
+
+
+def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
   if synthetic:
     return workloads.synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
   kind, _, path = FLAGS.trace.partition(":")
@@ -158,23 +182,31 @@ def build_engine(**overrides):
   return Engine(cfg, params, engine_cfg), cfg, tokenizer
 
 
-def warmup(engine: Engine) -> dict:
-  """Compiles every token-row bucket once, on a throwaway engine with the
-  same configs (engines with equal configs share compiled programs).
+def warmup(engine: Engine, num_requests: int = 0) -> dict:
+  """Compiles every token-row bucket once, on throwaway engines with the
+  same configs (engines with equal configs share compiled programs), for
+  every slot-table size the engine can grow to while ``num_requests``
+  requests queue (so that no compile lands inside a measurement).
 
-  Returns {bucket: seconds} (compile + one tiny run; near zero when XLA's
-  persistent compilation cache already holds the programs).
+  Returns {bucket: seconds} summed over the sizes (compile + one tiny run;
+  near zero when XLA's persistent compilation cache already holds them).
   """
-  scratch = Engine(engine.model_cfg, engine.params, engine.config)
   c = engine.config
+  sizes, size = [c.max_request_slots], c.max_request_slots
+  while size < min(num_requests, c.max_queued_requests):
+    size = min(2 * size, c.max_queued_requests)
+    sizes.append(size)
   rng = np.random.default_rng(0)
   seconds = {}
-  for bucket in c.token_buckets:
-    t = time.perf_counter()
-    n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
-    scratch.add_request(f"warmup-{bucket}", rng.integers(20, 1000, size=n).tolist(),
-                        SamplingParams(max_tokens=2, ignore_eos=True))
-    scratch.run()
-    seconds[bucket] = round(time.perf_counter() - t, 2)
-  print(f"compiled token buckets (s): {seconds}")
+  for size in sizes:
+    scratch = Engine(engine.model_cfg, engine.params,
+                     dataclasses.replace(c, max_request_slots=size))
+    for bucket in c.token_buckets:
+      t = time.perf_counter()
+      n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
+      scratch.add_request(f"warmup-{size}-{bucket}", rng.integers(20, 1000, size=n).tolist(),
+                          SamplingParams(max_tokens=2, ignore_eos=True))
+      scratch.run()
+      seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)
+  print(f"compiled token buckets (s): {seconds} for slot tables {sizes}")
   return seconds

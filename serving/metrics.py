@@ -103,6 +103,9 @@ class RequestRecord:
       clipped: the workload cut this request's prompt.
       output_token_ids: int[output_tokens] the emitted token ids (empty when
         the producer did not record them); replays compare them bit for bit.
+      recompute_tokens: KV rows recomputed after its preemptions (tokens).
+      slo_ttft_ms, slo_tpot_ms: the request's declared SLO limits (ms), None
+        for none; ``goodput(per_request=True)`` judges it by them.
 
     Raises (on construction):
       ValueError: unknown outcome, inconsistent token times, or a completed
@@ -121,6 +124,9 @@ class RequestRecord:
     num_preemptions: int = 0
     clipped: bool = False
     output_token_ids: tuple[int, ...] = ()
+    recompute_tokens: int = 0
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))
@@ -296,8 +302,14 @@ def goodput(
     tpot_ms: float | None = None,
     e2el_ms: float | None = None,
     duration_s: float | None = None,
+    per_request: bool = False,
 ) -> dict:
     """Request-level SLO goodput and its three attainment denominators (§0x07).
+
+    With ``per_request=True`` each record is judged by its own
+    ``slo_ttft_ms`` / ``slo_tpot_ms`` (None: no limit), where given, instead
+    of the shared ``ttft_ms`` / ``tpot_ms``; a record without any limit
+    passes on completion.
 
     A request is SLO-valid when it completed and every given limit holds
     (metric <= limit, as vLLM's goodput): TTFT from original arrival, TPOT
@@ -316,8 +328,9 @@ def goodput(
     Raises:
       ValueError: no limit given, duration_s <= 0, duplicate request ids.
     """
-    if ttft_ms is None and tpot_ms is None and e2el_ms is None:
-        raise ValueError("goodput needs at least one of ttft_ms, tpot_ms, e2el_ms")
+    if ttft_ms is None and tpot_ms is None and e2el_ms is None and not per_request:
+        raise ValueError("goodput needs at least one of ttft_ms, tpot_ms, e2el_ms "
+                         "(or per_request=True)")
     records = list(records)
     counts = _check_partition(records, None)
 
@@ -330,9 +343,11 @@ def goodput(
     def valid(r: RequestRecord) -> bool:
         if r.outcome != "completed":
             return False
-        if ttft_ms is not None and not within(r.ttft_s, ttft_ms):
+        ttft = r.slo_ttft_ms if per_request and r.slo_ttft_ms is not None else ttft_ms
+        tpot = r.slo_tpot_ms if per_request and r.slo_tpot_ms is not None else tpot_ms
+        if ttft is not None and not within(r.ttft_s, ttft):
             return False
-        if tpot_ms is not None and r.tpot_s is not None and not within(r.tpot_s, tpot_ms):
+        if tpot is not None and r.tpot_s is not None and not within(r.tpot_s, tpot):
             return False
         return e2el_ms is None or within(r.e2el_s, e2el_ms)
 
@@ -344,7 +359,8 @@ def goodput(
         return a / b if b else None
 
     out = {
-        "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2el_ms": e2el_ms},
+        "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2el_ms": e2el_ms,
+                "per_request": per_request},
         "offered": offered,
         "admitted": admitted,
         "completed": completed,

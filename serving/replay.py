@@ -16,7 +16,7 @@ from typing import Callable, List, Optional, Tuple
 import jax
 
 from serving.config import SamplingParams
-from serving.engine import Engine
+from serving.engine import Engine, QueueFull
 from serving.metrics import RequestRecord
 from serving.workloads import Workload
 
@@ -55,8 +55,9 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
       try:
         engine.add_request(spec.request_id, spec.prompt_token_ids, sampling(spec),
                            arrival_ms=start_ms - shift_ms + spec.arrival_s * 1000.0,
-                           priority=spec.priority, client=spec.client)
-      except ValueError as e:
+                           priority=spec.priority, client=spec.client,
+                           slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
+      except (ValueError, QueueFull) as e:
         refused[spec.request_id] = str(e)
       i += 1
     if not engine.has_unfinished():
@@ -80,7 +81,8 @@ def _refused(spec, reason: str) -> RequestRecord:
   return RequestRecord(
       request_id=spec.request_id, client=spec.client, arrival_s=spec.arrival_s,
       first_token_s=None, token_times_s=[], prompt_tokens=len(spec.prompt_token_ids),
-      output_tokens=0, outcome="rejected", finish_reason=reason, clipped=spec.clipped)
+      output_tokens=0, outcome="rejected", finish_reason=reason, clipped=spec.clipped,
+      slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
 
 
 def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
@@ -92,8 +94,9 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
       first_token_s=times[0] if times else None, token_times_s=times,
       prompt_tokens=len(spec.prompt_token_ids), output_tokens=len(times),
       outcome=req.outcome, finish_reason=req.finish_reason,
-      num_preemptions=req.num_preemptions, clipped=spec.clipped,
-      output_token_ids=req.output_token_ids)
+      num_preemptions=req.num_preemptions, recompute_tokens=req.recompute_tokens,
+      clipped=spec.clipped, output_token_ids=req.output_token_ids,
+      slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
 
 
 def run_config(engine: Engine, model_name: str) -> dict:
@@ -116,6 +119,8 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "device": str(jax.devices()[0]),
       "platform": platform.platform(),
       "compiled_programs": engine.compiled_programs(),
+      "num_slots": engine.num_slots,
+      "max_queued_requests": c.max_queued_requests,
       "bucket_histogram": {str(k): v for k, v in sorted(engine.buckets_used.items())},
       "iterations": engine.num_iterations,
       "preemptions": engine.num_preemptions,

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import dataclasses
 import socket
-import inspect
 import itertools
 import json
 import queue
@@ -58,7 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from scheduler import records as rec
 from serving.config import SamplingParams
-from serving.engine import Engine
+from serving.engine import Engine, QueueFull
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
@@ -86,7 +85,7 @@ class UnknownModel(BadRequest):
 
 # Refusals that mean "full, retry later" (HTTP 429): the server's own bound,
 # and any queue-full error the engine's ``add_request`` raises.
-OVERLOAD_ERRORS: tuple = (Overloaded,)
+OVERLOAD_ERRORS: tuple = (Overloaded, QueueFull)
 
 
 def _error_response(exc: Exception) -> JSONResponse:
@@ -466,8 +465,6 @@ class OpenAIServer:
     self.metrics = ServerMetrics(model_name, engine.config.max_request_slots + max_waiting)
     self.loop = EngineLoop(engine, tokenizer, self.metrics)
     self._ids = itertools.count()
-    self._slo_fields = {"ttft_ms", "tbt_ms"} & set(
-        inspect.signature(engine.add_request).parameters)
     self.created = int(time.time())
     self.app = self._build_app()
 
@@ -542,15 +539,15 @@ class OpenAIServer:
     client = (_get(body, "client", str, None) or _get(body, "tenant", str, None)
               or _get(body, "user", str, "default"))
     extra = {}
-    for name in ("ttft_ms", "tbt_ms"):
-      value = _get(body, f"slo_{name}", (int, float), None, "a number of ms")
+    # Body field -> Engine.add_request keyword (§0x07: the TBT limit is the
+    # per-token SLO the engine calls slo_tpot_ms).
+    for field, keyword in (("slo_ttft_ms", "slo_ttft_ms"), ("slo_tbt_ms", "slo_tpot_ms")):
+      value = _get(body, field, (int, float), None, "a number of ms")
       if value is None:
         continue
-      if name not in self._slo_fields:
-        raise BadRequest(f"'slo_{name}' is not supported by this engine", f"slo_{name}")
       if value <= 0:
-        raise BadRequest(f"'slo_{name}' must be > 0 ms, got {value}", f"slo_{name}")
-      extra[name] = float(value)
+        raise BadRequest(f"'{field}' must be > 0 ms, got {value}", field)
+      extra[keyword] = float(value)
     return ParsedRequest(ids, sampling, stop, stream, include_usage, priority, client, extra)
 
   def _completion_prompt(self, body: dict) -> List[int]:

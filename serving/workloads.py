@@ -76,6 +76,9 @@ class RequestSpec:
       client: tenant name; "default" when the trace has none.
       priority: scheduling priority (0 unless a source says otherwise).
       clipped: the trace prompt was longer than `max_prompt_len` and was cut.
+      slo_ttft_ms, slo_tpot_ms: declared SLO limits (ms; None = none): the
+        first token from arrival, each later token from the previous one
+        (§0x07); set by `with_slos`.
     """
 
     request_id: str
@@ -86,8 +89,14 @@ class RequestSpec:
     client: str = "default"
     priority: int = 0
     clipped: bool = False
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self):
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            limit = getattr(self, name)
+            if limit is not None and not (math.isfinite(limit) and limit > 0):
+                raise ValueError(f"{self.request_id}: {name}={limit} must be finite and > 0")
         if not self.prompt_token_ids:
             raise ValueError(f"{self.request_id}: empty prompt")
         if self.max_tokens < 1:
@@ -165,6 +174,77 @@ class Workload:
             "total_max_tokens": sum(r.max_tokens for r in self.requests),
             "last_arrival_s": self.duration_s,
         }
+
+
+# --------------------------------------------------------------------------
+# Service-level objectives
+
+
+@dataclasses.dataclass(frozen=True)
+class SloClass:
+    """A named pair of SLO limits (ms), e.g. interactive:500:100."""
+
+    name: str
+    ttft_ms: float
+    tpot_ms: float
+
+
+def parse_slo_classes(text: str) -> tuple[SloClass, ...]:
+    """`NAME:TTFT_MS:TPOT_MS[,...]` -> SloClasses.
+
+    Raises:
+      ValueError: a malformed entry, a limit not > 0, or a repeated name.
+    """
+    classes = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        parts = entry.split(":")
+        try:
+            name, ttft, tpot = parts[0], float(parts[1]), float(parts[2])
+            if len(parts) != 3 or not name:
+                raise IndexError
+        except (IndexError, ValueError):
+            raise ValueError(f"slo_class entry {entry!r} must be NAME:TTFT_MS:TPOT_MS") from None
+        if not (math.isfinite(ttft) and ttft > 0 and math.isfinite(tpot) and tpot > 0):
+            raise ValueError(f"slo_class {name!r}: limits must be finite and > 0 ms, "
+                             f"got {ttft}:{tpot}")
+        if name in {c.name for c in classes}:
+            raise ValueError(f"slo_class {name!r} is given twice")
+        classes.append(SloClass(name, ttft, tpot))
+    if not classes:
+        raise ValueError("slo_class needs at least one NAME:TTFT_MS:TPOT_MS entry")
+    return tuple(classes)
+
+
+def with_slos(
+    workload: Workload,
+    *,
+    ttft_ms: float | None = None,
+    tpot_ms: float | None = None,
+    classes: Sequence[SloClass] = (),
+) -> Workload:
+    """The workload with declared SLOs on every request (§0x07).
+
+    Either one pair of limits for all (`ttft_ms`, `tpot_ms`; either may be
+    None), or `classes`, picked per request by this rule: a request whose
+    client names a class takes that class; every other request takes the
+    classes in the given order, cycling by its arrival index (request i
+    takes class i mod len(classes)).
+
+    Raises:
+      ValueError: both forms given, or a limit not finite and > 0.
+    """
+    if classes and (ttft_ms is not None or tpot_ms is not None):
+        raise ValueError("give either slo_ttft_ms / slo_tpot_ms or slo_class, not both")
+    by_name = {c.name: c for c in classes}
+    requests = []
+    for i, spec in enumerate(workload.requests):
+        if classes:
+            c = by_name.get(spec.client, classes[i % len(classes)])
+            limits = (c.ttft_ms, c.tpot_ms)
+        else:
+            limits = (ttft_ms, tpot_ms)
+        requests.append(dataclasses.replace(spec, slo_ttft_ms=limits[0], slo_tpot_ms=limits[1]))
+    return dataclasses.replace(workload, requests=tuple(requests))
 
 
 # --------------------------------------------------------------------------

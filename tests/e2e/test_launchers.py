@@ -26,7 +26,8 @@ def _run(script, *args, timeout=600):
 def test_replay_completes_every_request_with_its_output_length(tmp_path):
   out = tmp_path / "report.json"
   stdout = _run("replay.py", "--num_requests=4", "--rate_scale=1.0", "--max_prompt_len=48",
-                "--max_output_len=6", f"--out={out}")
+                "--max_output_len=6", "--slo_ttft_ms=600000", "--slo_tpot_ms=600000",
+                f"--out={out}")
   report = json.loads(out.read_text())
   assert report["completed"] == 4 and report["failed"] == report["rejected"] == 0
   outputs = [r["output_tokens"] for r in report["requests"]]
@@ -37,6 +38,10 @@ def test_replay_completes_every_request_with_its_output_length(tmp_path):
   assert report["config"]["compiled_programs"]["execute"] == 1
   assert "p99_ttft_ms" in report["insufficient_sample"]   # n = 4 < 100
   assert "Successful requests:" in stdout
+  good = report["goodput"]                   # ten-minute SLOs: all four meet them
+  assert (good["valid"], good["offered_attainment"], good["admitted_attainment"]) == (4, 1.0, 1.0)
+  assert all(r["slo_ttft_ms"] == 600000 and r["recompute_tokens"] == 0
+             for r in report["requests"])
 
 
 def test_generate_answers_paris(tmp_path):
@@ -72,6 +77,9 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
      "error: --num_requests applies only without --trace; "),
     (["--dtype=float16"], "error: EngineConfig.dtype must be 'float32' or 'bfloat16'"),
     (["--policy=nope"], "error: EngineConfig.policy must be one of ['fastserve', "),
+    (["--slo_class=a:1"], "error: slo_class entry 'a:1' must be NAME:TTFT_MS:TPOT_MS"),
+    (["--slo_class=a:1:2", "--slo_ttft_ms=5"],
+     "error: give either slo_ttft_ms / slo_tpot_ms or slo_class, not both"),
 ])
 def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",

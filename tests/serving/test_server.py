@@ -334,3 +334,17 @@ def test_smollm2_greedy_over_http_equals_generate_py():
   finally:
     server.terminate()
     server.wait(timeout=60)
+
+
+def test_engine_queue_full_is_a_429_and_slo_fields_reach_add_request(served):
+  from serving.engine import QueueFull
+  from serving.server import _error_response
+  response = _error_response(QueueFull("r7", 4096))
+  body = json.loads(response.body)
+  assert response.status_code == 429 and body["error"]["code"] == "server_overloaded"
+  assert "max_queued_requests=4096" in body["error"]["message"]
+  parsed = served.server.parse({"model": MODEL, "prompt": "the heart", "max_tokens": 4,
+                                "slo_ttft_ms": 500, "slo_tbt_ms": 80}, chat=False)
+  assert parsed.extra == {"slo_ttft_ms": 500.0, "slo_tpot_ms": 80.0}
+  with pytest.raises(Exception, match="slo_tbt_ms"):
+    served.server.parse({"model": MODEL, "prompt": "x", "slo_tbt_ms": 0}, chat=False)
