@@ -135,4 +135,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "max_preemptions_per_request": c.max_preemptions_per_request,
       "swap": engine.swap.stats(),
       "recompute_tokens": sum(r.recompute_tokens for r in engine.requests.values()),
+      "executor": c.executor,
+      "clock": "virtual" if engine.cost_model is not None else "wall",
+      "cost_model": engine.cost_model.to_json() if engine.cost_model is not None else None,
   }
