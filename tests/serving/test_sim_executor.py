@@ -145,3 +145,33 @@ def test_ledger_partition_closes_on_random_workloads_with_aborts(params, cost_fi
   assert total["valid"] == valid
   gaps = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
   assert out["tbt"]["deadline_misses"] == sum(g > 0.02 for g in gaps)
+
+
+def test_comparison_refuses_runs_whose_coordinates_differ(params, cost_file, tmp_path):
+  from serving import ablation
+  raw, _, _ = _report_bytes(params, cost_file, tmp_path / "r.json")
+  base = json.loads(raw)
+  other = json.loads(raw)
+  other["config"]["policy_id"] = "vllm_v1"          # the compared variable
+  ablation.check_comparable([base, other])
+  for path, value, coordinate in (
+      (("ledger", "slo", "ttft_ms"), 500.0, "slo"),
+      (("config", "cost_model", "intercept_ms"), 6.0, "cost_model"),
+      (("config", "max_num_batched_tokens"), 32, "engine_config"),
+      (("config", "workload"), {"source": "azure", "window_s": [0, 60]}, "trace"),
+      (("config", "executor"), "model", "executor")):
+    changed = json.loads(raw)
+    node = changed
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ValueError, match=f"coordinate '{coordinate}' differs"):
+      ablation.check_comparable([base, changed], ["a", "b"])
+
+
+def test_g_star_follows_distserve_definition():
+  from serving import ablation
+  g = ablation.g_star([1.0, 2.0, 4.0, 8.0], [1.0, 0.95, 0.85, 0.2], 0.9)
+  assert g["g_star"] == 2.0
+  assert g["g_star_interpolated"] == pytest.approx(2.0 + 2.0 * 0.05 / 0.10)
+  assert ablation.g_star([1.0, 2.0], [0.5, 0.99], 0.9)["g_star"] is None
