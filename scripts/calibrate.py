@@ -40,6 +40,8 @@ flags.DEFINE_string("out", "configs/cost_model_smollm2_cpu.json", "Calibration J
 flags.DEFINE_list("batch_sizes", ["1", "4", "16", "32"], "Grid: requests per batch (N).")
 flags.DEFINE_list("prompt_lens", ["32", "256", "1024"], "Grid: prompt tokens (L).")
 flags.DEFINE_integer("decode_tokens", 8, "Grid: output tokens per request.")
+flags.DEFINE_string("refit", None, "Fit from a saved grid (.npz of a previous run) "
+                    "instead of measuring; keeps the calibration's meta.")
 flags.DEFINE_bool("holdout_only", False, "Skip the grid; check --cost_model on the "
                   "held-out replay.")
 flags.DEFINE_string("cost_model", None, "With --holdout_only: the calibration to check.")
@@ -113,7 +115,11 @@ def main(argv):
   cfg, params, _ = launch.load_flags_model(engine_cfg)
   launch.warmup(Engine(cfg, params, engine_cfg))
   if not FLAGS.holdout_only:
-    x, y = measure_grid(engine_cfg, cfg, params)
+    if FLAGS.refit:
+      grid = np.load(FLAGS.refit)
+      x, y = grid["features"], grid["step_ms"]
+    else:
+      x, y = measure_grid(engine_cfg, cfg, params)
     meta = dict(model=FLAGS.model, dtype=engine_cfg.dtype, engine=FLAGS.engine,
                 backend=jax.default_backend(), device=str(jax.devices()[0]),
                 machine=f"{platform.machine()} {os.cpu_count()} cpus {platform.node()}",
@@ -124,7 +130,8 @@ def main(argv):
                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     model = cost_lib.fit(x, y, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
     model.save(FLAGS.out)
-    np.savez(os.path.splitext(FLAGS.holdout_out)[0] + "_grid.npz", features=x, step_ms=y)
+    if not FLAGS.refit:
+      np.savez(os.path.splitext(FLAGS.out)[0] + "_grid.npz", features=x, step_ms=y)
     print(json.dumps(model.to_json(), indent=1))
   else:
     FLAGS.out = FLAGS.cost_model or FLAGS.out

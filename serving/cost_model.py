@@ -15,6 +15,7 @@ A prediction is clamped at ``min_step_ms`` (>= 0) so that a virtual clock
 never goes back. ``scripts/calibrate.py`` measures the model executor on a
 grid of shapes and fits the coefficients with ``numpy.linalg.lstsq``; the
 JSON names the model, dtype, backend, machine and jax version it holds for.
+``fit`` uses non-negative least squares by default (``scipy.optimize.nnls``).
 Linear per-iteration cost models of this form are what Vidur (Agrawal et
 al., MLSys 2024) profiles per operator; here one fit covers the whole step.
 """
@@ -107,8 +108,16 @@ def load(path=None) -> CostModel:
                    float(d.get("min_step_ms", 0.0)), meta)
 
 
-def fit(features, step_ms, *, min_step_ms: float = 0.0, meta: Dict = None) -> CostModel:
+def fit(features, step_ms, *, min_step_ms: float = 0.0, meta: Dict = None,
+        nonnegative: bool = True) -> CostModel:
   """Least-squares fit of the linear model.
+
+  With ``nonnegative`` (default) the intercept and every coefficient are
+  constrained to >= 0 (``scipy.optimize.nnls``): a row, a context token or
+  a padded bucket row never saves time, and on collinear grids (prefill
+  rows and bucket move together) an unconstrained fit can trade a large
+  negative coefficient for a large positive one. Otherwise
+  ``numpy.linalg.lstsq``.
 
   Args:
     features: f64[N, 4] rows of ``FEATURES``.
@@ -127,9 +136,14 @@ def fit(features, step_ms, *, min_step_ms: float = 0.0, meta: Dict = None) -> Co
   if x.shape[0] < len(FEATURES) + 1:
     raise ValueError(f"fit needs at least {len(FEATURES) + 1} samples, got {x.shape[0]}")
   a = np.concatenate([np.ones((x.shape[0], 1)), x], axis=1)
-  coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+  if nonnegative:
+    from scipy.optimize import nnls
+    coef, _ = nnls(a, y)
+  else:
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
   resid = y - a @ coef
   meta = dict(meta or {}, num_samples=int(x.shape[0]),
+              solver="nnls" if nonnegative else "lstsq",
               rms_residual_ms=float(np.sqrt(np.mean(resid ** 2))),
               max_abs_residual_ms=float(np.max(np.abs(resid))))
   return CostModel(float(coef[0]), tuple(float(c) for c in coef[1:]), min_step_ms, meta)
