@@ -1,7 +1,7 @@
 """Calibrates the step-time cost model of the simulated executor.
 
   python scripts/calibrate.py --out=configs/cost_model_smollm2_cpu.json
-  python scripts/calibrate.py --holdout_only --cost_model=configs/cost_model_smollm2_cpu.json
+  python scripts/calibrate.py --holdout_only --out=configs/cost_model_smollm2_cpu.json
 
 1. Measures real step times of the model executor over a grid of batch
    shapes (batches of N equal prompts of L tokens, each then decoding a few
@@ -42,9 +42,8 @@ flags.DEFINE_list("prompt_lens", ["32", "256", "1024"], "Grid: prompt tokens (L)
 flags.DEFINE_integer("decode_tokens", 8, "Grid: output tokens per request.")
 flags.DEFINE_string("refit", None, "Fit from a saved grid (.npz of a previous run) "
                     "instead of measuring; keeps the calibration's meta.")
-flags.DEFINE_bool("holdout_only", False, "Skip the grid; check --cost_model on the "
-                  "held-out replay.")
-flags.DEFINE_string("cost_model", None, "With --holdout_only: the calibration to check.")
+flags.DEFINE_bool("holdout_only", False, "Skip the grid; check the calibration in "
+                  "--out on the held-out replay.")
 flags.DEFINE_integer("holdout_requests", 24, "Held-out replay: synthetic Azure-conv "
                      "requests (prompts <= 512, outputs <= 32 tokens).")
 flags.DEFINE_float("holdout_rate_scale", 0.1, "Held-out replay: fraction of the Azure "
@@ -133,8 +132,6 @@ def main(argv):
     if not FLAGS.refit:
       np.savez(os.path.splitext(FLAGS.out)[0] + "_grid.npz", features=x, step_ms=y)
     print(json.dumps(model.to_json(), indent=1))
-  else:
-    FLAGS.out = FLAGS.cost_model or FLAGS.out
   result = holdout(engine_cfg, cfg, params, FLAGS.model, cfg.vocab_size)
   os.makedirs(os.path.dirname(FLAGS.holdout_out) or ".", exist_ok=True)
   with open(FLAGS.holdout_out, "w") as f:

@@ -108,6 +108,8 @@ def test_cost_model_fit_recovers_known_coefficients():
   assert fit.meta["rms_residual_ms"] < 0.02
   assert fit.predict_ms([10, 2, 300, 64]) == pytest.approx(
       5 + 5 + 4 + 3 + 8, abs=0.05)
+  plain = cost_lib.fit(x, y, nonnegative=False)
+  np.testing.assert_allclose(plain.coef_ms, COEF_MS, rtol=0.01, atol=1e-4)
   with pytest.raises(ValueError, match="at least"):
     cost_lib.fit(x[:3], y[:3])
 
