@@ -56,7 +56,7 @@ def step_features(entry, engine) -> list:
   """FEATURES of one logged plan (``Engine.plan_log`` entry)."""
   prefill = sum(e - s for _, s, e, kind in entry["scheduled"] if kind != "decode_row")
   decode = sum(1 for *_, kind in entry["scheduled"] if kind == "decode_row")
-  kv_read = sum(e for _, _, e, _ in entry["scheduled"])
+  kv_read = sum((e - s) * (s + e + 1) / 2 for _, s, e, _ in entry["scheduled"])
   return [prefill, decode, kv_read, engine.config.bucket_for(max(prefill + decode, 1))]
 
 

@@ -7,8 +7,9 @@ The modelled time of an iteration is linear in its shape (ms):
 
 * ``prefill_rows``: prompt and rebuild rows computed (PREFILL_CHUNK + REBUILD).
 * ``decode_rows``: DECODE_ROW rows (one per decoding sequence).
-* ``kv_tokens_read``: context rows attention reads, the sum of ``end`` over
-  the selected sequences.
+* ``kv_tokens_read``: cached keys attention reads, summed over the step's
+  rows: the row at position j reads j + 1 keys, so an interval [s, e)
+  reads (e - s) * (s + e + 1) / 2 (a decode row at position e - 1 reads e).
 * ``bucket``: the token-row bucket the step was compiled for (padding cost).
 
 A prediction is clamped at ``min_step_ms`` (>= 0) so that a virtual clock
@@ -43,8 +44,9 @@ def step_features(plan: rec.IterationPlan):
   sel = plan.selected
   rows = jnp.where(sel, plan.end - plan.start, 0)
   decode = sel & (plan.kind == rec.DECODE_ROW)
-  return jnp.stack([jnp.sum(jnp.where(decode, 0, rows)), jnp.sum(decode),
-                    jnp.sum(jnp.where(sel, plan.end, 0))]).astype(jnp.float32)
+  kv_read = rows.astype(jnp.float32) * (plan.start + plan.end + 1).astype(jnp.float32) / 2
+  return jnp.stack([jnp.sum(jnp.where(decode, 0, rows)).astype(jnp.float32),
+                    jnp.sum(decode).astype(jnp.float32), jnp.sum(kv_read)])
 
 
 @dataclasses.dataclass(frozen=True)
