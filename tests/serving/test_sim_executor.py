@@ -178,3 +178,26 @@ def test_g_star_follows_distserve_definition():
   assert g["g_star"] == 2.0
   assert g["g_star_interpolated"] == pytest.approx(2.0 + 2.0 * 0.05 / 0.10)
   assert ablation.g_star([1.0, 2.0], [0.5, 0.99], 0.9)["g_star"] is None
+
+
+def test_model_executor_on_a_virtual_clock_repeats_schedule_and_report(
+    params, cost_file, tmp_path):
+  """--clock=virtual with the real model: time is the cost model's, so the
+  schedule, token times and tokens repeat bit for bit, and the schedule is
+  the simulated executor's (same lengths: the trace's max_tokens)."""
+  def run(executor, path):
+    cfg = EngineConfig.preset("tiny", executor=executor, cost_model=cost_file)
+    engine = Engine(CFG, params, cfg, clock=VirtualClock())
+    engine.record_plans = True
+    wl = _workload(5, n=8)
+    records, duration_s = replay(engine, wl, realtime=False)
+    metrics.write_report(path, metrics.build_report(
+        records, duration_s, run_config(engine, "tiny"), num_offered=len(wl)))
+    return path.read_bytes(), engine.plan_log, [r.token_times_s for r in records]
+
+  a, plans_a, times_a = run("model", tmp_path / "a.json")
+  b, plans_b, _ = run("model", tmp_path / "b.json")
+  assert a == b and plans_a == plans_b
+  _, plans_sim, times_sim = run("simulated", tmp_path / "s.json")
+  assert [p["scheduled"] for p in plans_sim] == [p["scheduled"] for p in plans_a]
+  assert times_sim == times_a
