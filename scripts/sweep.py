@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from models.config import get_config
-from serving import ablation, ledger, metrics, workloads
+from serving import ablation, launch, ledger, metrics, workloads
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.replay import replay, run_config
@@ -50,6 +50,9 @@ flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simul
 flags.DEFINE_string("cost_model", "", "Cost model JSON (default configs/ calibration).")
 flags.DEFINE_integer("sample_every", 8, "Ledger time series: every N steps.")
 flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs).")
+flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
+                  "sweep.json files (same trace, window, SLOs, alpha and trials; "
+                  "different rate grids) into --out, recomputing G* and plots.")
 
 
 def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
@@ -160,6 +163,8 @@ def plots(result, out):
 
 def main(argv):
   del argv
+  if FLAGS.merge:
+    return finish(merge(FLAGS.merge))
   os.makedirs(FLAGS.out, exist_ok=True)
   model_cfg = get_config(FLAGS.model)
   base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
@@ -186,8 +191,15 @@ def main(argv):
         result["trials"].append(t)
         print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
               f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s", flush=True)
+  result["load_avg_end"] = os.getloadavg()
+  finish(result)
+
+
+def summarize(result):
+  """Points (mean over trials) and G* per policy, from ``result["trials"]``."""
+  for policy in result["policies"]:
     pts = []
-    for rate in rates:
+    for rate in result["rate_scales"]:
       ts = [t for t in result["trials"] if t["policy"] == policy and t["rate_scale"] == rate]
       pts.append({"rate_scale": rate,
                   "rate_req_s": float(np.mean([t["offered_rate_req_s"] for t in ts])),
@@ -195,16 +207,43 @@ def main(argv):
                   "request_goodput": float(np.mean([t["request_goodput"] for t in ts]))})
     result["points"][policy] = pts
     result["g_star"][policy] = ablation.g_star([p["rate_req_s"] for p in pts],
-                                               [p["attainment"] for p in pts], FLAGS.alpha)
-  result["load_avg_end"] = os.getloadavg()
+                                               [p["attainment"] for p in pts], result["alpha"])
+
+
+def merge(paths):
+  """One sweep from several with equal settings and disjoint rate grids.
+
+  Raises:
+    ValueError: a setting other than the rate grid differs, or a rate repeats.
+  """
+  runs = [json.load(open(p)) for p in paths]
+  keys = ("trace", "window_s", "trials_per_point", "slo", "alpha", "policies",
+          "metric_definitions")
+  for p, r in zip(paths[1:], runs[1:]):
+    for k in keys:
+      if r[k] != runs[0][k]:
+        raise ValueError(f"--merge: {p} differs from {paths[0]} in {k!r}")
+  rates = sorted(x for r in runs for x in r["rate_scales"])
+  if len(set(rates)) != len(rates):
+    raise ValueError(f"--merge: a rate scale appears in two sweeps: {rates}")
+  # Engine config, model, executor and cost model equal across every trial.
+  ablation.check_comparable([dict(t, rate_scale=None) for r in runs for t in r["trials"]])
+  return dict({k: runs[0][k] for k in keys}, rate_scales=rates, merged_from=list(paths),
+              trials=[t for r in runs for t in r["trials"]], points={}, g_star={},
+              load_avg_start=runs[0]["load_avg_start"], load_avg_end=runs[-1]["load_avg_end"])
+
+
+def finish(result):
+  summarize(result)
+  os.makedirs(FLAGS.out, exist_ok=True)
   with open(f"{FLAGS.out}/sweep.json", "w") as f:
     json.dump(result, f, indent=1)
   plots(result, FLAGS.out)
   for p, g in result["g_star"].items():
-    print(f"G*({p}) at alpha={FLAGS.alpha}: {g['g_star']} req/s "
+    print(f"G*({p}) at alpha={result['alpha']}: {g['g_star']} req/s "
           f"(interpolated {g['g_star_interpolated']})")
   print(f"wrote {FLAGS.out}/sweep.json and PNGs")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(launch.exit_on_bad_input(main))
