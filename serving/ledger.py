@@ -26,7 +26,7 @@ same limits the scheduler was given, from wherever they are declared.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import jax
 import numpy as np
