@@ -3,6 +3,10 @@
   python scripts/replay.py                                 # default workload
   python scripts/replay.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,60 --time_scale=4
+  python scripts/replay.py --executor=simulated --trace=azure:... # whole trace, virtual time
+
+With a virtual clock (``--executor=simulated`` or ``--clock=virtual``) two
+runs of the same command write byte-identical reports.
 
   python scripts/replay.py --policy=least_slack --slo_ttft_ms=2000 --slo_tpot_ms=200
 
@@ -15,17 +19,21 @@ preemptions and recomputed tokens.
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 from tqdm import tqdm
 
-from serving import launch, metrics, workloads
+from serving import launch, ledger, metrics, workloads
 from serving.replay import replay, run_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/replay.json", "Report JSON path.")
+flags.DEFINE_float("ledger_tbt_ms", None, "SLO the ledger scores: per-gap TBT limit (ms).")
+flags.DEFINE_float("ledger_horizon_s", None, "Requests unfinished by then are open.")
+flags.DEFINE_integer("sample_every", 1, "Ledger: sample KV pages/queue every N steps.")
 launch.define_workload_flags()
 launch.define_engine_flags()
 
@@ -44,19 +52,30 @@ def main(argv):
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
   compile_s = launch.warmup(engine, len(workload))
   bar = tqdm(total=len(workload), unit="req", desc="replay")
+  sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
 
   def progress(outputs):
+    sampler(outputs)
     bar.update(sum(1 for o in outputs if o.finished))
     bar.set_postfix(iterations=engine.num_iterations, refresh=False)
 
+  t = time.perf_counter()
   records, duration_s = replay(engine, workload, on_step=progress)
+  wall_s = time.perf_counter() - t
   bar.close()
   config = run_config(engine, FLAGS.model)
   config["workload"] = workload.describe()
-  config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
+  if engine.cost_model is None:     # wall-clock facts stay out of virtual-time reports
+    config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   if launch.slo_flags_given():           # each request judged by its own SLOs
     report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
+  report["ledger"] = ledger.build_ledger(
+      records, duration_s=duration_s, ttft_ms=FLAGS.slo_ttft_ms,
+      tpot_ms=FLAGS.slo_tpot_ms, tbt_ms=FLAGS.ledger_tbt_ms,
+      horizon_s=FLAGS.ledger_horizon_s, engine=engine, sampler=sampler)
+  print(f"replay wall time {wall_s:.1f} s, {engine.num_iterations} iterations "
+        f"({engine.num_iterations / max(wall_s, 1e-9):.0f} it/s)")
   print(metrics.format_table(report))
   if "goodput" in report:
     g = report["goodput"]

@@ -15,6 +15,7 @@ from scheduler.policies import POLICIES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
+EXECUTORS = ("model", "simulated")
 
 
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
@@ -94,6 +95,11 @@ class EngineConfig:
       preemption/resume ablations and exactness checks.
     max_preemptions_per_request: a request preempted more often ends
       ``failed`` with that reason (no preemption livelock); 0 = no bound.
+    executor: "model" runs the model; "simulated" replaces only the model
+      call (``serving.sim_executor``: tokens up to each request's recorded
+      output length, step time from the cost model on a virtual clock).
+    cost_model: calibration JSON of ``serving.cost_model`` used by a virtual
+      clock ("" = ``configs/cost_model_smollm2_cpu.json``).
   """
 
   max_num_seqs: int = 32
@@ -116,6 +122,8 @@ class EngineConfig:
   swap_space_mb: float = 1024.0
   force_preempt_every: int = 0
   max_preemptions_per_request: int = 64
+  executor: str = "model"
+  cost_model: str = ""
 
   def __post_init__(self):
     c = "EngineConfig"
@@ -149,6 +157,8 @@ class EngineConfig:
              self.swap_space_mb)
     _require(self.max_preemptions_per_request >= 0, c, "max_preemptions_per_request",
              "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
+    _require(self.executor in EXECUTORS, c, "executor", f"must be one of {EXECUTORS}",
+             self.executor)
     _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
 

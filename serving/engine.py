@@ -61,8 +61,10 @@ from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import Budgets, make_policy
 from scheduler.policy_forced import ForcedPreemption
+from serving import cost_model as cost_lib
 from serving import kv_pages
 from serving import kv_swap
+from serving import sim_executor
 from serving.config import EngineConfig, SamplingParams
 from serving.executor import ModelRunner, execute, init_buffers
 
@@ -168,19 +170,35 @@ class Engine:
     model_cfg: ``models.config.ModelConfig`` (hashable).
     params: model parameters (pytree).
     config: ``EngineConfig``.
-    clock: returns seconds (monotonic); injectable for tests.
+    clock: returns seconds (monotonic); injectable for tests. Default:
+      ``time.monotonic``, or a ``sim_executor.VirtualClock`` for the
+      simulated executor. On a VirtualClock every step advances time by the
+      cost model's prediction for its shape (``config.cost_model``), with
+      either executor, so a replay's schedule repeats bit for bit.
+
+  Raises:
+    ValueError: the simulated executor with a clock that is not virtual.
   """
 
   def __init__(self, model_cfg, params, config: EngineConfig,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Optional[Callable[[], float]] = None):
     self.model_cfg = model_cfg
     self.config = config
     self.params = params
+    simulated = config.executor == "simulated"
+    if clock is None:
+      clock = sim_executor.VirtualClock() if simulated else time.monotonic
+    self._virtual = isinstance(clock, sim_executor.VirtualClock)
+    if simulated and not self._virtual:
+      raise ValueError("EngineConfig.executor='simulated' charges modelled step times "
+                       "and needs a sim_executor.VirtualClock clock")
+    self.cost_model = cost_lib.load(config.cost_model) if self._virtual else None
     self._clock = clock
     self._t0 = clock()
     c = config
     dtype = jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
-    self.kv = llama.init_kv_cache(model_cfg, c.num_pages, c.page_size, dtype)
+    self.kv = llama.init_kv_cache(model_cfg, 2 if simulated else c.num_pages,
+                                  c.page_size, dtype)
     # Commit the initial pytrees to the device, as every later (jit-output)
     # version is: a fresh engine's first step then reuses the programs that
     # an engine with equal configs compiled, instead of compiling again for
@@ -208,6 +226,9 @@ class Engine:
     self.record_plans = False
     self.plan_log: List[dict] = []
     self._page_bytes = kv_swap.page_bytes(self.kv)
+    # Recorded output length per request id (the simulated executor's hidden
+    # truth; never in the policy's view). Missing: the declared max_tokens.
+    self.realized_output_tokens: Dict[str, int] = {}
 
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
@@ -241,6 +262,11 @@ class Engine:
     self.manifest, self.state = self._programs.shift_clock(
         self.manifest, self.state, np.float32(shift))
     self._device_epoch_ms = epoch
+
+  @property
+  def clock(self):
+    """The injected clock (a ``VirtualClock`` when time is modelled)."""
+    return self._clock
 
   def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                   sampling: SamplingParams = SamplingParams(), *,
@@ -372,6 +398,7 @@ class Engine:
     if not req.finished:
       raise ValueError(f"request {request_id!r} is live; abort or finish it first")
     del self._requests[request_id]
+    self.realized_output_tokens.pop(request_id, None)
     self._client_refs[req.client] -= 1
     if not self._client_refs[req.client]:
       del self._client_refs[req.client]
@@ -492,11 +519,17 @@ class Engine:
         self._resume(slot, preempt)
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
+    manifest = self.manifest
+    if self.config.executor == "simulated":
+      manifest = manifest.replace(hidden_realized_output_tokens=self._realized())
     self.kv, self.pages, self.buffers, result = self._programs.execute(
-        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+        self.params, self.kv, self.pages, self.buffers, manifest, self.state,
         _execution_view(plan), num_rows=bucket)
     fetched = jax.device_get((result.emitted, result.token, result.finished,
                               result.finish_reason, result.failed))
+    if self._virtual:
+      features = list(jax.device_get(_step_features(plan))) + [bucket]
+      self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
     emit_ms = self.now_ms()
     result = result.replace(emit_ms=jnp.float32(self._device_ms(emit_ms)),
                             preserved_end=jnp.asarray(preserved))
@@ -506,6 +539,15 @@ class Engine:
     self.state = state
     self.num_iterations += 1
     return self._drain(emit_ms, *fetched, preempt)
+
+  def _realized(self) -> np.ndarray:
+    """i32[R] recorded output length of each slot's request (declared
+    max_tokens when none was recorded); the simulated executor's truth."""
+    out = np.zeros(self.num_slots, np.int32)
+    for slot, req in enumerate(self._slots):
+      if req is not None:
+        out[slot] = self.realized_output_tokens.get(req.request_id, req.sampling.max_tokens)
+    return out
 
   def _log_plan(self, plan) -> None:
     sel, start, end, kind, rank, admit, preempt, decision, status = jax.device_get((
@@ -709,7 +751,9 @@ class _Executor:
 _POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
                     watermark_pages=0, preemption_mode="recompute", swap_space_mb=0.0,
                     force_preempt_every=0, max_preemptions_per_request=0,
-                    max_queued_requests=1 << 30)
+                    max_queued_requests=1 << 30, cost_model="")
+
+_step_features = jax.jit(cost_lib.step_features)
 
 
 def _shape_config(config: EngineConfig) -> EngineConfig:
@@ -718,15 +762,17 @@ def _shape_config(config: EngineConfig) -> EngineConfig:
 
 @functools.lru_cache(maxsize=16)
 def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
-  """The model step (compiled per token bucket) and the policy-free slot
+  """The model step (or the simulated one, ``config.executor``; compiled per token
+  bucket) and the policy-free slot
   and swap programs, for one engine shape (shared by every policy)."""
   traces: Dict[str, int] = {}
   c = shape_config
   runner = ModelRunner(model_cfg, c.attention_impl)
+  step = sim_executor.simulated_execute if c.executor == "simulated" else execute
   jit = functools.partial(_counting_jit, traces=traces)
   return _Executor(
       execute=jit("execute", functools.partial(
-          execute, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
+          step, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
           max_model_len=c.max_model_len),
           static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
       arrive=jit("arrive", _arrive, donate_argnums=(2,)),

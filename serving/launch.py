@@ -16,6 +16,7 @@ from models.loaders import load_model
 from serving import workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
+from serving.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 
@@ -37,6 +38,13 @@ def define_engine_flags() -> None:
   flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
   flags.DEFINE_integer("force_preempt_every", None, "Override: preempt one decoding "
                        "request every N decisions (0 = off).")
+  flags.DEFINE_enum("executor", None, ["model", "simulated"], "Override: 'simulated' "
+                    "replaces only the model call (recorded output lengths, cost-model "
+                    "step times on a virtual clock).")
+  flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Engine clock: 'virtual' advances "
+                    "by the cost model's step time (default: virtual for the simulated "
+                    "executor, wall otherwise).")
+  flags.DEFINE_string("cost_model", None, "Override: cost model calibration JSON.")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -154,7 +162,8 @@ def engine_config(**overrides) -> EngineConfig:
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
-                force_preempt_every=FLAGS.force_preempt_every)
+                force_preempt_every=FLAGS.force_preempt_every,
+                executor=FLAGS.executor, cost_model=FLAGS.cost_model)
   fields.update(overrides)
   return EngineConfig.preset(FLAGS.engine, **fields)
 
@@ -179,7 +188,21 @@ def build_engine(**overrides):
   """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer)."""
   engine_cfg = engine_config(**overrides)
   cfg, params, tokenizer = load_flags_model(engine_cfg)
-  return Engine(cfg, params, engine_cfg), cfg, tokenizer
+  return Engine(cfg, params, engine_cfg, clock=make_clock(engine_cfg)), cfg, tokenizer
+
+
+def make_clock(engine_cfg: EngineConfig):
+  """The --clock flag as an engine clock: a fresh ``VirtualClock`` or
+  ``time.monotonic``.
+
+  Raises:
+    ValueError: --clock=wall with the simulated executor.
+  """
+  clock = FLAGS.clock or ("virtual" if engine_cfg.executor == "simulated" else "wall")
+  if clock == "wall" and engine_cfg.executor == "simulated":
+    raise ValueError("--clock=wall: the simulated executor needs --clock=virtual "
+                     "(its step times are modelled)")
+  return VirtualClock() if clock == "virtual" else time.monotonic
 
 
 def warmup(engine: Engine, num_requests: int = 0) -> dict:

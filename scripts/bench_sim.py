@@ -1,0 +1,105 @@
+"""Speed of a simulated replay of a whole trace (virtual time, real scheduler).
+
+  python scripts/bench_sim.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+      --policy=sarathi_serve --out=runs/bench_sim.json
+
+Replays every request (prompts clipped only to the context, outputs
+uncapped) with the simulated executor and logs, every ``--log_every``
+iterations, the wall time, the virtual time, iterations per second over the
+last interval and the number of waiting requests, so the JSON shows how the
+step rate scales with the queue. ``--max_wall_s`` stops the replay early
+(the JSON then says how far it got).
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+from absl import app, flags
+
+from models.config import get_config
+from scheduler import records as rec
+from serving import workloads
+from serving.config import EngineConfig, SamplingParams
+from serving.engine import Engine
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
+                    "AzureLLMInferenceTrace_conv.csv", "KIND:PATH.")
+flags.DEFINE_string("policy", "sarathi_serve", "Policy.")
+flags.DEFINE_string("model", "smollm2-135m", "Model preset (config only).")
+flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
+flags.DEFINE_integer("max_model_len", 8192, "Context.")
+flags.DEFINE_string("cost_model", "", "Cost model JSON.")
+flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows.")
+flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time.")
+flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON.")
+
+
+def main(argv):
+  del argv
+  kind, _, path = FLAGS.trace.partition(":")
+  loader = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
+            "mooncake": workloads.load_mooncake_trace}[kind]
+  cfg = get_config(FLAGS.model)
+  t = time.perf_counter()
+  wl = loader(path, max_prompt_len=FLAGS.max_model_len - 1, vocab_size=cfg.vocab_size)
+  load_s = time.perf_counter() - t
+  engine = Engine(cfg, None, EngineConfig.preset(
+      FLAGS.engine, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
+      executor="simulated", cost_model=FLAGS.cost_model))
+  specs = sorted(wl.requests, key=lambda s: s.arrival_s)
+  rows, i, start = [], 0, time.perf_counter()
+  last = (start, 0)
+  print(f"{len(specs)} requests over {wl.duration_s:.0f} s (loaded in {load_s:.1f} s)")
+  stopped = False
+  while i < len(specs) or engine.has_unfinished():
+    now_ms = engine.now_ms()
+    while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
+      s = specs[i]
+      engine.realized_output_tokens[s.request_id] = s.max_tokens
+      engine.add_request(s.request_id, s.prompt_token_ids,
+                         SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
+                         arrival_ms=s.arrival_s * 1000.0, client=s.client)
+      i += 1
+    if not engine.has_unfinished():
+      engine.clock.advance(max(specs[i].arrival_s * 1000.0 - now_ms, 0.0) / 1000.0)
+      continue
+    engine.step()
+    n = engine.num_iterations
+    if n % FLAGS.log_every == 0:
+      wall = time.perf_counter()
+      status = jax.device_get(engine.state.status)
+      row = {"iterations": n, "wall_s": round(wall - start, 1),
+             "virtual_s": round(engine.now_ms() / 1000.0, 1), "admitted": i,
+             "finished": sum(r.finished for r in engine.requests.values()) if n % (
+                 FLAGS.log_every * 10) == 0 else None,
+             "waiting": len(engine._pending) + int(np.sum(status == rec.WAITING)),
+             "it_per_s": round((n - last[1]) / (wall - last[0]), 1)}
+      last = (wall, n)
+      rows.append(row)
+      print(row, flush=True)
+      if FLAGS.max_wall_s and wall - start > FLAGS.max_wall_s:
+        stopped = True
+        break
+  wall_s = time.perf_counter() - start
+  out = {"trace": FLAGS.trace, "requests": len(specs), "trace_duration_s": wl.duration_s,
+         "policy": FLAGS.policy, "completed": sum(r.outcome == "completed"
+                                                  for r in engine.requests.values()),
+         "admitted": i, "stopped_early": stopped, "wall_s": wall_s,
+         "virtual_s": engine.now_ms() / 1000.0, "iterations": engine.num_iterations,
+         "iterations_per_s": engine.num_iterations / wall_s,
+         "workload_load_s": load_s, "load_avg": os.getloadavg(),
+         "cost_model": engine.cost_model.to_json(), "progress": rows}
+  os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+  json.dump(out, open(FLAGS.out, "w"), indent=1)
+  print({k: v for k, v in out.items() if k not in ("progress", "cost_model")})
+
+
+if __name__ == "__main__":
+  app.run(main)

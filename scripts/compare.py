@@ -1,0 +1,66 @@
+"""Ablation table across runs, refused when their coordinates differ (§0x0E).
+
+  python scripts/compare.py runs/a.json runs/b.json [--metric=request_goodput]
+  python scripts/compare.py runs/sweep/sweep.json --metric=g_star
+
+Inputs are replay reports (scripts/replay.py) or a sweep (scripts/sweep.py,
+ranked by G*). Runs are ranked only when every comparison coordinate
+(model, executor + cost model, trace + window + rate scale, SLOs, metric
+definitions, engine config apart from the policy) is equal; otherwise the
+script names the coordinate that differs and exits with status 2.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags
+
+from serving import ablation
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("metric", "request_goodput", "Metric to rank by (higher is better): "
+                    "a report key, a ledger goodput key, or g_star for a sweep.")
+
+
+def rows_of(path: str):
+  run = json.load(open(path))
+  if "trials" in run:       # a sweep: one row per policy, coordinates per trial
+    runs = []
+    for p in run["policies"]:
+      t = next(t for t in run["trials"] if t["policy"] == p)
+      coords_run = {"config": t["config"], "slo": run["slo"],
+                    "rate_scale": tuple(run["rate_scales"]),
+                    "metric_definitions": run["metric_definitions"]}
+      coords_run["config"] = dict(t["config"], workload={
+          "trace": run["trace"], "window_s": run["window_s"],
+          "trials": run["trials_per_point"]})
+      runs.append((f"{os.path.basename(path)}:{p}", p, coords_run,
+                   {"g_star": run["g_star"][p]["g_star"],
+                    "g_star_interpolated": run["g_star"][p]["g_star_interpolated"]}))
+    return runs
+  led = run.get("ledger", {}).get("goodput", {})
+  return [(path, run["config"]["policy_id"], run, {**run, **led})]
+
+
+def main(argv):
+  paths = argv[1:]
+  if not paths:
+    raise ValueError("compare.py needs at least one run JSON")
+  rows = [r for p in paths for r in rows_of(p)]
+  ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
+  print(ablation.table([{"name": n, "policy": p, FLAGS.metric: m.get(FLAGS.metric)}
+                        for n, p, _, m in rows], FLAGS.metric))
+  print("coordinates (equal for every run):")
+  for k, v in ablation.coordinates(rows[0][2]).items():
+    print(f"  {k}: {v[:160]}")
+
+
+if __name__ == "__main__":
+  try:
+    app.run(main)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,249 @@
+"""Goodput-capacity sweep: policies x arrival-rate scales x seeded trials.
+
+  python scripts/sweep.py --policies=sarathi_serve,vllm_v1,fcfs_prefill_first \
+      --rate_scales=0.25,0.5,1,2 --trials=2 --window_s=120 --out=runs/sweep_azure
+
+Each trial replays a window of the trace, ``[k*W, (k+1)*W)`` seconds for
+trial k (distinct slices of real traffic), with inter-arrival gaps divided
+by the rate scale, through the real scheduler code: the simulated executor
+on a virtual clock by default (``--executor=model`` runs the model, on the
+wall clock unless ``--clock=virtual``). Per (policy, rate) the mean offered
+attainment (valid/offered, SLO ``--ttft_ms`` and ``--tpot_ms``) gives G* at
+``--alpha`` (DistServe's definition, ``serving.ablation.g_star``). Every
+trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+from absl import app, flags
+
+from models.config import get_config
+from serving import ablation, launch, ledger, metrics, workloads
+from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.replay import replay, run_config
+from serving.sim_executor import VirtualClock
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
+                    "AzureLLMInferenceTrace_conv.csv", "KIND:PATH (azure, vtc, mooncake).")
+flags.DEFINE_list("policies", ["sarathi_serve", "vllm_v1"], "Policies to compare.")
+flags.DEFINE_list("rate_scales", ["0.5", "1", "2"], "Arrival-rate multipliers.")
+flags.DEFINE_integer("trials", 2, "Seeded trials (trace windows) per point.")
+flags.DEFINE_float("window_s", 60.0, "Trace seconds per trial (before rate scaling).")
+flags.DEFINE_float("ttft_ms", 2000.0, "SLO: TTFT limit (ms).")
+flags.DEFINE_float("tpot_ms", 100.0, "SLO: TPOT limit (ms).")
+flags.DEFINE_float("alpha", 0.9, "Attainment target of G*.")
+flags.DEFINE_string("model", "smollm2-135m", "Model preset (its config shapes the run).")
+flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
+flags.DEFINE_integer("max_model_len", 8192, "Context (prompts are clipped to it minus 1).")
+flags.DEFINE_integer("max_output_len", None, "Cap output lengths (default: none).")
+flags.DEFINE_enum("executor", "simulated", ["simulated", "model"], "Executor.")
+flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simulated.")
+flags.DEFINE_string("cost_model", "", "Cost model JSON (default configs/ calibration).")
+flags.DEFINE_integer("sample_every", 8, "Ledger time series: every N steps.")
+flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs).")
+flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
+                  "sweep.json files (same trace, window, SLOs, alpha and trials; "
+                  "different rate grids) into --out, recomputing G* and plots.")
+
+
+def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
+  kind, _, path = FLAGS.trace.partition(":")
+  loader = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
+            "mooncake": workloads.load_mooncake_trace}[kind]
+  w = FLAGS.window_s
+  return loader(path, time_scale=1.0 / rate_scale, window_s=(trial * w, (trial + 1) * w),
+                max_prompt_len=max_model_len - 1, max_output_len=FLAGS.max_output_len,
+                seed=trial, vocab_size=vocab)
+
+
+def run_trial(model_cfg, params, config, wl):
+  clock = FLAGS.clock or ("virtual" if config.executor == "simulated" else "wall")
+  engine = Engine(model_cfg, params, config,
+                  clock=VirtualClock() if clock == "virtual" else time.monotonic)
+  sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
+  t = time.perf_counter()
+  records, duration_s = replay(engine, wl, realtime=False, on_step=sampler)
+  wall_s = time.perf_counter() - t
+  led = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=FLAGS.ttft_ms,
+                            tpot_ms=FLAGS.tpot_ms, tbt_ms=FLAGS.tpot_ms, engine=engine,
+                            sampler=sampler)
+  report = metrics.build_report(records, duration_s, run_config(engine, FLAGS.model),
+                                num_offered=len(wl))
+  q = np.linspace(0, 100, 51)
+  ttft = [r.ttft_s * 1e3 for r in records if r.outcome == "completed"]
+  gaps = [(b - a) * 1e3 for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
+  clients = sorted({r.client for r in records})
+  return {
+      "offered_rate_req_s": len(wl) / max(wl.duration_s, 1e-9),
+      "duration_s": duration_s, "wall_s": wall_s, "iterations": engine.num_iterations,
+      "iterations_per_s": engine.num_iterations / wall_s,
+      "attainment": led["goodput"]["offered_attainment"],
+      "admitted_attainment": led["goodput"]["admitted_attainment"],
+      "request_goodput": led["goodput"]["request_goodput"],
+      "token_goodput": led["goodput"]["token_goodput"],
+      "outcomes": led["outcomes"]["total"], "tbt": led["tbt"],
+      "fairness": {k: led["fairness"][k] for k in ("starved", "client_service_gap")},
+      "resources": {k: v for k, v in led["resources"].items() if k != "per_request"},
+      "report": {k: report[k] for k in report if k.startswith(("median_", "p90_", "p99_"))},
+      "ttft_ms_quantiles": np.percentile(ttft, q).tolist() if ttft else [],
+      "tbt_ms_quantiles": np.percentile(gaps, q).tolist() if gaps else [],
+      "client_service": {c: [(t, w) for t, w in _service_curve(records, c)]
+                         for c in clients[:6]},
+      "config": report["config"],
+  }
+
+
+def _service_curve(records, client, w_p=1.0, w_q=2.0, points=40):
+  ev = sorted((t, w_q + (w_p * r.prompt_tokens if i == 0 else 0.0)) for r in records
+              if r.client == client for i, t in enumerate(r.token_times_s))
+  if not ev:
+    return []
+  t, w = np.array([e[0] for e in ev]), np.cumsum([e[1] for e in ev])
+  idx = np.unique(np.linspace(0, len(t) - 1, points).astype(int))
+  return list(zip(t[idx].tolist(), w[idx].tolist()))
+
+
+def plots(result, out):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  pols = result["policies"]
+  fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  for p in pols:
+    pts = result["points"][p]
+    ax[0].plot([x["rate_req_s"] for x in pts], [x["attainment"] for x in pts], "o-", label=p)
+    ax[1].plot([x["rate_req_s"] for x in pts], [x["request_goodput"] for x in pts], "o-", label=p)
+  ax[0].axhline(result["alpha"], ls="--", c="gray")
+  ax[0].set(xlabel="offered rate (req/s)", ylabel="SLO attainment (valid/offered)")
+  ax[1].set(xlabel="offered rate (req/s)", ylabel="request goodput (req/s)")
+  ax[0].legend()
+  fig.tight_layout(); fig.savefig(f"{out}/attainment_goodput.png", dpi=90); plt.close(fig)
+  mid = result["rate_scales"][len(result["rate_scales"]) // 2]
+  trials = {p: next(t for t in result["trials"] if t["policy"] == p and
+                    t["rate_scale"] == mid and t["trial"] == 0) for p in pols}
+  fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  q = np.linspace(0, 1, 51)
+  for p, t in trials.items():
+    if t["ttft_ms_quantiles"]:
+      ax[0].plot(t["ttft_ms_quantiles"], q, label=p)
+    if t["tbt_ms_quantiles"]:
+      ax[1].plot(t["tbt_ms_quantiles"], q, label=p)
+  ax[0].set(xscale="log", xlabel="TTFT (ms)", ylabel="CDF", title=f"rate x{mid}")
+  ax[1].set(xscale="log", xlabel="TBT gap (ms)", ylabel="CDF")
+  ax[0].legend(); fig.tight_layout(); fig.savefig(f"{out}/ttft_tbt_cdf.png", dpi=90)
+  plt.close(fig)
+  fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  for p, t in trials.items():
+    rows = np.array(t["resources"].get("timeseries", {}).get("rows", []))
+    if len(rows):
+      ax[0].plot(rows[:, 0] / 1e3, rows[:, 1], label=p)
+      ax[1].plot(rows[:, 0] / 1e3, rows[:, 2], label=p)
+  ax[0].set(xlabel="time (s)", ylabel="KV pages in use", title=f"rate x{mid}, trial 0")
+  ax[1].set(xlabel="time (s)", ylabel="queue length (waiting)")
+  ax[0].legend(); fig.tight_layout(); fig.savefig(f"{out}/kv_queue.png", dpi=90)
+  plt.close(fig)
+  fig, axes = plt.subplots(1, len(pols), figsize=(5 * len(pols), 4), squeeze=False)
+  for a, (p, t) in zip(axes[0], trials.items()):
+    for c, curve in t["client_service"].items():
+      if curve:
+        a.plot([x[0] for x in curve], [x[1] for x in curve], label=c)
+    a.set(xlabel="time (s)", ylabel="weighted service (tokens)", title=p)
+    a.legend(fontsize=7)
+  fig.tight_layout(); fig.savefig(f"{out}/client_service.png", dpi=90); plt.close(fig)
+
+
+def main(argv):
+  del argv
+  if FLAGS.merge:
+    return finish(merge(FLAGS.merge))
+  os.makedirs(FLAGS.out, exist_ok=True)
+  model_cfg = get_config(FLAGS.model)
+  base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
+                             executor=FLAGS.executor, cost_model=FLAGS.cost_model,
+                             num_clients=64)
+  params = None
+  if FLAGS.executor == "model":
+    from models.loaders import load_model
+    model_cfg, params, _ = load_model(FLAGS.model)
+  rates = [float(r) for r in FLAGS.rate_scales]
+  result = {"trace": FLAGS.trace, "window_s": FLAGS.window_s, "trials_per_point": FLAGS.trials,
+            "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
+            "policies": FLAGS.policies, "rate_scales": rates,
+            "metric_definitions": ablation.METRIC_DEFINITIONS,
+            "load_avg_start": os.getloadavg(), "trials": [], "points": {}, "g_star": {}}
+  for policy in FLAGS.policies:
+    config = dataclasses.replace(base, policy=policy)
+    for rate in rates:
+      for k in range(FLAGS.trials):
+        wl = load(rate, k, model_cfg.vocab_size, config.max_model_len)
+        t = run_trial(model_cfg, params, config, wl)
+        t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
+                 window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
+        result["trials"].append(t)
+        print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
+              f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s", flush=True)
+  result["load_avg_end"] = os.getloadavg()
+  finish(result)
+
+
+def summarize(result):
+  """Points (mean over trials) and G* per policy, from ``result["trials"]``."""
+  for policy in result["policies"]:
+    pts = []
+    for rate in result["rate_scales"]:
+      ts = [t for t in result["trials"] if t["policy"] == policy and t["rate_scale"] == rate]
+      pts.append({"rate_scale": rate,
+                  "rate_req_s": float(np.mean([t["offered_rate_req_s"] for t in ts])),
+                  "attainment": float(np.mean([t["attainment"] for t in ts])),
+                  "request_goodput": float(np.mean([t["request_goodput"] for t in ts]))})
+    result["points"][policy] = pts
+    result["g_star"][policy] = ablation.g_star([p["rate_req_s"] for p in pts],
+                                               [p["attainment"] for p in pts], result["alpha"])
+
+
+def merge(paths):
+  """One sweep from several with equal settings and disjoint rate grids.
+
+  Raises:
+    ValueError: a setting other than the rate grid differs, or a rate repeats.
+  """
+  runs = [json.load(open(p)) for p in paths]
+  keys = ("trace", "window_s", "trials_per_point", "slo", "alpha", "policies",
+          "metric_definitions")
+  for p, r in zip(paths[1:], runs[1:]):
+    for k in keys:
+      if r[k] != runs[0][k]:
+        raise ValueError(f"--merge: {p} differs from {paths[0]} in {k!r}")
+  rates = sorted(x for r in runs for x in r["rate_scales"])
+  if len(set(rates)) != len(rates):
+    raise ValueError(f"--merge: a rate scale appears in two sweeps: {rates}")
+  # Engine config, model, executor and cost model equal across every trial.
+  ablation.check_comparable([dict(t, rate_scale=None) for r in runs for t in r["trials"]])
+  return dict({k: runs[0][k] for k in keys}, rate_scales=rates, merged_from=list(paths),
+              trials=[t for r in runs for t in r["trials"]], points={}, g_star={},
+              load_avg_start=runs[0]["load_avg_start"], load_avg_end=runs[-1]["load_avg_end"])
+
+
+def finish(result):
+  summarize(result)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  with open(f"{FLAGS.out}/sweep.json", "w") as f:
+    json.dump(result, f, indent=1)
+  plots(result, FLAGS.out)
+  for p, g in result["g_star"].items():
+    print(f"G*({p}) at alpha={result['alpha']}: {g['g_star']} req/s "
+          f"(interpolated {g['g_star_interpolated']})")
+  print(f"wrote {FLAGS.out}/sweep.json and PNGs")
+
+
+if __name__ == "__main__":
+  app.run(launch.exit_on_bad_input(main))

@@ -1,0 +1,105 @@
+"""Comparison coordinates, goodput capacity and the ablation table (§0x0E).
+
+Two runs may be ranked only when every coordinate that shapes their numbers
+is equal: the model, the executor (and for a modelled clock its cost model),
+the trace, its window and rate scale, the SLOs, the metric definitions and
+the engine configuration apart from the policy being compared.
+``check_comparable`` refuses otherwise and names the first coordinate that
+differs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Optional, Sequence
+
+METRIC_DEFINITIONS = ("vLLM benchmark_serving TTFT/TPOT/ITL/E2EL from original arrival; "
+                      "attainment = valid/offered (§0x07); G* = largest rate with mean "
+                      "attainment >= alpha (DistServe)")
+
+# Engine-config keys that are the compared variable or measured outcomes.
+_NOT_COORDINATES = {"policy_id", "policy_version", "compiled_programs", "bucket_histogram",
+                    "iterations", "preemptions", "swap", "recompute_tokens", "workload",
+                    "compile_seconds_by_bucket", "cost_model", "slo", "trace", "platform",
+                    "device"}
+
+
+def coordinates(run: dict) -> Dict[str, str]:
+  """The comparison coordinates of a replay report or a sweep trial
+  (each rendered as a canonical JSON string)."""
+  config = run.get("config", {})
+  cost = config.get("cost_model")
+  cost = None if cost is None else {k: cost.get(k) for k in ("intercept_ms", "coef_ms",
+                                                             "min_step_ms")} | {
+      "file": cost.get("meta", {}).get("path")}
+  workload = config.get("workload", {})
+  engine = {k: v for k, v in sorted(config.items()) if k not in _NOT_COORDINATES}
+  for k in ("model", "executor", "clock"):
+    engine.pop(k, None)
+  coords = {
+      "model": config.get("model"),
+      "executor": [config.get("executor", "model"), config.get("clock", "wall")],
+      "cost_model": cost,
+      "trace": workload,
+      "rate_scale": run.get("rate_scale", 1.0),
+      "slo": run.get("slo") or run.get("ledger", {}).get("slo"),
+      "metric_definitions": run.get("metric_definitions", METRIC_DEFINITIONS),
+      "engine_config": engine,
+  }
+  return {k: json.dumps(v, sort_keys=True) for k, v in coords.items()}
+
+
+def check_comparable(runs: Sequence[dict], names: Optional[Sequence[str]] = None) -> None:
+  """Raises ValueError naming the first coordinate in which two runs differ."""
+  names = list(names or [f"run{i}" for i in range(len(runs))])
+  if len(runs) < 2:
+    return
+  base = coordinates(runs[0])
+  for name, run in zip(names[1:], runs[1:]):
+    other = coordinates(run)
+    for key in base:
+      if base[key] != other[key]:
+        raise ValueError(f"refusing to rank {names[0]} and {name}: coordinate {key!r} "
+                         f"differs ({base[key]} vs {other[key]})")
+
+
+def g_star(rates: Sequence[float], attainment: Sequence[float], alpha: float) -> dict:
+  """Goodput capacity at attainment ``alpha`` (DistServe, Zhong et al. OSDI
+  2024: the highest request rate whose SLO attainment is >= alpha).
+
+  Args:
+    rates: ascending request rates (req/s); attainment: mean attainment at
+      each (fraction in [0, 1]).
+  Returns:
+    ``{"g_star": largest grid rate such that it and every lower rate meet
+    alpha (None if the lowest misses), "g_star_interpolated": the linear
+    crossing between that rate and the next one (equal to g_star when no
+    higher rate was run), "alpha"}``.
+  Raises:
+    ValueError: unsorted or mismatched inputs, alpha outside (0, 1].
+  """
+  if not 0 < alpha <= 1:
+    raise ValueError(f"g_star: alpha must be in (0, 1], got {alpha}")
+  if len(rates) != len(attainment) or list(rates) != sorted(rates) or not rates:
+    raise ValueError("g_star: rates must be non-empty, ascending and match attainment")
+  best = None
+  for i, (r, a) in enumerate(zip(rates, attainment)):
+    if a + 1e-12 < alpha:
+      break
+    best = i
+  if best is None:
+    return {"alpha": alpha, "g_star": None, "g_star_interpolated": None}
+  interp = rates[best]
+  if best + 1 < len(rates):
+    r0, r1, a0, a1 = rates[best], rates[best + 1], attainment[best], attainment[best + 1]
+    interp = r0 + (r1 - r0) * (a0 - alpha) / (a0 - a1) if a0 != a1 else r0
+  return {"alpha": alpha, "g_star": rates[best], "g_star_interpolated": interp}
+
+
+def table(rows: List[dict], metric: str) -> str:
+  """A text table of runs ranked by ``metric`` (higher first)."""
+  rows = sorted(rows, key=lambda r: -(r.get(metric) or 0.0))
+  width = max(len(r["name"]) for r in rows)
+  lines = [f"{'run':<{width}}  {'policy':<22} {metric:>14}"]
+  lines += [f"{r['name']:<{width}}  {r['policy']:<22} {r.get(metric)!s:>14}" for r in rows]
+  return "\n".join(lines)

@@ -1,0 +1,203 @@
+"""Simulated executor, virtual clock, cost model and the §0x07 ledger."""
+
+import json
+
+import numpy as np
+import pytest
+
+from serving import cost_model as cost_lib
+from serving import ledger, metrics, workloads
+from serving.config import EngineConfig, SamplingParams
+from serving.engine import Engine
+from serving.replay import replay, run_config
+from serving.sim_executor import VirtualClock
+from tests.serving.engine_testing import CFG, prompts
+
+INTERCEPT_MS, COEF_MS = 5.0, (0.5, 2.0, 0.01, 0.125)
+
+
+@pytest.fixture(scope="module")
+def cost_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("cost") / "cost.json"
+  cost_lib.CostModel(INTERCEPT_MS, COEF_MS, meta={"model": "tiny"}).save(path)
+  return str(path)
+
+
+def _sim_engine(params, cost_file, **overrides):
+  cfg = EngineConfig.preset("tiny", executor="simulated", cost_model=cost_file, **overrides)
+  return Engine(CFG, params, cfg)
+
+
+def _workload(seed, n=16):
+  return workloads.synthetic_azure_conv(
+      n, rate_scale=2.0, seed=seed, max_prompt_len=30, max_output_len=12,
+      vocab_size=CFG.vocab_size, reserved_token_ids=frozenset({0, 1}))
+
+
+def _report_bytes(params, cost_file, path):
+  engine = _sim_engine(params, cost_file)
+  wl = _workload(3)
+  sampler = ledger.ResourceSampler(engine)
+  records, duration_s = replay(engine, wl, realtime=False, on_step=sampler)
+  report = metrics.build_report(records, duration_s, run_config(engine, "tiny"),
+                                num_offered=len(wl))
+  report["ledger"] = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=200.0,
+                                         tpot_ms=30.0, tbt_ms=30.0, engine=engine,
+                                         sampler=sampler)
+  metrics.write_report(path, report)
+  return path.read_bytes(), records, engine
+
+
+def test_simulated_replays_are_byte_identical_and_admit_by_virtual_time(
+    params, cost_file, tmp_path):
+  a, records, engine = _report_bytes(params, cost_file, tmp_path / "a.json")
+  b, _, _ = _report_bytes(params, cost_file, tmp_path / "b.json")
+  assert a == b
+  wl = {s.request_id: s for s in _workload(3)}
+  for r in records:
+    # Arrivals keep their recorded offsets on the virtual clock; every
+    # request ran to its recorded length.
+    assert r.arrival_s == pytest.approx(wl[r.request_id].arrival_s, abs=1e-9)
+    assert r.outcome == "completed" and r.output_tokens == wl[r.request_id].max_tokens
+    assert r.first_token_s > r.arrival_s
+  # Engine time is the sum of modelled step times: alone on an idle engine,
+  # a 20-token prompt gets its first token after 3 chunks (cap 8) of
+  # (5 + 0.5 rows + 0.01 keys read + 0.125 bucket) ms, a chunk [s, e)
+  # reading (e - s)(s + e + 1)/2 keys; then 1 decode step reading 21 keys.
+  engine = _sim_engine(params, cost_file)
+  req = engine.add_request("solo", prompts([20])[0], SamplingParams(max_tokens=2))
+  engine.run()
+  t_ms = sum(INTERCEPT_MS + 0.5 * n + 0.01 * keys + 0.125 * 8
+             for n, keys in ((8, 36), (8, 100), (4, 74)))
+  assert req.token_times_ms[0] == pytest.approx(t_ms, rel=1e-6)
+  assert req.token_times_ms[1] - req.token_times_ms[0] == pytest.approx(
+      INTERCEPT_MS + 2.0 + 0.01 * 21 + 0.125 * 8, rel=1e-6)
+  report = json.loads(a)
+  assert report["config"]["executor"] == "simulated"
+  assert report["config"]["clock"] == "virtual"
+
+
+def test_hidden_output_length_ends_the_request_and_stays_out_of_the_policy(
+    params, cost_file):
+  engine = _sim_engine(params, cost_file)
+  engine.realized_output_tokens["short"] = 3
+  req = engine.add_request("short", prompts([10])[0], SamplingParams(max_tokens=20))
+  long = engine.add_request("long", prompts([6], seed=1)[0], SamplingParams(max_tokens=5))
+  engine.run()
+  assert (req.outcome, req.finish_reason, len(req.output_token_ids)) == ("completed", "eos", 3)
+  assert req.output_token_ids[-1] in CFG.eos_token_ids
+  assert (long.finish_reason, len(long.output_token_ids)) == ("length", 5)
+  assert engine.manifest.hidden_realized_output_tokens is None
+
+
+def test_simulated_executor_refuses_a_wall_clock(params, cost_file):
+  cfg = EngineConfig.preset("tiny", executor="simulated", cost_model=cost_file)
+  with pytest.raises(ValueError, match="VirtualClock"):
+    Engine(CFG, params, cfg, clock=lambda: 0.0)
+  with pytest.raises(ValueError, match="executor"):
+    EngineConfig.preset("tiny", executor="fast")
+
+
+def test_cost_model_fit_recovers_known_coefficients():
+  rng = np.random.default_rng(0)
+  x = np.stack([rng.integers(0, 256, 200), rng.integers(0, 32, 200),
+                rng.integers(0, 20000, 200), rng.choice([64, 128, 256], 200)], 1)
+  y = INTERCEPT_MS + x @ np.array(COEF_MS) + rng.normal(0, 0.01, 200)
+  fit = cost_lib.fit(x, y)
+  assert fit.intercept_ms == pytest.approx(INTERCEPT_MS, abs=0.05)
+  np.testing.assert_allclose(fit.coef_ms, COEF_MS, rtol=0.01, atol=1e-4)
+  assert fit.meta["rms_residual_ms"] < 0.02
+  assert fit.predict_ms([10, 2, 300, 64]) == pytest.approx(
+      5 + 5 + 4 + 3 + 8, abs=0.05)
+  plain = cost_lib.fit(x, y, nonnegative=False)
+  np.testing.assert_allclose(plain.coef_ms, COEF_MS, rtol=0.01, atol=1e-4)
+  with pytest.raises(ValueError, match="at least"):
+    cost_lib.fit(x[:3], y[:3])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ledger_partition_closes_on_random_workloads_with_aborts(params, cost_file, seed):
+  rng = np.random.default_rng(seed)
+  engine = _sim_engine(params, cost_file)
+  wl = _workload(10 + seed, n=14)
+  victims = set(rng.choice([s.request_id for s in wl], 4, replace=False))
+  steps = [0]
+
+  def abort_some(outputs):
+    steps[0] += 1
+    for rid in list(victims):
+      if rid in engine.requests and rng.random() < 0.3:
+        engine.abort(rid)
+        victims.discard(rid)
+
+  records, duration_s = replay(engine, wl, realtime=False, on_step=abort_some)
+  horizon = float(np.median([r.token_times_s[-1] for r in records if r.token_times_s]))
+  out = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=100.0, tpot_ms=20.0,
+                            tbt_ms=20.0, horizon_s=horizon, cohort_s=1.0, engine=engine)
+  total = out["outcomes"]["total"]
+  assert total["offered"] == len(wl)
+  assert sum(total[p] for p in ledger.PARTS) == len(wl)
+  assert total["cancelled"] == sum(r.outcome == "cancelled" for r in records) >= 1
+  assert total["open_at_horizon"] >= 1
+  for group in out["outcomes"]["by_cohort"] + list(out["outcomes"]["by_client"].values()):
+    assert sum(group[p] for p in ledger.PARTS) == group["offered"]
+  assert sum(c["offered"] for c in out["outcomes"]["by_cohort"]) == len(wl)
+  # Independent count of the valid requests.
+  valid = sum(1 for r in records if r.outcome == "completed" and r.token_times_s[-1] <= horizon
+              and r.ttft_s <= 0.1 and (r.tpot_s is None or r.tpot_s <= 0.02))
+  assert total["valid"] == valid
+  gaps = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
+  assert out["tbt"]["deadline_misses"] == sum(g > 0.02 for g in gaps)
+
+
+def test_comparison_refuses_runs_whose_coordinates_differ(params, cost_file, tmp_path):
+  from serving import ablation
+  raw, _, _ = _report_bytes(params, cost_file, tmp_path / "r.json")
+  base = json.loads(raw)
+  other = json.loads(raw)
+  other["config"]["policy_id"] = "vllm_v1"          # the compared variable
+  ablation.check_comparable([base, other])
+  for path, value, coordinate in (
+      (("ledger", "slo", "ttft_ms"), 500.0, "slo"),
+      (("config", "cost_model", "intercept_ms"), 6.0, "cost_model"),
+      (("config", "max_num_batched_tokens"), 32, "engine_config"),
+      (("config", "workload"), {"source": "azure", "window_s": [0, 60]}, "trace"),
+      (("config", "executor"), "model", "executor")):
+    changed = json.loads(raw)
+    node = changed
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ValueError, match=f"coordinate '{coordinate}' differs"):
+      ablation.check_comparable([base, changed], ["a", "b"])
+
+
+def test_g_star_follows_distserve_definition():
+  from serving import ablation
+  g = ablation.g_star([1.0, 2.0, 4.0, 8.0], [1.0, 0.95, 0.85, 0.2], 0.9)
+  assert g["g_star"] == 2.0
+  assert g["g_star_interpolated"] == pytest.approx(2.0 + 2.0 * 0.05 / 0.10)
+  assert ablation.g_star([1.0, 2.0], [0.5, 0.99], 0.9)["g_star"] is None
+
+
+def test_model_executor_on_a_virtual_clock_repeats_schedule_and_report(
+    params, cost_file, tmp_path):
+  """--clock=virtual with the real model: time is the cost model's, so the
+  schedule, token times and tokens repeat bit for bit, and the schedule is
+  the simulated executor's (same lengths: the trace's max_tokens)."""
+  def run(executor, path):
+    cfg = EngineConfig.preset("tiny", executor=executor, cost_model=cost_file)
+    engine = Engine(CFG, params, cfg, clock=VirtualClock())
+    engine.record_plans = True
+    wl = _workload(5, n=8)
+    records, duration_s = replay(engine, wl, realtime=False)
+    metrics.write_report(path, metrics.build_report(
+        records, duration_s, run_config(engine, "tiny"), num_offered=len(wl)))
+    return path.read_bytes(), engine.plan_log, [r.token_times_s for r in records]
+
+  a, plans_a, times_a = run("model", tmp_path / "a.json")
+  b, plans_b, _ = run("model", tmp_path / "b.json")
+  assert a == b and plans_a == plans_b
+  _, plans_sim, times_sim = run("simulated", tmp_path / "s.json")
+  assert [p["scheduled"] for p in plans_sim] == [p["scheduled"] for p in plans_a]
+  assert times_sim == times_a
