@@ -90,6 +90,10 @@ class EngineConfig:
       preemption/resume ablations and exactness checks.
     max_preemptions_per_request: a request preempted more often ends
       ``failed`` with that reason (no preemption livelock); 0 = no bound.
+    enable_prefix_caching: automatic prefix caching (``serving.prefix_cache``):
+      full prompt pages are keyed by content and shared; a request starts
+      its prefill after the longest cached prefix. On by default, as in
+      vLLM; off for ablations.
   """
 
   max_num_seqs: int = 32
@@ -111,6 +115,7 @@ class EngineConfig:
   swap_space_mb: float = 1024.0
   force_preempt_every: int = 0
   max_preemptions_per_request: int = 64
+  enable_prefix_caching: bool = True
 
   def __post_init__(self):
     c = "EngineConfig"
@@ -140,6 +145,8 @@ class EngineConfig:
              self.swap_space_mb)
     _require(self.max_preemptions_per_request >= 0, c, "max_preemptions_per_request",
              "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
+    _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
+             "must be a bool", self.enable_prefix_caching)
     _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
 

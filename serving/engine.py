@@ -20,6 +20,15 @@ way the host keeps the request's §0x0C QueueRecord / PreemptionIntent /
 ReleaseResult / PreservationResult / ResumeTicket chain, bound by
 (request_id, generation, snapshot digest, suspension epoch).
 
+Automatic prefix caching (``EngineConfig.enable_prefix_caching``,
+``serving.prefix_cache``): when a request enters a slot, the longest cached
+prefix of its prompt (whole pages, at least one prompt token left) is mapped
+into its page table and its prefill starts there; the policy reads the hit
+as ``AllocatorView.prefix_hit_tokens`` and the plan is validated against the
+same view. After each step the full prompt pages computed so far join the
+cache; before a step that needs more pages than are free, unreferenced
+cached pages are evicted, least recently used first.
+
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
 ``failed`` (non-finite logits); ``Request.finish_reason`` says why.
@@ -45,6 +54,7 @@ from scheduler.policies import Budgets, make_policy
 from scheduler.policy_forced import ForcedPreemption
 from serving import kv_pages
 from serving import kv_swap
+from serving import prefix_cache as pc
 from serving.config import EngineConfig, SamplingParams
 from serving.executor import ModelRunner, execute, init_buffers
 
@@ -68,6 +78,7 @@ class Request:
   finish_reason: str = ""
   num_preemptions: int = 0
   recompute_tokens: int = 0
+  prefix_hit_tokens: int = 0
   slot: int = -1
   queue_record: Optional[pre.QueueRecord] = dataclasses.field(default=None, repr=False)
 
@@ -133,6 +144,10 @@ class Engine:
     self.record_plans = False
     self.plan_log: List[dict] = []
     self._page_bytes = kv_swap.page_bytes(self.kv)
+    self.prefix_cache = (pc.PrefixCache(c.num_pages, c.page_size,
+                                        pc.root_key(model_cfg, c.dtype, c.page_size))
+                         if c.enable_prefix_caching else None)
+    self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
 
     self._programs = _programs(model_cfg, config)
 
@@ -224,6 +239,7 @@ class Engine:
   def _end(self, req: Request, outcome: str, reason: str) -> None:
     assert outcome in OUTCOMES
     req.outcome, req.finish_reason = outcome, reason
+    self._prefix_keys.pop(req.request_id, None)
     suspended = self.swap.pop(req.request_id)
     if suspended is not None:      # ended while suspended: the copy is void
       req.queue_record = pre.cancel(suspended.record)
@@ -246,22 +262,88 @@ class Engine:
                 s.max_tokens, req.priority, self._clients[req.client],
                 s.temperature, s.top_k, s.top_p, np.uint32(s.seed), s.min_tokens,
                 s.ignore_eos)
+      hit = self._match_prefix(req, slot)
       self.manifest, self.state, self.buffers = self._programs.arrive(
-          self.manifest, self.state, self.buffers, np.int32(slot), fields, prompt, stop)
+          self.manifest, self.state, self.buffers, np.int32(slot), fields, prompt, stop,
+          np.int32(hit))
       req.slot = slot
       self._slots[slot] = req
+
+  # ------------------------------------------------------- prefix caching
+  def _match_prefix(self, req: Request, slot: int) -> int:
+    """Maps the longest cached prefix of ``req``'s prompt into ``slot``'s
+    (empty) page table; returns the hit in tokens (0 without a cache)."""
+    cache = self.prefix_cache
+    if cache is None:
+      return 0
+    keys = self._prefix_keys.setdefault(req.request_id,
+                                        cache.keys_for(req.prompt_token_ids))
+    hit = cache.match(keys, len(req.prompt_token_ids))
+    if hit:
+      ids = np.full(self.config.pages_per_seq, kv_pages.NULL_PAGE, np.int32)
+      ids[:len(hit)] = hit
+      self.pages = self._programs.map_prefix(self.pages, np.int32(slot), ids,
+                                             np.int32(len(hit)))
+    req.prefix_hit_tokens = len(hit) * self.config.page_size
+    return req.prefix_hit_tokens
+
+  def _view(self) -> rec.AllocatorView:
+    """The allocator view the policy plans with and the plan is validated
+    against (prefix hits per slot when caching)."""
+    hits = None
+    if self.prefix_cache is not None:
+      hits = np.array([0 if r is None else r.prefix_hit_tokens for r in self._slots],
+                      np.int32)
+    return kv_pages.view(self.pages, hits)
+
+  def _evict_for(self, plan, preempt) -> None:
+    """Evicts unreferenced cached pages (LRU) so that the free stack covers
+    the pages ``plan`` allocates after its preemptions release theirs."""
+    c = self.config
+    selected, end, held, table, refcount, cached, num_free = jax.device_get((
+        plan.selected, plan.end, self.pages.pages_held, self.pages.page_table,
+        self.pages.refcount, self.pages.cached, self.pages.num_free))
+    after = refcount.copy()
+    for slot in np.flatnonzero(preempt):
+      np.subtract.at(after, table[slot, :held[slot]], 1)
+    freed = int(((refcount > 0) & (after == 0) & ~cached).sum())
+    held = np.where(preempt, 0, held)
+    target = np.minimum(kv_pages.pages_for(end, c.page_size), c.pages_per_seq)
+    need = int(np.maximum(np.where(selected, target - held, 0), 0).sum())
+    short = need - int(num_free) - freed
+    if short > 0:
+      self.prefix_cache.evict(short, after)
+      self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
+
+  def _register_prefixes(self) -> None:
+    """Adds the computed full prompt pages of every live slot to the cache."""
+    c, cache = self.config, self.prefix_cache
+    computed, held, table = jax.device_get((self.state.computed, self.pages.pages_held,
+                                            self.pages.page_table))
+    added = 0
+    for slot, req in enumerate(self._slots):
+      if req is None:
+        continue
+      full = min(int(computed[slot]), len(req.prompt_token_ids), int(held[slot]) *
+                 c.page_size) // c.page_size
+      if full:
+        keys = self._prefix_keys[req.request_id]
+        added += cache.register(keys[:full], table[slot, :full])
+    if added:
+      self.pages = self._programs.sync_cached(self.pages, cache.cached_mask())
 
   def step(self) -> List[RequestOutput]:
     """Runs one iteration; returns the news for every request it touched."""
     self._fill_slots()
     self.state = apply_lib.tick(self.state, self.now_ms())
-    plan, bad = self._programs.plan(self.manifest, self.state, kv_pages.view(self.pages))
+    view = self._view()
+    plan, bad = self._programs.plan(self.manifest, self.state, view)
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
     bad, num_tokens, num_seqs, preempt, admit, never = jax.device_get(
         (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never))
     any_preempt = preempt.any()
     if bad:
-      validate.validate_plan(self.manifest.online(), self.state, plan)
+      validate.validate_plan(self.manifest.online(), self.state, plan, view)
     if never.any():
       self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
                          f"(token budget {self.config.max_num_batched_tokens}, "
@@ -278,6 +360,8 @@ class Engine:
       return []
     if self.record_plans:
       self._log_plan(plan)
+    if self.prefix_cache is not None:
+      self._evict_for(plan, preempt)
     preserved = np.zeros(self.config.max_request_slots, np.int32)
     if any_preempt:
       preserved = self._suspend(preempt, plan.decision_id)
@@ -299,7 +383,10 @@ class Engine:
       validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
     self.num_iterations += 1
-    return self._drain(emit_ms, *fetched, preempt)
+    outputs = self._drain(emit_ms, *fetched, preempt)
+    if self.prefix_cache is not None:
+      self._register_prefixes()
+    return outputs
 
   def _log_plan(self, plan) -> None:
     sel, start, end, kind, rank, admit, preempt, decision, status = jax.device_get((
@@ -471,6 +558,8 @@ class _Programs:
   release: Callable
   gather: Callable
   restore: Callable
+  map_prefix: Callable
+  sync_cached: Callable
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
@@ -489,7 +578,8 @@ class _Executor:
 # share one compiled executor.
 _POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
                     watermark_pages=0, preemption_mode="recompute", swap_space_mb=0.0,
-                    force_preempt_every=0, max_preemptions_per_request=0)
+                    force_preempt_every=0, max_preemptions_per_request=0,
+                    enable_prefix_caching=True)
 
 
 def _shape_config(config: EngineConfig) -> EngineConfig:
@@ -533,7 +623,8 @@ def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
 
 def _plan(policy, manifest, state, view):
   plan = policy(manifest.online(), state, view)
-  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan))
+  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan,
+                                                               view))
 
 
 def _publish(manifest, state, plan, result):
@@ -541,8 +632,9 @@ def _publish(manifest, state, plan, result):
   return apply_lib.apply(manifest, state, plan, result), bad
 
 
-def _arrive(manifest, state, buffers, slot, fields, prompt, stop_ids):
-  manifest, state = apply_lib.arrive(manifest, state, slot, *fields[:7])
+def _arrive(manifest, state, buffers, slot, fields, prompt, stop_ids, prefix_hit):
+  manifest, state = apply_lib.arrive(manifest, state, slot, *fields[:7],
+                                     cached_prefix_tokens=prefix_hit)
   temperature, top_k, top_p, seed, min_tokens, ignore_eos = fields[7:]
   set_ = lambda a, v: a.at[slot].set(jnp.asarray(v).astype(a.dtype))
   buffers = buffers.replace(
@@ -582,4 +674,6 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
+      map_prefix=jit("map_prefix", kv_pages.map_prefix),
+      sync_cached=jit("sync_cached", kv_pages.sync_cached),
       traces=traces, executor_traces=executor.traces)
