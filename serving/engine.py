@@ -137,6 +137,7 @@ class Engine:
     self._next_uid = 0
     self.num_iterations = 0
     self.num_preemptions = 0
+    self.prefill_tokens_computed = 0     # prompt and rebuild rows run
     self.buckets_used: Dict[int, int] = {}
     self.swap = kv_swap.SwapSpace(int(c.swap_space_mb * 2**20))
     # Set ``record_plans = True`` to keep, per iteration, the plan as host
@@ -339,8 +340,9 @@ class Engine:
     view = self._view()
     plan, bad = self._programs.plan(self.manifest, self.state, view)
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, preempt, admit, never = jax.device_get(
-        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never))
+    bad, num_tokens, num_seqs, preempt, admit, never, decodes = jax.device_get(
+        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never,
+         jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))))
     any_preempt = preempt.any()
     if bad:
       validate.validate_plan(self.manifest.online(), self.state, plan, view)
@@ -368,6 +370,7 @@ class Engine:
     for slot in np.flatnonzero(admit):
       if self.swap.get(self._slots[slot].request_id) is not None:
         self._resume(slot, preempt)
+    self.prefill_tokens_computed += int(num_tokens) - int(decodes)
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.kv, self.pages, self.buffers, result = self._programs.execute(
@@ -536,6 +539,15 @@ class Engine:
   @property
   def policy(self):
     return self._programs.policy
+
+  def prefix_cache_stats(self) -> dict:
+    """``prefix_cache_queries`` (prompt tokens looked up), ``prefix_cache_hits``
+    (tokens served from cache), ``prefix_cache_hit_rate`` (hits / queries),
+    evictions and cached pages; zeros with caching off (vLLM's names)."""
+    if self.prefix_cache is None:
+      return dict(prefix_cache_queries=0, prefix_cache_hits=0, prefix_cache_hit_rate=0.0,
+                  prefix_cache_evictions=0, prefix_cache_pages=0)
+    return self.prefix_cache.stats()
 
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, shared by

@@ -36,6 +36,9 @@ def define_engine_flags() -> None:
   flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
   flags.DEFINE_integer("force_preempt_every", None, "Override: preempt one decoding "
                        "request every N decisions (0 = off).")
+  flags.DEFINE_boolean("enable_prefix_caching", None, "Override: automatic prefix "
+                       "caching (shared KV pages of equal prompt prefixes; on by default; "
+                       "--noenable_prefix_caching for ablations).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -130,7 +133,8 @@ def engine_config(**overrides) -> EngineConfig:
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
-                force_preempt_every=FLAGS.force_preempt_every)
+                force_preempt_every=FLAGS.force_preempt_every,
+                enable_prefix_caching=FLAGS.enable_prefix_caching)
   fields.update(overrides)
   return EngineConfig.preset(FLAGS.engine, **fields)
 

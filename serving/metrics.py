@@ -103,6 +103,8 @@ class RequestRecord:
       clipped: the workload cut this request's prompt.
       output_token_ids: int[output_tokens] the emitted token ids (empty when
         the producer did not record them); replays compare them bit for bit.
+      prefix_hit_tokens: prompt tokens served from the prefix cache at
+        admission (whole KV pages; 0 without caching).
 
     Raises (on construction):
       ValueError: unknown outcome, inconsistent token times, or a completed
@@ -121,6 +123,7 @@ class RequestRecord:
     num_preemptions: int = 0
     clipped: bool = False
     output_token_ids: tuple[int, ...] = ()
+    prefix_hit_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))

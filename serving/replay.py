@@ -93,7 +93,7 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
       prompt_tokens=len(spec.prompt_token_ids), output_tokens=len(times),
       outcome=req.outcome, finish_reason=req.finish_reason,
       num_preemptions=req.num_preemptions, clipped=spec.clipped,
-      output_token_ids=req.output_token_ids)
+      output_token_ids=req.output_token_ids, prefix_hit_tokens=req.prefix_hit_tokens)
 
 
 def run_config(engine: Engine, model_name: str) -> dict:
@@ -124,4 +124,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "max_preemptions_per_request": c.max_preemptions_per_request,
       "swap": engine.swap.stats(),
       "recompute_tokens": sum(r.recompute_tokens for r in engine.requests.values()),
+      "enable_prefix_caching": c.enable_prefix_caching,
+      "prefill_tokens_computed": engine.prefill_tokens_computed,
+      **engine.prefix_cache_stats(),
   }
