@@ -149,6 +149,20 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
   return manifest, state
 
 
+def resume_from_prefix(state: rec.SchedulerState, slot, cached_prefix_tokens
+                       ) -> rec.SchedulerState:
+  """A recompute-preempted request, waiting with nothing computed, resumes
+  from the cached prefix the allocator mapped back into its page table
+  (``serving.prefix_cache``): computed and committed start there. Rows
+  below its ``rebuild_target`` stay recompute, as before."""
+  set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
+  return state.replace(
+      state_version=state.state_version + 1,
+      snapshot_version=state.snapshot_version.at[slot].add(1),
+      computed=set_(state.computed, cached_prefix_tokens),
+      committed=set_(state.committed, cached_prefix_tokens))
+
+
 def cancel(state: rec.SchedulerState, mask) -> rec.SchedulerState:
   """Live slots in ``mask`` (bool[R]) end with FINISH_ABORT."""
   live = mask & ((state.status == rec.WAITING) | (state.status == rec.RUNNING))

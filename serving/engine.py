@@ -149,6 +149,7 @@ class Engine:
                                         pc.root_key(model_cfg, c.dtype, c.page_size))
                          if c.enable_prefix_caching else None)
     self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
+    self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
 
     self._programs = _programs(model_cfg, config)
 
@@ -241,6 +242,7 @@ class Engine:
     assert outcome in OUTCOMES
     req.outcome, req.finish_reason = outcome, reason
     self._prefix_keys.pop(req.request_id, None)
+    self._rehit_epoch.pop(req.request_id, None)
     suspended = self.swap.pop(req.request_id)
     if suspended is not None:      # ended while suspended: the copy is void
       req.queue_record = pre.cancel(suspended.record)
@@ -288,14 +290,32 @@ class Engine:
     req.prefix_hit_tokens = len(hit) * self.config.page_size
     return req.prefix_hit_tokens
 
-  def _view(self) -> rec.AllocatorView:
-    """The allocator view the policy plans with and the plan is validated
-    against (prefix hits per slot when caching)."""
-    hits = None
-    if self.prefix_cache is not None:
-      hits = np.array([0 if r is None else r.prefix_hit_tokens for r in self._slots],
-                      np.int32)
-    return kv_pages.view(self.pages, hits)
+  def _rehit_preempted(self) -> None:
+    """A recompute-preempted request (no preserved copy) looks its prompt up
+    again once per preemption: its own cached pages, kept cached when it was
+    preempted, or anyone's, are mapped back and it resumes from the hit."""
+    computed, held, status = jax.device_get((self.state.computed,
+                                             self.pages.pages_held, self.state.status))
+    for slot, req in enumerate(self._slots):
+      if (req is None or not req.num_preemptions or held[slot] or computed[slot]
+          or status[slot] != rec.WAITING
+          or self._rehit_epoch.get(req.request_id) == req.num_preemptions):
+        continue
+      suspended = self.swap.get(req.request_id)
+      if suspended is not None and suspended.k is not None:
+        continue                 # swap restores its exact copy instead
+      self._rehit_epoch[req.request_id] = req.num_preemptions
+      hit = self._match_prefix(req, slot)
+      if hit:
+        self.state = self._programs.resume_prefix(self.state, np.int32(slot),
+                                                  np.int32(hit))
+
+  def _prefix_hits(self) -> Optional[np.ndarray]:
+    """i32[R] prefix-hit tokens of each slot's request (None when off)."""
+    if self.prefix_cache is None:
+      return None
+    return np.array([0 if r is None else r.prefix_hit_tokens for r in self._slots],
+                    np.int32)
 
   def _evict_for(self, plan, preempt) -> None:
     """Evicts unreferenced cached pages (LRU) so that the free stack covers
@@ -336,9 +356,11 @@ class Engine:
   def step(self) -> List[RequestOutput]:
     """Runs one iteration; returns the news for every request it touched."""
     self._fill_slots()
+    if self.prefix_cache is not None and self.num_preemptions:
+      self._rehit_preempted()
     self.state = apply_lib.tick(self.state, self.now_ms())
-    view = self._view()
-    plan, bad = self._programs.plan(self.manifest, self.state, view)
+    plan, bad, view = self._programs.plan(self.manifest, self.state, self.pages,
+                                          self._prefix_hits())
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
     bad, num_tokens, num_seqs, preempt, admit, never, decodes = jax.device_get(
         (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never,
@@ -572,6 +594,7 @@ class _Programs:
   restore: Callable
   map_prefix: Callable
   sync_cached: Callable
+  resume_prefix: Callable
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
@@ -633,10 +656,15 @@ def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
                       policy_version="", unschedulable=None, policy=None)
 
 
-def _plan(policy, manifest, state, view):
+def _plan(policy, manifest, state, pages, prefix_hits):
+  """The policy's plan, whether it violates a rule, and the allocator view it
+  read (the one validation replays). With prefix caching the view's free
+  pages leave out what shared pages would overcount (``kv_pages.view``)."""
+  running = None if prefix_hits is None else state.status == rec.RUNNING
+  view = kv_pages.view(pages, prefix_hits, running)
   plan = policy(manifest.online(), state, view)
   return plan, validate.any_violation(validate.plan_violations(manifest, state, plan,
-                                                               view))
+                                                               view)), view
 
 
 def _publish(manifest, state, plan, result):
@@ -688,4 +716,5 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
       map_prefix=jit("map_prefix", kv_pages.map_prefix),
       sync_cached=jit("sync_cached", kv_pages.sync_cached),
+      resume_prefix=jit("resume_prefix", apply_lib.resume_from_prefix),
       traces=traces, executor_traces=executor.traces)

@@ -40,10 +40,11 @@ def test_chain_keys_share_exactly_the_equal_prefix_and_the_root():
 def _check(pages, cache=None):
   """The allocator invariant: census, refcounts equal to table holders, the
   null page never held, and the three sets disjoint."""
+  num_pages = pages.num_pages
   table, held = np.asarray(pages.page_table), np.asarray(pages.pages_held)
   refcount, cached = np.asarray(pages.refcount), np.asarray(pages.cached)
   free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
-  holders = np.zeros(NUM_PAGES, int)
+  holders = np.zeros(num_pages, int)
   for s in range(table.shape[0]):
     live = table[s, : held[s]]
     assert NULL_PAGE not in live.tolist()
@@ -52,10 +53,10 @@ def _check(pages, cache=None):
   assert holders.tolist() == refcount.tolist()
   evictable = np.flatnonzero(cached & (refcount == 0)).tolist()
   in_use = np.flatnonzero(refcount > 0).tolist()
-  assert sorted(free + evictable + in_use) == list(range(1, NUM_PAGES))
+  assert sorted(free + evictable + in_use) == list(range(1, num_pages))
   n_free, n_evict, n_use = map(int, kv_pages.page_census(pages))
   assert (n_free, n_evict, n_use) == (len(free), len(evictable), len(in_use))
-  assert n_free + n_evict + n_use == NUM_PAGES - 1
+  assert n_free + n_evict + n_use == num_pages - 1
   if cache is not None:
     assert cache.cached_mask().tolist() == cached.tolist()
 
@@ -106,7 +107,13 @@ def test_random_share_release_and_evict_keep_every_page_accounted(ops):
     elif op == "finish" and slot in live:
       mask = np.zeros(SLOTS, bool)
       mask[slot] = True
+      # A policy crediting this victim with all its pages never counts on
+      # more than its release really makes available.
+      running = jnp.asarray([s in live for s in range(SLOTS)])
+      credit = int(kv_pages.view(pages, None, running).free_pages) + int(
+          np.asarray(pages.pages_held)[slot])
       pages = deallocate(pages, jnp.asarray(mask))
+      assert credit <= int(pages.num_free) + int(kv_pages.num_evictable(pages))
       del live[slot]
     elif op == "evict":
       refcount = np.asarray(pages.refcount)
@@ -194,3 +201,70 @@ def test_an_identical_prompt_of_whole_pages_keeps_one_token_to_compute(params):
   first, again = _staggered(engine, [prompt, prompt], [0, 1])
   assert (first.prefix_hit_tokens, again.prefix_hit_tokens) == (0, 8)
   assert first.output_token_ids == again.output_token_ids == want
+
+
+FORCED = dataclasses.replace(BASE, num_pages=12, force_preempt_every=3)  # 11 pages
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemptions_with_shared_pages_keep_tokens_and_every_page(params, mode):
+  """Recompute: the victim's cached pages stay cached and it resumes from its
+  prefix hit. Swap: the copy of a shared page leaves the page with its other
+  holders. Either way the tokens are those of a run without caching."""
+  head = _prompts([8], seed=21)[0]
+  prompts = [head + t for t in _prompts([5, 3, 6], seed=22)] + _prompts([9], seed=23)
+  want = _reference(params, prompts)
+  engine = _engine(params, dataclasses.replace(FORCED, preemption_mode=mode))
+  reqs = {}
+  for i, p in enumerate(prompts):
+    reqs[i] = engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()
+    _check(engine.pages, engine.prefix_cache)
+  while engine.has_unfinished():
+    engine.step()
+    _check(engine.pages, engine.prefix_cache)
+  assert [reqs[i].output_token_ids for i in range(4)] == want
+  assert engine.num_preemptions > 0
+  if mode == "recompute":
+    # A preempted request looked its prompt up again and found its own (or
+    # its siblings') pages: fewer prompt rows than prompts plus full rebuilds.
+    rehit = [r for r in reqs.values() if r.num_preemptions and r.prefix_hit_tokens]
+    assert rehit
+  else:
+    assert engine.swap.swapped_in > 0
+  free, evictable, in_use = map(int, kv_pages.page_census(engine.pages))
+  assert (free + evictable, in_use) == (FORCED.num_pages - 1, 0)
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(1, 9)), min_size=3, max_size=7),
+       st.sampled_from(["recompute", "swap"]),
+       st.lists(st.integers(0, 12), max_size=2))
+def test_random_engine_workloads_with_aborts_and_preemptions_account_every_page(
+    params, requests, mode, abort_at):
+  """Shared heads, KV pressure (11 pages: evictions), forced preemptions and
+  aborts at random steps: the census holds after every step, eviction never
+  takes a referenced page (``PrefixCache.evict`` refuses), completed requests
+  get the tokens of a run without caching, and every page ends free or
+  cached."""
+  heads = _prompts([8, 6], seed=31)
+  prompts = [heads[h] + _prompts([n], seed=40 + i)[0] for i, (h, n) in enumerate(requests)]
+  want = _reference(params, prompts)
+  engine = _engine(params, dataclasses.replace(FORCED, preemption_mode=mode))
+  reqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[:2])]
+  step = 0
+  while engine.has_unfinished() or len(reqs) < len(prompts):
+    if len(reqs) < len(prompts):
+      reqs.append(engine.add_request(f"r{len(reqs)}", prompts[len(reqs)], GREEDY))
+    for k in abort_at:
+      if k == step and not reqs[k % len(reqs)].finished:
+        engine.abort(reqs[k % len(reqs)].request_id)
+    engine.step()
+    step += 1
+    _check(engine.pages, engine.prefix_cache)
+  for r, w in zip(reqs, want):
+    assert r.outcome in ("completed", "cancelled")
+    if r.outcome == "completed":
+      assert r.output_token_ids == w
+  free, evictable, in_use = map(int, kv_pages.page_census(engine.pages))
+  assert (free + evictable, in_use) == (FORCED.num_pages - 1, 0)
