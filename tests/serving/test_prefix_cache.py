@@ -268,3 +268,52 @@ def test_random_engine_workloads_with_aborts_and_preemptions_account_every_page(
       assert r.output_token_ids == w
   free, evictable, in_use = map(int, kv_pages.page_census(engine.pages))
   assert (free + evictable, in_use) == (FORCED.num_pages - 1, 0)
+
+
+def test_kv_pressure_evicts_least_recently_used_pages_tail_first(params):
+  """11 pages; three distinct 17-token prompts run one after another, each
+  leaving 4 cached pages: C must evict 3, A's (oldest) from its tail, so a
+  rerun of A hits exactly its first page. Tokens are unchanged."""
+  a, b, c = _prompts([17, 17, 17], seed=51)
+  want = _reference(params, [a, b, c])
+  engine = _engine(params, dataclasses.replace(BASE, num_pages=12))
+  got = [engine.generate([p], GREEDY)[0] for p in (a, b, c)]
+  assert [r.output_token_ids for r in got] == want
+  assert engine.prefix_cache_stats()["prefix_cache_evictions"] == 3
+  again = engine.generate([a], GREEDY)[0]
+  assert again.prefix_hit_tokens == 4 and again.output_token_ids == want[0]
+  _check(engine.pages, engine.prefix_cache)
+
+
+def _cold_wait(params, quota_hot, monkeypatch, steps=6):
+  """prefix_aware on real hits: one cold 12-token prompt (two chunks) waits
+  while four hot ones (9 tokens, 8 of them a cached head) arrive every step
+  and fill the 4-sequence budget. Returns the steps the cold request took to
+  finish, or None if it did not within ``steps``."""
+  from scheduler import policies
+  from scheduler.policy_fairness import PrefixAware
+  name = f"prefix_aware_quota{quota_hot}"
+  monkeypatch.setitem(policies.POLICIES, name,
+                      lambda b: PrefixAware(b, quota_hot=quota_hot, policy_id=name))
+  engine = _engine(params, dataclasses.replace(BASE, policy=name))
+  one = SamplingParams(max_tokens=1, ignore_eos=True)
+  head = _prompts([8], seed=61)[0]
+  tails = iter(_prompts([1] * (4 * steps + 5), seed=62))
+  engine.generate([head + next(tails)], one)            # warms the cache
+  cold = engine.add_request("cold", _prompts([12], seed=63)[0], one)
+  for step in range(steps):
+    for _ in range(4):
+      hot = engine.add_request(f"hot{engine._next_uid}", head + next(tails), one)
+    engine.step()
+    assert hot.prefix_hit_tokens == 8 or hot.slot < 0
+    if cold.finished:
+      return step + 1
+  return None
+
+
+def test_prefix_aware_quota_bounds_the_wait_that_reuse_greedy_makes_unbounded(
+    params, monkeypatch):
+  """Quota 2: hot x4 (streak 4), cold chunk 1 + hot x3, hot x4, cold chunk 2
+  + hot x3: done at step 4. Reuse greedy: never within 6 steps."""
+  assert _cold_wait(params, 0, monkeypatch) is None      # starved while hot arrive
+  assert _cold_wait(params, 2, monkeypatch) == 4
