@@ -317,3 +317,26 @@ def test_prefix_aware_quota_bounds_the_wait_that_reuse_greedy_makes_unbounded(
   + hot x3: done at step 4. Reuse greedy: never within 6 steps."""
   assert _cold_wait(params, 0, monkeypatch) is None      # starved while hot arrive
   assert _cold_wait(params, 2, monkeypatch) == 4
+
+
+def test_synthetic_shared_system_prompts_replay_with_hits_and_the_same_tokens(params):
+  from serving import workloads
+  from serving.replay import replay
+  w = workloads.synthetic_shared_prefix(
+      num_requests=8, system_prompt_len=12, num_system_prompts=2, user_len=(1, 8),
+      max_output_len=3, rate_per_s=50.0, seed=3, vocab_size=CFG.vocab_size,
+      reserved_token_ids=())
+  specs = list(w)
+  assert all(s.prompt_token_ids[:12] == specs[i % 2].prompt_token_ids[:12]
+             for i, s in enumerate(specs))
+  assert specs[0].prompt_token_ids[:12] != specs[1].prompt_token_ids[:12]
+  runs = {}
+  for on in (False, True):
+    engine = _engine(params, dataclasses.replace(BASE, enable_prefix_caching=on))
+    records, _ = replay(engine, w, realtime=False)
+    runs[on] = records
+  assert [r.output_token_ids for r in runs[True]] == [r.output_token_ids for r in runs[False]]
+  hits = [r.prefix_hit_tokens for r in runs[True]]
+  # A hit is whole pages of a system prompt (12 tokens = 3 pages), at most.
+  assert all(h in (0, 4, 8, 12) for h in hits) and sum(hits) > 0
+  assert not any(r.prefix_hit_tokens for r in runs[False])
