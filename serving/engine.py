@@ -150,6 +150,7 @@ class Engine:
                          if c.enable_prefix_caching else None)
     self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
     self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
+    self._rehit_tokens: Dict[str, int] = {}  # its hit, not recomputed on resume
 
     self._programs = _programs(model_cfg, config)
 
@@ -243,6 +244,7 @@ class Engine:
     req.outcome, req.finish_reason = outcome, reason
     self._prefix_keys.pop(req.request_id, None)
     self._rehit_epoch.pop(req.request_id, None)
+    self._rehit_tokens.pop(req.request_id, None)
     suspended = self.swap.pop(req.request_id)
     if suspended is not None:      # ended while suspended: the copy is void
       req.queue_record = pre.cancel(suspended.record)
@@ -306,6 +308,7 @@ class Engine:
         continue                 # swap restores its exact copy instead
       self._rehit_epoch[req.request_id] = req.num_preemptions
       hit = self._match_prefix(req, slot)
+      self._rehit_tokens[req.request_id] = hit
       if hit:
         self.state = self._programs.resume_prefix(self.state, np.int32(slot),
                                                   np.int32(hit))
@@ -501,7 +504,9 @@ class Engine:
           self.kv, self.pages, preempt, np.int32(slot), np.int32(n),
           np.pad(s.k, pad), np.pad(s.v, pad))
       self.swap.restored(s)
-    req.recompute_tokens += ticket.recompute_overhead_tokens
+    # Rows a prefix hit mapped back are not recomputed.
+    req.recompute_tokens += ticket.recompute_overhead_tokens - self._rehit_tokens.pop(
+        req.request_id, 0)
     req.queue_record = pre.complete_resume(record, ticket)
 
   def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
