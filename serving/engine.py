@@ -281,8 +281,9 @@ class Engine:
     cache = self.prefix_cache
     if cache is None:
       return 0
-    keys = self._prefix_keys.setdefault(req.request_id,
-                                        cache.keys_for(req.prompt_token_ids))
+    keys = self._prefix_keys.get(req.request_id)
+    if keys is None:
+      keys = self._prefix_keys[req.request_id] = cache.keys_for(req.prompt_token_ids)
     hit = cache.match(keys, len(req.prompt_token_ids))
     if hit:
       ids = np.full(self.config.pages_per_seq, kv_pages.NULL_PAGE, np.int32)
