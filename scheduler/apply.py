@@ -102,12 +102,16 @@ def tick(state: rec.SchedulerState, now_ms) -> rec.SchedulerState:
 
 def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
            request_id, arrival_ms, arrival_seq, prompt_len, max_tokens,
-           priority, client, ttft_ms=float("inf"), tbt_ms=float("inf")):
+           priority, client, ttft_ms=float("inf"), tbt_ms=float("inf"),
+           cached_prefix_tokens=0):
   """A declared request enters a FREE slot as WAITING, ready, generation 0.
 
   ``ttft_ms`` / ``tbt_ms`` are its declared SLO limits (ms, +inf = none);
   they are recorded when the manifest carries SLO fields. Per-slot policy
   counters (MLFQ level, quantum used, wait) restart for the new request.
+  ``cached_prefix_tokens`` is the prefix hit the allocator mapped into the
+  slot's page table (``serving.prefix_cache``; < prompt_len): the request's
+  computed and committed frontiers start there.
   Returns ``(manifest, state)``; the state version is bumped.
   """
   set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
@@ -136,13 +140,27 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
       generation=set_(state.generation, 0),
       snapshot_version=state.snapshot_version.at[slot].add(1),
       emitted=set_(state.emitted, 0),
-      computed=set_(state.computed, 0),
-      committed=set_(state.committed, 0),
+      computed=set_(state.computed, cached_prefix_tokens),
+      committed=set_(state.committed, cached_prefix_tokens),
       first_token_ms=set_(state.first_token_ms, -1.0),
       last_token_ms=set_(state.last_token_ms, -1.0),
       finish_reason=set_(state.finish_reason, rec.NOT_FINISHED),
       num_preemptions=set_(state.num_preemptions, 0))
   return manifest, state
+
+
+def resume_from_prefix(state: rec.SchedulerState, slot, cached_prefix_tokens
+                       ) -> rec.SchedulerState:
+  """A recompute-preempted request, waiting with nothing computed, resumes
+  from the cached prefix the allocator mapped back into its page table
+  (``serving.prefix_cache``): computed and committed start there. Rows
+  below its ``rebuild_target`` stay recompute, as before."""
+  set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
+  return state.replace(
+      state_version=state.state_version + 1,
+      snapshot_version=state.snapshot_version.at[slot].add(1),
+      computed=set_(state.computed, cached_prefix_tokens),
+      committed=set_(state.committed, cached_prefix_tokens))
 
 
 def cancel(state: rec.SchedulerState, mask) -> rec.SchedulerState:

@@ -30,7 +30,9 @@ after a recompute preemption are never charged as service (§0x0C).
   hot (allocator-proven prefix hit >= ``hot_pct`` % of the prompt) and cold
   groups; hot goes first, but after ``quota_hot`` hot selections without a
   cold one, an eligible cold request goes first (``quota_hot = 0``: reuse
-  greedy, which can starve cold prompts).
+  greedy, which can starve cold prompts). Eligible: a cold prompt not yet
+  fully computed, waiting or part-way through a chunked prefill. The hit is
+  the engine's real prefix-cache fact (``serving.prefix_cache``).
 """
 
 from __future__ import annotations
@@ -345,7 +347,11 @@ class PrefixAware(base.PolicyBase):
     hot = (hits > 0) & (hits * 100 >= self.hot_pct * manifest.prompt_len)
     cold = ~hot
     work = base.work_rank(manifest, state)
-    cold_waiting = jnp.any(cold & (work == 0) & (state.status == rec.WAITING))
+    # A cold prompt still to be computed, waiting or part-way through its
+    # chunked prefill: hot arrivals must not starve either.
+    live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
+    prompt_left = live & (state.computed < rec.prefill_target(manifest, state))
+    cold_waiting = jnp.any(cold & (work == 0) & prompt_left)
     favor_cold = (self.quota_hot > 0) & (state.hot_streak >= self.quota_hot) & cold_waiting
     group = jnp.where(favor_cold, hot, cold).astype(jnp.int32)
     return base.identity_keys(manifest, state, work, group, cold.astype(jnp.int32),

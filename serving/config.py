@@ -100,6 +100,10 @@ class EngineConfig:
       output length, step time from the cost model on a virtual clock).
     cost_model: calibration JSON of ``serving.cost_model`` used by a virtual
       clock ("" = ``configs/cost_model_smollm2_cpu.json``).
+    enable_prefix_caching: automatic prefix caching (``serving.prefix_cache``):
+      full prompt pages are keyed by content and shared; a request starts
+      its prefill after the longest cached prefix. On by default, as in
+      vLLM; off for ablations.
   """
 
   max_num_seqs: int = 32
@@ -124,6 +128,7 @@ class EngineConfig:
   max_preemptions_per_request: int = 64
   executor: str = "model"
   cost_model: str = ""
+  enable_prefix_caching: bool = True
 
   def __post_init__(self):
     c = "EngineConfig"
@@ -159,6 +164,8 @@ class EngineConfig:
              "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
     _require(self.executor in EXECUTORS, c, "executor", f"must be one of {EXECUTORS}",
              self.executor)
+    _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
+             "must be a bool", self.enable_prefix_caching)
     _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
 

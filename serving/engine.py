@@ -27,6 +27,15 @@ when full (one compiled program set per size) up to
 ``max_queued_requests``; past that bound ``add_request`` raises
 ``QueueFull``.
 
+Automatic prefix caching (``EngineConfig.enable_prefix_caching``,
+``serving.prefix_cache``): when a request enters a slot, the longest cached
+prefix of its prompt (whole pages, at least one prompt token left) is mapped
+into its page table and its prefill starts there; the policy reads the hit
+as ``AllocatorView.prefix_hit_tokens`` and the plan is validated against the
+same view. After each step the full prompt pages computed so far join the
+cache; before a step that needs more pages than are free, unreferenced
+cached pages are evicted, least recently used first.
+
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
 ``failed`` (non-finite logits); ``Request.finish_reason`` says why. The host
@@ -65,6 +74,7 @@ from serving import cost_model as cost_lib
 from serving import kv_pages
 from serving import kv_swap
 from serving import sim_executor
+from serving import prefix_cache as pc
 from serving.config import EngineConfig, SamplingParams
 from serving.executor import ModelRunner, execute, init_buffers
 
@@ -144,6 +154,7 @@ class Request:
   slo_tpot_ms: float = float("inf")
   num_preemptions: int = 0
   recompute_tokens: int = 0
+  prefix_hit_tokens: int = 0
   slot: int = -1
   queue_record: Optional[pre.QueueRecord] = dataclasses.field(default=None, repr=False)
 
@@ -219,6 +230,7 @@ class Engine:
     self._next_uid = 0
     self.num_iterations = 0
     self.num_preemptions = 0
+    self.prefill_tokens_computed = 0     # prompt and rebuild rows run
     self.buckets_used: Dict[int, int] = {}
     self.swap = kv_swap.SwapSpace(int(c.swap_space_mb * 2**20))
     # Set ``record_plans = True`` to keep, per iteration, the plan as host
@@ -229,6 +241,12 @@ class Engine:
     # Recorded output length per request id (the simulated executor's hidden
     # truth; never in the policy's view). Missing: the declared max_tokens.
     self.realized_output_tokens: Dict[str, int] = {}
+    self.prefix_cache = (pc.PrefixCache(c.num_pages, c.page_size,
+                                        pc.root_key(model_cfg, c.dtype, c.page_size))
+                         if c.enable_prefix_caching else None)
+    self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
+    self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
+    self._rehit_tokens: Dict[str, int] = {}  # its hit, not recomputed on resume
 
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
@@ -428,6 +446,9 @@ class Engine:
   def _end(self, req: Request, outcome: str, reason: str) -> None:
     assert outcome in OUTCOMES
     req.outcome, req.finish_reason = outcome, reason
+    self._prefix_keys.pop(req.request_id, None)
+    self._rehit_epoch.pop(req.request_id, None)
+    self._rehit_tokens.pop(req.request_id, None)
     suspended = self.swap.pop(req.request_id)
     if suspended is not None:      # ended while suspended: the copy is void
       req.queue_record = pre.cancel(suspended.record)
@@ -441,8 +462,10 @@ class Engine:
       self._grow(self._num_unfinished())
       free = [s for s, r in enumerate(self._slots) if r is None]
     for slot, req in zip(free, self._pending):
+      hit = self._match_prefix(req, slot)
       self.manifest, self.state, self.buffers = self._programs.arrive(
-          self.manifest, self.state, self.buffers, np.int32(slot), self._arrival(req))
+          self.manifest, self.state, self.buffers, np.int32(slot), self._arrival(req),
+          np.int32(hit))
       req.slot = slot
       self._slots[slot] = req
     self._pending = []
@@ -482,19 +505,106 @@ class Engine:
                                dataclasses.replace(c, max_request_slots=size))
     self._program_sets.append(self._programs)
 
+  # ------------------------------------------------------- prefix caching
+  def _match_prefix(self, req: Request, slot: int) -> int:
+    """Maps the longest cached prefix of ``req``'s prompt into ``slot``'s
+    (empty) page table; returns the hit in tokens (0 without a cache)."""
+    cache = self.prefix_cache
+    if cache is None:
+      return 0
+    keys = self._prefix_keys.get(req.request_id)
+    if keys is None:
+      keys = self._prefix_keys[req.request_id] = cache.keys_for(req.prompt_token_ids)
+    hit = cache.match(keys, len(req.prompt_token_ids))
+    if hit:
+      ids = np.full(self.config.pages_per_seq, kv_pages.NULL_PAGE, np.int32)
+      ids[:len(hit)] = hit
+      self.pages = self._programs.map_prefix(self.pages, np.int32(slot), ids,
+                                             np.int32(len(hit)))
+    req.prefix_hit_tokens = len(hit) * self.config.page_size
+    return req.prefix_hit_tokens
+
+  def _rehit_preempted(self) -> None:
+    """A recompute-preempted request (no preserved copy) looks its prompt up
+    again once per preemption: its own cached pages, kept cached when it was
+    preempted, or anyone's, are mapped back and it resumes from the hit."""
+    computed, held, status = jax.device_get((self.state.computed,
+                                             self.pages.pages_held, self.state.status))
+    for slot, req in enumerate(self._slots):
+      if (req is None or not req.num_preemptions or held[slot] or computed[slot]
+          or status[slot] != rec.WAITING
+          or self._rehit_epoch.get(req.request_id) == req.num_preemptions):
+        continue
+      suspended = self.swap.get(req.request_id)
+      if suspended is not None and suspended.k is not None:
+        continue                 # swap restores its exact copy instead
+      self._rehit_epoch[req.request_id] = req.num_preemptions
+      hit = self._match_prefix(req, slot)
+      self._rehit_tokens[req.request_id] = hit
+      if hit:
+        self.state = self._programs.resume_prefix(self.state, np.int32(slot),
+                                                  np.int32(hit))
+
+  def _prefix_hits(self) -> Optional[np.ndarray]:
+    """i32[R] prefix-hit tokens of each slot's request (None when off)."""
+    if self.prefix_cache is None:
+      return None
+    return np.array([0 if r is None else r.prefix_hit_tokens for r in self._slots],
+                    np.int32)
+
+  def _evict_for(self, plan, preempt) -> None:
+    """Evicts unreferenced cached pages (LRU) so that the free stack covers
+    the pages ``plan`` allocates after its preemptions release theirs."""
+    c = self.config
+    selected, end, held, table, refcount, cached, num_free = jax.device_get((
+        plan.selected, plan.end, self.pages.pages_held, self.pages.page_table,
+        self.pages.refcount, self.pages.cached, self.pages.num_free))
+    after = refcount.copy()
+    for slot in np.flatnonzero(preempt):
+      np.subtract.at(after, table[slot, :held[slot]], 1)
+    freed = int(((refcount > 0) & (after == 0) & ~cached).sum())
+    held = np.where(preempt, 0, held)
+    target = np.minimum(kv_pages.pages_for(end, c.page_size), c.pages_per_seq)
+    need = int(np.maximum(np.where(selected, target - held, 0), 0).sum())
+    short = need - int(num_free) - freed
+    if short > 0:
+      self.prefix_cache.evict(short, after)
+      self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
+
+  def _register_prefixes(self) -> None:
+    """Adds the computed full prompt pages of every live slot to the cache."""
+    c, cache = self.config, self.prefix_cache
+    computed, held, table = jax.device_get((self.state.computed, self.pages.pages_held,
+                                            self.pages.page_table))
+    added = 0
+    for slot, req in enumerate(self._slots):
+      if req is None:
+        continue
+      full = min(int(computed[slot]), len(req.prompt_token_ids), int(held[slot]) *
+                 c.page_size) // c.page_size
+      if full:
+        keys = self._prefix_keys[req.request_id]
+        added += cache.register(keys[:full], table[slot, :full])
+    if added:
+      self.pages = self._programs.sync_cached(self.pages, cache.cached_mask())
+
   def step(self) -> List[RequestOutput]:
     """Runs one iteration; returns the news for every request it touched."""
     self._fill_slots()
+    if self.prefix_cache is not None and self.num_preemptions:
+      self._rehit_preempted()
     now_ms = self.now_ms()
     self._rebase_device_clock(now_ms)
     self.state = apply_lib.tick(self.state, self._device_ms(now_ms))
-    plan, bad = self._programs.plan(self.manifest, self.state, kv_pages.view(self.pages))
+    plan, bad, view = self._programs.plan(self.manifest, self.state, self.pages,
+                                          self._prefix_hits())
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, preempt, admit, never = jax.device_get(
-        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never))
+    bad, num_tokens, num_seqs, preempt, admit, never, decodes = jax.device_get(
+        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never,
+         jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))))
     any_preempt = preempt.any()
     if bad:
-      validate.validate_plan(self.manifest.online(), self.state, plan)
+      validate.validate_plan(self.manifest.online(), self.state, plan, view)
     if never.any():
       self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
                          f"(token budget {self.config.max_num_batched_tokens}, "
@@ -511,12 +621,15 @@ class Engine:
       return []
     if self.record_plans:
       self._log_plan(plan)
+    if self.prefix_cache is not None:
+      self._evict_for(plan, preempt)
     preserved = np.zeros(self.num_slots, np.int32)
     if any_preempt:
       preserved = self._suspend(preempt, plan.decision_id)
     for slot in np.flatnonzero(admit):
       if self.swap.get(self._slots[slot].request_id) is not None:
         self._resume(slot, preempt)
+    self.prefill_tokens_computed += int(num_tokens) - int(decodes)
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     manifest = self.manifest
@@ -538,7 +651,10 @@ class Engine:
       validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
     self.num_iterations += 1
-    return self._drain(emit_ms, *fetched, preempt)
+    outputs = self._drain(emit_ms, *fetched, preempt)
+    if self.prefix_cache is not None:
+      self._register_prefixes()
+    return outputs
 
   def _realized(self) -> np.ndarray:
     """i32[R] recorded output length of each slot's request (declared
@@ -637,7 +753,9 @@ class Engine:
           self.kv, self.pages, preempt, np.int32(slot), np.int32(n),
           np.pad(s.k, pad), np.pad(s.v, pad))
       self.swap.restored(s)
-    req.recompute_tokens += ticket.recompute_overhead_tokens
+    # Rows a prefix hit mapped back are not recomputed.
+    req.recompute_tokens += ticket.recompute_overhead_tokens - self._rehit_tokens.pop(
+        req.request_id, 0)
     req.queue_record = pre.complete_resume(record, ticket)
 
   def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
@@ -698,6 +816,15 @@ class Engine:
   def policy(self):
     return self._programs.policy
 
+  def prefix_cache_stats(self) -> dict:
+    """``prefix_cache_queries`` (prompt tokens looked up), ``prefix_cache_hits``
+    (tokens served from cache), ``prefix_cache_hit_rate`` (hits / queries),
+    evictions and cached pages; zeros with caching off (vLLM's names)."""
+    if self.prefix_cache is None:
+      return dict(prefix_cache_queries=0, prefix_cache_hits=0, prefix_cache_hit_rate=0.0,
+                  prefix_cache_evictions=0, prefix_cache_pages=0)
+    return self.prefix_cache.stats()
+
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, summed over
     the slot-table sizes this engine used and shared by engines with equal
@@ -726,6 +853,9 @@ class _Programs:
   restore: Callable
   shift_clock: Callable
   forget_client: Callable
+  map_prefix: Callable
+  sync_cached: Callable
+  resume_prefix: Callable
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
@@ -751,7 +881,8 @@ class _Executor:
 _POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
                     watermark_pages=0, preemption_mode="recompute", swap_space_mb=0.0,
                     force_preempt_every=0, max_preemptions_per_request=0,
-                    max_queued_requests=1 << 30, cost_model="")
+                    max_queued_requests=1 << 30, cost_model="",
+                    enable_prefix_caching=True)
 
 _step_features = jax.jit(cost_lib.step_features)
 
@@ -803,9 +934,15 @@ def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
                       policy_version="", unschedulable=None, policy=None)
 
 
-def _plan(policy, manifest, state, view):
+def _plan(policy, manifest, state, pages, prefix_hits):
+  """The policy's plan, whether it violates a rule, and the allocator view it
+  read (the one validation replays). With prefix caching the view's free
+  pages leave out what shared pages would overcount (``kv_pages.view``)."""
+  running = None if prefix_hits is None else state.status == rec.RUNNING
+  view = kv_pages.view(pages, prefix_hits, running)
   plan = policy(manifest.online(), state, view)
-  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan))
+  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan,
+                                                               view)), view
 
 
 def _publish(manifest, state, plan, result):
@@ -813,12 +950,13 @@ def _publish(manifest, state, plan, result):
   return apply_lib.apply(manifest, state, plan, result), bad
 
 
-def _arrive(manifest, state, buffers, slot, arrival: Arrival):
+def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
   a = arrival
   manifest, state = apply_lib.arrive(
       manifest, state, slot, request_id=a.request_id, arrival_ms=a.arrival_ms,
       arrival_seq=a.arrival_seq, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-      priority=a.priority, client=a.client, ttft_ms=a.ttft_ms, tbt_ms=a.tbt_ms)
+      priority=a.priority, client=a.client, ttft_ms=a.ttft_ms, tbt_ms=a.tbt_ms,
+      cached_prefix_tokens=prefix_hit)
   set_ = lambda buf, v: buf.at[slot].set(jnp.asarray(v).astype(buf.dtype))
   buffers = buffers.replace(
       tokens=buffers.tokens.at[slot].set(a.prompt),
@@ -894,4 +1032,7 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       gather=executor.gather, restore=executor.restore,
       shift_clock=jit("shift_clock", _shift_clock),
       forget_client=jit("forget_client", _forget_client),
+      map_prefix=jit("map_prefix", kv_pages.map_prefix),
+      sync_cached=jit("sync_cached", kv_pages.sync_cached),
+      resume_prefix=jit("resume_prefix", apply_lib.resume_from_prefix),
       traces=traces, executor_traces=executor.traces)

@@ -1,12 +1,39 @@
-"""KV page allocator: a free stack and per-slot page tables, as a pytree.
+"""KV page allocator: a free stack, per-slot page tables and shared pages.
 
 Pure functions ``(PageState, ...) -> PageState`` run inside the jitted engine
 step. Physical page ``NULL_PAGE`` is reserved: it is never on the free list,
 never owned by a live request, and unused page-table entries point at it (its
 contents are never read unmasked; writes of padding rows are dropped).
 
-The scheduler sees only ``view()`` (free-page count and pages held), never
-page ids (§0x06: reservation is not allocation).
+Automatic prefix caching (vLLM's hashed blocks) splits the work in two, as
+vLLM does: the device keeps ownership, the host keeps content.
+
+* Device (this module, ``PageState``): ``refcount[page]`` counts the live
+  page tables holding a page (a cached prompt page may sit in several at
+  once) and ``cached[page]`` marks pages whose content key the host's prefix
+  table holds. ``deallocate`` drops one reference per released holder; a
+  page whose count reaches 0 returns to the free stack unless it is cached,
+  in which case it stays resident and evictable. ``map_prefix`` puts cached
+  pages into a slot's table (+1 reference each); ``sync_cached`` publishes
+  the host table's page set and frees the pages it evicted.
+* Host (``serving.prefix_cache.PrefixCache``): chained content keys, the
+  key -> page table and the LRU order. It only ever evicts pages with
+  refcount 0 and only registers pages a live table holds.
+
+Every page but the null page is in exactly one of three sets, so
+``free + cached-evictable + in-use == num_pages - 1`` (``page_census``):
+free (on the stack, refcount 0, not cached), evictable (refcount 0,
+cached) and in use (refcount >= 1). The scheduler sees only ``view()``:
+free pages there count evictable ones (an allocation may evict them), and
+``prefix_hit_tokens`` (the cached prefix mapped into each slot), never page
+ids (§0x06: reservation is not allocation).
+
+Preemption: a recompute-preempted request releases its references like a
+finished one; its cached prompt pages stay cached (evictable) and serve any
+later request with that prefix. Swap copies the bytes of the victim's pages
+to host memory and then releases its references; a page other tables still
+hold stays theirs (refcount > 0, never freed or handed on), and the restore
+writes the copy into fresh private pages.
 """
 
 from __future__ import annotations
@@ -27,9 +54,12 @@ class PageState:
   Attributes:
     page_table: i32[R, pages_per_seq], physical page of each logical page;
       NULL_PAGE where not held.
-    pages_held: i32[R], pages owned by each slot (a prefix of its row).
+    pages_held: i32[R], pages referenced by each slot (a prefix of its row).
     free_stack: i32[num_pages], free page ids in ``free_stack[:num_free]``.
     num_free: i32[].
+    refcount: i32[num_pages], page tables holding each page.
+    cached: bool[num_pages], the page's content key is in the host prefix
+      table (written only by ``sync_cached``).
     page_size: static rows per page.
   """
 
@@ -37,6 +67,8 @@ class PageState:
   pages_held: jax.Array
   free_stack: jax.Array
   num_free: jax.Array
+  refcount: jax.Array
+  cached: jax.Array
   page_size: int = flax.struct.field(pytree_node=False)
 
   @property
@@ -53,13 +85,52 @@ def init_pages(num_slots: int, pages_per_seq: int, num_pages: int,
       pages_held=jnp.zeros((num_slots,), jnp.int32),
       free_stack=jnp.concatenate([free, jnp.full((1,), NULL_PAGE, jnp.int32)]),
       num_free=jnp.int32(num_pages - 1),
+      refcount=jnp.zeros((num_pages,), jnp.int32),
+      cached=jnp.zeros((num_pages,), bool),
       page_size=page_size)
 
 
-def view(pages: PageState) -> AllocatorView:
-  """The facts a policy may read."""
-  return AllocatorView(free_pages=pages.num_free, pages_held=pages.pages_held,
-                       page_size=pages.page_size)
+def num_evictable(pages: PageState) -> jax.Array:
+  """i32[]: cached pages no page table holds (LRU eviction candidates)."""
+  return jnp.sum(pages.cached & (pages.refcount == 0)).astype(jnp.int32)
+
+
+def page_census(pages: PageState):
+  """(free, evictable, in_use) i32[] counts; they sum to ``num_pages - 1``."""
+  in_use = jnp.sum(pages.refcount > 0).astype(jnp.int32)
+  return pages.num_free, num_evictable(pages), in_use
+
+
+def shared_overcount(pages: PageState, running) -> jax.Array:
+  """i32[]: pages a policy would count twice when it releases victims.
+
+  A policy credits a preempted slot with all its ``pages_held``; a page that
+  other tables also hold is not freed by that. Over any set of victims among
+  the ``running`` slots (bool[R]) the credit exceeds the pages really freed
+  by at most ``sum_p min(r_p, h_p - 1)`` (``h_p`` holders of page p, ``r_p``
+  of them running); ``view`` subtracts it from the free pages so that every
+  plan made against the view can be allocated.
+  """
+  pages_per_seq = pages.page_table.shape[1]
+  j = jnp.arange(pages_per_seq, dtype=jnp.int32)
+  live = (j[None, :] < pages.pages_held[:, None]) & running[:, None]
+  r = jnp.zeros_like(pages.refcount).at[
+      jnp.where(live, pages.page_table, pages.num_pages)].add(1, mode="drop")
+  return jnp.sum(jnp.minimum(r, jnp.maximum(pages.refcount - 1, 0))).astype(jnp.int32)
+
+
+def view(pages: PageState, prefix_hit_tokens=None, running=None) -> AllocatorView:
+  """The facts a policy may read.
+
+  ``free_pages`` = free + evictable pages, minus ``shared_overcount`` when
+  ``running`` (bool[R]) is given; ``pages_held`` per slot; the prefix-hit
+  tokens (i32[R]) when caching.
+  """
+  free = pages.num_free + num_evictable(pages)
+  if running is not None:
+    free = free - shared_overcount(pages, running)
+  return AllocatorView(free_pages=free, pages_held=pages.pages_held,
+                       page_size=pages.page_size, prefix_hit_tokens=prefix_hit_tokens)
 
 
 def pages_for(rows, page_size: int):
@@ -80,6 +151,8 @@ def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int) -> PageSta
       (a slot never shrinks here).
     max_new_per_slot: static bound on new pages for one slot in one call.
 
+  New pages come from the free stack only (refcount 0 -> 1); the host evicts
+  cached pages onto it first when the plan needs them (``sync_cached``).
   The caller guarantees enough free pages (the policy planned against
   ``view``); a shortfall is reported by ``allocation_ok`` being False and
   leaves the state unchanged.
@@ -98,10 +171,13 @@ def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int) -> PageSta
   rows = jnp.broadcast_to(jnp.arange(num_slots)[:, None], col.shape)
   col = jnp.where(take & ok, col, pages_per_seq)       # OOB -> dropped
   table = pages.page_table.at[rows, col].set(new_ids, mode="drop")
+  refcount = pages.refcount.at[jnp.where(take & ok, new_ids, pages.num_pages)].add(
+      1, mode="drop")
   return pages.replace(
       page_table=table,
       pages_held=jnp.where(ok, pages.pages_held + need, pages.pages_held),
-      num_free=jnp.where(ok, pages.num_free - total, pages.num_free))
+      num_free=jnp.where(ok, pages.num_free - total, pages.num_free),
+      refcount=refcount)
 
 
 def allocation_ok(pages: PageState, rows_needed) -> jax.Array:
@@ -111,19 +187,63 @@ def allocation_ok(pages: PageState, rows_needed) -> jax.Array:
   return jnp.sum(jnp.maximum(target - pages.pages_held, 0)) <= pages.num_free
 
 
+def _push_free(pages: PageState, give) -> PageState:
+  """Pushes the pages in ``give`` (bool[num_pages]) onto the free stack in
+  ascending id order."""
+  give = give.at[NULL_PAGE].set(False)
+  count = give.astype(jnp.int32)
+  pos = jnp.where(give, pages.num_free + jnp.cumsum(count) - count, pages.num_pages)
+  stack = pages.free_stack.at[pos].set(
+      jnp.arange(pages.num_pages, dtype=jnp.int32), mode="drop")
+  return pages.replace(free_stack=stack, num_free=pages.num_free + jnp.sum(count))
+
+
 def deallocate(pages: PageState, release) -> PageState:
-  """Returns every page of the ``release`` (bool[R]) slots to the free list."""
+  """Drops the ``release`` (bool[R]) slots' references to their pages.
+
+  A page whose last reference goes returns to the free stack, unless it is
+  cached: then it stays resident and evictable (refcount 0). A page another
+  table still holds is untouched.
+  """
   num_slots, pages_per_seq = pages.page_table.shape
   count = jnp.where(release, pages.pages_held, 0)
-  offset = jnp.cumsum(count) - count
   j = jnp.arange(pages_per_seq, dtype=jnp.int32)
   give = j[None, :] < count[:, None]
-  pos = jnp.where(give, pages.num_free + offset[:, None] + j[None, :],
-                  pages.num_pages)                     # OOB -> dropped
-  stack = pages.free_stack.at[pos].set(pages.page_table, mode="drop")
+  refcount = pages.refcount.at[jnp.where(give, pages.page_table, pages.num_pages)].add(
+      -1, mode="drop")
+  freed = (pages.refcount > 0) & (refcount == 0) & ~pages.cached
   table = jnp.where(release[:, None], NULL_PAGE, pages.page_table)
+  pages = pages.replace(page_table=table, refcount=refcount,
+                        pages_held=jnp.where(release, 0, pages.pages_held))
+  return _push_free(pages, freed)
+
+
+def map_prefix(pages: PageState, slot, page_ids, num_hit) -> PageState:
+  """Maps cached pages into an empty slot's table (a prefix hit).
+
+  Args:
+    slot: i32[], a slot holding no pages.
+    page_ids: i32[pages_per_seq], cached pages in logical order; entries at
+      and beyond ``num_hit`` are ignored.
+    num_hit: i32[], pages hit. Each gains one reference (an evictable page
+      becomes in use).
+  """
+  pages_per_seq = pages.page_table.shape[1]
+  j = jnp.arange(pages_per_seq, dtype=jnp.int32)
+  hit = j < num_hit
+  ids = jnp.where(hit, page_ids, NULL_PAGE)
   return pages.replace(
-      page_table=table,
-      pages_held=jnp.where(release, 0, pages.pages_held),
-      free_stack=stack,
-      num_free=pages.num_free + jnp.sum(count))
+      page_table=pages.page_table.at[slot].set(ids),
+      pages_held=pages.pages_held.at[slot].set(num_hit),
+      refcount=pages.refcount.at[jnp.where(hit, page_ids, pages.num_pages)].add(
+          1, mode="drop"))
+
+
+def sync_cached(pages: PageState, cached) -> PageState:
+  """Publishes the host prefix table's page set ``cached`` (bool[num_pages]).
+
+  Pages that leave the set with refcount 0 (LRU evictions) return to the
+  free stack. The host adds only pages a live table holds.
+  """
+  evicted = pages.cached & ~cached & (pages.refcount == 0)
+  return _push_free(pages.replace(cached=cached), evicted)

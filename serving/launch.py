@@ -45,6 +45,9 @@ def define_engine_flags() -> None:
                     "by the cost model's step time (default: virtual for the simulated "
                     "executor, wall otherwise).")
   flags.DEFINE_string("cost_model", None, "Override: cost model calibration JSON.")
+  flags.DEFINE_boolean("enable_prefix_caching", None, "Override: automatic prefix "
+                       "caching (shared KV pages of equal prompt prefixes; on by default; "
+                       "--noenable_prefix_caching for ablations).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -163,7 +166,8 @@ def engine_config(**overrides) -> EngineConfig:
                 attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
                 force_preempt_every=FLAGS.force_preempt_every,
-                executor=FLAGS.executor, cost_model=FLAGS.cost_model)
+                executor=FLAGS.executor, cost_model=FLAGS.cost_model,
+                enable_prefix_caching=FLAGS.enable_prefix_caching)
   fields.update(overrides)
   return EngineConfig.preset(FLAGS.engine, **fields)
 

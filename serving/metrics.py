@@ -106,6 +106,8 @@ class RequestRecord:
       recompute_tokens: KV rows recomputed after its preemptions (tokens).
       slo_ttft_ms, slo_tpot_ms: the request's declared SLO limits (ms), None
         for none; ``goodput(per_request=True)`` judges it by them.
+      prefix_hit_tokens: prompt tokens served from the prefix cache at
+        admission (whole KV pages; 0 without caching).
 
     Raises (on construction):
       ValueError: unknown outcome, inconsistent token times, or a completed
@@ -127,6 +129,7 @@ class RequestRecord:
     recompute_tokens: int = 0
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    prefix_hit_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))

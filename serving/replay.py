@@ -107,6 +107,7 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
       outcome=req.outcome, finish_reason=req.finish_reason,
       num_preemptions=req.num_preemptions, recompute_tokens=req.recompute_tokens,
       clipped=spec.clipped, output_token_ids=req.output_token_ids,
+      prefix_hit_tokens=req.prefix_hit_tokens,
       slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
 
 
@@ -143,4 +144,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "executor": c.executor,
       "clock": "virtual" if engine.cost_model is not None else "wall",
       "cost_model": engine.cost_model.to_json() if engine.cost_model is not None else None,
+      "enable_prefix_caching": c.enable_prefix_caching,
+      "prefill_tokens_computed": engine.prefill_tokens_computed,
+      **engine.prefix_cache_stats(),
   }

@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from scheduler import records as rec
 from serving.config import SamplingParams
+from serving import kv_pages
 from serving.engine import Engine, QueueFull
 
 MAX_STOP_STRINGS = 8
@@ -421,14 +422,14 @@ class ServerMetrics:
   def observe_engine(self, engine: Engine, unslotted: int) -> None:
     """Gauges from the engine after a step (engine thread only);
     ``unslotted``: accepted requests not yet in an engine slot."""
-    status, generation, free = jax.device_get((engine.state.status,
-                                               engine.state.generation,
-                                               engine.pages.num_free))
+    status, generation, (free, evictable, _) = jax.device_get((
+        engine.state.status, engine.state.generation, kv_pages.page_census(engine.pages)))
     waiting = status == rec.WAITING
     self.running.set(int(np.sum(status == rec.RUNNING)))
     self.suspended.set(int(np.sum(waiting & (generation > 0))))
     self.waiting.set(int(np.sum(waiting & (generation == 0))) + unslotted)
-    self.kv_usage.set(1.0 - int(free) / (engine.config.num_pages - 1))
+    # Cached pages no request holds are reclaimable: free, as in vLLM.
+    self.kv_usage.set(1.0 - int(free + evictable) / (engine.config.num_pages - 1))
     if engine.num_preemptions > self._preemptions_seen:
       self.preemptions.inc(engine.num_preemptions - self._preemptions_seen)
       self._preemptions_seen = engine.num_preemptions

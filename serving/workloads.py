@@ -56,6 +56,7 @@ DEFAULT_RESERVED_TOKEN_IDS = frozenset(range(17))
 # Stream tags keep the prompt streams of different sources apart for one seed.
 _TAG_AZURE, _TAG_VTC, _TAG_MOONCAKE, _TAG_SYNTHETIC = 1, 2, 3, 4
 _TAG_SYNTHETIC_ARRIVALS = 5
+_TAG_SYSTEM_PROMPT, _TAG_USER_TURN = 6, 7
 
 
 class WorkloadError(ValueError):
@@ -776,6 +777,57 @@ def synthetic_azure_conv(
     )
 
 
+def synthetic_shared_prefix(
+    num_requests: int = 32,
+    system_prompt_len: int = 256,
+    num_system_prompts: int = 2,
+    user_len: tuple[int, int] = (16, 64),
+    max_output_len: int = 16,
+    rate_per_s: float = 1.0,
+    seed: int = 0,
+    *,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    reserved_token_ids: frozenset[int] | Sequence[int] = DEFAULT_RESERVED_TOKEN_IDS,
+) -> Workload:
+    """Requests that share system prompts: the prefix-caching workload.
+
+    Request i's prompt is system prompt ``i % num_system_prompts`` (a fixed
+    draw of ``system_prompt_len`` ids per system prompt, seeded by (seed,
+    tag, index)) followed by its own user turn of a uniform length in
+    ``user_len`` (inclusive). Arrivals are a Poisson process at
+    ``rate_per_s``; outputs are ``max_output_len`` tokens (ignore EOS).
+
+    Raises:
+      ValueError: a count or length below 1 (system_prompt_len may be 0),
+        an empty user_len range, rate not finite > 0.
+    """
+    lo, hi = user_len
+    if num_requests < 1 or num_system_prompts < 1 or max_output_len < 1:
+        raise ValueError(f"num_requests={num_requests}, num_system_prompts="
+                         f"{num_system_prompts} and max_output_len={max_output_len} must be >= 1")
+    if system_prompt_len < 0 or not 1 <= lo <= hi:
+        raise ValueError(f"system_prompt_len={system_prompt_len} must be >= 0 and user_len="
+                         f"{user_len} a range 1 <= lo <= hi")
+    if not (math.isfinite(rate_per_s) and rate_per_s > 0):
+        raise ValueError(f"rate_per_s={rate_per_s} must be finite and > 0")
+    sampler = _TokenSampler(vocab_size, reserved_token_ids)
+    systems = [sampler.draw((seed, _TAG_SYSTEM_PROMPT, k), system_prompt_len)
+               for k in range(num_system_prompts)]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _TAG_SYNTHETIC_ARRIVALS]))
+    arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1.0 / rate_per_s,
+                                                                num_requests - 1))])
+    lengths = rng.integers(lo, hi + 1, size=num_requests)
+    requests = tuple(RequestSpec(
+        request_id=f"shared-prefix-{i}", arrival_s=float(arrivals[i]),
+        prompt_token_ids=systems[i % num_system_prompts] + sampler.draw(
+            (seed, _TAG_USER_TURN, i), int(lengths[i])),
+        max_tokens=max_output_len, ignore_eos=True) for i in range(num_requests))
+    return Workload(
+        requests=requests, source="synthetic_shared_prefix", path=None, sha256=None,
+        num_rows_read=0, num_clipped=0, num_output_capped=0, time_scale=1.0,
+        window_s=None, seed=seed, max_prompt_len=None, max_output_len=max_output_len)
+
+
 __all__ = [
     "AZURE_CONV_2023_SUMMARY",
     "DEFAULT_RESERVED_TOKEN_IDS",
@@ -789,4 +841,5 @@ __all__ = [
     "load_vtc_trace",
     "parse_azure_timestamp_ns",
     "synthetic_azure_conv",
+    "synthetic_shared_prefix",
 ]

@@ -30,10 +30,13 @@ def _run(params, config, prompts, sampling=GREEDY, model_cfg=CFG):
 
 
 def _assert_all_pages_free(engine):
-  assert int(engine.pages.num_free) == engine.config.num_pages - 1
-  assert np.all(np.asarray(engine.pages.page_table) == NULL_PAGE)
-  free = np.asarray(engine.pages.free_stack)[: int(engine.pages.num_free)]
-  assert sorted(free.tolist()) == list(range(1, engine.config.num_pages))
+  """No page is referenced; each is free or cached and evictable, once."""
+  pages = engine.pages
+  assert np.all(np.asarray(pages.page_table) == NULL_PAGE)
+  assert not np.asarray(pages.refcount).any()
+  free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
+  cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
+  assert sorted(free + cached) == list(range(1, engine.config.num_pages))
 
 
 def test_the_test_model_reads_its_context(params):

@@ -7,6 +7,7 @@ import pytest
 
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import DEVICE_REBASE_MS, Engine
+from serving import kv_pages
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 BASE = EngineConfig.preset("tiny")
@@ -14,7 +15,9 @@ LONG = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 def _pages_free(engine):
-  return int(engine.pages.num_free) == engine.config.num_pages - 1
+  """No page is held: every page is free or cached and unreferenced."""
+  free, evictable, in_use = (int(n) for n in kv_pages.page_census(engine.pages))
+  return (free + evictable, in_use) == (engine.config.num_pages - 1, 0)
 
 
 def test_finish_ends_a_request_completed_and_frees_its_pages(params):

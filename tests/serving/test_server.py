@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import pre_tokenizers
 
 from models.tokenizer import Tokenizer, build_bpe_tokenizer
+from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.server import OpenAIServer, serve_in_thread
@@ -65,7 +66,8 @@ class _Served:
 
   def pages_free(self):
     engine = self.server.engine
-    return int(engine.pages.num_free) == engine.config.num_pages - 1
+    free, evictable, in_use = (int(n) for n in kv_pages.page_census(engine.pages))
+    return (free + evictable, in_use) == (engine.config.num_pages - 1, 0)
 
 
 @pytest.fixture(scope="module")
