@@ -12,8 +12,23 @@ Sections (float32, CPU, greedy, ignore EOS):
   batching with at most 32 running. Useful output tokens/s.
 * gemm: the machine's float32 GEMM FLOP/s and the fraction a decode step
   achieves (model FLOPs per token x decode tokens/s / GEMM FLOP/s).
+* breakdown: one decode iteration of N sequences split into its device
+  programs' parts, each timed alone on the engine's shapes: the model
+  (blocks), attention alone, the LM head, sampling, and the executor's rest.
+
+Every decode run also records a per-iteration breakdown (``steps``): the
+plan, execute (per token bucket), publish, arrive and release programs, each
+timed with ``block_until_ready``, and host time (everything else in
+``Engine.step``), plus the programs compiled during the run (XLA backend
+compiles; none are expected after warm-up) and per function
+(``Engine.compiled_programs``). ``--profile=DIR`` writes a JAX profiler
+trace (TensorBoard and Perfetto ``.trace.json.gz``) of a few decode steps.
 """
 
+import collections
+import dataclasses
+import functools
+import inspect
 import json
 import os
 import sys
@@ -31,15 +46,19 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from attention.ragged import ragged_paged_attention
+from models import llama
 from models.loaders import load_model, resolve_model_path
 from serving import workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.launch import warmup
+from serving.sampling import sample
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_engine.json", "Result JSON path.")
-flags.DEFINE_list("sections", ["prefill", "decode", "trace", "gemm"], "What to measure.")
+flags.DEFINE_list("sections", ["prefill", "decode", "trace", "gemm", "breakdown"],
+                  "What to measure.")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "Decode concurrency levels.")
 flags.DEFINE_integer("prompt_len", 256, "Decode section prompt length.")
 flags.DEFINE_integer("output_len", 128, "Decode section output length.")
@@ -49,6 +68,93 @@ flags.DEFINE_string("trace", str(Path(__file__).resolve().parents[2] / "shared/d
                     "Azure conv CSV for the trace section (synthetic lengths if absent).")
 flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference extra).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
+                  "iterserve weights, activations and KV cache (transformers stays float32).")
+flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
+                     "smaller pools save memory on a shared machine.")
+flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
+flags.DEFINE_integer("profile_steps", 4, "Decode steps in the --profile trace.")
+flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch sizes.")
+flags.DEFINE_integer("breakdown_context", 320, "Breakdown section KV rows per sequence.")
+
+# XLA backend compiles seen by this process (jax.monitoring).
+_COMPILES = [0]
+
+
+def _count_compile(event, duration_s, **kwargs):
+  del duration_s, kwargs
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+class StepTimer:
+  """Times an engine's iterations by phase (installs wrappers on one engine).
+
+  Each jitted program the engine calls (plan, execute, publish, arrive,
+  release) is timed with ``block_until_ready``; ``step`` is timed as a whole,
+  and host time is the step minus its programs (planning bookkeeping,
+  device_get round trips, request bookkeeping, detokenize-free drain).
+  Blocking adds no round trip the CPU engine does not already make: it
+  fetches the plan's and the result's small fields every step.
+  """
+
+  PHASES = ("plan", "execute", "publish", "arrive", "release")
+
+  def __init__(self, engine):
+    self.samples = collections.defaultdict(list)   # phase -> [ms]
+    self._inside = collections.Counter()
+    programs = engine._programs                    # pylint: disable=protected-access
+    engine._programs = dataclasses.replace(        # pylint: disable=protected-access
+        programs, **{p: self._timed(p, getattr(programs, p)) for p in self.PHASES})
+    step = engine.step
+
+    def timed_step():
+      self._inside.clear()
+      t = time.perf_counter()
+      out = step()
+      ms = (time.perf_counter() - t) * 1e3
+      if self._inside.get("bucket"):
+        b = self._inside["bucket"]
+        self.samples[f"step[{b}]"].append(ms)
+        device = sum(v for k, v in self._inside.items() if k != "bucket")
+        self.samples[f"host[{b}]"].append(ms - device)
+      return out
+
+    engine.step = timed_step
+
+  def _timed(self, phase, fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      t = time.perf_counter()
+      out = jax.block_until_ready(fn(*args, **kwargs))
+      ms = (time.perf_counter() - t) * 1e3
+      key = phase
+      if phase == "execute":
+        key = f"execute[{kwargs['num_rows']}]"
+        self._inside["bucket"] = kwargs["num_rows"]
+      self.samples[key].append(ms)
+      self._inside[phase] += ms
+      return out
+    return wrapped
+
+  def summary(self):
+    """{phase: {n, median_ms, total_ms}} and the host fraction per bucket."""
+    out = {k: {"n": len(v), "median_ms": round(float(np.median(v)), 3),
+               "total_ms": round(float(np.sum(v)), 1)}
+           for k, v in sorted(self.samples.items())}
+    for key in [k for k in self.samples if k.startswith("step[")]:
+      b = key[5:-1]
+      host = np.sum(self.samples[f"host[{b}]"])
+      out[f"host_fraction[{b}]"] = round(float(host / np.sum(self.samples[key])), 4)
+    steps = [v for k, v in self.samples.items() if k.startswith("step[")]
+    hosts = [v for k, v in self.samples.items() if k.startswith("host[")]
+    if steps:
+      out["host_fraction"] = round(float(sum(map(np.sum, hosts)) /
+                                         sum(map(np.sum, steps))), 4)
+    return out
 
 
 def _prompts(lengths, seed=0):
@@ -57,18 +163,29 @@ def _prompts(lengths, seed=0):
 
 
 def _engine(cfg, params, **overrides):
-  engine = Engine(cfg, params, EngineConfig.preset(FLAGS.engine, **overrides))
-  return engine
+  overrides.setdefault("dtype", FLAGS.dtype)
+  if FLAGS.num_pages:
+    overrides.setdefault("num_pages", FLAGS.num_pages)
+  return Engine(cfg, params, EngineConfig.preset(FLAGS.engine, **overrides))
 
 
-def iterserve_run(cfg, params, prompts, outputs, **overrides):
-  """Seconds to finish all requests (all arriving at t=0); outputs checked."""
+def iterserve_run(cfg, params, prompts, outputs, timer=False, **overrides):
+  """Seconds to finish all requests (all arriving at t=0); outputs checked.
+
+  With ``timer``, the engine's ``StepTimer`` is left in ``engine.step_timer``
+  and the XLA compiles during the run in ``engine.compiles_during_run``.
+  """
   engine = _engine(cfg, params, **overrides)
+  if timer:
+    engine.step_timer = StepTimer(engine)
+  compiles = _COMPILES[0]
   t = time.perf_counter()
   for i, (p, n) in enumerate(zip(prompts, outputs)):
     engine.add_request(f"b{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
   engine.run()
   seconds = time.perf_counter() - t
+  engine.compiles_during_run = _COMPILES[0] - compiles
+  engine.kv = None                 # free the cache before the next engine
   got = [len(r.output_token_ids) for r in engine.requests.values()]
   assert got == list(outputs), "every request must produce its output length"
   return seconds, engine
@@ -117,15 +234,102 @@ def flops_per_token(cfg):
   return 2 * (cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size)
 
 
+def _time_ms(fn, *args, reps=5):
+  """Min wall ms of ``fn(*args)`` over ``reps`` calls after one warm call."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - t)
+  return best * 1e3
+
+
+def breakdown(cfg, params, num_seqs, ecfg):
+  """Parts of one decode iteration of ``num_seqs`` sequences, each timed alone.
+
+  Shapes are the engine's (``ecfg``): token bucket, ``max_num_seqs``,
+  ``sample_rows``, the KV pool; each sequence has ``--breakdown_context``
+  KV rows on its own pages. ``model_ms`` is ``llama.forward`` (all blocks,
+  with attention); ``attention_ms`` is ``ragged_paged_attention`` for every
+  layer alone; ``blocks_minus_attention_ms`` is the difference (projections,
+  MLP, norms, RoPE, KV writes); ``lm_head_ms`` the logits of the sampled
+  rows; ``sampling_ms`` greedy sampling of ``max_num_seqs`` rows.
+  """
+  ctx = FLAGS.breakdown_context
+  bucket = ecfg.bucket_for(num_seqs)
+  ps, seqs = ecfg.page_size, ecfg.max_num_seqs
+  pages_per_seq = ecfg.pages_per_seq
+  rng = np.random.default_rng(0)
+  used = -(-ctx // ps)
+  num_pages = seqs * used + 1       # only the pages read: the pool size costs nothing
+  perm = rng.permutation(num_pages - 1) + 1                       # page 0: null
+  table = np.zeros((seqs, pages_per_seq), np.int32)
+  table[:, :used] = perm.reshape(seqs, used)
+  table = jnp.asarray(table)
+  kv_lens = jnp.asarray([ctx if i < num_seqs else 0 for i in range(seqs)], jnp.int32)
+  cu = jnp.asarray(np.minimum(np.arange(seqs + 1), num_seqs), jnp.int32)
+  rows = np.arange(bucket)
+  positions = jnp.asarray(np.where(rows < num_seqs, ctx - 1, 0), jnp.int32)
+  slot_mapping = jnp.asarray(np.where(
+      rows < num_seqs, np.asarray(table)[np.minimum(rows, seqs - 1), (ctx - 1) // ps] * ps
+      + (ctx - 1) % ps, -1), jnp.int32)
+  tokens = jnp.asarray(rng.integers(20, 1000, size=bucket), jnp.int32)
+  kv = llama.init_kv_cache(cfg, num_pages, ps, jnp.dtype(ecfg.dtype))
+  kv = llama.KVCache(k=kv.k + 0.01, v=kv.v + 0.01)
+  num = jnp.int32(num_seqs)
+  impl = ecfg.attention_impl
+
+  fwd = jax.jit(lambda p, kv: llama.forward(
+      p, cfg, kv, tokens, positions, slot_mapping, kv_lens, table, cu, num,
+      attention_impl=impl)[0])
+  q = jnp.full((bucket, cfg.n_heads, cfg.head_dim), 0.01, jnp.dtype(ecfg.dtype))
+
+  @jax.jit
+  def attn(k, v):
+    flat = (cfg.n_layers * num_pages,) + k.shape[2:]
+    k, v = k.reshape(flat), v.reshape(flat)
+
+    def layer(carry, l):
+      out = ragged_paged_attention(q + carry, k, v, kv_lens, table + l * num_pages,
+                                   cu, num, sm_scale=cfg.head_dim ** -0.5, impl=impl)
+      return carry + out[0, 0, 0] * 0, None
+    return jax.lax.scan(layer, jnp.float32(0), jnp.arange(cfg.n_layers))[0]
+
+  hidden = jnp.full((ecfg.sample_rows, cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
+  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h, num))
+  if "num_live" not in inspect.signature(llama.compute_logits).parameters:
+    head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h))   # older trees
+  logits = head(params, hidden)[:seqs]
+  z = jnp.zeros((seqs,), jnp.float32)
+  samp = jax.jit(lambda lg: sample(lg, z, z.astype(jnp.int32), z + 1,
+                                   z.astype(jnp.uint32), z.astype(jnp.int32)))
+  row = {"num_seqs": num_seqs, "bucket": bucket, "context": ctx,
+         "model_ms": _time_ms(fwd, params, kv),
+         "attention_ms": _time_ms(attn, kv.k, kv.v),
+         "lm_head_ms": _time_ms(head, params, hidden),
+         "sampling_ms": _time_ms(samp, logits)}
+  row["blocks_minus_attention_ms"] = row["model_ms"] - row["attention_ms"]
+  kv_bytes = (2 * num_seqs * ctx * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+              * jnp.dtype(ecfg.dtype).itemsize)
+  row["attention_kv_gb_per_s"] = kv_bytes / row["attention_ms"] / 1e6
+  return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+
+
 def main(argv):
   del argv
-  cfg, params, _ = load_model("smollm2-135m", cache_dir=".cache/iterserve/weights")
+  cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
+                              cache_dir=".cache/iterserve/weights")
   hf = load_hf() if FLAGS.hf else None
   scratch = _engine(cfg, params)
-  warmup(scratch)
+  if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
+    warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-         "engine_preset": FLAGS.engine, "dtype": "float32",
-         "token_buckets": list(scratch.config.token_buckets)}
+         "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype,
+         "token_buckets": list(scratch.config.token_buckets),
+         "row_tile": getattr(llama, "ROW_TILE", None), "load_average": list(os.getloadavg()),
+         "compiled_programs_after_warmup": scratch.compiled_programs(),
+         "xla_compiles_during_warmup": _COMPILES[0]}
 
   if "prefill" in FLAGS.sections:
     prompt = _prompts([512])
@@ -142,14 +346,17 @@ def main(argv):
     for n in map(int, FLAGS.concurrency):
       prompts = _prompts([FLAGS.prompt_len] * n, seed=n)
       total = n * FLAGS.output_len
-      s, engine = iterserve_run(cfg, params, prompts, [FLAGS.output_len] * n,
+      s, engine = iterserve_run(cfg, params, prompts, [FLAGS.output_len] * n, timer=True,
                                 max_num_seqs=max(32, n), max_request_slots=max(128, n),
                                 sample_rows=max(64, n))
       s1, _ = iterserve_run(cfg, params, prompts, [1] * n, max_num_seqs=max(32, n),
                             max_request_slots=max(128, n), sample_rows=max(64, n))
       row = {"concurrency": n, "iterserve_output_tokens_per_s": total / s,
              "iterserve_decode_tokens_per_s": (total - n) / max(s - s1, 1e-9),
-             "iterserve_iterations": engine.num_iterations}
+             "iterserve_iterations": engine.num_iterations,
+             "steps": engine.step_timer.summary(),
+             "compiles_during_run": engine.compiles_during_run,
+             "compiled_programs": engine.compiled_programs()}
       if hf:
         h = hf_run(*hf, prompts, FLAGS.output_len)
         h1 = hf_run(*hf, prompts, 1)
@@ -158,6 +365,26 @@ def main(argv):
         row["speedup"] = row["iterserve_output_tokens_per_s"] / row["hf_output_tokens_per_s"]
       out["decode"].append(row)
       print("decode", row)
+
+  if "breakdown" in FLAGS.sections:
+    out["breakdown"] = [breakdown(cfg, params, int(n), scratch.config)
+                        for n in FLAGS.breakdown_seqs]
+    for row in out["breakdown"]:
+      print("breakdown", row)
+
+  if FLAGS.profile:
+    n = 32
+    engine = _engine(cfg, params)
+    for i, p in enumerate(_prompts([FLAGS.prompt_len] * n, seed=n)):
+      engine.add_request(f"p{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(n * FLAGS.prompt_len // engine.config.max_num_batched_tokens + 2):
+      engine.step()                  # prefill everything; decode from here
+    with jax.profiler.trace(FLAGS.profile, create_perfetto_trace=True):
+      for _ in range(FLAGS.profile_steps):
+        with jax.profiler.TraceAnnotation("engine.step"):
+          engine.step()
+    out["profile_dir"] = FLAGS.profile
+    print(f"profile trace in {FLAGS.profile}")
 
   if "trace" in FLAGS.sections:
     n = FLAGS.trace_requests
@@ -195,6 +422,7 @@ def main(argv):
     out["gemm"] = row
     print("gemm", row)
 
+  out["load_average_end"] = list(os.getloadavg())
   Path(FLAGS.out).parent.mkdir(parents=True, exist_ok=True)
   Path(FLAGS.out).write_text(json.dumps(out, indent=2))
   print(f"wrote {FLAGS.out}")
