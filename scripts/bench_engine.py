@@ -28,7 +28,6 @@ trace (TensorBoard and Perfetto ``.trace.json.gz``) of a few decode steps.
 import collections
 import dataclasses
 import functools
-import inspect
 import json
 import os
 import sys
@@ -303,9 +302,7 @@ def breakdown(cfg, params, num_seqs, ecfg):
     return jax.lax.scan(layer, jnp.float32(0), jnp.arange(cfg.n_layers))[0]
 
   hidden = jnp.full((ecfg.sample_rows, cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
-  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h, num))
-  if "num_live" not in inspect.signature(llama.compute_logits).parameters:
-    head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h))   # older trees
+  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h))
   logits = head(params, hidden)[:seqs]
   z = jnp.zeros((seqs,), jnp.float32)
   samp = jax.jit(lambda lg: sample(lg, z, z.astype(jnp.int32), z + 1,
@@ -333,7 +330,7 @@ def main(argv):
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype,
          "token_buckets": list(scratch.config.token_buckets),
-         "row_tile": getattr(llama, "ROW_TILE", None), "load_average": list(os.getloadavg()),
+         "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),
          "xla_compiles_during_warmup": _COMPILES[0]}
 
