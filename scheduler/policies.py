@@ -219,7 +219,9 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
       pages_for(state.computed + 1, ps) - held, 0), 0)
   victim_order = key_order(jnp.stack(
       [jnp.where(f["running"], 0, 1), victim_rank(manifest)], axis=1))
-  ctx = dict(f, held=held, ps=ps, own=own, need_total=need_total,
+  reclaim = (held if alloc.reclaimable_pages is None
+             else alloc.reclaimable_pages.astype(jnp.int32))
+  ctx = dict(f, held=held, reclaim=reclaim, ps=ps, own=own, need_total=need_total,
              decode_need=decode_need,
              computed=state.computed, victim_order=victim_order,
              pos=inverse_permutation(victim_order), vrank=victim_rank(manifest),
@@ -253,10 +255,11 @@ def _take(x, c, s, end, need):
 
 
 def preempt_slot(x, c, v):
-  """Recompute-preempts running slot ``v``: its pages and reservation return."""
+  """Recompute-preempts running slot ``v``: its reclaimable pages (those no
+  other page table shares) and its reservation return."""
   c = dict(c)
   c["preempt"] = c["preempt"].at[v].set(True)
-  c["free"] = c["free"] + x["held"][v]
+  c["free"] = c["free"] + x["reclaim"][v]
   c["reserved"] = c["reserved"] - x["own"][v]
   c["evicted_best"] = jnp.minimum(c["evicted_best"], x["vrank"][v])
   c["decode_need"] = c["decode_need"] - jnp.where(c["selected"][v], 0,

@@ -176,12 +176,18 @@ class AllocatorView:
     prefix_hit_tokens: i32[R] or None, exact cached-prefix tokens the
       allocator has proven resident for each slot's prompt (None reads as
       zeros until a prefix cache publishes it; see ``prefix_hits``).
+    reclaimable_pages: i32[R] or None, pages a slot's release would return
+      to the free pool: its pages that no other page table holds (a page
+      shared with a prefix-cache hit stays held). The credit a policy may
+      take for preempting the slot; None reads as ``pages_held`` (no
+      sharing).
   """
 
   free_pages: jax.Array
   pages_held: jax.Array
   page_size: int = flax.struct.field(pytree_node=False)
   prefix_hit_tokens: Optional[jax.Array] = None
+  reclaimable_pages: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass

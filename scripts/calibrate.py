@@ -1,7 +1,7 @@
 """Calibrates the step-time cost model of the simulated executor.
 
-  python scripts/calibrate.py --out=configs/cost_model_smollm2_cpu.json
-  python scripts/calibrate.py --holdout_only --out=configs/cost_model_smollm2_cpu.json
+  python scripts/calibrate.py --out=configs/calibration/cost_model_smollm2_cpu.json
+  python scripts/calibrate.py --holdout_only --out=configs/calibration/cost_model_smollm2_cpu.json
 
 1. Measures real step times of the model executor over a grid of batch
    shapes (batches of N equal prompts of L tokens, each then decoding a few
@@ -36,7 +36,7 @@ from serving.replay import replay
 from serving.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "configs/cost_model_smollm2_cpu.json", "Calibration JSON.")
+flags.DEFINE_string("out", "configs/calibration/cost_model_smollm2_cpu.json", "Calibration JSON.")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16", "32"], "Grid: requests per batch (N).")
 flags.DEFINE_list("prompt_lens", ["32", "256", "1024"], "Grid: prompt tokens (L).")
 flags.DEFINE_integer("decode_tokens", 8, "Grid: output tokens per request.")

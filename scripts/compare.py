@@ -26,7 +26,13 @@ flags.DEFINE_string("metric", "request_goodput", "Metric to rank by (higher is b
 
 
 def rows_of(path: str):
-  run = json.load(open(path))
+  try:
+    with open(path) as f:
+      run = json.load(f)
+  except FileNotFoundError:
+    raise ValueError(f"{path}: no such run JSON") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: not a run JSON ({e})") from None
   if "trials" in run:       # a sweep: one row per policy, coordinates per trial
     runs = []
     for p in run["policies"]:
@@ -50,6 +56,10 @@ def main(argv):
   if not paths:
     raise ValueError("compare.py needs at least one run JSON")
   rows = [r for p in paths for r in rows_of(p)]
+  missing = [n for n, _, _, m in rows if m.get(FLAGS.metric) is None]
+  if missing:
+    raise ValueError(f"--metric={FLAGS.metric!r} is not a number in {missing[:4]} "
+                     f"(a report key, a ledger goodput key, or g_star for a sweep)")
   ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
   print(ablation.table([{"name": n, "policy": p, FLAGS.metric: m.get(FLAGS.metric)}
                         for n, p, _, m in rows], FLAGS.metric))

@@ -1,6 +1,6 @@
 """Goodput-capacity sweep: policies x arrival-rate scales x seeded trials.
 
-  python scripts/sweep.py --policies=sarathi_serve,vllm_v1,fcfs_prefill_first \
+  python scripts/sweep.py --policies=sarathi_serve,vllm_v1,orca \
       --rate_scales=0.25,0.5,1,2 --trials=2 --window_s=120 --out=runs/sweep_azure
 
 Each trial replays a window of the trace, ``[k*W, (k+1)*W)`` seconds for
@@ -161,6 +161,32 @@ def plots(result, out):
   fig.tight_layout(); fig.savefig(f"{out}/client_service.png", dpi=90); plt.close(fig)
 
 
+def _check_flags():
+  """The sweep's flags, checked before any trial runs; returns the rate
+  scales. Raises ValueError naming the flag and the rule."""
+  from scheduler.policies import POLICIES
+  try:
+    rates = [float(r) for r in FLAGS.rate_scales]
+  except ValueError:
+    raise ValueError(f"--rate_scales must be numbers, got {FLAGS.rate_scales}") from None
+  if not rates or any(not r > 0 for r in rates):
+    raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
+                     f"{FLAGS.rate_scales}")
+  unknown = [p for p in FLAGS.policies if p not in POLICIES]
+  if not FLAGS.policies or unknown:
+    raise ValueError(f"--policies must name registered policies {sorted(POLICIES)}, got "
+                     f"{FLAGS.policies}")
+  for name in ("trials",):
+    if getattr(FLAGS, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  for name in ("window_s", "ttft_ms", "tpot_ms"):
+    if not getattr(FLAGS, name) > 0:
+      raise ValueError(f"--{name} must be > 0, got {getattr(FLAGS, name)}")
+  if not 0 < FLAGS.alpha <= 1:
+    raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
+  return rates
+
+
 def main(argv):
   del argv
   if FLAGS.merge:
@@ -174,7 +200,7 @@ def main(argv):
   if FLAGS.executor == "model":
     from models.loaders import load_model
     model_cfg, params, _ = load_model(FLAGS.model)
-  rates = [float(r) for r in FLAGS.rate_scales]
+  rates = _check_flags()
   result = {"trace": FLAGS.trace, "window_s": FLAGS.window_s, "trials_per_point": FLAGS.trials,
             "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
             "policies": FLAGS.policies, "rate_scales": rates,

@@ -49,9 +49,11 @@ class SamplingParams:
 
   def __post_init__(self):
     c = "SamplingParams"
-    _require(self.max_tokens >= 1, c, "max_tokens", "must be >= 1", self.max_tokens)
+    _require(1 <= self.max_tokens < 2**31, c, "max_tokens", "must be in [1, 2**31)",
+             self.max_tokens)
     _require(self.temperature >= 0.0, c, "temperature", "must be >= 0", self.temperature)
-    _require(self.top_k >= 0, c, "top_k", "must be >= 0 (0 = off)", self.top_k)
+    _require(0 <= self.top_k < 2**31, c, "top_k", "must be in [0, 2**31) (0 = off)",
+             self.top_k)
     _require(0.0 < self.top_p <= 1.0, c, "top_p", "must be in (0, 1]", self.top_p)
     _require(0 <= self.seed < 2**32, c, "seed", "must be in [0, 2**32)", self.seed)
     _require(0 <= self.min_tokens <= self.max_tokens, c, "min_tokens",
@@ -99,7 +101,7 @@ class EngineConfig:
       call (``serving.sim_executor``: tokens up to each request's recorded
       output length, step time from the cost model on a virtual clock).
     cost_model: calibration JSON of ``serving.cost_model`` used by a virtual
-      clock ("" = ``configs/cost_model_smollm2_cpu.json``).
+      clock ("" = ``configs/calibration/cost_model_smollm2_cpu.json``).
     enable_prefix_caching: automatic prefix caching (``serving.prefix_cache``):
       full prompt pages are keyed by content and shared; a request starts
       its prefill after the longest cached prefix. On by default, as in

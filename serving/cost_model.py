@@ -35,7 +35,7 @@ from scheduler import records as rec
 
 FEATURES = ("prefill_rows", "decode_rows", "kv_tokens_read", "bucket")
 DEFAULT_CALIBRATION = (Path(__file__).resolve().parent.parent / "configs"
-                       / "cost_model_smollm2_cpu.json")
+                       / "calibration" / "cost_model_smollm2_cpu.json")
 
 
 def step_features(plan: rec.IterationPlan):

@@ -324,6 +324,9 @@ class Engine:
     if len(sampling.stop_token_ids) > c.max_stop_ids:
       raise ValueError(f"request {request_id!r}: stop_token_ids holds at most "
                        f"{c.max_stop_ids} ids, got {len(sampling.stop_token_ids)}")
+    if not -2**31 <= int(priority) < 2**31:
+      raise ValueError(f"request {request_id!r}: priority must be in [-2**31, 2**31) "
+                       f"(an int32; lower runs first), got {priority}")
     for name, limit in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
       if limit is not None and not limit > 0:
         raise ValueError(f"request {request_id!r}: {name} must be > 0 ms (None for "
@@ -545,6 +548,39 @@ class Engine:
         self.state = self._programs.resume_prefix(self.state, np.int32(slot),
                                                   np.int32(hit))
 
+  def _unpin_waiting_hits(self) -> None:
+    """A waiting request's prefix hit pins cached pages in its table. When
+    the running requests' next rows need more pages than are free or
+    evictable, the hits of waiting requests are dropped, latest arrival
+    first, until they fit: those pages become evictable again and the
+    request's prefill starts from 0 (a hit never starves a running request
+    into preempting itself)."""
+    c = self.config
+    computed, held, status, refcount, table, census = jax.device_get((
+        self.state.computed, self.pages.pages_held, self.state.status,
+        self.pages.refcount, self.pages.page_table, kv_pages.page_census(self.pages)))
+    running = status == rec.RUNNING
+    need = int(np.sum(running & (kv_pages.pages_for(computed + 1, c.page_size) > held)))
+    short = need - int(census[0]) - int(census[1])
+    if short <= 0:
+      return
+    refcount = np.array(refcount)
+    pinned = [s for s, r in enumerate(self._slots)
+              if r is not None and status[s] == rec.WAITING and held[s] > 0]
+    for slot in sorted(pinned, key=lambda s: -self._slots[s].uid):
+      if short <= 0:
+        break
+      ids = table[slot, :held[slot]]
+      short -= int(np.sum(refcount[ids] == 1))
+      refcount[ids] -= 1
+      mask = np.zeros(self.num_slots, bool)
+      mask[slot] = True
+      self.pages = self._programs.unpin(self.pages, mask)
+      self.state = self._programs.resume_prefix(self.state, np.int32(slot), np.int32(0))
+      req = self._slots[slot]
+      req.prefix_hit_tokens = 0
+      self._rehit_tokens.pop(req.request_id, None)
+
   def _prefix_hits(self) -> Optional[np.ndarray]:
     """i32[R] prefix-hit tokens of each slot's request (None when off)."""
     if self.prefix_cache is None:
@@ -593,6 +629,8 @@ class Engine:
     self._fill_slots()
     if self.prefix_cache is not None and self.num_preemptions:
       self._rehit_preempted()
+    if self.prefix_cache is not None:
+      self._unpin_waiting_hits()
     now_ms = self.now_ms()
     self._rebase_device_clock(now_ms)
     self.state = apply_lib.tick(self.state, self._device_ms(now_ms))
@@ -856,6 +894,7 @@ class _Programs:
   map_prefix: Callable
   sync_cached: Callable
   resume_prefix: Callable
+  unpin: Callable
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
@@ -936,10 +975,9 @@ def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
 
 def _plan(policy, manifest, state, pages, prefix_hits):
   """The policy's plan, whether it violates a rule, and the allocator view it
-  read (the one validation replays). With prefix caching the view's free
-  pages leave out what shared pages would overcount (``kv_pages.view``)."""
-  running = None if prefix_hits is None else state.status == rec.RUNNING
-  view = kv_pages.view(pages, prefix_hits, running)
+  read (the one validation replays). A victim's credit is its reclaimable
+  pages, not the shared ones (``kv_pages.reclaimable``)."""
+  view = kv_pages.view(pages, prefix_hits)
   plan = policy(manifest.online(), state, view)
   return plan, validate.any_violation(validate.plan_violations(manifest, state, plan,
                                                                view)), view
@@ -1035,4 +1073,5 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       map_prefix=jit("map_prefix", kv_pages.map_prefix),
       sync_cached=jit("sync_cached", kv_pages.sync_cached),
       resume_prefix=jit("resume_prefix", apply_lib.resume_from_prefix),
+      unpin=jit("unpin", kv_pages.deallocate),
       traces=traces, executor_traces=executor.traces)

@@ -101,36 +101,28 @@ def page_census(pages: PageState):
   return pages.num_free, num_evictable(pages), in_use
 
 
-def shared_overcount(pages: PageState, running) -> jax.Array:
-  """i32[]: pages a policy would count twice when it releases victims.
-
-  A policy credits a preempted slot with all its ``pages_held``; a page that
-  other tables also hold is not freed by that. Over any set of victims among
-  the ``running`` slots (bool[R]) the credit exceeds the pages really freed
-  by at most ``sum_p min(r_p, h_p - 1)`` (``h_p`` holders of page p, ``r_p``
-  of them running); ``view`` subtracts it from the free pages so that every
-  plan made against the view can be allocated.
-  """
+def reclaimable(pages: PageState) -> jax.Array:
+  """i32[R]: each slot's held pages that no other page table holds (refcount
+  1): what releasing the slot returns to the free pool (free, or evictable
+  when cached). A page shared with another table stays held, so a policy
+  that credits a victim with this (not ``pages_held``) never counts a page
+  twice, and every plan made against ``view`` can be allocated (over any set
+  of victims the credits sum to at most the pages their release frees)."""
   pages_per_seq = pages.page_table.shape[1]
   j = jnp.arange(pages_per_seq, dtype=jnp.int32)
-  live = (j[None, :] < pages.pages_held[:, None]) & running[:, None]
-  r = jnp.zeros_like(pages.refcount).at[
-      jnp.where(live, pages.page_table, pages.num_pages)].add(1, mode="drop")
-  return jnp.sum(jnp.minimum(r, jnp.maximum(pages.refcount - 1, 0))).astype(jnp.int32)
+  held = j[None, :] < pages.pages_held[:, None]
+  alone = pages.refcount[pages.page_table] == 1
+  return jnp.sum(held & alone, axis=1).astype(jnp.int32)
 
 
-def view(pages: PageState, prefix_hit_tokens=None, running=None) -> AllocatorView:
-  """The facts a policy may read.
-
-  ``free_pages`` = free + evictable pages, minus ``shared_overcount`` when
-  ``running`` (bool[R]) is given; ``pages_held`` per slot; the prefix-hit
-  tokens (i32[R]) when caching.
-  """
-  free = pages.num_free + num_evictable(pages)
-  if running is not None:
-    free = free - shared_overcount(pages, running)
-  return AllocatorView(free_pages=free, pages_held=pages.pages_held,
-                       page_size=pages.page_size, prefix_hit_tokens=prefix_hit_tokens)
+def view(pages: PageState, prefix_hit_tokens=None) -> AllocatorView:
+  """The facts a policy may read: ``free_pages`` = free + evictable pages;
+  ``pages_held`` and ``reclaimable_pages`` (``reclaimable``) per slot; the
+  prefix-hit tokens (i32[R]) when caching."""
+  return AllocatorView(free_pages=pages.num_free + num_evictable(pages),
+                       pages_held=pages.pages_held, page_size=pages.page_size,
+                       prefix_hit_tokens=prefix_hit_tokens,
+                       reclaimable_pages=reclaimable(pages))
 
 
 def pages_for(rows, page_size: int):

@@ -385,8 +385,13 @@ class ServerMetrics:
                                   L + ["outcome"], registry=r)
     self._refused = prom.Counter("iterserve:requests_refused", "Requests refused before "
                                  "acceptance, by reason.", L + ["reason"], registry=r)
+    self.prefix_queries = count("vllm:prefix_cache_queries",
+                                "Prompt tokens looked up in the prefix cache.")
+    self.prefix_hits = count("vllm:prefix_cache_hits",
+                             "Prompt tokens served from the prefix cache.")
     self._model = model_name
     self._preemptions_seen = 0
+    self._prefix_seen = (0, 0)
 
   def admit(self) -> None:
     with self._lock:
@@ -433,6 +438,11 @@ class ServerMetrics:
     if engine.num_preemptions > self._preemptions_seen:
       self.preemptions.inc(engine.num_preemptions - self._preemptions_seen)
       self._preemptions_seen = engine.num_preemptions
+    stats = engine.prefix_cache_stats()
+    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+    self.prefix_queries.inc(queries - self._prefix_seen[0])
+    self.prefix_hits.inc(hits - self._prefix_seen[1])
+    self._prefix_seen = (queries, hits)
 
 
 # -------------------------------------------------------------------- app
@@ -537,6 +547,9 @@ class OpenAIServer:
     options = _get(body, "stream_options", dict, {}, "an object")
     include_usage = _get(options, "include_usage", bool, False)
     priority = _get(body, "priority", int, 0)
+    if not -2**31 <= priority < 2**31:
+      raise BadRequest(f"'priority' must be in [-2**31, 2**31) (an int32; lower runs "
+                       f"first), got {priority}", "priority")
     client = (_get(body, "client", str, None) or _get(body, "tenant", str, None)
               or _get(body, "user", str, "default"))
     extra = {}

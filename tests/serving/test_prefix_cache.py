@@ -107,11 +107,10 @@ def test_random_share_release_and_evict_keep_every_page_accounted(ops):
     elif op == "finish" and slot in live:
       mask = np.zeros(SLOTS, bool)
       mask[slot] = True
-      # A policy crediting this victim with all its pages never counts on
-      # more than its release really makes available.
-      running = jnp.asarray([s in live for s in range(SLOTS)])
-      credit = int(kv_pages.view(pages, None, running).free_pages) + int(
-          np.asarray(pages.pages_held)[slot])
+      # A policy crediting this victim with its reclaimable pages never
+      # counts on more than its release really makes available.
+      view = kv_pages.view(pages)
+      credit = int(view.free_pages) + int(np.asarray(view.reclaimable_pages)[slot])
       pages = deallocate(pages, jnp.asarray(mask))
       assert credit <= int(pages.num_free) + int(kv_pages.num_evictable(pages))
       del live[slot]

@@ -210,6 +210,10 @@ BAD = [
     ("n > 1", {"prompt": "hi", "n": 2}, "n", "must be 1"),
     ("top_p", {"prompt": "hi", "top_p": 2.0}, "top_p", "must be in (0, 1]"),
     ("no prompt", {"max_tokens": 3}, "prompt", "is required"),
+    ("priority beyond int32", {"prompt": "hi", "priority": 2**40}, "priority",
+     "must be in [-2**31, 2**31)"),
+    ("top_k beyond int32", {"prompt": "hi", "top_k": 2**40}, "top_k",
+     "must be in [0, 2**31)"),
 ]
 
 
@@ -294,6 +298,9 @@ def test_overload_burst_gets_429_and_every_accepted_request_completes(params):
     assert m[("vllm:inter_token_latency_seconds_count", ())] == 5 * codes.count(200)
     assert m[("vllm:request_queue_time_seconds_count", ())] == codes.count(200)
     assert m[("vllm:num_requests_running", ())] == m[("vllm:num_requests_waiting", ())] == 0
+    stats = s.server.engine.prefix_cache_stats()     # vLLM's prefix-cache counters
+    assert m[("vllm:prefix_cache_queries_total", ())] == stats["prefix_cache_queries"] > 0
+    assert m[("vllm:prefix_cache_hits_total", ())] == stats["prefix_cache_hits"]
     _wait(s.pages_free)
   finally:
     s.close()
