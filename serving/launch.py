@@ -114,7 +114,8 @@ def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
   """Declares --slo_ttft_ms / --slo_tpot_ms / --slo_class on every request."""
   if not slo_flags_given():
     return workload
-  classes = workloads.parse_slo_classes(FLAGS.slo_class) if FLAGS.slo_class else ()
+  classes = (workloads.parse_slo_classes(FLAGS.slo_class)
+             if FLAGS.slo_class is not None else ())
   return workloads.with_slos(workload, ttft_ms=FLAGS.slo_ttft_ms,
                              tpot_ms=FLAGS.slo_tpot_ms, classes=classes)
 

@@ -222,13 +222,21 @@ def test_bad_requests_name_the_field(params, prompt, sampling, match):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens must be >= 1"),
+    (dict(max_tokens=0), r"max_tokens must be in \[1, 2\*\*31\)"),
+    (dict(top_k=2**40), r"top_k must be in \[0, 2\*\*31\)"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(temperature=-1.0), "temperature must be >= 0"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingParams(**kwargs)
+
+
+def test_priority_beyond_int32_is_refused_before_it_reaches_the_device(params):
+  engine = Engine(CFG, params, BASE)
+  with pytest.raises(ValueError, match=r"priority must be in \[-2\*\*31, 2\*\*31\)"):
+    engine.add_request("p", [5, 6], GREEDY, priority=2**40)
+  assert not engine.has_unfinished() and "p" not in engine.requests
 
 
 def test_duplicate_request_id_is_refused(params):
