@@ -105,10 +105,7 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
       shape batch-invariant on CPU).
   The result's ``emit_ms`` is 0: the host stamps the publication time.
   """
-  pages = kv_pages.deallocate(pages, plan.preempt)
-  rows_needed = jnp.where(plan.selected, plan.end, 0)
-  max_new = -(-(plan.token_budget + pages.page_size) // pages.page_size)
-  pages = kv_pages.allocate(pages, rows_needed, max_new_per_slot=max_new)
+  pages = allocate_for_plan(pages, plan)
   packed = pack(plan, buffers.tokens, pages.page_table, pages.page_size,
                 num_rows=num_rows, num_seqs=num_seqs)
 
@@ -128,6 +125,40 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   slot_token = per_slot(token, -1)
   slot_finite = per_slot(finite, True)
 
+  is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos
+  pages, buffers, result = settle(pages, buffers, manifest, state, plan, slot_token,
+                                  slot_finite, is_eos, max_model_len=max_model_len)
+  return kv, pages, buffers, result
+
+
+def allocate_for_plan(pages: kv_pages.PageState, plan: rec.IterationPlan
+                      ) -> kv_pages.PageState:
+  """Releases the plan's preempted slots' pages, then grows every selected
+  slot's pages to hold ``plan.end`` rows (the one allocation rule of every
+  executor)."""
+  pages = kv_pages.deallocate(pages, plan.preempt)
+  rows_needed = jnp.where(plan.selected, plan.end, 0)
+  max_new = -(-(plan.token_budget + pages.page_size) // pages.page_size)
+  return kv_pages.allocate(pages, rows_needed, max_new_per_slot=max_new)
+
+
+def settle(pages: kv_pages.PageState, buffers: RequestBuffers,
+           manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+           plan: rec.IterationPlan, slot_token, slot_finite, is_eos, *,
+           max_model_len: int):
+  """The stop rules and the IterationResult of one executed plan (the one
+  definition every executor uses).
+
+  Args:
+    slot_token: i32[R] the token each slot sampled (-1 where none).
+    slot_finite: bool[R] its logits were finite (False: the slot fails).
+    is_eos: bool[R] the token ends the request as EOS (the caller applies
+      ``ignore_eos``; the simulated executor: the recorded length reached).
+  Returns ``(pages, buffers, result)``: the emitted token written after the
+  slot's prompt and outputs, finished and failed slots' pages released.
+  Finish reasons, first match wins: stop id, EOS, length (max_tokens or the
+  context).
+  """
   p = manifest.prompt_len
   emits = plan.selected & ((plan.kind == rec.DECODE_ROW) | (
       (plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
@@ -135,19 +166,17 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   emitted = emits & ~failed
   done = plan.selected & ~failed
   new_e = state.emitted + 1
-  is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos
   is_stop = jnp.any(slot_token[:, None] == buffers.stop_ids, axis=1)
   at_length = (new_e >= manifest.max_tokens) | (p + new_e >= max_model_len)
   reason = jnp.select([is_stop, is_eos, at_length],
                       [rec.FINISH_STOP, rec.FINISH_EOS, rec.FINISH_LENGTH],
                       rec.NOT_FINISHED)
   finished = emitted & (reason != rec.NOT_FINISHED)
-
+  num_slots = plan.selected.shape[0]
   write_col = jnp.where(emitted, p + state.emitted, max_model_len)    # OOB -> drop
   tokens = buffers.tokens.at[jnp.arange(num_slots), write_col].set(slot_token, mode="drop")
   buffers = buffers.replace(tokens=tokens)
   pages = kv_pages.deallocate(pages, finished | failed)
-
   result = rec.IterationResult(
       decision_id=plan.decision_id,
       input_state_version=plan.input_state_version,
@@ -160,4 +189,4 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
       finish_reason=jnp.where(finished, reason, rec.NOT_FINISHED).astype(jnp.int32),
       failed=failed,
       service_rows=jnp.where(done, plan.end - plan.start, 0))
-  return kv, pages, buffers, result
+  return pages, buffers, result

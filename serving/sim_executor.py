@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from scheduler import records as rec
-from serving import kv_pages
+from serving import executor, kv_pages
 
 
 class VirtualClock:
@@ -50,11 +50,7 @@ def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: 
   (i32[R]) may be None: the declared ``max_tokens`` is then the length.
   """
   del params, num_seqs, sample_rows
-  pages = kv_pages.deallocate(pages, plan.preempt)
-  rows_needed = jnp.where(plan.selected, plan.end, 0)
-  max_new = -(-(plan.token_budget + pages.page_size) // pages.page_size)
-  pages = kv_pages.allocate(pages, rows_needed, max_new_per_slot=max_new)
-
+  pages = executor.allocate_for_plan(pages, plan)
   p = manifest.prompt_len
   truth = manifest.hidden_realized_output_tokens
   truth = manifest.max_tokens if truth is None else truth
@@ -62,33 +58,11 @@ def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: 
   vocab = model.cfg.vocab_size
   token = (p * 7919 + state.emitted * 31 + 1) % vocab
   token = jnp.where(jnp.isin(token, eos), (token + 1) % vocab, token)
-  emits = plan.selected & ((plan.kind == rec.DECODE_ROW) | (
-      (plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
-  new_e = state.emitted + 1
-  forced_eos = new_e >= truth
+  # The recorded output ends here: EOS if it ended before its cap (a
+  # recorded length equal to max_tokens is a length finish).
+  forced_eos = state.emitted + 1 >= truth
   token = jnp.where(forced_eos, eos[0], token).astype(jnp.int32)
-  is_stop = jnp.any(token[:, None] == buffers.stop_ids, axis=1) & ~forced_eos
-  at_length = (new_e >= manifest.max_tokens) | (p + new_e >= max_model_len)
-  reason = jnp.select([is_stop, at_length, forced_eos],
-                      [rec.FINISH_STOP, rec.FINISH_LENGTH, rec.FINISH_EOS],
-                      rec.NOT_FINISHED)
-  finished = emits & (reason != rec.NOT_FINISHED)
-  num_slots = plan.selected.shape[0]
-  write_col = jnp.where(emits, p + state.emitted, max_model_len)      # OOB -> drop
-  buffers = buffers.replace(tokens=buffers.tokens.at[jnp.arange(num_slots), write_col].set(
-      token, mode="drop"))
-  pages = kv_pages.deallocate(pages, finished)
-  done = plan.selected
-  result = rec.IterationResult(
-      decision_id=plan.decision_id,
-      input_state_version=plan.input_state_version,
-      completed=done,
-      completed_end=jnp.where(done, plan.end, state.computed),
-      emitted=emits,
-      token=jnp.where(emits, token, -1),
-      emit_ms=jnp.float32(0.0),
-      finished=finished,
-      finish_reason=jnp.where(finished, reason, rec.NOT_FINISHED).astype(jnp.int32),
-      failed=jnp.zeros_like(done),
-      service_rows=jnp.where(done, plan.end - plan.start, 0))
+  pages, buffers, result = executor.settle(
+      pages, buffers, manifest, state, plan, token, jnp.ones_like(plan.selected),
+      forced_eos & (truth < manifest.max_tokens), max_model_len=max_model_len)
   return kv, pages, buffers, result
