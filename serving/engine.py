@@ -556,14 +556,15 @@ class Engine:
     request's prefill starts from 0 (a hit never starves a running request
     into preempting itself)."""
     c = self.config
-    computed, held, status, refcount, table, census = jax.device_get((
+    computed, held, status, census = jax.device_get((
         self.state.computed, self.pages.pages_held, self.state.status,
-        self.pages.refcount, self.pages.page_table, kv_pages.page_census(self.pages)))
+        kv_pages.page_census(self.pages)))
     running = status == rec.RUNNING
     need = int(np.sum(running & (kv_pages.pages_for(computed + 1, c.page_size) > held)))
     short = need - int(census[0]) - int(census[1])
     if short <= 0:
       return
+    refcount, table = jax.device_get((self.pages.refcount, self.pages.page_table))
     refcount = np.array(refcount)
     pinned = [s for s, r in enumerate(self._slots)
               if r is not None and status[s] == rec.WAITING and held[s] > 0]
