@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from attention import online_softmax
+
 # float32 tiles multiply in full float32 (Triton's default would be TF32).
 _EXACT = jax.lax.Precision.HIGHEST
 
@@ -74,7 +76,6 @@ def _ragged_kernel(
   q = q_ref[...]
 
   def body(j, carry):
-    m, l, acc = carry
     pages = table_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
     key_ok = j * block_kv + key_col < kv_len
     k = k_ref[pages].reshape(block_kv, head_dim)
@@ -84,31 +85,16 @@ def _ragged_kernel(
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             precision=_EXACT,
                             preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    key_pos = j * block_kv + key_iota
-    visible = row_ok & (key_pos <= row_pos)
-    if sliding_window is not None:
-      visible &= key_pos > row_pos - sliding_window
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(visible, jnp.exp(s - m_safe[:, None]), 0.0)
-    l = alpha * l + jnp.sum(p, axis=1)
-    acc = alpha[:, None] * acc + jnp.dot(p, v, precision=_EXACT,
-                                         preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    s, visible = online_softmax.visible_scores(
+        s, row_ok, row_pos, j * block_kv + key_iota, soft_cap=soft_cap,
+        sliding_window=sliding_window)
+    return online_softmax.block_update(carry, s, visible, v)
 
   last = start + num_valid - 1
   num_blocks = jnp.where(num_valid > 0, last // block_kv + 1, 0)
-  init = (jnp.full((tile_rows,), -jnp.inf, jnp.float32),
-          jnp.zeros((tile_rows,), jnp.float32),
-          jnp.zeros((tile_rows, head_dim), jnp.float32))
+  init = online_softmax.init(tile_rows, head_dim)
   _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-  l_safe = jnp.where(l > 0, l, 1.0)
-  out = jnp.where(l[:, None] > 0, acc / l_safe[:, None], 0.0)
-  o_ref[...] = out.astype(o_ref.dtype)
+  o_ref[...] = online_softmax.finish(l, acc).astype(o_ref.dtype)
 
 
 def ragged_attention_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,

@@ -66,6 +66,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from attention import online_softmax
+
 # float32 tiles multiply in full float32.
 _EXACT = jax.lax.Precision.HIGHEST
 
@@ -147,7 +149,6 @@ def _ragged_kernel(
   precision = _EXACT if k_buf.dtype == jnp.float32 else None
 
   def body(j, carry):
-    m, l, acc = carry
     buf = jax.lax.rem(j, 2)
 
     @pl.when(j + 1 < end_block)
@@ -163,28 +164,14 @@ def _ragged_kernel(
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             precision=precision,
                             preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-      s = soft_cap * jnp.tanh(s / soft_cap)
-    key_pos = j * block_kv + key_iota
-    visible = row_ok & (key_pos <= row_pos)
-    if sliding_window is not None:
-      visible &= key_pos > row_pos - sliding_window
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp(m - m_safe)
-    p = jnp.where(visible, jnp.exp(s - m_safe), 0.0)
-    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    acc = alpha * acc + jnp.dot(p, v, precision=_EXACT,
-                                preferred_element_type=jnp.float32)
-    return m_new, l, acc
+    s, visible = online_softmax.visible_scores(
+        s, row_ok, row_pos, j * block_kv + key_iota, soft_cap=soft_cap,
+        sliding_window=sliding_window)
+    return online_softmax.block_update(carry, s, visible, v)
 
-  init = (jnp.full((tile_rows, 1), -jnp.inf, jnp.float32),
-          jnp.zeros((tile_rows, 1), jnp.float32),
-          jnp.zeros((tile_rows, head_dim), jnp.float32))
+  init = online_softmax.init(tile_rows, head_dim)
   _, l, acc = jax.lax.fori_loop(first_block, end_block, body, init)
-  l_safe = jnp.where(l > 0, l, 1.0)
-  o_ref[...] = jnp.where(l > 0, acc / l_safe, 0.0).astype(o_ref.dtype)
+  o_ref[...] = online_softmax.finish(l, acc).astype(o_ref.dtype)
 
 
 def ragged_attention_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
