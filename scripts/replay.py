@@ -38,8 +38,24 @@ launch.define_workload_flags()
 launch.define_engine_flags()
 
 
+def _check_report_flags() -> None:
+  """The report's flags, checked before the model loads (ValueError naming
+  the flag and the rule)."""
+  if not FLAGS.out or os.path.isdir(FLAGS.out):
+    raise ValueError(f"--out must be a file path for the report JSON, got {FLAGS.out!r}")
+  for name in ("ledger_tbt_ms", "ledger_horizon_s"):
+    value = getattr(FLAGS, name)
+    if value is not None and not value > 0:
+      raise ValueError(f"--{name} must be > 0 (or unset), got {value}")
+  if FLAGS.sample_every < 1:
+    raise ValueError(f"--sample_every must be >= 1, got {FLAGS.sample_every}")
+  if FLAGS.cost_model and not os.path.isfile(FLAGS.cost_model):
+    raise ValueError(f"--cost_model {FLAGS.cost_model!r}: no such calibration JSON")
+
+
 def main(argv):
   del argv
+  _check_report_flags()
   engine_cfg = launch.engine_config()
   # Read and check the workload before loading the model (fail fast); draw
   # prompt ids again if the model's vocabulary differs from the default.

@@ -80,6 +80,9 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--slo_class=a:1"], "error: slo_class entry 'a:1' must be NAME:TTFT_MS:TPOT_MS"),
     (["--slo_class=a:1:2", "--slo_ttft_ms=5"],
      "error: give either slo_ttft_ms / slo_tpot_ms or slo_class, not both"),
+    (["--out=."], "error: --out must be a file path for the report JSON, got '.'"),
+    (["--ledger_tbt_ms=-1"], "error: --ledger_tbt_ms must be > 0 (or unset), got -1.0"),
+    (["--cost_model=no/such.json"], "error: --cost_model 'no/such.json': no such calibration"),
 ])
 def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
