@@ -23,12 +23,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "Raw text prompt (no chat template).")
 flags.DEFINE_multi_string("chat", [], "User message, wrapped in the model's chat template.")
 flags.DEFINE_string("mt_bench", None, "MT-Bench question JSONL; first turns become chat prompts.")
-flags.DEFINE_integer("num", 3, "With --mt_bench: how many questions.")
+flags.DEFINE_integer("num", 3, "With --mt_bench: how many questions.", lower_bound=1)
 flags.DEFINE_integer("max_tokens", 128, "Output tokens at most.")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 flags.DEFINE_integer("top_k", 0, "Top-k (0 = off).")
 flags.DEFINE_float("top_p", 1.0, "Top-p (1 = off).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.", lower_bound=0, upper_bound=2**32 - 1)
 launch.define_engine_flags()
 
 
@@ -71,9 +71,11 @@ def collect_prompts(tokenizer):
 
 def main(argv):
   del argv
-  engine, _, tokenizer = launch.build_engine()
+  # Checked before the model loads: a bad sampling flag is one line, not a
+  # wait for the weights first.
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                             top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+  engine, _, tokenizer = launch.build_engine()
   detok = {}
   for rid, text, ids in collect_prompts(tokenizer):
     print(f"[{rid}] >>> {text}")

@@ -66,7 +66,8 @@ def define_workload_flags() -> None:
                        "512 for the synthetic workload, 1024 for traces.")
   flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
                        "synthetic workload, 512 for traces.")
-  flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.")
+  flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.",
+                       lower_bound=0, upper_bound=2**32 - 1)
   flags.DEFINE_float("slo_ttft_ms", None, "Every request's TTFT SLO (ms, from arrival).")
   flags.DEFINE_float("slo_tpot_ms", None, "Every request's TPOT/TBT SLO (ms between tokens).")
   flags.DEFINE_string("slo_class", None, "Per-class SLOs NAME:TTFT_MS:TPOT_MS,...; a "

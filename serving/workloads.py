@@ -194,10 +194,13 @@ def parse_slo_classes(text: str) -> tuple[SloClass, ...]:
     """`NAME:TTFT_MS:TPOT_MS[,...]` -> SloClasses.
 
     Raises:
-      ValueError: a malformed entry, a limit not > 0, or a repeated name.
+      ValueError: a malformed or empty entry, a limit not > 0, or a repeated name.
     """
     classes = []
-    for entry in filter(None, (e.strip() for e in text.split(","))):
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            raise ValueError(f"slo_class {text!r} has an empty entry; entries are "
+                             f"NAME:TTFT_MS:TPOT_MS separated by single commas")
         parts = entry.split(":")
         try:
             name, ttft, tpot = parts[0], float(parts[1]), float(parts[2])

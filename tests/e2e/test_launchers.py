@@ -80,6 +80,7 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--slo_class=a:1"], "error: slo_class entry 'a:1' must be NAME:TTFT_MS:TPOT_MS"),
     (["--slo_class=a:1:2", "--slo_ttft_ms=5"],
      "error: give either slo_ttft_ms / slo_tpot_ms or slo_class, not both"),
+    (["--slo_class=a:1:1,"], "error: slo_class 'a:1:1,' has an empty entry"),
     (["--out=."], "error: --out must be a file path for the report JSON, got '.'"),
     (["--ledger_tbt_ms=-1"], "error: --ledger_tbt_ms must be > 0 (or unset), got -1.0"),
     (["--cost_model=no/such.json"], "error: --cost_model 'no/such.json': no such calibration"),
@@ -113,3 +114,12 @@ def test_bench_policies_bad_flags_stop_before_loading_the_model(tmp_path, args, 
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith(line)
   assert "model:" not in proc.stdout and not (tmp_path / "b.json").exists()
+
+
+def test_generate_bad_sampling_flag_stops_before_loading_the_model():
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--engine=cpu_small",
+                         "--prompt=hi", "--top_p=0"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert "top_p" in proc.stderr.strip().splitlines()[-1]
+  assert "model:" not in proc.stdout

@@ -233,3 +233,6 @@ def test_slo_classes_follow_the_stated_rule():
     workloads.parse_slo_classes("batch:1:2,batch:3:4")
   with pytest.raises(ValueError, match="limits must be finite and > 0 ms"):
     workloads.parse_slo_classes("a:0:2")
+  for text in ("a:1:1,", ",a:1:1", "a:1:1,,b:2:2", ""):
+    with pytest.raises(ValueError, match="has an empty entry"):
+      workloads.parse_slo_classes(text)
