@@ -61,6 +61,17 @@ from serving import kv_pages
 from serving.engine import Engine, QueueFull
 
 MAX_STOP_STRINGS = 8
+# OpenAI request fields this server does not implement, with the values that
+# mean "off" (accepted); any other value is a 400 naming the field, never
+# silently ignored.
+UNSUPPORTED_FIELDS = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
+}
 MAX_STOP_STRING_CHARS = 256
 # Seconds between disconnect checks of a non-streaming request.
 _DISCONNECT_POLL_S = 0.25
@@ -491,6 +502,10 @@ class OpenAIServer:
     n = _get(body, "n", int, 1)
     if n != 1:
       raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
+    for field, neutral in UNSUPPORTED_FIELDS.items():
+      if field in body and body[field] not in neutral:
+        raise BadRequest(f"'{field}' is not supported by this server (accepted only as "
+                         f"{' or '.join(json.dumps(v) for v in neutral)})", field)
     if chat:
       ids = self._chat_prompt(body)
     else:

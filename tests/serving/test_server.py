@@ -209,6 +209,10 @@ BAD = [
      "stop_token_ids", "at most 8 ids"),
     ("n > 1", {"prompt": "hi", "n": 2}, "n", "must be 1"),
     ("top_p", {"prompt": "hi", "top_p": 2.0}, "top_p", "must be in (0, 1]"),
+    ("logprobs", {"prompt": "hi", "logprobs": 2}, "logprobs", "is not supported"),
+    ("echo", {"prompt": "hi", "echo": True}, "echo", "is not supported"),
+    ("penalty", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty",
+     "accepted only as null or 0"),
     ("no prompt", {"max_tokens": 3}, "prompt", "is required"),
     ("priority beyond int32", {"prompt": "hi", "priority": 2**40}, "priority",
      "must be in [-2**31, 2**31)"),
@@ -229,6 +233,14 @@ def test_bad_input_gets_400_naming_field_and_rule(served, name, body, param, rul
   error = r.json()["error"]
   assert rule in error["message"] and error["param"] == param
   assert error["type"] == "invalid_request_error"
+
+
+def test_unsupported_fields_at_their_off_values_are_accepted(served):
+  r = served.http.post("/v1/completions", json={
+      "model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": None, "echo": False,
+      "best_of": 1, "presence_penalty": 0, "response_format": {"type": "text"}})
+  assert r.status_code == 200, r.text
+  assert r.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_chat_message_without_content_is_400_and_server_keeps_serving(served):
