@@ -414,14 +414,26 @@ class ServerMetrics:
       self._success.labels(self._model, finish).inc()
 
   def finished(self, engine: Engine, req, finish: Optional[str]) -> None:
+    """Counts a request's outcome and observes its latencies.
+
+    TTFT and ITL observe every token a request emitted, whatever its end
+    (vLLM observes them per iteration, as tokens appear). E2E latency and
+    TPOT are per-request figures of requests that ran to their end: only
+    ``completed`` requests are observed, as vLLM observes them only for
+    requests the engine finished (``update_from_finished_request``; a client
+    abort drops the request without it). A cancelled request's E2E would be
+    the client's patience, not the server's latency.
+    """
     self.outcome(req.outcome, finish)
     t = req.token_times_ms
     if t:
       self.ttft.observe((t[0] - req.arrival_ms) / 1e3)
       for a, b in zip(t, t[1:]):
         self.itl.observe((b - a) / 1e3)
-      if len(t) > 1:
-        self.tpot.observe((t[-1] - t[0]) / 1e3 / (len(t) - 1))
+    if req.outcome != "completed":
+      return
+    if len(t) > 1:
+      self.tpot.observe((t[-1] - t[0]) / 1e3 / (len(t) - 1))
     self.e2e.observe((engine.now_ms() - req.arrival_ms) / 1e3)
 
   def observe_engine(self, engine: Engine, unslotted: int) -> None:
@@ -716,6 +728,8 @@ class OpenAIServer:
     ended = False
     try:
       head = self._head(rid, chat, True)
+      if parsed.include_usage:             # OpenAI: null on every chunk but the last
+        head["usage"] = None
       if chat:
         yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                 "content": ""},
@@ -743,7 +757,9 @@ class OpenAIServer:
                    "finish_reason": event["finish_reason"]} if chat else
                   {"index": 0, "text": "", "logprobs": None,
                    "finish_reason": event["finish_reason"]})
-        yield _sse({**head, "choices": [choice], "usage": self._usage(event)})
+        # OpenAI: usage only with stream_options.include_usage, and then in
+        # one extra last chunk with no choices.
+        yield _sse({**head, "choices": [choice]})
         if parsed.include_usage:
           yield _sse({**head, "choices": [], "usage": self._usage(event)})
         break

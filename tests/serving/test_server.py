@@ -357,3 +357,45 @@ def test_engine_queue_full_is_a_429_and_slo_fields_reach_add_request(served):
   assert parsed.extra == {"slo_ttft_ms": 500.0, "slo_tpot_ms": 80.0}
   with pytest.raises(Exception, match="slo_tbt_ms"):
     served.server.parse({"model": MODEL, "prompt": "x", "slo_tbt_ms": 0}, chat=False)
+
+
+def _sse_chunks(served, body):
+  with served.http.stream("POST", "/v1/completions", json=body) as r:
+    assert r.status_code == 200
+    lines = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+  assert lines[-1] == "[DONE]"
+  return [json.loads(l) for l in lines[:-1]]
+
+
+def test_stream_usage_only_with_include_usage(served):
+  plain = _sse_chunks(served, {**_stream_body(max_tokens=4), "stream_options": None})
+  assert plain and all("usage" not in c for c in plain)
+  assert plain[-1]["choices"][0]["finish_reason"] == "length"
+  with_usage = _sse_chunks(served, _stream_body(max_tokens=4))
+  *rest, last = with_usage
+  assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+  assert all(c["usage"] is None for c in rest)          # OpenAI: null until the last
+  assert rest[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_cancelled_request_is_not_in_e2e_or_tpot_histograms(served):
+  e2e = ("vllm:e2e_request_latency_seconds_count", ())
+  tpot = ("vllm:request_time_per_output_token_seconds_count", ())
+  ttft = ("vllm:time_to_first_token_seconds_count", ())
+  cancelled = ("iterserve:requests_total", (("outcome", "cancelled"),))
+  before = served.metrics()
+  with served.http.stream("POST", "/v1/completions",
+                          json=_stream_body(max_tokens=50)) as r:
+    seen = 0
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        seen += 1
+      if seen == 3:                              # two tokens out, then hang up
+        break
+  _wait(lambda: served.metrics().get(cancelled, 0) == before.get(cancelled, 0) + 1)
+  after = served.metrics()
+  assert (after[e2e], after[tpot]) == (before.get(e2e, 0), before.get(tpot, 0))
+  assert after[ttft] == before.get(ttft, 0) + 1       # its first token was served
+  _sse_chunks(served, _stream_body(max_tokens=3))      # a completed one is counted
+  done = served.metrics()
+  assert (done[e2e], done[tpot]) == (after[e2e] + 1, after[tpot] + 1)
