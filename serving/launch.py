@@ -232,7 +232,8 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
     for bucket in c.token_buckets:
       t = time.perf_counter()
       n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
-      scratch.add_request(f"warmup-{size}-{bucket}", rng.integers(20, 1000, size=n).tolist(),
+      ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
+      scratch.add_request(f"warmup-{size}-{bucket}", ids,
                           SamplingParams(max_tokens=2, ignore_eos=True))
       scratch.run()
       seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)

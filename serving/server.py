@@ -153,6 +153,8 @@ class _Live:
     self.text = ""          # text so far, stop-string match removed
     self.sent = 0           # characters of ``text`` already pushed
     self.queued_ms: Optional[float] = None
+    # Original arrival (``time.monotonic()`` s) when a front forwarded it.
+    self.arrival_s: Optional[float] = None
 
   def push(self, event: dict) -> None:
     self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -249,9 +251,13 @@ class EngineLoop:
 
   def _add(self, live: _Live) -> None:
     p = live.parsed
+    arrival_ms = None
+    if live.arrival_s is not None and self.engine.clock is time.monotonic:
+      arrival_ms = self.engine.now_ms() - (time.monotonic() - live.arrival_s) * 1e3
     try:
       req = self.engine.add_request(live.rid, p.prompt_token_ids, p.sampling,
-                                    priority=p.priority, client=p.client, **p.extra)
+                                    arrival_ms=arrival_ms, priority=p.priority,
+                                    client=p.client, **p.extra)
     except Exception as e:          # refused by the engine: never accepted
       live.push({"type": "refused", "exc": e})
       self.metrics.refused("overloaded" if isinstance(e, OVERLOAD_ERRORS) else "bad_request")
@@ -458,6 +464,28 @@ class ServerMetrics:
 
 
 # -------------------------------------------------------------------- app
+# A request forwarded by ``serving.replicas`` carries its original arrival as
+# ``time.monotonic()`` seconds of the same host, so TTFT, queue time and the
+# engine's SLO clocks count from the front's arrival, not the forward.
+ARRIVAL_HEADER = "x-iterserve-arrival-s"
+
+
+def _arrival_s(request: HttpRequest) -> Optional[float]:
+  """The ARRIVAL_HEADER value, or None; raises BadRequest unless it is a
+  number of seconds not in the future."""
+  value = request.headers.get(ARRIVAL_HEADER)
+  if value is None:
+    return None
+  try:
+    arrival_s = float(value)
+  except ValueError:
+    arrival_s = float("nan")
+  if not arrival_s <= time.monotonic():
+    raise BadRequest(f"header '{ARRIVAL_HEADER}' must be a time.monotonic() reading "
+                     f"(s) not in the future, got {value!r}", ARRIVAL_HEADER)
+  return arrival_s
+
+
 def _sse(payload) -> bytes:
   return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -643,6 +671,33 @@ class OpenAIServer:
           "id": self.model_name, "object": "model", "created": self.created,
           "owned_by": "iterserve", "max_model_len": self.max_model_len}]}
 
+    @app.get("/engine")
+    async def engine_facts():
+      """What a router needs to model this replica."""
+      c = self.engine.config
+      return {"model": self.model_name, "max_model_len": c.max_model_len,
+              "page_size": c.page_size, "num_pages": c.num_pages,
+              "max_request_slots": c.max_request_slots,
+              "capacity": self.metrics.capacity,
+              "enable_prefix_caching": c.enable_prefix_caching}
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+      """The prompt token ids a completion (``prompt``) or chat (``messages``)
+      body would run with; 400 naming the field as for the request itself."""
+      try:
+        try:
+          body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+          raise BadRequest(f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+          raise BadRequest("the request body must be a JSON object")
+        ids = (self._chat_prompt(body) if "messages" in body else
+               self._completion_prompt(body))
+      except BadRequest as e:
+        return _error_response(e)
+      return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
     @app.get("/metrics")
     async def metrics():
       return Response(prom.generate_latest(self.metrics.registry),
@@ -665,6 +720,7 @@ class OpenAIServer:
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON ({e})") from None
       parsed = self.parse(body, chat)
+      arrival_s = _arrival_s(request)
       if not self.loop.alive:
         raise RuntimeError("the engine thread has stopped")
       self.metrics.admit()
@@ -677,6 +733,7 @@ class OpenAIServer:
     events: asyncio.Queue = asyncio.Queue()
     live = _Live(rid, parsed, self.tokenizer.detokenizer(skip_special_tokens=True), events,
                  asyncio.get_running_loop())
+    live.arrival_s = arrival_s
     self.loop.add(live)
     first = await events.get()
     if first["type"] == "refused":

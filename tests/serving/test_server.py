@@ -14,37 +14,16 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import pre_tokenizers
 
-from models.tokenizer import Tokenizer, build_bpe_tokenizer
 from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.server import OpenAIServer, serve_in_thread
-from tests.serving.engine_testing import CFG
+from tests.serving.engine_testing import CFG, tiny_tokenizer
 
 BASE = EngineConfig.preset("tiny")          # 8 slots, max_model_len 64
 MODEL = "tiny"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] "
-    "+ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def _tokenizer():
-  """A byte-level tokenizer covering all 512 ids of the tiny model (id 1 is
-  its EOS): specials, the 256 byte symbols, then two-letter pieces."""
-  tokens = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
-  tokens += sorted(pre_tokenizers.ByteLevel.alphabet())
-  letters = "abcdefghijklmnopqrstuvwxyz"
-  pairs = (a + b for a in letters for b in letters)
-  while len(tokens) < CFG.vocab_size:
-    tokens.append("Ġ" + next(pairs))
-  return Tokenizer(build_bpe_tokenizer(tokens, [], [3, 3, 3] + [1] * (len(tokens) - 3)),
-                   eos_token_id=1, chat_template=CHAT_TEMPLATE)
-
-
-TOK = _tokenizer()
+TOK = tiny_tokenizer()
 
 
 class _Served:
