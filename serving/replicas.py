@@ -59,9 +59,10 @@ _WATCH_S = 0.5                  # seconds between checks of the replica processe
 _PROBE_TIMEOUT_S = 2.0
 
 
-def spawn_replica(argv: Sequence[str], port: int) -> subprocess.Popen:
-  """Starts one replica server: ``argv`` plus ``--port=port``."""
-  return subprocess.Popen([*argv, f"--port={port}"])
+def spawn_replica(argv: Sequence[str], port: int, cwd: Optional[str] = None
+                  ) -> subprocess.Popen:
+  """Starts one replica server: ``argv`` plus ``--port=port`` (in ``cwd``)."""
+  return subprocess.Popen([*argv, f"--port={port}"], cwd=cwd)
 
 
 def wait_ready(urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
