@@ -66,6 +66,9 @@ def define_workload_flags() -> None:
                        "512 for the synthetic workload, 1024 for traces.")
   flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
                        "synthetic workload, 512 for traces.")
+  flags.DEFINE_integer("mooncake_block_tokens", None, "Mooncake only: tokens per hash "
+                       "block (default 512); smaller shrinks prompts to fit a small "
+                       "context and keeps which prompts share which prefix.")
   flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.")
   flags.DEFINE_float("slo_ttft_ms", None, "Every request's TTFT SLO (ms, from arrival).")
   flags.DEFINE_float("slo_tpot_ms", None, "Every request's TPOT/TBT SLO (ms between tokens).")
@@ -137,6 +140,11 @@ def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
       raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
                        f"{','.join(FLAGS.window_s)!r}") from None
     window = (a, b)
+  if FLAGS.mooncake_block_tokens is not None:
+    if kind != "mooncake":
+      raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
+                       f"got --trace={FLAGS.trace}")
+    common = dict(common, block_tokens=FLAGS.mooncake_block_tokens)
   return loaders[kind](path, time_scale=FLAGS.time_scale, window_s=window,
                       max_requests=FLAGS.max_requests, **common)
 

@@ -402,3 +402,33 @@ class ReplicaFront:
       return await self._serve(request, "/v1/chat/completions")
 
     return app
+
+
+def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port: int,
+              policy: str, cost: RouteCost, route_log: Optional[str], max_waiting: int,
+              ready_timeout_s: float = 1800.0) -> None:
+  """Spawns ``num_replicas`` replica servers on ``port + 1 ...`` and serves the
+  front on ``host:port`` until interrupted (the replicas stop with it).
+
+  Raises:
+    ValueError: num_replicas < 1.
+    RuntimeError: a replica did not come up (the others are stopped).
+  """
+  import uvicorn
+
+  if num_replicas < 1:
+    raise ValueError(f"--replicas must be >= 1 for a front, got {num_replicas}")
+  ports = [port + 1 + i for i in range(num_replicas)]
+  processes = [spawn_replica(replica_argv, p) for p in ports]
+  urls = [f"http://127.0.0.1:{p}" for p in ports]
+  try:
+    facts = wait_ready(urls, processes, ready_timeout_s)
+  except BaseException:
+    for process in processes:
+      process.terminate()
+    raise
+  front = ReplicaFront(urls, processes, facts, policy=policy, cost=cost,
+                       route_log=route_log, max_waiting=max_waiting)
+  print(f"routing {front.model_name!r} over {num_replicas} replicas ({policy}) on "
+        f"http://{host}:{port}/v1", flush=True)
+  uvicorn.run(front.app, host=host, port=port, log_level="warning")
