@@ -89,7 +89,8 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
   """
   synthetic = FLAGS.trace is None
   given = lambda name: FLAGS[name].present
-  wrong = [n for n in (("window_s", "time_scale", "max_requests") if synthetic
+  wrong = [n for n in (("window_s", "time_scale", "max_requests", "mooncake_block_tokens")
+                       if synthetic
                        else ("num_requests", "rate_scale")) if given(n)]
   if wrong:
     raise ValueError(

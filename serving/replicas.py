@@ -404,6 +404,26 @@ class ReplicaFront:
     return app
 
 
+def route_summary(router_report: dict) -> dict:
+  """The replay report's ``router`` section from a front's ``GET /router``:
+  policy, overall and per-replica prefix-cache hit rates (token units, the
+  replicas' own counters), placements per replica, re-routes, and every
+  request's route record."""
+  replicas = []
+  for r in router_report["replicas"]:
+    queries, hits = r.get("prefix_cache_queries", 0.0), r.get("prefix_cache_hits", 0.0)
+    placed = sum(1 for q in router_report["requests"] if q["replica"] == r["replica"])
+    replicas.append(dict(replica=r["replica"], alive=r["alive"], placed=placed,
+                         prefix_cache_queries=queries, prefix_cache_hits=hits,
+                         prefix_cache_hit_rate=hits / queries if queries else 0.0))
+  queries = sum(r["prefix_cache_queries"] for r in replicas)
+  hits = sum(r["prefix_cache_hits"] for r in replicas)
+  return dict(policy=router_report["policy"], cost=router_report["cost"],
+              prefix_cache_hit_rate=hits / queries if queries else 0.0, replicas=replicas,
+              rerouted=sum(1 for q in router_report["requests"] if q["rerouted_from"]),
+              requests=router_report["requests"])
+
+
 def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port: int,
               policy: str, cost: RouteCost, route_log: Optional[str], max_waiting: int,
               ready_timeout_s: float = 1800.0) -> None:
