@@ -434,8 +434,11 @@ def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port
     ValueError: num_replicas < 1.
     RuntimeError: a replica did not come up (the others are stopped).
   """
+  import logging
+
   import uvicorn
 
+  logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
   if num_replicas < 1:
     raise ValueError(f"--replicas must be >= 1 for a front, got {num_replicas}")
   ports = [port + 1 + i for i in range(num_replicas)]

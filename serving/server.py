@@ -3,7 +3,11 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream`` true: server-sent events in OpenAI's chunk format ending with
 ``data: [DONE]``, or false), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text; vLLM's metric names where one exists).
+``GET /metrics`` (Prometheus text; vLLM's metric names where one exists),
+and for a router front (``serving.replicas``) ``POST /tokenize`` (a body's
+prompt token ids) and ``GET /engine`` (page size, pages, slots). A stream
+carries ``usage`` only when ``stream_options.include_usage`` is true: null
+on every chunk, then one last chunk with no choices and the usage (OpenAI).
 
 Threads: one engine thread owns the ``Engine``. Between iterations it drains
 a command queue (add, abort), runs one ``step``, detokenizes each request's

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
-from serving.server import OpenAIServer, serve_in_thread
+from serving.server import ARRIVAL_HEADER, OpenAIServer, serve_in_thread
 from tests.serving.engine_testing import CFG, tiny_tokenizer
 
 BASE = EngineConfig.preset("tiny")          # 8 slots, max_model_len 64
@@ -378,3 +378,18 @@ def test_cancelled_request_is_not_in_e2e_or_tpot_histograms(served):
   _sse_chunks(served, _stream_body(max_tokens=3))      # a completed one is counted
   done = served.metrics()
   assert (done[e2e], done[tpot]) == (after[e2e] + 1, after[tpot] + 1)
+
+
+def test_forwarded_arrival_header_sets_the_request_clock(served):
+  """A front's original arrival (``ARRIVAL_HEADER``, time.monotonic() s)
+  counts in TTFT; a future or non-numeric one is a 400 naming the header."""
+  ttft_sum = ("vllm:time_to_first_token_seconds_sum", ())
+  before = served.metrics().get(ttft_sum, 0.0)
+  body = {"model": MODEL, "prompt": "the end", "max_tokens": 2, "ignore_eos": True}
+  r = served.http.post("/v1/completions", json=body,
+                       headers={ARRIVAL_HEADER: repr(time.monotonic() - 5.0)})
+  assert r.status_code == 200
+  assert served.metrics()[ttft_sum] - before >= 5.0       # waited 5 s before it came
+  for value in (repr(time.monotonic() + 60), "soon"):
+    bad = served.http.post("/v1/completions", json=body, headers={ARRIVAL_HEADER: value})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == ARRIVAL_HEADER
