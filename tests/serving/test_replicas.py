@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from serving.replicas import ReplicaFront, spawn_replica, wait_ready
+from serving.replicas import ReplicaFront, route_summary, spawn_replica, wait_ready
 from serving.server import serve_in_thread
 from tests.serving.engine_testing import tiny_tokenizer
 
@@ -109,6 +109,11 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
     stats = report["replicas"][holder]
     assert stats["prefix_cache_hits"] >= 32               # the replica really hit
     assert all(r["outcome"] == "completed" for r in report["requests"])
+    summary = route_summary(report)                        # the replay report's section
+    assert sum(r["placed"] for r in summary["replicas"]) == len(report["requests"]) == 5
+    hits = sum(r.get("prefix_cache_hits", 0) for r in report["replicas"])
+    queries = sum(r.get("prefix_cache_queries", 0) for r in report["replicas"])
+    assert summary["prefix_cache_hit_rate"] == pytest.approx(hits / queries)
     logged = [json.loads(l) for l in (tmp_path / "routes.jsonl").read_text().splitlines()]
     assert [r["request_id"] for r in logged] == [r["request_id"] for r in report["requests"]]
     assert served.http.get("/v1/completions").status_code == 405
