@@ -30,6 +30,11 @@ and each replica's prefix-cache counters (scraped from its ``/metrics``), for
 the replay report. The front holds at most ``max_waiting`` requests waiting
 for a replica place; past that a request gets HTTP 429.
 
+Router events: a request's place frees when its response ends; its prefill
+leaves the router's queue estimate at its first streamed chunk (a whole,
+non-streamed response only tells the front at its end, so its prefill
+counts as queued until then).
+
 Clocks: the router's clock is ``time.monotonic()`` in ms; replicas run on the
 same host (the front spawns them), so the arrival they receive is on their
 engine's clock too.
