@@ -58,7 +58,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.router import RouteCost, Router
-from serving.server import ARRIVAL_HEADER, BadRequest, Overloaded, _error_response, _sse
+from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, _error_response, _sse,
+                            json_body)
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
 _PROBE_TIMEOUT_S = 2.0
@@ -260,10 +261,7 @@ class ReplicaFront:
     arrival_s = time.monotonic()
     raw = await request.body()
     try:
-      try:
-        body = json.loads(raw)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+      body = json_body(raw)
       if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
       if self.router.num_waiting() >= self.max_waiting:

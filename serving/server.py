@@ -490,6 +490,14 @@ def _arrival_s(request: HttpRequest) -> Optional[float]:
   return arrival_s
 
 
+def json_body(raw: bytes) -> Any:
+  """A request body's JSON; raises BadRequest when it is not JSON."""
+  try:
+    return json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise BadRequest(f"the request body is not valid JSON ({e})") from None
+
+
 def _sse(payload) -> bytes:
   return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -690,10 +698,7 @@ class OpenAIServer:
       """The prompt token ids a completion (``prompt``) or chat (``messages``)
       body would run with; 400 naming the field as for the request itself."""
       try:
-        try:
-          body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-          raise BadRequest(f"the request body is not valid JSON ({e})") from None
+        body = json_body(await request.body())
         if not isinstance(body, dict):
           raise BadRequest("the request body must be a JSON object")
         ids = (self._chat_prompt(body) if "messages" in body else
@@ -719,11 +724,7 @@ class OpenAIServer:
 
   async def _serve(self, request: HttpRequest, chat: bool):
     try:
-      try:
-        body = json.loads(await request.body())
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
-      parsed = self.parse(body, chat)
+      parsed = self.parse(json_body(await request.body()), chat)
       arrival_s = _arrival_s(request)
       if not self.loop.alive:
         raise RuntimeError("the engine thread has stopped")
