@@ -27,7 +27,9 @@ decisions (each with every replica's facts as they stood), the replica that
 served it, what it was re-routed from, and its outcome (completed, failed,
 refused, cancelled). ``GET /router`` returns the same records, the policy
 and each replica's prefix-cache counters (scraped from its ``/metrics``), for
-the replay report. The front holds at most ``max_waiting`` requests waiting
+the replay report. A client that hangs up before its response is cancelled
+where its request is: it leaves the router's queue, or the front closes the
+upstream connection and the replica aborts it. The front holds at most ``max_waiting`` requests waiting
 for a replica place; past that a request gets HTTP 429.
 
 Router events: a request's place frees when its response ends; its prefill
@@ -62,6 +64,7 @@ from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, _error_respo
                             json_body)
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
+_DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
 _PROBE_TIMEOUT_S = 2.0
 
 
@@ -280,6 +283,25 @@ class ReplicaFront:
     record = dict(request_id=rid, path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
                   max_tokens=max_tokens, stream=stream, replica=None, rerouted_from=[],
                   decisions=[], outcome=None)
+    route = asyncio.ensure_future(self._route(record, raw, ids))
+    while True:                     # a client that hangs up cancels its request
+      done, _ = await asyncio.wait({route}, timeout=_DISCONNECT_POLL_S)
+      if done:
+        return route.result()
+      if await request.is_disconnected():
+        route.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+          await route
+        self._end(record, "cancelled", "client disconnected before the response")
+        return Response(status_code=499)
+
+  async def _route(self, record: dict, raw: bytes, ids: List[int]) -> Response:
+    """Places the request, forwards it, re-places it while its replica dies
+    before anything was sent; returns the response to relay. Cancelled (the
+    client left): leaves the router's queue, and closing the upstream
+    connection makes the replica cancel the request."""
+    rid, path, stream = record["request_id"], record["path"], record["stream"]
+    arrival_s, max_tokens = record["arrival_s"], record["max_tokens"]
     headers = {ARRIVAL_HEADER: repr(arrival_s), "content-type": "application/json"}
     while True:
       decision = await self._place(rid, ids, max_tokens, arrival_s, record["rerouted_from"])
@@ -312,6 +334,10 @@ class ReplicaFront:
           continue                                   # nothing was sent: place again
         self._end(record, "failed", f"replica {replica}: {type(e).__name__}: {e}")
         return _error_response(RuntimeError(f"replica {replica} failed: {e}"))
+      except asyncio.CancelledError:
+        if upstream is not None:
+          await upstream.aclose()
+        raise
       self.router.first_token(rid)
       self._dispatch()
       return StreamingResponse(self._relay(record, upstream, chunks, first),

@@ -74,6 +74,7 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
   urls, processes, facts = replicas
   # Processes not handed over: this front must not stop them when it closes.
   served = _Front(urls, [None, None], facts, "prefix_aware", tmp_path / "routes.jsonl")
+  front = served.front
   try:
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -116,6 +117,16 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
     assert summary["prefix_cache_hit_rate"] == pytest.approx(hits / queries)
     logged = [json.loads(l) for l in (tmp_path / "routes.jsonl").read_text().splitlines()]
     assert [r["request_id"] for r in logged] == [r["request_id"] for r in report["requests"]]
+    # A client that hangs up before its whole response: cancelled at the
+    # front and, through the closed upstream connection, on the replica.
+    with pytest.raises(httpx.ReadTimeout):
+      served.http.post("/v1/completions", timeout=0.5, json={
+          "model": "tiny", "prompt": "the end", "max_tokens": 50, "ignore_eos": True})
+    _wait(lambda: any(r["outcome"] == "cancelled" for r in front.records))
+    (gone,) = [r for r in front.records if r["outcome"] == "cancelled"]
+    sample = 'iterserve:requests_total{model_name="tiny",outcome="cancelled"} 1.0'
+    _wait(lambda: sample in httpx.get(f"{urls[gone['replica']]}/metrics").text)
+    assert front.router.replicas[gone["replica"]].live == {}
     assert served.http.get("/v1/completions").status_code == 405
     bad = served.http.post("/v1/completions", json={"model": "tiny", "prompt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
