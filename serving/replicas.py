@@ -25,12 +25,14 @@ its route record says which:
 Every request gets one JSON line (``route_log``) when it ends: its
 decisions (each with every replica's facts as they stood), the replica that
 served it, what it was re-routed from, and its outcome (completed, failed,
-refused, cancelled). ``GET /router`` returns the same records, the policy
-and each replica's prefix-cache counters (scraped from its ``/metrics``), for
-the replay report. A client that hangs up before its response is cancelled
-where its request is: it leaves the router's queue, or the front closes the
-upstream connection and the replica aborts it. The front holds at most ``max_waiting`` requests waiting
-for a replica place; past that a request gets HTTP 429.
+refused, cancelled). ``GET /router`` returns the same records (the last
+``MAX_RECORDS``; the log keeps all), the policy and each replica's
+prefix-cache counters (scraped from its ``/metrics``), for the replay
+report. A client that hangs up before its response is cancelled where its
+request is: it leaves the router's queue, or the front closes the upstream
+connection and the replica aborts it. The front holds at most
+``max_waiting`` requests waiting for a replica place; past that a request
+gets HTTP 429.
 
 Router events: a request's place frees when its response ends; its prefill
 leaves the router's queue estimate at its first streamed chunk (a whole,
@@ -45,6 +47,7 @@ engine's clock too.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -65,6 +68,7 @@ from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, _error_respo
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
+MAX_RECORDS = 10_000            # route records GET /router keeps (bounded memory)
 _PROBE_TIMEOUT_S = 2.0
 
 
@@ -148,7 +152,8 @@ class ReplicaFront:
                           for f in facts], facts[0]["page_size"], policy, cost)
     self.max_waiting = max_waiting
     self.route_log = route_log
-    self.records: List[dict] = []
+    # The last MAX_RECORDS route records (the route log keeps them all).
+    self.records: "collections.deque[dict]" = collections.deque(maxlen=MAX_RECORDS)
     self._futures: Dict[str, asyncio.Future] = {}
     self._ids = itertools.count()
     self._tokenize_turn = itertools.count()
@@ -420,7 +425,7 @@ class ReplicaFront:
     @app.get("/router")
     async def router_report():
       return {"policy": self.router.policy, "cost": dataclasses.asdict(self.router.cost),
-              "replicas": await self.replica_stats(), "requests": self.records}
+              "replicas": await self.replica_stats(), "requests": list(self.records)}
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):

@@ -177,7 +177,8 @@ def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_p
     w1 = results["w1"]
     assert w1["status"] == 200 and w1["headers"]["x-iterserve-rerouted-from"] == "1"
     assert w1["headers"]["x-iterserve-replica"] == "0"
-    assert w1["json"]["choices"][0]["text"] == _direct(urls[0], body(3, False))["choices"][0]["text"]
+    direct = _direct(urls[0], body(3, False))
+    assert w1["json"]["choices"][0]["text"] == direct["choices"][0]["text"]
     assert w1["json"]["usage"]["completion_tokens"] == 50
     # Replica 0's requests never noticed; the front keeps serving on it.
     assert results["w0"]["status"] == 200 and results["s0"]["events"][-1] == "[DONE]"
