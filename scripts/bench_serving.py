@@ -12,7 +12,10 @@ arrival of the SSE chunk that carried its text (a token whose text arrives
 with a later chunk, e.g. the first bytes of a split character, gets that
 chunk's time; the token count is the response's ``usage``). The report is
 ``replay.py``'s (``serving.metrics.build_report``); a 429 is recorded as
-rejected, any other error as failed.
+rejected, any other error as failed. Against a router front
+(``serve.py --replicas=N``) the report adds a ``router`` section: the
+policy, prefix-cache hit rates per replica and overall, and every request's
+route record (its decisions and the facts they used).
 """
 
 import asyncio
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx
 from absl import app, flags
 
-from serving import launch, metrics, workloads
+from serving import launch, metrics, replicas, workloads
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL.")
@@ -105,6 +108,13 @@ def main(argv):
             "workload": workload.describe()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   print(metrics.format_table(report))
+  routed = httpx.get(f"{FLAGS.url}/router", timeout=60)
+  if routed.status_code == 200:                    # a router front
+    report["router"] = summary = replicas.route_summary(routed.json())
+    rates = ", ".join(f"replica {r['replica']}: {r['prefix_cache_hit_rate']:.3f} "
+                      f"({r['placed']} placed)" for r in summary["replicas"])
+    print(f"router {summary['policy']}: prefix-cache hit rate "
+          f"{summary['prefix_cache_hit_rate']:.3f} ({rates}); re-routed {summary['rerouted']}")
   metrics.write_report(FLAGS.out, report)
   print(f"report: {FLAGS.out}")
 

@@ -2,9 +2,13 @@
 
   python scripts/serve.py                          # SmolLM2 on 127.0.0.1:8000
   python scripts/serve.py --port=8001 --max_waiting=128 --engine=cpu_small
+  python scripts/serve.py --engine=cpu_small --replicas=2 --router=prefix_aware \
+      --route_log=runs/routes.jsonl      # 2 replica processes on :8001, :8002
 
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
-/v1/models, /health, /metrics. See serving/server.py.
+/v1/models, /health, /metrics. See serving/server.py; with --replicas=N the
+process is a router front over N replica processes (serving/replicas.py,
+serving/router.py; GET /router has each request's route record).
 """
 
 import os
@@ -15,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import uvicorn
 from absl import app, flags
 
-from serving import launch
+from serving import launch, replicas, router
 from serving.server import OpenAIServer
 
 FLAGS = flags.FLAGS
@@ -25,11 +29,35 @@ flags.DEFINE_string("served_model_name", None, "Model name in the API (default: 
 flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for an engine slot; "
                      "past that a request gets HTTP 429.")
 flags.DEFINE_bool("warmup", True, "Compile every token bucket before listening.")
+flags.DEFINE_integer("replicas", 0, "Engine replicas, each its own server process on "
+                     "--port+1.., behind a router on --port (0: one engine, this process).")
+flags.DEFINE_enum("router", "prefix_aware", router.POLICIES, "Replica placement: estimated "
+                  "finish time with prefix-cache facts, or the round_robin baseline.")
+flags.DEFINE_string("route_log", None, "With --replicas: a JSON line per request (its "
+                    "placement decisions and the facts they used).")
+flags.DEFINE_float("route_prefill_ms_per_token", 1.0, "Router cost: ms per uncached "
+                   "prompt token.")
+flags.DEFINE_float("route_decode_ms_per_token_per_seq", 0.5, "Router cost: ms one more "
+                   "live sequence adds to each decode step.")
+flags.DEFINE_float("route_aging", 1.0, "Router: ms of estimated finish time forgiven "
+                   "per ms a request waits.")
 launch.define_engine_flags()
+# Flags of the front only: a replica gets every other flag given.
+_FRONT_FLAGS = ("replicas", "router", "route_log", "route_prefill_ms_per_token",
+                "route_decode_ms_per_token_per_seq", "route_aging", "port", "host")
 
 
 def main(argv):
   del argv
+  if FLAGS.replicas:
+    given = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present
+             and name not in _FRONT_FLAGS]
+    cost = router.RouteCost(FLAGS.route_prefill_ms_per_token,
+                            FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
+    replicas.run_front([sys.executable, os.path.abspath(__file__), *given, "--replicas=0"],
+                       FLAGS.replicas, host=FLAGS.host, port=FLAGS.port, policy=FLAGS.router,
+                       cost=cost, route_log=FLAGS.route_log, max_waiting=FLAGS.max_waiting)
+    return
   engine, _, tokenizer = launch.build_engine()
   if FLAGS.warmup:
     launch.warmup(engine)

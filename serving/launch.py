@@ -66,6 +66,9 @@ def define_workload_flags() -> None:
                        "512 for the synthetic workload, 1024 for traces.")
   flags.DEFINE_integer("max_output_len", None, "Cap output lengths; default 64 for the "
                        "synthetic workload, 512 for traces.")
+  flags.DEFINE_integer("mooncake_block_tokens", None, "Mooncake only: tokens per hash "
+                       "block (default 512); smaller shrinks prompts to fit a small "
+                       "context and keeps which prompts share which prefix.")
   flags.DEFINE_integer("seed", 0, "Seed for prompt token ids and arrivals.",
                        lower_bound=0, upper_bound=2**32 - 1)
   flags.DEFINE_float("slo_ttft_ms", None, "Every request's TTFT SLO (ms, from arrival).")
@@ -87,7 +90,8 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
   """
   synthetic = FLAGS.trace is None
   given = lambda name: FLAGS[name].present
-  wrong = [n for n in (("window_s", "time_scale", "max_requests") if synthetic
+  wrong = [n for n in (("window_s", "time_scale", "max_requests", "mooncake_block_tokens")
+                       if synthetic
                        else ("num_requests", "rate_scale")) if given(n)]
   if wrong:
     raise ValueError(
@@ -138,6 +142,11 @@ def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
       raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
                        f"{','.join(FLAGS.window_s)!r}") from None
     window = (a, b)
+  if FLAGS.mooncake_block_tokens is not None:
+    if kind != "mooncake":
+      raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
+                       f"got --trace={FLAGS.trace}")
+    common = dict(common, block_tokens=FLAGS.mooncake_block_tokens)
   return loaders[kind](path, time_scale=FLAGS.time_scale, window_s=window,
                       max_requests=FLAGS.max_requests, **common)
 
@@ -233,7 +242,8 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
     for bucket in c.token_buckets:
       t = time.perf_counter()
       n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
-      scratch.add_request(f"warmup-{size}-{bucket}", rng.integers(20, 1000, size=n).tolist(),
+      ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
+      scratch.add_request(f"warmup-{size}-{bucket}", ids,
                           SamplingParams(max_tokens=2, ignore_eos=True))
       scratch.run()
       seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)

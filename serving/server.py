@@ -3,7 +3,11 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream`` true: server-sent events in OpenAI's chunk format ending with
 ``data: [DONE]``, or false), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text; vLLM's metric names where one exists).
+``GET /metrics`` (Prometheus text; vLLM's metric names where one exists),
+and for a router front (``serving.replicas``) ``POST /tokenize`` (a body's
+prompt token ids) and ``GET /engine`` (page size, pages, slots). A stream
+carries ``usage`` only when ``stream_options.include_usage`` is true: null
+on every chunk, then one last chunk with no choices and the usage (OpenAI).
 
 Threads: one engine thread owns the ``Engine``. Between iterations it drains
 a command queue (add, abort), runs one ``step``, detokenizes each request's
@@ -164,6 +168,8 @@ class _Live:
     self.text = ""          # text so far, stop-string match removed
     self.sent = 0           # characters of ``text`` already pushed
     self.queued_ms: Optional[float] = None
+    # Original arrival (``time.monotonic()`` s) when a front forwarded it.
+    self.arrival_s: Optional[float] = None
 
   def push(self, event: dict) -> None:
     self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -260,9 +266,13 @@ class EngineLoop:
 
   def _add(self, live: _Live) -> None:
     p = live.parsed
+    arrival_ms = None
+    if live.arrival_s is not None and self.engine.clock is time.monotonic:
+      arrival_ms = self.engine.now_ms() - (time.monotonic() - live.arrival_s) * 1e3
     try:
       req = self.engine.add_request(live.rid, p.prompt_token_ids, p.sampling,
-                                    priority=p.priority, client=p.client, **p.extra)
+                                    arrival_ms=arrival_ms, priority=p.priority,
+                                    client=p.client, **p.extra)
     except Exception as e:          # refused by the engine: never accepted
       live.push({"type": "refused", "exc": e})
       self.metrics.refused("overloaded" if isinstance(e, OVERLOAD_ERRORS) else "bad_request")
@@ -425,14 +435,26 @@ class ServerMetrics:
       self._success.labels(self._model, finish).inc()
 
   def finished(self, engine: Engine, req, finish: Optional[str]) -> None:
+    """Counts a request's outcome and observes its latencies.
+
+    TTFT and ITL observe every token a request emitted, whatever its end
+    (vLLM observes them per iteration, as tokens appear). E2E latency and
+    TPOT are per-request figures of requests that ran to their end: only
+    ``completed`` requests are observed, as vLLM observes them only for
+    requests the engine finished (``update_from_finished_request``; a client
+    abort drops the request without it). A cancelled request's E2E would be
+    the client's patience, not the server's latency.
+    """
     self.outcome(req.outcome, finish)
     t = req.token_times_ms
     if t:
       self.ttft.observe((t[0] - req.arrival_ms) / 1e3)
       for a, b in zip(t, t[1:]):
         self.itl.observe((b - a) / 1e3)
-      if len(t) > 1:
-        self.tpot.observe((t[-1] - t[0]) / 1e3 / (len(t) - 1))
+    if req.outcome != "completed":
+      return
+    if len(t) > 1:
+      self.tpot.observe((t[-1] - t[0]) / 1e3 / (len(t) - 1))
     self.e2e.observe((engine.now_ms() - req.arrival_ms) / 1e3)
 
   def observe_engine(self, engine: Engine, unslotted: int) -> None:
@@ -457,6 +479,36 @@ class ServerMetrics:
 
 
 # -------------------------------------------------------------------- app
+# A request forwarded by ``serving.replicas`` carries its original arrival as
+# ``time.monotonic()`` seconds of the same host, so TTFT, queue time and the
+# engine's SLO clocks count from the front's arrival, not the forward.
+ARRIVAL_HEADER = "x-iterserve-arrival-s"
+
+
+def _arrival_s(request: HttpRequest) -> Optional[float]:
+  """The ARRIVAL_HEADER value, or None; raises BadRequest unless it is a
+  number of seconds not in the future."""
+  value = request.headers.get(ARRIVAL_HEADER)
+  if value is None:
+    return None
+  try:
+    arrival_s = float(value)
+  except ValueError:
+    arrival_s = float("nan")
+  if not arrival_s <= time.monotonic():
+    raise BadRequest(f"header '{ARRIVAL_HEADER}' must be a time.monotonic() reading "
+                     f"(s) not in the future, got {value!r}", ARRIVAL_HEADER)
+  return arrival_s
+
+
+def json_body(raw: bytes) -> Any:
+  """A request body's JSON; raises BadRequest when it is not JSON."""
+  try:
+    return json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise BadRequest(f"the request body is not valid JSON ({e})") from None
+
+
 def _sse(payload) -> bytes:
   return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -646,6 +698,30 @@ class OpenAIServer:
           "id": self.model_name, "object": "model", "created": self.created,
           "owned_by": "iterserve", "max_model_len": self.max_model_len}]}
 
+    @app.get("/engine")
+    async def engine_facts():
+      """What a router needs to model this replica."""
+      c = self.engine.config
+      return {"model": self.model_name, "max_model_len": c.max_model_len,
+              "page_size": c.page_size, "num_pages": c.num_pages,
+              "max_request_slots": c.max_request_slots,
+              "capacity": self.metrics.capacity,
+              "enable_prefix_caching": c.enable_prefix_caching}
+
+    @app.post("/tokenize")
+    async def tokenize(request: HttpRequest):
+      """The prompt token ids a completion (``prompt``) or chat (``messages``)
+      body would run with; 400 naming the field as for the request itself."""
+      try:
+        body = json_body(await request.body())
+        if not isinstance(body, dict):
+          raise BadRequest("the request body must be a JSON object")
+        ids = (self._chat_prompt(body) if "messages" in body else
+               self._completion_prompt(body))
+      except BadRequest as e:
+        return _error_response(e)
+      return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
     @app.get("/metrics")
     async def metrics():
       return Response(prom.generate_latest(self.metrics.registry),
@@ -663,11 +739,8 @@ class OpenAIServer:
 
   async def _serve(self, request: HttpRequest, chat: bool):
     try:
-      try:
-        body = json.loads(await request.body())
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
-      parsed = self.parse(body, chat)
+      parsed = self.parse(json_body(await request.body()), chat)
+      arrival_s = _arrival_s(request)
       if not self.loop.alive:
         raise RuntimeError("the engine thread has stopped")
       self.metrics.admit()
@@ -680,6 +753,7 @@ class OpenAIServer:
     events: asyncio.Queue = asyncio.Queue()
     live = _Live(rid, parsed, self.tokenizer.detokenizer(skip_special_tokens=True), events,
                  asyncio.get_running_loop())
+    live.arrival_s = arrival_s
     self.loop.add(live)
     first = await events.get()
     if first["type"] == "refused":
@@ -731,6 +805,8 @@ class OpenAIServer:
     ended = False
     try:
       head = self._head(rid, chat, True)
+      if parsed.include_usage:             # OpenAI: null on every chunk but the last
+        head["usage"] = None
       if chat:
         yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                 "content": ""},
@@ -758,7 +834,9 @@ class OpenAIServer:
                    "finish_reason": event["finish_reason"]} if chat else
                   {"index": 0, "text": "", "logprobs": None,
                    "finish_reason": event["finish_reason"]})
-        yield _sse({**head, "choices": [choice], "usage": self._usage(event)})
+        # OpenAI: usage only with stream_options.include_usage, and then in
+        # one extra last chunk with no choices.
+        yield _sse({**head, "choices": [choice]})
         if parsed.include_usage:
           yield _sse({**head, "choices": [], "usage": self._usage(event)})
         break

@@ -590,6 +590,7 @@ def load_mooncake_trace(
     seed: int = 0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     reserved_token_ids: frozenset[int] | Sequence[int] = DEFAULT_RESERVED_TOKEN_IDS,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
 ) -> Workload:
     """Mooncake JSONL: `{"timestamp": ms, "input_length", "output_length", "hash_ids"}`.
 
@@ -604,6 +605,11 @@ def load_mooncake_trace(
     concatenation of one fixed random block per hash id (seeded by
     (seed, hash_id)), cut to input_length (and to max_prompt_len).
 
+    `block_tokens` < 512 shrinks the trace to a smaller context while keeping
+    its sharing structure: each hash id becomes `block_tokens` ids and a
+    prompt's length scales to ceil(input_length * block_tokens / 512) (so it
+    still spans the same hash ids); output lengths are not scaled.
+
     Raises:
       WorkloadError: missing file, invalid JSON, missing key, wrong type,
         negative timestamp, length not an integer >= 1, hash_ids length
@@ -613,6 +619,8 @@ def load_mooncake_trace(
     _check_options(time_scale, window_s, max_requests, max_prompt_len, max_output_len)
     if not (math.isfinite(bucket_ms) and bucket_ms >= 0):
         raise ValueError(f"bucket_ms={bucket_ms} must be finite and >= 0")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 1 <= block_tokens <= MOONCAKE_BLOCK_TOKENS:
+        raise ValueError(f"block_tokens={block_tokens!r} must be an int in [1, {MOONCAKE_BLOCK_TOKENS}]")
     sampler = _TokenSampler(vocab_size, reserved_token_ids)
     path, data, sha = _read_bytes(path)
     text = _decode(path, data)
@@ -658,17 +666,18 @@ def load_mooncake_trace(
         for j in range(k):
             spread_ms[order[start + j]] = ts + width * j / k
         start = end
-    rows = [_Row(index=i, line=line, ts=spread_ms[i], prompt_len=n_in, output_len=n_out, hash_ids=h)
+    scaled = lambda n: -(-n * block_tokens // MOONCAKE_BLOCK_TOKENS)
+    rows = [_Row(index=i, line=line, ts=spread_ms[i], prompt_len=scaled(n_in), output_len=n_out, hash_ids=h)
             for i, (line, _, n_in, n_out, h) in enumerate(raw)]
 
     blocks: dict[int, tuple[int, ...]] = {}
 
     def prompt(r: _Row, n: int) -> tuple[int, ...]:
         out: list[int] = []
-        for h in r.hash_ids[: -(-n // MOONCAKE_BLOCK_TOKENS)]:
+        for h in r.hash_ids[: -(-n // block_tokens)]:
             block = blocks.get(h)
             if block is None:
-                block = blocks[h] = sampler.draw((seed, _TAG_MOONCAKE, h), MOONCAKE_BLOCK_TOKENS)
+                block = blocks[h] = sampler.draw((seed, _TAG_MOONCAKE, h), MOONCAKE_BLOCK_TOKENS)[:block_tokens]
             out.extend(block)
         return tuple(out[:n])
 

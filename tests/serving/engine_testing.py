@@ -1,8 +1,10 @@
-"""Shared pieces of the engine tests: the tiny model and its prompts."""
+"""Shared pieces of the engine tests: the tiny model, its prompts and tokenizer."""
 
 import numpy as np
+from tokenizers import pre_tokenizers
 
 from models.config import get_config
+from models.tokenizer import Tokenizer, build_bpe_tokenizer
 
 CFG = get_config("tiny")
 
@@ -11,3 +13,22 @@ def prompts(lengths, seed=0):
   """Random prompts (token ids in [3, vocab)) of the given lengths."""
   rng = np.random.default_rng(seed)
   return [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_tokenizer():
+  """A byte-level tokenizer covering all 512 ids of the tiny model (id 1 is
+  its EOS): specials, the 256 byte symbols, then two-letter pieces."""
+  tokens = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
+  tokens += sorted(pre_tokenizers.ByteLevel.alphabet())
+  letters = "abcdefghijklmnopqrstuvwxyz"
+  pairs = (a + b for a in letters for b in letters)
+  while len(tokens) < CFG.vocab_size:
+    tokens.append("Ġ" + next(pairs))
+  return Tokenizer(build_bpe_tokenizer(tokens, [], [3, 3, 3] + [1] * (len(tokens) - 3)),
+                   eos_token_id=1, chat_template=CHAT_TEMPLATE)

@@ -14,37 +14,16 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import pre_tokenizers
 
-from models.tokenizer import Tokenizer, build_bpe_tokenizer
 from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
-from serving.server import OpenAIServer, serve_in_thread
-from tests.serving.engine_testing import CFG
+from serving.server import ARRIVAL_HEADER, OpenAIServer, serve_in_thread
+from tests.serving.engine_testing import CFG, tiny_tokenizer
 
 BASE = EngineConfig.preset("tiny")          # 8 slots, max_model_len 64
 MODEL = "tiny"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] "
-    "+ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def _tokenizer():
-  """A byte-level tokenizer covering all 512 ids of the tiny model (id 1 is
-  its EOS): specials, the 256 byte symbols, then two-letter pieces."""
-  tokens = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
-  tokens += sorted(pre_tokenizers.ByteLevel.alphabet())
-  letters = "abcdefghijklmnopqrstuvwxyz"
-  pairs = (a + b for a in letters for b in letters)
-  while len(tokens) < CFG.vocab_size:
-    tokens.append("Ġ" + next(pairs))
-  return Tokenizer(build_bpe_tokenizer(tokens, [], [3, 3, 3] + [1] * (len(tokens) - 3)),
-                   eos_token_id=1, chat_template=CHAT_TEMPLATE)
-
-
-TOK = _tokenizer()
+TOK = tiny_tokenizer()
 
 
 class _Served:
@@ -369,3 +348,60 @@ def test_engine_queue_full_is_a_429_and_slo_fields_reach_add_request(served):
   assert parsed.extra == {"slo_ttft_ms": 500.0, "slo_tpot_ms": 80.0}
   with pytest.raises(Exception, match="slo_tbt_ms"):
     served.server.parse({"model": MODEL, "prompt": "x", "slo_tbt_ms": 0}, chat=False)
+
+
+def _sse_chunks(served, body):
+  with served.http.stream("POST", "/v1/completions", json=body) as r:
+    assert r.status_code == 200
+    lines = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+  assert lines[-1] == "[DONE]"
+  return [json.loads(l) for l in lines[:-1]]
+
+
+def test_stream_usage_only_with_include_usage(served):
+  plain = _sse_chunks(served, {**_stream_body(max_tokens=4), "stream_options": None})
+  assert plain and all("usage" not in c for c in plain)
+  assert plain[-1]["choices"][0]["finish_reason"] == "length"
+  with_usage = _sse_chunks(served, _stream_body(max_tokens=4))
+  *rest, last = with_usage
+  assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+  assert all(c["usage"] is None for c in rest)          # OpenAI: null until the last
+  assert rest[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_cancelled_request_is_not_in_e2e_or_tpot_histograms(served):
+  e2e = ("vllm:e2e_request_latency_seconds_count", ())
+  tpot = ("vllm:request_time_per_output_token_seconds_count", ())
+  ttft = ("vllm:time_to_first_token_seconds_count", ())
+  cancelled = ("iterserve:requests_total", (("outcome", "cancelled"),))
+  before = served.metrics()
+  with served.http.stream("POST", "/v1/completions",
+                          json=_stream_body(max_tokens=50)) as r:
+    seen = 0
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        seen += 1
+      if seen == 3:                              # two tokens out, then hang up
+        break
+  _wait(lambda: served.metrics().get(cancelled, 0) == before.get(cancelled, 0) + 1)
+  after = served.metrics()
+  assert (after[e2e], after[tpot]) == (before.get(e2e, 0), before.get(tpot, 0))
+  assert after[ttft] == before.get(ttft, 0) + 1       # its first token was served
+  _sse_chunks(served, _stream_body(max_tokens=3))      # a completed one is counted
+  done = served.metrics()
+  assert (done[e2e], done[tpot]) == (after[e2e] + 1, after[tpot] + 1)
+
+
+def test_forwarded_arrival_header_sets_the_request_clock(served):
+  """A front's original arrival (``ARRIVAL_HEADER``, time.monotonic() s)
+  counts in TTFT; a future or non-numeric one is a 400 naming the header."""
+  ttft_sum = ("vllm:time_to_first_token_seconds_sum", ())
+  before = served.metrics().get(ttft_sum, 0.0)
+  body = {"model": MODEL, "prompt": "the end", "max_tokens": 2, "ignore_eos": True}
+  r = served.http.post("/v1/completions", json=body,
+                       headers={ARRIVAL_HEADER: repr(time.monotonic() - 5.0)})
+  assert r.status_code == 200
+  assert served.metrics()[ttft_sum] - before >= 5.0       # waited 5 s before it came
+  for value in (repr(time.monotonic() + 60), "soon"):
+    bad = served.http.post("/v1/completions", json=body, headers={ARRIVAL_HEADER: value})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == ARRIVAL_HEADER

@@ -202,6 +202,21 @@ def test_mooncake_shared_prefix_is_shared_exactly(tmp_path):
     assert np.mean(np.asarray(other[0].prompt_token_ids)[:B] != r0[:B]) > 0.9
 
 
+def test_mooncake_block_tokens_shrinks_lengths_and_keeps_the_sharing(tmp_path):
+    full = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])))
+    w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])), block_tokens=16)
+    # ceil(n * 16 / 512) of 1100, 1024, 600, 512 tokens.
+    assert [r.prompt_len for r in w] == [35, 32, 19, 16]
+    r0, r1, r2, r3 = (np.asarray(w[i].prompt_token_ids) for i in range(4))
+    np.testing.assert_array_equal(r0[:32], r1)            # hash ids [0, 1]
+    np.testing.assert_array_equal(r0[:16], r2[:16])       # hash id 0 only
+    assert np.mean(r0[16:19] != r2[16:19]) > 0.5 and np.mean(r0[:16] != r3) > 0.9
+    # A block is the head of the full-size block of the same hash id.
+    assert w[0].prompt_token_ids[:16] == full[0].prompt_token_ids[:16]
+    with pytest.raises(ValueError, match="block_tokens=0 must be an int in"):
+        load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])), block_tokens=0)
+
+
 def test_mooncake_clip_keeps_the_block_prefix(tmp_path):
     full = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE)))
     w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE)), max_prompt_len=700)

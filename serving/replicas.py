@@ -1,0 +1,491 @@
+"""Data-parallel engine replicas behind one OpenAI endpoint (FastAPI + httpx).
+
+Each replica is a whole ``serving.server`` process (its own engine, its own
+devices later), so request handling has one home: the replica parses and
+validates the body, runs it, detokenizes and streams. The front only places
+and relays: it asks a live replica for the prompt's token ids
+(``POST /tokenize``), queues the request in ``serving.router.Router``, sends
+the body unchanged to the chosen replica with the original arrival
+(``ARRIVAL_HEADER``) and passes the response through byte for byte (SSE
+streams included).
+
+A replica that dies (its process exits, or a request to it fails at the
+transport and its ``/health`` does not answer) is marked down; new requests
+go to the others. Each of its in-flight requests ends one of two ways, and
+its route record says which:
+
+* ``rerouted``: nothing of the response had reached the client (a whole
+  response not yet returned, or a stream before its first chunk): it is
+  placed again, keeping its original arrival, and runs from the start on
+  another replica (same seed, same tokens: a request's tokens do not depend
+  on the replica or its batches).
+* ``failed``: part of a stream had been sent; the stream ends with an
+  OpenAI-style error chunk naming the replica, then ``data: [DONE]``.
+
+Every request gets one JSON line (``route_log``) when it ends: its
+decisions (each with every replica's facts as they stood), the replica that
+served it, what it was re-routed from, and its outcome (completed, failed,
+refused, cancelled). ``GET /router`` returns the same records (the last
+``MAX_RECORDS``; the log keeps all), the policy and each replica's
+prefix-cache counters (scraped from its ``/metrics``), for the replay
+report. A client that hangs up before its response is cancelled where its
+request is: it leaves the router's queue, or the front closes the upstream
+connection and the replica aborts it. The front holds at most
+``max_waiting`` requests waiting for a replica place; past that a request
+gets HTTP 429.
+
+Router events: a request's place frees when its response ends; its prefill
+leaves the router's queue estimate at its first streamed chunk (a whole,
+non-streamed response only tells the front at its end, so its prefill
+counts as queued until then).
+
+Clocks: the router's clock is ``time.monotonic()`` in ms; replicas run on the
+same host (the front spawns them), so the arrival they receive is on their
+engine's clock too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import json
+import subprocess
+import time
+from typing import Dict, List, Optional, Sequence
+
+import httpx
+import prometheus_client as prom
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.router import RouteCost, Router
+from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, _error_response, _sse,
+                            json_body)
+
+_WATCH_S = 0.5                  # seconds between checks of the replica processes
+_DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
+MAX_RECORDS = 10_000            # route records GET /router keeps (bounded memory)
+_PROBE_TIMEOUT_S = 2.0
+
+
+def spawn_replica(argv: Sequence[str], port: int, cwd: Optional[str] = None
+                  ) -> subprocess.Popen:
+  """Starts one replica server: ``argv`` plus ``--port=port`` (in ``cwd``)."""
+  return subprocess.Popen([*argv, f"--port={port}"], cwd=cwd)
+
+
+def wait_ready(urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
+               timeout_s: float = 600.0) -> List[dict]:
+  """Waits until every replica answers ``/health``; returns each one's
+  ``/engine`` facts.
+
+  Raises:
+    RuntimeError: a replica process exited, or not ready within timeout_s.
+  """
+  deadline = time.monotonic() + timeout_s
+  facts = []
+  for url, process in zip(urls, processes):
+    while True:
+      if process is not None and process.poll() is not None:
+        raise RuntimeError(f"replica {url} exited with status {process.returncode} "
+                           f"before it was ready")
+      try:
+        if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+          facts.append(httpx.get(f"{url}/engine", timeout=10).json())
+          break
+      except httpx.HTTPError:
+        pass
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"replica {url} not ready within {timeout_s} s")
+      time.sleep(0.2)
+  return facts
+
+
+def _stream_error(tail: bytes) -> Optional[dict]:
+  """The ``error`` object of a stream's last event before ``[DONE]``, if any."""
+  events = [e for e in tail.split(b"\n\n") if e.startswith(b"data: {")]
+  try:
+    return json.loads(events[-1][6:]).get("error") if events else None
+  except json.JSONDecodeError:           # the tail cut an event: not an error event
+    return None
+
+
+class ReplicaFront:
+  """The front's FastAPI app (see the module docstring).
+
+  Args:
+    urls: the replicas' base URLs, e.g. ``http://127.0.0.1:8001``.
+    processes: each replica's process (None: not owned, e.g. remote);
+      owned processes are terminated when the app shuts down.
+    facts: each replica's ``GET /engine`` (``wait_ready``).
+    policy: a ``serving.router.POLICIES`` name.
+    cost: the router's ``RouteCost``.
+    route_log: JSON-lines path for the per-request route records (None: off).
+    max_waiting: requests that may wait at the front (>= 0).
+
+  Raises:
+    ValueError: replicas that serve different models or page sizes, or a
+      bad policy / max_waiting.
+  """
+
+  def __init__(self, urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
+               facts: Sequence[dict], *, policy: str = "prefix_aware",
+               cost: RouteCost = RouteCost(), route_log: Optional[str] = None,
+               max_waiting: int = 64):
+    if not urls or not len(urls) == len(processes) == len(facts):
+      raise ValueError("urls, processes and facts must be one entry per replica (>= 1)")
+    for key in ("model", "page_size"):
+      values = {f[key] for f in facts}
+      if len(values) != 1:
+        raise ValueError(f"replicas must agree on {key}, got {sorted(values)}")
+    if max_waiting < 0:
+      raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+    self.urls, self.processes, self.facts = list(urls), list(processes), list(facts)
+    self.model_name = facts[0]["model"]
+    self.max_model_len = min(f["max_model_len"] for f in facts)
+    self.router = Router([f["max_request_slots"] for f in facts],
+                         [f["num_pages"] - 1 if f["enable_prefix_caching"] else 0
+                          for f in facts], facts[0]["page_size"], policy, cost)
+    self.max_waiting = max_waiting
+    self.route_log = route_log
+    # The last MAX_RECORDS route records (the route log keeps them all).
+    self.records: "collections.deque[dict]" = collections.deque(maxlen=MAX_RECORDS)
+    self._futures: Dict[str, asyncio.Future] = {}
+    self._ids = itertools.count()
+    self._tokenize_turn = itertools.count()
+    self.http: Optional[httpx.AsyncClient] = None
+    r = self.registry = prom.CollectorRegistry()
+    self._routed = prom.Counter("iterserve:router_requests", "Requests by final replica and "
+                                "outcome.", ["replica", "outcome"], registry=r)
+    self._reroutes = prom.Counter("iterserve:router_reroutes", "Placements re-done after a "
+                                  "replica died.", registry=r)
+    self._alive = prom.Gauge("iterserve:router_replicas_alive", "Replicas up.", registry=r)
+    self._alive.set(len(urls))
+    self.app = self._build_app()
+
+  # ---------------------------------------------------------- replicas
+  async def _probe(self, replica: int) -> bool:
+    process = self.processes[replica]
+    if process is not None and process.poll() is not None:
+      return False
+    try:
+      reply = await self.http.get(f"{self.urls[replica]}/health", timeout=_PROBE_TIMEOUT_S)
+      return reply.status_code == 200
+    except httpx.HTTPError:
+      return False
+
+  def _down(self, replica: int) -> None:
+    if self.router.replicas[replica].alive:
+      self.router.replica_down(replica)
+      self._alive.set(len(self.router.alive()))
+    self._dispatch()
+
+  async def _lost(self, replica: int) -> bool:
+    """After a transport error: True (and marked down) if the replica is gone."""
+    if not self.router.replicas[replica].alive or not await self._probe(replica):
+      self._down(replica)
+      return True
+    return False
+
+  async def _watch(self) -> None:
+    while True:
+      await asyncio.sleep(_WATCH_S)
+      for i in self.router.alive():
+        process = self.processes[i]
+        if process is not None and process.poll() is not None:
+          self._down(i)
+
+  # ----------------------------------------------------------- placing
+  def _dispatch(self) -> None:
+    for decision in self.router.dispatch(time.monotonic() * 1e3):
+      future = self._futures.pop(decision["request_id"], None)
+      if future is not None and not future.done():
+        future.set_result(decision)
+    if not self.router.alive():                  # nothing left to place on
+      for rid, future in list(self._futures.items()):
+        self.router.withdraw(rid)
+        if not future.done():
+          future.set_result(None)
+      self._futures.clear()
+
+  async def _place(self, rid: str, ids: List[int], max_tokens: int, arrival_s: float,
+                   rerouted_from: List[int]) -> Optional[dict]:
+    future = asyncio.get_running_loop().create_future()
+    self._futures[rid] = future
+    self.router.submit(rid, ids, max_tokens, arrival_s * 1e3, rerouted_from)
+    self._dispatch()
+    try:
+      return await future
+    finally:
+      if not future.done():                    # the client went away while waiting
+        self._futures.pop(rid, None)
+        self.router.withdraw(rid)
+
+  async def _tokenize(self, raw: bytes):
+    """(ids, None) from a live replica's /tokenize, or (None, its Response)."""
+    for _ in range(len(self.urls)):
+      alive = self.router.alive()
+      if not alive:
+        break
+      replica = alive[next(self._tokenize_turn) % len(alive)]
+      try:
+        reply = await self.http.post(f"{self.urls[replica]}/tokenize", content=raw,
+                                     headers={"content-type": "application/json"})
+      except httpx.TransportError:
+        await self._lost(replica)
+        continue
+      if reply.status_code != 200:
+        return None, Response(reply.content, status_code=reply.status_code,
+                              media_type="application/json")
+      return reply.json()["tokens"], None
+    return None, _error_response(RuntimeError("no replica is alive"))
+
+  # ----------------------------------------------------------- serving
+  def _end(self, record: dict, outcome: str, reason: str = "") -> None:
+    """Closes a request's route record (once) and frees its place."""
+    if record.get("outcome") is not None:
+      return
+    record.update(outcome=outcome, reason=reason, end_s=time.monotonic())
+    self.router.finished(record["request_id"])
+    self._dispatch()
+    replica = record["replica"] if record["replica"] is not None else "none"
+    self._routed.labels(str(replica), outcome).inc()
+    self.records.append(record)
+    if self.route_log:
+      with open(self.route_log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+  def _headers(self, record: dict) -> dict:
+    headers = {"x-iterserve-replica": str(record["replica"])}
+    if record["rerouted_from"]:
+      headers["x-iterserve-rerouted-from"] = ",".join(map(str, record["rerouted_from"]))
+    return headers
+
+  async def _serve(self, request: HttpRequest, path: str):
+    arrival_s = time.monotonic()
+    raw = await request.body()
+    try:
+      body = json_body(raw)
+      if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+      if self.router.num_waiting() >= self.max_waiting:
+        raise Overloaded(f"{self.router.num_waiting()} requests wait for a replica, the "
+                         f"bound (--max_waiting = {self.max_waiting}); retry later")
+    except Exception as e:
+      return _error_response(e)
+    ids, refusal = await self._tokenize(raw)
+    if refusal is not None:
+      return refusal
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+      max_tokens = max(1, self.max_model_len - len(ids))    # the replica checks the body
+    stream = body.get("stream") is True
+    rid = f"route-{next(self._ids)}"
+    record = dict(request_id=rid, path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
+                  max_tokens=max_tokens, stream=stream, replica=None, rerouted_from=[],
+                  decisions=[], outcome=None)
+    route = asyncio.ensure_future(self._route(record, raw, ids))
+    while True:                     # a client that hangs up cancels its request
+      done, _ = await asyncio.wait({route}, timeout=_DISCONNECT_POLL_S)
+      if done:
+        return route.result()
+      if await request.is_disconnected():
+        route.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+          await route
+        self._end(record, "cancelled", "client disconnected before the response")
+        return Response(status_code=499)
+
+  async def _route(self, record: dict, raw: bytes, ids: List[int]) -> Response:
+    """Places the request, forwards it, re-places it while its replica dies
+    before anything was sent; returns the response to relay. Cancelled (the
+    client left): leaves the router's queue, and closing the upstream
+    connection makes the replica cancel the request."""
+    rid, path, stream = record["request_id"], record["path"], record["stream"]
+    arrival_s, max_tokens = record["arrival_s"], record["max_tokens"]
+    headers = {ARRIVAL_HEADER: repr(arrival_s), "content-type": "application/json"}
+    while True:
+      decision = await self._place(rid, ids, max_tokens, arrival_s, record["rerouted_from"])
+      if decision is None:
+        self._end(record, "failed", "no replica is alive")
+        return _error_response(RuntimeError("no replica is alive"))
+      record["decisions"].append(decision)
+      record["replica"] = replica = decision["replica"]
+      upstream = None
+      try:
+        upstream = await self.http.send(self.http.build_request(
+            "POST", f"{self.urls[replica]}{path}", content=raw, headers=headers), stream=True)
+        if upstream.status_code != 200 or not stream:
+          content = await upstream.aread()
+          await upstream.aclose()
+          outcome = ("completed" if upstream.status_code == 200 else
+                     "refused" if upstream.status_code in (400, 429) else "failed")
+          self._end(record, outcome, f"HTTP {upstream.status_code}")
+          return Response(content, status_code=upstream.status_code,
+                          media_type=upstream.headers.get("content-type"),
+                          headers=self._headers(record))
+        chunks = upstream.aiter_raw()
+        first = await chunks.__anext__()
+      except (httpx.TransportError, StopAsyncIteration) as e:
+        if upstream is not None:
+          await upstream.aclose()
+        if await self._lost(replica):
+          record["rerouted_from"].append(replica)
+          self._reroutes.inc()
+          continue                                   # nothing was sent: place again
+        self._end(record, "failed", f"replica {replica}: {type(e).__name__}: {e}")
+        return _error_response(RuntimeError(f"replica {replica} failed: {e}"))
+      except asyncio.CancelledError:
+        if upstream is not None:
+          await upstream.aclose()
+        raise
+      self.router.first_token(rid)
+      self._dispatch()
+      return StreamingResponse(self._relay(record, upstream, chunks, first),
+                               media_type="text/event-stream", headers=self._headers(record))
+
+  async def _relay(self, record: dict, upstream: httpx.Response, chunks, first: bytes):
+    replica, tail = record["replica"], first[-4096:]
+    try:
+      yield first
+      async for chunk in chunks:
+        tail = (tail + chunk)[-4096:]
+        yield chunk
+      error = _stream_error(tail)
+      self._end(record, "failed" if error else "completed",
+                error["message"] if error else "")
+    except httpx.TransportError as e:
+      await self._lost(replica)
+      message = (f"replica {replica} failed mid-stream ({type(e).__name__}); the request "
+                 f"failed and was not re-routed (part of it was already sent)")
+      self._end(record, "failed", message)
+      yield _sse({"error": {"message": message, "type": "server_error", "param": None,
+                            "code": "replica_failed"}})
+      yield _sse("[DONE]")
+    finally:
+      self._end(record, "cancelled", "client disconnected")   # no-op once ended
+      await upstream.aclose()
+
+  # ---------------------------------------------------------------- app
+  async def replica_stats(self) -> List[dict]:
+    """Each replica's URL, liveness, live requests and prefix-cache counters."""
+    out = []
+    for i, url in enumerate(self.urls):
+      stats = dict(replica=i, url=url, alive=self.router.replicas[i].alive,
+                   live=len(self.router.replicas[i].live))
+      if stats["alive"]:
+        try:
+          text = (await self.http.get(f"{url}/metrics", timeout=10)).text
+          for family in text_string_to_metric_families(text):
+            for s in family.samples:
+              if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+                stats[s.name.split(":")[1].removesuffix("_total")] = s.value
+        except httpx.HTTPError:
+          pass
+      out.append(stats)
+    return out
+
+  def _build_app(self) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+      limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+      self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+      watch = asyncio.create_task(self._watch())
+      yield
+      watch.cancel()
+      await self.http.aclose()
+      for process in self.processes:
+        if process is not None and process.poll() is None:
+          process.terminate()
+      for process in self.processes:
+        if process is not None:
+          with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=30)
+
+    app = FastAPI(title="iterserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.get("/health")
+    async def health():
+      return Response(status_code=200 if self.router.alive() else 503)
+
+    @app.get("/v1/models")
+    async def models():
+      return {"object": "list", "data": [{
+          "id": self.model_name, "object": "model", "owned_by": "iterserve",
+          "max_model_len": self.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+      return Response(prom.generate_latest(self.registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+    @app.get("/router")
+    async def router_report():
+      return {"policy": self.router.policy, "cost": dataclasses.asdict(self.router.cost),
+              "replicas": await self.replica_stats(), "requests": list(self.records)}
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+      return await self._serve(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest):
+      return await self._serve(request, "/v1/chat/completions")
+
+    return app
+
+
+def route_summary(router_report: dict) -> dict:
+  """The replay report's ``router`` section from a front's ``GET /router``:
+  policy, overall and per-replica prefix-cache hit rates (token units, the
+  replicas' own counters), placements per replica, re-routes, and every
+  request's route record."""
+  replicas = []
+  for r in router_report["replicas"]:
+    queries, hits = r.get("prefix_cache_queries", 0.0), r.get("prefix_cache_hits", 0.0)
+    placed = sum(1 for q in router_report["requests"] if q["replica"] == r["replica"])
+    replicas.append(dict(replica=r["replica"], alive=r["alive"], placed=placed,
+                         prefix_cache_queries=queries, prefix_cache_hits=hits,
+                         prefix_cache_hit_rate=hits / queries if queries else 0.0))
+  queries = sum(r["prefix_cache_queries"] for r in replicas)
+  hits = sum(r["prefix_cache_hits"] for r in replicas)
+  return dict(policy=router_report["policy"], cost=router_report["cost"],
+              prefix_cache_hit_rate=hits / queries if queries else 0.0, replicas=replicas,
+              rerouted=sum(1 for q in router_report["requests"] if q["rerouted_from"]),
+              requests=router_report["requests"])
+
+
+def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port: int,
+              policy: str, cost: RouteCost, route_log: Optional[str], max_waiting: int,
+              ready_timeout_s: float = 1800.0) -> None:
+  """Spawns ``num_replicas`` replica servers on ``port + 1 ...`` and serves the
+  front on ``host:port`` until interrupted (the replicas stop with it).
+
+  Raises:
+    ValueError: num_replicas < 1.
+    RuntimeError: a replica did not come up (the others are stopped).
+  """
+  import logging
+
+  import uvicorn
+
+  logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
+  if num_replicas < 1:
+    raise ValueError(f"--replicas must be >= 1 for a front, got {num_replicas}")
+  ports = [port + 1 + i for i in range(num_replicas)]
+  processes = [spawn_replica(replica_argv, p) for p in ports]
+  urls = [f"http://127.0.0.1:{p}" for p in ports]
+  try:
+    facts = wait_ready(urls, processes, ready_timeout_s)
+  except BaseException:
+    for process in processes:
+      process.terminate()
+    raise
+  front = ReplicaFront(urls, processes, facts, policy=policy, cost=cost,
+                       route_log=route_log, max_waiting=max_waiting)
+  print(f"routing {front.model_name!r} over {num_replicas} replicas ({policy}) on "
+        f"http://{host}:{port}/v1", flush=True)
+  uvicorn.run(front.app, host=host, port=port, log_level="warning")

@@ -1,0 +1,47 @@
+"""A replica server process on the tiny model, for the router tests.
+
+  python -m tests.serving.replica_testing --port=8001 [--step_delay_ms=20]
+
+Serves ``serving.server.OpenAIServer`` over the tiny random model (the
+``params`` fixture's weights, so its greedy tokens equal an in-process
+engine's) and the tiny tokenizer, as model "tiny". ``--step_delay_ms`` sleeps
+before each engine step, so that requests stay in flight long enough for a
+test to kill the process mid-run.
+"""
+
+import argparse
+import time
+
+import jax
+import uvicorn
+
+from models import llama
+from serving import launch
+from serving.config import EngineConfig
+from serving.engine import Engine
+from serving.server import OpenAIServer
+from tests.serving.engine_testing import CFG, tiny_tokenizer
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--step_delay_ms", type=float, default=0.0)
+  args = parser.parse_args()
+  params = llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8)
+  engine = Engine(CFG, params, EngineConfig.preset("tiny"))
+  launch.warmup(engine)
+  if args.step_delay_ms > 0:
+    step = engine.step
+
+    def slow_step():
+      time.sleep(args.step_delay_ms / 1e3)
+      return step()
+
+    engine.step = slow_step
+  server = OpenAIServer(engine, tiny_tokenizer(), "tiny", max_waiting=16)
+  uvicorn.run(server.app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+  main()
