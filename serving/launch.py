@@ -13,6 +13,7 @@ import numpy as np
 from absl import flags, logging
 
 from models.loaders import load_model
+from models.sharding import make_mesh
 from serving import workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
@@ -48,6 +49,9 @@ def define_engine_flags() -> None:
   flags.DEFINE_boolean("enable_prefix_caching", None, "Override: automatic prefix "
                        "caching (shared KV pages of equal prompt prefixes; on by default; "
                        "--noenable_prefix_caching for ablations).")
+  flags.DEFINE_string("mesh", None, "Override: device mesh 'model:M' or 'data:1,model:M' "
+                      "(tensor parallelism over M devices; on CPU set XLA_FLAGS="
+                      "--xla_force_host_platform_device_count=M before starting).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -168,7 +172,7 @@ def engine_config(**overrides) -> EngineConfig:
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
                 force_preempt_every=FLAGS.force_preempt_every,
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
-                enable_prefix_caching=FLAGS.enable_prefix_caching)
+                enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
   return EngineConfig.preset(FLAGS.engine, **fields)
 
@@ -183,7 +187,8 @@ def load_flags_model(engine_cfg: EngineConfig):
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,
-                                      cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None)
+                                      cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
+                                      mesh=make_mesh(engine_cfg.mesh))
   print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
         f"{time.perf_counter() - t:.1f} s")
   return cfg, params, tokenizer
