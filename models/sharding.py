@@ -97,7 +97,8 @@ def parse_mesh(spec: str) -> Dict[str, int]:
 
 def make_mesh(spec: str, devices: Optional[Sequence[jax.Device]] = None) -> Optional[Mesh]:
   """The ``Mesh`` of ``spec`` over the first ``data * model`` of ``devices``
-  (default: this process's ``jax.local_devices()``), or None for ``""``.
+  (default: ``jax.devices()``, every process's devices after
+  ``jax.distributed.initialize``), or None for ``""``.
 
   Raises:
     ValueError: a bad spec (``parse_mesh``) or more devices asked than exist.
@@ -105,14 +106,42 @@ def make_mesh(spec: str, devices: Optional[Sequence[jax.Device]] = None) -> Opti
   if not spec:
     return None
   sizes = parse_mesh(spec)
-  devices = list(jax.local_devices() if devices is None else devices)
+  devices = list(jax.devices() if devices is None else devices)
   need = sizes["data"] * sizes["model"]
   if need > len(devices):
-    raise ValueError(f"EngineConfig.mesh {spec!r} needs {need} devices, this process has "
+    raise ValueError(f"EngineConfig.mesh {spec!r} needs {need} devices, JAX has "
                      f"{len(devices)} (on CPU, XLA_FLAGS=--xla_force_host_platform_"
                      f"device_count=N before jax starts makes N)")
   grid = np.array(devices[:need], dtype=object).reshape(sizes["data"], sizes["model"])
   return Mesh(grid, MESH_AXES)
+
+
+def initialize_processes(coordinator: str, num_processes: int, process_id: int) -> None:
+  """Joins this process to a multi-process JAX run (``jax.distributed``).
+
+  Every process calls it with the same ``coordinator`` (``HOST:PORT`` of
+  process 0) and ``num_processes``, and its own ``process_id``, before any
+  other JAX call. Afterwards ``jax.devices()`` lists every process's devices
+  (``jax.local_devices()`` this one's), a mesh spans them, and one engine
+  runs multi-controller: each process runs the same host loop and launches
+  the same programs, whose collectives cross processes (on CPU over gloo).
+  The host loops must therefore make the same decisions: same requests in
+  the same order, and a clock that agrees (``sim_executor.VirtualClock``).
+
+  Raises:
+    ValueError: ``num_processes < 1``, ``process_id`` outside
+      ``[0, num_processes)``, or a coordinator that is not ``HOST:PORT``.
+  """
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id must be in [0, num_processes={num_processes}), "
+                     f"got {process_id}")
+  host, _, port = coordinator.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"coordinator must be HOST:PORT, got {coordinator!r}")
+  jax.distributed.initialize(coordinator, num_processes=num_processes,
+                             process_id=process_id)
 
 
 def split_groups(cfg: ModelConfig, model_size: int) -> Dict[str, bool]:
@@ -194,12 +223,12 @@ class Placement:
 
   def kv(self, kv):
     if self.mesh is None:
-      return jax.device_put(kv, jax.devices()[0])
+      return jax.device_put(kv, jax.local_devices()[0])
     return shard_kv(kv, self.cfg, self.mesh)
 
   def tables(self, tables):
     """Scheduler records, page tables and request buffers (replicated)."""
-    return jax.device_put(tables, jax.devices()[0] if self.mesh is None
+    return jax.device_put(tables, jax.local_devices()[0] if self.mesh is None
                           else replicated(self.mesh))
 
   def pinned(self, cache_then: int = 0) -> dict:
