@@ -35,10 +35,10 @@ its MLP and vocabulary split at M = 2, 3 and 4.
 The jitted programs stay the same programs: their inputs carry
 ``NamedSharding``s and GSPMD partitions them, inserting the all-reduce after
 every row-parallel product and the collectives of the vocabulary-split
-embedding lookup and logits. Attention is left to GSPMD as well: the jnp
-implementations of ``attention.ragged`` ("blocked_dot", "blocked",
-"gather") are split by head; a Pallas kernel is an opaque custom call that
-GSPMD runs on gathered (replicated) operands, correct but not split.
+embedding lookup and logits. Split attention runs under ``shard_map``
+(``attention_over_heads``): each device attends with its own KV heads and
+their query heads, whatever the implementation, so a Pallas kernel (which
+GSPMD cannot partition) runs per device on its heads, with no collective.
 """
 
 from __future__ import annotations
@@ -191,6 +191,27 @@ def kv_spec(cfg: ModelConfig, model_size: int) -> P:
   split on its KV-head axis when attention is split, else replicated."""
   return P(None, None, None, "model", None) if split_groups(cfg, model_size)[
       "attention"] else P()
+
+
+def attention_mesh(cfg: ModelConfig, mesh: Optional[Mesh]) -> Optional[Mesh]:
+  """``mesh`` when it splits attention (``split_groups``), else None
+  (replicated attention needs no ``shard_map``)."""
+  if mesh is None or not split_groups(cfg, _model_size(mesh))["attention"]:
+    return None
+  return mesh
+
+
+def attention_over_heads(attend, mesh: Mesh):
+  """``attend(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs)``
+  under ``shard_map`` over ``model``: q ``[T, n_heads, head_dim]`` and the
+  pages ``[pages, page_size, n_kv_heads, head_dim]`` split by head (device
+  ``i`` holds KV heads ``[i * n_kv / M, (i + 1) * n_kv / M)`` and exactly
+  the query heads that read them), the metadata replicated; the output is
+  split like q."""
+  heads, pages = P(None, "model", None), P(None, None, "model", None)
+  return jax.shard_map(attend, mesh=mesh,
+                       in_specs=(heads, pages, pages, P(), P(), P(), P()),
+                       out_specs=heads, check_vma=False)
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):

@@ -943,9 +943,10 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
   and swap programs, for one engine shape (shared by every policy)."""
   traces: Dict[str, int] = {}
   c = shape_config
-  runner = ModelRunner(model_cfg, c.attention_impl)
-  step = sim_executor.simulated_execute if c.executor == "simulated" else execute
   placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
+  runner = ModelRunner(model_cfg, c.attention_impl,
+                       sharding.attention_mesh(model_cfg, placement.mesh))
+  step = sim_executor.simulated_execute if c.executor == "simulated" else execute
   # Over a mesh every output keeps the sharding its input had (the cache
   # split, the tables replicated), so each program compiles once per shape.
   jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
