@@ -58,8 +58,8 @@ def _teacher_forced_logits(engine: Engine, sequences: Sequence[Sequence[int]]) -
     raise ValueError(f"the check needs {next_page} KV pages, the engine has "
                      f"{engine.config.num_pages}")
   i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
-  kv = engine._placement.kv(llama.init_kv_cache(cfg, engine.config.num_pages, page_size,
-                                                engine.kv.k.dtype))
+  kv = sharding.Placement(cfg, engine.mesh).kv(
+      llama.init_kv_cache(cfg, engine.config.num_pages, page_size, engine.kv.k.dtype))
   hidden, _ = llama.forward_jit(
       engine.params, cfg, kv, i32(tokens), i32(positions), i32(slots), i32(kv_lens),
       i32(tables), i32(cu), jnp.int32(len(sequences)),
