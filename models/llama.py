@@ -38,6 +38,7 @@ Parameter tree (``L = n_layers``; ``lm_head`` only when embeddings are untied)::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from attention.ragged import ragged_paged_attention, write_kv_pages
+from models import sharding
 from models.config import ModelConfig
 
 _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
@@ -150,11 +152,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-  """GQA self-attention of one block over packed rows and the paged cache."""
+  """GQA self-attention of one block over packed rows and the paged cache
+  (under ``shard_map`` over KV heads when ``mesh`` splits attention)."""
 
   cfg: ModelConfig
   dtype: Any
   attention_impl: str
+  mesh: Any = None
 
   @nn.compact
   def __call__(self, x, k_pool, v_pool, layer, batch: _Batch):
@@ -176,10 +180,12 @@ class Attention(nn.Module):
     slots = jnp.where(batch.slot_mapping >= 0,
                       batch.slot_mapping + first_page * k_pool.shape[1], -1)
     k_pool, v_pool = _write_rows(k_pool, v_pool, k, v, slots)
-    out = ragged_paged_attention(
-        q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
-        batch.cu_q_lens, batch.num_seqs, sm_scale=cfg.head_dim ** -0.5,
-        impl=self.attention_impl)
+    attend = functools.partial(ragged_paged_attention, sm_scale=cfg.head_dim ** -0.5,
+                               impl=self.attention_impl)
+    if self.mesh is not None:
+      attend = sharding.attention_over_heads(attend, self.mesh)
+    out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
+                 batch.cu_q_lens, batch.num_seqs)
     out = out.reshape(num_rows, cfg.q_dim).astype(self.dtype) @ wo
     return out, k_pool, v_pool
 
@@ -205,12 +211,13 @@ class DecoderLayer(nn.Module):
   cfg: ModelConfig
   dtype: Any
   attention_impl: str
+  mesh: Any = None
 
   @nn.compact
   def __call__(self, carry, layer, batch: _Batch):
     x, k_pool, v_pool = carry
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="attn_norm")(x)
-    attn, k_pool, v_pool = Attention(self.cfg, self.dtype, self.attention_impl,
+    attn, k_pool, v_pool = Attention(self.cfg, self.dtype, self.attention_impl, self.mesh,
                                      name="attn")(h, k_pool, v_pool, layer, batch)
     x = x + attn
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
@@ -224,6 +231,7 @@ class Llama(nn.Module):
   cfg: ModelConfig
   dtype: Any = jnp.float32
   attention_impl: str = "gather"
+  mesh: Any = None       # a Mesh that splits attention (``models.sharding``)
 
   def setup(self):
     cfg = self.cfg
@@ -232,7 +240,7 @@ class Llama(nn.Module):
     self.layers = nn.scan(
         DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=(0, nn.broadcast), length=cfg.n_layers,
-    )(cfg, self.dtype, self.attention_impl)
+    )(cfg, self.dtype, self.attention_impl, self.mesh)
     self.final_norm = RMSNorm(cfg.rms_eps, self.dtype)
     if not cfg.tie_embeddings:
       self.lm_head = self.param("lm_head", _WEIGHT_INIT,
@@ -264,7 +272,7 @@ def _params_dtype(params):
 
 def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
             slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs, *,
-            attention_impl: str):
+            attention_impl: str, mesh=None):
   """Runs every block over one packed iteration and writes its K/V.
 
   Args:
@@ -282,13 +290,16 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     num_seqs: i32[] live sequences; rows at or beyond ``cu_q_lens[num_seqs]``
       are padding.
     attention_impl: ``impl`` passed to ``ragged_paged_attention`` (static).
+    mesh: static ``jax.sharding.Mesh`` whose ``model`` axis splits the
+      attention heads (``models.sharding.attention_mesh``): attention then
+      runs under ``shard_map`` per device; None: one program over all heads.
 
   Returns:
     ``(hidden f32[T, d_model], kv)``: the final-normed hidden state of every
     row (padding rows hold unspecified finite values) and the updated cache.
   """
   dtype = _params_dtype(params)
-  model = Llama(cfg, dtype=dtype, attention_impl=attention_impl)
+  model = Llama(cfg, dtype=dtype, attention_impl=attention_impl, mesh=mesh)
   num_layers, num_pages = kv.k.shape[:2]
   if num_layers != cfg.n_layers:
     raise ValueError(f"kv has {num_layers} layers, cfg.n_layers is {cfg.n_layers}")
@@ -333,7 +344,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,
   return params
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh"),
                       donate_argnames=("kv",))
 forward_jit.__doc__ = "``forward`` under ``jax.jit`` (cfg, impl static; kv donated)."
 compute_logits_jit = jax.jit(compute_logits, static_argnames=("cfg",))

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import sharding
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer, build_bpe_tokenizer
 
@@ -476,12 +477,18 @@ def _config_to_json(cfg: ModelConfig) -> dict:
   return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__}
 
 
-def _abstract_params(cfg: ModelConfig, dtype):
+def _abstract_params(cfg: ModelConfig, dtype, mesh=None):
+  """Shape structs of the parameters, each with its target sharding (one
+  device, or ``models.sharding``'s placement on ``mesh``)."""
   from models.llama import init_params  # pylint: disable=import-outside-toplevel
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0), dtype))
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    targets = jax.tree_util.tree_map(lambda _: one, shapes)
+  else:
+    targets = sharding.param_shardings(shapes, cfg, mesh)
   return jax.tree_util.tree_map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), shapes)
+      lambda s, t: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=t), shapes, targets)
 
 
 def save_converted(directory: Union[str, Path], cfg: ModelConfig, params,
@@ -508,8 +515,9 @@ def save_converted(directory: Union[str, Path], cfg: ModelConfig, params,
   return directory
 
 
-def restore_converted(directory: Union[str, Path], dtype):
-  """Reads what ``save_converted`` wrote; returns ``(cfg, params, tokenizer)``."""
+def restore_converted(directory: Union[str, Path], dtype, mesh=None):
+  """Reads what ``save_converted`` wrote; returns ``(cfg, params, tokenizer)``,
+  the params restored straight into their shardings on ``mesh`` when given."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   directory = Path(directory).absolute()
   meta = json.loads((directory / "model.json").read_text())
@@ -517,7 +525,7 @@ def restore_converted(directory: Union[str, Path], dtype):
   config["eos_token_ids"] = tuple(config["eos_token_ids"])
   cfg = ModelConfig(**config)
   checkpointer = ocp.StandardCheckpointer()
-  params = checkpointer.restore(directory / "params", _abstract_params(cfg, dtype))
+  params = checkpointer.restore(directory / "params", _abstract_params(cfg, dtype, mesh))
   checkpointer.close()
   return cfg, params, Tokenizer.from_json(meta["tokenizer"])
 
@@ -559,7 +567,7 @@ def resolve_model_path(name_or_path: Union[str, Path]) -> tuple[Path, str]:
 
 
 def load_model(name_or_path: Union[str, Path], *, dtype=jnp.float32,
-               cache_dir: Union[str, Path, None] = None):
+               cache_dir: Union[str, Path, None] = None, mesh=None):
   """Loads a Llama-family model for ``models.llama.forward``.
 
   Args:
@@ -569,6 +577,9 @@ def load_model(name_or_path: Union[str, Path], *, dtype=jnp.float32,
     cache_dir: when set, converted params are stored there with orbax and
       later loads of the same unchanged source restore them instead of
       converting again; None disables the cache.
+    mesh: a ``jax.sharding.Mesh`` (``models.sharding.make_mesh``): the params
+      are placed (or restored by orbax) straight into their tensor-parallel
+      shardings; None puts them on the default device.
 
   Returns:
     ``(cfg, params, tokenizer)``: a ``ModelConfig``, the parameter tree as
@@ -586,12 +597,16 @@ def load_model(name_or_path: Union[str, Path], *, dtype=jnp.float32,
   if cache_dir is not None:
     entry = Path(cache_dir) / f"{name}-{cache_key(path, dtype)}"
     if (entry / "model.json").exists():
-      return restore_converted(entry, dtype)
+      return restore_converted(entry, dtype, mesh)
   if path.is_dir():
     cfg, params, tokenizer = read_hf_dir(path)
   else:
     cfg, params, tokenizer = read_gguf(path, name=name)
-  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+  if mesh is None:
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+  else:  # host arrays go straight to their shards
+    params = sharding.shard_params(
+        jax.tree_util.tree_map(lambda x: np.asarray(x, dtype), params), cfg, mesh)
   if entry is not None:
     save_converted(entry, cfg, params, tokenizer)
   return cfg, params, tokenizer

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from attention.ragged import IMPLS
+from models.sharding import parse_mesh
 from scheduler.policies import POLICIES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -106,6 +107,10 @@ class EngineConfig:
       full prompt pages are keyed by content and shared; a request starts
       its prefill after the longest cached prefix. On by default, as in
       vLLM; off for ablations.
+    mesh: device mesh of the engine, ``"model:M"`` (or ``"data:1,model:M"``):
+      tensor parallelism over M devices of this process (``models.sharding``:
+      weights split Megatron-style, the KV cache on its KV-head axis,
+      scheduler records replicated). ``""`` = one device.
   """
 
   max_num_seqs: int = 32
@@ -131,6 +136,7 @@ class EngineConfig:
   executor: str = "model"
   cost_model: str = ""
   enable_prefix_caching: bool = True
+  mesh: str = ""
 
   def __post_init__(self):
     c = "EngineConfig"
@@ -168,6 +174,9 @@ class EngineConfig:
              self.executor)
     _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
              "must be a bool", self.enable_prefix_caching)
+    _require(isinstance(self.mesh, str), c, "mesh", "must be a str like 'model:2'",
+             self.mesh)
+    parse_mesh(self.mesh)
     _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
 

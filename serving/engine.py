@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import llama
+from models import sharding
 from scheduler import apply as apply_lib
 from scheduler import preemption as pre
 from scheduler import records as rec
@@ -195,7 +196,11 @@ class Engine:
                clock: Optional[Callable[[], float]] = None):
     self.model_cfg = model_cfg
     self.config = config
-    self.params = params
+    # Tensor parallelism (``models.sharding``): weights and the KV cache
+    # split over the mesh's model axis, every other table replicated.
+    self.mesh = sharding.make_mesh(config.mesh)
+    self._placement = sharding.Placement(model_cfg, self.mesh)
+    self.params = self._placement.params(params)
     simulated = config.executor == "simulated"
     if clock is None:
       clock = sim_executor.VirtualClock() if simulated else time.monotonic
@@ -214,9 +219,9 @@ class Engine:
     # version is: a fresh engine's first step then reuses the programs that
     # an engine with equal configs compiled, instead of compiling again for
     # uncommitted inputs.
-    self.kv = jax.device_put(self.kv, jax.devices()[0])
+    self.kv = self._placement.kv(self.kv)
     (self.pages, self.buffers, self.manifest, self.state) = _slot_tables(
-        c, c.max_request_slots)
+        c, c.max_request_slots, self._placement)
     self._slots: List[Optional[Request]] = [None] * c.max_request_slots
     # Accepted since the last step; the next step moves every one of them
     # into a slot (the slot table grows as needed), so the policy sees the
@@ -500,7 +505,7 @@ class Engine:
     while size < num_requests:
       size = min(2 * size, c.max_queued_requests)
     old = (self.pages, self.buffers, self.manifest, self.state)
-    new = _slot_tables(c, size)
+    new = _slot_tables(c, size, self._placement)
     self.pages, self.buffers, self.manifest, self.state = jax.tree.map(
         _keep_rows, new, old)
     self._slots += [None] * (size - self.num_slots)
@@ -938,18 +943,24 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
   and swap programs, for one engine shape (shared by every policy)."""
   traces: Dict[str, int] = {}
   c = shape_config
-  runner = ModelRunner(model_cfg, c.attention_impl)
+  placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
+  runner = ModelRunner(model_cfg, c.attention_impl,
+                       sharding.attention_mesh(model_cfg, placement.mesh))
   step = sim_executor.simulated_execute if c.executor == "simulated" else execute
-  jit = functools.partial(_counting_jit, traces=traces)
+  # Over a mesh every output keeps the sharding its input had (the cache
+  # split, the tables replicated), so each program compiles once per shape.
+  jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
   return _Executor(
       execute=jit("execute", functools.partial(
           step, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
           max_model_len=c.max_model_len),
-          static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
+          static_argnames=("num_rows",), donate_argnums=(1, 2, 3),
+          **placement.pinned(cache_then=3)),
       arrive=jit("arrive", _arrive, donate_argnums=(2,)),
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
-      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
+      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
+              **placement.pinned(cache_then=1)),
       traces=traces)
 
 
@@ -1007,14 +1018,14 @@ def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
   return manifest, state, buffers
 
 
-def _slot_tables(config: EngineConfig, num_slots: int):
+def _slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placement):
   """Fresh (pages, buffers, manifest, state) for ``num_slots`` slots, on
-  the device."""
+  the device (replicated over a mesh)."""
   c = config
   tables = (kv_pages.init_pages(num_slots, c.pages_per_seq, c.num_pages, c.page_size),
             init_buffers(num_slots, c.max_model_len, c.max_stop_ids),
             rec.empty_manifest(num_slots), rec.initial_state(num_slots, c.num_clients))
-  return jax.device_put(tables, jax.devices()[0])
+  return placement.tables(tables)
 
 
 def _keep_rows(new, old):
@@ -1060,7 +1071,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
   if config.force_preempt_every:
     policy = ForcedPreemption(policy, config.force_preempt_every)
   traces: Dict[str, int] = {}
-  jit = functools.partial(_counting_jit, traces=traces)
+  placement = sharding.Placement(model_cfg, sharding.make_mesh(config.mesh))
+  jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
   executor = _executor(model_cfg, _shape_config(config))
   return _Programs(
       policy=policy,

@@ -77,6 +77,7 @@ class ModelRunner:
 
   cfg: object
   attention_impl: str = "auto"
+  mesh: object = None    # a Mesh splitting attention (``models.sharding.attention_mesh``)
 
   @property
   def eos_token_ids(self):
@@ -86,7 +87,7 @@ class ModelRunner:
     return llama.forward(params, self.cfg, kv, packed.tokens, packed.positions,
                          packed.slot_mapping, packed.kv_lens, packed.page_table,
                          packed.cu_q_lens, packed.num_seqs,
-                         attention_impl=self.attention_impl)
+                         attention_impl=self.attention_impl, mesh=self.mesh)
 
   def compute_logits(self, params, hidden):
     return llama.compute_logits(params, self.cfg, hidden)

@@ -13,6 +13,7 @@ import numpy as np
 from absl import flags, logging
 
 from models.loaders import load_model
+from models.sharding import initialize_processes, make_mesh
 from serving import workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
@@ -48,6 +49,14 @@ def define_engine_flags() -> None:
   flags.DEFINE_boolean("enable_prefix_caching", None, "Override: automatic prefix "
                        "caching (shared KV pages of equal prompt prefixes; on by default; "
                        "--noenable_prefix_caching for ablations).")
+  flags.DEFINE_string("mesh", None, "Override: device mesh 'model:M' or 'data:1,model:M' "
+                      "(tensor parallelism over M devices; on CPU set XLA_FLAGS="
+                      "--xla_force_host_platform_device_count=M before starting).")
+  flags.DEFINE_string("coordinator", None, "Multi-process JAX: HOST:PORT of process 0 "
+                      "(jax.distributed; every process runs the same command with its "
+                      "own --process_id, and --clock=virtual).")
+  flags.DEFINE_integer("num_processes", 1, "Multi-process JAX: number of processes.")
+  flags.DEFINE_integer("process_id", 0, "Multi-process JAX: this process's index.")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -178,7 +187,7 @@ def engine_config(**overrides) -> EngineConfig:
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
                 force_preempt_every=FLAGS.force_preempt_every,
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
-                enable_prefix_caching=FLAGS.enable_prefix_caching)
+                enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
   return EngineConfig.preset(FLAGS.engine, **fields)
 
@@ -187,16 +196,37 @@ def load_flags_model(engine_cfg: EngineConfig):
   """Loads --model in the engine's dtype (and turns on the caches under
   --cache_dir). Returns (cfg, params, tokenizer)."""
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
+  init_processes(engine_cfg)
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,
-                                      cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None)
+                                      cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
+                                      mesh=make_mesh(engine_cfg.mesh))
   print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
         f"{time.perf_counter() - t:.1f} s")
   return cfg, params, tokenizer
+
+
+def init_processes(engine_cfg: EngineConfig) -> None:
+  """--coordinator / --num_processes / --process_id: joins a multi-process
+  JAX run (``models.sharding.initialize_processes``) before JAX starts.
+
+  Raises:
+    ValueError: --num_processes > 1 without --coordinator, or without a
+      virtual clock (the processes' host loops must decide alike).
+  """
+  if FLAGS.num_processes == 1 and FLAGS.coordinator is None:
+    return
+  if FLAGS.coordinator is None:
+    raise ValueError("--num_processes > 1 needs --coordinator=HOST:PORT")
+  if FLAGS.num_processes > 1 and (FLAGS.clock or ("virtual" if engine_cfg.executor ==
+                                                  "simulated" else "wall")) != "virtual":
+    raise ValueError("--num_processes > 1 needs --clock=virtual: every process runs the "
+                     "same host loop, and wall clocks would make them decide apart")
+  initialize_processes(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
 
 
 def build_engine(**overrides):

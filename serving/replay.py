@@ -129,6 +129,8 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "attention_impl": c.attention_impl,
       "jax_version": jax.__version__,
       "device": str(jax.devices()[0]),
+      "mesh": c.mesh,
+      "num_processes": jax.process_count(),
       "platform": platform.platform(),
       "compiled_programs": engine.compiled_programs(),
       "num_slots": engine.num_slots,

@@ -88,3 +88,17 @@ def test_cache_restores_without_reading_the_source(tmp_path, model, monkeypatch)
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
   loaders.load_model(path, cache_dir=cache)
   assert len(list(cache.iterdir())) == 3
+
+
+def test_gguf_load_and_cache_restore_place_params_in_their_mesh_shardings(tmp_path, model):
+  from models import sharding  # pylint: disable=import-outside-toplevel
+  cfg, params = model
+  path = write_gguf(tmp_path / "tiny.gguf", cfg, gguf_tensors(cfg, params))
+  mesh = sharding.make_mesh("model:1")
+  want = sharding.param_specs(params, cfg, 1)
+  for _ in range(2):      # converted from the GGUF, then restored by orbax
+    _, got, _ = loaders.load_model(path, cache_dir=tmp_path / "cache", mesh=mesh)
+    specs = jax.tree_util.tree_map(lambda x: x.sharding.spec, got)
+    assert specs == want and specs["lm_head"] == jax.sharding.PartitionSpec(None, "model")
+    assert all(x.sharding.mesh == mesh for x in jax.tree_util.tree_leaves(got))
+    assert_same_params(got, params)
