@@ -52,9 +52,9 @@ class Budgets:
       length (§0x06, ``scheduler.admission``): "policy" (each policy's own
       rule: ORCA the declared maximum, the others on demand), or "max",
       "point", "quantile", "watermark", which replace it for every policy.
-      "watermark" reserves the quantile forecast under the soft ceiling and
-      needs ``watermark_pages >= 1``; "max" / "point" / "quantile" take
-      ``watermark_pages == 0``.
+      "watermark" is the quantile forecast under the soft ceiling and needs
+      ``watermark_pages >= 1``; the other kinds keep whatever watermark is
+      configured (0 = none, the hard ceiling).
     reservation_quantile: q of "quantile" / "watermark", in (0, 1].
   """
 
@@ -85,9 +85,6 @@ def check_reservation(owner: str, kind: str, quantile: float, watermark_pages: i
   if kind == "watermark" and watermark_pages < 1:
     raise ValueError(f"{owner}.watermark_pages must be >= 1 with reservation "
                      f"'watermark' (W of the soft ceiling), got {watermark_pages}")
-  if kind in ("max", "point", "quantile") and watermark_pages:
-    raise ValueError(f"{owner}.watermark_pages must be 0 with reservation {kind!r} "
-                     f"(a watermark is the 'watermark' kind), got {watermark_pages}")
 
 
 def _ceil_div(a, b):

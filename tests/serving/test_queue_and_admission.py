@@ -348,7 +348,5 @@ def test_reservation_settings_name_the_field():
     dataclasses.replace(BASE, reservation="p90")
   with pytest.raises(ValueError, match="watermark_pages must be >= 1"):
     dataclasses.replace(BASE, reservation="watermark")
-  with pytest.raises(ValueError, match="watermark_pages must be 0 with reservation 'point'"):
-    dataclasses.replace(BASE, reservation="point", watermark_pages=2)
   with pytest.raises(ValueError, match="reservation_quantile must be in"):
     dataclasses.replace(BASE, reservation="quantile", reservation_quantile=0.0)
