@@ -217,7 +217,8 @@ def reservation_rows(manifest, state, budgets: Budgets, target, policy_rows):
   ``admission.append_rows`` with U = 0 at the prefill ``target``. An
   unstarted request of prompt p so reserves ``p + G_hat - 1`` rows; one
   that has emitted E >= G_hat reserves only its frontier (its next row is
-  an extension)."""
+  an extension). G_hat is re-read at every decision, so a running
+  request's reservation follows the estimator as completions arrive."""
   if budgets.reservation == "policy":
     return policy_rows
   g_hat = adm.forecast_outputs(
