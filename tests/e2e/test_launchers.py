@@ -83,6 +83,8 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--out=."], "error: --out must be a file path for the report JSON, got '.'"),
     (["--ledger_tbt_ms=-1"], "error: --ledger_tbt_ms must be > 0 (or unset), got -1.0"),
     (["--cost_model=no/such.json"], "error: --cost_model 'no/such.json': no such calibration"),
+    (["--reservation=watermark", "--watermark_pages=0"],
+     "error: EngineConfig.watermark_pages must be >= 1 with reservation 'watermark'"),
 ])
 def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
