@@ -1,11 +1,15 @@
-"""Scheduling arithmetic of §0x02, §0x05, §0x06, §0x07, §0x09 and §0x0E.
+"""Article arithmetic of §0x02, §0x05, §0x06, §0x07, §0x09 and §0x0E.
 
-Plain functions over Python ints / sequences (host-side ledgers, no jit):
-slot occupancy, iteration budgets, future cache rows and bytes,
-reservation/watermark admission, reservation error, outcome partitions,
-causal pairs and history exposure of chunked prefill, the imbalance proxy,
-and the one-control sensitivity ledgers. Units are in the names: ``_rows``
-(token rows), ``_bytes``, ``_ms``.
+Plain functions over Python ints / sequences, kept as the exact fixtures of
+tests/scheduler/test_article_fixtures.py: slot occupancy, iteration budgets,
+row bytes, offline scoring of a frozen admission plan against hidden truth
+(``score_admission``: reservation error and hard breach, never an online
+input), outcome partitions, causal pairs and history exposure of chunked
+prefill, the imbalance proxy, and the one-control sensitivity ledgers.
+The engine runs none of them: its reservation arithmetic (A_hat, the soft
+ceiling, the admission predicate) has one home, ``scheduler.admission``,
+which the jitted policies call. Units are in the names: ``_rows`` (token
+rows), ``_bytes``, ``_ms``.
 """
 
 from __future__ import annotations
@@ -66,16 +70,6 @@ def iteration_legal(widths: Sequence[int], token_budget: int, seq_budget: int) -
   return ledger["num_seqs"] <= seq_budget and ledger["num_tokens"] <= token_budget
 
 
-def future_append_rows(forecast_total_outputs: int, emitted_outputs: int) -> int:
-  """A_hat = max(G_hat - E, 0) for a request that has emitted E >= 1 (§0x05)."""
-  return max(forecast_total_outputs - emitted_outputs, 0)
-
-
-def new_request_rows(uncached_prompt_rows: int, forecast_total_outputs: int) -> int:
-  """A_hat_new = U + max(G_hat - 1, 0): prefill emits output 1 (§0x05)."""
-  return uncached_prompt_rows + max(forecast_total_outputs - 1, 0)
-
-
 def rows_to_bytes(rows: int, delta_kv_row_bytes: int = DELTA_KV_ROW_BYTES) -> int:
   """Logical payload bytes of ``rows`` committed rows."""
   return rows * delta_kv_row_bytes
@@ -102,27 +96,6 @@ class AdmissionOutcome:
   over_rows: int
   under_rows: int
   hard_breach_rows: int
-
-
-def soft_ceiling_rows(hard_ceiling_rows: int, watermark_rows: int) -> int:
-  """C_soft = C_hard - W; ValueError if the watermark is illegal."""
-  if not 0 <= watermark_rows <= hard_ceiling_rows:
-    raise ValueError(f"watermark_rows must be in [0, {hard_ceiling_rows}], "
-                     f"got {watermark_rows}")
-  return hard_ceiling_rows - watermark_rows
-
-
-def admit_fifo(base_rows: int, estimated_rows: Sequence[int], ceiling_rows: int) -> List[bool]:
-  """Online FIFO predicate R_{j-1} + A_hat_j <= ceiling; a miss defers (skips).
-
-  Reads only estimates, never realized lengths.
-  """
-  reserved, admitted = base_rows, []
-  for rows in estimated_rows:
-    ok = reserved + rows <= ceiling_rows
-    admitted.append(ok)
-    reserved += rows if ok else 0
-  return admitted
 
 
 def score_admission(base_rows: int, estimated_rows: Sequence[int],

@@ -72,6 +72,17 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   recompute_rows = state.recompute_rows
   if recompute_rows is not None:
     recompute_rows = recompute_rows + per_client(redo)
+  # §0x06 online facts: the realized length of a request that ended
+  # (eos / stop / length) joins the completed-output histogram; extensions
+  # the plan granted are counted once their row completed.
+  hist = state.completed_outputs
+  if hist is not None:
+    done = result.finished & ~result.failed & (result.finish_reason >= rec.FINISH_EOS) & (
+        result.finish_reason <= rec.FINISH_LENGTH)
+    hist = hist.at[jnp.minimum(emitted, hist.shape[0] - 1)].add(done.astype(jnp.int32))
+  extensions = state.num_extensions
+  if extensions is not None and plan.extend is not None:
+    extensions = extensions + (plan.extend & completed).astype(jnp.int32)
   successor = state.replace(
       decision_id=state.decision_id + 1,
       state_version=state.state_version + 1,
@@ -88,7 +99,9 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
       service_rows=service,
       recompute_rows=recompute_rows,
-      rebuild_target=target)
+      rebuild_target=target,
+      completed_outputs=hist,
+      num_extensions=extensions)
   update = getattr(plan.policy, "update", None)
   if update is not None:
     successor = update(manifest, state, plan, result, successor)
@@ -121,6 +134,8 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
     manifest = manifest.replace(tbt_ms=set_(manifest.tbt_ms, tbt_ms))
   if state.rebuild_target is not None:
     state = state.replace(rebuild_target=set_(state.rebuild_target, 0))
+  if state.num_extensions is not None:
+    state = state.replace(num_extensions=set_(state.num_extensions, 0))
   if state.mlfq_level is not None:
     state = state.replace(mlfq_level=set_(state.mlfq_level, -1),
                           mlfq_used=set_(state.mlfq_used, 0),

@@ -33,6 +33,7 @@ from typing import Callable, Dict
 import jax
 import jax.numpy as jnp
 
+from scheduler import admission as adm
 from scheduler import records as rec
 
 
@@ -45,13 +46,24 @@ class Budgets:
     seq_budget: max request generations per iteration (max_num_seqs).
     chunk_cap: max prefill rows one request gets per iteration
       (long_prefill_token_threshold); >= 1.
-    watermark_pages: pages kept free at admission while anything runs.
+    watermark_pages: pages kept free at admission while anything runs (W of
+      the §0x06 soft ceiling C_hard - W).
+    reservation: how admission reserves KV rows for the unknown output
+      length (§0x06, ``scheduler.admission``): "policy" (each policy's own
+      rule: ORCA the declared maximum, the others on demand), or "max",
+      "point", "quantile", "watermark", which replace it for every policy.
+      "watermark" is the quantile forecast under the soft ceiling and needs
+      ``watermark_pages >= 1``; the other kinds keep whatever watermark is
+      configured (0 = none, the hard ceiling).
+    reservation_quantile: q of "quantile" / "watermark", in (0, 1].
   """
 
   token_budget: int
   seq_budget: int
   chunk_cap: int
   watermark_pages: int = 0
+  reservation: str = "policy"
+  reservation_quantile: float = 0.9
 
   def __post_init__(self):
     for name in ("token_budget", "seq_budget", "chunk_cap"):
@@ -59,6 +71,20 @@ class Budgets:
         raise ValueError(f"Budgets.{name} must be >= 1, got {getattr(self, name)}")
     if self.watermark_pages < 0:
       raise ValueError(f"Budgets.watermark_pages must be >= 0, got {self.watermark_pages}")
+    check_reservation("Budgets", self.reservation, self.reservation_quantile,
+                      self.watermark_pages)
+
+
+def check_reservation(owner: str, kind: str, quantile: float, watermark_pages: int):
+  """Raises ValueError naming ``owner``'s field unless the §0x06 reservation
+  settings are legal (see ``Budgets.reservation``)."""
+  if kind not in adm.ENGINE_KINDS:
+    raise ValueError(f"{owner}.reservation must be one of {adm.ENGINE_KINDS}, got {kind!r}")
+  if not 0.0 < quantile <= 1.0:
+    raise ValueError(f"{owner}.reservation_quantile must be in (0, 1], got {quantile!r}")
+  if kind == "watermark" and watermark_pages < 1:
+    raise ValueError(f"{owner}.watermark_pages must be >= 1 with reservation "
+                     f"'watermark' (W of the soft ceiling), got {watermark_pages}")
 
 
 def _ceil_div(a, b):
@@ -184,6 +210,23 @@ def inverse_permutation(order):
   return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
 
 
+def reservation_rows(manifest, state, budgets: Budgets, target, policy_rows):
+  """i32[R]: KV rows a live request is promised (§0x06): ``policy_rows``
+  under reservation "policy", else ``target + A_hat`` with G_hat from
+  ``admission.forecast_outputs`` (online facts only) and A_hat from
+  ``admission.append_rows`` with U = 0 at the prefill ``target``. An
+  unstarted request of prompt p so reserves ``p + G_hat - 1`` rows; one
+  that has emitted E >= G_hat reserves only its frontier (its next row is
+  an extension). G_hat is re-read at every decision, so a running
+  request's reservation follows the estimator as completions arrive."""
+  if budgets.reservation == "policy":
+    return policy_rows
+  g_hat = adm.forecast_outputs(
+      "quantile" if budgets.reservation == "watermark" else budgets.reservation,
+      manifest.max_tokens, state.completed_outputs, budgets.reservation_quantile)
+  return target + adm.append_rows(0, state.emitted, g_hat)
+
+
 def ledger(manifest, state, alloc, budgets: Budgets, order, *,
            reserve_rows=None, chunk_cap=None, whole_prefill=False,
            max_prefills=None):
@@ -195,7 +238,8 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
       taken by ``victim_rank`` instead, the latest (priority, arrival)
       first, whatever the policy's walk order.
     reserve_rows: i32[R] rows a live request is promised at admission
-      (default: its prefill target; ORCA: prompt + max_tokens - 1). Pages for
+      (default: its prefill target; ORCA: prompt + max_tokens - 1), unless
+      ``budgets.reservation`` replaces it (``reservation_rows``). Pages for
       them are reserved until used, so later admissions cannot take them.
     chunk_cap: static rows one prefill-like interval may take (default
       ``budgets.chunk_cap``); ``whole_prefill`` requires the whole remaining
@@ -206,7 +250,8 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
   f = work_facts(manifest, state)
   ps = alloc.page_size
   held = alloc.pages_held.astype(jnp.int32)
-  reserve_rows = f["target"] if reserve_rows is None else reserve_rows
+  reserve_rows = reservation_rows(manifest, state, budgets, f["target"],
+                                  f["target"] if reserve_rows is None else reserve_rows)
   # A resumed decoder needs pages for its next row as well.
   reserve_rows = jnp.where(f["resume"], jnp.maximum(reserve_rows, state.computed + 1),
                            reserve_rows)
@@ -222,6 +267,7 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
   reclaim = (held if alloc.reclaimable_pages is None
              else alloc.reclaimable_pages.astype(jnp.int32))
   ctx = dict(f, held=held, reclaim=reclaim, ps=ps, own=own, need_total=need_total,
+             reserved_pages=pages_for(reserve_rows, ps),
              decode_need=decode_need,
              computed=state.computed, victim_order=victim_order,
              pos=inverse_permutation(victim_order), vrank=victim_rank(manifest),
@@ -236,7 +282,8 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
       live=jnp.any(f["running"]), blocked=jnp.bool_(False),
       evicted_best=jnp.int32(INT32_MAX), decode_need=jnp.sum(decode_need),
       selected=jnp.zeros((num_slots,), bool), admit=jnp.zeros((num_slots,), bool),
-      preempt=jnp.zeros((num_slots,), bool), end=state.computed,
+      preempt=jnp.zeros((num_slots,), bool), extend=jnp.zeros((num_slots,), bool),
+      end=state.computed,
       alloc_now=jnp.zeros((num_slots,), jnp.int32))
   return ctx, carry
 
@@ -251,6 +298,17 @@ def _take(x, c, s, end, need):
   c["seq"] = c["seq"] + 1
   c["prefills"] = c["prefills"] + (~(x["decode"][s] | x["resume"][s])).astype(jnp.int32)
   c["decode_need"] = c["decode_need"] - x["decode_need"][s]
+  return c
+
+
+def take_running(x, c, s, end, need):
+  """Takes running slot ``s`` up to ``end`` with ``need`` new pages: they
+  come out of its own reservation first; a decode row whose page lies past
+  the reserved frontier is a §0x06 extension (``IterationPlan.extend``)."""
+  c = _take(x, c, s, end, need)
+  c["reserved"] = c["reserved"] - jnp.minimum(need, x["own"][s])
+  c["extend"] = c["extend"].at[s].set(
+      x["decode"][s] & (need > 0) & (pages_for(end, x["ps"]) > x["reserved_pages"][s]))
   return c
 
 
@@ -315,12 +373,8 @@ def try_running(x, c, s, preempt_victims=True):
       c["tail"] = jnp.minimum(c["tail"], x["pos"][s])
       return c
 
-    def run(c):
-      c = _take(x, c, s, comp + 1, need)
-      c["reserved"] = c["reserved"] - jnp.minimum(need, x["own"][s])
-      return c
-
-    return jax.lax.cond(short, self_preempt, run, c)
+    return jax.lax.cond(short, self_preempt,
+                        lambda c: take_running(x, c, s, comp + 1, need), c)
 
   def partial(c):
     room = b.token_budget - c["tok"]
@@ -331,12 +385,8 @@ def try_running(x, c, s, preempt_victims=True):
     end = comp + jnp.maximum(width, 0)
     need = jnp.maximum(pages_for(end, x["ps"]) - held, 0)
 
-    def run(c):
-      c = _take(x, c, s, end, need)
-      c["reserved"] = c["reserved"] - jnp.minimum(need, x["own"][s])
-      return c
-
-    return jax.lax.cond((width > 0) & _prefill_room(x, c), run, lambda c: c, c)
+    return jax.lax.cond((width > 0) & _prefill_room(x, c),
+                        lambda c: take_running(x, c, s, end, need), lambda c: c, c)
 
   fits_decode = (c["tok"] < b.token_budget) & (c["seq"] < b.seq_budget)
   c = jax.lax.cond(live & x["decode"][s] & fits_decode, decode, lambda c: c, c)
@@ -358,8 +408,10 @@ def admission_fits(x, c, s):
   width = admission_width(x, s, b.token_budget - c["tok"])
   slot_ok = jnp.where(resume, c["seq"] < b.seq_budget, _prefill_room(x, c))
   watermark = jnp.where(c["live"], b.watermark_pages, 0)
-  pages_ok = (x["need_total"][s]
-              <= c["free"] - c["reserved"] - c["decode_need"] - watermark)
+  # §0x06: R + A_hat <= C_hard - W in pages, with the committed pages taken
+  # off both sides (the hard ceiling is what is free).
+  pages_ok = adm.admits(c["reserved"] + c["decode_need"], x["need_total"][s],
+                        adm.soft_ceiling(c["free"], watermark))
   # Never admit a request that ranks after one this plan evicted: the
   # victim rule would have evicted it first (no thrash of an earlier
   # arrival in favour of a later one).
@@ -437,7 +489,8 @@ def finish_plan(manifest, state, x, c, keys, order, policy,
       token_budget=b.token_budget,
       seq_budget=b.seq_budget,
       unschedulable=unschedulable,
-      policy=policy)
+      policy=policy,
+      extend=c.get("extend"))
 
 
 def identity_keys(manifest, state, *leading):

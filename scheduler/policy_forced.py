@@ -86,6 +86,7 @@ class ForcedPreemption:
         kind=jnp.where(victim, rec.NO_WORK, plan.kind).astype(jnp.int32),
         rank=rank.astype(jnp.int32),
         preempt=plan.preempt | victim,
+        extend=None if plan.extend is None else plan.extend & ~victim,
         num_tokens=(plan.num_tokens - width_v).astype(jnp.int32),
         num_seqs=(plan.num_seqs - hit.astype(jnp.int32)).astype(jnp.int32),
         policy_id=self.policy_id,

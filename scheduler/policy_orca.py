@@ -43,17 +43,20 @@ class Orca(base.PolicyBase):
     """i32[R, 4]: (work_rank, arrival_seq, request_id, generation)."""
     return base.identity_keys(manifest, state, base.work_rank(manifest, state))
 
-  def reserve_rows(self, manifest):
+  def reserve_rows(self, manifest, state):
     """i32[R]: rows reserved at initiation: the whole trajectory's KV rows,
-    ``prompt + max_tokens - 1`` (ORCA reserves max_tokens; ``kv_rows``)."""
-    return rec.kv_rows(manifest.prompt_len, manifest.max_tokens)
+    ``prompt + max_tokens - 1`` (ORCA reserves max_tokens; ``kv_rows``), or
+    the §0x06 forecast of ``budgets.reservation`` (``reservation_rows``)."""
+    return base.reservation_rows(manifest, state, self.budgets,
+                                 rec.prefill_target(manifest, state),
+                                 rec.kv_rows(manifest.prompt_len, manifest.max_tokens))
 
   def unschedulable(self, manifest, state, alloc):
     """bool[R]: live requests this policy can never select."""
     f = base.work_facts(manifest, state)
     wide = f["waiting"] & (f["target"] - state.computed > self.budgets.token_budget)
     total_pages = alloc.free_pages + jnp.sum(alloc.pages_held)
-    big = f["waiting"] & (base.pages_for(self.reserve_rows(manifest),
+    big = f["waiting"] & (base.pages_for(self.reserve_rows(manifest, state),
                                          alloc.page_size) > total_pages)
     return wide | big
 
@@ -61,7 +64,7 @@ class Orca(base.PolicyBase):
     keys = self.sort_keys(manifest, state)
     order = base.key_order(keys)
     x, c = base.ledger(manifest, state, alloc, self.budgets, order,
-                       reserve_rows=self.reserve_rows(manifest), whole_prefill=True)
+                       reserve_rows=self.reserve_rows(manifest, state), whole_prefill=True)
     c = base.greedy_scan(x, c, order, fcfs_break=True)
     return base.finish_plan(manifest, state, x, c, keys, order, self,
                             unschedulable=self.unschedulable(manifest, state, alloc))

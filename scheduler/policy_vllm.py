@@ -28,6 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from scheduler import admission as adm
 from scheduler import policies as base
 from scheduler import records as rec
 
@@ -89,6 +90,9 @@ class VllmV1(base.PolicyBase):
       c["tok"] = c["tok"] - jnp.where(was, c["end"][v] - comp[v], 0)
       c["seq"] = c["seq"] - was.astype(jnp.int32)
       c["free"] = c["free"] + jnp.where(was, c["alloc_now"][v], 0)
+      c["reserved"] = c["reserved"] + jnp.where(
+          was, jnp.minimum(c["alloc_now"][v], x["own"][v]), 0)
+      c["extend"] = c["extend"].at[v].set(False)
       c["selected"] = c["selected"].at[v].set(False)
       c["end"] = c["end"].at[v].set(comp[v])
       c["alloc_now"] = c["alloc_now"].at[v].set(0)
@@ -102,9 +106,12 @@ class VllmV1(base.PolicyBase):
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
 
       def allocate(c):
+        # Pages other requests reserved (§0x06 reservation kinds; none on
+        # demand) are not this request's to take.
         def cond(c):
           cands = x["running"] & ~c["preempt"]
-          return (need > c["free"]) & ~c["preempt"][s] & jnp.any(cands)
+          return ((need > c["free"] - (c["reserved"] - x["own"][s])) & ~c["preempt"][s]
+                  & jnp.any(cands))
 
         def body(c):
           cands = x["running"] & ~c["preempt"]
@@ -116,8 +123,7 @@ class VllmV1(base.PolicyBase):
         self_preempted = c["preempt"][s]
 
         def take(c):
-          c = base._take(x, c, s, comp[s] + num_new, need)
-          return c
+          return base.take_running(x, c, s, comp[s] + num_new, need)
 
         def stop(c):
           c = dict(c)
@@ -135,8 +141,11 @@ class VllmV1(base.PolicyBase):
       num_new = base.admission_width(x, s, b.token_budget - c["tok"])
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
       watermark = jnp.where(c["live"], b.watermark_pages, 0)
+      # §0x06: R + A_hat <= C_soft in pages (A_hat = the rows now on demand,
+      # or the reservation kind's forecast when larger).
       fits = ((c["seq"] < b.seq_budget) & (num_new > 0)
-              & (need <= c["free"] - watermark))
+              & adm.admits(c["reserved"], jnp.maximum(need, x["need_total"][s]),
+                           adm.soft_ceiling(c["free"], watermark)))
       is_waiting = (x["waiting"][s] | x["resume"][s]) & ~c["wstop"]
       c = dict(c)
       c["wstop"] = c["wstop"] | (is_waiting & ~fits)

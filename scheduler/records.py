@@ -136,6 +136,13 @@ class SchedulerState:
     mlfq_used: i32[R], quantum used at the current level (token rows).
     wait_iters: i32[R], iterations a live, ready request went unserved.
     hot_streak: i32[], prefix-aware hot selections since the last cold one.
+    completed_outputs: i32[L], histogram of the output lengths of requests
+      completed in this run (eos / stop / length; index n = n outputs,
+      clipped to L - 1): the online facts of the §0x06 point / quantile
+      estimators (``scheduler.admission.forecast_outputs``).
+    num_extensions: i32[R], §0x06 extensions granted to the request: decode
+      rows that crossed its reserved frontier and took a new page
+      (``IterationPlan.extend``).
   """
 
   decision_id: jax.Array
@@ -163,6 +170,8 @@ class SchedulerState:
   mlfq_used: Optional[jax.Array] = None
   wait_iters: Optional[jax.Array] = None
   hot_streak: Optional[jax.Array] = None
+  completed_outputs: Optional[jax.Array] = None
+  num_extensions: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -211,6 +220,10 @@ class IterationPlan:
     unschedulable: bool[R] or None, live slots the policy can never serve
       under its static budgets (e.g. an ORCA prompt wider than the token
       budget); they stay blocked and visible here.
+    extend: bool[R] or None, §0x06 extension intents: selected decode rows
+      past the request's reserved frontier that take a new page (the
+      allocator grants it with the plan; when pages are short the ledger's
+      victim rule preempts instead).
     policy: static policy object that made the plan, or None. Its
       ``sort_keys(manifest, state)`` replays ``sort_key`` (default:
       ``scheduler.policies.sort_keys``) and its optional
@@ -238,6 +251,7 @@ class IterationPlan:
   seq_budget: int = flax.struct.field(pytree_node=False, default=0)
   unschedulable: Optional[jax.Array] = None
   policy: object = flax.struct.field(pytree_node=False, default=None)
+  extend: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -300,8 +314,13 @@ def prefix_hits(view: AllocatorView):
   return view.prefix_hit_tokens
 
 
-def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
-  """State version 0: every slot free, clocks and policy counters at zero."""
+def initial_state(num_slots: int, num_clients: int,
+                  max_output_tokens: int = 0) -> SchedulerState:
+  """State version 0: every slot free, clocks and policy counters at zero.
+
+  ``max_output_tokens`` sizes the completed-output histogram (``L =
+  max_output_tokens + 1`` bins); 0 leaves it out (the §0x06 estimators then
+  fall back to the declared maximum)."""
   i32 = lambda v: jnp.full((num_slots,), v, jnp.int32)
   f32 = lambda v: jnp.full((num_slots,), v, jnp.float32)
   return SchedulerState(
@@ -319,7 +338,10 @@ def initial_state(num_slots: int, num_clients: int) -> SchedulerState:
       client_active=jnp.zeros((num_clients,), bool),
       last_left_counter=jnp.int32(0),
       mlfq_level=i32(-1), mlfq_used=i32(0), wait_iters=i32(0),
-      hot_streak=jnp.int32(0))
+      hot_streak=jnp.int32(0),
+      completed_outputs=(jnp.zeros((max_output_tokens + 1,), jnp.int32)
+                         if max_output_tokens > 0 else None),
+      num_extensions=i32(0))
 
 
 def kv_rows(prompt_len, max_tokens):

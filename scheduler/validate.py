@@ -388,7 +388,10 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                              | (plan.num_seqs != jnp.sum(sel))),
       "rank": scalar(~rank_ok) | (sel != (plan.rank >= 0)),
       "intents": (plan.admit & (state.status != rec.WAITING))
-                 | (plan.preempt & ((state.status != rec.RUNNING) | sel)),
+                 | (plan.preempt & ((state.status != rec.RUNNING) | sel))
+                 # a §0x06 extension is a selected decode row's
+                 | (jnp.zeros((num_slots,), bool) if plan.extend is None
+                    else plan.extend & ~(sel & (plan.kind == rec.DECODE_ROW))),
       "tie_break": (jnp.any(plan.sort_key != keys, axis=1) | rank_inverted
                     | scalar(key_shape_bad)),
   }

@@ -14,7 +14,12 @@ Prints a table and writes a report JSON (vLLM benchmark key names). With
 --slo_ttft_ms / --slo_tpot_ms / --slo_class every request declares SLOs and
 the report adds ``goodput``: SLO-valid requests and the offered, admitted
 and completion-conditioned attainments. Per request the report lists its
-preemptions and recomputed tokens.
+preemptions, recomputed tokens and §0x06 KV extensions;
+``--reservation=max|point|quantile|watermark`` chooses how admission reserves
+KV for the unknown output length (the report's ``config.reservation`` and
+``reservation_estimator``).
+
+  python scripts/replay.py --engine=cpu_small --num_pages=24 --reservation=point
 """
 
 import os
@@ -93,6 +98,9 @@ def main(argv):
   print(f"replay wall time {wall_s:.1f} s, {engine.num_iterations} iterations "
         f"({engine.num_iterations / max(wall_s, 1e-9):.0f} it/s)")
   print(metrics.format_table(report))
+  print(f"reservation {config['reservation']} ({config['reservation_estimator']}): "
+        f"rejected {report['rejected']}, extensions {report['num_extensions']}, "
+        f"preemptions {report['num_preemptions']}")
   if "goodput" in report:
     g = report["goodput"]
     print(f"goodput: {g['valid']}/{g['offered']} SLO-valid, {g['request_goodput']:.2f} "

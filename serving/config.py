@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 from attention.ragged import IMPLS
 from models.sharding import parse_mesh
-from scheduler.policies import POLICIES
+from scheduler.policies import POLICIES, check_reservation
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
@@ -80,7 +80,19 @@ class EngineConfig:
     num_pages: physical KV pages, including the reserved null page.
     max_model_len: longest prompt + output (tokens).
     min_bucket: smallest token-row bucket; buckets double up to the budget.
-    watermark_pages: pages kept free at admission while anything runs.
+    watermark_pages: pages kept free at admission while anything runs (W of
+      the §0x06 soft ceiling).
+    reservation: how admission reserves KV for the unknown output length
+      (§0x06, ``scheduler.admission``): "policy" (default: each policy's own
+      rule, ORCA the declared maximum, the others on demand), "max"
+      (declared max_tokens), "point" (ceil-mean of the output lengths of
+      requests completed in this run), "quantile" (their nearest-rank
+      ``reservation_quantile``), "watermark" (the quantile forecast under
+      the soft ceiling, ``watermark_pages >= 1``). Before any request
+      completed, every kind reserves the declared maximum. A decode row past
+      the reserved frontier is an extension; when pages are short the
+      victim rule preempts.
+    reservation_quantile: q of "quantile" / "watermark", in (0, 1].
     policy: registered policy name.
     attention_impl: "auto", or an implementation name of attention.ragged.
     dtype: "float32" or "bfloat16" for weights and activations.
@@ -123,6 +135,8 @@ class EngineConfig:
   max_model_len: int = 2048
   min_bucket: int = 64
   watermark_pages: int = 0
+  reservation: str = "policy"
+  reservation_quantile: float = 0.9
   policy: str = "sarathi_serve"
   attention_impl: str = "auto"
   dtype: str = "float32"
@@ -160,6 +174,7 @@ class EngineConfig:
              "must be 'float32' or 'bfloat16'", self.dtype)
     _require(self.watermark_pages >= 0, c, "watermark_pages", "must be >= 0",
              self.watermark_pages)
+    check_reservation(c, self.reservation, self.reservation_quantile, self.watermark_pages)
     _require(self.policy in POLICIES, c, "policy", f"must be one of {sorted(POLICIES)}",
              self.policy)
     _require(self.attention_impl in IMPLS, c, "attention_impl",

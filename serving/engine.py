@@ -154,6 +154,7 @@ class Request:
   slo_ttft_ms: float = float("inf")
   slo_tpot_ms: float = float("inf")
   num_preemptions: int = 0
+  num_extensions: int = 0
   recompute_tokens: int = 0
   prefix_hit_tokens: int = 0
   slot: int = -1
@@ -804,6 +805,7 @@ class Engine:
 
   def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
     outputs, release = [], np.zeros(self.num_slots, bool)
+    extensions = None     # §0x06 extensions per slot, fetched when one ends
     self.num_preemptions += int(preempt.sum())
     limit = self.config.max_preemptions_per_request
     thrashing = np.zeros_like(release)
@@ -824,6 +826,9 @@ class Engine:
       elif finished[slot]:
         self._end(req, "completed", rec.FINISH_NAMES[int(reason[slot])])
       if req.finished:
+        if extensions is None:
+          extensions = jax.device_get(self.state.num_extensions)
+        req.num_extensions = int(extensions[slot])
         release[slot] = True
         self._slots[slot] = None
       if new or req.finished:
@@ -924,7 +929,8 @@ class _Executor:
 # Config fields that only the policy (or the host) reads: engines differing
 # in these alone share one compiled executor and slot writers.
 _POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
-                    watermark_pages=0, preemption_mode="recompute", swap_space_mb=0.0,
+                    watermark_pages=0, reservation="policy", reservation_quantile=0.9,
+                    preemption_mode="recompute", swap_space_mb=0.0,
                     force_preempt_every=0, max_preemptions_per_request=0,
                     max_queued_requests=1 << 30, cost_model="",
                     enable_prefix_caching=True)
@@ -1024,7 +1030,8 @@ def _slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Place
   c = config
   tables = (kv_pages.init_pages(num_slots, c.pages_per_seq, c.num_pages, c.page_size),
             init_buffers(num_slots, c.max_model_len, c.max_stop_ids),
-            rec.empty_manifest(num_slots), rec.initial_state(num_slots, c.num_clients))
+            rec.empty_manifest(num_slots),
+            rec.initial_state(num_slots, c.num_clients, c.max_model_len))
   return placement.tables(tables)
 
 
@@ -1067,7 +1074,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
   policy = make_policy(config.policy, Budgets(
       token_budget=config.max_num_batched_tokens, seq_budget=config.max_num_seqs,
       chunk_cap=config.long_prefill_token_threshold,
-      watermark_pages=config.watermark_pages))
+      watermark_pages=config.watermark_pages, reservation=config.reservation,
+      reservation_quantile=config.reservation_quantile))
   if config.force_preempt_every:
     policy = ForcedPreemption(policy, config.force_preempt_every)
   traces: Dict[str, int] = {}

@@ -34,6 +34,17 @@ def define_engine_flags() -> None:
   flags.DEFINE_string("attention_impl", None, "Override: attention implementation.")
   flags.DEFINE_integer("num_pages", None, "Override: physical KV pages, including the "
                        "null page (fewer pages = KV pressure and preemption).")
+  flags.DEFINE_enum("reservation", None, ["policy", "max", "point", "quantile",
+                                          "watermark"],
+                    "Override: how admission reserves KV for the unknown output "
+                    "length (§0x06): 'policy' (each policy's own rule), 'max' "
+                    "(declared max_tokens), 'point' (mean of completed outputs), "
+                    "'quantile' (their --reservation_quantile), 'watermark' "
+                    "(quantile under num_pages - --watermark_pages).")
+  flags.DEFINE_float("reservation_quantile", None, "Override: q of --reservation="
+                     "quantile|watermark, in (0, 1].")
+  flags.DEFINE_integer("watermark_pages", None, "Override: KV pages kept free at "
+                       "admission while anything runs (the watermark W).")
   flags.DEFINE_string("preemption_mode", None, "Override: 'recompute' or 'swap' "
                       "(copy a preempted request's KV pages to host memory and back).")
   flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
@@ -185,6 +196,9 @@ def engine_config(**overrides) -> EngineConfig:
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
+                reservation=FLAGS.reservation,
+                reservation_quantile=FLAGS.reservation_quantile,
+                watermark_pages=FLAGS.watermark_pages,
                 force_preempt_every=FLAGS.force_preempt_every,
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)

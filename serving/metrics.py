@@ -108,6 +108,8 @@ class RequestRecord:
         for none; ``goodput(per_request=True)`` judges it by them.
       prefix_hit_tokens: prompt tokens served from the prefix cache at
         admission (whole KV pages; 0 without caching).
+      num_extensions: §0x06 extensions: decode rows past the request's KV
+        reservation that took a new page.
 
     Raises (on construction):
       ValueError: unknown outcome, inconsistent token times, or a completed
@@ -130,6 +132,7 @@ class RequestRecord:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     prefix_hit_tokens: int = 0
+    num_extensions: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "token_times_s", tuple(float(t) for t in self.token_times_s))
@@ -269,6 +272,7 @@ def build_report(
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
         "num_preemptions": sum(r.num_preemptions for r in records),
+        "num_extensions": sum(r.num_extensions for r in records),
         "num_clipped": sum(r.clipped for r in records),
     }
     samples = {
@@ -557,6 +561,7 @@ def format_table(report: dict) -> str:
     row("Output token throughput (tok/s):", report["output_throughput"])
     row("Total token throughput (tok/s):", report["total_token_throughput"])
     row("Preemptions:", report.get("num_preemptions"))
+    row("KV extensions:", report.get("num_extensions"))
     titles = {"ttft_ms": ("Time to First Token", "TTFT"),
               "tpot_ms": ("Time per Output Token (excl. 1st token)", "TPOT"),
               "itl_ms": ("Inter-token Latency", "ITL"),

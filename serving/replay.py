@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Tuple
 
 import jax
 
+from scheduler.admission import estimator_name
 from serving.config import SamplingParams
 from serving.engine import Engine, QueueFull
 from serving.metrics import RequestRecord
@@ -106,6 +107,7 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
       prompt_tokens=len(spec.prompt_token_ids), output_tokens=len(times),
       outcome=req.outcome, finish_reason=req.finish_reason,
       num_preemptions=req.num_preemptions, recompute_tokens=req.recompute_tokens,
+      num_extensions=req.num_extensions,
       clipped=spec.clipped, output_token_ids=req.output_token_ids,
       prefix_hit_tokens=req.prefix_hit_tokens,
       slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
@@ -139,6 +141,10 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "iterations": engine.num_iterations,
       "preemptions": engine.num_preemptions,
       "preemption_mode": c.preemption_mode,
+      "reservation": c.reservation,
+      "reservation_estimator": estimator_name(c.reservation, c.reservation_quantile),
+      "watermark_pages": c.watermark_pages,
+      "extensions": sum(r.num_extensions for r in engine.requests.values()),
       "force_preempt_every": c.force_preempt_every,
       "max_preemptions_per_request": c.max_preemptions_per_request,
       "swap": engine.swap.stats(),

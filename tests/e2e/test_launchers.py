@@ -90,6 +90,8 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--mesh=model:2"], "error: EngineConfig.mesh 'model:2' needs 2 devices, JAX has 1"),
     (["--num_processes=2", "--coordinator=127.0.0.1:1"],
      "error: --num_processes > 1 needs --clock=virtual"),
+    (["--reservation=watermark", "--watermark_pages=0"],
+     "error: EngineConfig.watermark_pages must be >= 1 with reservation 'watermark'"),
 ])
 def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",

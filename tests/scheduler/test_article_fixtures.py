@@ -16,6 +16,7 @@ import pytest
 
 from attention.ragged import ragged_paged_attention, reference_attention
 from scheduler import accounting as acc
+from scheduler import admission as adm
 from scheduler import apply as apply_lib
 from scheduler import fixtures as fx
 from scheduler import records as rec
@@ -232,17 +233,17 @@ def test_0x05_token_and_sequence_budgets_are_separate_ledgers():
 
 def test_0x05_future_rows_from_the_first_token_contract():
   assert acc.DELTA_KV_ROW_BYTES == 128 * KIB
-  assert acc.future_append_rows(forecast_total_outputs=10, emitted_outputs=3) == 7
-  assert acc.future_append_rows(forecast_total_outputs=2, emitted_outputs=3) == 0
+  assert adm.append_rows(0, emitted=3, forecast_total=10) == 7
+  assert adm.append_rows(0, emitted=3, forecast_total=2) == 0
   assert acc.rows_to_bytes(7) == 896 * KIB
   # New request: U + max(G_hat - 1, 0); a one-output request appends no row.
-  assert acc.new_request_rows(uncached_prompt_rows=5, forecast_total_outputs=1) == 5
-  assert acc.new_request_rows(uncached_prompt_rows=5, forecast_total_outputs=4) == 8
+  assert adm.append_rows(5, emitted=0, forecast_total=1) == 5
+  assert adm.append_rows(5, emitted=0, forecast_total=4) == 8
   assert acc.rows_to_bytes(8) == 1 * MIB
   # One decode row fits both iteration budgets while its forecast trajectory
   # (39 more rows) exceeds a 28-row reservation ceiling.
   assert acc.iteration_legal([1], 6, 3)
-  assert acc.future_append_rows(40, 1) > 28
+  assert adm.append_rows(0, 1, 40) > 28
 
 
 # ------------------------------------------------------------------ §0x06
@@ -258,18 +259,18 @@ BASE_ROWS, HARD_ROWS, WATERMARK_ROWS = 8, 28, 4
 
 
 def _admission(estimates, ceiling, realized=REALIZED):
-  admitted = acc.admit_fifo(BASE_ROWS, estimates, ceiling)
+  admitted = adm.admit_fifo_rows(BASE_ROWS, estimates, ceiling)
   return acc.score_admission(BASE_ROWS, estimates, realized, admitted, HARD_ROWS)
 
 
 def test_0x06_admission_replay():
-  soft = acc.soft_ceiling_rows(HARD_ROWS, WATERMARK_ROWS)
+  soft = adm.soft_ceiling_rows(HARD_ROWS, WATERMARK_ROWS)
   assert soft == 24
   assert acc.rows_to_bytes(HARD_ROWS) == 3.5 * MIB
   assert acc.rows_to_bytes(WATERMARK_ROWS) == 0.5 * MIB
   assert acc.rows_to_bytes(soft) == 3 * MIB
   # Forecast totals G_hat = rows + E give back the rows: max(G_hat - E, 0).
-  assert [acc.future_append_rows(r + E, E) for r in P90] == P90
+  assert [int(adm.append_rows(0, E, r + E)) for r in P90] == P90
 
   maximum = _admission(MAXIMUM, HARD_ROWS)
   assert maximum.admitted == (True, True, False)
@@ -301,7 +302,7 @@ def test_0x06_admission_replay():
     other = _admission(estimates, ceiling, realized=[1, 30, 2])
     assert other.admitted == _admission(estimates, ceiling).admitted
   with pytest.raises(ValueError, match="watermark"):
-    acc.soft_ceiling_rows(HARD_ROWS, 29)
+    adm.soft_ceiling_rows(HARD_ROWS, 29)
 
 
 # ------------------------------------------------------------------ §0x07

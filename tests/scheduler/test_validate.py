@@ -223,6 +223,16 @@ def test_illegal_queue_intent(valid):
              plan.replace(preempt=_set(plan.preempt, D, True)))
 
 
+def test_an_extension_is_only_a_selected_decode_row(valid):
+  """§0x06: an extension intent on a slot that runs no decode row is illegal."""
+  manifest, state, plan, _ = valid
+  assert plan.extend is not None and not bool(plan.extend.any())
+  not_decode = int(np.flatnonzero(~(np.asarray(plan.selected)
+                                    & (np.asarray(plan.kind) == rec.DECODE_ROW)))[0])
+  plan_fails(v.IllegalIntent, "intents", manifest, state,
+             plan.replace(extend=_set(plan.extend, not_decode, True)))
+
+
 def test_forged_tie_break(valid):
   manifest, state, plan, _ = valid
   forged_key = plan.sort_key.at[B, 2].add(10)

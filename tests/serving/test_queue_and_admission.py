@@ -236,3 +236,120 @@ def test_slo_classes_follow_the_stated_rule():
   for text in ("a:1:1,", ",a:1:1", "a:1:1,,b:2:2", ""):
     with pytest.raises(ValueError, match="has an empty entry"):
       workloads.parse_slo_classes(text)
+
+
+# ------------------------------------------- §0x06 reservation under unknown length
+# page_size 1, so a KV row is a page: 29 pages = the article's 28-row hard
+# ceiling plus the null page; watermark W = 4 rows (soft ceiling 24).
+RESERVE = dataclasses.replace(BASE, page_size=1, num_pages=29, max_num_batched_tokens=32,
+                              enable_prefix_caching=False)
+RESERVE_KINDS = {"policy": {}, "max": {}, "point": {}, "quantile": {},
+                 "watermark": {"watermark_pages": 4}}
+
+
+def _reservation_engine(params, kind, **overrides):
+  config = dataclasses.replace(RESERVE, reservation=kind,
+                               **{**RESERVE_KINDS[kind], **overrides})
+  engine = Engine(CFG, params, config)
+  engine.record_plans = True
+  return engine
+
+
+def _warm_up(engine, lengths):
+  """Completes one request per output length (4-token prompts, EOS ignored):
+  the online facts the point / quantile estimators read."""
+  for i, (n, p) in enumerate(zip(lengths, _prompts([4] * len(lengths), seed=7))):
+    engine.add_request(f"W{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
+  engine.run(max_iterations=100)
+
+
+@pytest.mark.parametrize("kind, admitted", [
+    # The 8 base rows are Z (8-token prompt, one output); A, B, C have
+    # 4-token prompts and max_tokens 18. Completed outputs [1, 1, 7] give
+    # point G_hat = ceil(9 / 3) = 3 and p90 G_hat = 7 (nearest rank 3 of 3).
+    ("policy", ["Z", "A", "B", "C"]),   # on demand: 8 + 4 + 4 + 4 = 20 <= 28
+    ("max", ["Z"]),                     # 8 + (4 + 17) = 29 > 28: A waits
+    ("point", ["Z", "A", "B", "C"]),    # 8 + 3 * (4 + 2) = 26 <= 28
+    ("quantile", ["Z", "A", "B"]),      # 8 + 2 * (4 + 6) = 28; C: 38 > 28
+    ("watermark", ["Z", "A"]),          # 8 + 10 = 18 <= 24; B: 28 > 24 = 28 - 4
+])
+def test_reservation_kind_decides_the_first_admissions(params, kind, admitted):
+  """§0x06 Loop 5 shape through the engine: the reservation kind alone
+  decides who is admitted in the first plan; every request then completes
+  with the same tokens, whatever the kind. "max" reserves every row a
+  request can write, so it never extends nor preempts; "point" reserves
+  6 of the 21 rows A, B and C write, so they extend and, the cache being
+  short, the victim rule preempts."""
+  engine = _reservation_engine(params, kind)
+  _warm_up(engine, [1, 1, 7])
+  z, *abc = _prompts([8, 4, 4, 4], seed=3)
+  reqs = [engine.add_request("Z", z, SamplingParams(max_tokens=1, ignore_eos=True))]
+  reqs += [engine.add_request(name, p, SamplingParams(max_tokens=18, ignore_eos=True))
+           for name, p in zip("ABC", abc)]
+  engine.step()
+  assert engine.plan_log[-1]["admitted"] == admitted
+  engine.run(max_iterations=800)
+  assert [r.outcome for r in reqs] == ["completed"] * 4
+  assert [len(r.output_token_ids) for r in reqs] == [1, 18, 18, 18]
+  tokens = _reference_tokens(params)
+  assert [r.output_token_ids for r in reqs] == tokens
+  extensions = sum(r.num_extensions for r in reqs)
+  preemptions = sum(r.num_preemptions for r in reqs)
+  if kind == "max":
+    assert (extensions, preemptions) == (0, 0)
+  if kind == "point":
+    assert extensions > 0 and preemptions > 0
+
+
+_TOKENS = {}
+
+
+def _reference_tokens(params):
+  """Z, A, B, C run one at a time (no batching; 21 rows fit the 28 pages,
+  so no pressure): the tokens every kind must reproduce."""
+  if "ref" not in _TOKENS:
+    engine = Engine(CFG, params, RESERVE)
+    z, *abc = _prompts([8, 4, 4, 4], seed=3)
+    out = []
+    for name, p, m in zip("ZABC", [z, *abc], [1, 18, 18, 18]):
+      req = engine.add_request(name, p, SamplingParams(max_tokens=m, ignore_eos=True))
+      engine.run(max_iterations=100)
+      out.append(req.output_token_ids)
+    _TOKENS["ref"] = out
+  return _TOKENS["ref"]
+
+
+@pytest.mark.parametrize("kind, extensions", [
+    # A: 4-token prompt, 6 outputs, so 4 + 6 - 1 = 9 rows (= pages). One
+    # completed request of 3 outputs: G_hat = 3 for point, p90 and
+    # watermark, reserving 4 + 3 - 1 = 6 rows.
+    ("policy", 5),     # on demand: the prompt's 4 rows, then rows 4..8
+    ("max", 0),        # all 9 rows reserved at admission
+    ("point", 3),      # rows 6, 7, 8 lie past the reserved frontier
+    ("quantile", 3),
+    ("watermark", 3),
+])
+def test_an_extension_is_the_decode_row_past_the_reserved_frontier(
+    params, kind, extensions):
+  engine = _reservation_engine(params, kind)
+  _warm_up(engine, [3])
+  req = engine.add_request("A", _prompts([4], seed=5)[0],
+                           SamplingParams(max_tokens=6, ignore_eos=True))
+  steps = []
+  while not req.finished:
+    engine.step()
+    steps.append(int(np.asarray(engine.state.num_extensions)[req.slot]))
+  assert req.num_extensions == extensions
+  if kind == "point":
+    # Step 1 prefills rows 0..3 (output 1); step k >= 2 decodes row k + 2.
+    # Rows 6, 7, 8 (steps 4, 5, 6) are the extensions.
+    assert steps == [0, 0, 0, 1, 2, 3]
+
+
+def test_reservation_settings_name_the_field():
+  with pytest.raises(ValueError, match="EngineConfig.reservation must be one of"):
+    dataclasses.replace(BASE, reservation="p90")
+  with pytest.raises(ValueError, match="watermark_pages must be >= 1"):
+    dataclasses.replace(BASE, reservation="watermark")
+  with pytest.raises(ValueError, match="reservation_quantile must be in"):
+    dataclasses.replace(BASE, reservation="quantile", reservation_quantile=0.0)
