@@ -446,10 +446,12 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
     slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
                         block_q=bq, num_slots=num_slots,
                         select=select)
-    # ``chunk`` (the slot batch) stays fixed whatever T: for the dot path a
-    # batch of one slot lowers to a different kernel.
+    # ``chunk`` (the slot batch) is at most the layout's slot count, so a
+    # small bucket does not pay for empty slots, and at least 2: for the dot
+    # path a batch of one slot lowers to a different kernel (a row's bits
+    # are the same for every batch of 2 or more slots).
     o, rows = attend(q, k_pages, v_pages, kv_lens, page_table, slots,
-                     block_q=bq, chunk=chunk, **kw, **extra)
+                     block_q=bq, chunk=max(2, min(chunk, num_slots)), **kw, **extra)
     out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
                                        mode="drop")
   return out.astype(q.dtype)

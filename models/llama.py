@@ -3,7 +3,8 @@
 One call of ``forward`` runs every decoder block over a packed iteration: the
 token rows of several sequences (decode rows, prefill chunks with committed
 history, whole prompts) laid end to end, plus padding rows. Row-wise work
-(norms, projections, MLP) runs once over all rows; attention is
+(norms, projections, MLP) runs over all rows, its GEMMs in ``row_tiled``
+tiles of at most 32 rows (a row's bits never depend on the bucket); attention is
 request-local and reads the paged KV cache through
 ``attention.ragged.ragged_paged_attention``.
 
@@ -51,6 +52,64 @@ from models import sharding
 from models.config import ModelConfig
 
 _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
+
+# Most rows in one GEMM of a row-wise map (``row_tiled``).
+ROW_TILE = 32
+
+
+def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
+  """Applies the row-wise map ``fn`` to ``x`` in GEMMs of 2 to ``tile`` rows.
+
+  XLA:CPU picks a float32 GEMM kernel, and so the summation order, by the
+  row count M: on SmolLM2's and the tiny model's shapes a row's bits are
+  the same for every M in 2..32 (whatever the other rows hold or where the
+  row sits) but differ for M = 1 and for M >= 33 or >= 48 (measured, jax
+  0.10.2; docs/benchmarks.md "Decode without padding waste"). Keeping every
+  GEMM's M inside 2..32 makes a row's result independent of its batch at
+  any bucket size:
+
+  * ``T <= tile`` rows (a decode bucket): one call of ``fn`` on all rows,
+    padded to 2 if ``T == 1``;
+  * ``T > tile``: ``x`` is cut into ``tile``-row tiles (zero-padded to a
+    multiple) and ``fn`` runs once per tile holding a live row, in a
+    ``fori_loop`` of ``ceil(num_live / tile)`` trips; later tiles are zeros.
+
+  Args:
+    fn: maps [M, K] -> [M, N] (or a tuple of such) row by row, no mixing
+      of rows, for 2 <= M <= tile.
+    x: [T, K] rows; rows at or beyond ``num_live`` are padding.
+    num_live: i32[] live rows (a prefix of ``x``), 0 <= num_live <= T.
+    tile: static, the most rows per GEMM (2..32 to stay in one bit class).
+
+  Returns:
+    ``fn``'s result for all T rows; padding rows hold unspecified finite
+    values.
+
+  Raises:
+    ValueError: if ``tile`` is not in [2, 32].
+  """
+  if not 2 <= tile <= 32:
+    raise ValueError(f"tile must lie in [2, 32] (one GEMM bit class), got {tile}")
+  num_rows = x.shape[0]
+  tmap = jax.tree_util.tree_map
+  if num_rows <= tile:
+    if num_rows == 1:                      # M = 1 is a bit class of its own
+      return tmap(lambda y: y[:1], fn(jnp.concatenate([x, x])))
+    return fn(x)
+  padded = -(-num_rows // tile) * tile
+  if padded != num_rows:
+    x = jnp.pad(x, ((0, padded - num_rows), (0, 0)))
+  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((tile,) + x.shape[1:], x.dtype))
+
+  def body(i, out):
+    rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
+    return tmap(lambda o, y: jax.lax.dynamic_update_slice_in_dim(o, y, i * tile, 0),
+                out, fn(rows))
+
+  out = tmap(lambda a: jnp.zeros((padded,) + a.shape[1:], a.dtype), out_aval)
+  num_live = jnp.clip(jnp.reshape(jnp.asarray(num_live, jnp.int32), ()), 0, num_rows)
+  out = jax.lax.fori_loop(0, (num_live + tile - 1) // tile, body, out)
+  return tmap(lambda o: o[:num_rows], out)
 
 
 @struct.dataclass
@@ -136,6 +195,11 @@ class _Batch:
   cu_q_lens: jax.Array     # i32[S + 1]
   num_seqs: jax.Array      # i32[]
 
+  @property
+  def num_live(self) -> jax.Array:
+    """i32[] live (non-padding) rows: ``cu_q_lens[num_seqs]``."""
+    return self.cu_q_lens[jnp.reshape(self.num_seqs, ())]
+
 
 class RMSNorm(nn.Module):
   """``scale * x / sqrt(mean(x**2) + eps)``, normalised in float32."""
@@ -168,9 +232,10 @@ class Attention(nn.Module):
     wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
-    q = (x @ wq).reshape(num_rows, cfg.n_heads, cfg.head_dim)
-    k = (x @ wk).reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
-    v = (x @ wv).reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
+    q, k, v = row_tiled(lambda h: (h @ wq, h @ wk, h @ wv), x, batch.num_live)
+    q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
+    v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     q = apply_rope(q, batch.positions, cfg.rope_theta)
     k = apply_rope(k, batch.positions, cfg.rope_theta)
 
@@ -186,7 +251,8 @@ class Attention(nn.Module):
       attend = sharding.attention_over_heads(attend, self.mesh)
     out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
                  batch.cu_q_lens, batch.num_seqs)
-    out = out.reshape(num_rows, cfg.q_dim).astype(self.dtype) @ wo
+    out = row_tiled(lambda h: h @ wo, out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
+                    batch.num_live)
     return out, k_pool, v_pool
 
 
@@ -197,12 +263,12 @@ class MLP(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, num_live):
     cfg = self.cfg
     w_gate = self.param("w_gate", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
-    return (nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+    return row_tiled(lambda h: (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down, x, num_live)
 
 
 class DecoderLayer(nn.Module):
@@ -221,7 +287,7 @@ class DecoderLayer(nn.Module):
                                      name="attn")(h, k_pool, v_pool, layer, batch)
     x = x + attn
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
-    x = x + MLP(self.cfg, self.dtype, name="mlp")(h)
+    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live)
     return (x, k_pool, v_pool), None
 
 
@@ -252,13 +318,19 @@ class Llama(nn.Module):
     (x, k_pool, v_pool), _ = self.layers((x, k_pool, v_pool), layer_ids, batch)
     return self.final_norm(x), k_pool, v_pool
 
-  def logits(self, hidden):
+  def logits(self, hidden, num_live=None):
     hidden = hidden.astype(self.dtype)
+    # Tied: contract the [vocab, d_model] table's second axis; a transposed
+    # copy (``embedding.T``) would be materialised outside the tile loop.
     if self.cfg.tie_embeddings:
-      table = self.embed.embedding.T
+      table, contract = self.embed.embedding, 1
     else:
-      table = self.lm_head
-    return jnp.dot(hidden, table, preferred_element_type=jnp.float32)
+      table, contract = self.lm_head, 0
+    if num_live is None:
+      num_live = hidden.shape[0]
+    head = lambda h: jax.lax.dot_general(h, table, (((1,), (contract,)), ((), ())),
+                                         preferred_element_type=jnp.float32)
+    return row_tiled(head, hidden, num_live)
 
   def init_all(self, tokens, k_pool, v_pool, batch: _Batch):
     """Touches every parameter (used only by ``init_params``)."""
@@ -312,10 +384,16 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
                                              v=v_pool.reshape(kv.v.shape))
 
 
-def compute_logits(params, cfg: ModelConfig, hidden) -> jax.Array:
-  """f32[N, vocab] logits of ``hidden`` [N, d_model] (tied or untied head)."""
+def compute_logits(params, cfg: ModelConfig, hidden, num_live=None) -> jax.Array:
+  """f32[N, vocab] logits of ``hidden`` [N, d_model] (tied or untied head).
+
+  The head runs in ``row_tiled`` GEMMs (2..32 rows), so a row's logits do
+  not depend on N; with ``num_live`` (i32[], default N) only the tiles
+  holding the first ``num_live`` rows are computed when N > 32 (rows of
+  later tiles are zeros).
+  """
   model = Llama(cfg, dtype=_params_dtype(params))
-  return model.apply({"params": params}, hidden, method=Llama.logits)
+  return model.apply({"params": params}, hidden, num_live, method=Llama.logits)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,

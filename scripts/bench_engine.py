@@ -301,9 +301,11 @@ def breakdown(cfg, params, num_seqs, ecfg):
       return carry + out[0, 0, 0] * 0, None
     return jax.lax.scan(layer, jnp.float32(0), jnp.arange(cfg.n_layers))[0]
 
-  hidden = jnp.full((ecfg.sample_rows, cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
-  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h))
-  logits = head(params, hidden)[:seqs]
+  # As the executor: the head's rows are min(sample_rows, bucket), the live
+  # ones only.
+  hidden = jnp.full((min(ecfg.sample_rows, bucket), cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
+  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h, num))
+  logits = jnp.resize(head(params, hidden), (seqs, cfg.vocab_size))
   z = jnp.zeros((seqs,), jnp.float32)
   samp = jax.jit(lambda lg: sample(lg, z, z.astype(jnp.int32), z + 1,
                                    z.astype(jnp.uint32), z.astype(jnp.int32)))

@@ -79,7 +79,10 @@ class EngineConfig:
     page_size: token rows per KV page.
     num_pages: physical KV pages, including the reserved null page.
     max_model_len: longest prompt + output (tokens).
-    min_bucket: smallest token-row bucket; buckets double up to the budget.
+    min_bucket: smallest token-row bucket (>= 2); buckets double up to the
+      budget. The model's GEMMs run in tiles of 2..32 rows
+      (``models.llama.row_tiled``), so small decode buckets keep a row's
+      bits; 1 row would be a GEMM class of its own on CPU.
     watermark_pages: pages kept free at admission while anything runs (W of
       the §0x06 soft ceiling).
     reservation: how admission reserves KV for the unknown output length
@@ -157,6 +160,8 @@ class EngineConfig:
     for f in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
               "page_size", "num_pages", "max_model_len", "min_bucket", "num_clients"):
       _require(getattr(self, f) >= 1, c, f, "must be >= 1", getattr(self, f))
+    _require(self.min_bucket >= 2, c, "min_bucket",
+             "must be >= 2 (a 1-row GEMM rounds differently on CPU)", self.min_bucket)
     _require(self.max_request_slots >= self.max_num_seqs, c, "max_request_slots",
              f"must be >= max_num_seqs ({self.max_num_seqs})", self.max_request_slots)
     _require(self.max_queued_requests >= self.max_request_slots, c,

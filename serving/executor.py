@@ -89,8 +89,8 @@ class ModelRunner:
                          packed.cu_q_lens, packed.num_seqs,
                          attention_impl=self.attention_impl, mesh=self.mesh)
 
-  def compute_logits(self, params, hidden):
-    return llama.compute_logits(params, self.cfg, hidden)
+  def compute_logits(self, params, hidden, num_live=None):
+    return llama.compute_logits(params, self.cfg, hidden, num_live)
 
 
 def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
@@ -102,8 +102,9 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   Args:
     model: static ``ModelRunner`` (forward / compute_logits / eos ids).
     num_rows: static token-row bucket T; num_seqs: static S.
-    sample_rows: static logits rows (>= S; >= 64 keeps the LM head's GEMM
-      shape batch-invariant on CPU).
+    sample_rows: static logits rows (>= S). The head runs on
+      ``min(sample_rows, num_rows)`` rows (every selected sequence holds at
+      least one row), in ``llama.row_tiled`` GEMMs over the live ones only.
   The result's ``emit_ms`` is 0: the host stamps the publication time.
   """
   pages = allocate_for_plan(pages, plan)
@@ -111,8 +112,11 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
                 num_rows=num_rows, num_seqs=num_seqs)
 
   hidden, kv = model.forward(params, kv, packed)
-  last = jnp.zeros((sample_rows,), jnp.int32).at[:num_seqs].set(packed.last_row)
-  logits = model.compute_logits(params, hidden[last])[:num_seqs]       # [S, V]
+  head_rows = min(sample_rows, num_rows)
+  last = jnp.zeros((head_rows,), jnp.int32).at[:min(num_seqs, head_rows)].set(
+      packed.last_row[:head_rows])
+  logits = model.compute_logits(params, hidden[last], packed.num_seqs)
+  logits = jnp.pad(logits, ((0, max(0, num_seqs - head_rows)), (0, 0)))[:num_seqs]  # [S, V]
   slots = packed.seq_slots
   logits = _mask_stops(logits, slots, buffers, state.emitted, model.eos_token_ids)
   token = sample(logits, buffers.temperature[slots], buffers.top_k[slots],

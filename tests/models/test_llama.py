@@ -207,3 +207,29 @@ def test_decode_step_updates_the_cache_in_place(tiny_cfg, impl="blocked"):
     temp[num_pages] = stats.temp_size_in_bytes
   assert temp[8192] <= temp[1024] + 4096, temp
   assert temp[8192] < cache_bytes / 8, temp
+
+
+def test_row_tiled_rows_do_not_depend_on_the_bucket():
+  """Every GEMM of ``row_tiled`` has 2..32 rows, so a row's bits are the
+  same at any bucket T (one row, decode buckets, tiled prefill buckets with
+  a padded last tile) and tiles past the live rows are not computed. The
+  plain 64-row GEMM is checked to round differently, so the comparison
+  can fail (SmolLM2's MLP shape)."""
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
+  x = jnp.asarray(rng.standard_normal((100, 576), np.float32))
+  fn = jax.jit(lambda x, n: llama.row_tiled(lambda h: h @ w, x, n))
+  ref = np.asarray(fn(x[:2], 2))
+  assert not np.array_equal(np.asarray(jax.jit(lambda x: x @ w)(x[:64]))[:2], ref)
+  assert np.array_equal(np.asarray(fn(x[:1], 1)), ref[:1])
+  for num_rows, num_live in [(4, 4), (32, 7), (64, 64), (100, 70)]:
+    out = np.asarray(fn(x[:num_rows], num_live))
+    np.testing.assert_array_equal(out[:2], ref, err_msg=f"T={num_rows}")
+    if num_rows > 32:    # tiles of 32 holding a live row; later ones are zeros
+      done = -(-num_live // 32) * 32
+      for lo in range(0, done, 32):
+        np.testing.assert_array_equal(out[lo:lo + 32], np.asarray(fn(x[lo:lo + 32], 32))[
+            :num_rows - lo])
+      assert not out[done:].any() and out[num_live:min(done, num_rows)].all()
+  with pytest.raises(ValueError, match="tile must lie in"):
+    llama.row_tiled(lambda h: h, x, 1, tile=33)

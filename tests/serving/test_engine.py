@@ -321,3 +321,30 @@ def test_fresh_engine_reuses_compiled_programs(params):
     jax.monitoring.unregister_event_duration_listener(listener)
   assert fresh.buckets_used.get(16, 0) >= 1
   assert compiles == []
+
+
+def test_small_decode_buckets_keep_tokens_batch_invariant(params):
+  """Buckets 2, 4, ..., 32 and a tiled 48 (``row_tiled``'s tiles of 32, the
+  last one padded): a request alone decodes in the 2-row bucket, mixed in
+  the larger ones, and emits the same tokens; a 1-row bucket is refused."""
+  config = dataclasses.replace(BASE, min_bucket=2, max_num_batched_tokens=48,
+                               long_prefill_token_threshold=40)
+  assert config.token_buckets == (2, 4, 8, 16, 32, 48)
+  prompts = _prompts([5, 40, 3, 30, 9, 12], seed=5)
+  rows = lambda engine: [sum(t - s for (_, s, t, _) in e["scheduled"])
+                         for e in engine.plan_log]
+  def run(batch):
+    engine = Engine(CFG, params, config)
+    engine.record_plans = True
+    return engine, [r.output_token_ids for r in engine.generate(batch, GREEDY)]
+
+  alone = []
+  for p in prompts[:3]:
+    engine, tokens = run([p])
+    assert rows(engine)[-1] == 1                      # decodes in the 2-row bucket
+    alone += tokens
+  engine, mixed = run(prompts)
+  assert max(rows(engine)) > 32                       # the tiled 48-row bucket ran
+  assert mixed[:3] == alone
+  with pytest.raises(ValueError, match="min_bucket"):
+    dataclasses.replace(BASE, min_bucket=1)
