@@ -85,6 +85,11 @@ OUTCOMES = ("completed", "rejected", "cancelled", "failed")
 # the epoch to the oldest live arrival, or to now when nothing is live.
 DEVICE_REBASE_MS = float(2**20)
 
+# Arrivals are written into their slots by one program call per this many
+# (padded with empty entries): one compiled program, and one call per
+# iteration unless more than this many requests arrived since the last.
+ARRIVAL_BATCH = 8
+
 
 class QueueFull(Exception):
   """``add_request`` refused: ``EngineConfig.max_queued_requests`` accepted
@@ -248,6 +253,12 @@ class Engine:
     self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
     self._rehit_tokens: Dict[str, int] = {}  # its hit, not recomputed on resume
 
+    # Blocking device -> host fetches (``_fetch``); the fused iteration makes one.
+    self.host_fetches = 0
+    # The last fused iteration's (emitted mask, launch stamp, publication
+    # time), corrected on the device by the next program (``_tick``).
+    self._stamp = None
+    self._no_stamp_mask = None
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
 
@@ -279,6 +290,10 @@ class Engine:
       return
     self.manifest, self.state = self._programs.shift_clock(
         self.manifest, self.state, np.float32(shift))
+    if self._stamp is not None:    # the pending correction moves with them
+      emitted, stamp, actual = self._stamp
+      self._stamp = (emitted, np.float32(stamp) - np.float32(shift),
+                     np.float32(actual) - np.float32(shift))
     self._device_epoch_ms = epoch
 
   @property
@@ -464,11 +479,19 @@ class Engine:
     if len(free) < len(self._pending):
       self._grow(self._num_unfinished())
       free = [s for s, r in enumerate(self._slots) if r is None]
-    for slot, req in zip(free, self._pending):
-      hit = self._match_prefix(req, slot)
+    placed = list(zip(free, self._pending))
+    hits = [self._match_prefix(req, slot) for slot, req in placed]
+    for i in range(0, len(placed), ARRIVAL_BATCH):
+      batch = placed[i:i + ARRIVAL_BATCH]
+      pad = ARRIVAL_BATCH - len(batch)
+      slots = np.array([s for s, _ in batch] + [-1] * pad, np.int32)
+      arrivals = [self._arrival(req) for _, req in batch]
+      arrivals += [jax.tree.map(np.zeros_like, arrivals[0])] * pad
+      stacked = jax.tree.map(lambda *x: np.stack(x), *arrivals)
+      batch_hits = np.array(hits[i:i + ARRIVAL_BATCH] + [0] * pad, np.int32)
       self.manifest, self.state, self.buffers = self._programs.arrive(
-          self.manifest, self.state, self.buffers, np.int32(slot), self._arrival(req),
-          np.int32(hit))
+          self.manifest, self.state, self.buffers, slots, stacked, batch_hits)
+    for slot, req in placed:
       req.slot = slot
       self._slots[slot] = req
     self._pending = []
@@ -531,7 +554,11 @@ class Engine:
     """A recompute-preempted request (no preserved copy) looks its prompt up
     again once per preemption: its own cached pages, kept cached when it was
     preempted, or anyone's, are mapped back and it resumes from the hit."""
-    computed, held, status = jax.device_get((self.state.computed,
+    if not any(r is not None and r.num_preemptions
+               and self._rehit_epoch.get(r.request_id) != r.num_preemptions
+               for r in self._slots):
+      return                     # nobody to look up again: no round trip
+    computed, held, status = self._fetch((self.state.computed,
                                              self.pages.pages_held, self.state.status))
     for slot, req in enumerate(self._slots):
       if (req is None or not req.num_preemptions or held[slot] or computed[slot]
@@ -556,7 +583,7 @@ class Engine:
     request's prefill starts from 0 (a hit never starves a running request
     into preempting itself)."""
     c = self.config
-    computed, held, status, census = jax.device_get((
+    computed, held, status, census = self._fetch((
         self.state.computed, self.pages.pages_held, self.state.status,
         kv_pages.page_census(self.pages)))
     running = status == rec.RUNNING
@@ -564,7 +591,7 @@ class Engine:
     short = need - int(census[0]) - int(census[1])
     if short <= 0:
       return
-    refcount, table = jax.device_get((self.pages.refcount, self.pages.page_table))
+    refcount, table = self._fetch((self.pages.refcount, self.pages.page_table))
     refcount = np.array(refcount)
     pinned = [s for s, r in enumerate(self._slots)
               if r is not None and status[s] == rec.WAITING and held[s] > 0]
@@ -593,7 +620,7 @@ class Engine:
     """Evicts unreferenced cached pages (LRU) so that the free stack covers
     the pages ``plan`` allocates after its preemptions release theirs."""
     c = self.config
-    selected, end, held, table, refcount, cached, num_free = jax.device_get((
+    selected, end, held, table, refcount, cached, num_free = self._fetch((
         plan.selected, plan.end, self.pages.pages_held, self.pages.page_table,
         self.pages.refcount, self.pages.cached, self.pages.num_free))
     after = refcount.copy()
@@ -608,11 +635,18 @@ class Engine:
       self.prefix_cache.evict(short, after)
       self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
 
-  def _register_prefixes(self) -> None:
-    """Adds the computed full prompt pages of every live slot to the cache."""
+  def _register_prefixes(self, fetched=None) -> None:
+    """Adds the computed full prompt pages of every live slot to the cache.
+
+    Args:
+      fetched: (computed i32[R], pages_held i32[R], page_table
+        i32[R, pages_per_seq]) already on the host, or None to fetch them.
+    """
     c, cache = self.config, self.prefix_cache
-    computed, held, table = jax.device_get((self.state.computed, self.pages.pages_held,
-                                            self.pages.page_table))
+    if fetched is None:
+      fetched = self._fetch((self.state.computed, self.pages.pages_held,
+                             self.pages.page_table))
+    computed, held, table = fetched
     added = 0
     for slot, req in enumerate(self._slots):
       if req is None:
@@ -626,19 +660,104 @@ class Engine:
       self.pages = self._programs.sync_cached(self.pages, cache.cached_mask())
 
   def step(self) -> List[RequestOutput]:
-    """Runs one iteration; returns the news for every request it touched."""
+    """Runs one iteration; returns the news for every request it touched.
+
+    The common iteration is one device program (``_fused_step``: tick,
+    plan, validate, execute in the chosen token bucket, publish) and one
+    fetch of its small facts. The iterations that need host work (``_FAST``
+    says which are not) run the split path instead: the fused program
+    detects them, commits nothing, and the same iteration is planned again
+    program by program (``_split_step``).
+    """
     self._fill_slots()
     if self.prefix_cache is not None and self.num_preemptions:
       self._rehit_preempted()
-    if self.prefix_cache is not None:
-      self._unpin_waiting_hits()
     now_ms = self.now_ms()
     self._rebase_device_clock(now_ms)
-    self.state = apply_lib.tick(self.state, self._device_ms(now_ms))
+    if self._fast_path_allowed():
+      outputs = self._fused_iteration(now_ms)
+      if outputs is not None:
+        return outputs
+    return self._split_step(now_ms)
+
+  def _fast_path_allowed(self) -> bool:
+    """The host-side conditions of the fused iteration: no suspended request
+    waits for its KV copy (its resume writes pages on the host first) and no
+    plan log is kept (it reads the whole plan)."""
+    return not self.record_plans and not any(
+        r is not None and r.num_preemptions and self.swap.get(r.request_id) is not None
+        for r in self._slots)
+
+  def _fused_iteration(self, now_ms: float) -> Optional[List[RequestOutput]]:
+    """One iteration as one device program; None (nothing committed) when
+    the program reports that this iteration needs the host."""
+    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
+    realized = self._realized() if self.config.executor == "simulated" else None
+    launch = self._device_ms(now_ms)
+    (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
+        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+        self._prefix_hits(), realized, launch, fix_emitted, fix_stamp, fix_actual)
+    facts = self._fetch(facts)
+    if facts["needs_host"]:
+      return None
+    ticked, plan, result = aux
+    if facts["bad_result"]:
+      validate.validate_result(plan, ticked, self.manifest, result)
+    self.state = state
+    self._stamp = None
+    bucket = self.config.token_buckets[int(facts["bucket"])]
+    self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
+    self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
+    if self._virtual:
+      features = list(facts["features"]) + [bucket]
+      self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
+    emit_ms = self.now_ms()
+    # The program stamped this iteration's emissions with its launch time;
+    # the next program (fused or split) moves them to ``emit_ms``, before
+    # any policy reads them (``_tick``).
+    self._stamp = (result.emitted, launch, self._device_ms(emit_ms))
+    self.num_iterations += 1
+    outputs = self._drain(emit_ms, facts["emitted"], facts["token"], facts["finished"],
+                          facts["finish_reason"], facts["failed"],
+                          np.zeros(self.num_slots, bool))
+    if self.prefix_cache is not None:
+      self._register_prefixes(facts.get("prefix"))
+    return outputs
+
+  def _pending_stamp(self):
+    """(bool[R] emitted, f32[] launch stamp, f32[] publication time) of the
+    last fused iteration, still to be corrected on the device; a no-op
+    triple when none is pending."""
+    if self._stamp is None or self._stamp[0].shape[0] != self.num_slots:
+      return self._no_stamp(), np.float32(0), np.float32(0)
+    return self._stamp
+
+  def _no_stamp(self):
+    if self._no_stamp_mask is None or self._no_stamp_mask.shape[0] != self.num_slots:
+      self._no_stamp_mask = jax.device_put(np.zeros(self.num_slots, bool),
+                                           jax.devices()[0])
+    return self._no_stamp_mask
+
+  def _fetch(self, tree):
+    """``jax.device_get`` counted in ``host_fetches`` (blocking round trips)."""
+    self.host_fetches += 1
+    return jax.device_get(tree)
+
+  def _split_step(self, now_ms: float) -> List[RequestOutput]:
+    """The iteration program by program, with host work between them:
+    preemption (recompute or swap), resumption from a host copy, prefix
+    cache eviction and unpinning, policy rejections, validation errors, an
+    empty plan, the plan log."""
+    if self.prefix_cache is not None:
+      self._unpin_waiting_hits()
+    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
+    self.state = self._programs.tick(self.state, self._device_ms(now_ms), fix_emitted,
+                                     fix_stamp, fix_actual)
+    self._stamp = None
     plan, bad, view = self._programs.plan(self.manifest, self.state, self.pages,
                                           self._prefix_hits())
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, preempt, admit, never, decodes = jax.device_get(
+    bad, num_tokens, num_seqs, preempt, admit, never, decodes = self._fetch(
         (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never,
          jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))))
     any_preempt = preempt.any()
@@ -677,10 +796,10 @@ class Engine:
     self.kv, self.pages, self.buffers, result = self._programs.execute(
         self.params, self.kv, self.pages, self.buffers, manifest, self.state,
         _execution_view(plan), num_rows=bucket)
-    fetched = jax.device_get((result.emitted, result.token, result.finished,
-                              result.finish_reason, result.failed))
+    fetched = self._fetch((result.emitted, result.token, result.finished,
+                           result.finish_reason, result.failed))
     if self._virtual:
-      features = list(jax.device_get(_step_features(plan))) + [bucket]
+      features = list(self._fetch(_step_features(plan))) + [bucket]
       self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
     emit_ms = self.now_ms()
     result = result.replace(emit_ms=jnp.float32(self._device_ms(emit_ms)),
@@ -705,7 +824,7 @@ class Engine:
     return out
 
   def _log_plan(self, plan) -> None:
-    sel, start, end, kind, rank, admit, preempt, decision, status = jax.device_get((
+    sel, start, end, kind, rank, admit, preempt, decision, status = self._fetch((
         plan.selected, plan.start, plan.end, plan.kind, plan.rank, plan.admit,
         plan.preempt, plan.decision_id, self.state.status))
     name = lambda s: self._slots[s].request_id
@@ -724,7 +843,7 @@ class Engine:
     in "swap" mode copies its committed KV pages to host memory. Returns
     i32[R] preserved prefix tokens (the result's ``preserved_end``)."""
     c = self.config
-    computed, generation, held, table, decision_id = jax.device_get((
+    computed, generation, held, table, decision_id = self._fetch((
         self.state.computed, self.state.generation, self.pages.pages_held,
         self.pages.page_table, decision_id))
     preserved = np.zeros(self.num_slots, np.int32)
@@ -755,7 +874,7 @@ class Engine:
           ids = np.full(kv_swap.page_bucket(n, c.pages_per_seq), kv_pages.NULL_PAGE,
                         np.int32)
           ids[:n] = table[slot, :n]
-          k, v = jax.device_get(self._programs.gather(self.kv, ids))
+          k, v = self._fetch(self._programs.gather(self.kv, ids))
           k, v = np.array(k[:, :n]), np.array(v[:, :n])
           preservation = pre.PreservationResult(record.binding, pre.READY, target)
         else:
@@ -883,6 +1002,8 @@ class _Programs:
   """The engine's jitted functions for one (model config, engine config)."""
 
   policy: object
+  step: Callable
+  tick: Callable
   plan: Callable
   execute: Callable
   publish: Callable
@@ -937,20 +1058,25 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
   bucket) and the policy-free slot
   and swap programs, for one engine shape (shared by every policy)."""
   traces: Dict[str, int] = {}
-  c = shape_config
-  runner = ModelRunner(model_cfg, c.attention_impl)
-  step = sim_executor.simulated_execute if c.executor == "simulated" else execute
   jit = functools.partial(_counting_jit, traces=traces)
   return _Executor(
-      execute=jit("execute", functools.partial(
-          step, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
-          max_model_len=c.max_model_len),
-          static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
-      arrive=jit("arrive", _arrive, donate_argnums=(2,)),
+      execute=jit("execute", _model_step(model_cfg, shape_config),
+                  static_argnames=("num_rows",), donate_argnums=(1, 2, 3)),
+      arrive=jit("arrive", _arrive_batch, donate_argnums=(2,)),
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1)),
       traces=traces)
+
+
+def _model_step(model_cfg, config: EngineConfig) -> Callable:
+  """``execute`` (or the simulated executor, ``config.executor``) bound to the
+  engine shape; ``num_rows`` (the token bucket) is left to the caller."""
+  step = sim_executor.simulated_execute if config.executor == "simulated" else execute
+  return functools.partial(
+      step, model=ModelRunner(model_cfg, config.attention_impl),
+      num_seqs=config.max_num_seqs, sample_rows=config.sample_rows,
+      max_model_len=config.max_model_len)
 
 
 def _counting_jit(name, fn, traces, **jit_kwargs):
@@ -984,6 +1110,117 @@ def _plan(policy, manifest, state, pages, prefix_hits):
                                                                view)), view
 
 
+def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
+  """Publishes the clock (``apply.tick``) after moving the last fused
+  iteration's emission times from its launch stamp to its publication time.
+
+  Args:
+    now_ms: f32[] device clock (ms).
+    fix_emitted: bool[R] slots that emitted in that iteration (all False
+      when no correction is pending).
+    fix_stamp, fix_actual: f32[] the stamp it wrote and the time the host
+      saw its outputs (ms, device clock).
+  A slot is corrected only while its clocks still hold the stamp (a slot
+  refilled since holds -1), so the policy reads exactly the times the
+  program-by-program iteration would have written.
+  """
+  hit = fix_emitted & (state.last_token_ms == fix_stamp)
+  first = hit & (state.emitted == 1) & (state.first_token_ms == fix_stamp)
+  state = state.replace(
+      first_token_ms=jnp.where(first, fix_actual, state.first_token_ms),
+      last_token_ms=jnp.where(hit, fix_actual, state.last_token_ms),
+      now_ms=jnp.maximum(state.now_ms, jnp.where(jnp.any(hit), fix_actual,
+                                                  state.now_ms)))
+  return apply_lib.tick(state, now_ms)
+
+
+def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
+  """bool[]: the iteration needs the host (the split path): a rule
+  violation to report, a preemption (host-settled, §0x0C), a request the
+  policy can never schedule, nothing scheduled, or, with prefix caching,
+  cached pages to evict for this plan or waiting prefix hits to unpin for
+  the running requests (``Engine._evict_for``, ``_unpin_waiting_hits``)."""
+  needs = bad_plan | jnp.any(plan.preempt) | jnp.any(never) | (plan.num_seqs == 0)
+  if prefix_caching:
+    c = pages.page_size
+    pages_per_seq = pages.page_table.shape[1]
+    target = jnp.minimum(kv_pages.pages_for(plan.end, c), pages_per_seq)
+    need = jnp.sum(jnp.maximum(jnp.where(plan.selected, target - pages.pages_held, 0), 0))
+    running = state.status == rec.RUNNING
+    grow = jnp.sum(running & (kv_pages.pages_for(state.computed + 1, c) > pages.pages_held))
+    free, evictable, _ = kv_pages.page_census(pages)
+    pinned = jnp.any((state.status == rec.WAITING) & (pages.pages_held > 0))
+    needs = needs | (need > pages.num_free) | (pinned & (grow > free + evictable))
+  return needs
+
+
+def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
+                manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
+                fix_actual):
+  """One whole iteration as one program: tick -> plan -> validate -> execute
+  (the token bucket chosen inside by ``lax.switch``) -> validate -> apply.
+
+  Args:
+    policy, model_step, buckets (token-row sizes), prefix_caching: static.
+    kv, pages, buffers: donated; manifest, state: the slot tables.
+    prefix_hits: i32[R] or None; realized: i32[R] recorded output lengths
+      (simulated executor) or None; now_ms: f32[] launch time (device ms);
+      fix_*: the last fused iteration's emission correction (``_tick``).
+
+  Returns ``(kv, pages, buffers, state, (ticked, plan, result), facts)``.
+  When ``facts["needs_host"]`` (``_host_work``) nothing is committed: the
+  inputs come back unchanged (kv, pages, buffers through the no-op branch)
+  and the host runs the iteration program by program. Otherwise emissions
+  are stamped with ``now_ms`` (the launch time) and corrected one step late
+  to the time the host saw them. ``facts`` is the one small pytree the host
+  fetches: needs_host, bad_result (a result rule violated: the host raises
+  ``validate.validate_result`` from ``aux``), per-slot emitted / token /
+  finished / finish_reason / failed, num_tokens, num_seqs, decodes, the
+  bucket index, the cost-model features and, with prefix caching, (computed,
+  pages_held, page_table) for registering computed prompt pages.
+  """
+  ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
+  plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
+  never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
+  needs_host = _host_work(plan, never, bad_plan, pages, ticked, prefix_caching)
+  sizes = jnp.asarray(buckets, jnp.int32)
+  index = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(plan.num_tokens, 1)),
+                      len(buckets) - 1)
+  exec_manifest = manifest if realized is None else manifest.replace(
+      hidden_realized_output_tokens=realized)
+  view = _execution_view(plan)
+
+  def run(num_rows):
+    def branch(operands):
+      kv, pages, buffers = operands
+      return model_step(params, kv, pages, buffers, exec_manifest, ticked, view,
+                        num_rows=num_rows)
+    return branch
+
+  branches = [run(b) for b in buckets]
+  shapes = jax.eval_shape(branches[0], (kv, pages, buffers))[3]
+
+  def skip(operands):
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    return operands + (zero,)
+
+  kv, pages, buffers, result = jax.lax.switch(
+      jnp.where(needs_host, 0, index + 1), [skip] + branches, (kv, pages, buffers))
+  result = result.replace(emit_ms=ticked.now_ms,
+                          preserved_end=jnp.zeros_like(plan.end))
+  published, bad_result = _publish(manifest, ticked, plan, result)
+  state = jax.tree.map(lambda old, new: jnp.where(needs_host, old, new), state, published)
+  decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
+  facts = dict(needs_host=needs_host, bad_result=bad_result & ~needs_host,
+               emitted=result.emitted, token=result.token, finished=result.finished,
+               finish_reason=result.finish_reason, failed=result.failed,
+               num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
+               bucket=index, features=cost_lib.step_features(plan))
+  if prefix_caching:
+    facts["prefix"] = (published.computed, pages.pages_held, pages.page_table)
+  return kv, pages, buffers, state, (ticked, plan, result), facts
+
+
 def _publish(manifest, state, plan, result):
   bad = validate.any_violation(validate.result_violations(plan, state, manifest, result))
   return apply_lib.apply(manifest, state, plan, result), bad
@@ -1005,6 +1242,23 @@ def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
       ignore_eos=set_(buffers.ignore_eos, a.ignore_eos),
       stop_ids=buffers.stop_ids.at[slot].set(a.stop_ids))
   return manifest, state, buffers
+
+
+def _arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hits):
+  """Writes up to ``ARRIVAL_BATCH`` arrivals, in order, in one program.
+
+  Args:
+    slots: i32[B] target slots, -1 for an empty entry (skipped).
+    arrivals: ``Arrival`` with a leading axis B; prefix_hits: i32[B].
+  """
+  def one(tables, entry):
+    slot, arrival, hit = entry
+    tables = jax.lax.cond(slot >= 0, lambda t: _arrive(*t, slot, arrival, hit),
+                          lambda t: t, tables)
+    return tables, None
+
+  tables, _ = jax.lax.scan(one, (manifest, state, buffers), (slots, arrivals, prefix_hits))
+  return tables
 
 
 def _slot_tables(config: EngineConfig, num_slots: int):
@@ -1064,6 +1318,10 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
   executor = _executor(model_cfg, _shape_config(config))
   return _Programs(
       policy=policy,
+      step=jit("step", functools.partial(
+          _fused_step, policy, _model_step(model_cfg, config), config.token_buckets,
+          config.enable_prefix_caching), donate_argnums=(1, 2, 3)),
+      tick=jit("tick", _tick),
       plan=jit("plan", functools.partial(_plan, policy)),
       execute=executor.execute,
       publish=jit("publish", _publish),
