@@ -7,11 +7,24 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``execute`` (one program per token-row bucket) -> IterationResult
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
+An iteration is one device program (``step``: tick -> plan -> validate ->
+execute in the token bucket chosen inside by ``lax.switch`` -> validate ->
+apply) and one blocking fetch of a small pytree of facts. Fast (one
+program, one fetch): every iteration without preemption, without a
+policy rejection, with something scheduled and, with prefix caching,
+without cached pages to evict or waiting hits to unpin. The rest, and every
+iteration while a request swapped out with a preserved KV copy waits for
+re-admission or while ``record_plans`` is set, take the split path: the fused program detects the
+case and commits nothing, and the iteration runs program by program (tick,
+plan, execute, publish) with the host work between them. Arrivals are
+written ``ARRIVAL_BATCH`` at a time in one program call.
+
 The set of compiled programs is fixed by the config and the slot-table
-size: per size, one planner, one publisher, one arrival writer, one
-release/cancel writer, and one executor per bucket in
-``EngineConfig.token_buckets`` (``compiled_programs()`` reports what was
-actually compiled).
+size: per size, one fused step, one tick, one planner, one publisher, one
+arrival writer, one release/cancel writer, and one executor per bucket in
+``EngineConfig.token_buckets`` for the split path (``compiled_programs()``
+reports what was actually compiled; ``serving.launch.warmup`` compiles
+both paths).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
@@ -241,6 +254,9 @@ class Engine:
     # Set ``record_plans = True`` to keep, per iteration, the plan as host
     # data in ``plan_log`` (request ids, intervals, kinds, intents).
     self.record_plans = False
+    # Set ``fused = False`` to run every iteration program by program (the
+    # split path; same tokens), e.g. to measure what the fused program saves.
+    self.fused = True
     self.plan_log: List[dict] = []
     self._page_bytes = kv_swap.page_bytes(self.kv)
     # Recorded output length per request id (the simulated executor's hidden
@@ -682,11 +698,18 @@ class Engine:
 
   def _fast_path_allowed(self) -> bool:
     """The host-side conditions of the fused iteration: no suspended request
-    waits for its KV copy (its resume writes pages on the host first) and no
-    plan log is kept (it reads the whole plan)."""
-    return not self.record_plans and not any(
-        r is not None and r.num_preemptions and self.swap.get(r.request_id) is not None
-        for r in self._slots)
+    holds a preserved KV copy (its resume writes the pages back before the
+    model runs) and no plan log is kept (it reads the whole plan). A
+    recompute-preempted request's resume is host bookkeeping only and is
+    settled after the fused iteration that re-admits it."""
+    if not self.fused or self.record_plans:
+      return False
+    for r in self._slots:
+      if r is not None and r.num_preemptions:
+        s = self.swap.get(r.request_id)
+        if s is not None and s.k is not None:
+          return False
+    return True
 
   def _fused_iteration(self, now_ms: float) -> Optional[List[RequestOutput]]:
     """One iteration as one device program; None (nothing committed) when
@@ -705,6 +728,9 @@ class Engine:
       validate.validate_result(plan, ticked, self.manifest, result)
     self.state = state
     self._stamp = None
+    for slot in np.flatnonzero(facts["admit"]):
+      if self.swap.get(self._slots[slot].request_id) is not None:
+        self._resume(slot, None)     # recompute: no KV to write back
     bucket = self.config.token_buckets[int(facts["bucket"])]
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
@@ -986,10 +1012,10 @@ class Engine:
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, summed over
     the slot-table sizes this engine used and shared by engines with equal
-    model and engine configs. Per size, ``execute`` is bounded by
-    ``len(config.token_buckets)``; ``swap_out`` / ``swap_in`` (swap mode
-    only) by the power-of-two page counts up to ``pages_per_seq``; the
-    others by 1."""
+    model and engine configs. Per size, ``step`` (the fused iteration) is
+    1; ``execute`` (split path) is bounded by ``len(config.token_buckets)``;
+    ``swap_out`` / ``swap_in`` (swap mode only) by the power-of-two page
+    counts up to ``pages_per_seq``; the others by 1."""
     total: Dict[str, int] = {}
     for programs in self._program_sets:
       for name, n in programs.cache_sizes().items():
@@ -1176,7 +1202,7 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   fetches: needs_host, bad_result (a result rule violated: the host raises
   ``validate.validate_result`` from ``aux``), per-slot emitted / token /
   finished / finish_reason / failed, num_tokens, num_seqs, decodes, the
-  bucket index, the cost-model features and, with prefix caching, (computed,
+  admit, the bucket index, the cost-model features and, with prefix caching, (computed,
   pages_held, page_table) for registering computed prompt pages.
   """
   ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
@@ -1214,6 +1240,7 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   facts = dict(needs_host=needs_host, bad_result=bad_result & ~needs_host,
                emitted=result.emitted, token=result.token, finished=result.finished,
                finish_reason=result.finish_reason, failed=result.failed,
+               admit=plan.admit & ~needs_host,
                num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
                bucket=index, features=cost_lib.step_features(plan))
   if prefix_caching:
