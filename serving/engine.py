@@ -8,9 +8,10 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
 An iteration is one device program (``step``: tick -> plan -> validate ->
-execute in the token bucket chosen inside by ``lax.switch`` -> validate ->
-apply) and one blocking fetch of a small pytree of facts. Fast (one
-program, one fetch): every iteration without preemption, without a
+execute -> validate -> apply, compiled per token bucket; the host calls the
+last iteration's bucket and, when the plan needs another, calls again with
+it) and one blocking fetch of a small pytree of facts. Fast (one program,
+one fetch, two when the bucket changes): every iteration without preemption, without a
 policy rejection, with something scheduled and, with prefix caching,
 without cached pages to evict or waiting hits to unpin. The rest, and every
 iteration while a request swapped out with a preserved KV copy waits for
@@ -20,7 +21,7 @@ plan, execute, publish) with the host work between them. Arrivals are
 written ``ARRIVAL_BATCH`` at a time in one program call.
 
 The set of compiled programs is fixed by the config and the slot-table
-size: per size, one fused step, one tick, one planner, one publisher, one
+size: per size, one fused step per bucket, one tick, one planner, one publisher, one
 arrival writer, one release/cancel writer, and one executor per bucket in
 ``EngineConfig.token_buckets`` for the split path (``compiled_programs()``
 reports what was actually compiled; ``serving.launch.warmup`` compiles
@@ -275,6 +276,8 @@ class Engine:
     # time), corrected on the device by the next program (``_tick``).
     self._stamp = None
     self._no_stamp_mask = None
+    self._bucket = c.token_buckets[0]   # the fused program's expected bucket
+    self.bucket_retries = 0             # fused calls repeated for another bucket
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
 
@@ -717,11 +720,20 @@ class Engine:
     fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
     realized = self._realized() if self.config.executor == "simulated" else None
     launch = self._device_ms(now_ms)
-    (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
-        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
-        self._prefix_hits(), realized, launch, fix_emitted, fix_stamp, fix_actual)
-    facts = self._fetch(facts)
-    if facts["needs_host"]:
+    hits = self._prefix_hits()
+    for _ in range(2):     # the expected bucket, then the one the plan needs
+      (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
+          self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+          hits, realized, launch, fix_emitted, fix_stamp, fix_actual,
+          num_rows=self._bucket)
+      facts = self._fetch(facts)
+      if facts["needs_host"]:
+        return None
+      if facts["committed"]:
+        break
+      self._bucket = self.config.token_buckets[int(facts["bucket"])]
+      self.bucket_retries += 1
+    else:
       return None
     ticked, plan, result = aux
     if facts["bad_result"]:
@@ -1012,8 +1024,8 @@ class Engine:
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, summed over
     the slot-table sizes this engine used and shared by engines with equal
-    model and engine configs. Per size, ``step`` (the fused iteration) is
-    1; ``execute`` (split path) is bounded by ``len(config.token_buckets)``;
+    model and engine configs. Per size, ``step`` (the fused iteration) and
+    ``execute`` (split path) are each is bounded by ``len(config.token_buckets)``;
     ``swap_out`` / ``swap_in`` (swap mode only) by the power-of-two page
     counts up to ``pages_per_seq``; the others by 1."""
     total: Dict[str, int] = {}
@@ -1166,7 +1178,8 @@ def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
   policy can never schedule, nothing scheduled, or, with prefix caching,
   cached pages to evict for this plan or waiting prefix hits to unpin for
   the running requests (``Engine._evict_for``, ``_unpin_waiting_hits``)."""
-  needs = bad_plan | jnp.any(plan.preempt) | jnp.any(never) | (plan.num_seqs == 0)
+  needs = ((bad_plan != 0) | jnp.any(plan.preempt) | jnp.any(never)
+           | (plan.num_seqs == 0))
   if prefix_caching:
     c = pages.page_size
     pages_per_seq = pages.page_table.shape[1]
@@ -1182,21 +1195,29 @@ def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
 
 def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
                 manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
-                fix_actual):
+                fix_actual, *, num_rows: int):
   """One whole iteration as one program: tick -> plan -> validate -> execute
-  (the token bucket chosen inside by ``lax.switch``) -> validate -> apply.
+  -> validate -> apply, compiled per token bucket ``num_rows``.
+
+  The host passes the bucket it expects (the last iteration's); when the
+  plan needs another one, nothing is committed and ``facts["bucket"]`` says
+  which to call (the same inputs give the same plan). Choosing the bucket
+  inside with ``lax.switch`` was measured and rejected: XLA:CPU copies the
+  whole KV cache in and out of the conditional every iteration.
 
   Args:
-    policy, model_step, buckets (token-row sizes), prefix_caching: static.
+    policy, model_step, buckets (token-row sizes), prefix_caching: static;
+    num_rows: static token bucket of this program.
     kv, pages, buffers: donated; manifest, state: the slot tables.
     prefix_hits: i32[R] or None; realized: i32[R] recorded output lengths
       (simulated executor) or None; now_ms: f32[] launch time (device ms);
       fix_*: the last fused iteration's emission correction (``_tick``).
 
   Returns ``(kv, pages, buffers, state, (ticked, plan, result), facts)``.
-  When ``facts["needs_host"]`` (``_host_work``) nothing is committed: the
-  inputs come back unchanged (kv, pages, buffers through the no-op branch)
-  and the host runs the iteration program by program. Otherwise emissions
+  When ``facts["needs_host"]`` (``_host_work``) or the bucket differs,
+  nothing is committed (``facts["committed"]`` False; the model runs an
+  empty plan, so kv, pages and buffers come back unchanged); after
+  ``needs_host`` the host runs the iteration program by program. Otherwise emissions
   are stamped with ``now_ms`` (the launch time) and corrected one step late
   to the time the host saw them. ``facts`` is the one small pytree the host
   fetches: needs_host, bad_result (a result rule violated: the host raises
@@ -1215,32 +1236,26 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   exec_manifest = manifest if realized is None else manifest.replace(
       hidden_realized_output_tokens=realized)
   view = _execution_view(plan)
-
-  def run(num_rows):
-    def branch(operands):
-      kv, pages, buffers = operands
-      return model_step(params, kv, pages, buffers, exec_manifest, ticked, view,
-                        num_rows=num_rows)
-    return branch
-
-  branches = [run(b) for b in buckets]
-  shapes = jax.eval_shape(branches[0], (kv, pages, buffers))[3]
-
-  def skip(operands):
-    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    return operands + (zero,)
-
-  kv, pages, buffers, result = jax.lax.switch(
-      jnp.where(needs_host, 0, index + 1), [skip] + branches, (kv, pages, buffers))
+  commit = ~needs_host & (index == buckets.index(num_rows))
+  # Not committed: the model runs an empty plan (every row padding: no page
+  # allocated, no K/V or token written, nothing emitted).
+  off = lambda m: m & commit
+  run = view.replace(selected=off(view.selected), admit=off(view.admit),
+                     preempt=off(view.preempt),
+                     num_tokens=jnp.where(commit, view.num_tokens, 0),
+                     num_seqs=jnp.where(commit, view.num_seqs, 0))
+  kv, pages, buffers, result = model_step(params, kv, pages, buffers, exec_manifest,
+                                          ticked, run, num_rows=num_rows)
   result = result.replace(emit_ms=ticked.now_ms,
                           preserved_end=jnp.zeros_like(plan.end))
   published, bad_result = _publish(manifest, ticked, plan, result)
-  state = jax.tree.map(lambda old, new: jnp.where(needs_host, old, new), state, published)
+  state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
   decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
-  facts = dict(needs_host=needs_host, bad_result=bad_result & ~needs_host,
+  facts = dict(needs_host=needs_host, committed=commit,
+               bad_result=(bad_result != 0) & commit,
                emitted=result.emitted, token=result.token, finished=result.finished,
                finish_reason=result.finish_reason, failed=result.failed,
-               admit=plan.admit & ~needs_host,
+               admit=plan.admit & commit,
                num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
                bucket=index, features=cost_lib.step_features(plan))
   if prefix_caching:
@@ -1347,7 +1362,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       policy=policy,
       step=jit("step", functools.partial(
           _fused_step, policy, _model_step(model_cfg, config), config.token_buckets,
-          config.enable_prefix_caching), donate_argnums=(1, 2, 3)),
+          config.enable_prefix_caching), static_argnames=("num_rows",),
+          donate_argnums=(1, 2, 3)),
       tick=jit("tick", _tick),
       plan=jit("plan", functools.partial(_plan, policy)),
       execute=executor.execute,
