@@ -14,9 +14,10 @@ it) and one blocking fetch of a small pytree of facts. Fast (one program,
 one fetch, two when the bucket changes): every iteration without preemption, without a
 policy rejection, with something scheduled and, with prefix caching,
 without cached pages to evict or waiting hits to unpin. The rest, and every
-iteration while a request swapped out with a preserved KV copy waits for
-re-admission or while ``record_plans`` is set, take the split path: the fused program detects the
-case and commits nothing, and the iteration runs program by program (tick,
+iteration while a preempted request waits for re-admission or while
+``record_plans`` is set, take the split path: the fused program detects the
+case and commits nothing (its model call runs an empty plan: the cost of
+one wasted model step), and the iteration runs program by program (tick,
 plan, execute, publish) with the host work between them. Arrivals are
 written ``ARRIVAL_BATCH`` at a time in one program call.
 
@@ -700,19 +701,16 @@ class Engine:
     return self._split_step(now_ms)
 
   def _fast_path_allowed(self) -> bool:
-    """The host-side conditions of the fused iteration: no suspended request
-    holds a preserved KV copy (its resume writes the pages back before the
-    model runs) and no plan log is kept (it reads the whole plan). A
-    recompute-preempted request's resume is host bookkeeping only and is
-    settled after the fused iteration that re-admits it."""
+    """The host-side conditions of the fused iteration: no preempted request
+    waits for re-admission (its resume is settled on the host, a swapped
+    copy written back, before the model runs; and under KV pressure the next
+    iteration is likely to preempt again, which the fused program would
+    detect only after running the model on an empty plan) and no plan log
+    is kept (it reads the whole plan)."""
     if not self.fused or self.record_plans:
       return False
-    for r in self._slots:
-      if r is not None and r.num_preemptions:
-        s = self.swap.get(r.request_id)
-        if s is not None and s.k is not None:
-          return False
-    return True
+    return not any(r is not None and r.num_preemptions
+                   and self.swap.get(r.request_id) is not None for r in self._slots)
 
   def _fused_iteration(self, now_ms: float) -> Optional[List[RequestOutput]]:
     """One iteration as one device program; None (nothing committed) when
@@ -740,9 +738,6 @@ class Engine:
       validate.validate_result(plan, ticked, self.manifest, result)
     self.state = state
     self._stamp = None
-    for slot in np.flatnonzero(facts["admit"]):
-      if self.swap.get(self._slots[slot].request_id) is not None:
-        self._resume(slot, None)     # recompute: no KV to write back
     bucket = self.config.token_buckets[int(facts["bucket"])]
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
@@ -1223,7 +1218,7 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   fetches: needs_host, bad_result (a result rule violated: the host raises
   ``validate.validate_result`` from ``aux``), per-slot emitted / token /
   finished / finish_reason / failed, num_tokens, num_seqs, decodes, the
-  admit, the bucket index, the cost-model features and, with prefix caching, (computed,
+  the bucket index, the cost-model features and, with prefix caching, (computed,
   pages_held, page_table) for registering computed prompt pages.
   """
   ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
@@ -1255,7 +1250,6 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
                bad_result=(bad_result != 0) & commit,
                emitted=result.emitted, token=result.token, finished=result.finished,
                finish_reason=result.finish_reason, failed=result.failed,
-               admit=plan.admit & commit,
                num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
                bucket=index, features=cost_lib.step_features(plan))
   if prefix_caching:
