@@ -9,9 +9,10 @@ decision and every state transition is a pure, jitted function of pytrees:
 
 An iteration is one device program (``step``: tick -> plan -> validate ->
 execute -> validate -> apply, compiled per token bucket; the host calls the
-last iteration's bucket and, when the plan needs another, calls again with
-it) and one blocking fetch of a small pytree of facts. Fast (one program,
-one fetch, two when the bucket changes): every iteration without preemption, without a
+bucket the last iteration predicted for this one and, when the plan needs
+another, calls again with it) and one blocking fetch of a small pytree of
+facts. Fast (one program, one fetch; two, and one model step on an empty
+plan, when the prediction missed): every iteration without preemption, without a
 policy rejection, with something scheduled and, with prefix caching,
 without cached pages to evict or waiting hits to unpin. The rest, and every
 iteration while a preempted request waits for re-admission or while
@@ -739,6 +740,7 @@ class Engine:
     self.state = state
     self._stamp = None
     bucket = self.config.token_buckets[int(facts["bucket"])]
+    self._bucket = self.config.token_buckets[int(facts["next_bucket"])]
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
     if self._virtual:
@@ -1194,9 +1196,11 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   """One whole iteration as one program: tick -> plan -> validate -> execute
   -> validate -> apply, compiled per token bucket ``num_rows``.
 
-  The host passes the bucket it expects (the last iteration's); when the
-  plan needs another one, nothing is committed and ``facts["bucket"]`` says
-  which to call (the same inputs give the same plan). Choosing the bucket
+  The host passes the bucket it expects (``facts["next_bucket"]`` of the
+  last iteration: the policy's plan on the state this program publishes);
+  when the plan needs another one (an arrival, the clock), nothing is
+  committed and ``facts["bucket"]`` says which to call (the same inputs
+  give the same plan). Choosing the bucket
   inside with ``lax.switch`` was measured and rejected: XLA:CPU copies the
   whole KV cache in and out of the conditional every iteration.
 
@@ -1246,7 +1250,12 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   published, bad_result = _publish(manifest, ticked, plan, result)
   state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
   decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
-  facts = dict(needs_host=needs_host, committed=commit,
+  # The bucket the next iteration is expected to need: the policy's plan on
+  # the published state (arrivals and the clock may still change it).
+  ahead, _, _ = _plan(policy, manifest, state, pages, prefix_hits)
+  next_bucket = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(ahead.num_tokens, 1)),
+                            len(buckets) - 1)
+  facts = dict(needs_host=needs_host, committed=commit, next_bucket=next_bucket,
                bad_result=(bad_result != 0) & commit,
                emitted=result.emitted, token=result.token, finished=result.finished,
                finish_reason=result.finish_reason, failed=result.failed,
