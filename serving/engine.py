@@ -280,6 +280,7 @@ class Engine:
     self._no_stamp_mask = None
     self._bucket = c.token_buckets[0]   # the fused program's expected bucket
     self.bucket_retries = 0             # fused calls repeated for another bucket
+    self._pages_low = False             # last seen by an iteration (_pages_low)
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
 
@@ -710,6 +711,8 @@ class Engine:
     is kept (it reads the whole plan)."""
     if not self.fused or self.record_plans:
       return False
+    if self.prefix_cache is not None and self._pages_low:
+      return False             # eviction or unpinning likely: see _pages_low
     return not any(r is not None and r.num_preemptions
                    and self.swap.get(r.request_id) is not None for r in self._slots)
 
@@ -741,6 +744,7 @@ class Engine:
     self._stamp = None
     bucket = self.config.token_buckets[int(facts["bucket"])]
     self._bucket = self.config.token_buckets[int(facts["next_bucket"])]
+    self._pages_low = bool(facts["pages_low"])
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
     if self._virtual:
@@ -831,8 +835,10 @@ class Engine:
     self.kv, self.pages, self.buffers, result = self._programs.execute(
         self.params, self.kv, self.pages, self.buffers, manifest, self.state,
         _execution_view(plan), num_rows=bucket)
-    fetched = self._fetch((result.emitted, result.token, result.finished,
-                           result.finish_reason, result.failed))
+    fetched, low = self._fetch(((result.emitted, result.token, result.finished,
+                                 result.finish_reason, result.failed),
+                                _pages_low(self.pages, self.state, self.config)))
+    self._pages_low = bool(low)
     if self._virtual:
       features = list(self._fetch(_step_features(plan))) + [bucket]
       self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
@@ -1169,6 +1175,23 @@ def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
   return apply_lib.tick(state, now_ms)
 
 
+def _pages_low_jnp(pages, state, token_budget, seq_budget):
+  """bool[]: fewer free pages than the next iteration could need without
+  evicting cached pages or unpinning waiting hits: its new pages are at most
+  ceil(token budget / page size) + one per sequence, and unpinning needs more
+  running requests growing a page than pages free. With prefix caching, the
+  host then runs that iteration program by program at once, instead of
+  letting the fused program find out after an empty model step (arrivals
+  map cached pages, finishes free pages: neither makes it too optimistic)."""
+  bound = -(-token_budget // pages.page_size) + seq_budget
+  running = jnp.sum(state.status == rec.RUNNING)
+  return pages.num_free < jnp.maximum(bound, running)
+
+
+def _pages_low(pages, state, config: EngineConfig):
+  return _pages_low_jnp(pages, state, config.max_num_batched_tokens, config.max_num_seqs)
+
+
 def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
   """bool[]: the iteration needs the host (the split path): a rule
   violation to report, a preemption (host-settled, §0x0C), a request the
@@ -1256,6 +1279,8 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   next_bucket = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(ahead.num_tokens, 1)),
                             len(buckets) - 1)
   facts = dict(needs_host=needs_host, committed=commit, next_bucket=next_bucket,
+               pages_low=_pages_low_jnp(pages, published, buckets[-1],
+                                        plan.seq_budget),
                bad_result=(bad_result != 0) & commit,
                emitted=result.emitted, token=result.token, finished=result.finished,
                finish_reason=result.finish_reason, failed=result.failed,
