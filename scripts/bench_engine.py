@@ -17,9 +17,11 @@ Sections (float32, CPU, greedy, ignore EOS):
   (blocks), attention alone, the LM head, sampling, and the executor's rest.
 
 Every decode run also records a per-iteration breakdown (``steps``): the
-plan, execute (per token bucket), publish, arrive and release programs, each
-timed with ``block_until_ready``, and host time (everything else in
-``Engine.step``), plus the programs compiled during the run (XLA backend
+fused ``step`` program (or, on the split path, tick, plan, execute per token
+bucket, publish), arrive and release, each timed with ``block_until_ready``;
+host time (everything else in ``Engine.step``) and its fraction; round
+trips (blocking fetches) and programs per iteration; the fraction of
+iterations the fused program committed; plus the programs compiled during the run (XLA backend
 compiles; none are expected after warm-up) and per function
 (``Engine.compiled_programs``). ``--profile=DIR`` writes a JAX profiler
 trace (TensorBoard and Perfetto ``.trace.json.gz``) of a few decode steps.
@@ -73,6 +75,8 @@ flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
                      "smaller pools save memory on a shared machine.")
 flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
 flags.DEFINE_integer("profile_steps", 4, "Decode steps in the --profile trace.")
+flags.DEFINE_bool("fused", True, "Run iterations as one fused device program "
+                  "(False: program by program, Engine.fused).")
 flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch sizes.")
 flags.DEFINE_integer("breakdown_context", 320, "Breakdown section KV rows per sequence.")
 
@@ -92,19 +96,23 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 class StepTimer:
   """Times an engine's iterations by phase (installs wrappers on one engine).
 
-  Each jitted program the engine calls (plan, execute, publish, arrive,
-  release) is timed with ``block_until_ready``; ``step`` is timed as a whole,
-  and host time is the step minus its programs (planning bookkeeping,
-  device_get round trips, request bookkeeping, detokenize-free drain).
-  Blocking adds no round trip the CPU engine does not already make: it
-  fetches the plan's and the result's small fields every step.
+  Each jitted program the engine calls (the fused ``step`` program, and on
+  the split path tick, plan, execute, publish; arrive and release) is timed
+  with ``block_until_ready``; ``step`` is timed as a whole, and host time is
+  the step minus its programs (bookkeeping, device_get round trips, the
+  drain). Blocking adds no round trip: every iteration already fetches its
+  facts. Per iteration it also counts the programs called and the blocking
+  fetches (``Engine.host_fetches``), and whether the fused program committed
+  the iteration (``fused_fraction``).
   """
 
-  PHASES = ("plan", "execute", "publish", "arrive", "release")
+  PHASES = ("step", "tick", "plan", "execute", "publish", "arrive", "release")
 
   def __init__(self, engine):
     self.samples = collections.defaultdict(list)   # phase -> [ms]
+    self.counts = collections.defaultdict(list)    # per-iteration counters
     self._inside = collections.Counter()
+    self._calls = collections.Counter()
     programs = engine._programs                    # pylint: disable=protected-access
     engine._programs = dataclasses.replace(        # pylint: disable=protected-access
         programs, **{p: self._timed(p, getattr(programs, p)) for p in self.PHASES})
@@ -112,14 +120,18 @@ class StepTimer:
 
     def timed_step():
       self._inside.clear()
+      self._calls.clear()
+      buckets, fetches = dict(engine.buckets_used), engine.host_fetches
       t = time.perf_counter()
       out = step()
       ms = (time.perf_counter() - t) * 1e3
-      if self._inside.get("bucket"):
-        b = self._inside["bucket"]
-        self.samples[f"step[{b}]"].append(ms)
-        device = sum(v for k, v in self._inside.items() if k != "bucket")
-        self.samples[f"host[{b}]"].append(ms - device)
+      b = [k for k, v in engine.buckets_used.items() if v != buckets.get(k, 0)]
+      if b:
+        self.samples[f"step[{b[0]}]"].append(ms)
+        self.samples[f"host[{b[0]}]"].append(ms - sum(self._inside.values()))
+        self.counts["round_trips"].append(engine.host_fetches - fetches)
+        self.counts["programs"].append(sum(self._calls.values()))
+        self.counts["fused"].append(self._calls["step"] == 1 and self._calls["plan"] == 0)
       return out
 
     engine.step = timed_step
@@ -130,17 +142,16 @@ class StepTimer:
       t = time.perf_counter()
       out = jax.block_until_ready(fn(*args, **kwargs))
       ms = (time.perf_counter() - t) * 1e3
-      key = phase
-      if phase == "execute":
-        key = f"execute[{kwargs['num_rows']}]"
-        self._inside["bucket"] = kwargs["num_rows"]
+      key = f"execute[{kwargs['num_rows']}]" if phase == "execute" else phase
       self.samples[key].append(ms)
       self._inside[phase] += ms
+      self._calls[phase] += 1
       return out
     return wrapped
 
   def summary(self):
-    """{phase: {n, median_ms, total_ms}} and the host fraction per bucket."""
+    """{phase: {n, median_ms, total_ms}}, the host fraction per bucket and
+    overall, and per iteration: round trips, programs, fused fraction."""
     out = {k: {"n": len(v), "median_ms": round(float(np.median(v)), 3),
                "total_ms": round(float(np.sum(v)), 1)}
            for k, v in sorted(self.samples.items())}
@@ -153,6 +164,9 @@ class StepTimer:
     if steps:
       out["host_fraction"] = round(float(sum(map(np.sum, hosts)) /
                                          sum(map(np.sum, steps))), 4)
+      out["round_trips_per_iteration"] = round(float(np.mean(self.counts["round_trips"])), 3)
+      out["programs_per_iteration"] = round(float(np.mean(self.counts["programs"])), 3)
+      out["fused_fraction"] = round(float(np.mean(self.counts["fused"])), 4)
     return out
 
 
@@ -175,6 +189,7 @@ def iterserve_run(cfg, params, prompts, outputs, timer=False, **overrides):
   and the XLA compiles during the run in ``engine.compiles_during_run``.
   """
   engine = _engine(cfg, params, **overrides)
+  engine.fused = FLAGS.fused
   if timer:
     engine.step_timer = StepTimer(engine)
   compiles = _COMPILES[0]
@@ -331,7 +346,7 @@ def main(argv):
     warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype,
-         "token_buckets": list(scratch.config.token_buckets),
+         "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,
          "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),
          "xla_compiles_during_warmup": _COMPILES[0]}
@@ -351,11 +366,13 @@ def main(argv):
     for n in map(int, FLAGS.concurrency):
       prompts = _prompts([FLAGS.prompt_len] * n, seed=n)
       total = n * FLAGS.output_len
+      # At least 32 running sequences (at most the preset's token budget).
+      seqs = min(max(32, n), scratch.config.max_num_batched_tokens)
+      shape = dict(max_num_seqs=seqs, max_request_slots=max(128, n),
+                   sample_rows=max(scratch.config.sample_rows, seqs))
       s, engine = iterserve_run(cfg, params, prompts, [FLAGS.output_len] * n, timer=True,
-                                max_num_seqs=max(32, n), max_request_slots=max(128, n),
-                                sample_rows=max(64, n))
-      s1, _ = iterserve_run(cfg, params, prompts, [1] * n, max_num_seqs=max(32, n),
-                            max_request_slots=max(128, n), sample_rows=max(64, n))
+                                **shape)
+      s1, _ = iterserve_run(cfg, params, prompts, [1] * n, **shape)
       row = {"concurrency": n, "iterserve_output_tokens_per_s": total / s,
              "iterserve_decode_tokens_per_s": (total - n) / max(s - s1, 1e-9),
              "iterserve_iterations": engine.num_iterations,

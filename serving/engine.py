@@ -7,11 +7,27 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``execute`` (one program per token-row bucket) -> IterationResult
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
+An iteration is one device program (``step``: tick -> plan -> validate ->
+execute -> validate -> apply, compiled per token bucket; the host calls the
+bucket the last iteration predicted for this one and, when the plan needs
+another, calls again with it) and one blocking fetch of a small pytree of
+facts. Fast (one program, one fetch; two, and one model step on an empty
+plan, when the prediction missed): every iteration without preemption, without a
+policy rejection, with something scheduled and, with prefix caching,
+without cached pages to evict or waiting hits to unpin. The rest, and every
+iteration while a preempted request waits for re-admission or while
+``record_plans`` is set, take the split path: the fused program detects the
+case and commits nothing (its model call runs an empty plan: the cost of
+one wasted model step), and the iteration runs program by program (tick,
+plan, execute, publish) with the host work between them. Arrivals are
+written ``ARRIVAL_BATCH`` at a time in one program call.
+
 The set of compiled programs is fixed by the config and the slot-table
-size: per size, one planner, one publisher, one arrival writer, one
-release/cancel writer, and one executor per bucket in
-``EngineConfig.token_buckets`` (``compiled_programs()`` reports what was
-actually compiled).
+size: per size, one fused step per bucket, one tick, one planner, one publisher, one
+arrival writer, one release/cancel writer, and one executor per bucket in
+``EngineConfig.token_buckets`` for the split path (``compiled_programs()``
+reports what was actually compiled; ``serving.launch.warmup`` compiles
+both paths).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
@@ -85,6 +101,11 @@ OUTCOMES = ("completed", "rejected", "cancelled", "failed")
 # this far past the epoch (float32 resolution 2**-3 ms here), ``step`` moves
 # the epoch to the oldest live arrival, or to now when nothing is live.
 DEVICE_REBASE_MS = float(2**20)
+
+# Arrivals are written into their slots by one program call per this many
+# (padded with empty entries): one compiled program, and one call per
+# iteration unless more than this many requests arrived since the last.
+ARRIVAL_BATCH = 8
 
 
 class QueueFull(Exception):
@@ -242,6 +263,9 @@ class Engine:
     # Set ``record_plans = True`` to keep, per iteration, the plan as host
     # data in ``plan_log`` (request ids, intervals, kinds, intents).
     self.record_plans = False
+    # Set ``fused = False`` to run every iteration program by program (the
+    # split path; same tokens), e.g. to measure what the fused program saves.
+    self.fused = True
     self.plan_log: List[dict] = []
     self._page_bytes = kv_swap.page_bytes(self.kv)
     # Recorded output length per request id (the simulated executor's hidden
@@ -254,6 +278,15 @@ class Engine:
     self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
     self._rehit_tokens: Dict[str, int] = {}  # its hit, not recomputed on resume
 
+    # Blocking device -> host fetches (``_fetch``); the fused iteration makes one.
+    self.host_fetches = 0
+    # The last fused iteration's (emitted mask, launch stamp, publication
+    # time), corrected on the device by the next program (``_tick``).
+    self._stamp = None
+    self._no_stamp_mask = None
+    self._bucket = c.token_buckets[0]   # the fused program's expected bucket
+    self.bucket_retries = 0             # fused calls repeated for another bucket
+    self._pages_low = False             # last seen by an iteration (_pages_low)
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
 
@@ -285,6 +318,10 @@ class Engine:
       return
     self.manifest, self.state = self._programs.shift_clock(
         self.manifest, self.state, np.float32(shift))
+    if self._stamp is not None:    # the pending correction moves with them
+      emitted, stamp, actual = self._stamp
+      self._stamp = (emitted, np.float32(stamp) - np.float32(shift),
+                     np.float32(actual) - np.float32(shift))
     self._device_epoch_ms = epoch
 
   @property
@@ -470,11 +507,19 @@ class Engine:
     if len(free) < len(self._pending):
       self._grow(self._num_unfinished())
       free = [s for s, r in enumerate(self._slots) if r is None]
-    for slot, req in zip(free, self._pending):
-      hit = self._match_prefix(req, slot)
+    placed = list(zip(free, self._pending))
+    hits = [self._match_prefix(req, slot) for slot, req in placed]
+    for i in range(0, len(placed), ARRIVAL_BATCH):
+      batch = placed[i:i + ARRIVAL_BATCH]
+      pad = ARRIVAL_BATCH - len(batch)
+      slots = np.array([s for s, _ in batch] + [-1] * pad, np.int32)
+      arrivals = [self._arrival(req) for _, req in batch]
+      arrivals += [jax.tree.map(np.zeros_like, arrivals[0])] * pad
+      stacked = jax.tree.map(lambda *x: np.stack(x), *arrivals)
+      batch_hits = np.array(hits[i:i + ARRIVAL_BATCH] + [0] * pad, np.int32)
       self.manifest, self.state, self.buffers = self._programs.arrive(
-          self.manifest, self.state, self.buffers, np.int32(slot), self._arrival(req),
-          np.int32(hit))
+          self.manifest, self.state, self.buffers, slots, stacked, batch_hits)
+    for slot, req in placed:
       req.slot = slot
       self._slots[slot] = req
     self._pending = []
@@ -537,7 +582,11 @@ class Engine:
     """A recompute-preempted request (no preserved copy) looks its prompt up
     again once per preemption: its own cached pages, kept cached when it was
     preempted, or anyone's, are mapped back and it resumes from the hit."""
-    computed, held, status = jax.device_get((self.state.computed,
+    if not any(r is not None and r.num_preemptions
+               and self._rehit_epoch.get(r.request_id) != r.num_preemptions
+               for r in self._slots):
+      return                     # nobody to look up again: no round trip
+    computed, held, status = self._fetch((self.state.computed,
                                              self.pages.pages_held, self.state.status))
     for slot, req in enumerate(self._slots):
       if (req is None or not req.num_preemptions or held[slot] or computed[slot]
@@ -562,7 +611,7 @@ class Engine:
     request's prefill starts from 0 (a hit never starves a running request
     into preempting itself)."""
     c = self.config
-    computed, held, status, census = jax.device_get((
+    computed, held, status, census = self._fetch((
         self.state.computed, self.pages.pages_held, self.state.status,
         kv_pages.page_census(self.pages)))
     running = status == rec.RUNNING
@@ -570,7 +619,7 @@ class Engine:
     short = need - int(census[0]) - int(census[1])
     if short <= 0:
       return
-    refcount, table = jax.device_get((self.pages.refcount, self.pages.page_table))
+    refcount, table = self._fetch((self.pages.refcount, self.pages.page_table))
     refcount = np.array(refcount)
     pinned = [s for s, r in enumerate(self._slots)
               if r is not None and status[s] == rec.WAITING and held[s] > 0]
@@ -599,7 +648,7 @@ class Engine:
     """Evicts unreferenced cached pages (LRU) so that the free stack covers
     the pages ``plan`` allocates after its preemptions release theirs."""
     c = self.config
-    selected, end, held, table, refcount, cached, num_free = jax.device_get((
+    selected, end, held, table, refcount, cached, num_free = self._fetch((
         plan.selected, plan.end, self.pages.pages_held, self.pages.page_table,
         self.pages.refcount, self.pages.cached, self.pages.num_free))
     after = refcount.copy()
@@ -614,11 +663,18 @@ class Engine:
       self.prefix_cache.evict(short, after)
       self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
 
-  def _register_prefixes(self) -> None:
-    """Adds the computed full prompt pages of every live slot to the cache."""
+  def _register_prefixes(self, fetched=None) -> None:
+    """Adds the computed full prompt pages of every live slot to the cache.
+
+    Args:
+      fetched: (computed i32[R], pages_held i32[R], page_table
+        i32[R, pages_per_seq]) already on the host, or None to fetch them.
+    """
     c, cache = self.config, self.prefix_cache
-    computed, held, table = jax.device_get((self.state.computed, self.pages.pages_held,
-                                            self.pages.page_table))
+    if fetched is None:
+      fetched = self._fetch((self.state.computed, self.pages.pages_held,
+                             self.pages.page_table))
+    computed, held, table = fetched
     added = 0
     for slot, req in enumerate(self._slots):
       if req is None:
@@ -632,19 +688,121 @@ class Engine:
       self.pages = self._programs.sync_cached(self.pages, cache.cached_mask())
 
   def step(self) -> List[RequestOutput]:
-    """Runs one iteration; returns the news for every request it touched."""
+    """Runs one iteration; returns the news for every request it touched.
+
+    The common iteration is one device program (``_fused_step``: tick,
+    plan, validate, execute in the chosen token bucket, publish) and one
+    fetch of its small facts. The iterations that need host work (``_FAST``
+    says which are not) run the split path instead: the fused program
+    detects them, commits nothing, and the same iteration is planned again
+    program by program (``_split_step``).
+    """
     self._fill_slots()
     if self.prefix_cache is not None and self.num_preemptions:
       self._rehit_preempted()
-    if self.prefix_cache is not None:
-      self._unpin_waiting_hits()
     now_ms = self.now_ms()
     self._rebase_device_clock(now_ms)
-    self.state = apply_lib.tick(self.state, self._device_ms(now_ms))
+    if self._fast_path_allowed():
+      outputs = self._fused_iteration(now_ms)
+      if outputs is not None:
+        return outputs
+    return self._split_step(now_ms)
+
+  def _fast_path_allowed(self) -> bool:
+    """The host-side conditions of the fused iteration: no preempted request
+    waits for re-admission (its resume is settled on the host, a swapped
+    copy written back, before the model runs; and under KV pressure the next
+    iteration is likely to preempt again, which the fused program would
+    detect only after running the model on an empty plan) and no plan log
+    is kept (it reads the whole plan)."""
+    if not self.fused or self.record_plans:
+      return False
+    if self.prefix_cache is not None and self._pages_low:
+      return False             # eviction or unpinning likely: see _pages_low
+    return not any(r is not None and r.num_preemptions
+                   and self.swap.get(r.request_id) is not None for r in self._slots)
+
+  def _fused_iteration(self, now_ms: float) -> Optional[List[RequestOutput]]:
+    """One iteration as one device program; None (nothing committed) when
+    the program reports that this iteration needs the host."""
+    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
+    realized = self._realized() if self.config.executor == "simulated" else None
+    launch = self._device_ms(now_ms)
+    hits = self._prefix_hits()
+    for _ in range(2):     # the expected bucket, then the one the plan needs
+      (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
+          self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+          hits, realized, launch, fix_emitted, fix_stamp, fix_actual,
+          num_rows=self._bucket)
+      facts = self._fetch(facts)
+      if facts["needs_host"]:
+        return None
+      if facts["committed"]:
+        break
+      self._bucket = self.config.token_buckets[int(facts["bucket"])]
+      self.bucket_retries += 1
+    else:
+      return None
+    ticked, plan, result = aux
+    if facts["bad_result"]:
+      validate.validate_result(plan, ticked, self.manifest, result)
+    self.state = state
+    self._stamp = None
+    bucket = self.config.token_buckets[int(facts["bucket"])]
+    self._bucket = self.config.token_buckets[int(facts["next_bucket"])]
+    self._pages_low = bool(facts["pages_low"])
+    self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
+    self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
+    if self._virtual:
+      features = list(facts["features"]) + [bucket]
+      self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
+    emit_ms = self.now_ms()
+    # The program stamped this iteration's emissions with its launch time;
+    # the next program (fused or split) moves them to ``emit_ms``, before
+    # any policy reads them (``_tick``).
+    self._stamp = (result.emitted, launch, self._device_ms(emit_ms))
+    self.num_iterations += 1
+    outputs = self._drain(emit_ms, facts["emitted"], facts["token"], facts["finished"],
+                          facts["finish_reason"], facts["failed"],
+                          np.zeros(self.num_slots, bool))
+    if self.prefix_cache is not None:
+      self._register_prefixes(facts.get("prefix"))
+    return outputs
+
+  def _pending_stamp(self):
+    """(bool[R] emitted, f32[] launch stamp, f32[] publication time) of the
+    last fused iteration, still to be corrected on the device; a no-op
+    triple when none is pending."""
+    if self._stamp is None or self._stamp[0].shape[0] != self.num_slots:
+      return self._no_stamp(), np.float32(0), np.float32(0)
+    return self._stamp
+
+  def _no_stamp(self):
+    if self._no_stamp_mask is None or self._no_stamp_mask.shape[0] != self.num_slots:
+      self._no_stamp_mask = jax.device_put(np.zeros(self.num_slots, bool),
+                                           jax.devices()[0])
+    return self._no_stamp_mask
+
+  def _fetch(self, tree):
+    """``jax.device_get`` counted in ``host_fetches`` (blocking round trips)."""
+    self.host_fetches += 1
+    return jax.device_get(tree)
+
+  def _split_step(self, now_ms: float) -> List[RequestOutput]:
+    """The iteration program by program, with host work between them:
+    preemption (recompute or swap), resumption from a host copy, prefix
+    cache eviction and unpinning, policy rejections, validation errors, an
+    empty plan, the plan log."""
+    if self.prefix_cache is not None:
+      self._unpin_waiting_hits()
+    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
+    self.state = self._programs.tick(self.state, self._device_ms(now_ms), fix_emitted,
+                                     fix_stamp, fix_actual)
+    self._stamp = None
     plan, bad, view = self._programs.plan(self.manifest, self.state, self.pages,
                                           self._prefix_hits())
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, preempt, admit, never, decodes = jax.device_get(
+    bad, num_tokens, num_seqs, preempt, admit, never, decodes = self._fetch(
         (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never,
          jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))))
     any_preempt = preempt.any()
@@ -683,10 +841,12 @@ class Engine:
     self.kv, self.pages, self.buffers, result = self._programs.execute(
         self.params, self.kv, self.pages, self.buffers, manifest, self.state,
         _execution_view(plan), num_rows=bucket)
-    fetched = jax.device_get((result.emitted, result.token, result.finished,
-                              result.finish_reason, result.failed))
+    fetched, low = self._fetch(((result.emitted, result.token, result.finished,
+                                 result.finish_reason, result.failed),
+                                _pages_low(self.pages, self.state, self.config)))
+    self._pages_low = bool(low)
     if self._virtual:
-      features = list(jax.device_get(_step_features(plan))) + [bucket]
+      features = list(self._fetch(_step_features(plan))) + [bucket]
       self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
     emit_ms = self.now_ms()
     result = result.replace(emit_ms=jnp.float32(self._device_ms(emit_ms)),
@@ -711,7 +871,7 @@ class Engine:
     return out
 
   def _log_plan(self, plan) -> None:
-    sel, start, end, kind, rank, admit, preempt, decision, status = jax.device_get((
+    sel, start, end, kind, rank, admit, preempt, decision, status = self._fetch((
         plan.selected, plan.start, plan.end, plan.kind, plan.rank, plan.admit,
         plan.preempt, plan.decision_id, self.state.status))
     name = lambda s: self._slots[s].request_id
@@ -730,7 +890,7 @@ class Engine:
     in "swap" mode copies its committed KV pages to host memory. Returns
     i32[R] preserved prefix tokens (the result's ``preserved_end``)."""
     c = self.config
-    computed, generation, held, table, decision_id = jax.device_get((
+    computed, generation, held, table, decision_id = self._fetch((
         self.state.computed, self.state.generation, self.pages.pages_held,
         self.pages.page_table, decision_id))
     preserved = np.zeros(self.num_slots, np.int32)
@@ -761,7 +921,7 @@ class Engine:
           ids = np.full(kv_swap.page_bucket(n, c.pages_per_seq), kv_pages.NULL_PAGE,
                         np.int32)
           ids[:n] = table[slot, :n]
-          k, v = jax.device_get(self._programs.gather(self.kv, ids))
+          k, v = self._fetch(self._programs.gather(self.kv, ids))
           k, v = np.array(k[:, :n]), np.array(v[:, :n])
           preservation = pre.PreservationResult(record.binding, pre.READY, target)
         else:
@@ -877,10 +1037,10 @@ class Engine:
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, summed over
     the slot-table sizes this engine used and shared by engines with equal
-    model and engine configs. Per size, ``execute`` is bounded by
-    ``len(config.token_buckets)``; ``swap_out`` / ``swap_in`` (swap mode
-    only) by the power-of-two page counts up to ``pages_per_seq``; the
-    others by 1."""
+    model and engine configs. Per size, ``step`` (the fused iteration) and
+    ``execute`` (split path) are each is bounded by ``len(config.token_buckets)``;
+    ``swap_out`` / ``swap_in`` (swap mode only) by the power-of-two page
+    counts up to ``pages_per_seq``; the others by 1."""
     total: Dict[str, int] = {}
     for programs in self._program_sets:
       for name, n in programs.cache_sizes().items():
@@ -893,6 +1053,8 @@ class _Programs:
   """The engine's jitted functions for one (model config, engine config)."""
 
   policy: object
+  step: Callable
+  tick: Callable
   plan: Callable
   execute: Callable
   publish: Callable
@@ -950,24 +1112,30 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
   traces: Dict[str, int] = {}
   c = shape_config
   placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
-  runner = ModelRunner(model_cfg, c.attention_impl,
-                       sharding.attention_mesh(model_cfg, placement.mesh))
-  step = sim_executor.simulated_execute if c.executor == "simulated" else execute
   # Over a mesh every output keeps the sharding its input had (the cache
   # split, the tables replicated), so each program compiles once per shape.
   jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
   return _Executor(
-      execute=jit("execute", functools.partial(
-          step, model=runner, num_seqs=c.max_num_seqs, sample_rows=c.sample_rows,
-          max_model_len=c.max_model_len),
-          static_argnames=("num_rows",), donate_argnums=(1, 2, 3),
-          **placement.pinned(cache_then=3)),
-      arrive=jit("arrive", _arrive, donate_argnums=(2,)),
+      execute=jit("execute", _model_step(model_cfg, c),
+                  static_argnames=("num_rows",), donate_argnums=(1, 2, 3),
+                  **placement.pinned(cache_then=3)),
+      arrive=jit("arrive", _arrive_batch, donate_argnums=(2,)),
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
               **placement.pinned(cache_then=1)),
       traces=traces)
+
+
+def _model_step(model_cfg, config: EngineConfig) -> Callable:
+  """``execute`` (or the simulated executor, ``config.executor``) bound to the
+  engine shape; ``num_rows`` (the token bucket) is left to the caller."""
+  step = sim_executor.simulated_execute if config.executor == "simulated" else execute
+  mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
+  return functools.partial(
+      step, model=ModelRunner(model_cfg, config.attention_impl, mesh),
+      num_seqs=config.max_num_seqs, sample_rows=config.sample_rows,
+      max_model_len=config.max_model_len)
 
 
 def _counting_jit(name, fn, traces, **jit_kwargs):
@@ -1001,6 +1169,146 @@ def _plan(policy, manifest, state, pages, prefix_hits):
                                                                view)), view
 
 
+def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
+  """Publishes the clock (``apply.tick``) after moving the last fused
+  iteration's emission times from its launch stamp to its publication time.
+
+  Args:
+    now_ms: f32[] device clock (ms).
+    fix_emitted: bool[R] slots that emitted in that iteration (all False
+      when no correction is pending).
+    fix_stamp, fix_actual: f32[] the stamp it wrote and the time the host
+      saw its outputs (ms, device clock).
+  A slot is corrected only while its clocks still hold the stamp (a slot
+  refilled since holds -1), so the policy reads exactly the times the
+  program-by-program iteration would have written.
+  """
+  hit = fix_emitted & (state.last_token_ms == fix_stamp)
+  first = hit & (state.emitted == 1) & (state.first_token_ms == fix_stamp)
+  state = state.replace(
+      first_token_ms=jnp.where(first, fix_actual, state.first_token_ms),
+      last_token_ms=jnp.where(hit, fix_actual, state.last_token_ms),
+      now_ms=jnp.maximum(state.now_ms, jnp.where(jnp.any(hit), fix_actual,
+                                                  state.now_ms)))
+  return apply_lib.tick(state, now_ms)
+
+
+def _pages_low_jnp(pages, state, token_budget, seq_budget):
+  """bool[]: fewer free pages than the next iteration could need without
+  evicting cached pages or unpinning waiting hits: its new pages are at most
+  ceil(token budget / page size) + one per sequence, and unpinning needs more
+  running requests growing a page than pages free. With prefix caching, the
+  host then runs that iteration program by program at once, instead of
+  letting the fused program find out after an empty model step (arrivals
+  map cached pages, finishes free pages: neither makes it too optimistic)."""
+  bound = -(-token_budget // pages.page_size) + seq_budget
+  running = jnp.sum(state.status == rec.RUNNING)
+  return pages.num_free < jnp.maximum(bound, running)
+
+
+def _pages_low(pages, state, config: EngineConfig):
+  return _pages_low_jnp(pages, state, config.max_num_batched_tokens, config.max_num_seqs)
+
+
+def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
+  """bool[]: the iteration needs the host (the split path): a rule
+  violation to report, a preemption (host-settled, §0x0C), a request the
+  policy can never schedule, nothing scheduled, or, with prefix caching,
+  cached pages to evict for this plan or waiting prefix hits to unpin for
+  the running requests (``Engine._evict_for``, ``_unpin_waiting_hits``)."""
+  needs = ((bad_plan != 0) | jnp.any(plan.preempt) | jnp.any(never)
+           | (plan.num_seqs == 0))
+  if prefix_caching:
+    c = pages.page_size
+    pages_per_seq = pages.page_table.shape[1]
+    target = jnp.minimum(kv_pages.pages_for(plan.end, c), pages_per_seq)
+    need = jnp.sum(jnp.maximum(jnp.where(plan.selected, target - pages.pages_held, 0), 0))
+    running = state.status == rec.RUNNING
+    grow = jnp.sum(running & (kv_pages.pages_for(state.computed + 1, c) > pages.pages_held))
+    free, evictable, _ = kv_pages.page_census(pages)
+    pinned = jnp.any((state.status == rec.WAITING) & (pages.pages_held > 0))
+    needs = needs | (need > pages.num_free) | (pinned & (grow > free + evictable))
+  return needs
+
+
+def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
+                manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
+                fix_actual, *, num_rows: int):
+  """One whole iteration as one program: tick -> plan -> validate -> execute
+  -> validate -> apply, compiled per token bucket ``num_rows``.
+
+  The host passes the bucket it expects (``facts["next_bucket"]`` of the
+  last iteration: the policy's plan on the state this program publishes);
+  when the plan needs another one (an arrival, the clock), nothing is
+  committed and ``facts["bucket"]`` says which to call (the same inputs
+  give the same plan). Choosing the bucket
+  inside with ``lax.switch`` was measured and rejected: XLA:CPU copies the
+  whole KV cache in and out of the conditional every iteration.
+
+  Args:
+    policy, model_step, buckets (token-row sizes), prefix_caching: static;
+    num_rows: static token bucket of this program.
+    kv, pages, buffers: donated; manifest, state: the slot tables.
+    prefix_hits: i32[R] or None; realized: i32[R] recorded output lengths
+      (simulated executor) or None; now_ms: f32[] launch time (device ms);
+      fix_*: the last fused iteration's emission correction (``_tick``).
+
+  Returns ``(kv, pages, buffers, state, (ticked, plan, result), facts)``.
+  When ``facts["needs_host"]`` (``_host_work``) or the bucket differs,
+  nothing is committed (``facts["committed"]`` False; the model runs an
+  empty plan, so kv, pages and buffers come back unchanged); after
+  ``needs_host`` the host runs the iteration program by program. Otherwise emissions
+  are stamped with ``now_ms`` (the launch time) and corrected one step late
+  to the time the host saw them. ``facts`` is the one small pytree the host
+  fetches: needs_host, bad_result (a result rule violated: the host raises
+  ``validate.validate_result`` from ``aux``), per-slot emitted / token /
+  finished / finish_reason / failed, num_tokens, num_seqs, decodes, the
+  the bucket index, the cost-model features and, with prefix caching, (computed,
+  pages_held, page_table) for registering computed prompt pages.
+  """
+  ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
+  plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
+  never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
+  needs_host = _host_work(plan, never, bad_plan, pages, ticked, prefix_caching)
+  sizes = jnp.asarray(buckets, jnp.int32)
+  index = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(plan.num_tokens, 1)),
+                      len(buckets) - 1)
+  exec_manifest = manifest if realized is None else manifest.replace(
+      hidden_realized_output_tokens=realized)
+  view = _execution_view(plan)
+  commit = ~needs_host & (index == buckets.index(num_rows))
+  # Not committed: the model runs an empty plan (every row padding: no page
+  # allocated, no K/V or token written, nothing emitted).
+  off = lambda m: m & commit
+  run = view.replace(selected=off(view.selected), admit=off(view.admit),
+                     preempt=off(view.preempt),
+                     num_tokens=jnp.where(commit, view.num_tokens, 0),
+                     num_seqs=jnp.where(commit, view.num_seqs, 0))
+  kv, pages, buffers, result = model_step(params, kv, pages, buffers, exec_manifest,
+                                          ticked, run, num_rows=num_rows)
+  result = result.replace(emit_ms=ticked.now_ms,
+                          preserved_end=jnp.zeros_like(plan.end))
+  published, bad_result = _publish(manifest, ticked, plan, result)
+  state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
+  decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
+  # The bucket the next iteration is expected to need: the policy's plan on
+  # the published state (arrivals and the clock may still change it).
+  ahead, _, _ = _plan(policy, manifest, state, pages, prefix_hits)
+  next_bucket = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(ahead.num_tokens, 1)),
+                            len(buckets) - 1)
+  facts = dict(needs_host=needs_host, committed=commit, next_bucket=next_bucket,
+               pages_low=_pages_low_jnp(pages, published, buckets[-1],
+                                        plan.seq_budget),
+               bad_result=(bad_result != 0) & commit,
+               emitted=result.emitted, token=result.token, finished=result.finished,
+               finish_reason=result.finish_reason, failed=result.failed,
+               num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
+               bucket=index, features=cost_lib.step_features(plan))
+  if prefix_caching:
+    facts["prefix"] = (published.computed, pages.pages_held, pages.page_table)
+  return kv, pages, buffers, state, (ticked, plan, result), facts
+
+
 def _publish(manifest, state, plan, result):
   bad = validate.any_violation(validate.result_violations(plan, state, manifest, result))
   return apply_lib.apply(manifest, state, plan, result), bad
@@ -1022,6 +1330,23 @@ def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
       ignore_eos=set_(buffers.ignore_eos, a.ignore_eos),
       stop_ids=buffers.stop_ids.at[slot].set(a.stop_ids))
   return manifest, state, buffers
+
+
+def _arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hits):
+  """Writes up to ``ARRIVAL_BATCH`` arrivals, in order, in one program.
+
+  Args:
+    slots: i32[B] target slots, -1 for an empty entry (skipped).
+    arrivals: ``Arrival`` with a leading axis B; prefix_hits: i32[B].
+  """
+  def one(tables, entry):
+    slot, arrival, hit = entry
+    tables = jax.lax.cond(slot >= 0, lambda t: _arrive(*t, slot, arrival, hit),
+                          lambda t: t, tables)
+    return tables, None
+
+  tables, _ = jax.lax.scan(one, (manifest, state, buffers), (slots, arrivals, prefix_hits))
+  return tables
 
 
 def _slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placement):
@@ -1084,6 +1409,11 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
   executor = _executor(model_cfg, _shape_config(config))
   return _Programs(
       policy=policy,
+      step=jit("step", functools.partial(
+          _fused_step, policy, _model_step(model_cfg, config), config.token_buckets,
+          config.enable_prefix_caching), static_argnames=("num_rows",),
+          donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
+      tick=jit("tick", _tick),
       plan=jit("plan", functools.partial(_plan, policy)),
       execute=executor.execute,
       publish=jit("publish", _publish),

@@ -268,7 +268,8 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
   """Compiles every token-row bucket once, on throwaway engines with the
   same configs (engines with equal configs share compiled programs), for
   every slot-table size the engine can grow to while ``num_requests``
-  requests queue (so that no compile lands inside a measurement).
+  requests queue (so that no compile lands inside a measurement): the
+  fused iteration program and the split path's programs (``Engine.fused``).
 
   Returns {bucket: seconds} summed over the sizes (compile + one tiny run;
   near zero when XLA's persistent compilation cache already holds them).
@@ -283,13 +284,15 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
   for size in sizes:
     scratch = Engine(engine.model_cfg, engine.params,
                      dataclasses.replace(c, max_request_slots=size))
-    for bucket in c.token_buckets:
-      t = time.perf_counter()
-      n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
-      ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
-      scratch.add_request(f"warmup-{size}-{bucket}", ids,
-                          SamplingParams(max_tokens=2, ignore_eos=True))
-      scratch.run()
-      seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)
+    for fused in (True, False):
+      scratch.fused = fused
+      for bucket in c.token_buckets:
+        t = time.perf_counter()
+        n = max(1, min(bucket, c.long_prefill_token_threshold, c.max_model_len - 2))
+        ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
+        scratch.add_request(f"warmup-{size}-{bucket}-{fused}", ids,
+                            SamplingParams(max_tokens=2, ignore_eos=True))
+        scratch.run()
+        seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)
   print(f"compiled token buckets (s): {seconds} for slot tables {sizes}")
   return seconds
