@@ -779,8 +779,7 @@ class Engine:
 
   def _no_stamp(self):
     if self._no_stamp_mask is None or self._no_stamp_mask.shape[0] != self.num_slots:
-      self._no_stamp_mask = jax.device_put(np.zeros(self.num_slots, bool),
-                                           jax.devices()[0])
+      self._no_stamp_mask = self._placement.tables(np.zeros(self.num_slots, bool))
     return self._no_stamp_mask
 
   def _fetch(self, tree):
