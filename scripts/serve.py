@@ -47,8 +47,28 @@ _FRONT_FLAGS = ("replicas", "router", "route_log", "route_prefill_ms_per_token",
                 "route_decode_ms_per_token_per_seq", "route_aging", "port", "host")
 
 
+def _check_flags() -> None:
+  """Port and queue flags, checked before any model loads.
+
+  Raises:
+    ValueError: --port outside [1, 65535] (with --replicas, the replicas'
+      ports --port+1..--port+N too), --max_waiting < 0, --replicas < 0.
+  """
+  if FLAGS.replicas < 0:
+    raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
+                     f"got {FLAGS.replicas}")
+  last = FLAGS.port + FLAGS.replicas
+  if not (1 <= FLAGS.port and last <= 65535):
+    raise ValueError(f"--port must be in [1, 65535]"
+                     + (f" with room for the {FLAGS.replicas} replica ports after it"
+                        if FLAGS.replicas else "") + f", got {FLAGS.port}")
+  if FLAGS.max_waiting < 0:
+    raise ValueError(f"--max_waiting must be >= 0, got {FLAGS.max_waiting}")
+
+
 def main(argv):
   del argv
+  _check_flags()
   if FLAGS.replicas:
     given = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present
              and name not in _FRONT_FLAGS]

@@ -177,8 +177,9 @@ class EngineConfig:
              f"must be >= max_num_seqs ({self.max_num_seqs})", self.sample_rows)
     _require(self.dtype in ("float32", "bfloat16"), c, "dtype",
              "must be 'float32' or 'bfloat16'", self.dtype)
-    _require(self.watermark_pages >= 0, c, "watermark_pages", "must be >= 0",
-             self.watermark_pages)
+    _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
+             f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
+             f"usable pages)", self.watermark_pages)
     check_reservation(c, self.reservation, self.reservation_quantile, self.watermark_pages)
     _require(self.policy in POLICIES, c, "policy", f"must be one of {sorted(POLICIES)}",
              self.policy)

@@ -63,8 +63,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.router import RouteCost, Router
-from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, _error_response, _sse,
-                            json_body)
+from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
+                            _error_response, _sse, json_body)
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
@@ -242,7 +242,7 @@ class ReplicaFront:
         return None, Response(reply.content, status_code=reply.status_code,
                               media_type="application/json")
       return reply.json()["tokens"], None
-    return None, _error_response(RuntimeError("no replica is alive"))
+    return None, _error_response(Unavailable("no replica is alive"))
 
   # ----------------------------------------------------------- serving
   def _end(self, record: dict, outcome: str, reason: str = "") -> None:
@@ -272,7 +272,10 @@ class ReplicaFront:
       body = json_body(raw)
       if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-      if self.router.num_waiting() >= self.max_waiting:
+      # Only a request that would wait counts against the bound: with
+      # nothing waiting and a replica with room it is placed at once.
+      waits = self.router.num_waiting() > 0 or not self.router.has_room()
+      if waits and self.router.num_waiting() >= self.max_waiting:
         raise Overloaded(f"{self.router.num_waiting()} requests wait for a replica, the "
                          f"bound (--max_waiting = {self.max_waiting}); retry later")
     except Exception as e:
@@ -312,7 +315,7 @@ class ReplicaFront:
       decision = await self._place(rid, ids, max_tokens, arrival_s, record["rerouted_from"])
       if decision is None:
         self._end(record, "failed", "no replica is alive")
-        return _error_response(RuntimeError("no replica is alive"))
+        return _error_response(Unavailable("no replica is alive"))
       record["decisions"].append(decision)
       record["replica"] = replica = decision["replica"]
       upstream = None

@@ -194,6 +194,11 @@ class Router:
   def num_waiting(self) -> int:
     return len(self._waiting)
 
+  def has_room(self) -> bool:
+    """Some live replica has a free place (a request submitted now, with
+    nothing waiting, is placed at once)."""
+    return any(r.alive and len(r.live) < r.capacity for r in self.replicas)
+
   def alive(self) -> List[int]:
     return [i for i, r in enumerate(self.replicas) if r.alive]
 

@@ -95,6 +95,10 @@ class Overloaded(Exception):
   """The waiting queue is full: HTTP 429 (nothing accepted is dropped)."""
 
 
+class Unavailable(Exception):
+  """No engine can take the request now (every replica is down): HTTP 503."""
+
+
 class UnknownModel(BadRequest):
   """The body names a model this server does not serve (HTTP 400)."""
 
@@ -106,12 +110,15 @@ OVERLOAD_ERRORS: tuple = (Overloaded, QueueFull)
 
 def _error_response(exc: Exception) -> JSONResponse:
   """The one mapping from a refusal to an OpenAI-style error response:
-  OVERLOAD_ERRORS -> 429; BadRequest, and the engine's ValueError naming a
-  bad field -> 400; anything else -> 500."""
+  OVERLOAD_ERRORS -> 429; UnknownModel -> 404 (as OpenAI and vLLM);
+  Unavailable -> 503; BadRequest, and the engine's ValueError naming a bad
+  field -> 400; anything else -> 500."""
   if isinstance(exc, OVERLOAD_ERRORS):
     status, kind, code, param = 429, "rate_limit_error", "server_overloaded", None
   elif isinstance(exc, UnknownModel):
-    status, kind, code, param = 400, "invalid_request_error", "model_not_found", exc.param
+    status, kind, code, param = 404, "invalid_request_error", "model_not_found", exc.param
+  elif isinstance(exc, Unavailable):
+    status, kind, code, param = 503, "server_error", "service_unavailable", None
   elif isinstance(exc, BadRequest):
     status, kind, code, param = 400, "invalid_request_error", None, exc.param
   elif isinstance(exc, ValueError):

@@ -131,3 +131,17 @@ def test_generate_bad_sampling_flag_stops_before_loading_the_model():
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert "top_p" in proc.stderr.strip().splitlines()[-1]
   assert "model:" not in proc.stdout
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--port=70000"], "error: --port must be in [1, 65535], got 70000"),
+    (["--replicas=2", "--port=65534"],
+     "error: --port must be in [1, 65535] with room for the 2 replica ports after it"),
+    (["--max_waiting=-1"], "error: --max_waiting must be >= 0, got -1"),
+])
+def test_serve_bad_port_and_queue_flags_stop_before_loading_the_model(args, line):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/serve.py"), "--engine=cpu_small",
+                         *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(line)
+  assert "model:" not in proc.stdout

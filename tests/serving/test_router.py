@@ -93,7 +93,9 @@ def test_waiting_ties_break_on_arrival_then_request_id():
 
 def test_full_replicas_hold_requests_and_a_dead_replica_gives_back_its_requests():
   router = _router(capacities=(1, 1))
+  assert router.has_room()
   assert [_place(router, r, [i + 3] * 6)["replica"] for i, r in enumerate("ab")] == [0, 1]
+  assert not router.has_room()          # a request submitted now would wait
   router.submit("c", [9] * 6, 10, 0.0)
   assert router.dispatch(1.0) == [] and router.num_waiting() == 1
   assert router.replica_down(1) == ["b"]

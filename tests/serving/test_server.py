@@ -183,7 +183,6 @@ BAD = [
     ("beyond context", {"prompt": "the " * 5, "max_tokens": 60}, "max_tokens",
      "maximum context length is 64 tokens. However, you requested 80 tokens (20 in "
      "the prompt, 60 in the completion)"),
-    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, "model", "does not exist"),
     ("too many stop ids", {"prompt": "hi", "stop_token_ids": list(range(9))},
      "stop_token_ids", "at most 8 ids"),
     ("n > 1", {"prompt": "hi", "n": 2}, "n", "must be 1"),
@@ -212,6 +211,14 @@ def test_bad_input_gets_400_naming_field_and_rule(served, name, body, param, rul
   error = r.json()["error"]
   assert rule in error["message"] and error["param"] == param
   assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_model_not_found(served):
+  r = served.http.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+  assert r.status_code == 404, r.text
+  error = r.json()["error"]
+  assert "does not exist" in error["message"] and error["param"] == "model"
+  assert error["code"] == "model_not_found"
 
 
 def test_unsupported_fields_at_their_off_values_are_accepted(served):
