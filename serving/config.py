@@ -6,6 +6,7 @@ Presets live as JSON in ``configs/`` and load with ``EngineConfig.preset``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from pathlib import Path
 from typing import Optional, Tuple
@@ -52,7 +53,8 @@ class SamplingParams:
     c = "SamplingParams"
     _require(1 <= self.max_tokens < 2**31, c, "max_tokens", "must be in [1, 2**31)",
              self.max_tokens)
-    _require(self.temperature >= 0.0, c, "temperature", "must be >= 0", self.temperature)
+    _require(math.isfinite(self.temperature) and self.temperature >= 0.0, c, "temperature",
+             "must be finite and >= 0", self.temperature)
     _require(0 <= self.top_k < 2**31, c, "top_k", "must be in [0, 2**31) (0 = off)",
              self.top_k)
     _require(0.0 < self.top_p <= 1.0, c, "top_p", "must be in (0, 1]", self.top_p)

@@ -65,6 +65,9 @@ from serving import kv_pages
 from serving.engine import Engine, QueueFull
 
 MAX_STOP_STRINGS = 8
+# Chat roles the OpenAI API defines for text messages ("developer" is its
+# newer name for "system").
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 # OpenAI request fields this server does not implement, with the values that
 # mean "off" (accepted); any other value is a 400 naming the field, never
 # silently ignored.
@@ -666,6 +669,9 @@ class OpenAIServer:
       if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise BadRequest(f"'messages[{i}]' must be an object with a 'role' string",
                          f"messages[{i}].role")
+      if m["role"] not in CHAT_ROLES:
+        raise BadRequest(f"'messages[{i}].role' must be one of {list(CHAT_ROLES)}, got "
+                         f"{m['role']!r}", f"messages[{i}].role")
       content = m.get("content")
       if isinstance(content, list):      # [{"type": "text", "text": ...}, ...]
         if not all(isinstance(c, dict) and c.get("type") == "text" and

@@ -187,6 +187,8 @@ BAD = [
      "stop_token_ids", "at most 8 ids"),
     ("n > 1", {"prompt": "hi", "n": 2}, "n", "must be 1"),
     ("top_p", {"prompt": "hi", "top_p": 2.0}, "top_p", "must be in (0, 1]"),
+    ("temperature inf", b'{"model": "%s", "prompt": "hi", "temperature": Infinity}' % MODEL.encode(),
+     "temperature", "must be finite and >= 0"),
     ("logprobs", {"prompt": "hi", "logprobs": 2}, "logprobs", "is not supported"),
     ("echo", {"prompt": "hi", "echo": True}, "echo", "is not supported"),
     ("penalty", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty",
@@ -211,6 +213,15 @@ def test_bad_input_gets_400_naming_field_and_rule(served, name, body, param, rul
   error = r.json()["error"]
   assert rule in error["message"] and error["param"] == param
   assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_chat_role_is_400_naming_the_message(served):
+  r = served.http.post("/v1/chat/completions", json={
+      "model": MODEL, "messages": [{"role": "user", "content": "hi"},
+                                   {"role": "wizard", "content": "abracadabra"}]})
+  assert r.status_code == 400, r.text
+  error = r.json()["error"]
+  assert error["param"] == "messages[1].role" and "must be one of" in error["message"]
 
 
 def test_unknown_model_is_404_model_not_found(served):
