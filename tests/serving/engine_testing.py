@@ -1,5 +1,9 @@
 """Shared pieces of the engine tests: the tiny model, its prompts and tokenizer."""
 
+import socket
+import time
+
+import httpx
 import numpy as np
 from tokenizers import pre_tokenizers
 
@@ -32,3 +36,35 @@ def tiny_tokenizer():
     tokens.append("Ġ" + next(pairs))
   return Tokenizer(build_bpe_tokenizer(tokens, [], [3, 3, 3] + [1] * (len(tokens) - 3)),
                    eos_token_id=1, chat_template=CHAT_TEMPLATE)
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def wait_until(cond, timeout_s: float = 30.0) -> None:
+  """Polls ``cond()`` every 20 ms; fails the test after ``timeout_s``."""
+  deadline = time.monotonic() + timeout_s
+  while not cond():
+    assert time.monotonic() < deadline, "condition not met in time"
+    time.sleep(0.02)
+
+
+class HttpApp:
+  """A FastAPI app served by uvicorn in a thread on a free port, with an
+  httpx client at ``http``; ``close()`` stops both."""
+
+  def __init__(self, app, join_timeout_s: float = 60.0):
+    from serving.server import serve_in_thread
+    self.uvicorn, self.thread, port = serve_in_thread(app)
+    self.url = f"http://127.0.0.1:{port}"
+    self.http = httpx.Client(base_url=self.url, timeout=60)
+    self._join_timeout_s = join_timeout_s
+
+  def close(self):
+    self.http.close()
+    self.uvicorn.should_exit = True
+    self.thread.join(timeout=self._join_timeout_s)

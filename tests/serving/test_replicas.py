@@ -3,10 +3,8 @@ processes (tests/serving/replica_testing.py, the tiny model), real HTTP, the
 official ``openai`` client, and a replica killed mid-run."""
 
 import json
-import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -14,38 +12,18 @@ import openai
 import pytest
 
 from serving.replicas import ReplicaFront, route_summary, spawn_replica, wait_ready
-from serving.server import serve_in_thread
-from tests.serving.engine_testing import tiny_tokenizer
+from tests.serving.engine_testing import HttpApp, tiny_tokenizer
+from tests.serving.engine_testing import free_port as _free_port, wait_until as _wait
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = tiny_tokenizer()
 STEP_DELAY_MS = 30          # >= 30 ms per step: a 50-token request runs >= 1.5 s
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _wait(cond, timeout_s=30.0):
-  deadline = time.monotonic() + timeout_s
-  while not cond():
-    assert time.monotonic() < deadline, "condition not met in time"
-    time.sleep(0.02)
-
-
-class _Front:
+class _Front(HttpApp):
   def __init__(self, urls, processes, facts, policy, log_path):
     self.front = ReplicaFront(urls, processes, facts, policy=policy, route_log=str(log_path))
-    self.uvicorn, self.thread, port = serve_in_thread(self.front.app)
-    self.url = f"http://127.0.0.1:{port}"
-    self.http = httpx.Client(base_url=self.url, timeout=60)
-
-  def close(self):
-    self.http.close()
-    self.uvicorn.should_exit = True
-    self.thread.join(timeout=60)
+    super().__init__(self.front.app)
 
 
 @pytest.fixture(scope="module")

@@ -18,25 +18,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
-from serving.server import ARRIVAL_HEADER, OpenAIServer, serve_in_thread
-from tests.serving.engine_testing import CFG, tiny_tokenizer
+from serving.server import ARRIVAL_HEADER, OpenAIServer
+from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
+from tests.serving.engine_testing import wait_until as _wait
 
 BASE = EngineConfig.preset("tiny")          # 8 slots, max_model_len 64
 MODEL = "tiny"
 TOK = tiny_tokenizer()
 
 
-class _Served:
+class _Served(HttpApp):
   def __init__(self, params, max_waiting):
     self.server = OpenAIServer(Engine(CFG, params, BASE), TOK, MODEL, max_waiting=max_waiting)
-    self.uvicorn, self.thread, port = serve_in_thread(self.server.app)
-    self.url = f"http://127.0.0.1:{port}"
-    self.http = httpx.Client(base_url=self.url, timeout=60)
-
-  def close(self):
-    self.http.close()
-    self.uvicorn.should_exit = True
-    self.thread.join(timeout=30)
+    super().__init__(self.server.app, join_timeout_s=30)
 
   def metrics(self):
     text = self.http.get("/metrics").text
@@ -60,13 +54,6 @@ def _greedy_text(params, prompt_ids, max_tokens):
   req = Engine(CFG, params, BASE).generate([prompt_ids], SamplingParams(
       max_tokens=max_tokens, ignore_eos=True))[0]
   return req.output_token_ids, TOK.decode(req.output_token_ids, skip_special_tokens=True)
-
-
-def _wait(cond, timeout_s=30.0):
-  deadline = time.monotonic() + timeout_s
-  while not cond():
-    assert time.monotonic() < deadline, "condition not met in time"
-    time.sleep(0.02)
 
 
 def test_openai_client_completion_and_streamed_chat(served, params):
