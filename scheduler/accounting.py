@@ -15,7 +15,6 @@ rows), ``_bytes``, ``_ms``.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, List, Sequence
 
 KIB = 1024

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 
-from serving import launch, metrics, workloads
+from serving import launch, metrics
 from serving.engine import Engine
 from serving.replay import replay, run_config
 

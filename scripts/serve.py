@@ -59,7 +59,7 @@ def _check_flags() -> None:
                      f"got {FLAGS.replicas}")
   last = FLAGS.port + FLAGS.replicas
   if not (1 <= FLAGS.port and last <= 65535):
-    raise ValueError(f"--port must be in [1, 65535]"
+    raise ValueError("--port must be in [1, 65535]"
                      + (f" with room for the {FLAGS.replicas} replica ports after it"
                         if FLAGS.replicas else "") + f", got {FLAGS.port}")
   if FLAGS.max_waiting < 0:

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import json
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Tuple
 
 from attention.ragged import IMPLS
 from models.sharding import parse_mesh

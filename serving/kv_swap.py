@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 from typing import Dict
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

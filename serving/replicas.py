@@ -59,7 +59,7 @@ from typing import Dict, List, Optional, Sequence
 import httpx
 import prometheus_client as prom
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.router import RouteCost, Router

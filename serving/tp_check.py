@@ -25,7 +25,6 @@ import dataclasses
 import time
 from typing import Dict, List, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
