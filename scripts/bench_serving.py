@@ -30,10 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx
 from absl import app, flags
 
-from serving import launch, metrics, replicas, workloads
+from serving import cli, launch, metrics, replicas, workloads
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL.")
+flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL, with or without "
+                    "the /v1 suffix (http://host:port or http://host:port/v1).")
 flags.DEFINE_string("model", None, "Model name to send (default: the server's only model).")
 flags.DEFINE_string("out", "runs/bench_serving.json", "Report JSON path.")
 flags.DEFINE_float("timeout_s", 1800.0, "Per-request HTTP timeout (s).")
@@ -85,9 +86,44 @@ async def _one(client, spec, model, origin):
       finish_reason=reason, clipped=spec.clipped)
 
 
-async def _run(workload, model):
+def base_url(url: str) -> str:
+  """The server root from --url: a trailing '/' and '/v1' dropped (the
+  OpenAI clients' base_url ends in /v1; this script adds the paths itself).
+
+  Raises:
+    ValueError: not an http(s) URL with a host.
+  """
+  try:
+    parsed = httpx.URL(url) if "://" in url else None
+  except httpx.InvalidURL:
+    parsed = None
+  if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+    raise ValueError(f"--url must be an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+  root = url.rstrip("/")
+  return root.removesuffix("/v1").rstrip("/")
+
+
+def server_model(root: str) -> dict:
+  """The first model ``GET {root}/v1/models`` lists.
+
+  Raises:
+    ValueError: the server cannot be reached, or its answer is not an
+      OpenAI model list.
+  """
+  try:
+    reply = httpx.get(f"{root}/v1/models", timeout=30)
+  except httpx.TransportError as e:
+    raise ValueError(f"cannot reach {root} (--url): {type(e).__name__}: {e}") from None
+  try:
+    return reply.raise_for_status().json()["data"][0]
+  except (httpx.HTTPStatusError, ValueError, KeyError, IndexError, TypeError):
+    raise ValueError(f"{root}/v1/models (--url) is not an OpenAI model list: HTTP "
+                     f"{reply.status_code} {reply.text[:200]!r}") from None
+
+
+async def _run(workload, model, root):
   limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-  async with httpx.AsyncClient(base_url=FLAGS.url, timeout=FLAGS.timeout_s,
+  async with httpx.AsyncClient(base_url=root, timeout=FLAGS.timeout_s,
                                limits=limits) as client:
     origin = time.perf_counter()
     records = await asyncio.gather(*[_one(client, s, model, origin) for s in workload])
@@ -97,18 +133,19 @@ async def _run(workload, model):
 def main(argv):
   del argv
   logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
-  info = httpx.get(f"{FLAGS.url}/v1/models", timeout=30).json()["data"][0]
+  root = base_url(FLAGS.url)
+  info = server_model(root)
   model = FLAGS.model or info["id"]
   workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
-        f"({workload.source}) against {FLAGS.url} ({model})")
-  records, duration_s = asyncio.run(_run(workload, model))
-  config = {"model": model, "server": FLAGS.url, "client": "HTTP streaming (SSE), "
+        f"({workload.source}) against {root} ({model})")
+  records, duration_s = asyncio.run(_run(workload, model, root))
+  config = {"model": model, "server": root, "client": "HTTP streaming (SSE), "
             "client-side timestamps", "max_model_len": info["max_model_len"],
             "workload": workload.describe()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   print(metrics.format_table(report))
-  routed = httpx.get(f"{FLAGS.url}/router", timeout=60)
+  routed = httpx.get(f"{root}/router", timeout=60)
   if routed.status_code == 200:                    # a router front
     report["router"] = summary = replicas.route_summary(routed.json())
     rates = ", ".join(f"replica {r['replica']}: {r['prefix_cache_hit_rate']:.3f} "
@@ -120,4 +157,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

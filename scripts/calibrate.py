@@ -29,7 +29,7 @@ import numpy as np
 from absl import app, flags
 
 from serving import cost_model as cost_lib
-from serving import launch, workloads
+from serving import cli, launch, workloads
 from serving.config import SamplingParams
 from serving.engine import Engine
 from serving.replay import replay
@@ -140,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags
 
-from serving import launch
+from serving import cli, launch
 from serving.config import SamplingParams
 
 FLAGS = flags.FLAGS
@@ -53,33 +53,45 @@ def _mt_bench_first_turns(path: str, num: int):
   return turns
 
 
-def collect_prompts(tokenizer):
+def prompt_texts():
+  """(request id, text, is_chat) of every --prompt, --chat and --mt_bench
+  turn, checked before the model loads.
+
+  Raises:
+    ValueError: an empty --prompt or --chat, no prompt at all, or a bad
+      --mt_bench file.
+  """
   if any(not text for text in FLAGS.prompt + FLAGS.chat):
     raise ValueError("--prompt and --chat must be non-empty text")
-  items = [(f"prompt-{i}", text, tokenizer.encode(text)) for i, text in enumerate(FLAGS.prompt)]
   chats = list(FLAGS.chat)
   if FLAGS.mt_bench:
     chats += _mt_bench_first_turns(FLAGS.mt_bench, FLAGS.num)
-  for i, text in enumerate(chats):
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True)
-    items.append((f"chat-{i}", text, tokenizer.encode(rendered)))
+  items = [(f"prompt-{i}", text, False) for i, text in enumerate(FLAGS.prompt)]
+  items += [(f"chat-{i}", text, True) for i, text in enumerate(chats)]
   if not items:
     raise ValueError("give at least one --prompt, --chat or --mt_bench")
   return items
 
 
+def _token_ids(tokenizer, text: str, chat: bool):
+  if chat:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True)
+  return tokenizer.encode(text)
+
+
 def main(argv):
   del argv
-  # Checked before the model loads: a bad sampling flag is one line, not a
-  # wait for the weights first.
+  # Checked before the model loads: a bad sampling flag or a missing prompt
+  # is one line, not a wait for the weights first.
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                             top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
+  texts = prompt_texts()
   engine, _, tokenizer = launch.build_engine()
   detok = {}
-  for rid, text, ids in collect_prompts(tokenizer):
+  for rid, text, chat in texts:
     print(f"[{rid}] >>> {text}")
-    engine.add_request(rid, ids, sampling)
+    engine.add_request(rid, _token_ids(tokenizer, text, chat), sampling)
     detok[rid] = tokenizer.detokenizer(skip_special_tokens=True)
   single = len(detok) == 1
   pending = {rid: "" for rid in detok}   # several answers: streamed by line
@@ -108,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

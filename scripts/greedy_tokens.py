@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags
 import jax
 
-from serving import launch
+from serving import cli, launch
 from serving.config import SamplingParams
 from serving.engine import Engine
 
@@ -77,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

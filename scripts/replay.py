@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags
 from tqdm import tqdm
 
-from serving import launch, ledger, metrics, workloads
+from serving import cli, launch, ledger, metrics, workloads
 from serving.replay import replay, run_config
 
 FLAGS = flags.FLAGS
@@ -112,4 +112,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

@@ -11,16 +11,17 @@ process is a router front over N replica processes (serving/replicas.py,
 serving/router.py; GET /router has each request's route record).
 """
 
+import errno
 import os
+import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import uvicorn
 from absl import app, flags
 
-from serving import launch, replicas, router
-from serving.server import OpenAIServer
+from serving import cli, launch, replicas, router
+from serving.server import OpenAIServer, bind_socket, serve_forever
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
@@ -47,12 +48,16 @@ _FRONT_FLAGS = ("replicas", "router", "route_log", "route_prefill_ms_per_token",
                 "route_decode_ms_per_token_per_seq", "route_aging", "port", "host")
 
 
-def _check_flags() -> None:
-  """Port and queue flags, checked before any model loads.
+def _check_flags() -> socket.socket:
+  """Port and queue flags, checked before any model loads. Returns the
+  socket bound to --host:--port (served on once the model is ready, so
+  that nothing else can take the port meanwhile).
 
   Raises:
     ValueError: --port outside [1, 65535] (with --replicas, the replicas'
-      ports --port+1..--port+N too), --max_waiting < 0, --replicas < 0.
+      ports --port+1..--port+N too), --max_waiting < 0, --replicas < 0, or
+      --host:--port (or a replica port on 127.0.0.1) cannot be bound: in
+      use, or not an address of this machine.
   """
   if FLAGS.replicas < 0:
     raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
@@ -64,19 +69,40 @@ def _check_flags() -> None:
                         if FLAGS.replicas else "") + f", got {FLAGS.port}")
   if FLAGS.max_waiting < 0:
     raise ValueError(f"--max_waiting must be >= 0, got {FLAGS.max_waiting}")
+  for i in range(1, FLAGS.replicas + 1):       # the replicas bind these themselves
+    try:
+      bind_socket("127.0.0.1", FLAGS.port + i).close()
+    except OSError as e:
+      raise ValueError(f"--port={FLAGS.port}: replica {i - 1}'s port 127.0.0.1:"
+                       f"{FLAGS.port + i} cannot be bound ({e.strerror or e})") from None
+  try:
+    return bind_socket(FLAGS.host, FLAGS.port)
+  except OSError as e:
+    flag = (f"--port={FLAGS.port}" if e.errno in (errno.EADDRINUSE, errno.EACCES)
+            else f"--host={FLAGS.host}")
+    raise ValueError(f"{flag}: cannot listen on {FLAGS.host}:{FLAGS.port} "
+                     f"({e.strerror or e})") from None
 
 
 def main(argv):
   del argv
-  _check_flags()
+  sock = _check_flags()
   if FLAGS.replicas:
     given = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present
              and name not in _FRONT_FLAGS]
     cost = router.RouteCost(FLAGS.route_prefill_ms_per_token,
                             FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
-    replicas.run_front([sys.executable, os.path.abspath(__file__), *given, "--replicas=0"],
-                       FLAGS.replicas, host=FLAGS.host, port=FLAGS.port, policy=FLAGS.router,
-                       cost=cost, route_log=FLAGS.route_log, max_waiting=FLAGS.max_waiting)
+    try:
+      replicas.run_front([sys.executable, os.path.abspath(__file__), *given, "--replicas=0"],
+                         FLAGS.replicas, host=FLAGS.host, port=FLAGS.port,
+                         policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
+                         max_waiting=FLAGS.max_waiting, sock=sock)
+    except replicas.ReplicaExited as e:          # e.g. an engine flag it refused
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(cli.USAGE_ERROR if e.status == cli.USAGE_ERROR else 1)
+    except RuntimeError as e:                    # not ready in time
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
     return
   engine, _, tokenizer = launch.build_engine()
   if FLAGS.warmup:
@@ -84,8 +110,8 @@ def main(argv):
   server = OpenAIServer(engine, tokenizer, FLAGS.served_model_name or FLAGS.model,
                         max_waiting=FLAGS.max_waiting)
   print(f"serving {server.model_name!r} on http://{FLAGS.host}:{FLAGS.port}/v1", flush=True)
-  uvicorn.run(server.app, host=FLAGS.host, port=FLAGS.port, log_level="warning")
+  serve_forever(server.app, sock)
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags
 
 from models.config import get_config
-from serving import ablation, launch, ledger, metrics, workloads
+from serving import ablation, cli, launch, ledger, metrics, workloads
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.replay import replay, run_config
@@ -272,4 +272,4 @@ def finish(result):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main))
+  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)

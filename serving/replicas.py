@@ -52,7 +52,10 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import socket
 import subprocess
+import sys
+import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -64,7 +67,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.router import RouteCost, Router
 from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
-                            _error_response, _sse, json_body)
+                            _error_response, _sse, bind_socket, json_body, model_card,
+                            model_routes, serve_forever)
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
@@ -72,37 +76,85 @@ MAX_RECORDS = 10_000            # route records GET /router keeps (bounded memor
 _PROBE_TIMEOUT_S = 2.0
 
 
-def spawn_replica(argv: Sequence[str], port: int, cwd: Optional[str] = None
-                  ) -> subprocess.Popen:
-  """Starts one replica server: ``argv`` plus ``--port=port`` (in ``cwd``)."""
-  return subprocess.Popen([*argv, f"--port={port}"], cwd=cwd)
+class ReplicaExited(RuntimeError):
+  """A replica process exited before it was ready.
+
+  Attributes:
+    replica: its index; status: its exit status (negative: killed by that
+    signal; 2: it refused its flags); last_line: its last stderr line ("" if
+    none).
+  """
+
+  def __init__(self, replica: int, url: str, status: int, last_line: str):
+    reason = last_line.removeprefix("error: ") if last_line else "no error output"
+    super().__init__(f"replica {replica} ({url}) exited with status {status} before it "
+                     f"was ready: {reason}")
+    self.replica, self.status, self.last_line = replica, status, last_line
+
+
+def _relay_stderr(process: subprocess.Popen, label: str) -> None:
+  """Copies the replica's stderr to ours, each line prefixed by ``[label]``,
+  and keeps its last lines in ``process.stderr_tail``."""
+  for line in process.stderr:
+    process.stderr_tail.append(line.decode(errors="replace").rstrip("\n"))
+    sys.stderr.buffer.write(f"[{label}] ".encode() + line)
+    sys.stderr.flush()
+
+
+def spawn_replica(argv: Sequence[str], port: int, cwd: Optional[str] = None,
+                  label: Optional[str] = None) -> subprocess.Popen:
+  """Starts one replica server: ``argv`` plus ``--port=port`` (in ``cwd``).
+
+  Its stderr goes to ours, each line prefixed by ``[label]`` (default
+  ``replica :port``); the process keeps its last 20 stderr lines in
+  ``stderr_tail`` (``wait_ready`` names the last one when it exits early).
+  """
+  process = subprocess.Popen([*argv, f"--port={port}"], cwd=cwd, stderr=subprocess.PIPE)
+  process.stderr_tail = collections.deque(maxlen=20)
+  process.stderr_relay = threading.Thread(
+      target=_relay_stderr, args=(process, label or f"replica :{port}"), daemon=True)
+  process.stderr_relay.start()
+  return process
+
+
+def _last_stderr_line(process: subprocess.Popen) -> str:
+  relay = getattr(process, "stderr_relay", None)
+  if relay is not None:
+    relay.join(timeout=5)              # the pipe ends when the process has exited
+  tail = [line for line in getattr(process, "stderr_tail", ()) if line.strip()]
+  return tail[-1].strip() if tail else ""
 
 
 def wait_ready(urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
                timeout_s: float = 600.0) -> List[dict]:
   """Waits until every replica answers ``/health``; returns each one's
-  ``/engine`` facts.
+  ``/engine`` facts. Every replica is checked each round, so one that exits
+  is reported at once, not after the others are ready.
 
   Raises:
-    RuntimeError: a replica process exited, or not ready within timeout_s.
+    ReplicaExited: a replica process exited first (names its last stderr
+      line, e.g. the flag it refused).
+    RuntimeError: not every replica was ready within timeout_s.
   """
   deadline = time.monotonic() + timeout_s
-  facts = []
-  for url, process in zip(urls, processes):
-    while True:
+  facts: Dict[int, dict] = {}
+  while True:
+    for i, (url, process) in enumerate(zip(urls, processes)):
+      if i in facts:
+        continue
       if process is not None and process.poll() is not None:
-        raise RuntimeError(f"replica {url} exited with status {process.returncode} "
-                           f"before it was ready")
+        raise ReplicaExited(i, url, process.returncode, _last_stderr_line(process))
       try:
         if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-          facts.append(httpx.get(f"{url}/engine", timeout=10).json())
-          break
+          facts[i] = httpx.get(f"{url}/engine", timeout=10).json()
       except httpx.HTTPError:
         pass
-      if time.monotonic() > deadline:
-        raise RuntimeError(f"replica {url} not ready within {timeout_s} s")
-      time.sleep(0.2)
-  return facts
+    if len(facts) == len(urls):
+      return [facts[i] for i in range(len(urls))]
+    if time.monotonic() > deadline:
+      late = [urls[i] for i in range(len(urls)) if i not in facts]
+      raise RuntimeError(f"replicas {late} not ready within {timeout_s} s")
+    time.sleep(0.2)
 
 
 def _stream_error(tail: bytes) -> Optional[dict]:
@@ -146,6 +198,7 @@ class ReplicaFront:
       raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     self.urls, self.processes, self.facts = list(urls), list(processes), list(facts)
     self.model_name = facts[0]["model"]
+    self.created = int(time.time())
     self.max_model_len = min(f["max_model_len"] for f in facts)
     self.router = Router([f["max_request_slots"] for f in facts],
                          [f["num_pages"] - 1 if f["enable_prefix_caching"] else 0
@@ -415,11 +468,7 @@ class ReplicaFront:
     async def health():
       return Response(status_code=200 if self.router.alive() else 503)
 
-    @app.get("/v1/models")
-    async def models():
-      return {"object": "list", "data": [{
-          "id": self.model_name, "object": "model", "owned_by": "iterserve",
-          "max_model_len": self.max_model_len}]}
+    model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len))
 
     @app.get("/metrics")
     async def metrics():
@@ -463,32 +512,40 @@ def route_summary(router_report: dict) -> dict:
 
 def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port: int,
               policy: str, cost: RouteCost, route_log: Optional[str], max_waiting: int,
-              ready_timeout_s: float = 1800.0) -> None:
+              ready_timeout_s: float = 1800.0, sock: Optional[socket.socket] = None) -> None:
   """Spawns ``num_replicas`` replica servers on ``port + 1 ...`` and serves the
-  front on ``host:port`` until interrupted (the replicas stop with it).
+  front on ``host:port`` (on ``sock`` when given: bound before anything
+  loads, ``serving.server.bind_socket``) until interrupted (the replicas
+  stop with it).
 
   Raises:
     ValueError: num_replicas < 1.
-    RuntimeError: a replica did not come up (the others are stopped).
+    ReplicaExited: a replica exited before it was ready (the others are
+      stopped).
+    RuntimeError: a replica was not ready within ready_timeout_s (all are
+      stopped).
   """
   import logging
-
-  import uvicorn
 
   logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
   if num_replicas < 1:
     raise ValueError(f"--replicas must be >= 1 for a front, got {num_replicas}")
   ports = [port + 1 + i for i in range(num_replicas)]
-  processes = [spawn_replica(replica_argv, p) for p in ports]
+  processes = [spawn_replica(replica_argv, p, label=f"replica {i}")
+               for i, p in enumerate(ports)]
   urls = [f"http://127.0.0.1:{p}" for p in ports]
   try:
     facts = wait_ready(urls, processes, ready_timeout_s)
   except BaseException:
     for process in processes:
-      process.terminate()
+      if process.poll() is None:
+        process.terminate()
+    for process in processes:
+      with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
     raise
   front = ReplicaFront(urls, processes, facts, policy=policy, cost=cost,
                        route_log=route_log, max_waiting=max_waiting)
   print(f"routing {front.model_name!r} over {num_replicas} replicas ({policy}) on "
         f"http://{host}:{port}/v1", flush=True)
-  uvicorn.run(front.app, host=host, port=port, log_level="warning")
+  serve_forever(front.app, sock if sock is not None else bind_socket(host, port))

@@ -2,9 +2,9 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream`` true: server-sent events in OpenAI's chunk format ending with
-``data: [DONE]``, or false), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text; vLLM's metric names where one exists),
-and for a router front (``serving.replicas``) ``POST /tokenize`` (a body's
+``data: [DONE]``, or false), ``GET /v1/models`` and ``GET /v1/models/{id}``,
+``GET /health``, ``GET /metrics`` (Prometheus text; vLLM's metric names where
+one exists), and for a router front (``serving.replicas``) ``POST /tokenize`` (a body's
 prompt token ids) and ``GET /engine`` (page size, pages, slots). A stream
 carries ``usage`` only when ``stream_options.include_usage`` is true: null
 on every chunk, then one last chunk with no choices and the usage (OpenAI).
@@ -162,6 +162,8 @@ class ParsedRequest:
   priority: int
   client: str
   extra: Dict[str, Any]      # engine keyword arguments (e.g. SLO targets)
+  prompt_field: str = "prompt"          # or "messages": the body field of the prompt
+  max_tokens_field: str = "max_tokens"  # or "max_completion_tokens", as the body named it
 
 
 # ------------------------------------------------------------- per request
@@ -290,9 +292,10 @@ class EngineLoop:
       return
     self._live[live.rid] = live
     self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
+    if req.finished:          # rejected at once (can never fit the KV cache): its
+      self._end(live, req)    # "end" is the first event, a 400 before any stream
+      return
     live.push({"type": "accepted"})
-    if req.finished:                      # rejected at once (can never fit)
-      self._end(live, req)
 
   def _stamp_queue_time(self, start_ms: float, outputs) -> None:
     """Queue time (arrival -> start of the first iteration that scheduled
@@ -519,6 +522,30 @@ def json_body(raw: bytes) -> Any:
     raise BadRequest(f"the request body is not valid JSON ({e})") from None
 
 
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+  """A served model as ``GET /v1/models`` lists it and ``GET /v1/models/{id}``
+  returns it (OpenAI's model object, plus vLLM's ``max_model_len``)."""
+  return {"id": name, "object": "model", "created": created, "owned_by": "iterserve",
+          "max_model_len": max_model_len}
+
+
+def model_routes(app: FastAPI, card) -> None:
+  """``GET /v1/models`` and ``GET /v1/models/{id}`` for the one model
+  ``card()`` describes; another id is a 404 ``model_not_found`` (OpenAI)."""
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [card()]}
+
+  @app.get("/v1/models/{model_id:path}")
+  async def model(model_id: str):
+    served = card()
+    if model_id != served["id"]:
+      return _error_response(UnknownModel(f"model {model_id!r} does not exist; this "
+                                          f"server serves {served['id']!r}", "model"))
+    return served
+
+
 def _sse(payload) -> bytes:
   return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -578,6 +605,8 @@ class OpenAIServer:
       field = "max_completion_tokens"
     else:
       field = "max_tokens"
+    # The field a "too long" refusal names: the one the body gave (default max_tokens).
+    max_tokens_field = field if field in body else "max_tokens"
     if max_tokens is None:
       max_tokens = self.default_max_tokens or self.max_model_len - len(ids)
       max_tokens = min(max_tokens, self.max_model_len - len(ids))
@@ -639,7 +668,9 @@ class OpenAIServer:
       if value <= 0:
         raise BadRequest(f"'{field}' must be > 0 ms, got {value}", field)
       extra[keyword] = float(value)
-    return ParsedRequest(ids, sampling, stop, stream, include_usage, priority, client, extra)
+    return ParsedRequest(ids, sampling, stop, stream, include_usage, priority, client, extra,
+                         prompt_field="messages" if chat else "prompt",
+                         max_tokens_field=max_tokens_field)
 
   def _completion_prompt(self, body: dict) -> List[int]:
     prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
@@ -705,11 +736,7 @@ class OpenAIServer:
         return Response(status_code=503)
       return Response(status_code=200)
 
-    @app.get("/v1/models")
-    async def models():
-      return {"object": "list", "data": [{
-          "id": self.model_name, "object": "model", "created": self.created,
-          "owned_by": "iterserve", "max_model_len": self.max_model_len}]}
+    model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len))
 
     @app.get("/engine")
     async def engine_facts():
@@ -771,12 +798,25 @@ class OpenAIServer:
     first = await events.get()
     if first["type"] == "refused":
       return _error_response(first["exc"])
+    if first["type"] == "end":           # rejected at once: can never fit the KV cache
+      return _error_response(self._rejected_at_once(parsed, first["reason"]))
     if first["type"] == "error":
       return _error_response(RuntimeError(first["error"]))
     if parsed.stream:
       return StreamingResponse(self._stream(rid, parsed, events, chat),
                                media_type="text/event-stream")
     return await self._complete(request, rid, events, chat)
+
+  def _rejected_at_once(self, parsed: ParsedRequest, reason: str) -> BadRequest:
+    """The 400 of a request the engine rejected on arrival (its KV rows,
+    prompt + max_tokens - 1, need more pages than the cache has). ``param``
+    names the field to shorten: the prompt when the prompt alone (one output
+    token) needs more pages than the cache has, else max_tokens."""
+    c = self.engine.config
+    prompt_rows = min(rec.kv_rows(len(parsed.prompt_token_ids), 1), c.max_model_len - 1)
+    too_long = kv_pages.pages_for(prompt_rows, c.page_size) > c.num_pages - 1
+    return BadRequest(f"request rejected: {reason}",
+                      parsed.prompt_field if too_long else parsed.max_tokens_field)
 
   def _head(self, rid: str, chat: bool, chunk: bool) -> dict:
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
@@ -859,6 +899,30 @@ class OpenAIServer:
         self.loop.abort(rid)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+  """A TCP socket bound to ``host:port`` as uvicorn binds one (SO_REUSEADDR;
+  IPv6 when ``host`` holds a ':'); port 0 picks a free port. A launcher
+  binds before it loads a model, so that a port in use is refused at once.
+
+  Raises:
+    OSError: the address is in use, or ``host`` is not an address here.
+  """
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  sock = socket.socket(family, socket.SOCK_STREAM)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  try:
+    sock.bind((host, port))
+  except OSError:
+    sock.close()
+    raise
+  return sock
+
+
+def serve_forever(app: FastAPI, sock: socket.socket) -> None:
+  """Runs ``app`` under uvicorn on the bound ``sock`` until interrupted."""
+  uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
   """Runs ``app`` under uvicorn in a daemon thread (tests, benchmarks).
 
@@ -866,9 +930,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
     ``(server, thread, port)``: ``server.should_exit = True`` and
     ``thread.join()`` stop it; ``port`` is the bound port (0 picks a free one).
   """
-  sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-  sock.bind((host, port))
+  sock = bind_socket(host, port)
   server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
   thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
   thread.start()

@@ -410,3 +410,46 @@ def test_forwarded_arrival_header_sets_the_request_clock(served):
   for value in (repr(time.monotonic() + 60), "soon"):
     bad = served.http.post("/v1/completions", json=body, headers={ARRIVAL_HEADER: value})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == ARRIVAL_HEADER
+
+
+def test_model_is_served_at_its_own_path_and_others_are_404(served):
+  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  (listed,) = client.models.list().data
+  got = client.models.retrieve(MODEL)
+  assert got.model_dump() == listed.model_dump()
+  assert (got.id, got.object, got.created) == (MODEL, "model", served.server.created)
+  missing = served.http.get("/v1/models/gpt-9")
+  assert missing.status_code == 404
+  assert missing.json()["error"]["code"] == "model_not_found"
+  assert missing.json()["error"]["param"] == "model"
+
+
+def test_request_that_can_never_fit_the_kv_cache_is_400_naming_the_field(params):
+  """7 usable pages of 4 rows (28 KV rows): rejected on arrival, before any
+  stream, with ``param`` the field to shorten (hand-counted rows)."""
+  small = OpenAIServer(Engine(CFG, params, EngineConfig.preset("tiny", num_pages=8)), TOK,
+                       MODEL)
+  app = HttpApp(small.app, join_timeout_s=30)
+  try:
+    prompt = list(range(10, 30))                      # 20 prompt rows
+    cases = [  # (path, body, param): rows = prompt + max_tokens - 1
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 10}, "max_tokens"),   # 29
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 10, "stream": True},
+         "max_tokens"),
+        ("/v1/completions", {"prompt": list(range(10, 40)), "max_tokens": 1},      # 30
+         "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "max_completion_tokens": 40}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 40}],
+                                  "max_tokens": 1}, "messages"),
+    ]
+    for path, body, param in cases:
+      r = app.http.post(path, json={"model": MODEL, **body})
+      assert r.status_code == 400, (body, r.text)
+      error = r.json()["error"]
+      assert error["param"] == param, (body, error)
+      assert "the cache has 7" in error["message"]
+    text = app.http.get("/metrics").text
+    assert 'iterserve:requests_total{model_name="tiny",outcome="rejected"} 5.0' in text
+  finally:
+    app.close()

@@ -1,0 +1,60 @@
+"""Launcher refusals that need no model: each is one line naming the flag,
+exit status 2, before any model loads (no SmolLM2 weights needed)."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.serving.engine_testing import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script, *args):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "model:" not in proc.stdout             # refused before a model loaded
+  return proc.returncode, proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_flag_every_replica_refuses_is_one_line_from_the_front():
+  port = free_port()
+  status, last = _run("serve.py", f"--port={port}", "--replicas=1", "--num_pages=1")
+  assert status == 2
+  assert last == (f"error: replica 0 (http://127.0.0.1:{port + 1}) exited with status 2 "
+                  f"before it was ready: --num_pages must be >= 2 (page 0 is the null "
+                  f"page), got 1")
+
+
+def test_a_port_in_use_is_refused_before_loading():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    status, last = _run("serve.py", f"--port={port}")
+    assert (status, last) == (2, f"error: --port={port}: cannot listen on "
+                                 f"127.0.0.1:{port} (Address already in use)")
+
+
+@pytest.mark.parametrize("script,args,line", [
+    ("generate.py", [], "error: give at least one --prompt, --chat or --mt_bench"),
+    ("serve.py", ["--router=nearest"],
+     "error: flag --router=nearest: value should be one of <prefix_aware|round_robin> "
+     "(--helpfull lists the flags)"),
+])
+def test_bad_input_is_one_line_and_exit_2(script, args, line):
+  status, last = _run(script, *args)
+  assert status == 2 and last.startswith(line), last
+
+
+def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
+  port = free_port()
+  status, last = _run("bench_serving.py", f"--url=http://127.0.0.1:{port}/v1/",
+                      f"--out={tmp_path / 'r.json'}")
+  assert status == 2
+  assert last.startswith(f"error: cannot reach http://127.0.0.1:{port} (--url): ConnectError")
+  assert not (tmp_path / "r.json").exists()
