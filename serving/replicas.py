@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -63,6 +64,7 @@ import httpx
 import prometheus_client as prom
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.router import RouteCost, Router
@@ -210,6 +212,7 @@ class ReplicaFront:
     self._futures: Dict[str, asyncio.Future] = {}
     self._ids = itertools.count()
     self._tokenize_turn = itertools.count()
+    self._pidfds: Dict[int, int] = {}         # owned replica -> its pidfd (_watch_exits)
     self.http: Optional[httpx.AsyncClient] = None
     r = self.registry = prom.CollectorRegistry()
     self._routed = prom.Counter("iterserve:router_requests", "Requests by final replica and "
@@ -244,13 +247,47 @@ class ReplicaFront:
       return True
     return False
 
+  def _exited(self, replica: int) -> None:
+    """An owned replica process ended: reaped (``poll``), marked down."""
+    process = self.processes[replica]
+    if process.poll() is None:
+      return
+    self._close_pidfd(replica)
+    if self.router.replicas[replica].alive:
+      print(f"replica {replica} ({self.urls[replica]}) exited with status "
+            f"{process.returncode}; its requests are re-routed or failed", file=sys.stderr,
+            flush=True)
+    self._down(replica)
+
+  def _watch_exits(self) -> None:
+    """Has the event loop reap each owned replica the moment it exits and
+    mark it down (a Linux pidfd per process: readable once it has exited).
+    Where pidfds are missing, ``_watch`` finds the exit within _WATCH_S."""
+    loop = asyncio.get_running_loop()
+    for i, process in enumerate(self.processes):
+      if process is None or process.poll() is not None:
+        continue
+      try:
+        fd = os.pidfd_open(process.pid)
+      except (AttributeError, OSError):        # not Linux >= 5.3
+        continue
+      loop.add_reader(fd, self._exited, i)
+      self._pidfds[i] = fd
+
+  def _close_pidfd(self, replica: int) -> None:
+    fd = self._pidfds.pop(replica, None)
+    if fd is not None:
+      asyncio.get_running_loop().remove_reader(fd)
+      os.close(fd)
+
   async def _watch(self) -> None:
+    """Polls every owned process (alive or already marked down, so none is
+    left a zombie) every _WATCH_S: the fallback of ``_watch_exits``."""
     while True:
       await asyncio.sleep(_WATCH_S)
-      for i in self.router.alive():
-        process = self.processes[i]
+      for i, process in enumerate(self.processes):
         if process is not None and process.poll() is not None:
-          self._down(i)
+          self._exited(i)
 
   # ----------------------------------------------------------- placing
   def _dispatch(self) -> None:
@@ -427,32 +464,64 @@ class ReplicaFront:
       await upstream.aclose()
 
   # ---------------------------------------------------------------- app
+  async def _scrape(self) -> List[Optional[list]]:
+    """Each replica's metric families (its ``/metrics``, parsed), None for a
+    replica that is down or did not answer within 10 s."""
+    async def one(i: int) -> Optional[list]:
+      if not self.router.replicas[i].alive:
+        return None
+      try:
+        reply = await self.http.get(f"{self.urls[i]}/metrics", timeout=10)
+        return list(text_string_to_metric_families(reply.text))
+      except (httpx.HTTPError, ValueError):
+        return None
+    return list(await asyncio.gather(*(one(i) for i in range(len(self.urls)))))
+
   async def replica_stats(self) -> List[dict]:
-    """Each replica's URL, liveness, live requests and prefix-cache counters."""
+    """Each replica's URL, liveness, exit status (owned processes; None while
+    running), live requests and prefix-cache counters."""
     out = []
-    for i, url in enumerate(self.urls):
-      stats = dict(replica=i, url=url, alive=self.router.replicas[i].alive,
+    for i, families in enumerate(await self._scrape()):
+      process = self.processes[i]
+      stats = dict(replica=i, url=self.urls[i], alive=self.router.replicas[i].alive,
+                   exit_status=process.returncode if process is not None else None,
                    live=len(self.router.replicas[i].live))
-      if stats["alive"]:
-        try:
-          text = (await self.http.get(f"{url}/metrics", timeout=10)).text
-          for family in text_string_to_metric_families(text):
-            for s in family.samples:
-              if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-                stats[s.name.split(":")[1].removesuffix("_total")] = s.value
-        except httpx.HTTPError:
-          pass
+      for family in families or ():
+        for s in family.samples:
+          if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+            stats[s.name.split(":")[1].removesuffix("_total")] = s.value
       out.append(stats)
     return out
+
+  async def relayed_metrics(self) -> bytes:
+    """Every live replica's series (``vllm:*``, ``iterserve:requests*``), each
+    sample with a ``replica`` label added, one family per name (Prometheus
+    text); a replica that is down or does not answer is left out."""
+    merged: Dict[str, Metric] = {}
+    for i, families in enumerate(await self._scrape()):
+      for family in families or ():
+        into = merged.setdefault(family.name, Metric(family.name, family.documentation,
+                                                     family.type, family.unit))
+        into.samples += [s._replace(labels={**s.labels, "replica": str(i)})
+                         for s in family.samples]
+
+    class _Relayed:                # a collector: what generate_latest reads
+      def collect(self):
+        return list(merged.values())
+
+    return prom.generate_latest(_Relayed())
 
   def _build_app(self) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_):
       limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
       self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+      self._watch_exits()
       watch = asyncio.create_task(self._watch())
       yield
       watch.cancel()
+      for replica in list(self._pidfds):
+        self._close_pidfd(replica)
       await self.http.aclose()
       for process in self.processes:
         if process is not None and process.poll() is None:
@@ -472,7 +541,10 @@ class ReplicaFront:
 
     @app.get("/metrics")
     async def metrics():
-      return Response(prom.generate_latest(self.registry), media_type=prom.CONTENT_TYPE_LATEST)
+      """The front's ``iterserve:router_*`` series, then every live replica's
+      own series with a ``replica`` label."""
+      return Response(prom.generate_latest(self.registry) + await self.relayed_metrics(),
+                      media_type=prom.CONTENT_TYPE_LATEST)
 
     @app.get("/router")
     async def router_report():

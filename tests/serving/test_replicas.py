@@ -3,6 +3,9 @@ processes (tests/serving/replica_testing.py, the tiny model), real HTTP, the
 official ``openai`` client, and a replica killed mid-run."""
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -10,7 +13,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from serving import replicas as replicas_module
 from serving.replicas import ReplicaFront, route_summary, spawn_replica, wait_ready
 from tests.serving.engine_testing import HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import free_port as _free_port, wait_until as _wait
@@ -43,6 +48,12 @@ def replicas():
       process.wait(timeout=30)
 
 
+def _samples(text):
+  """{(sample name, sorted labels): value} of a Prometheus text page."""
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def _direct(url, body):
   """The same body sent to a replica itself (no front)."""
   return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
@@ -55,7 +66,10 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
   front = served.front
   try:
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    (card,) = client.models.list().data
+    assert card.id == "tiny" and card.created == front.created
+    assert client.models.retrieve("tiny").model_dump() == card.model_dump()
+    assert served.http.get("/v1/models/gpt-9").status_code == 404
     body = dict(model="tiny", prompt="the heart of it", max_tokens=7, temperature=0,
                 extra_body={"ignore_eos": True})
     got = client.completions.create(**body)
@@ -106,6 +120,16 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
     _wait(lambda: sample in httpx.get(f"{urls[gone['replica']]}/metrics").text)
     assert front.router.replicas[gone["replica"]].live == {}
     assert served.http.get("/v1/completions").status_code == 405
+    # The front's /metrics relays each replica's own series under its label.
+    relayed = _samples(served.http.get("/metrics").text)
+    for i, url in enumerate(urls):
+      own = _samples(httpx.get(f"{url}/metrics").text)
+      tokens = ("vllm:generation_tokens_total", (("model_name", "tiny"),))
+      assert own[tokens] > 0
+      assert relayed[(tokens[0], (("model_name", "tiny"), ("replica", str(i))))] == own[tokens]
+      assert sum(1 for name, labels in relayed if ("replica", str(i)) in labels
+                 and name.startswith("vllm:")) == sum(1 for n, _ in own if n.startswith("vllm:"))
+    assert sum(v for (n, _), v in relayed.items() if n == "iterserve:router_requests_total") == 6
     bad = served.http.post("/v1/completions", json={"model": "tiny", "prompt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
   finally:
@@ -172,3 +196,28 @@ def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_p
     assert front.router.alive() == [0]
   finally:
     served.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux >= 5.3")
+def test_a_killed_replica_is_reaped_and_marked_down_at_once(monkeypatch, tmp_path):
+  """No poll loop runs (_WATCH_S is a day), so only the exit watch can reap
+  the SIGKILLed process and mark its replica down."""
+  monkeypatch.setattr(replicas_module, "_WATCH_S", 86400.0)
+  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+  facts = dict(model="tiny", page_size=4, num_pages=64, max_request_slots=8,
+               max_model_len=64, enable_prefix_caching=True)
+  served = _Front([f"http://127.0.0.1:{_free_port()}"], [sleeper], [facts], "round_robin",
+                  tmp_path / "routes.jsonl")
+  try:
+    assert served.front.router.alive() == [0]
+    sleeper.kill()
+    _wait(lambda: served.front.router.alive() == [], timeout_s=10)
+    assert sleeper.returncode == -signal.SIGKILL           # reaped by the front
+    assert not Path(f"/proc/{sleeper.pid}").exists()        # no zombie left
+    (stats,) = served.http.get("/router").json()["replicas"]
+    assert (stats["alive"], stats["exit_status"]) == (False, -signal.SIGKILL)
+    assert served.http.get("/health").status_code == 503
+  finally:
+    served.close()
+    if sleeper.poll() is None:
+      sleeper.kill()
