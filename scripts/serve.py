@@ -6,9 +6,11 @@
       --route_log=runs/routes.jsonl      # 2 replica processes on :8001, :8002
 
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
-/v1/models, /health, /metrics. See serving/server.py; with --replicas=N the
-process is a router front over N replica processes (serving/replicas.py,
-serving/router.py; GET /router has each request's route record).
+/v1/models, /v1/models/{id}, /health, /metrics. See serving/server.py; with
+--replicas=N the process is a router front over N replica processes
+(serving/replicas.py, serving/router.py; GET /router has each request's
+route record). Flags are checked, and the port bound, before any model
+loads: a bad one is one line, exit status 2.
 """
 
 import errno

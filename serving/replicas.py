@@ -11,7 +11,9 @@ streams included).
 
 A replica that dies (its process exits, or a request to it fails at the
 transport and its ``/health`` does not answer) is marked down; new requests
-go to the others. Each of its in-flight requests ends one of two ways, and
+go to the others. An owned replica process is reaped the moment it exits
+(``_watch_exits``: a pidfd in the event loop; a poll every ``_WATCH_S``
+where pidfds are missing), so none is left a zombie. Each of its in-flight requests ends one of two ways, and
 its route record says which:
 
 * ``rerouted``: nothing of the response had reached the client (a whole
@@ -28,7 +30,9 @@ served it, what it was re-routed from, and its outcome (completed, failed,
 refused, cancelled). ``GET /router`` returns the same records (the last
 ``MAX_RECORDS``; the log keeps all), the policy and each replica's
 prefix-cache counters (scraped from its ``/metrics``), for the replay
-report. A client that hangs up before its response is cancelled where its
+report. ``GET /metrics`` is the front's ``iterserve:router_*`` series, then
+every live replica's own series with a ``replica`` label
+(``relayed_metrics``). A client that hangs up before its response is cancelled where its
 request is: it leaves the router's queue, or the front closes the upstream
 connection and the replica aborts it. The front holds at most
 ``max_waiting`` requests waiting for a replica place; past that a request
