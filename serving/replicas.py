@@ -101,10 +101,11 @@ class ReplicaExited(RuntimeError):
 def _relay_stderr(process: subprocess.Popen, label: str) -> None:
   """Copies the replica's stderr to ours, each line prefixed by ``[label]``,
   and keeps its last lines in ``process.stderr_tail``."""
-  for line in process.stderr:
-    process.stderr_tail.append(line.decode(errors="replace").rstrip("\n"))
-    sys.stderr.buffer.write(f"[{label}] ".encode() + line)
-    sys.stderr.flush()
+  for raw in process.stderr:          # drained to the end, or the replica would block
+    line = raw.decode(errors="replace").rstrip("\n")
+    process.stderr_tail.append(line)
+    with contextlib.suppress(Exception):      # our stderr closed or replaced
+      print(f"[{label}] {line}", file=sys.stderr, flush=True)
 
 
 def spawn_replica(argv: Sequence[str], port: int, cwd: Optional[str] = None,
