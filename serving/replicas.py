@@ -13,8 +13,8 @@ A replica that dies (its process exits, or a request to it fails at the
 transport and its ``/health`` does not answer) is marked down; new requests
 go to the others. An owned replica process is reaped the moment it exits
 (``_watch_exits``: a pidfd in the event loop; a poll every ``_WATCH_S``
-where pidfds are missing), so none is left a zombie. Each of its in-flight requests ends one of two ways, and
-its route record says which:
+where pidfds are missing), so none is left a zombie. Each of its in-flight
+requests ends one of two ways, and its route record says which:
 
 * ``rerouted``: nothing of the response had reached the client (a whole
   response not yet returned, or a stream before its first chunk): it is
@@ -32,11 +32,11 @@ refused, cancelled). ``GET /router`` returns the same records (the last
 prefix-cache counters (scraped from its ``/metrics``), for the replay
 report. ``GET /metrics`` is the front's ``iterserve:router_*`` series, then
 every live replica's own series with a ``replica`` label
-(``relayed_metrics``). A client that hangs up before its response is cancelled where its
-request is: it leaves the router's queue, or the front closes the upstream
-connection and the replica aborts it. The front holds at most
-``max_waiting`` requests waiting for a replica place; past that a request
-gets HTTP 429.
+(``relayed_metrics``). A client that hangs up before its response is
+cancelled where its request is: it leaves the router's queue, or the front
+closes the upstream connection and the replica aborts it. The front holds at
+most ``max_waiting`` requests waiting for a replica place; past that a
+request gets HTTP 429.
 
 Router events: a request's place frees when its response ends; its prefill
 leaves the router's queue estimate at its first streamed chunk (a whole,
