@@ -10,6 +10,13 @@ Mixes (page_size 16, 9 query / 3 KV heads, head_dim 64; --dtype):
   prefill1k  one 256-row chunk after 1000 committed rows, T=256
   mixed      31 decode rows + a 225-row chunk after 500 rows, T=256
 
+``--decode_sweep=1,8,32,128 --contexts=256,512,1024`` adds uniform decode
+mixes (S sequences of one row each, every kv_len = context, T = the engine's
+bucket for S rows) named ``decodeS@context``; ``--bandwidth`` first measures
+the machine's memory bandwidth (a jitted sum and a jitted copy of a 256 MiB
+float32 array) and reports each mix's memory-read bound: the K/V bytes it
+must read divided by the read bandwidth.
+
 For each impl: ms per call (median of --iters after one warm-up), speed-up
 over the numpy reference and over "gather", max |error| against the
 reference, and the achieved bandwidth of the K/V bytes the mix must read
@@ -40,6 +47,11 @@ _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "q and K/V dtype.")
 _PEAK = flags.DEFINE_float("peak_hbm_gbps", 0.0, "Device peak bandwidth.")
 _REFERENCE = flags.DEFINE_bool("reference", True, "Time the numpy oracle.")
+_SWEEP = flags.DEFINE_list("decode_sweep", [], "Decode sequence counts S.")
+_CONTEXTS = flags.DEFINE_list("contexts", ["256", "512", "1024"],
+                              "kv_len of every sequence in the decode sweep.")
+_BANDWIDTH = flags.DEFINE_bool("bandwidth", False,
+                               "Measure memory bandwidth and read bounds.")
 
 _MIX_SPECS = {  # name: (T, [(history, q_len), ...])
     "decode32": (64, "decode", 32),
@@ -51,6 +63,9 @@ _S, _PAGES_PER_SEQ, _PAGE, _HQ, _HKV, _D = 32, 128, 16, 9, 3, 64
 
 
 def _sequences(name, rng):
+  if "@" in name:                      # decodeS@context: the sweep
+    num_seqs, context = map(int, name[len("decode"):].split("@"))
+    return max(4, 1 << (num_seqs - 1).bit_length()), [(context - 1, 1)] * num_seqs
   spec = _MIX_SPECS[name]
   if spec[1] == "decode":
     return spec[0], [(int(h), 1) for h in rng.integers(499, 1500, spec[2])]
@@ -61,14 +76,15 @@ def _sequences(name, rng):
 
 
 def _make_inputs(seqs, num_rows, dtype, rng):
-  """Random pages (NaN where unused) and descriptors for ``seqs``."""
-  num_pages = _S * _PAGES_PER_SEQ + 1
+  """Random pages and descriptors for ``seqs`` (at least ``_S`` slots)."""
+  num_slots = max(_S, len(seqs))
+  num_pages = num_slots * _PAGES_PER_SEQ + 1
   shape = (num_pages, _PAGE, _HKV, _D)
   k_pages = rng.standard_normal(shape, np.float32)
   v_pages = rng.standard_normal(shape, np.float32)
-  table = np.zeros((_S, _PAGES_PER_SEQ), np.int32)   # page 0: null page
-  kv_lens = np.zeros(_S, np.int32)
-  cu = np.zeros(_S + 1, np.int32)
+  table = np.zeros((num_slots, _PAGES_PER_SEQ), np.int32)  # page 0: null
+  kv_lens = np.zeros(num_slots, np.int32)
+  cu = np.zeros(num_slots + 1, np.int32)
   for s, (history, q_len) in enumerate(seqs):
     kv_lens[s] = history + q_len
     used = -(-kv_lens[s] // _PAGE)
@@ -112,13 +128,37 @@ def _time(fn, iters):
   return 1e3 * float(np.median(times))
 
 
+def _memory_bandwidth(iters):
+  """GB/s of a jitted sum (bytes read) and a jitted copy (read + written)
+  of a 256 MiB float32 array; the copy's output buffer is reused call to
+  call, so after the warm-up no fresh pages are faulted in."""
+  x = jnp.arange(64 << 20, dtype=jnp.float32)
+  total = jax.jit(jnp.sum)
+  copy = jax.jit(lambda x, out: x + 1.0, donate_argnums=1)
+  out = [jnp.zeros_like(x)]
+
+  def run_copy():
+    out[0] = copy(x, out[0])
+    return out[0]
+
+  read_ms = _time(lambda: total(x), iters)
+  copy_ms = _time(run_copy, iters)
+  return {"read_gbps": x.nbytes / read_ms / 1e6,
+          "copy_gbps": 2 * x.nbytes / copy_ms / 1e6}
+
+
 def main(argv):
   del argv
   jax.config.update("jax_platforms", _BACKEND.value)
   rng = np.random.default_rng(0)
   dtype = jnp.dtype(_DTYPE.value)
   results = []
-  for mix in _MIXES.value:
+  bandwidth = _memory_bandwidth(_ITERS.value) if _BANDWIDTH.value else None
+  if bandwidth:
+    print(json.dumps({"bandwidth": bandwidth}))
+  mixes = list(_MIXES.value) + [f"decode{s}@{c}" for s in _SWEEP.value
+                                for c in _CONTEXTS.value]
+  for mix in mixes:
     num_rows, seqs = _sequences(mix, rng)
     args, kv_bytes = _make_inputs(seqs, num_rows, dtype, rng)
     row = {"mix": mix, "T": num_rows, "num_seqs": len(seqs),
@@ -142,6 +182,9 @@ def main(argv):
     row["speedup_vs_gather"] = {
         k: base["gather"] / v for k, v in base.items() if "gather" in base}
     row["kv_gbps"] = {k: kv_bytes / v / 1e6 for k, v in base.items()}
+    row["kv_mb"] = kv_bytes / 1e6
+    if bandwidth:
+      row["read_bound_ms"] = kv_bytes / bandwidth["read_gbps"] / 1e6
     if _PEAK.value:
       row["hbm_fraction"] = {k: g / _PEAK.value
                              for k, g in row["kv_gbps"].items()}
@@ -150,7 +193,8 @@ def main(argv):
   meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
           "dtype": _DTYPE.value, "page_size": _PAGE, "heads": [_HQ, _HKV],
           "head_dim": _D, "max_num_seqs": _S, "pages_per_seq": _PAGES_PER_SEQ,
-          "iters": _ITERS.value, "jax": jax.__version__}
+          "iters": _ITERS.value, "jax": jax.__version__,
+          "bandwidth": bandwidth}
   Path(_OUT.value).write_text(json.dumps({"meta": meta, "results": results},
                                          indent=1))
 
