@@ -17,14 +17,21 @@ the machine's memory bandwidth (a jitted sum and a jitted copy of a 256 MiB
 float32 array) and reports each mix's memory-read bound: the K/V bytes it
 must read divided by the read bandwidth.
 
+``--profile_ops`` adds, per impl and mix, the time of each compiled XLA
+operation (fusions, dots) per call, from a JAX profiler trace of the timed
+calls: where the milliseconds go inside the attention program.
+
 For each impl: ms per call (median of --iters after one warm-up), speed-up
 over the numpy reference and over "gather", max |error| against the
 reference, and the achieved bandwidth of the K/V bytes the mix must read
 (as a fraction of --peak_hbm_gbps when given).
 """
 
+import collections
+import gzip
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,6 +57,8 @@ _REFERENCE = flags.DEFINE_bool("reference", True, "Time the numpy oracle.")
 _SWEEP = flags.DEFINE_list("decode_sweep", [], "Decode sequence counts S.")
 _CONTEXTS = flags.DEFINE_list("contexts", ["256", "512", "1024"],
                               "kv_len of every sequence in the decode sweep.")
+_PROFILE_OPS = flags.DEFINE_integer(
+    "profile_ops", 0, "Report the N most expensive XLA ops per call (0: off).")
 _BANDWIDTH = flags.DEFINE_bool("bandwidth", False,
                                "Measure memory bandwidth and read bounds.")
 
@@ -128,6 +137,28 @@ def _time(fn, iters):
   return 1e3 * float(np.median(times))
 
 
+def _op_times(fn, iters, top):
+  """ms per call of each XLA op (a thunk of the compiled program: a fusion,
+  a dot, a copy), from a profiler trace of ``iters`` calls; the ``top`` most
+  expensive, plus their share of the summed op time."""
+  jax.block_until_ready(fn())
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(iters):
+        jax.block_until_ready(fn())
+    path = next(Path(trace_dir).rglob("*.trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+  totals = collections.Counter()
+  for event in events:
+    name = event.get("name", "")
+    if event.get("ph") == "X" and ("fusion" in name or "copy" in name
+                                   or "gather" in name or name.startswith("dot")):
+      totals[name] += event.get("dur", 0) / 1e3 / iters      # us -> ms/call
+  summed = sum(totals.values()) or 1.0
+  return {name: {"ms": ms, "share": ms / summed}
+          for name, ms in totals.most_common(top)}
+
+
 def _memory_bandwidth(iters):
   """GB/s of a jitted sum (bytes read) and a jitted copy (read + written)
   of a 256 MiB float32 array; the copy's output buffer is reused call to
@@ -174,6 +205,9 @@ def main(argv):
         fn = lambda impl=impl: ragged.ragged_paged_attention(
             *args, sm_scale=_D ** -0.5, impl=impl)
       row["ms"][impl] = _time(fn, _ITERS.value)
+      if _PROFILE_OPS.value:
+        row.setdefault("ops", {})[impl] = _op_times(fn, _ITERS.value,
+                                                    _PROFILE_OPS.value)
       out = np.asarray(fn(), np.float64)
       row["max_err"][impl] = float(np.abs(out - ref).max())
     base = row["ms"]
