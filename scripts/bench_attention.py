@@ -52,6 +52,10 @@ _MIXES = flags.DEFINE_list("mixes", ["decode32", "prefill0", "prefill1k",
 _ITERS = flags.DEFINE_integer("iters", 5, "Timed calls per impl and mix.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "q and K/V dtype.")
+_BF16_PAGES = flags.DEFINE_enum(
+    "bf16_pages", "bits", ["bits", "float"],
+    "bfloat16 K/V pages as the engine stores them (uint16 bits) or as "
+    "float bfloat16 arrays (which XLA:CPU widens whole for every gather).")
 _PEAK = flags.DEFINE_float("peak_hbm_gbps", 0.0, "Device peak bandwidth.")
 _REFERENCE = flags.DEFINE_bool("reference", True, "Time the numpy oracle.")
 _SWEEP = flags.DEFINE_list("decode_sweep", [], "Decode sequence counts S.")
@@ -102,8 +106,11 @@ def _make_inputs(seqs, num_rows, dtype, rng):
   cu[len(seqs) + 1:] = cu[len(seqs)]
   q = rng.standard_normal((num_rows, _HQ, _D), np.float32)
   kv_bytes = int(kv_lens.sum()) * _HKV * _D * 2 * jnp.dtype(dtype).itemsize
-  args = (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype),
-          jnp.asarray(v_pages, dtype), jnp.asarray(kv_lens),
+  k_pages, v_pages = (jnp.asarray(x, dtype) for x in (k_pages, v_pages))
+  if dtype == jnp.bfloat16 and _BF16_PAGES.value == "bits":
+    k_pages, v_pages = (jax.lax.bitcast_convert_type(x, ragged.KV_BITS)
+                        for x in (k_pages, v_pages))
+  args = (jnp.asarray(q, dtype), k_pages, v_pages, jnp.asarray(kv_lens),
           jnp.asarray(table), jnp.asarray(cu), jnp.int32(len(seqs)))
   return args, kv_bytes
 
@@ -113,8 +120,8 @@ def _dense(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs):
   """Dense masked attention over every sequence's whole page list."""
   seq, pos, valid = ragged.row_metadata(cu_q_lens, kv_lens, num_seqs,
                                         q.shape[0])
-  k = k_pages[page_table].reshape(-1, _HKV, _D).astype(jnp.float32)
-  v = v_pages[page_table].reshape(-1, _HKV, _D).astype(jnp.float32)
+  k = ragged.widen_kv(k_pages[page_table]).reshape(-1, _HKV, _D)
+  v = ragged.widen_kv(v_pages[page_table]).reshape(-1, _HKV, _D)
   width = page_table.shape[1] * _PAGE
   key_seq = jnp.arange(k.shape[0]) // width
   key_pos = jnp.arange(k.shape[0]) % width
@@ -137,6 +144,11 @@ def _time(fn, iters):
   return 1e3 * float(np.median(times))
 
 
+# Trace events that are not one compiled op: host frames, executors, loops.
+_HOST_EVENTS = ("Thunk", "Execute", "Pjit", "PjRt", "block_until_ready",
+                "trace", "Wait", "wait")
+
+
 def _op_times(fn, iters, top):
   """ms per call of each XLA op (a thunk of the compiled program: a fusion,
   a dot, a copy), from a profiler trace of ``iters`` calls; the ``top`` most
@@ -151,8 +163,8 @@ def _op_times(fn, iters, top):
   totals = collections.Counter()
   for event in events:
     name = event.get("name", "")
-    if event.get("ph") == "X" and ("fusion" in name or "copy" in name
-                                   or "gather" in name or name.startswith("dot")):
+    if (event.get("ph") == "X" and not name.startswith(("$", "while"))
+        and not any(word in name for word in _HOST_EVENTS)):
       totals[name] += event.get("dur", 0) / 1e3 / iters      # us -> ms/call
   summed = sum(totals.values()) or 1.0
   return {name: {"ms": ms, "share": ms / summed}
@@ -161,8 +173,12 @@ def _op_times(fn, iters, top):
 
 def _memory_bandwidth(iters):
   """GB/s of a jitted sum (bytes read) and a jitted copy (read + written)
-  of a 256 MiB float32 array; the copy's output buffer is reused call to
-  call, so after the warm-up no fresh pages are faulted in."""
+  of a 256 MiB float32 array (the copy's output buffer is reused call to
+  call, so after the warm-up no fresh pages are faulted in), and of a page
+  gather: ``jnp.take`` of 4096 shuffled pages of the mixes' shape
+  (page_size x KV heads x head_dim) out of a pool of 8192, 256 pages per
+  loop step into a reused buffer, in float32 and bfloat16 (GB/s of pages
+  gathered): the data movement the CPU paths start every key block with."""
   x = jnp.arange(64 << 20, dtype=jnp.float32)
   total = jax.jit(jnp.sum)
   copy = jax.jit(lambda x, out: x + 1.0, donate_argnums=1)
@@ -172,10 +188,26 @@ def _memory_bandwidth(iters):
     out[0] = copy(x, out[0])
     return out[0]
 
-  read_ms = _time(lambda: total(x), iters)
-  copy_ms = _time(run_copy, iters)
-  return {"read_gbps": x.nbytes / read_ms / 1e6,
-          "copy_gbps": 2 * x.nbytes / copy_ms / 1e6}
+  result = {"read_gbps": x.nbytes / _time(lambda: total(x), iters) / 1e6,
+            "copy_gbps": 2 * x.nbytes / _time(run_copy, iters) / 1e6}
+  del x, out
+  ids = jnp.asarray(np.random.default_rng(1).permutation(8192)
+                    .reshape(16, 512)[:, :256], jnp.int32)
+
+  @jax.jit
+  def gather(pool, ids):                 # 16 rounds of 256 pages, in a loop
+    def body(i, buf):                    # as the attention paths run them
+      blk = jnp.take(pool, ids[i], axis=0, mode="clip")
+      return blk.at[0, 0, 0, 0].add(buf[0, 0, 0, 0] * 0)
+    return jax.lax.fori_loop(0, ids.shape[0], body,
+                             jnp.zeros((ids.shape[1],) + pool.shape[1:],
+                                       pool.dtype))
+
+  for dtype in ("float32", "bfloat16"):
+    pool = jnp.ones((8192, _PAGE, _HKV, _D), dtype)
+    ms = _time(lambda: gather(pool, ids), iters)
+    result[f"gather_{dtype}_gbps"] = pool.nbytes / 2 / ms / 1e6
+  return result
 
 
 def main(argv):
@@ -225,7 +257,8 @@ def main(argv):
     print(json.dumps(row))
     results.append(row)
   meta = {"backend": jax.default_backend(), "device": str(jax.devices()[0]),
-          "dtype": _DTYPE.value, "page_size": _PAGE, "heads": [_HQ, _HKV],
+          "dtype": _DTYPE.value, "bf16_pages": _BF16_PAGES.value,
+          "page_size": _PAGE, "heads": [_HQ, _HKV],
           "head_dim": _D, "max_num_seqs": _S, "pages_per_seq": _PAGES_PER_SEQ,
           "iters": _ITERS.value, "jax": jax.__version__,
           "bandwidth": bandwidth}

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention.ragged import ragged_paged_attention
+from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention
 from models import llama
 from models.loaders import load_model, resolve_model_path
 from serving import workloads
@@ -290,7 +290,10 @@ def breakdown(cfg, params, num_seqs, ecfg):
       + (ctx - 1) % ps, -1), jnp.int32)
   tokens = jnp.asarray(rng.integers(20, 1000, size=bucket), jnp.int32)
   kv = llama.init_kv_cache(cfg, num_pages, ps, jnp.dtype(ecfg.dtype))
-  kv = llama.KVCache(k=kv.k + 0.01, v=kv.v + 0.01)
+  fill = jnp.full(kv.k.shape, 0.01, kv_float_dtype(kv.k.dtype))
+  if kv.k.dtype == KV_BITS:            # a bfloat16 cache is stored as bits
+    fill = jax.lax.bitcast_convert_type(fill, KV_BITS)
+  kv = llama.KVCache(k=fill, v=fill + 0)
   num = jnp.int32(num_seqs)
   impl = ecfg.attention_impl
 
