@@ -7,7 +7,9 @@ Layout shared by every implementation in this file:
 
 * ``q``           f32/bf16[T, n_q_heads, head_dim]      packed query rows
 * ``k_pages``     [num_pages, page_size, n_kv_heads, head_dim]
-* ``v_pages``     [num_pages, page_size, n_kv_heads, head_dim]
+* ``v_pages``     [num_pages, page_size, n_kv_heads, head_dim]; float32,
+                  bfloat16, or uint16 holding bfloat16 bits (``KV_BITS``:
+                  the CPU storage of a bfloat16 cache, see below)
 * ``kv_lens``     i32[S]  committed rows + current rows of each sequence
 * ``page_table``  i32[S, pages_per_seq]  logical page -> physical page
 * ``cu_q_lens``   i32[S + 1]  packed row offsets; sequence s owns rows
@@ -22,6 +24,14 @@ reads KV head ``h // (n_q_heads // n_kv_heads)`` (grouped-query attention).
 
 The current rows' K/V must already be in their pages when attention runs
 (``write_kv_pages`` below does that as a separate jitted update).
+
+bfloat16 K/V on CPU: XLA:CPU has no bfloat16 gather or scatter; it widens the
+gather's whole operand to float32 first, so every layer's attention would
+convert the whole cache (measured: 77% of a bfloat16 decode call). A
+bfloat16 cache is therefore stored as its raw bits (``KV_BITS`` = uint16
+pages, ``models.llama.init_kv_cache``): the CPU paths gather the bits and
+widen only the gathered key block (``widen_kv``), and ``write_kv_pages``
+scatters bits. Float bfloat16 pages stay accepted (and correct) everywhere.
 
 Implementations (``impl=``):
 
@@ -59,6 +69,23 @@ import numpy as np
 from attention import pallas_ragged
 from attention import pallas_tpu
 
+# Page dtype that holds bfloat16 K/V as raw bits (see the module docstring).
+KV_BITS = jnp.uint16
+
+
+def kv_float_dtype(pages_dtype):
+  """The float dtype of K/V stored as ``pages_dtype`` (bfloat16 for
+  ``KV_BITS`` pages, otherwise ``pages_dtype`` itself)."""
+  return jnp.dtype(jnp.bfloat16) if pages_dtype == KV_BITS else jnp.dtype(pages_dtype)
+
+
+def widen_kv(blk):
+  """float32 values of a gathered K/V block, bit-stored pages included."""
+  if blk.dtype == KV_BITS:
+    blk = jax.lax.bitcast_convert_type(blk, jnp.bfloat16)
+  return blk.astype(jnp.float32)
+
+
 # "blocked_dot" loop sizes: decode rows / prefill slots per step (the dot's
 # batch, fixed so results do not depend on T), key blocks per decode step.
 _TUNE = dict(chunk_rows=16, chunk_blocks=4, unroll_rows=1)
@@ -84,6 +111,12 @@ def check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   if v_pages.shape != k_pages.shape:
     raise ValueError(f"v_pages shape {v_pages.shape} must equal k_pages shape "
                      f"{k_pages.shape}")
+  if v_pages.dtype != k_pages.dtype:
+    raise ValueError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype "
+                     f"{k_pages.dtype}")
+  if not (jnp.issubdtype(k_pages.dtype, jnp.floating) or k_pages.dtype == KV_BITS):
+    raise ValueError(f"k_pages dtype must be a float or {jnp.dtype(KV_BITS)} "
+                     f"(bfloat16 bits), got {k_pages.dtype}")
   num_q_heads, head_dim = q.shape[1:]
   num_kv_heads = k_pages.shape[2]
   if k_pages.shape[3] != head_dim:
@@ -182,7 +215,8 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
   Args:
     k_pages, v_pages: [num_pages, page_size, n_kv_heads, head_dim].
     k_new, v_new: [T, n_kv_heads, head_dim] rows to write (cast to the pages'
-      dtype).
+      dtype; float rows become bfloat16 bits for ``KV_BITS`` pages, and
+      ``KV_BITS`` rows are written as they are).
     slot_mapping: i32[T], ``page * page_size + offset`` for each row; a
       negative entry marks a padding row, whose write is dropped.
 
@@ -195,6 +229,8 @@ def write_kv_pages(k_pages, v_pages, k_new, v_new, slot_mapping):
 
   def scatter(pages, rows):
     flat = pages.reshape((num_slots,) + pages.shape[2:])
+    if pages.dtype == KV_BITS and rows.dtype != KV_BITS:   # floats -> bits
+      rows = jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), KV_BITS)
     flat = flat.at[index].set(rows.astype(pages.dtype), mode="drop")
     return flat.reshape(pages.shape)
 
@@ -378,7 +414,7 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
 
   def kv_block(pages_ref, page_ids):
     blk = jnp.take(pages_ref, page_ids, axis=0, mode="clip")
-    return blk.astype(jnp.float32).reshape(page_ids.shape[0], block_kv,
+    return widen_kv(blk).reshape(page_ids.shape[0], block_kv,
                                            num_kv_heads, head_dim)
 
   def over_chunks(j, state):
@@ -546,7 +582,7 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
 
   def kv_block(pages_ref, page_ids):
     blk = jnp.take(pages_ref, page_ids, axis=0, mode="clip")
-    return blk.astype(jnp.float32).reshape(page_ids.shape[0], -1,
+    return widen_kv(blk).reshape(page_ids.shape[0], -1,
                                            num_kv_heads, head_dim)
 
   def over_chunks(c, out):
@@ -628,7 +664,7 @@ def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   if sliding_window is not None:
     visible &= key_pos[None, :] > position[:, None] - sliding_window
   qg = q.reshape(num_rows, num_kv_heads, group, head_dim).astype(jnp.float32)
-  k = jnp.where(visible[:, :, None, None], k.astype(jnp.float32), 0.0)
+  k = jnp.where(visible[:, :, None, None], widen_kv(k), 0.0)
   scores = jnp.einsum("tkgd,tskd->tkgs", qg, k) * sm_scale
   if soft_cap is not None:
     scores = soft_cap * jnp.tanh(scores / soft_cap)
@@ -636,7 +672,7 @@ def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   m = jnp.max(scores, axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   p = jnp.where(visible[:, None, None, :], jnp.exp(scores - m), 0.0)
-  v = jnp.where(visible[:, :, None, None], v.astype(jnp.float32), 0.0)
+  v = jnp.where(visible[:, :, None, None], widen_kv(v), 0.0)
   out = jnp.einsum("tkgs,tskd->tkgd", p, v)
   denom = jnp.sum(p, axis=-1, keepdims=True)
   out = jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
@@ -682,8 +718,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
 
   Args:
     q: f32/bf16[T, n_q_heads, head_dim] packed query rows.
-    k_pages, v_pages: [num_pages, page_size, n_kv_heads, head_dim]; the current
-      rows' K/V already written (``write_kv_pages``).
+    k_pages, v_pages: [num_pages, page_size, n_kv_heads, head_dim], float
+      or ``KV_BITS`` (bfloat16 bits); the current rows' K/V already written
+      (``write_kv_pages``).
     kv_lens: i32[S] committed + current rows per sequence.
     page_table: i32[S, pages_per_seq] logical -> physical page.
     cu_q_lens: i32[S + 1] packed row offsets.
@@ -738,6 +775,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,
                     chunk_rows=16, chunk_blocks=4, **kw)
+  if k_pages.dtype == KV_BITS:        # the kernels read bfloat16 pages
+    k_pages, v_pages = (jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+                        for x in (k_pages, v_pages))
   if impl == "pallas_tpu":
     kernel = pallas_tpu
     if interpret is None:
@@ -787,8 +827,9 @@ def reference_attention(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
   sequence's ``kv_len`` covers.
   """
   q = np.asarray(q, np.float64)
-  k_pages = np.asarray(k_pages, np.float64)
-  v_pages = np.asarray(v_pages, np.float64)
+  k_pages, v_pages = (np.asarray(widen_kv(jnp.asarray(x)) if x.dtype == KV_BITS
+                                 else x, np.float64)
+                      for x in (k_pages, v_pages))
   kv_lens, page_table, cu_q_lens = map(np.asarray, (kv_lens, page_table,
                                                     cu_q_lens))
   page_size = k_pages.shape[1]

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from attention.ragged import ragged_paged_attention, write_kv_pages
+from attention.ragged import KV_BITS, ragged_paged_attention, write_kv_pages
 from models import sharding
 from models.config import ModelConfig
 
@@ -119,6 +119,8 @@ class KVCache:
   Attributes:
     k: [n_layers, num_pages, page_size, n_kv_heads, head_dim] keys after RoPE.
     v: [n_layers, num_pages, page_size, n_kv_heads, head_dim] values.
+    Both float32, or ``attention.ragged.KV_BITS`` (uint16) holding bfloat16
+    bits: XLA:CPU would widen a bfloat16 cache to float32 for every gather.
   Page ``p`` of a sequence's page table addresses ``k[:, p]`` in every layer.
   """
 
@@ -136,7 +138,10 @@ class KVCache:
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int,
                   dtype=jnp.float32) -> KVCache:
-  """Zero-filled ``KVCache`` of ``num_pages`` pages of ``page_size`` token slots."""
+  """Zero-filled ``KVCache`` of ``num_pages`` pages of ``page_size`` token slots;
+  a bfloat16 cache is stored as its bits (``KV_BITS``, see ``KVCache``)."""
+  if jnp.dtype(dtype) == jnp.bfloat16:
+    dtype = KV_BITS
   shape = (cfg.n_layers, num_pages, page_size, cfg.n_kv_heads, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from attention.ragged import ragged_paged_attention
+from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention
 from models import llama
 from models.loaders import load_model, resolve_model_path
 from serving import workloads
@@ -71,6 +71,8 @@ flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference ext
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "iterserve weights, activations and KV cache (transformers stays float32).")
+flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
+                  "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
                      "smaller pools save memory on a shared machine.")
 flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
@@ -177,6 +179,7 @@ def _prompts(lengths, seed=0):
 
 def _engine(cfg, params, **overrides):
   overrides.setdefault("dtype", FLAGS.dtype)
+  overrides.setdefault("kv_dtype", FLAGS.kv_dtype)
   if FLAGS.num_pages:
     overrides.setdefault("num_pages", FLAGS.num_pages)
   return Engine(cfg, params, EngineConfig.preset(FLAGS.engine, **overrides))
@@ -289,8 +292,11 @@ def breakdown(cfg, params, num_seqs, ecfg):
       rows < num_seqs, np.asarray(table)[np.minimum(rows, seqs - 1), (ctx - 1) // ps] * ps
       + (ctx - 1) % ps, -1), jnp.int32)
   tokens = jnp.asarray(rng.integers(20, 1000, size=bucket), jnp.int32)
-  kv = llama.init_kv_cache(cfg, num_pages, ps, jnp.dtype(ecfg.dtype))
-  kv = llama.KVCache(k=kv.k + 0.01, v=kv.v + 0.01)
+  kv = llama.init_kv_cache(cfg, num_pages, ps, jnp.dtype(ecfg.kv_cache_dtype))
+  fill = jnp.full(kv.k.shape, 0.01, kv_float_dtype(kv.k.dtype))
+  if kv.k.dtype == KV_BITS:            # a bfloat16 cache is stored as bits
+    fill = jax.lax.bitcast_convert_type(fill, KV_BITS)
+  kv = llama.KVCache(k=fill, v=fill + 0)
   num = jnp.int32(num_seqs)
   impl = ecfg.attention_impl
 
@@ -345,7 +351,7 @@ def main(argv):
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
     warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-         "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype,
+         "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "kv_dtype": FLAGS.kv_dtype,
          "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,
          "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),

@@ -101,6 +101,10 @@ class EngineConfig:
     policy: registered policy name.
     attention_impl: "auto", or an implementation name of attention.ragged.
     dtype: "float32" or "bfloat16" for weights and activations.
+    kv_dtype: the KV cache's dtype: "auto" (``dtype``), "float32" or
+      "bfloat16" (on CPU stored as its bits, ``attention.ragged.KV_BITS``:
+      half the bytes each decode step gathers; its own numerics, not
+      float32's).
     num_clients: size of the completed-service counter table.
     max_stop_ids: stop token ids per request.
     sample_rows: rows of the logits matrix (>= max_num_seqs).
@@ -145,6 +149,7 @@ class EngineConfig:
   policy: str = "sarathi_serve"
   attention_impl: str = "auto"
   dtype: str = "float32"
+  kv_dtype: str = "auto"
   num_clients: int = 64
   max_stop_ids: int = 8
   sample_rows: int = 64
@@ -179,6 +184,8 @@ class EngineConfig:
              f"must be >= max_num_seqs ({self.max_num_seqs})", self.sample_rows)
     _require(self.dtype in ("float32", "bfloat16"), c, "dtype",
              "must be 'float32' or 'bfloat16'", self.dtype)
+    _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
+             "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
              f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
              f"usable pages)", self.watermark_pages)
@@ -202,6 +209,11 @@ class EngineConfig:
     parse_mesh(self.mesh)
     _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
+
+  @property
+  def kv_cache_dtype(self) -> str:
+    """The KV cache's dtype: ``kv_dtype``, or ``dtype`` for "auto"."""
+    return self.dtype if self.kv_dtype == "auto" else self.kv_dtype
 
   @property
   def pages_per_seq(self) -> int:

@@ -234,7 +234,7 @@ class Engine:
     self._clock = clock
     self._t0 = clock()
     c = config
-    dtype = jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float32
+    dtype = jnp.bfloat16 if c.kv_cache_dtype == "bfloat16" else jnp.float32
     self.kv = llama.init_kv_cache(model_cfg, 2 if simulated else c.num_pages,
                                   c.page_size, dtype)
     # Commit the initial pytrees to the device, as every later (jit-output)

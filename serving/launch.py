@@ -27,6 +27,8 @@ def define_engine_flags() -> None:
   flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
   flags.DEFINE_string("engine", "cpu_default", "Engine preset in configs/ (or a JSON path).")
   flags.DEFINE_string("dtype", None, "Override the preset's dtype: float32 or bfloat16.")
+  flags.DEFINE_string("kv_dtype", None, "Override the preset's KV cache dtype: auto "
+                      "(the dtype), float32 or bfloat16.")
   flags.DEFINE_string("policy", None, "Override the preset's scheduling policy.")
   flags.DEFINE_integer("max_num_seqs", None, "Override: sequence budget per iteration.")
   flags.DEFINE_integer("max_num_batched_tokens", None, "Override: token budget per iteration.")
@@ -191,7 +193,7 @@ def engine_config(**overrides) -> EngineConfig:
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
-  fields = dict(dtype=FLAGS.dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
+  fields = dict(dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,

@@ -250,6 +250,44 @@ def test_random_ragged_batches_match_reference(seqs, seed):
 # write_kv_pages
 
 
+@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "gather"])
+def test_bfloat16_bit_pages_equal_bfloat16_pages(impl):
+  # A bfloat16 cache stored as its bits (KV_BITS, the CPU storage) gives the
+  # float bfloat16 pages' rows bitwise, and the reference's values.
+  args, cu, n = make_batch(CASES["mixed"], num_rows=64, max_seqs=16,
+                           dtype=jnp.bfloat16)
+  bits = tuple(jax.lax.bitcast_convert_type(a, ragged.KV_BITS)
+               for a in args[1:3])
+  bit_args = args[:1] + bits + args[3:]
+  np.testing.assert_array_equal(attend(bit_args, impl), attend(args, impl))
+  assert_matches_reference(bit_args, cu, n, impl)
+
+
+def test_write_kv_pages_stores_bfloat16_bits():
+  # Slot 5 is page 2 offset 1; slot -1 is padding (dropped).
+  rows = jnp.asarray([[[1.0, -2.5, 3.0e-3]], [[7.0, 7.0, 7.0]],
+                      [[0.1, 1e5, -0.0]]], jnp.float32)              # [3, 1, 3]
+  pages = jnp.zeros((4, 2, 1, 3), ragged.KV_BITS)
+  k, v = ragged.write_kv_pages(pages, pages, rows, -rows,
+                               jnp.asarray([5, -1, 0], jnp.int32))
+  assert k.dtype == v.dtype == ragged.KV_BITS
+  as16 = lambda x: np.asarray(jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+                              .astype(jnp.float32))
+  want = np.zeros((4, 2, 1, 3), np.float32)
+  want[2, 1] = np.asarray(rows[0].astype(jnp.bfloat16).astype(jnp.float32))
+  want[0, 0] = np.asarray(rows[2].astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_array_equal(as16(k), want)
+  np.testing.assert_array_equal(as16(v), -want)
+  assert as16(k)[0, 0, 0, 1] == 99840.0       # 1e5 rounded to bfloat16
+
+
+def test_integer_pages_other_than_bits_are_refused():
+  args, _, _ = make_batch(CASES["mixed"], num_rows=64, max_seqs=16)
+  ints = tuple(a.astype(jnp.int32) for a in args[1:3])
+  with pytest.raises(ValueError, match="k_pages dtype must be a float or uint16"):
+    attend(args[:1] + ints + args[3:], "blocked_dot")
+
+
 def test_write_kv_pages_writes_rows_and_drops_padding():
   k_pages = jnp.zeros((4, 8, 2, 16))
   v_pages = jnp.ones((4, 8, 2, 16))

@@ -79,6 +79,8 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--trace=vtc:x.csv", "--mooncake_block_tokens=16"],
      "error: --mooncake_block_tokens applies only to --trace=mooncake:PATH"),
     (["--dtype=float16"], "error: EngineConfig.dtype must be 'float32' or 'bfloat16'"),
+    (["--kv_dtype=float16"],
+     "error: EngineConfig.kv_dtype must be 'auto', 'float32' or 'bfloat16'"),
     (["--policy=nope"], "error: EngineConfig.policy must be one of ['fastserve', "),
     (["--slo_class=a:1"], "error: slo_class entry 'a:1' must be NAME:TTFT_MS:TPOT_MS"),
     (["--slo_class=a:1:2", "--slo_ttft_ms=5"],

@@ -180,6 +180,25 @@ def test_bfloat16_params_track_float32(tiny_cfg, tiny_params):
   assert 0 < err < 0.1, err  # bf16 rounding (~3 significant digits), not garbage
 
 
+def test_bfloat16_cache_is_stored_as_bits(tiny_cfg, tiny_params):
+  # init_kv_cache stores a bfloat16 cache as its bits (XLA:CPU would widen a
+  # bfloat16 pool for every gather); prefill then decode through it gives
+  # the float bfloat16 cache's hidden rows and cache contents bitwise.
+  assert llama.init_kv_cache(tiny_cfg, 2, PAGE_SIZE, jnp.bfloat16).k.dtype == jnp.uint16
+  params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), tiny_params)
+  floats = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nan_cache(tiny_cfg))
+  bits = jax.tree_util.tree_map(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16), floats)
+  seq = Seq([4, 5, 9], np.arange(9) * 7)
+  for batch in (pack([(seq, 0, 8)]), pack([(seq, 8, 9)])):
+    want, floats = run(params16, tiny_cfg, floats, batch, "blocked_dot")
+    got, bits = run(params16, tiny_cfg, bits, batch, "blocked_dot")
+    assert bits.k.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    for b, f in ((bits.k, floats.k), (bits.v, floats.v)):   # NaN pages included
+      np.testing.assert_array_equal(np.asarray(b),
+                                    np.asarray(jax.lax.bitcast_convert_type(f, jnp.uint16)))
+
+
 def test_rope_matches_hand_worked_rotation():
   # head_dim 4, theta 100: pairs (0, 2) turn by pos * 1, (1, 3) by pos * 0.1.
   x = jnp.array([[[1.0, 2.0, 3.0, 4.0]]])

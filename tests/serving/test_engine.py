@@ -76,6 +76,23 @@ def test_preemption_recomputes_and_keeps_tokens(params):
 FEW_PAGES_SWAP = dataclasses.replace(FEW_PAGES, preemption_mode="swap")
 
 
+def test_bfloat16_kv_cache_is_stored_as_bits_and_swaps_them_back(params):
+  """``kv_dtype="bfloat16"`` with float32 weights: the cache is stored as
+  bfloat16 bits (uint16, ``attention.ragged.KV_BITS``; the attention and
+  model tests check its values), a request's tokens do not depend on its
+  batch, and swap preemption brings the bits back exactly (the tokens of a
+  run with ample pages)."""
+  kv16 = dataclasses.replace(BASE, kv_dtype="bfloat16")
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  engine, mixed = _run(params, kv16, prompts)
+  assert engine.kv.k.dtype == engine.kv.v.dtype == jnp.uint16
+  assert _run(params, kv16, prompts[1:2])[1][0].output_token_ids == mixed[1].output_token_ids
+  engine, swapped = _run(params, dataclasses.replace(FEW_PAGES_SWAP, kv_dtype="bfloat16"),
+                         prompts)
+  assert engine.num_preemptions > 0 and engine.swap.stats()["swapped_in"] > 0
+  assert [r.output_token_ids for r in swapped] == [r.output_token_ids for r in mixed]
+
+
 @pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1", "vtc"])
 def test_swap_preemption_preserves_kv_exactly_and_keeps_tokens(params, policy):
   """§0x0C exact preservation: the victim's pages go to host memory and come
