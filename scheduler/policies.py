@@ -454,9 +454,10 @@ def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True):
   resumed decoder) changes nothing when offered: both offers are guarded by
   those flags. So the pass walks only the slots with work, in ``order``'s
   order (a stable partition of ``order``), in a loop of as many trips as
-  there are such slots instead of R: each trip costs XLA:CPU several small
-  thunks (~30 us each), about 8 ms per call at R = 128 on a 2-core machine
-  (docs/benchmarks.md "The one-request decode step").
+  there are such slots instead of R: each trip is several small XLA:CPU
+  thunks, and the two calls of a fused step took 27 ms at R = 128 with one
+  live request on a loaded 2-core machine (docs/benchmarks.md "The
+  one-request decode step").
   """
   work = (x["decode"] | x["partial"] | x["waiting"] | x["resume"])[order]
   walk = order[jnp.argsort(jnp.where(work, 0, 1), stable=True)]
