@@ -116,13 +116,21 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   last = jnp.zeros((head_rows,), jnp.int32).at[:min(num_seqs, head_rows)].set(
       packed.last_row[:head_rows])
   logits = model.compute_logits(params, hidden[last], packed.num_seqs)
-  logits = jnp.pad(logits, ((0, max(0, num_seqs - head_rows)), (0, 0)))[:num_seqs]  # [S, V]
-  slots = packed.seq_slots
+  # Sequences at or beyond head_rows hold no row (they are padding), so the
+  # stop mask, sampling and the finiteness check run on the head's rows only
+  # (each row's token is its own) and their results are padded to S.
+  sampled_rows = min(head_rows, num_seqs)
+  logits = logits[:sampled_rows]                                      # [N, V]
+  slots = packed.seq_slots[:sampled_rows]
   logits = _mask_stops(logits, slots, buffers, state.emitted, model.eos_token_ids)
   token = sample(logits, buffers.temperature[slots], buffers.top_k[slots],
                  buffers.top_p[slots], buffers.seed[slots], state.emitted[slots])
   finite = jnp.all(jnp.isfinite(logits) | (logits == -jnp.inf), axis=-1) & jnp.any(
       jnp.isfinite(logits), axis=-1)
+  pad = (0, num_seqs - sampled_rows)
+  token = jnp.pad(token, pad, constant_values=-1)                     # [S]
+  finite = jnp.pad(finite, pad, constant_values=True)
+  slots = packed.seq_slots
 
   num_slots = plan.selected.shape[0]
   per_slot = lambda x, fill: jnp.full((num_slots,), fill, x.dtype).at[

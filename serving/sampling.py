@@ -25,6 +25,26 @@ def _filtered_logits(logits, top_k, top_p):
   return jnp.where(logits >= jnp.maximum(k_thresh, p_thresh), logits, -jnp.inf)
 
 
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+  """i32[N] index of each row's largest logit, the lowest id on ties.
+
+  The same index as ``jnp.argmax(logits, axis=-1)`` (a NaN counts as the
+  largest value, its first occurrence wins), computed as two plain
+  reductions: a row max, then the lowest index holding it. XLA:CPU lowers
+  ``argmax`` to a variadic (value, index) reduce that it does not
+  vectorise; over a 49152-entry vocabulary that took ~10 ms for 32 rows,
+  against ~1 ms for this form (docs/benchmarks.md "The one-request decode
+  step").
+
+  Args:
+    logits: f32[N, V].
+  """
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  hit = (logits == top) | jnp.isnan(logits)
+  return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
+
+
 def sample(logits, temperature, top_k, top_p, seed, output_index):
   """Samples one token per row.
 
@@ -40,7 +60,7 @@ def sample(logits, temperature, top_k, top_p, seed, output_index):
     i32[N] token ids.
   """
   logits = logits.astype(jnp.float32)
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = greedy_argmax(logits)
 
   def draw(row, t, k, p, s, i):
     key = jax.random.fold_in(jax.random.PRNGKey(s), i)

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling import _filtered_logits, sample
+from serving.sampling import _filtered_logits, greedy_argmax, sample
 
 sample_jit = jax.jit(sample)
 
@@ -61,3 +61,20 @@ def test_temperature_sampling_follows_the_distribution():
                                 jnp.full((n,), 9, jnp.uint32), jnp.arange(n, dtype=jnp.int32)))
   freq = np.bincount(draws, minlength=3) / n
   assert np.all(np.abs(freq - probs) < 4 * np.sqrt(probs * (1 - probs) / n))
+
+
+def test_greedy_argmax_matches_jnp_argmax_on_ties_nans_and_infinities():
+  rng = np.random.default_rng(3)
+  logits = rng.integers(-3, 4, size=(64, 257)).astype(np.float32)   # many ties
+  logits[1, 7] = np.nan
+  logits[1, 200] = np.nan                                           # first NaN wins
+  logits[2, 9] = np.inf
+  logits[2, 100] = np.inf
+  logits[3] = -np.inf
+  logits[4, :] = np.nan
+  logits[5, 256] = 9.0                                              # last column
+  got = np.asarray(jax.jit(greedy_argmax)(jnp.asarray(logits)))
+  want = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
+  assert got.dtype == np.int32
+  assert got.tolist() == want.tolist()
+  assert got[:6].tolist() == [want[0], 7, 9, 0, 0, 256]
