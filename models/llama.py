@@ -3,10 +3,12 @@
 One call of ``forward`` runs every decoder block over a packed iteration: the
 token rows of several sequences (decode rows, prefill chunks with committed
 history, whole prompts) laid end to end, plus padding rows. Row-wise work
-(norms, projections, MLP) runs over all rows, its GEMMs in ``row_tiled``
-tiles of at most 32 rows (a row's bits never depend on the bucket); attention is
-request-local and reads the paged KV cache through
-``attention.ragged.ragged_paged_attention``.
+(norms, projections, MLP) runs over all rows in ``rowwise``: a prompt row
+(position < its request's prompt length) in one GEMM of at least
+``LARGE_GEMM_ROWS`` rows, every other row in ``row_tiled`` tiles of 2 to 32
+rows, so a row's bits depend only on its request and position, never on the
+bucket or its neighbours; attention is request-local and reads the paged KV
+cache through ``attention.ragged.ragged_paged_attention``.
 
 The blocks' weights are stacked on a leading layer axis and run with
 ``flax.linen.scan`` (a ``lax.scan``), so one block is traced and compiled
@@ -55,6 +57,9 @@ _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
 
 # Most rows in one GEMM of a row-wise map (``row_tiled``).
 ROW_TILE = 32
+# Fewest rows of a prompt rows' GEMM (``rowwise``): every M >= 64 is one
+# float32 bit class on all projection shapes of SmolLM2 and the tiny model.
+LARGE_GEMM_ROWS = 64
 
 
 def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
@@ -110,6 +115,97 @@ def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
   num_live = jnp.clip(jnp.reshape(jnp.asarray(num_live, jnp.int32), ()), 0, num_rows)
   out = jax.lax.fori_loop(0, (num_live + tile - 1) // tile, body, out)
   return tmap(lambda o: o[:num_rows], out)
+
+
+@struct.dataclass
+class RowClasses:
+  """The GEMM bit class of each packed row (``row_classes``, ``rowwise``).
+
+  Attributes:
+    prompt: bool[T] live rows at prompt positions: computed in one GEMM of
+      ``max(T, LARGE_GEMM_ROWS)`` rows (the large class).
+    order: i32[T] a permutation putting the other live rows (generated
+      tokens: decode rows, recompute of outputs after preemption) first, in
+      packed order, then the rest.
+    inverse: i32[T] the inverse permutation of ``order``.
+    num_tiled: i32[] live rows that are not prompt rows (the ``row_tiled``
+      class).
+    any_prompt: bool[] some live row is a prompt row.
+  """
+
+  prompt: jax.Array
+  order: jax.Array
+  inverse: jax.Array
+  num_tiled: jax.Array
+  any_prompt: jax.Array
+
+
+def row_classes(prompt_rows, num_live) -> RowClasses:
+  """``RowClasses`` of T packed rows.
+
+  Args:
+    prompt_rows: bool[T] True for a row whose position is below its
+      request's prompt length (padding rows: any value).
+    num_live: i32[] live rows (a prefix), 0 <= num_live <= T.
+  """
+  rows = jnp.arange(prompt_rows.shape[0], dtype=jnp.int32)
+  live = rows < num_live
+  prompt = live & prompt_rows
+  tiled = live & ~prompt_rows
+  order = jnp.argsort(~tiled, stable=True).astype(jnp.int32)
+  return RowClasses(prompt=prompt, order=order,
+                    inverse=jnp.argsort(order).astype(jnp.int32),
+                    num_tiled=jnp.sum(tiled, dtype=jnp.int32), any_prompt=jnp.any(prompt))
+
+
+def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> jax.Array:
+  """Applies the row-wise map ``fn`` to ``x``, each row in its bit class.
+
+  XLA:CPU's float32 GEMM rounds a row the same way for every row count M in
+  2..32 and again for every M >= 64, the two classes differing (measured on
+  every projection shape of SmolLM2 and the tiny model, jax 0.10.2;
+  docs/benchmarks.md "Prompt rows in the large GEMM class"). A large GEMM
+  runs near the machine's GEMM ceiling, 32-row tiles at ~60% of it. So:
+
+  * prompt rows (``classes.prompt``): one GEMM over all T rows, zero-padded
+    to ``LARGE_GEMM_ROWS`` when T is smaller, run only when some row is a
+    prompt row (``lax.cond``);
+  * the other live rows: gathered to the front (``classes.order``) and run
+    in ``row_tiled`` tiles over those rows only, skipped when there are none.
+
+  A row's result thus depends only on the row and its class, never on how
+  many rows share the bucket or where it sits.
+
+  Args:
+    fn: maps [M, K] -> [M, N] (or a tuple of such) row by row.
+    x: [T, K] rows; rows at or beyond ``num_live`` are padding.
+    num_live: i32[] live rows (a prefix of ``x``).
+    classes: the rows' ``RowClasses``; None: every row in the tiled class
+      (``row_tiled``).
+
+  Returns:
+    ``fn``'s result for all T rows; padding rows hold unspecified finite
+    values.
+  """
+  if classes is None:
+    return row_tiled(fn, x, num_live)
+  num_rows = x.shape[0]
+  tmap = jax.tree_util.tree_map
+  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((2,) + x.shape[1:], x.dtype))
+  zeros = lambda: tmap(lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype), out_aval)
+
+  def large():
+    padded = max(num_rows, LARGE_GEMM_ROWS)
+    rows = x if padded == num_rows else jnp.pad(x, ((0, padded - num_rows), (0, 0)))
+    return tmap(lambda y: y[:num_rows], fn(rows))
+
+  def tiled():
+    out = row_tiled(fn, x[classes.order], classes.num_tiled)
+    return tmap(lambda y: y[classes.inverse], out)
+
+  big = jax.lax.cond(classes.any_prompt, large, zeros)
+  small = jax.lax.cond(classes.num_tiled > 0, tiled, zeros)
+  return tmap(lambda a, b: jnp.where(classes.prompt[:, None], a, b), big, small)
 
 
 @struct.dataclass
@@ -194,6 +290,7 @@ class _Batch:
   page_table: jax.Array    # i32[S, P]
   cu_q_lens: jax.Array     # i32[S + 1]
   num_seqs: jax.Array      # i32[]
+  classes: RowClasses | None = None   # the rows' GEMM classes (``rowwise``)
 
   @property
   def num_live(self) -> jax.Array:
@@ -232,7 +329,7 @@ class Attention(nn.Module):
     wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
-    q, k, v = row_tiled(lambda h: (h @ wq, h @ wk, h @ wv), x, batch.num_live)
+    q, k, v = rowwise(lambda h: (h @ wq, h @ wk, h @ wv), x, batch.num_live, batch.classes)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
@@ -251,8 +348,8 @@ class Attention(nn.Module):
       attend = sharding.attention_over_heads(attend, self.mesh)
     out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
                  batch.cu_q_lens, batch.num_seqs)
-    out = row_tiled(lambda h: h @ wo, out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
-                    batch.num_live)
+    out = rowwise(lambda h: h @ wo, out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
+                  batch.num_live, batch.classes)
     return out, k_pool, v_pool
 
 
@@ -263,12 +360,13 @@ class MLP(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, num_live):
+  def __call__(self, x, num_live, classes=None):
     cfg = self.cfg
     w_gate = self.param("w_gate", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
-    return row_tiled(lambda h: (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down, x, num_live)
+    return rowwise(lambda h: (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down, x, num_live,
+                   classes)
 
 
 class DecoderLayer(nn.Module):
@@ -287,7 +385,7 @@ class DecoderLayer(nn.Module):
                                      name="attn")(h, k_pool, v_pool, layer, batch)
     x = x + attn
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
-    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live)
+    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes)
     return (x, k_pool, v_pool), None
 
 
@@ -344,7 +442,7 @@ def _params_dtype(params):
 
 def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
             slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs, *,
-            attention_impl: str, mesh=None):
+            attention_impl: str, mesh=None, prompt_rows=None):
   """Runs every block over one packed iteration and writes its K/V.
 
   Args:
@@ -365,6 +463,10 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     mesh: static ``jax.sharding.Mesh`` whose ``model`` axis splits the
       attention heads (``models.sharding.attention_mesh``): attention then
       runs under ``shard_map`` per device; None: one program over all heads.
+    prompt_rows: bool[T] rows whose position is a prompt position of their
+      request (``position < prompt_len``): their row-wise GEMMs run in the
+      large class, the other rows' in 2..32-row tiles (``rowwise``); None:
+      every row in tiles (``row_tiled``).
 
   Returns:
     ``(hidden f32[T, d_model], kv)``: the final-normed hidden state of every
@@ -378,6 +480,8 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
   flat = (num_layers * num_pages,) + kv.k.shape[2:]
   batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
                  page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
+  if prompt_rows is not None:
+    batch = batch.replace(classes=row_classes(jnp.asarray(prompt_rows, bool), batch.num_live))
   hidden, k_pool, v_pool = model.apply(
       {"params": params}, tokens, kv.k.reshape(flat), kv.v.reshape(flat), batch)
   return hidden.astype(jnp.float32), KVCache(k=k_pool.reshape(kv.k.shape),
