@@ -465,7 +465,7 @@ def _params_dtype(params):
 
 def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
             slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs, *,
-            attention_impl: str, mesh=None, prompt_rows=None):
+            attention_impl: str, mesh=None, prompt_rows=None, chunk_rows=None):
   """Runs every block over one packed iteration and writes its K/V.
 
   Args:
@@ -490,25 +490,117 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
       request (``position < prompt_len``): their row-wise GEMMs run in the
       large class, the other rows' in 2..32-row tiles (``rowwise``); None:
       every row in tiles (``row_tiled``).
+    chunk_rows: static; when T exceeds it, the rows run as a ``lax.scan``
+      over ``ceil(T / chunk_rows)`` chunk invocations (``_scanned_chunks``):
+      bounded activations, the same bits as one invocation. None: one.
 
   Returns:
     ``(hidden f32[T, d_model], kv)``: the final-normed hidden state of every
     row (padding rows hold unspecified finite values) and the updated cache.
+
+  Raises:
+    ValueError: if ``kv`` has not ``cfg.n_layers`` layers, or ``chunk_rows``
+      is below 1.
   """
   dtype = _params_dtype(params)
   model = Llama(cfg, dtype=dtype, attention_impl=attention_impl, mesh=mesh)
   num_layers, num_pages = kv.k.shape[:2]
   if num_layers != cfg.n_layers:
     raise ValueError(f"kv has {num_layers} layers, cfg.n_layers is {cfg.n_layers}")
+  if chunk_rows is not None and chunk_rows < 1:
+    raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
   flat = (num_layers * num_pages,) + kv.k.shape[2:]
   batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
                  page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
-  if prompt_rows is not None:
-    batch = batch.replace(classes=row_classes(jnp.asarray(prompt_rows, bool), batch.num_live))
-  hidden, k_pool, v_pool = model.apply(
-      {"params": params}, tokens, kv.k.reshape(flat), kv.v.reshape(flat), batch)
+
+  def run(tokens, k_pool, v_pool, batch, prompt_rows):
+    if prompt_rows is not None:
+      batch = batch.replace(classes=row_classes(prompt_rows, batch.num_live))
+    return model.apply({"params": params}, tokens, k_pool, v_pool, batch)
+
+  prompt_rows = None if prompt_rows is None else jnp.asarray(prompt_rows, bool)
+  args = (tokens, kv.k.reshape(flat), kv.v.reshape(flat), batch, prompt_rows)
+  if chunk_rows is None or tokens.shape[0] <= chunk_rows:
+    hidden, k_pool, v_pool = run(*args)
+  else:
+    hidden, k_pool, v_pool = _scanned_chunks(run, chunk_rows, *args)
   return hidden.astype(jnp.float32), KVCache(k=k_pool.reshape(kv.k.shape),
                                              v=v_pool.reshape(kv.v.shape))
+
+
+def _chunk_batch(batch: _Batch, lo, chunk_rows: int) -> _Batch:
+  """The attention descriptors of packed rows ``[lo, lo + chunk_rows)``.
+
+  The sequences with rows in the chunk are a contiguous run of the packed
+  sequences; they are renumbered from 0. A sequence cut by the chunk's end
+  sees only its rows up to that end (``kv_lens`` minus its later rows), so
+  the chunk attends to exactly the K/V rows the whole bucket's causal mask
+  lets these rows see: the committed ones, earlier chunks' (already
+  written) and its own.
+  """
+  cu, num_seqs = batch.cu_q_lens, jnp.reshape(batch.num_seqs, ())
+  hi = lo + chunk_rows
+  seq = jnp.arange(cu.shape[0] - 1, dtype=jnp.int32)
+  live = seq < num_seqs
+  starts, ends = cu[:-1], cu[1:]
+  rows_in = jnp.where(live, jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0), 0)
+  first = jnp.sum(live & (ends <= lo), dtype=jnp.int32)
+  count = jnp.sum(rows_in > 0, dtype=jnp.int32)
+  src = jnp.minimum(first + seq, seq.shape[0] - 1)
+  here = seq < count
+  q_lens = jnp.where(here, rows_in[src], 0)
+  kv_lens = jnp.where(here, batch.kv_lens[src] - (ends[src] - jnp.minimum(ends[src], hi)), 0)
+  return _Batch(
+      positions=jax.lax.dynamic_slice_in_dim(batch.positions, lo, chunk_rows),
+      slot_mapping=jax.lax.dynamic_slice_in_dim(batch.slot_mapping, lo, chunk_rows),
+      kv_lens=kv_lens, page_table=batch.page_table[src],
+      cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum(q_lens).astype(jnp.int32)]),
+      num_seqs=count)
+
+
+def _scanned_chunks(run, chunk_rows: int, tokens, k_pool, v_pool, batch: _Batch, prompt_rows):
+  """``run`` over ``chunk_rows``-row chunks of the packed rows, one
+  ``lax.scan`` step each (the pools in the carry, so chunk ``m`` writes its
+  K/V before chunk ``m + 1`` attends); chunks past the live rows are
+  skipped (``lax.cond``). Rows past T (padding to whole chunks) write
+  nothing and are dropped. A row's bits equal one invocation's: its
+  row-wise GEMMs stay in their class (``rowwise``) and attention sees the
+  same K/V rows.
+  """
+  num_rows = tokens.shape[0]
+  num_chunks = -(-num_rows // chunk_rows)
+  pad = num_chunks * chunk_rows - num_rows
+  padded = lambda x, fill: jnp.pad(x, (0, pad), constant_values=fill)
+  batch = batch.replace(positions=padded(batch.positions, 0),
+                        slot_mapping=padded(batch.slot_mapping, -1))
+  tokens = padded(tokens, 0)
+  if prompt_rows is not None:
+    prompt_rows = padded(prompt_rows, False)
+  num_live = batch.num_live
+  hidden_aval = jax.eval_shape(lambda t, k, v, b, p: run(t, k, v, b, p)[0],
+                               tokens[:chunk_rows], k_pool, v_pool,
+                               _chunk_batch(batch, 0, chunk_rows),
+                               None if prompt_rows is None else prompt_rows[:chunk_rows])
+
+  def chunk(carry, m):
+    k_pool, v_pool = carry
+    lo = m * chunk_rows
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, chunk_rows)
+
+    def live():
+      return run(cut(tokens), k_pool, v_pool, _chunk_batch(batch, lo, chunk_rows),
+                 None if prompt_rows is None else cut(prompt_rows))
+
+    def idle():
+      return jnp.zeros(hidden_aval.shape, hidden_aval.dtype), k_pool, v_pool
+
+    hidden, k_pool, v_pool = jax.lax.cond(lo < num_live, live, idle)
+    return (k_pool, v_pool), hidden
+
+  (k_pool, v_pool), hidden = jax.lax.scan(chunk, (k_pool, v_pool),
+                                          jnp.arange(num_chunks, dtype=jnp.int32))
+  return hidden.reshape((num_chunks * chunk_rows,) + hidden.shape[2:])[:num_rows], k_pool, v_pool
 
 
 def compute_logits(params, cfg: ModelConfig, hidden, num_live=None) -> jax.Array:
@@ -549,7 +641,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,
   return params
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh", "chunk_rows"),
                       donate_argnames=("kv",))
 forward_jit.__doc__ = "``forward`` under ``jax.jit`` (cfg, impl static; kv donated)."
 compute_logits_jit = jax.jit(compute_logits, static_argnames=("cfg",))

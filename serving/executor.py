@@ -79,6 +79,7 @@ class ModelRunner:
   cfg: object
   attention_impl: str = "auto"
   mesh: object = None    # a Mesh splitting attention (``models.sharding.attention_mesh``)
+  chunk_rows: int = 0    # scan a bucket of more rows in chunks of this many (0: never)
 
   @property
   def eos_token_ids(self):
@@ -92,7 +93,7 @@ class ModelRunner:
                          packed.slot_mapping, packed.kv_lens, packed.page_table,
                          packed.cu_q_lens, packed.num_seqs,
                          attention_impl=self.attention_impl, mesh=self.mesh,
-                         prompt_rows=prompt_rows)
+                         prompt_rows=prompt_rows, chunk_rows=self.chunk_rows or None)
 
   def compute_logits(self, params, hidden, num_live=None):
     return llama.compute_logits(params, self.cfg, hidden, num_live)

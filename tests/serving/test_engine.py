@@ -475,3 +475,30 @@ def test_prompt_rows_are_bitwise_equal_alone_in_a_big_bucket_and_chunked_beside_
     k[name] = np.asarray(kv.k)[:, 1:11].reshape(CFG.n_layers, 40, CFG.n_kv_heads, -1)
   np.testing.assert_array_equal(k["large"], kv_alone[0])
   assert not np.array_equal(k["tiled"], k["large"])
+
+
+def test_a_long_prompt_prefills_in_one_scanned_iteration_with_the_same_bits(params):
+  """With a 32-token budget and ``prefill_chunk_rows=8`` a 30-token prompt
+  is one iteration: one program call scanning four 8-row chunks. Its K/V
+  and tokens are bitwise those of the 16-token budget that prefills it in
+  four iterations of at most 8 rows."""
+  prompt = _prompts([30], seed=43)[0]
+  sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+  scanned = dataclasses.replace(BASE, max_num_batched_tokens=32,
+                                long_prefill_token_threshold=32, prefill_chunk_rows=8)
+  runs = {}
+  for name, config in (("scanned", scanned), ("iterations", BASE)):
+    engine = Engine(CFG, params, config)
+    engine.record_plans = True
+    engine.add_request("a", prompt, sampling)
+    while not engine.requests["a"].output_token_ids:
+      engine.step()
+    kv = _prompt_kv(engine, "a", len(prompt))
+    engine.run()
+    runs[name] = (engine, kv, engine.requests["a"].output_token_ids)
+  assert len(runs["scanned"][0].plan_log) == 1 + 3              # prefill, then 3 decodes
+  assert len(runs["iterations"][0].plan_log) == 4 + 3
+  np.testing.assert_array_equal(runs["scanned"][1], runs["iterations"][1])
+  assert runs["scanned"][2] == runs["iterations"][2]
+  with pytest.raises(ValueError, match="prefill_chunk_rows"):
+    dataclasses.replace(BASE, prefill_chunk_rows=12)
