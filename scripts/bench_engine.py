@@ -73,6 +73,9 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "iterserve weights, activations and KV cache (transformers stays float32).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
                      "smaller pools save memory on a shared machine.")
+flags.DEFINE_integer("token_budget", 0, "Token budget and prefill chunk cap per iteration "
+                     "(0: the preset's); buckets above the preset's prefill_chunk_rows run as "
+                     "scanned chunks.")
 flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
 flags.DEFINE_integer("profile_steps", 4, "Decode steps in the --profile trace.")
 flags.DEFINE_bool("fused", True, "Run iterations as one fused device program "
@@ -179,6 +182,9 @@ def _engine(cfg, params, **overrides):
   overrides.setdefault("dtype", FLAGS.dtype)
   if FLAGS.num_pages:
     overrides.setdefault("num_pages", FLAGS.num_pages)
+  if FLAGS.token_budget:
+    overrides.setdefault("max_num_batched_tokens", FLAGS.token_budget)
+    overrides.setdefault("long_prefill_token_threshold", FLAGS.token_budget)
   return Engine(cfg, params, EngineConfig.preset(FLAGS.engine, **overrides))
 
 
