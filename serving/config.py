@@ -82,9 +82,10 @@ class EngineConfig:
     num_pages: physical KV pages, including the reserved null page.
     max_model_len: longest prompt + output (tokens).
     min_bucket: smallest token-row bucket (>= 2); buckets double up to the
-      budget. The model's GEMMs run in tiles of 2..32 rows
-      (``models.llama.row_tiled``), so small decode buckets keep a row's
-      bits; 1 row would be a GEMM class of its own on CPU.
+      budget. Generated-token rows run their GEMMs in tiles of 2..32 rows
+      and prompt rows in GEMMs of >= 64 rows (``models.llama.rowwise``), so
+      small decode buckets keep a row's bits; 1 row would be a GEMM class
+      of its own on CPU.
     watermark_pages: pages kept free at admission while anything runs (W of
       the §0x06 soft ceiling).
     reservation: how admission reserves KV for the unknown output length
