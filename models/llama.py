@@ -302,8 +302,8 @@ def row_sum(x: jax.Array) -> jax.Array:
   """Sums ``x`` [..., D] over its last axis in a fixed pairwise order.
 
   XLA:CPU's reduce picks its loop order by the whole shape: a row's float32
-  sum of squares over d_model differs between 8 rows and 1-3 or 64 rows
-  (measured, jax 0.10.2). Halving the zero-padded row (width the next power
+  sum of squares differs between 1-3 and 8-64 rows at width 576, between
+  8-48 and 1-3 or 64 rows at width 64 (measured, jax 0.10.2). Halving the zero-padded row (width the next power
   of two) with elementwise adds, each exactly rounded, fixes the order, so
   a row's sum never depends on how many rows share the array.
 
