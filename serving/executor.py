@@ -4,9 +4,10 @@
 release the pages of preempted requests, allocate pages for the planned
 intervals, pack the rows, run the model (row-wise XLA projections, prompt rows
 in the large GEMM class and generated-token rows in 2..32-row tiles, then
-segmented paged attention), sample one token for every sequence whose
-interval emits, apply the stop rules, write emitted tokens into the logical stream and free
-the pages of finished requests. It returns facts (``IterationResult``); only
+segmented paged attention; a bucket above ``ModelRunner.chunk_rows`` as a
+``lax.scan`` over chunks), sample one token for every sequence whose
+interval emits, apply the stop rules, write emitted tokens into the logical
+stream and free the pages of finished requests. It returns facts (``IterationResult``); only
 ``scheduler.apply.apply`` turns them into the next state.
 """
 
