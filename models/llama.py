@@ -3,10 +3,12 @@
 One call of ``forward`` runs every decoder block over a packed iteration: the
 token rows of several sequences (decode rows, prefill chunks with committed
 history, whole prompts) laid end to end, plus padding rows. Row-wise work
-(norms, projections, MLP) runs over all rows, its GEMMs in ``row_tiled``
-tiles of at most 32 rows (a row's bits never depend on the bucket); attention is
-request-local and reads the paged KV cache through
-``attention.ragged.ragged_paged_attention``.
+(norms, projections, MLP) runs over all rows in ``rowwise``: a prompt row
+(position < its request's prompt length) in one GEMM of at least
+``LARGE_GEMM_ROWS`` rows, every other row in ``row_tiled`` tiles of 2 to 32
+rows, so a row's bits depend only on its request and position, never on the
+bucket or its neighbours; attention is request-local and reads the paged KV
+cache through ``attention.ragged.ragged_paged_attention``.
 
 The blocks' weights are stacked on a leading layer axis and run with
 ``flax.linen.scan`` (a ``lax.scan``), so one block is traced and compiled
@@ -55,6 +57,9 @@ _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
 
 # Most rows in one GEMM of a row-wise map (``row_tiled``).
 ROW_TILE = 32
+# Fewest rows of a prompt rows' GEMM (``rowwise``): every M >= 64 is one
+# float32 bit class on all projection shapes of SmolLM2 and the tiny model.
+LARGE_GEMM_ROWS = 64
 
 
 def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
@@ -110,6 +115,97 @@ def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
   num_live = jnp.clip(jnp.reshape(jnp.asarray(num_live, jnp.int32), ()), 0, num_rows)
   out = jax.lax.fori_loop(0, (num_live + tile - 1) // tile, body, out)
   return tmap(lambda o: o[:num_rows], out)
+
+
+@struct.dataclass
+class RowClasses:
+  """The GEMM bit class of each packed row (``row_classes``, ``rowwise``).
+
+  Attributes:
+    prompt: bool[T] live rows at prompt positions: computed in one GEMM of
+      ``max(T, LARGE_GEMM_ROWS)`` rows (the large class).
+    order: i32[T] a permutation putting the other live rows (generated
+      tokens: decode rows, recompute of outputs after preemption) first, in
+      packed order, then the rest.
+    inverse: i32[T] the inverse permutation of ``order``.
+    num_tiled: i32[] live rows that are not prompt rows (the ``row_tiled``
+      class).
+    any_prompt: bool[] some live row is a prompt row.
+  """
+
+  prompt: jax.Array
+  order: jax.Array
+  inverse: jax.Array
+  num_tiled: jax.Array
+  any_prompt: jax.Array
+
+
+def row_classes(prompt_rows, num_live) -> RowClasses:
+  """``RowClasses`` of T packed rows.
+
+  Args:
+    prompt_rows: bool[T] True for a row whose position is below its
+      request's prompt length (padding rows: any value).
+    num_live: i32[] live rows (a prefix), 0 <= num_live <= T.
+  """
+  rows = jnp.arange(prompt_rows.shape[0], dtype=jnp.int32)
+  live = rows < num_live
+  prompt = live & prompt_rows
+  tiled = live & ~prompt_rows
+  order = jnp.argsort(~tiled, stable=True).astype(jnp.int32)
+  return RowClasses(prompt=prompt, order=order,
+                    inverse=jnp.argsort(order).astype(jnp.int32),
+                    num_tiled=jnp.sum(tiled, dtype=jnp.int32), any_prompt=jnp.any(prompt))
+
+
+def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> jax.Array:
+  """Applies the row-wise map ``fn`` to ``x``, each row in its bit class.
+
+  XLA:CPU's float32 GEMM rounds a row the same way for every row count M in
+  2..32 and again for every M >= 64, the two classes differing (measured on
+  every projection shape of SmolLM2 and the tiny model, jax 0.10.2;
+  docs/benchmarks.md "Prompt rows in the large GEMM class"). A large GEMM
+  runs near the machine's GEMM ceiling, 32-row tiles at ~60% of it. So:
+
+  * prompt rows (``classes.prompt``): one GEMM over all T rows, zero-padded
+    to ``LARGE_GEMM_ROWS`` when T is smaller, run only when some row is a
+    prompt row (``lax.cond``);
+  * the other live rows: gathered to the front (``classes.order``) and run
+    in ``row_tiled`` tiles over those rows only, skipped when there are none.
+
+  A row's result thus depends only on the row and its class, never on how
+  many rows share the bucket or where it sits.
+
+  Args:
+    fn: maps [M, K] -> [M, N] (or a tuple of such) row by row.
+    x: [T, K] rows; rows at or beyond ``num_live`` are padding.
+    num_live: i32[] live rows (a prefix of ``x``).
+    classes: the rows' ``RowClasses``; None: every row in the tiled class
+      (``row_tiled``).
+
+  Returns:
+    ``fn``'s result for all T rows; padding rows hold unspecified finite
+    values.
+  """
+  if classes is None:
+    return row_tiled(fn, x, num_live)
+  num_rows = x.shape[0]
+  tmap = jax.tree_util.tree_map
+  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((2,) + x.shape[1:], x.dtype))
+  zeros = lambda: tmap(lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype), out_aval)
+
+  def large():
+    padded = max(num_rows, LARGE_GEMM_ROWS)
+    rows = x if padded == num_rows else jnp.pad(x, ((0, padded - num_rows), (0, 0)))
+    return tmap(lambda y: y[:num_rows], fn(rows))
+
+  def tiled():
+    out = row_tiled(fn, x[classes.order], classes.num_tiled)
+    return tmap(lambda y: y[classes.inverse], out)
+
+  big = jax.lax.cond(classes.any_prompt, large, zeros)
+  small = jax.lax.cond(classes.num_tiled > 0, tiled, zeros)
+  return tmap(lambda a, b: jnp.where(classes.prompt[:, None], a, b), big, small)
 
 
 @struct.dataclass
@@ -199,6 +295,7 @@ class _Batch:
   page_table: jax.Array    # i32[S, P]
   cu_q_lens: jax.Array     # i32[S + 1]
   num_seqs: jax.Array      # i32[]
+  classes: RowClasses | None = None   # the rows' GEMM classes (``rowwise``)
 
   @property
   def num_live(self) -> jax.Array:
@@ -206,8 +303,31 @@ class _Batch:
     return self.cu_q_lens[jnp.reshape(self.num_seqs, ())]
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+  """Sums ``x`` [..., D] over its last axis in a fixed pairwise order.
+
+  XLA:CPU's reduce picks its loop order by the whole shape: a row's float32
+  sum of squares differs between 1-3 and 8-64 rows at width 576, between
+  8-48 and 1-3 or 64 rows at width 64 (measured, jax 0.10.2). Halving the zero-padded row (width the next power
+  of two) with elementwise adds, each exactly rounded, fixes the order, so
+  a row's sum never depends on how many rows share the array.
+
+  Returns:
+    [..., 1] the sums, in ``x.dtype``.
+  """
+  width = x.shape[-1]
+  padded = 1 << (width - 1).bit_length()
+  if padded != width:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - width)])
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = x[..., :half] + x[..., half:]
+  return x
+
+
 class RMSNorm(nn.Module):
-  """``scale * x / sqrt(mean(x**2) + eps)``, normalised in float32."""
+  """``scale * x / sqrt(mean(x**2) + eps)``, normalised in float32; the mean
+  sums in ``row_sum``'s fixed order (a row's bits never depend on T)."""
 
   eps: float
   dtype: Any = jnp.float32
@@ -216,7 +336,7 @@ class RMSNorm(nn.Module):
   def __call__(self, x):
     scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    normed = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + self.eps)
     return scale * normed.astype(self.dtype)
 
 
@@ -237,7 +357,7 @@ class Attention(nn.Module):
     wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
-    q, k, v = row_tiled(lambda h: (h @ wq, h @ wk, h @ wv), x, batch.num_live)
+    q, k, v = rowwise(lambda h: (h @ wq, h @ wk, h @ wv), x, batch.num_live, batch.classes)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
@@ -256,8 +376,8 @@ class Attention(nn.Module):
       attend = sharding.attention_over_heads(attend, self.mesh)
     out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
                  batch.cu_q_lens, batch.num_seqs)
-    out = row_tiled(lambda h: h @ wo, out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
-                    batch.num_live)
+    out = rowwise(lambda h: h @ wo, out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
+                  batch.num_live, batch.classes)
     return out, k_pool, v_pool
 
 
@@ -268,12 +388,13 @@ class MLP(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, num_live):
+  def __call__(self, x, num_live, classes=None):
     cfg = self.cfg
     w_gate = self.param("w_gate", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
-    return row_tiled(lambda h: (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down, x, num_live)
+    return rowwise(lambda h: (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down, x, num_live,
+                   classes)
 
 
 class DecoderLayer(nn.Module):
@@ -292,7 +413,7 @@ class DecoderLayer(nn.Module):
                                      name="attn")(h, k_pool, v_pool, layer, batch)
     x = x + attn
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
-    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live)
+    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes)
     return (x, k_pool, v_pool), None
 
 
@@ -349,7 +470,7 @@ def _params_dtype(params):
 
 def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
             slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs, *,
-            attention_impl: str, mesh=None):
+            attention_impl: str, mesh=None, prompt_rows=None, chunk_rows=None):
   """Runs every block over one packed iteration and writes its K/V.
 
   Args:
@@ -370,23 +491,121 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     mesh: static ``jax.sharding.Mesh`` whose ``model`` axis splits the
       attention heads (``models.sharding.attention_mesh``): attention then
       runs under ``shard_map`` per device; None: one program over all heads.
+    prompt_rows: bool[T] rows whose position is a prompt position of their
+      request (``position < prompt_len``): their row-wise GEMMs run in the
+      large class, the other rows' in 2..32-row tiles (``rowwise``); None:
+      every row in tiles (``row_tiled``).
+    chunk_rows: static; when T exceeds it, the rows run as a ``lax.scan``
+      over ``ceil(T / chunk_rows)`` chunk invocations (``_scanned_chunks``):
+      bounded activations, the same bits as one invocation. None: one.
 
   Returns:
     ``(hidden f32[T, d_model], kv)``: the final-normed hidden state of every
     row (padding rows hold unspecified finite values) and the updated cache.
+
+  Raises:
+    ValueError: if ``kv`` has not ``cfg.n_layers`` layers, or ``chunk_rows``
+      is below 1.
   """
   dtype = _params_dtype(params)
   model = Llama(cfg, dtype=dtype, attention_impl=attention_impl, mesh=mesh)
   num_layers, num_pages = kv.k.shape[:2]
   if num_layers != cfg.n_layers:
     raise ValueError(f"kv has {num_layers} layers, cfg.n_layers is {cfg.n_layers}")
+  if chunk_rows is not None and chunk_rows < 1:
+    raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
   flat = (num_layers * num_pages,) + kv.k.shape[2:]
   batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
                  page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
-  hidden, k_pool, v_pool = model.apply(
-      {"params": params}, tokens, kv.k.reshape(flat), kv.v.reshape(flat), batch)
+
+  def run(tokens, k_pool, v_pool, batch, prompt_rows):
+    if prompt_rows is not None:
+      batch = batch.replace(classes=row_classes(prompt_rows, batch.num_live))
+    return model.apply({"params": params}, tokens, k_pool, v_pool, batch)
+
+  prompt_rows = None if prompt_rows is None else jnp.asarray(prompt_rows, bool)
+  args = (tokens, kv.k.reshape(flat), kv.v.reshape(flat), batch, prompt_rows)
+  if chunk_rows is None or tokens.shape[0] <= chunk_rows:
+    hidden, k_pool, v_pool = run(*args)
+  else:
+    hidden, k_pool, v_pool = _scanned_chunks(run, chunk_rows, *args)
   return hidden.astype(jnp.float32), KVCache(k=k_pool.reshape(kv.k.shape),
                                              v=v_pool.reshape(kv.v.shape))
+
+
+def _chunk_batch(batch: _Batch, lo, chunk_rows: int) -> _Batch:
+  """The attention descriptors of packed rows ``[lo, lo + chunk_rows)``.
+
+  The sequences with rows in the chunk are a contiguous run of the packed
+  sequences; they are renumbered from 0. A sequence cut by the chunk's end
+  sees only its rows up to that end (``kv_lens`` minus its later rows), so
+  the chunk attends to exactly the K/V rows the whole bucket's causal mask
+  lets these rows see: the committed ones, earlier chunks' (already
+  written) and its own.
+  """
+  cu, num_seqs = batch.cu_q_lens, jnp.reshape(batch.num_seqs, ())
+  hi = lo + chunk_rows
+  seq = jnp.arange(cu.shape[0] - 1, dtype=jnp.int32)
+  live = seq < num_seqs
+  starts, ends = cu[:-1], cu[1:]
+  rows_in = jnp.where(live, jnp.clip(jnp.minimum(ends, hi) - jnp.maximum(starts, lo), 0), 0)
+  first = jnp.sum(live & (ends <= lo), dtype=jnp.int32)
+  count = jnp.sum(rows_in > 0, dtype=jnp.int32)
+  src = jnp.minimum(first + seq, seq.shape[0] - 1)
+  here = seq < count
+  q_lens = jnp.where(here, rows_in[src], 0)
+  kv_lens = jnp.where(here, batch.kv_lens[src] - (ends[src] - jnp.minimum(ends[src], hi)), 0)
+  return _Batch(
+      positions=jax.lax.dynamic_slice_in_dim(batch.positions, lo, chunk_rows),
+      slot_mapping=jax.lax.dynamic_slice_in_dim(batch.slot_mapping, lo, chunk_rows),
+      kv_lens=kv_lens, page_table=batch.page_table[src],
+      cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum(q_lens).astype(jnp.int32)]),
+      num_seqs=count)
+
+
+def _scanned_chunks(run, chunk_rows: int, tokens, k_pool, v_pool, batch: _Batch, prompt_rows):
+  """``run`` over ``chunk_rows``-row chunks of the packed rows, one
+  ``lax.scan`` step each (the pools in the carry, so chunk ``m`` writes its
+  K/V before chunk ``m + 1`` attends); chunks past the live rows are
+  skipped (``lax.cond``). Rows past T (padding to whole chunks) write
+  nothing and are dropped. A row's bits equal one invocation's: its
+  row-wise GEMMs stay in their class (``rowwise``) and attention sees the
+  same K/V rows.
+  """
+  num_rows = tokens.shape[0]
+  num_chunks = -(-num_rows // chunk_rows)
+  pad = num_chunks * chunk_rows - num_rows
+  padded = lambda x, fill: jnp.pad(x, (0, pad), constant_values=fill)
+  batch = batch.replace(positions=padded(batch.positions, 0),
+                        slot_mapping=padded(batch.slot_mapping, -1))
+  tokens = padded(tokens, 0)
+  if prompt_rows is not None:
+    prompt_rows = padded(prompt_rows, False)
+  num_live = batch.num_live
+  hidden_aval = jax.eval_shape(lambda t, k, v, b, p: run(t, k, v, b, p)[0],
+                               tokens[:chunk_rows], k_pool, v_pool,
+                               _chunk_batch(batch, 0, chunk_rows),
+                               None if prompt_rows is None else prompt_rows[:chunk_rows])
+
+  def chunk(carry, m):
+    k_pool, v_pool = carry
+    lo = m * chunk_rows
+    cut = lambda x: jax.lax.dynamic_slice_in_dim(x, lo, chunk_rows)
+
+    def live():
+      return run(cut(tokens), k_pool, v_pool, _chunk_batch(batch, lo, chunk_rows),
+                 None if prompt_rows is None else cut(prompt_rows))
+
+    def idle():
+      return jnp.zeros(hidden_aval.shape, hidden_aval.dtype), k_pool, v_pool
+
+    hidden, k_pool, v_pool = jax.lax.cond(lo < num_live, live, idle)
+    return (k_pool, v_pool), hidden
+
+  (k_pool, v_pool), hidden = jax.lax.scan(chunk, (k_pool, v_pool),
+                                          jnp.arange(num_chunks, dtype=jnp.int32))
+  return hidden.reshape((num_chunks * chunk_rows,) + hidden.shape[2:])[:num_rows], k_pool, v_pool
 
 
 def compute_logits(params, cfg: ModelConfig, hidden, num_live=None) -> jax.Array:
@@ -427,7 +646,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,
   return params
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh", "chunk_rows"),
                       donate_argnames=("kv",))
 forward_jit.__doc__ = "``forward`` under ``jax.jit`` (cfg, impl static; kv donated)."
 compute_logits_jit = jax.jit(compute_logits, static_argnames=("cfg",))

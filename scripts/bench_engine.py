@@ -15,6 +15,9 @@ Sections (float32, CPU, greedy, ignore EOS):
 * breakdown: one decode iteration of N sequences split into its device
   programs' parts, each timed alone on the engine's shapes: the model
   (blocks), attention alone, the LM head, sampling, and the executor's rest.
+* prefill_step: the model step (all blocks) of one prompt filling the
+  largest bucket, its rows in the large GEMM class (as the engine runs
+  them) and, for comparison, in 32-row tiles (the rule for generated rows).
 
 Every decode run also records a per-iteration breakdown (``steps``): the
 fused ``step`` program (or, on the split path, tick, plan, execute per token
@@ -58,7 +61,8 @@ from serving.sampling import sample
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_engine.json", "Result JSON path.")
-flags.DEFINE_list("sections", ["prefill", "decode", "trace", "gemm", "breakdown"],
+flags.DEFINE_list("sections", ["prefill", "decode", "trace", "gemm", "breakdown",
+                                "prefill_step"],
                   "What to measure.")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "Decode concurrency levels.")
 flags.DEFINE_integer("prompt_len", 256, "Decode section prompt length.")
@@ -75,6 +79,9 @@ flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
                      "smaller pools save memory on a shared machine.")
+flags.DEFINE_integer("token_budget", 0, "Token budget and prefill chunk cap per iteration "
+                     "(0: the preset's); buckets above the preset's prefill_chunk_rows run as "
+                     "scanned chunks.")
 flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
 flags.DEFINE_integer("profile_steps", 4, "Decode steps in the --profile trace.")
 flags.DEFINE_bool("fused", True, "Run iterations as one fused device program "
@@ -182,6 +189,9 @@ def _engine(cfg, params, **overrides):
   overrides.setdefault("kv_dtype", FLAGS.kv_dtype)
   if FLAGS.num_pages:
     overrides.setdefault("num_pages", FLAGS.num_pages)
+  if FLAGS.token_budget:
+    overrides.setdefault("max_num_batched_tokens", FLAGS.token_budget)
+    overrides.setdefault("long_prefill_token_threshold", FLAGS.token_budget)
   return Engine(cfg, params, EngineConfig.preset(FLAGS.engine, **overrides))
 
 
@@ -342,6 +352,36 @@ def breakdown(cfg, params, num_seqs, ecfg):
   return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
 
+def prefill_step(cfg, params, ecfg):
+  """Model step ms of one prompt filling the largest bucket, interleaved
+  so both variants see the same machine load: prompt rows in the large
+  GEMM class (``prompt_rows``, the engine's rule), and every row in 32-row
+  tiles; with ``prefill_chunk_rows`` as the engine scans it."""
+  rows = ecfg.max_num_batched_tokens
+  ps = ecfg.page_size
+  pages = -(-rows // ps)
+  table = jnp.zeros((ecfg.max_num_seqs, ecfg.pages_per_seq), jnp.int32).at[0, :pages].set(
+      jnp.arange(1, pages + 1, dtype=jnp.int32))
+  pos = jnp.arange(rows, dtype=jnp.int32)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(20, 1000, size=rows), jnp.int32)
+  kv_lens = jnp.zeros((ecfg.max_num_seqs,), jnp.int32).at[0].set(rows)
+  cu = jnp.full((ecfg.max_num_seqs + 1,), rows, jnp.int32).at[0].set(0)
+  kv = llama.init_kv_cache(cfg, pages + 1, ps, jnp.dtype(ecfg.dtype))
+  chunk = ecfg.prefill_chunk_rows or None
+  step = {name: jax.jit(lambda p, kv, pr=pr: llama.forward(
+      p, cfg, kv, tokens, pos, pos + ps, kv_lens, table, cu, jnp.int32(1),
+      attention_impl=ecfg.attention_impl, prompt_rows=pr, chunk_rows=chunk)[0])
+          for name, pr in (("large", pos >= 0), ("tiled", None))}
+  best = {name: _time_ms(fn, params, kv, reps=1) for name, fn in step.items()}
+  for _ in range(4):
+    for name, fn in step.items():
+      best[name] = min(best[name], _time_ms(fn, params, kv, reps=1))
+  return {"bucket": rows, "chunk_rows": chunk, "prompt_rows_large_ms": round(best["large"], 1),
+          "all_rows_tiled_ms": round(best["tiled"], 1),
+          "tiled_over_large": round(best["tiled"] / best["large"], 3),
+          "load_average": list(os.getloadavg())}
+
+
 def main(argv):
   del argv
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
@@ -399,6 +439,10 @@ def main(argv):
                         for n in FLAGS.breakdown_seqs]
     for row in out["breakdown"]:
       print("breakdown", row)
+
+  if "prefill_step" in FLAGS.sections:
+    out["prefill_step"] = prefill_step(cfg, params, scratch.config)
+    print("prefill_step", out["prefill_step"])
 
   if FLAGS.profile:
     n = 32

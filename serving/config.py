@@ -82,9 +82,10 @@ class EngineConfig:
     num_pages: physical KV pages, including the reserved null page.
     max_model_len: longest prompt + output (tokens).
     min_bucket: smallest token-row bucket (>= 2); buckets double up to the
-      budget. The model's GEMMs run in tiles of 2..32 rows
-      (``models.llama.row_tiled``), so small decode buckets keep a row's
-      bits; 1 row would be a GEMM class of its own on CPU.
+      budget. Generated-token rows run their GEMMs in tiles of 2..32 rows
+      and prompt rows in GEMMs of >= 64 rows (``models.llama.rowwise``), so
+      small decode buckets keep a row's bits; 1 row would be a GEMM class
+      of its own on CPU.
     watermark_pages: pages kept free at admission while anything runs (W of
       the §0x06 soft ceiling).
     reservation: how admission reserves KV for the unknown output length
@@ -128,6 +129,13 @@ class EngineConfig:
       full prompt pages are keyed by content and shared; a request starts
       its prefill after the longest cached prefix. On by default, as in
       vLLM; off for ablations.
+    prefill_chunk_rows: a token bucket of more rows runs its model step as a
+      ``lax.scan`` over chunks of this many rows (``models.llama.forward``'s
+      ``chunk_rows``): one program call with activations bounded by the
+      chunk, the same bits as one invocation. A multiple of 8 (the attention
+      kernel's query slots then line up with the whole bucket's; measured:
+      chunks of 5-7 rows change a row's bits, 8, 16 and 24 do not), or 0 for
+      no chunking.
     mesh: device mesh of the engine, ``"model:M"`` (or ``"data:1,model:M"``):
       tensor parallelism over M devices of this process (``models.sharding``:
       weights split Megatron-style, the KV cache on its KV-head axis,
@@ -160,6 +168,7 @@ class EngineConfig:
   executor: str = "model"
   cost_model: str = ""
   enable_prefix_caching: bool = True
+  prefill_chunk_rows: int = 256
   mesh: str = ""
 
   def __post_init__(self):
@@ -204,6 +213,9 @@ class EngineConfig:
              self.executor)
     _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
              "must be a bool", self.enable_prefix_caching)
+    _require(self.prefill_chunk_rows >= 0 and self.prefill_chunk_rows % 8 == 0, c,
+             "prefill_chunk_rows", "must be 0 (off) or a positive multiple of 8",
+             self.prefill_chunk_rows)
     _require(isinstance(self.mesh, str), c, "mesh", "must be a str like 'model:2'",
              self.mesh)
     parse_mesh(self.mesh)

@@ -1132,7 +1132,8 @@ def _model_step(model_cfg, config: EngineConfig) -> Callable:
   step = sim_executor.simulated_execute if config.executor == "simulated" else execute
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
   return functools.partial(
-      step, model=ModelRunner(model_cfg, config.attention_impl, mesh),
+      step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
+                              config.prefill_chunk_rows),
       num_seqs=config.max_num_seqs, sample_rows=config.sample_rows,
       max_model_len=config.max_model_len)
 

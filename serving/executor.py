@@ -2,10 +2,12 @@
 
 ``execute`` is a pure function compiled once per token-row bucket. In order:
 release the pages of preempted requests, allocate pages for the planned
-intervals, pack the rows, run the model (row-wise XLA projections + segmented
-paged attention), sample one token for every sequence whose interval emits,
-apply the stop rules, write emitted tokens into the logical stream and free
-the pages of finished requests. It returns facts (``IterationResult``); only
+intervals, pack the rows, run the model (row-wise XLA projections, prompt rows
+in the large GEMM class and generated-token rows in 2..32-row tiles, then
+segmented paged attention; a bucket above ``ModelRunner.chunk_rows`` as a
+``lax.scan`` over chunks), sample one token for every sequence whose
+interval emits, apply the stop rules, write emitted tokens into the logical
+stream and free the pages of finished requests. It returns facts (``IterationResult``); only
 ``scheduler.apply.apply`` turns them into the next state.
 """
 
@@ -78,16 +80,21 @@ class ModelRunner:
   cfg: object
   attention_impl: str = "auto"
   mesh: object = None    # a Mesh splitting attention (``models.sharding.attention_mesh``)
+  chunk_rows: int = 0    # scan a bucket of more rows in chunks of this many (0: never)
 
   @property
   def eos_token_ids(self):
     return tuple(self.cfg.eos_token_ids)
 
-  def forward(self, params, kv, packed):
+  def forward(self, params, kv, packed, prompt_len):
+    """``llama.forward`` over a packed iteration; ``prompt_len`` i32[R] (per
+    slot) marks the prompt rows, whose GEMMs run in the large bit class."""
+    prompt_rows = packed.positions < prompt_len[packed.slot_of_row]
     return llama.forward(params, self.cfg, kv, packed.tokens, packed.positions,
                          packed.slot_mapping, packed.kv_lens, packed.page_table,
                          packed.cu_q_lens, packed.num_seqs,
-                         attention_impl=self.attention_impl, mesh=self.mesh)
+                         attention_impl=self.attention_impl, mesh=self.mesh,
+                         prompt_rows=prompt_rows, chunk_rows=self.chunk_rows or None)
 
   def compute_logits(self, params, hidden, num_live=None):
     return llama.compute_logits(params, self.cfg, hidden, num_live)
@@ -111,7 +118,7 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   packed = pack(plan, buffers.tokens, pages.page_table, pages.page_size,
                 num_rows=num_rows, num_seqs=num_seqs)
 
-  hidden, kv = model.forward(params, kv, packed)
+  hidden, kv = model.forward(params, kv, packed, manifest.prompt_len)
   head_rows = min(sample_rows, num_rows)
   last = jnp.zeros((head_rows,), jnp.int32).at[:min(num_seqs, head_rows)].set(
       packed.last_row[:head_rows])

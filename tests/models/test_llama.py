@@ -252,3 +252,44 @@ def test_row_tiled_rows_do_not_depend_on_the_bucket():
       assert not out[done:].any() and out[num_live:min(done, num_rows)].all()
   with pytest.raises(ValueError, match="tile must lie in"):
     llama.row_tiled(lambda h: h, x, 1, tile=33)
+
+
+def test_rowwise_puts_prompt_rows_in_the_large_class_and_the_rest_in_tiles():
+  """Prompt rows equal a plain 64-row GEMM whatever the bucket (padded when
+  T < 64), the other live rows equal ``row_tiled`` alone, wherever they sit
+  among the prompt rows; the two classes differ on SmolLM2's q/o shape, so
+  the comparison can fail."""
+  rng = np.random.default_rng(3)
+  w = jnp.asarray(rng.standard_normal((576, 576), np.float32))
+  x = rng.standard_normal((96, 576), np.float32)
+  gemm = lambda h: h @ w
+  large = np.asarray(jax.jit(gemm)(jnp.asarray(x[:64])))
+  tiled = np.asarray(jax.jit(lambda h: llama.row_tiled(gemm, h, 2))(jnp.asarray(x[:2])))
+  assert not np.array_equal(large[:2], tiled)
+  fn = jax.jit(lambda h, p, n: llama.rowwise(gemm, h, n, llama.row_classes(p, n)))
+  for num_rows, num_live, at in [(8, 6, [0, 3]), (96, 70, [10, 50]), (96, 96, [95, 40])]:
+    rows = np.array(x[:num_rows])
+    rows[at] = x[:2]                      # the two tiled rows, interleaved
+    prompt = np.ones(num_rows, bool)
+    prompt[at] = False
+    out = np.asarray(fn(jnp.asarray(rows), jnp.asarray(prompt), jnp.int32(num_live)))
+    live_prompt = np.flatnonzero(prompt[:num_live])
+    padded = np.pad(rows, ((0, max(0, 64 - num_rows)), (0, 0)))   # a plain M >= 64 GEMM
+    np.testing.assert_array_equal(out[live_prompt],
+                                  np.asarray(jax.jit(gemm)(jnp.asarray(padded)))[live_prompt])
+    np.testing.assert_array_equal(out[at], tiled, err_msg=f"T={num_rows}")
+
+
+def test_row_sum_does_not_depend_on_the_row_count():
+  """``row_sum`` (RMSNorm's sum of squares) gives a row the same bits at
+  any row count and equals the float64 sum to float32 rounding; XLA's own
+  reduce is checked to round by the row count, so the test can fail."""
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.standard_normal((64, 576), np.float32))
+  ours, xla = jax.jit(llama.row_sum), jax.jit(lambda x: jnp.sum(x, -1, keepdims=True))
+  assert any(not np.array_equal(np.asarray(xla(x[:n])), np.asarray(xla(x))[:n])
+             for n in (1, 8, 16))
+  for n in (1, 3, 8, 16, 33):
+    np.testing.assert_array_equal(np.asarray(ours(x[:n])), np.asarray(ours(x))[:n])
+  np.testing.assert_allclose(np.asarray(ours(x))[:, 0],
+                             np.asarray(x, np.float64).sum(-1), rtol=0, atol=1e-4)

@@ -1,11 +1,13 @@
-"""Chunked prefill as scanned chunk invocations equals one full prefill (§0x09).
+"""A bucket run as scanned chunk invocations equals one invocation, bitwise (§0x09).
 
-Tiny model, chunk size 4, prompts of 12 (a multiple) and 10 (not) tokens.
-Three paths write the same committed K/V and give the same first token:
-``chunked_prefill_jit`` (one program, ``lax.scan`` over chunks), one full
-prefill (one ``forward`` over every prompt row), and iteration-by-iteration
-chunking as the engine runs it (a one-sequence plan per chunk, packed by
-``serving.pack.pack`` and run by ``llama.forward``).
+``models.llama.forward(..., chunk_rows=C)`` runs a T-row packed iteration as
+a ``lax.scan`` over C-row chunks, each writing its K/V before the next
+attends. On the tiny model, a 40-row bucket mixing decode rows, prefill
+chunks with committed history and whole prompts, with sequences cut by the
+chunk boundaries, gives the same hidden states and the same cache bits for
+C = 8 and 16 as one invocation; chunks past the live rows are skipped and
+nothing is written past them. The engine-level check (a 30-token prompt
+prefilled in one scanned iteration) is in test_engine.py.
 """
 
 import jax
@@ -15,13 +17,13 @@ import pytest
 
 from models import llama
 from models.config import get_config
-from scheduler import records as rec
-from serving.chunked_prefill import chunked_prefill_jit
-from serving.pack import pack
 
 CFG = get_config("tiny")
-CHUNK, ROWS, PAGE_SIZE, NUM_PAGES = 4, 16, 4, 8
-TABLE = jnp.arange(1, 1 + ROWS // PAGE_SIZE, dtype=jnp.int32)
+PAGE_SIZE, PAGES_PER_SEQ, MAX_SEQS, ROWS = 4, 8, 6, 40
+# (committed rows, new rows): decode, whole prompt, decode, chunk with
+# history, whole prompt; the packed rows cross the 8- and 16-row boundaries
+# inside sequences.
+SEQS = [(5, 1), (0, 13), (7, 1), (3, 9), (0, 6)]
 
 
 @pytest.fixture(scope="module")
@@ -29,81 +31,55 @@ def params():
   return llama.init_params(CFG, jax.random.PRNGKey(0), layer_scale=8)
 
 
-def _cache():
-  return llama.init_kv_cache(CFG, NUM_PAGES, PAGE_SIZE)
+def _batch(rng):
+  tokens, positions, slots, prompt = [], [], [], []
+  kv_lens, table, cu = [], [], [0]
+  for i, (committed, new) in enumerate(SEQS):
+    pages = list(range(1 + i * PAGES_PER_SEQ, 1 + (i + 1) * PAGES_PER_SEQ))
+    for pos in range(committed, committed + new):
+      tokens.append(int(rng.integers(3, CFG.vocab_size)))
+      positions.append(pos)
+      slots.append(pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE)
+      prompt.append(new > 1)
+    kv_lens.append(committed + new)
+    table.append(pages)
+    cu.append(cu[-1] + new)
+  pad, idle = ROWS - len(tokens), MAX_SEQS - len(SEQS)
+  i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
+  batch = dict(tokens=i32(tokens + [0] * pad), positions=i32(positions + [0] * pad),
+               slot_mapping=i32(slots + [-1] * pad),
+               kv_lens=i32(kv_lens + [0] * idle),
+               page_table=i32(table + [[0] * PAGES_PER_SEQ] * idle),
+               cu_q_lens=i32(cu + [cu[-1]] * idle), num_seqs=jnp.int32(len(SEQS)))
+  return batch, jnp.asarray(prompt + [False] * pad), len(tokens)
 
 
-def _committed(kv, prompt_len):
-  pos = np.arange(prompt_len)
-  pages = np.asarray(TABLE)[pos // PAGE_SIZE]
-  return (np.asarray(kv.k)[:, pages, pos % PAGE_SIZE],
-          np.asarray(kv.v)[:, pages, pos % PAGE_SIZE])
+def test_scanned_chunks_equal_one_invocation_bitwise(params):
+  rng = np.random.default_rng(0)
+  batch, prompt_rows, num_live = _batch(rng)
+  shape = (CFG.n_layers, 1 + MAX_SEQS * PAGES_PER_SEQ, PAGE_SIZE, CFG.n_kv_heads,
+           CFG.head_dim)
+  # Every slot holds random K/V: committed rows are read, and a write past
+  # the live rows would show below.
+  history = rng.standard_normal((2,) + shape).astype(np.float32)
+  runs = {}
+  for chunk_rows in (None, 8, 16):
+    kv = llama.KVCache(k=jnp.asarray(history[0]), v=jnp.asarray(history[1]))
+    hidden, kv = llama.forward_jit(params, CFG, kv, **batch, attention_impl="auto",
+                                   prompt_rows=prompt_rows, chunk_rows=chunk_rows)
+    runs[chunk_rows] = (np.asarray(hidden)[:num_live], np.asarray(kv.k), np.asarray(kv.v))
+  for chunk_rows in (8, 16):
+    for name, got, want in zip(("hidden", "k", "v"), runs[chunk_rows], runs[None]):
+      np.testing.assert_array_equal(got, want, err_msg=f"{name}, chunk_rows={chunk_rows}")
+  assert np.all(np.isfinite(runs[8][0]))
+  # Only the live rows' slots changed.
+  changed = np.any(runs[8][1] != history[0], axis=(0, 3, 4))
+  written = np.asarray(batch["slot_mapping"])[:num_live]
+  assert sorted(np.flatnonzero(changed.reshape(-1))) == sorted(written)
 
 
-def _first_token(params, hidden_row):
-  return int(jnp.argmax(llama.compute_logits_jit(params, CFG, hidden_row[None])[0]))
-
-
-def _full_prefill(params, tokens, prompt_len):
-  rows = jnp.arange(ROWS, dtype=jnp.int32)
-  valid = rows < prompt_len
-  slot_mapping = jnp.where(valid, TABLE[rows // PAGE_SIZE] * PAGE_SIZE + rows % PAGE_SIZE, -1)
-  hidden, kv = llama.forward_jit(
-      params, CFG, _cache(), tokens, jnp.where(valid, rows, 0), slot_mapping,
-      jnp.array([prompt_len], jnp.int32), TABLE[None],
-      jnp.array([0, prompt_len], jnp.int32), jnp.int32(1), attention_impl="gather")
-  return kv, _first_token(params, hidden[prompt_len - 1])
-
-
-def _engine_chunking(params, tokens, prompt_len):
-  """One plan per iteration: [c, min(c + CHUNK, p)), packed and executed."""
-  kv, computed, hidden_last = _cache(), 0, None
-  while computed < prompt_len:
-    end = min(computed + CHUNK, prompt_len)
-    one = lambda x: jnp.array([x], jnp.int32)
-    plan = rec.IterationPlan(
-        decision_id=jnp.int32(0), input_state_version=jnp.int32(0),
-        selected=jnp.array([True]), generation=one(0), snapshot_version=one(0),
-        start=one(computed), end=one(end), kind=one(rec.PREFILL_CHUNK),
-        rank=one(0), admit=jnp.array([False]), preempt=jnp.array([False]),
-        sort_key=jnp.zeros((1, 5), jnp.int32), num_tokens=jnp.int32(end - computed),
-        num_seqs=jnp.int32(1), token_budget=CHUNK, seq_budget=1)
-    packed = pack(plan, tokens[None], TABLE[None], PAGE_SIZE, num_rows=CHUNK, num_seqs=1)
-    hidden, kv = llama.forward_jit(
-        params, CFG, kv, packed.tokens, packed.positions, packed.slot_mapping,
-        packed.kv_lens, packed.page_table, packed.cu_q_lens, packed.num_seqs,
-        attention_impl="gather")
-    hidden_last = hidden[packed.last_row[0]]
-    computed = end
-  return kv, _first_token(params, hidden_last)
-
-
-@pytest.mark.parametrize("prompt_len", [12, 10])
-def test_scanned_chunks_equal_full_prefill_and_engine_chunking(params, prompt_len):
-  tokens = jnp.asarray((np.arange(ROWS) * 37 + 5) % CFG.vocab_size, jnp.int32)
-  kv, _, token = chunked_prefill_jit(params, _cache(), tokens, jnp.int32(prompt_len),
-                                     TABLE, cfg=CFG, chunk_size=CHUNK)
-  full_kv, full_token = _full_prefill(params, tokens, prompt_len)
-  iter_kv, iter_token = _engine_chunking(params, tokens, prompt_len)
-  assert int(token) == full_token == iter_token
-  k, v = _committed(kv, prompt_len)
-  for other in (full_kv, iter_kv):
-    ok, ov = _committed(other, prompt_len)
-    np.testing.assert_allclose(k, ok, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(v, ov, rtol=1e-5, atol=1e-6)
-  # Nothing is written past the prompt (padding rows of the last chunk).
-  tail = np.arange(prompt_len, ROWS)
-  assert not np.asarray(kv.k)[:, np.asarray(TABLE)[tail // PAGE_SIZE],
-                              tail % PAGE_SIZE].any()
-
-
-def test_one_program_serves_every_prompt_length(params):
-  tokens = jnp.ones((ROWS,), jnp.int32)
-  before = chunked_prefill_jit._cache_size()
-  for p in (3, 7, 16):
-    chunked_prefill_jit(params, _cache(), tokens, jnp.int32(p), TABLE, cfg=CFG,
-                        chunk_size=CHUNK)
-  assert chunked_prefill_jit._cache_size() - before <= 1
-  with pytest.raises(ValueError, match="multiple of chunk_size"):
-    chunked_prefill_jit(params, _cache(), tokens[:10], jnp.int32(3), TABLE, cfg=CFG,
-                        chunk_size=CHUNK)
+def test_chunk_rows_below_one_is_refused(params):
+  batch, prompt_rows, _ = _batch(np.random.default_rng(1))
+  kv = llama.init_kv_cache(CFG, 1 + MAX_SEQS * PAGES_PER_SEQ, PAGE_SIZE)
+  with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
+    llama.forward(params, CFG, kv, **batch, attention_impl="auto", chunk_rows=0)
