@@ -284,8 +284,12 @@ class Engine:
     # time), corrected on the device by the next program (``_tick``).
     self._stamp = None
     self._no_stamp_mask = None
-    self._bucket = c.token_buckets[0]   # the fused program's expected bucket
+    # An upper bound on the token rows of the next plan (``_rows_bound`` of
+    # the last published state plus the prompts placed since): the fused
+    # program runs in its bucket, so the plan always fits.
+    self._rows_ahead = 0
     self.bucket_retries = 0             # fused calls repeated for another bucket
+    self.bucket_oversized = 0           # fused iterations in a larger bucket than needed
     self._pages_low = False             # last seen by an iteration (_pages_low)
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
@@ -522,6 +526,7 @@ class Engine:
     for slot, req in placed:
       req.slot = slot
       self._slots[slot] = req
+      self._rows_ahead += len(req.prompt_token_ids)
     self._pending = []
 
   def _arrival(self, req: Request) -> Arrival:
@@ -729,17 +734,19 @@ class Engine:
     realized = self._realized() if self.config.executor == "simulated" else None
     launch = self._device_ms(now_ms)
     hits = self._prefix_hits()
-    for _ in range(2):     # the expected bucket, then the one the plan needs
+    c = self.config
+    bucket = c.bucket_for(min(max(self._rows_ahead, 1), c.max_num_batched_tokens))
+    for _ in range(2):     # the bound's bucket; another only if the plan is larger
       (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
           self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
           hits, realized, launch, fix_emitted, fix_stamp, fix_actual,
-          num_rows=self._bucket)
+          num_rows=bucket)
       facts = self._fetch(facts)
       if facts["needs_host"]:
         return None
       if facts["committed"]:
         break
-      self._bucket = self.config.token_buckets[int(facts["bucket"])]
+      bucket = c.token_buckets[int(facts["bucket"])]
       self.bucket_retries += 1
     else:
       return None
@@ -748,8 +755,8 @@ class Engine:
       validate.validate_result(plan, ticked, self.manifest, result)
     self.state = state
     self._stamp = None
-    bucket = self.config.token_buckets[int(facts["bucket"])]
-    self._bucket = self.config.token_buckets[int(facts["next_bucket"])]
+    self._rows_ahead = int(facts["next_rows"])
+    self.bucket_oversized += int(c.token_buckets[int(facts["bucket"])] < bucket)
     self._pages_low = bool(facts["pages_low"])
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
@@ -850,8 +857,10 @@ class Engine:
     emit_ms = self.now_ms()
     result = result.replace(emit_ms=jnp.float32(self._device_ms(emit_ms)),
                             preserved_end=jnp.asarray(preserved))
-    state, bad = self._programs.publish(self.manifest, self.state, plan, result)
-    if int(bad):
+    state, bad, rows_ahead = self._programs.publish(self.manifest, self.state, plan,
+                                                    result)
+    bad, self._rows_ahead = (int(x) for x in self._fetch((bad, rows_ahead)))
+    if bad:
       validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
     self.num_iterations += 1
@@ -1230,19 +1239,44 @@ def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
   return needs
 
 
+def _rows_bound(manifest, state, token_budget, seq_budget):
+  """i32[]: the most token rows a valid plan on ``state`` can schedule.
+
+  The plan rules (``validate.plan_violations``) allow a live slot one row
+  in decode state and at most ``prefill_target - computed`` rows otherwise,
+  at most ``seq_budget`` slots and ``token_budget`` rows in all; so the
+  bound is the sum of the ``seq_budget`` largest per-slot widths, capped
+  by the token budget, whatever the policy. Requests that enter slots
+  later add at most their prompt length (``Engine._fill_slots``).
+
+  Args:
+    token_budget, seq_budget: i32[] (or ints) of the plan's budgets.
+  """
+  p, e, c = manifest.prompt_len, state.emitted, state.computed
+  live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
+  decode = (e >= 1) & (c == p + e - 1)
+  width = jnp.where(live, jnp.where(decode, 1, jnp.maximum(
+      rec.prefill_target(manifest, state) - c, 0)), 0)
+  widest = -jnp.sort(-width)
+  top = jnp.sum(jnp.where(jnp.arange(width.shape[0]) < seq_budget, widest, 0))
+  return jnp.minimum(top, token_budget).astype(jnp.int32)
+
+
 def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
                 manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
                 fix_actual, *, num_rows: int):
   """One whole iteration as one program: tick -> plan -> validate -> execute
-  -> validate -> apply, compiled per token bucket ``num_rows``.
+  -> validate -> apply, compiled per token bucket ``num_rows``; the policy
+  runs once.
 
-  The host passes the bucket it expects (``facts["next_bucket"]`` of the
-  last iteration: the policy's plan on the state this program publishes);
-  when the plan needs another one (an arrival, the clock), nothing is
-  committed and ``facts["bucket"]`` says which to call (the same inputs
-  give the same plan). Choosing the bucket
-  inside with ``lax.switch`` was measured and rejected: XLA:CPU copies the
-  whole KV cache in and out of the conditional every iteration.
+  The host passes the bucket of an upper bound on the plan's rows
+  (``_rows_bound`` of the last published state plus the prompts placed
+  since), so the plan fits; a plan of fewer rows runs in the larger bucket
+  (every row's bits are independent of the bucket: ``llama.row_tiled``).
+  A plan larger than ``num_rows`` commits nothing and ``facts["bucket"]``
+  says which to call (the same inputs give the same plan). Choosing the
+  bucket inside with ``lax.switch`` was measured and rejected: XLA:CPU
+  copies the whole KV cache in and out of the conditional every iteration.
 
   Args:
     policy, model_step, buckets (token-row sizes), prefix_caching: static;
@@ -1253,17 +1287,19 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
       fix_*: the last fused iteration's emission correction (``_tick``).
 
   Returns ``(kv, pages, buffers, state, (ticked, plan, result), facts)``.
-  When ``facts["needs_host"]`` (``_host_work``) or the bucket differs,
+  When ``facts["needs_host"]`` (``_host_work``) or the plan does not fit,
   nothing is committed (``facts["committed"]`` False; the model runs an
   empty plan, so kv, pages and buffers come back unchanged); after
-  ``needs_host`` the host runs the iteration program by program. Otherwise emissions
-  are stamped with ``now_ms`` (the launch time) and corrected one step late
-  to the time the host saw them. ``facts`` is the one small pytree the host
-  fetches: needs_host, bad_result (a result rule violated: the host raises
-  ``validate.validate_result`` from ``aux``), per-slot emitted / token /
-  finished / finish_reason / failed, num_tokens, num_seqs, decodes, the
-  the bucket index, the cost-model features and, with prefix caching, (computed,
-  pages_held, page_table) for registering computed prompt pages.
+  ``needs_host`` the host runs the iteration program by program. Otherwise
+  emissions are stamped with ``now_ms`` (the launch time) and corrected one
+  step late to the time the host saw them. ``facts`` is the one small
+  pytree the host fetches: needs_host, committed, next_rows (``_rows_bound``
+  of the published state), pages_low, bad_result (a result rule violated:
+  the host raises ``validate.validate_result`` from ``aux``), per-slot
+  emitted / token / finished / finish_reason / failed, num_tokens,
+  num_seqs, decodes, the index of the bucket the plan needs, the
+  cost-model features and, with prefix caching, (computed, pages_held,
+  page_table) for registering computed prompt pages.
   """
   ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
   plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
@@ -1275,7 +1311,7 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   exec_manifest = manifest if realized is None else manifest.replace(
       hidden_realized_output_tokens=realized)
   view = _execution_view(plan)
-  commit = ~needs_host & (index == buckets.index(num_rows))
+  commit = ~needs_host & (plan.num_tokens <= num_rows)
   # Not committed: the model runs an empty plan (every row padding: no page
   # allocated, no K/V or token written, nothing emitted).
   off = lambda m: m & commit
@@ -1290,12 +1326,8 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   published, bad_result = _publish(manifest, ticked, plan, result)
   state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
   decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
-  # The bucket the next iteration is expected to need: the policy's plan on
-  # the published state (arrivals and the clock may still change it).
-  ahead, _, _ = _plan(policy, manifest, state, pages, prefix_hits)
-  next_bucket = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(ahead.num_tokens, 1)),
-                            len(buckets) - 1)
-  facts = dict(needs_host=needs_host, committed=commit, next_bucket=next_bucket,
+  facts = dict(needs_host=needs_host, committed=commit,
+               next_rows=_rows_bound(manifest, state, plan.token_budget, plan.seq_budget),
                pages_low=_pages_low_jnp(pages, published, buckets[-1],
                                         plan.seq_budget),
                bad_result=(bad_result != 0) & commit,
@@ -1311,6 +1343,14 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
 def _publish(manifest, state, plan, result):
   bad = validate.any_violation(validate.result_violations(plan, state, manifest, result))
   return apply_lib.apply(manifest, state, plan, result), bad
+
+
+def _publish_split(manifest, state, plan, result):
+  """``_publish`` and the ``_rows_bound`` of the published state (the split
+  path's next fused bucket)."""
+  published, bad = _publish(manifest, state, plan, result)
+  return published, bad, _rows_bound(manifest, published, plan.token_budget,
+                                      plan.seq_budget)
 
 
 def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
@@ -1415,7 +1455,7 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       tick=jit("tick", _tick),
       plan=jit("plan", functools.partial(_plan, policy)),
       execute=executor.execute,
-      publish=jit("publish", _publish),
+      publish=jit("publish", _publish_split),
       arrive=executor.arrive, release=executor.release,
       gather=executor.gather, restore=executor.restore,
       shift_clock=jit("shift_clock", _shift_clock),
