@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from models import llama
+from serving import launch
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.kv_pages import NULL_PAGE
@@ -420,3 +421,30 @@ def test_small_decode_buckets_keep_tokens_batch_invariant(params):
   assert mixed[:3] == alone
   with pytest.raises(ValueError, match="min_bucket"):
     dataclasses.replace(BASE, min_bucket=1)
+
+
+def test_nothing_compiles_after_warmup(params):
+  """``launch.warmup`` compiles each bucket's iteration program once (both
+  paths run it) and the split path's tick and planner: a later run that
+  uses every bucket, hits the prefix cache and evicts compiles nothing."""
+  config = BASE
+  engine = Engine(CFG, params, config)
+  launch.warmup(engine)
+  before = engine.compiled_programs()
+  assert before["step"] == len(config.token_buckets) and before["plan"] == 1
+  compiles = []
+  listener = lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    prompts = _prompts([9, 14, 3], seed=40)
+    reqs = engine.generate(prompts, GREEDY)
+    reqs += engine.generate(prompts[:1], GREEDY)   # a prefix hit
+    engine.record_plans = True               # the split path
+    reqs += engine.generate(prompts[1:2], GREEDY)
+    for r in reqs:
+      engine.evict(r.request_id)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert set(engine.buckets_used) == set(config.token_buckets)
+  assert reqs[3].prefix_hit_tokens > 0
+  assert compiles == [] and engine.compiled_programs() == before
