@@ -1214,10 +1214,6 @@ def _pages_low_jnp(pages, state, token_budget, seq_budget):
   return pages.num_free < jnp.maximum(bound, running)
 
 
-def _pages_low(pages, state, config: EngineConfig):
-  return _pages_low_jnp(pages, state, config.max_num_batched_tokens, config.max_num_seqs)
-
-
 def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
   """bool[]: the iteration needs the host (the split path): a rule
   violation to report, a preemption (host-settled, §0x0C), a request the
