@@ -20,8 +20,8 @@ Sections (float32, CPU, greedy, ignore EOS):
   them) and, for comparison, in 32-row tiles (the rule for generated rows).
 
 Every decode run also records a per-iteration breakdown (``steps``): the
-fused ``step`` program (or, on the split path, tick, plan, execute per token
-bucket, publish), arrive and release, each timed with ``block_until_ready``;
+``step`` program (the split path adds its tick and plan before it), arrive
+and release, each timed with ``block_until_ready``;
 host time (everything else in ``Engine.step``) and its fraction; round
 trips (blocking fetches) and programs per iteration; the fraction of
 iterations the fused program committed; plus the programs compiled during the run (XLA backend
@@ -106,7 +106,7 @@ class StepTimer:
   """Times an engine's iterations by phase (installs wrappers on one engine).
 
   Each jitted program the engine calls (the fused ``step`` program, and on
-  the split path tick, plan, execute, publish; arrive and release) is timed
+  the split path tick and plan; arrive and release) is timed
   with ``block_until_ready``; ``step`` is timed as a whole, and host time is
   the step minus its programs (bookkeeping, device_get round trips, the
   drain). Blocking adds no round trip: every iteration already fetches its
@@ -115,7 +115,7 @@ class StepTimer:
   the iteration (``fused_fraction``).
   """
 
-  PHASES = ("step", "tick", "plan", "execute", "publish", "arrive", "release")
+  PHASES = ("step", "tick", "plan", "arrive", "release")
 
   def __init__(self, engine):
     self.samples = collections.defaultdict(list)   # phase -> [ms]
@@ -151,8 +151,7 @@ class StepTimer:
       t = time.perf_counter()
       out = jax.block_until_ready(fn(*args, **kwargs))
       ms = (time.perf_counter() - t) * 1e3
-      key = f"execute[{kwargs['num_rows']}]" if phase == "execute" else phase
-      self.samples[key].append(ms)
+      self.samples[phase].append(ms)
       self._inside[phase] += ms
       self._calls[phase] += 1
       return out

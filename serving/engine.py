@@ -8,26 +8,30 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
 An iteration is one device program (``step``: tick -> plan -> validate ->
-execute -> validate -> apply, compiled per token bucket; the host calls the
-bucket the last iteration predicted for this one and, when the plan needs
-another, calls again with it) and one blocking fetch of a small pytree of
-facts. Fast (one program, one fetch; two, and one model step on an empty
-plan, when the prediction missed): every iteration without preemption, without a
-policy rejection, with something scheduled and, with prefix caching,
-without cached pages to evict or waiting hits to unpin. The rest, and every
-iteration while a preempted request waits for re-admission or while
-``record_plans`` is set, take the split path: the fused program detects the
-case and commits nothing (its model call runs an empty plan: the cost of
-one wasted model step), and the iteration runs program by program (tick,
-plan, execute, publish) with the host work between them. Arrivals are
-written ``ARRIVAL_BATCH`` at a time in one program call.
+execute -> validate -> apply, compiled per token bucket, the policy called
+once) and one blocking fetch of a small pytree of facts. The host calls the
+bucket of an upper bound on the plan's rows (``_rows_bound``: the last
+published state's widths under the plan rules and budgets, plus the prompts
+placed since), so the plan fits; a plan larger than that bound (none is
+expected) commits nothing and is called again in its bucket
+(``Engine.bucket_retries``). Fast (one program, one fetch): every iteration
+without preemption, without a policy rejection, with something scheduled
+and, with prefix caching, without cached pages to evict or waiting hits to
+unpin. The rest, and every iteration while a preempted request waits for
+re-admission or while ``record_plans`` is set, take the split path: the
+fused program detects the case and commits nothing (its model call runs an
+empty plan: the cost of one wasted model step); the host then ticks and
+plans with their own programs, settles preemption, eviction and resumption,
+and runs the settled plan in the same ``step`` program of its bucket. Arrivals
+are written ``ARRIVAL_BATCH`` at a time in one program call.
 
 The set of compiled programs is fixed by the config and the slot-table
-size: per size, one fused step per bucket, one tick, one planner, one publisher, one
-arrival writer, one release/cancel writer, and one executor per bucket in
-``EngineConfig.token_buckets`` for the split path (``compiled_programs()``
-reports what was actually compiled; ``serving.launch.warmup`` compiles
-both paths).
+size: per size, one ``step`` per token bucket in ``EngineConfig.token_buckets``
+(each bucket's model is compiled once, for both paths), one tick and one
+planner (split path), one arrival writer, one release/cancel writer, and,
+where used, the prefix-cache, clock and swap writers (``compiled_programs()``
+reports what was actually compiled; ``serving.launch.warmup`` compiles both
+paths, after which a run compiles nothing more).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
@@ -284,8 +288,12 @@ class Engine:
     # time), corrected on the device by the next program (``_tick``).
     self._stamp = None
     self._no_stamp_mask = None
-    self._bucket = c.token_buckets[0]   # the fused program's expected bucket
+    # An upper bound on the token rows of the next plan (``_rows_bound`` of
+    # the last published state plus the prompts placed since): the fused
+    # program runs in its bucket, so the plan always fits.
+    self._rows_ahead = 0
     self.bucket_retries = 0             # fused calls repeated for another bucket
+    self.bucket_oversized = 0           # fused iterations in a larger bucket than needed
     self._pages_low = False             # last seen by an iteration (_pages_low)
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
@@ -522,6 +530,7 @@ class Engine:
     for slot, req in placed:
       req.slot = slot
       self._slots[slot] = req
+      self._rows_ahead += len(req.prompt_token_ids)
     self._pending = []
 
   def _arrival(self, req: Request) -> Arrival:
@@ -729,32 +738,56 @@ class Engine:
     realized = self._realized() if self.config.executor == "simulated" else None
     launch = self._device_ms(now_ms)
     hits = self._prefix_hits()
-    for _ in range(2):     # the expected bucket, then the one the plan needs
+    c = self.config
+    bucket = c.bucket_for(min(max(self._rows_ahead, 1), c.max_num_batched_tokens))
+    idle, no_preserved = self._idle_plan(hits), np.zeros(self.num_slots, np.int32)
+    for _ in range(2):     # the bound's bucket; another only if the plan is larger
       (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
           self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
-          hits, realized, launch, fix_emitted, fix_stamp, fix_actual,
-          num_rows=self._bucket)
+          hits, realized, launch, fix_emitted, fix_stamp, fix_actual, idle,
+          np.bool_(False), no_preserved, num_rows=bucket)
       facts = self._fetch(facts)
       if facts["needs_host"]:
         return None
       if facts["committed"]:
         break
-      self._bucket = self.config.token_buckets[int(facts["bucket"])]
+      bucket = c.token_buckets[int(facts["bucket"])]
       self.bucket_retries += 1
     else:
       return None
+    return self._commit(state, aux, facts, bucket, launch, np.zeros(self.num_slots, bool))
+
+  def _idle_plan(self, hits):
+    """A zero ``IterationPlan`` of this policy and slot-table size, the
+    step program's ``given_plan`` when the policy plans (made once per
+    program set, on the device like the policy's own plans)."""
+    programs = self._programs
+    if not programs.idle_plan:
+      shapes = jax.eval_shape(functools.partial(_plan, programs.policy), self.manifest,
+                              self.state, self.pages, hits)[0]
+      programs.idle_plan.append(self._placement.tables(
+          jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)))
+    return programs.idle_plan[0]
+
+  def _commit(self, state, aux, facts, bucket: int, launch, preempt) -> List[RequestOutput]:
+    """Takes a committed step program's outputs: the published state, the
+    clock, counters, the one-step-late emission correction, the drain."""
     ticked, plan, result = aux
+    c = self.config
     if facts["bad_result"]:
       validate.validate_result(plan, ticked, self.manifest, result)
     self.state = state
     self._stamp = None
-    bucket = self.config.token_buckets[int(facts["bucket"])]
-    self._bucket = self.config.token_buckets[int(facts["next_bucket"])]
+    self._rows_ahead = int(facts["next_rows"])
+    self.bucket_oversized += int(c.token_buckets[int(facts["bucket"])] < bucket)
     self._pages_low = bool(facts["pages_low"])
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
     if self._virtual:
-      features = list(facts["features"]) + [bucket]
+      # Modelled time is a function of the plan: the bucket it needs, not
+      # the (possibly larger) bucket the upper bound chose.
+      needed = c.token_buckets[int(facts["bucket"])]
+      features = list(facts["features"]) + [needed]
       self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
     emit_ms = self.now_ms()
     # The program stamped this iteration's emissions with its launch time;
@@ -763,8 +796,7 @@ class Engine:
     self._stamp = (result.emitted, launch, self._device_ms(emit_ms))
     self.num_iterations += 1
     outputs = self._drain(emit_ms, facts["emitted"], facts["token"], facts["finished"],
-                          facts["finish_reason"], facts["failed"],
-                          np.zeros(self.num_slots, bool))
+                          facts["finish_reason"], facts["failed"], preempt)
     if self.prefix_cache is not None:
       self._register_prefixes(facts.get("prefix"))
     return outputs
@@ -791,7 +823,9 @@ class Engine:
     """The iteration program by program, with host work between them:
     preemption (recompute or swap), resumption from a host copy, prefix
     cache eviction and unpinning, policy rejections, validation errors, an
-    empty plan, the plan log."""
+    empty plan, the plan log. Tick and plan run as their own programs; the
+    settled plan then runs in the fused step program of its bucket
+    (``use_given``), so the split path compiles no model program of its own."""
     if self.prefix_cache is not None:
       self._unpin_waiting_hits()
     fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
@@ -801,9 +835,8 @@ class Engine:
     plan, bad, view = self._programs.plan(self.manifest, self.state, self.pages,
                                           self._prefix_hits())
     never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, preempt, admit, never, decodes = self._fetch(
-        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never,
-         jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))))
+    bad, num_tokens, num_seqs, preempt, admit, never = self._fetch(
+        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never))
     any_preempt = preempt.any()
     if bad:
       validate.validate_plan(self.manifest.online(), self.state, plan, view)
@@ -831,34 +864,16 @@ class Engine:
     for slot in np.flatnonzero(admit):
       if self.swap.get(self._slots[slot].request_id) is not None:
         self._resume(slot, preempt)
-    self.prefill_tokens_computed += int(num_tokens) - int(decodes)
     bucket = self.config.bucket_for(max(int(num_tokens), 1))
-    self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
-    manifest = self.manifest
-    if self.config.executor == "simulated":
-      manifest = manifest.replace(hidden_realized_output_tokens=self._realized())
-    self.kv, self.pages, self.buffers, result = self._programs.execute(
-        self.params, self.kv, self.pages, self.buffers, manifest, self.state,
-        _execution_view(plan), num_rows=bucket)
-    fetched, low = self._fetch(((result.emitted, result.token, result.finished,
-                                 result.finish_reason, result.failed),
-                                _pages_low(self.pages, self.state, self.config)))
-    self._pages_low = bool(low)
-    if self._virtual:
-      features = list(self._fetch(_step_features(plan))) + [bucket]
-      self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
-    emit_ms = self.now_ms()
-    result = result.replace(emit_ms=jnp.float32(self._device_ms(emit_ms)),
-                            preserved_end=jnp.asarray(preserved))
-    state, bad = self._programs.publish(self.manifest, self.state, plan, result)
-    if int(bad):
-      validate.validate_result(plan, self.state, self.manifest, result)
-    self.state = state
-    self.num_iterations += 1
-    outputs = self._drain(emit_ms, *fetched, preempt)
-    if self.prefix_cache is not None:
-      self._register_prefixes()
-    return outputs
+    realized = self._realized() if self.config.executor == "simulated" else None
+    launch = self._device_ms(now_ms)
+    # The fused iteration's program with this plan given: the same compiled
+    # model step per bucket (the state is ticked already: no correction).
+    (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
+        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+        self._prefix_hits(), realized, launch, self._no_stamp(), np.float32(0),
+        np.float32(0), plan, np.bool_(True), preserved, num_rows=bucket)
+    return self._commit(state, aux, self._fetch(facts), bucket, launch, preempt)
 
   def _realized(self) -> np.ndarray:
     """i32[R] recorded output length of each slot's request (declared
@@ -1036,10 +1051,11 @@ class Engine:
   def compiled_programs(self) -> Dict[str, int]:
     """Programs traced (and so compiled) per jitted function, summed over
     the slot-table sizes this engine used and shared by engines with equal
-    model and engine configs. Per size, ``step`` (the fused iteration) and
-    ``execute`` (split path) are each is bounded by ``len(config.token_buckets)``;
-    ``swap_out`` / ``swap_in`` (swap mode only) by the power-of-two page
-    counts up to ``pages_per_seq``; the others by 1."""
+    model and engine configs. Per size, ``step`` (the iteration program of
+    both paths, the only one holding the model) is bounded by
+    ``len(config.token_buckets)``; ``swap_out`` / ``swap_in`` (swap mode
+    only) by the power-of-two page counts up to ``pages_per_seq``; the
+    others by 1."""
     total: Dict[str, int] = {}
     for programs in self._program_sets:
       for name, n in programs.cache_sizes().items():
@@ -1055,8 +1071,6 @@ class _Programs:
   step: Callable
   tick: Callable
   plan: Callable
-  execute: Callable
-  publish: Callable
   arrive: Callable
   release: Callable
   gather: Callable
@@ -1070,6 +1084,8 @@ class _Programs:
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
+  # The policy's zero plan for this slot-table size (``Engine._idle_plan``).
+  idle_plan: list = dataclasses.field(default_factory=list)
 
   def cache_sizes(self) -> Dict[str, int]:
     return {**self.executor_traces, **self.traces}
@@ -1077,9 +1093,8 @@ class _Programs:
 
 @dataclasses.dataclass(frozen=True)
 class _Executor:
-  """The programs that read no policy: the model step, slot writers, swap."""
+  """The programs that read no policy: slot writers, swap."""
 
-  execute: Callable
   arrive: Callable
   release: Callable
   gather: Callable
@@ -1096,8 +1111,6 @@ _POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
                     max_queued_requests=1 << 30, cost_model="",
                     enable_prefix_caching=True)
 
-_step_features = jax.jit(cost_lib.step_features)
-
 
 def _shape_config(config: EngineConfig) -> EngineConfig:
   return dataclasses.replace(config, **_POLICY_ONLY)
@@ -1105,9 +1118,8 @@ def _shape_config(config: EngineConfig) -> EngineConfig:
 
 @functools.lru_cache(maxsize=16)
 def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
-  """The model step (or the simulated one, ``config.executor``; compiled per token
-  bucket) and the policy-free slot
-  and swap programs, for one engine shape (shared by every policy)."""
+  """The policy-free slot and swap programs for one engine shape (shared by
+  every policy; the model step lives in the fused ``step`` program)."""
   traces: Dict[str, int] = {}
   c = shape_config
   placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
@@ -1115,9 +1127,6 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
   # split, the tables replicated), so each program compiles once per shape.
   jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
   return _Executor(
-      execute=jit("execute", _model_step(model_cfg, c),
-                  static_argnames=("num_rows",), donate_argnums=(1, 2, 3),
-                  **placement.pinned(cache_then=3)),
       arrive=jit("arrive", _arrive_batch, donate_argnums=(2,)),
       release=jit("release", _release),
       gather=jit("swap_out", kv_swap.gather_pages),
@@ -1206,10 +1215,6 @@ def _pages_low_jnp(pages, state, token_budget, seq_budget):
   return pages.num_free < jnp.maximum(bound, running)
 
 
-def _pages_low(pages, state, config: EngineConfig):
-  return _pages_low_jnp(pages, state, config.max_num_batched_tokens, config.max_num_seqs)
-
-
 def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
   """bool[]: the iteration needs the host (the split path): a rule
   violation to report, a preemption (host-settled, §0x0C), a request the
@@ -1231,19 +1236,49 @@ def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
   return needs
 
 
+def _rows_bound(manifest, state, token_budget, seq_budget):
+  """i32[]: the most token rows a valid plan on ``state`` can schedule.
+
+  The plan rules (``validate.plan_violations``) allow a live slot one row
+  in decode state and at most ``prefill_target - computed`` rows otherwise,
+  at most ``seq_budget`` slots and ``token_budget`` rows in all; so the
+  bound is the sum of the ``seq_budget`` largest per-slot widths, capped
+  by the token budget, whatever the policy. Requests that enter slots
+  later add at most their prompt length (``Engine._fill_slots``).
+
+  Args:
+    token_budget, seq_budget: i32[] (or ints) of the plan's budgets.
+  """
+  p, e, c = manifest.prompt_len, state.emitted, state.computed
+  live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
+  decode = (e >= 1) & (c == p + e - 1)
+  width = jnp.where(live, jnp.where(decode, 1, jnp.maximum(
+      rec.prefill_target(manifest, state) - c, 0)), 0)
+  widest = -jnp.sort(-width)
+  top = jnp.sum(jnp.where(jnp.arange(width.shape[0]) < seq_budget, widest, 0))
+  return jnp.minimum(top, token_budget).astype(jnp.int32)
+
+
 def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
                 manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
-                fix_actual, *, num_rows: int):
+                fix_actual, given_plan, use_given, preserved_end, *, num_rows: int):
   """One whole iteration as one program: tick -> plan -> validate -> execute
-  -> validate -> apply, compiled per token bucket ``num_rows``.
+  -> validate -> apply, compiled per token bucket ``num_rows``; the policy
+  runs once.
 
-  The host passes the bucket it expects (``facts["next_bucket"]`` of the
-  last iteration: the policy's plan on the state this program publishes);
-  when the plan needs another one (an arrival, the clock), nothing is
-  committed and ``facts["bucket"]`` says which to call (the same inputs
-  give the same plan). Choosing the bucket
-  inside with ``lax.switch`` was measured and rejected: XLA:CPU copies the
-  whole KV cache in and out of the conditional every iteration.
+  The host passes the bucket of an upper bound on the plan's rows
+  (``_rows_bound`` of the last published state plus the prompts placed
+  since), so the plan fits; a plan of fewer rows runs in the larger bucket
+  (every row's bits are independent of the bucket: ``llama.row_tiled``).
+  A plan larger than ``num_rows`` commits nothing and ``facts["bucket"]``
+  says which to call (the same inputs give the same plan). Choosing the
+  bucket inside with ``lax.switch`` was measured and rejected: XLA:CPU
+  copies the whole KV cache in and out of the conditional every iteration.
+
+  The split path (``Engine._split_step``) calls this same program with
+  ``use_given``: the plan it made and settled on the host (``given_plan``,
+  preemptions with their ``preserved_end``) is executed and published as
+  it is, and always committed; so each bucket's model is compiled once.
 
   Args:
     policy, model_step, buckets (token-row sizes), prefix_caching: static;
@@ -1252,31 +1287,39 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
     prefix_hits: i32[R] or None; realized: i32[R] recorded output lengths
       (simulated executor) or None; now_ms: f32[] launch time (device ms);
       fix_*: the last fused iteration's emission correction (``_tick``).
+    given_plan: an ``IterationPlan`` of this policy (an idle one when not
+      used); use_given: bool[], run ``given_plan`` instead of the policy's;
+    preserved_end: i32[R] the result's preserved prefixes (zeros unless a
+      given plan preempts).
 
   Returns ``(kv, pages, buffers, state, (ticked, plan, result), facts)``.
-  When ``facts["needs_host"]`` (``_host_work``) or the bucket differs,
+  When ``facts["needs_host"]`` (``_host_work``) or the plan does not fit,
   nothing is committed (``facts["committed"]`` False; the model runs an
   empty plan, so kv, pages and buffers come back unchanged); after
-  ``needs_host`` the host runs the iteration program by program. Otherwise emissions
-  are stamped with ``now_ms`` (the launch time) and corrected one step late
-  to the time the host saw them. ``facts`` is the one small pytree the host
-  fetches: needs_host, bad_result (a result rule violated: the host raises
-  ``validate.validate_result`` from ``aux``), per-slot emitted / token /
-  finished / finish_reason / failed, num_tokens, num_seqs, decodes, the
-  the bucket index, the cost-model features and, with prefix caching, (computed,
-  pages_held, page_table) for registering computed prompt pages.
+  ``needs_host`` the host runs the iteration program by program. Otherwise
+  emissions are stamped with ``now_ms`` (the launch time) and corrected one
+  step late to the time the host saw them. ``facts`` is the one small
+  pytree the host fetches: needs_host, committed, next_rows (``_rows_bound``
+  of the published state), pages_low, bad_result (a result rule violated:
+  the host raises ``validate.validate_result`` from ``aux``), per-slot
+  emitted / token / finished / finish_reason / failed, num_tokens,
+  num_seqs, decodes, the index of the bucket the plan needs, the
+  cost-model features and, with prefix caching, (computed, pages_held,
+  page_table) for registering computed prompt pages.
   """
   ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
-  plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
-  never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-  needs_host = _host_work(plan, never, bad_plan, pages, ticked, prefix_caching)
+  own, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
+  never = own.unschedulable if own.unschedulable is not None else jnp.zeros((), bool)
+  needs_host = ~use_given & _host_work(own, never, bad_plan, pages, ticked,
+                                       prefix_caching)
+  plan = jax.tree.map(lambda g, o: jnp.where(use_given, g, o), given_plan, own)
   sizes = jnp.asarray(buckets, jnp.int32)
   index = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(plan.num_tokens, 1)),
                       len(buckets) - 1)
   exec_manifest = manifest if realized is None else manifest.replace(
       hidden_realized_output_tokens=realized)
   view = _execution_view(plan)
-  commit = ~needs_host & (index == buckets.index(num_rows))
+  commit = use_given | (~needs_host & (plan.num_tokens <= num_rows))
   # Not committed: the model runs an empty plan (every row padding: no page
   # allocated, no K/V or token written, nothing emitted).
   off = lambda m: m & commit
@@ -1287,16 +1330,12 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   kv, pages, buffers, result = model_step(params, kv, pages, buffers, exec_manifest,
                                           ticked, run, num_rows=num_rows)
   result = result.replace(emit_ms=ticked.now_ms,
-                          preserved_end=jnp.zeros_like(plan.end))
+                          preserved_end=jnp.asarray(preserved_end, jnp.int32))
   published, bad_result = _publish(manifest, ticked, plan, result)
   state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
   decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
-  # The bucket the next iteration is expected to need: the policy's plan on
-  # the published state (arrivals and the clock may still change it).
-  ahead, _, _ = _plan(policy, manifest, state, pages, prefix_hits)
-  next_bucket = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(ahead.num_tokens, 1)),
-                            len(buckets) - 1)
-  facts = dict(needs_host=needs_host, committed=commit, next_bucket=next_bucket,
+  facts = dict(needs_host=needs_host, committed=commit,
+               next_rows=_rows_bound(manifest, state, plan.token_budget, plan.seq_budget),
                pages_low=_pages_low_jnp(pages, published, buckets[-1],
                                         plan.seq_budget),
                bad_result=(bad_result != 0) & commit,
@@ -1415,8 +1454,6 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
       tick=jit("tick", _tick),
       plan=jit("plan", functools.partial(_plan, policy)),
-      execute=executor.execute,
-      publish=jit("publish", _publish),
       arrive=executor.arrive, release=executor.release,
       gather=executor.gather, restore=executor.restore,
       shift_clock=jit("shift_clock", _shift_clock),

@@ -93,9 +93,9 @@ def test_tp_meshes_match_one_device_logits_and_greedy_tokens(tmp_path):
   assert [r["split"].get("attention") for r in rows[1:]] == [True, False, False]
   for r in rows[1:]:
     assert r["tokens_equal"] and r["compile_bound_ok"], r
-    # One token bucket: the fused iteration compiles once; the split path's
-    # model step at most once (iterations that need the host).
-    assert r["compiled"]["step"] == 1 and r["compiled"]["execute"] <= 1
+    # One token bucket: the iteration program compiles once, for both paths
+    # (iterations that need the host run their settled plan in it too).
+    assert r["compiled"]["step"] == 1 and "execute" not in r["compiled"]
     assert 0.0 < r["max_abs_logit_diff"] < 1e-5     # partial sums re-associated
   # No emitted position is a near-tie that a 1e-5 logit difference could flip.
   assert rows[0]["min_margin"] > 2e-5
