@@ -1,7 +1,6 @@
 """Deterministic replay: same seed and workload -> same tokens and report."""
 
 import jax
-import pytest
 
 from models import llama
 from models.config import get_config
