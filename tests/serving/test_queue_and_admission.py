@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from scheduler.policies import POLICIES
+from serving import cost_model as cost_lib
 from serving import metrics, workloads
 from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.replay import replay
+from serving.sim_executor import VirtualClock
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, page_size 4
@@ -157,10 +159,16 @@ def _random_workload(seed, n=6):
   return out
 
 
-def _trace(params, policy, num_slots, workload):
+def _trace(params, policy, num_slots, workload, cost_file=None):
+  """One run of ``workload``; with ``cost_file`` on the simulated executor
+  (only the model call is replaced: the same tick, policy, validation and
+  apply programs decide) and a virtual clock, else on the model."""
+  executor = dict(executor="simulated", cost_model=cost_file) if cost_file else {}
   config = EngineConfig.preset("tiny", policy=policy, max_num_seqs=2, num_pages=12,
-                               max_request_slots=num_slots, max_queued_requests=6)
-  engine = Engine(CFG, params, config, clock=_fake_clock())
+                               max_request_slots=num_slots, max_queued_requests=6,
+                               **executor)
+  engine = Engine(CFG, params, config,
+                  clock=VirtualClock() if cost_file else _fake_clock())
   engine.record_plans = True
   step = 0
   while step < 300:
@@ -177,17 +185,28 @@ def _trace(params, policy, num_slots, workload):
   return plans, tokens, engine.num_slots
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_decisions_do_not_depend_on_the_slot_table_size(params, policy):
+@pytest.fixture(scope="module")
+def cost_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("cost") / "cost.json"
+  cost_lib.CostModel(5.0, (0.5, 2.0, 0.01, 0.125), meta={"model": "tiny"}).save(path)
+  return str(path)
+
+
+@pytest.mark.parametrize("policy, executor", [(p, "simulated") for p in sorted(POLICIES)]
+                         + [("vtc", "model")])
+def test_decisions_do_not_depend_on_the_slot_table_size(params, cost_file, policy, executor):
   """Metamorphic: a random workload (priorities, three clients, arrivals
-  over four steps, KV pressure, injected clock) gives the same admission
-  order, the same (request, interval, kind) pairs in every iteration and the
-  same tokens whether the slot table starts just above max_num_seqs (3,
-  growing to 6 as requests queue) or holds the whole workload from the
-  start (6)."""
+  over four steps, KV pressure) gives the same admission order, the same
+  (request, interval, kind) pairs in every iteration and the same tokens
+  whether the slot table starts just above max_num_seqs (3, growing to 6 as
+  requests queue) or holds the whole workload from the start (6). Every
+  policy runs on the simulated executor (the engine's own planning programs
+  with the model call replaced, a virtual clock); one runs on the model
+  (an injected clock), so real tokens are compared too."""
   workload = _random_workload(seed=sorted(POLICIES).index(policy))
-  small = _trace(params, policy, 3, workload)
-  large = _trace(params, policy, 6, workload)
+  costs = cost_file if executor == "simulated" else None
+  small = _trace(params, policy, 3, workload, costs)
+  large = _trace(params, policy, 6, workload, costs)
   assert small[2] == large[2] == 6
   assert small[0] == large[0]
   assert small[1] == large[1]
