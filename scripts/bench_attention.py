@@ -35,13 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attention import ragged  # noqa: E402
+from serving import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "/tmp/bench_attention.json", "JSON path.")
 _BACKEND = flags.DEFINE_string("backend", "cpu", "JAX platform to run on.")
@@ -267,4 +268,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -48,12 +48,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention
 from models import llama
 from models.loaders import load_model, resolve_model_path
-from serving import workloads
+from serving import cli, workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.launch import warmup
@@ -500,4 +500,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

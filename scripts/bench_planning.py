@@ -19,12 +19,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-from absl import app, flags
+from absl import flags
 
 from models import llama
 from models.config import get_config
 from scheduler.policies import POLICIES
-from serving import kv_pages, metrics
+from serving import cli, kv_pages, metrics
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 
@@ -81,4 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx
-from absl import app, flags
+from absl import flags
 
 from serving import cli, launch, metrics, replicas, workloads
 
@@ -157,4 +157,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)
+  cli.run(main)

@@ -20,11 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from models.config import get_config
 from scheduler import records as rec
-from serving import workloads
+from serving import cli, workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 
@@ -102,4 +102,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

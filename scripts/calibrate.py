@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from serving import cost_model as cost_lib
 from serving import cli, launch, workloads
@@ -140,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)
+  cli.run(main)

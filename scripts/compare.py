@@ -16,9 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import flags
 
-from serving import ablation
+from serving import ablation, cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("metric", "request_goodput", "Metric to rank by (higher is better): "
@@ -69,8 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  try:
-    app.run(main)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+  cli.run(main)

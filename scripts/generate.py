@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import flags
 
 from serving import cli, launch
 from serving.config import SamplingParams
@@ -120,4 +120,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)
+  cli.run(main)

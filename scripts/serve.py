@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import flags
 
 from serving import cli, launch, replicas, router
 from serving.server import OpenAIServer, bind_socket, serve_forever
@@ -116,4 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)
+  cli.run(main)

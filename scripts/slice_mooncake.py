@@ -18,7 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import flags
+
+from serving import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "../shared/data/traces/mooncake/conversation_trace.jsonl",
@@ -36,7 +38,7 @@ def keep(hash_ids, every: int) -> bool:
 def main(argv):
   del argv
   if FLAGS.every < 1:
-    raise app.UsageError(f"--every must be >= 1, got {FLAGS.every}")
+    raise ValueError(f"--every must be >= 1, got {FLAGS.every}")
   start_ms, end_ms = (float(x) * 1e3 for x in FLAGS.window_s)
   kept = total = 0
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
@@ -54,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from models.config import get_config
 from serving import ablation, cli, launch, ledger, metrics, workloads
@@ -272,4 +272,4 @@ def finish(result):
 
 
 if __name__ == "__main__":
-  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)
+  cli.run(main)

@@ -28,14 +28,14 @@ def _fake_devices(argv) -> None:
 
 _fake_devices(sys.argv)
 
-from absl import app, flags  # pylint: disable=wrong-import-position
+from absl import flags  # pylint: disable=wrong-import-position
 import dataclasses  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from models import llama  # pylint: disable=wrong-import-position
 from models.config import get_config  # pylint: disable=wrong-import-position
-from serving import launch, tp_check  # pylint: disable=wrong-import-position
+from serving import cli, launch, tp_check  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 8, "Fake CPU devices (set before jax starts).")
@@ -69,7 +69,6 @@ def _model():
   return cfg, params, [tokenizer.encode(t) for t in texts]
 
 
-@launch.exit_on_bad_input
 def main(argv):
   del argv
   cfg, params, prompts = _model()
@@ -88,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -1,21 +1,29 @@
 """Command-line refusals of the launchers in scripts/ (absl flags).
 
 A launcher refuses bad input with one line, ``error: ...`` naming the flag
-and its rule, and exit status 2 (the usual status of a usage error):
-``launch.exit_on_bad_input`` for what ``main`` checks, ``parse_flags`` for
-what absl checks while parsing (an unknown flag, an enum value outside its
-choices, a bound, a value of the wrong type).
+(or file, model, request) and its rule, and exit status 2 (the usual status
+of a usage error), whether absl refuses it while parsing (an unknown flag, an
+enum value outside its choices, a bound, a value of the wrong type) or
+``main`` does (a ValueError). Every launcher starts through ``run``:
 
-  app.run(launch.exit_on_bad_input(main), flags_parser=cli.parse_flags)
+  if __name__ == "__main__":
+    cli.run(main)
 """
 
+import functools
 import sys
-from typing import List
+from typing import Any, Callable, List, NoReturn
 
-from absl import flags
+from absl import app, flags
 
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2
+
+
+def refuse(message: str) -> NoReturn:
+  """Prints ``error: <message>`` on stderr and exits with status 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(USAGE_ERROR)
 
 
 def parse_flags(argv: List[str]) -> List[str]:
@@ -26,5 +34,20 @@ def parse_flags(argv: List[str]) -> List[str]:
     return FLAGS(argv)
   except flags.Error as e:
     message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    print(f"error: {message} (--helpfull lists the flags)", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
+    refuse(f"{message} (--helpfull lists the flags)")
+
+
+def run(main: Callable[[List[str]], Any]) -> None:
+  """``app.run(main)`` with the refusals above: flags parsed by
+  ``parse_flags``; a ValueError or ``app.UsageError`` out of ``main`` (bad
+  flag value, file, model or request) becomes one line and exit status 2.
+  Any other exception keeps its traceback (a bug, not bad input)."""
+
+  @functools.wraps(main)
+  def refusing(argv):
+    try:
+      return main(argv)
+    except (ValueError, app.UsageError) as e:
+      refuse(str(e))
+
+  app.run(refusing, flags_parser=parse_flags)

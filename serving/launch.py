@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import sys
 import time
 
 import jax
@@ -171,21 +169,6 @@ def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
     common = dict(common, block_tokens=FLAGS.mooncake_block_tokens)
   return loaders[kind](path, time_scale=FLAGS.time_scale, window_s=window,
                       max_requests=FLAGS.max_requests, **common)
-
-
-def exit_on_bad_input(main):
-  """Wraps an absl main: a ValueError (bad flag, file, model or request)
-  prints one line naming the field and rule, and exits with status 2."""
-
-  @functools.wraps(main)
-  def guarded(argv):
-    try:
-      return main(argv)
-    except ValueError as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2)
-
-  return guarded
 
 
 def engine_config(**overrides) -> EngineConfig:

@@ -58,3 +58,29 @@ def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path
   assert status == 2
   assert last.startswith(f"error: cannot reach http://127.0.0.1:{port} (--url): ConnectError")
   assert not (tmp_path / "r.json").exists()
+
+
+def test_every_launcher_starts_through_cli_run():
+  """One home for the refusals: a launcher that calls absl's app.run itself
+  would print a usage dump and exit 1 on a bad flag."""
+  for script in sorted((ROOT / "scripts").glob("*.py")):
+    source = script.read_text()
+    assert "app.run(" not in source, script.name
+    assert source.rstrip().endswith('if __name__ == "__main__":\n  cli.run(main)'), script.name
+
+
+def test_bad_flags_of_the_light_launchers_are_one_line_and_exit_2():
+  """absl's refusals (a bad int, a missing value) and main's (a ValueError)."""
+  cases = [
+      (("slice_mooncake.py", "--every=0"), "error: --every must be >= 1, got 0"),
+      (("slice_mooncake.py", "--every=x"),
+       "error: flag --every=x: invalid literal for int() with base 10: 'x' "
+       "(--helpfull lists the flags)"),
+      (("compare.py", "--metric"),
+       "error: Missing value for flag --metric (--helpfull lists the flags)"),
+      (("bench_attention.py", "--iters=x"),
+       "error: flag --iters=x: invalid literal for int() with base 10: 'x' "
+       "(--helpfull lists the flags)"),
+  ]
+  for args, line in cases:
+    assert _run(*args) == (2, line), args
