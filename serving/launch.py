@@ -32,6 +32,9 @@ def define_engine_flags() -> None:
   flags.DEFINE_integer("max_num_batched_tokens", None, "Override: token budget per iteration.")
   flags.DEFINE_integer("long_prefill_token_threshold", None, "Override: prefill chunk cap.")
   flags.DEFINE_string("attention_impl", None, "Override: attention implementation.")
+  flags.DEFINE_integer("prefill_chunk_rows", None, "Override: a token bucket of more rows "
+                       "runs its model step as a scan over chunks of this many rows (a "
+                       "multiple of 8; 0 = no chunking).")
   flags.DEFINE_integer("num_pages", None, "Override: physical KV pages, including the "
                        "null page (fewer pages = KV pressure and preemption).")
   flags.DEFINE_enum("reservation", None, ["policy", "max", "point", "quantile",
@@ -172,14 +175,20 @@ def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
 
 
 def engine_config(**overrides) -> EngineConfig:
-  """The --engine preset with the flags' overrides."""
+  """The --engine preset with the flags' overrides.
+
+  Raises:
+    ValueError: an unknown preset, or a value the config refuses; an
+      override's error names its flag (``--prefill_chunk_rows must be ...``).
+  """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
   fields = dict(dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
-                attention_impl=FLAGS.attention_impl, num_pages=FLAGS.num_pages,
+                attention_impl=FLAGS.attention_impl,
+                prefill_chunk_rows=FLAGS.prefill_chunk_rows, num_pages=FLAGS.num_pages,
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
                 reservation=FLAGS.reservation,
                 reservation_quantile=FLAGS.reservation_quantile,
@@ -188,7 +197,14 @@ def engine_config(**overrides) -> EngineConfig:
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
-  return EngineConfig.preset(FLAGS.engine, **fields)
+  try:
+    return EngineConfig.preset(FLAGS.engine, **fields)
+  except ValueError as e:   # "EngineConfig.<field> <rule>, got <value>"
+    field, _, rule = str(e).partition(" ")
+    name = field.removeprefix("EngineConfig.")
+    if name in fields and name not in overrides and FLAGS[name].present:
+      raise ValueError(f"--{name} {rule}") from None
+    raise
 
 
 def load_flags_model(engine_cfg: EngineConfig):

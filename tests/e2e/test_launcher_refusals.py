@@ -42,6 +42,8 @@ def test_a_port_in_use_is_refused_before_loading():
 
 @pytest.mark.parametrize("script,args,line", [
     ("generate.py", [], "error: give at least one --prompt, --chat or --mt_bench"),
+    ("generate.py", ["--prompt=hi", "--prefill_chunk_rows=12"],
+     "error: --prefill_chunk_rows must be 0 (off) or a positive multiple of 8, got 12"),
     ("serve.py", ["--router=nearest"],
      "error: flag --router=nearest: value should be one of <prefix_aware|round_robin> "
      "(--helpfull lists the flags)"),
