@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx
 from absl import flags
 
-from serving import cli, launch, metrics, replicas, workloads
+from serving import cli, launch, metrics, replicas
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL, with or without "
@@ -41,10 +41,13 @@ flags.DEFINE_float("timeout_s", 1800.0, "Per-request HTTP timeout (s).")
 launch.define_workload_flags()
 
 
-async def _one(client, spec, model, origin):
-  """Sends ``spec`` at its arrival time; returns its RequestRecord."""
+async def _one(client, spec, model, origin, max_model_len):
+  """Sends ``spec`` at its arrival time; returns its RequestRecord. Its
+  max_tokens is capped at what the context leaves after the prompt (the
+  server refuses more with a 400; the engine stops there in a replay too)."""
   await asyncio.sleep(max(0.0, origin + spec.arrival_s - time.perf_counter()))
-  body = {"model": model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
+  max_tokens = min(spec.max_tokens, max_model_len - len(spec.prompt_token_ids))
+  body = {"model": model, "prompt": list(spec.prompt_token_ids), "max_tokens": max_tokens,
           "temperature": 0, "ignore_eos": spec.ignore_eos, "stream": True,
           "stream_options": {"include_usage": True}, "client": spec.client,
           "priority": spec.priority}
@@ -121,12 +124,13 @@ def server_model(root: str) -> dict:
                      f"{reply.status_code} {reply.text[:200]!r}") from None
 
 
-async def _run(workload, model, root):
+async def _run(workload, model, root, max_model_len):
   limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
   async with httpx.AsyncClient(base_url=root, timeout=FLAGS.timeout_s,
                                limits=limits) as client:
     origin = time.perf_counter()
-    records = await asyncio.gather(*[_one(client, s, model, origin) for s in workload])
+    records = await asyncio.gather(*[_one(client, s, model, origin, max_model_len)
+                                     for s in workload])
     return list(records), time.perf_counter() - origin
 
 
@@ -136,10 +140,10 @@ def main(argv):
   root = base_url(FLAGS.url)
   info = server_model(root)
   model = FLAGS.model or info["id"]
-  workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, info["max_model_len"])
+  workload = launch.load_workload(info["vocab_size"], info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}) against {root} ({model})")
-  records, duration_s = asyncio.run(_run(workload, model, root))
+  records, duration_s = asyncio.run(_run(workload, model, root, info["max_model_len"]))
   config = {"model": model, "server": root, "client": "HTTP streaming (SSE), "
             "client-side timestamps", "max_model_len": info["max_model_len"],
             "workload": workload.describe()}

@@ -197,7 +197,7 @@ class ReplicaFront:
                max_waiting: int = 64):
     if not urls or not len(urls) == len(processes) == len(facts):
       raise ValueError("urls, processes and facts must be one entry per replica (>= 1)")
-    for key in ("model", "page_size"):
+    for key in ("model", "page_size", "vocab_size"):
       values = {f[key] for f in facts}
       if len(values) != 1:
         raise ValueError(f"replicas must agree on {key}, got {sorted(values)}")
@@ -542,7 +542,8 @@ class ReplicaFront:
     async def health():
       return Response(status_code=200 if self.router.alive() else 503)
 
-    model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len))
+    model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len,
+                                         self.facts[0]["vocab_size"]))
 
     @app.get("/metrics")
     async def metrics():

@@ -50,7 +50,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
@@ -111,11 +111,12 @@ class UnknownModel(BadRequest):
 OVERLOAD_ERRORS: tuple = (Overloaded, QueueFull)
 
 
-def _error_response(exc: Exception) -> JSONResponse:
-  """The one mapping from a refusal to an OpenAI-style error response:
-  OVERLOAD_ERRORS -> 429; UnknownModel -> 404 (as OpenAI and vLLM);
-  Unavailable -> 503; BadRequest, and the engine's ValueError naming a bad
-  field -> 400; anything else -> 500."""
+def _error_body(exc: Exception) -> Tuple[int, dict]:
+  """The one mapping from a refusal to an OpenAI-style error: (HTTP status,
+  ``{"error": {...}}``). OVERLOAD_ERRORS -> 429; UnknownModel -> 404 (as
+  OpenAI and vLLM); Unavailable -> 503; BadRequest, and the engine's
+  ValueError naming a bad field -> 400; anything else -> 500. A stream that
+  already started sends the body as its last event."""
   if isinstance(exc, OVERLOAD_ERRORS):
     status, kind, code, param = 429, "rate_limit_error", "server_overloaded", None
   elif isinstance(exc, UnknownModel):
@@ -128,8 +129,13 @@ def _error_response(exc: Exception) -> JSONResponse:
     status, kind, code, param = 400, "invalid_request_error", None, None
   else:
     status, kind, code, param = 500, "server_error", None, None
-  return JSONResponse({"error": {"message": str(exc), "type": kind, "param": param,
-                                 "code": code}}, status_code=status)
+  return status, {"error": {"message": str(exc), "type": kind, "param": param, "code": code}}
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+  """``_error_body`` as a JSON response with its status."""
+  status, body = _error_body(exc)
+  return JSONResponse(body, status_code=status)
 
 
 # ----------------------------------------------------------------- bodies
@@ -522,11 +528,12 @@ def json_body(raw: bytes) -> Any:
     raise BadRequest(f"the request body is not valid JSON ({e})") from None
 
 
-def model_card(name: str, created: int, max_model_len: int) -> dict:
+def model_card(name: str, created: int, max_model_len: int, vocab_size: int) -> dict:
   """A served model as ``GET /v1/models`` lists it and ``GET /v1/models/{id}``
-  returns it (OpenAI's model object, plus vLLM's ``max_model_len``)."""
+  returns it (OpenAI's model object, plus vLLM's ``max_model_len`` and the
+  ``vocab_size`` that bounds prompt token ids)."""
   return {"id": name, "object": "model", "created": created, "owned_by": "iterserve",
-          "max_model_len": max_model_len}
+          "max_model_len": max_model_len, "vocab_size": vocab_size}
 
 
 def model_routes(app: FastAPI, card) -> None:
@@ -736,13 +743,15 @@ class OpenAIServer:
         return Response(status_code=503)
       return Response(status_code=200)
 
-    model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len))
+    model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len,
+                                         self.engine.model_cfg.vocab_size))
 
     @app.get("/engine")
     async def engine_facts():
       """What a router needs to model this replica."""
       c = self.engine.config
       return {"model": self.model_name, "max_model_len": c.max_model_len,
+              "vocab_size": self.engine.model_cfg.vocab_size,
               "page_size": c.page_size, "num_pages": c.num_pages,
               "max_request_slots": c.max_request_slots,
               "capacity": self.metrics.capacity,
@@ -799,24 +808,36 @@ class OpenAIServer:
     if first["type"] == "refused":
       return _error_response(first["exc"])
     if first["type"] == "end":           # rejected at once: can never fit the KV cache
-      return _error_response(self._rejected_at_once(parsed, first["reason"]))
+      return _error_response(self._unfinished(parsed, first))
     if first["type"] == "error":
       return _error_response(RuntimeError(first["error"]))
     if parsed.stream:
       return StreamingResponse(self._stream(rid, parsed, events, chat),
                                media_type="text/event-stream")
-    return await self._complete(request, rid, events, chat)
+    return await self._complete(request, rid, parsed, events, chat)
 
-  def _rejected_at_once(self, parsed: ParsedRequest, reason: str) -> BadRequest:
-    """The 400 of a request the engine rejected on arrival (its KV rows,
-    prompt + max_tokens - 1, need more pages than the cache has). ``param``
-    names the field to shorten: the prompt when the prompt alone (one output
-    token) needs more pages than the cache has, else max_tokens."""
+  def _unfinished(self, parsed: ParsedRequest, end: dict) -> Exception:
+    """The error of a request that ended without completing (its "end"
+    event). ``rejected`` is a 400 naming the field to shorten: the engine
+    rejects on arrival a request whose KV rows, prompt + max_tokens - 1, need
+    more pages than the cache has, and a policy rejects one it can never
+    schedule (ORCA: a whole-prompt prefill wider than the token budget, a
+    reservation larger than the cache). ``param`` is the prompt when the
+    prompt alone (one output token) needs more pages than the cache has, or
+    when the whole request fits the cache and the prompt is wider than the
+    token budget; else max_tokens. ``failed`` or ``cancelled``: a server
+    error (500)."""
+    message = f"request {end['outcome']}: {end['reason']}"
+    if end["outcome"] != "rejected":
+      return RuntimeError(message)
     c = self.engine.config
-    prompt_rows = min(rec.kv_rows(len(parsed.prompt_token_ids), 1), c.max_model_len - 1)
-    too_long = kv_pages.pages_for(prompt_rows, c.page_size) > c.num_pages - 1
-    return BadRequest(f"request rejected: {reason}",
-                      parsed.prompt_field if too_long else parsed.max_tokens_field)
+    prompt_len = len(parsed.prompt_token_ids)
+    fits = lambda max_tokens: kv_pages.pages_for(
+        min(rec.kv_rows(prompt_len, max_tokens), c.max_model_len - 1),
+        c.page_size) <= c.num_pages - 1
+    too_long = not fits(1) or (fits(parsed.sampling.max_tokens)
+                               and prompt_len > c.max_num_batched_tokens)
+    return BadRequest(message, parsed.prompt_field if too_long else parsed.max_tokens_field)
 
   def _head(self, rid: str, chat: bool, chunk: bool) -> dict:
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
@@ -827,7 +848,8 @@ class OpenAIServer:
     return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": end["completion_tokens"],
             "total_tokens": end["prompt_tokens"] + end["completion_tokens"]}
 
-  async def _complete(self, request: HttpRequest, rid: str, events: asyncio.Queue, chat: bool):
+  async def _complete(self, request: HttpRequest, rid: str, parsed: ParsedRequest,
+                      events: asyncio.Queue, chat: bool):
     checked = time.monotonic()
     while True:
       try:
@@ -845,9 +867,8 @@ class OpenAIServer:
         return _error_response(RuntimeError(event["error"]))
       if event["type"] == "end":
         break
-    if event["outcome"] != "completed":     # rejected: can never fit the KV cache
-      kind = BadRequest if event["outcome"] == "rejected" else RuntimeError
-      return _error_response(kind(f"request {event['outcome']}: {event['reason']}"))
+    if event["outcome"] != "completed":
+      return _error_response(self._unfinished(parsed, event))
     choice = ({"index": 0, "message": {"role": "assistant", "content": event["text"]},
                "logprobs": None, "finish_reason": event["finish_reason"]} if chat else
               {"index": 0, "text": event["text"], "logprobs": None,
@@ -880,8 +901,7 @@ class OpenAIServer:
           continue
         ended = True                       # "end"
         if event["outcome"] != "completed":
-          yield _sse({"error": {"message": f"request {event['outcome']}: {event['reason']}",
-                                "type": "server_error", "param": None, "code": None}})
+          yield _sse(_error_body(self._unfinished(parsed, event))[1])
           break
         choice = ({"index": 0, "delta": {}, "logprobs": None,
                    "finish_reason": event["finish_reason"]} if chat else

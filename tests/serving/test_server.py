@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import kv_pages
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
-from serving.server import ARRIVAL_HEADER, OpenAIServer
+from serving.server import ARRIVAL_HEADER, OpenAIServer, _error_body
 from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import wait_until as _wait
 
@@ -453,3 +453,47 @@ def test_request_that_can_never_fit_the_kv_cache_is_400_naming_the_field(params)
     assert 'iterserve:requests_total{model_name="tiny",outcome="rejected"} 5.0' in text
   finally:
     app.close()
+
+
+def test_a_policy_rejection_is_400_naming_the_field_to_shorten(served):
+  """A request accepted and then rejected by its policy (ORCA prefills a
+  prompt whole, so one wider than the 16-token budget can never run) ends
+  with a 400 naming the prompt, both as a response and as a stream's last
+  event (the engine run is ``test_request_that_can_never_fit...``'s; ORCA's
+  own programs take ~30 s to compile, so its end event is given here)."""
+  server = served.server
+  end = lambda outcome: {"outcome": outcome,
+                         "reason": "policy orca can never schedule it (token budget 16, "
+                                   "63 KV pages)"}
+  cases = [  # (body, outcome, status, param): 63 pages of 4 rows = 252 KV rows
+      ({"prompt": list(range(10, 30)), "max_tokens": 2}, "rejected", 400, "prompt"),
+      ({"prompt": list(range(10, 22)), "max_tokens": 2}, "rejected", 400, "max_tokens"),
+      ({"messages": [{"role": "user", "content": "x" * 20}], "max_tokens": 2}, "rejected",
+       400, "messages"),
+      ({"prompt": list(range(10, 30)), "max_tokens": 2}, "failed", 500, None),
+  ]
+  for body, outcome, status, param in cases:
+    parsed = server.parse({"model": MODEL, **body}, chat="messages" in body)
+    got_status, error = _error_body(server._unfinished(parsed, end(outcome)))
+    assert (got_status, error["error"]["param"]) == (status, param), body
+    assert error["error"]["message"] == f"request {outcome}: {end(outcome)['reason']}"
+
+
+def test_bench_serving_fits_its_workload_to_the_served_model(served, tmp_path):
+  """scripts/bench_serving.py against the tiny model (vocabulary 512, 64-token
+  context): prompt ids drawn below the card's vocab_size, max_tokens capped
+  at what the context leaves after the prompt, so every request completes."""
+  card = served.http.get("/v1/models").json()["data"][0]
+  assert (card["vocab_size"], card["max_model_len"]) == (512, 64)
+  out = tmp_path / "bench.json"
+  root = Path(__file__).resolve().parents[2]
+  proc = subprocess.run(
+      [sys.executable, str(root / "scripts/bench_serving.py"), f"--url={served.url}/v1",
+       "--num_requests=3", "--rate_scale=100", "--max_output_len=6", f"--out={out}"],
+      cwd=root, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert (report["completed"], report["failed"], report["rejected"]) == (3, 0, 0)
+  for r in report["requests"]:       # prompts clipped to 63 tokens: one output token left
+    assert r["prompt_tokens"] <= 63
+    assert r["output_tokens"] == min(6, 64 - r["prompt_tokens"]) or r["finish_reason"] == "stop"
