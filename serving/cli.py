@@ -37,17 +37,32 @@ def parse_flags(argv: List[str]) -> List[str]:
     refuse(f"{message} (--helpfull lists the flags)")
 
 
+def flag_named(message: str) -> str:
+  """A config's refusal, ``"<Config>.<field> <rule>, got <value>"`` (e.g.
+  ``EngineConfig``, ``SamplingParams``), said of the flag that gave the
+  value: ``"--<field> <rule>, got <value>"`` when a flag of that name was
+  given with that value; any other message unchanged."""
+  head, _, rest = message.partition(" ")
+  owner, dot, name = head.partition(".")
+  if not (dot and owner.isidentifier() and name in FLAGS and FLAGS[name].present):
+    return message
+  if not rest.endswith(f", got {FLAGS[name].value!r}"):
+    return message                   # the value came from elsewhere (a preset, a file)
+  return f"--{name} {rest}"
+
+
 def run(main: Callable[[List[str]], Any]) -> None:
   """``app.run(main)`` with the refusals above: flags parsed by
   ``parse_flags``; a ValueError or ``app.UsageError`` out of ``main`` (bad
-  flag value, file, model or request) becomes one line and exit status 2.
-  Any other exception keeps its traceback (a bug, not bad input)."""
+  flag value, file, model or request) becomes one line (``flag_named``) and
+  exit status 2. Any other exception keeps its traceback (a bug, not bad
+  input)."""
 
   @functools.wraps(main)
   def refusing(argv):
     try:
       return main(argv)
     except (ValueError, app.UsageError) as e:
-      refuse(str(e))
+      refuse(flag_named(str(e)))
 
   app.run(refusing, flags_parser=parse_flags)

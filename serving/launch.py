@@ -178,8 +178,8 @@ def engine_config(**overrides) -> EngineConfig:
   """The --engine preset with the flags' overrides.
 
   Raises:
-    ValueError: an unknown preset, or a value the config refuses; an
-      override's error names its flag (``--prefill_chunk_rows must be ...``).
+    ValueError: an unknown preset, or a value the config refuses (``cli.run``
+      names an override's flag: ``--prefill_chunk_rows must be ...``).
   """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
@@ -197,14 +197,7 @@ def engine_config(**overrides) -> EngineConfig:
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
-  try:
-    return EngineConfig.preset(FLAGS.engine, **fields)
-  except ValueError as e:   # "EngineConfig.<field> <rule>, got <value>"
-    field, _, rule = str(e).partition(" ")
-    name = field.removeprefix("EngineConfig.")
-    if name in fields and name not in overrides and FLAGS[name].present:
-      raise ValueError(f"--{name} {rule}") from None
-    raise
+  return EngineConfig.preset(FLAGS.engine, **fields)
 
 
 def load_flags_model(engine_cfg: EngineConfig):

@@ -44,6 +44,8 @@ def test_a_port_in_use_is_refused_before_loading():
     ("generate.py", [], "error: give at least one --prompt, --chat or --mt_bench"),
     ("generate.py", ["--prompt=hi", "--prefill_chunk_rows=12"],
      "error: --prefill_chunk_rows must be 0 (off) or a positive multiple of 8, got 12"),
+    ("generate.py", ["--prompt=hi", "--max_tokens=0"],
+     "error: --max_tokens must be in [1, 2**31), got 0"),
     ("serve.py", ["--router=nearest"],
      "error: flag --router=nearest: value should be one of <prefix_aware|round_robin> "
      "(--helpfull lists the flags)"),

@@ -205,7 +205,7 @@ def test_a_killed_replica_is_reaped_and_marked_down_at_once(monkeypatch, tmp_pat
   monkeypatch.setattr(replicas_module, "_WATCH_S", 86400.0)
   sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
   facts = dict(model="tiny", page_size=4, num_pages=64, max_request_slots=8,
-               max_model_len=64, enable_prefix_caching=True)
+               max_model_len=64, vocab_size=512, enable_prefix_caching=True)
   served = _Front([f"http://127.0.0.1:{_free_port()}"], [sleeper], [facts], "round_robin",
                   tmp_path / "routes.jsonl")
   try:
