@@ -24,7 +24,7 @@ from absl import flags
 from models import llama
 from models.config import get_config
 from scheduler.policies import POLICIES
-from serving import cli, kv_pages, metrics
+from serving import cli, metrics
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 
@@ -48,7 +48,7 @@ def time_plan(model_cfg, params, policy: str, num_waiting: int):
                        priority=i % 3, client=f"c{i // 16}")
   engine._fill_slots()        # every request into its slot, as a step begins
   run = lambda: jax.block_until_ready(engine._programs.plan(
-      engine.manifest, engine.state, kv_pages.view(engine.pages)))
+      engine.manifest, engine.state, engine.pages, engine._prefix_hits()))
   t = time.perf_counter()
   run()
   compile_s = time.perf_counter() - t

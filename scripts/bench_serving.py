@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx
 from absl import flags
 
-from serving import cli, launch, metrics, replicas
+from serving import cli, launch, metrics, replicas, workloads
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL, with or without "
@@ -107,21 +107,28 @@ def base_url(url: str) -> str:
 
 
 def server_model(root: str) -> dict:
-  """The first model ``GET {root}/v1/models`` lists.
+  """The first model ``GET {root}/v1/models`` lists, with its
+  ``max_model_len`` (vLLM's field) and ``vocab_size`` (SmolLM2's, with a
+  note, when the server does not say).
 
   Raises:
     ValueError: the server cannot be reached, or its answer is not an
-      OpenAI model list.
+      OpenAI model list with ``max_model_len``.
   """
   try:
     reply = httpx.get(f"{root}/v1/models", timeout=30)
   except httpx.TransportError as e:
     raise ValueError(f"cannot reach {root} (--url): {type(e).__name__}: {e}") from None
   try:
-    return reply.raise_for_status().json()["data"][0]
+    card = reply.raise_for_status().json()["data"][0]
+    int(card["max_model_len"])
   except (httpx.HTTPStatusError, ValueError, KeyError, IndexError, TypeError):
-    raise ValueError(f"{root}/v1/models (--url) is not an OpenAI model list: HTTP "
-                     f"{reply.status_code} {reply.text[:200]!r}") from None
+    raise ValueError(f"{root}/v1/models (--url) is not an OpenAI model list with "
+                     f"max_model_len: HTTP {reply.status_code} {reply.text[:200]!r}") from None
+  if "vocab_size" not in card:
+    print(f"note: {root}/v1/models gives no vocab_size; prompt ids drawn below "
+          f"{workloads.DEFAULT_VOCAB_SIZE} (SmolLM2's)")
+  return {"vocab_size": workloads.DEFAULT_VOCAB_SIZE, **card}
 
 
 async def _run(workload, model, root, max_model_len):
