@@ -8,7 +8,9 @@ uncapped) with the simulated executor and logs, every ``--log_every``
 iterations, the wall time, the virtual time, iterations per second over the
 last interval and the number of waiting requests, so the JSON shows how the
 step rate scales with the queue. ``--max_wall_s`` stops the replay early
-(the JSON then says how far it got).
+(the JSON then says how far it got). An arrival while the engine holds
+``max_queued_requests`` unfinished requests is refused, as in a replay, and
+counted (``refused_queue_full``).
 """
 
 import json
@@ -26,7 +28,7 @@ from models.config import get_config
 from scheduler import records as rec
 from serving import cli, workloads
 from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine import Engine, QueueFull
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
@@ -57,15 +59,18 @@ def main(argv):
   rows, i, start = [], 0, time.perf_counter()
   last = (start, 0)
   print(f"{len(specs)} requests over {wl.duration_s:.0f} s (loaded in {load_s:.1f} s)")
-  stopped = False
+  stopped, queue_full = False, 0
   while i < len(specs) or engine.has_unfinished():
     now_ms = engine.now_ms()
     while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
       s = specs[i]
       engine.realized_output_tokens[s.request_id] = s.max_tokens
-      engine.add_request(s.request_id, s.prompt_token_ids,
-                         SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
-                         arrival_ms=s.arrival_s * 1000.0, client=s.client)
+      try:
+        engine.add_request(s.request_id, s.prompt_token_ids,
+                           SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
+                           arrival_ms=s.arrival_s * 1000.0, client=s.client)
+      except QueueFull:      # max_queued_requests unfinished: refused, as in a replay
+        queue_full += 1
       i += 1
     if not engine.has_unfinished():
       engine.clock.advance(max(specs[i].arrival_s * 1000.0 - now_ms, 0.0) / 1000.0)
@@ -76,7 +81,7 @@ def main(argv):
       wall = time.perf_counter()
       status = jax.device_get(engine.state.status)
       row = {"iterations": n, "wall_s": round(wall - start, 1),
-             "virtual_s": round(engine.now_ms() / 1000.0, 1), "admitted": i,
+             "virtual_s": round(engine.now_ms() / 1000.0, 1), "admitted": i - queue_full,
              "finished": sum(r.finished for r in engine.requests.values()) if n % (
                  FLAGS.log_every * 10) == 0 else None,
              "waiting": len(engine._pending) + int(np.sum(status == rec.WAITING)),
@@ -84,14 +89,15 @@ def main(argv):
       last = (wall, n)
       rows.append(row)
       print(row, flush=True)
-      if FLAGS.max_wall_s and wall - start > FLAGS.max_wall_s:
-        stopped = True
-        break
+    if FLAGS.max_wall_s and time.perf_counter() - start > FLAGS.max_wall_s:
+      stopped = True
+      break
   wall_s = time.perf_counter() - start
   out = {"trace": FLAGS.trace, "requests": len(specs), "trace_duration_s": wl.duration_s,
          "policy": FLAGS.policy, "completed": sum(r.outcome == "completed"
                                                   for r in engine.requests.values()),
-         "admitted": i, "stopped_early": stopped, "wall_s": wall_s,
+         "admitted": i - queue_full, "refused_queue_full": queue_full,
+         "stopped_early": stopped, "wall_s": wall_s,
          "virtual_s": engine.now_ms() / 1000.0, "iterations": engine.num_iterations,
          "iterations_per_s": engine.num_iterations / wall_s,
          "workload_load_s": load_s, "load_avg": os.getloadavg(),
