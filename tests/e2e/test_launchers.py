@@ -78,10 +78,10 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--mooncake_block_tokens=16"], "error: --mooncake_block_tokens applies only with --trace; "),
     (["--trace=vtc:x.csv", "--mooncake_block_tokens=16"],
      "error: --mooncake_block_tokens applies only to --trace=mooncake:PATH"),
-    (["--dtype=float16"], "error: EngineConfig.dtype must be 'float32' or 'bfloat16'"),
+    (["--dtype=float16"], "error: --dtype must be 'float32' or 'bfloat16', got 'float16'"),
     (["--kv_dtype=float16"],
-     "error: EngineConfig.kv_dtype must be 'auto', 'float32' or 'bfloat16'"),
-    (["--policy=nope"], "error: EngineConfig.policy must be one of ['fastserve', "),
+     "error: --kv_dtype must be 'auto', 'float32' or 'bfloat16', got 'float16'"),
+    (["--policy=nope"], "error: --policy must be one of ['fastserve', "),
     (["--slo_class=a:1"], "error: slo_class entry 'a:1' must be NAME:TTFT_MS:TPOT_MS"),
     (["--slo_class=a:1:2", "--slo_ttft_ms=5"],
      "error: give either slo_ttft_ms / slo_tpot_ms or slo_class, not both"),
@@ -93,7 +93,7 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--num_processes=2", "--coordinator=127.0.0.1:1"],
      "error: --num_processes > 1 needs --clock=virtual"),
     (["--reservation=watermark", "--watermark_pages=0"],
-     "error: EngineConfig.watermark_pages must be >= 1 with reservation 'watermark'"),
+     "error: --watermark_pages must be >= 1 with reservation 'watermark'"),
 ])
 def test_replay_flags_of_the_other_workload_kind_are_refused(args, line):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/replay.py"), "--engine=cpu_small",
