@@ -766,21 +766,19 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   if impl == "gather":
     return _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                         num_seqs, **kw)
-  if impl == "blocked_dot":
-    short_q = None
-    if block_q is None:
+  short_q = None              # _blocked's default: block_q // 4
+  if block_q is None:
+    block_q = 16
+    if impl == "blocked_dot":
       block_q, short_q = _TUNE["block_q"], _TUNE["short_q"]
-    if block_q < 1:
-      raise ValueError(f"block_q must be >= 1, got {block_q}")
+  if block_q < 1:
+    raise ValueError(f"block_q must be >= 1, got {block_q}")
+  if impl == "blocked_dot":
     return _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                         num_seqs, block_q=block_q, block_kv=block_kv,
                         chunk_rows=_TUNE["chunk_rows"],
                         chunk_blocks=_TUNE["chunk_blocks"],
                         unroll_rows=_TUNE["unroll_rows"], short_q=short_q, **kw)
-  if block_q is None:
-    block_q = 16
-  if block_q < 1:
-    raise ValueError(f"block_q must be >= 1, got {block_q}")
   if impl == "blocked":
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,
