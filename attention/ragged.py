@@ -87,8 +87,11 @@ def widen_kv(blk):
 
 
 # "blocked_dot" loop sizes: decode rows / prefill slots per step (the dot's
-# batch, fixed so results do not depend on T), key blocks per decode step.
-_TUNE = dict(chunk_rows=16, chunk_blocks=4, unroll_rows=1)
+# batch, fixed so results do not depend on T), key blocks per decode step;
+# the default query rows per prefill slot and the longest sequence that
+# gets one slot per row (q_len <= short_q). No size here changes a row's
+# bits (``_dot_update``), only the time.
+_TUNE = dict(chunk_rows=16, chunk_blocks=2, unroll_rows=1, block_q=64, short_q=4)
 IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "pallas_tpu", "gather")
 
 
@@ -358,16 +361,14 @@ def _block_update(state, q, k, v, pos, key_pos, kv_len, *, sm_scale, soft_cap,
           jnp.where(seen[..., None], acc_new, acc))
 
 
-def _sort_slots(q, slots, padded, *, block_q, block_kv, num_kv_heads):
+def _sort_slots(slots, padded, *, num_rows, block_q, block_kv):
   """Slots sorted by key blocks needed (most first), padded to ``padded``.
 
   Returns ``(pos_s i32[NS, bq] (-1 = no row), seq_s i32[NS], need_s i32[NS],
-  rows_s i32[NS, bq] (packed row of each query; num_rows = none),
-  qs f32[NS, bq, Hkv, group, D])``; padding slots need 0 blocks.
+  rows_s i32[NS, bq] (packed row of each query; num_rows = none))``;
+  padding slots need 0 blocks.
   """
   rows, start_pos, num_valid, seq = slots
-  num_rows, num_q_heads, head_dim = q.shape
-  group = num_q_heads // num_kv_heads
   pad = padded - rows.shape[0]
   r = jnp.arange(block_q, dtype=jnp.int32)
   pos = jnp.where(r[None, :] < num_valid[:, None],
@@ -380,18 +381,23 @@ def _sort_slots(q, slots, padded, *, block_q, block_kv, num_kv_heads):
     x = x[order]
     return jnp.concatenate([x, jnp.full((pad,) + x.shape[1:], fill, x.dtype)])
 
-  pos_s, seq_s, need_s = sort_pad(pos, -1), sort_pad(seq, 0), sort_pad(need, 0)
-  rows_s = sort_pad(rows, num_rows)
-  qs = jnp.take(q, rows_s, axis=0, mode="fill", fill_value=0)
-  qs = qs.astype(jnp.float32).reshape(padded, block_q, num_kv_heads, group,
-                                      head_dim)
-  return pos_s, seq_s, need_s, rows_s, qs
+  return sort_pad(pos, -1), sort_pad(seq, 0), sort_pad(need, 0), sort_pad(rows, num_rows)
 
 
-def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
+def _slot_queries(q, rows, *, num_kv_heads):
+  """f32[W, bq, Hkv, group, D] query rows of slots ``rows`` i32[W, bq]
+  (zeros where a row is ``num_rows``, an empty slot row)."""
+  num_rows, num_q_heads, head_dim = q.shape
+  qs = jnp.take(q, rows, axis=0, mode="fill", fill_value=0)
+  return qs.astype(jnp.float32).reshape(rows.shape + (num_kv_heads, num_q_heads // num_kv_heads,
+                                                      head_dim))
+
+
+def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, out, *,
                   block_q, block_kv, chunk, sm_scale, soft_cap,
                   sliding_window):
-  """Online softmax for every slot of one layout; returns f32[NS, bq, Hq, D].
+  """Online softmax for every slot of one layout, written into the rows of
+  ``out`` f32[T, Hq, D] that the slots hold; returns the updated ``out``.
 
   Slots are sorted by the number of key blocks they need, so at key block
   ``j`` the active slots are a prefix, processed ``chunk`` at a time; the cost
@@ -406,9 +412,9 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   num_slots = rows.shape[0]
   padded = -(-num_slots // chunk) * chunk
 
-  pos_s, seq_s, need_s, rows_s, qs = _sort_slots(
-      q, slots, padded, block_q=block_q, block_kv=block_kv,
-      num_kv_heads=num_kv_heads)
+  pos_s, seq_s, need_s, rows_s = _sort_slots(
+      slots, padded, num_rows=num_rows, block_q=block_q, block_kv=block_kv)
+  qs = _slot_queries(q, rows_s, num_kv_heads=num_kv_heads)
   kv_len_s = kv_lens.astype(jnp.int32)[seq_s]
   table_s = page_table[seq_s]                                     # [NS, P]
 
@@ -442,9 +448,8 @@ def _attend_slots(q, k_pages, v_pages, kv_lens, page_table, slots, *,
            jnp.zeros(shape, jnp.float32),
            jnp.zeros(shape + (head_dim,), jnp.float32))
   _, l, acc = jax.lax.fori_loop(0, jnp.max(need_s), over_chunks, state)
-  out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None],
-                  0.0)
-  return out.reshape(padded, block_q, num_q_heads, head_dim), rows_s
+  o = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+  return out.at[rows_s.reshape(-1)].set(o.reshape(-1, num_q_heads, head_dim), mode="drop")
 
 
 def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
@@ -486,10 +491,8 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
     # small bucket does not pay for empty slots, and at least 2: for the dot
     # path a batch of one slot lowers to a different kernel (a row's bits
     # are the same for every batch of 2 or more slots).
-    o, rows = attend(q, k_pages, v_pages, kv_lens, page_table, slots,
-                     block_q=bq, chunk=max(2, min(chunk, num_slots)), **kw, **extra)
-    out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]),
-                                       mode="drop")
+    out = attend(q, k_pages, v_pages, kv_lens, page_table, slots, out,
+                 block_q=bq, chunk=max(2, min(chunk, num_slots)), **kw, **extra)
   return out.astype(q.dtype)
 
 
@@ -545,16 +548,19 @@ def _dot_update(state, q, k, v, pos, key_pos, kv_len, *, sm_scale, soft_cap,
           jnp.where(seen[..., None], acc_new, acc))
 
 
-def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
+def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, out, *,
                       block_q, block_kv, chunk, sm_scale, soft_cap,
                       sliding_window, unroll=1):
-  """Online softmax for every slot of one layout; returns f32[NS, bq, Hq, D].
+  """Online softmax for every slot of one layout, written into the rows of
+  ``out`` f32[T, Hq, D] that the slots hold; returns the updated ``out``.
 
   Slots are sorted by the number of key blocks they need and processed
   ``chunk`` at a time; a chunk walks key blocks ``0 .. need - 1`` of its
   neediest slot with its state in the loop carry (``unroll`` blocks per
   loop step, each its own online-softmax update, so the numerics do not
-  depend on ``unroll``).
+  depend on ``unroll``). A chunk gathers its own query rows and scatters
+  its own output rows, so the work outside the loop does not grow with
+  the (worst-case) slot count, only with the slots holding rows.
   """
   rows = slots[0]
   num_rows, num_q_heads, head_dim = q.shape
@@ -566,14 +572,10 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   padded = -(-num_slots // chunk) * chunk
   m_rows = max(2, block_q * group)            # see _dot_update
 
-  pos_s, seq_s, need_s, rows_s, qs = _sort_slots(
-      q, slots, padded, block_q=block_q, block_kv=block_kv,
-      num_kv_heads=num_kv_heads)
-  qs = jnp.transpose(qs, (0, 2, 1, 3, 4)).reshape(
-      padded, num_kv_heads, block_q * group, head_dim)
+  pos_s, seq_s, need_s, rows_s = _sort_slots(
+      slots, padded, num_rows=num_rows, block_q=block_q, block_kv=block_kv)
   pos_m = jnp.repeat(pos_s, group, axis=1)                        # [NS, bq*G]
   if m_rows > block_q * group:
-    qs = jnp.pad(qs, ((0, 0), (0, 0), (0, m_rows - block_q * group), (0, 0)))
     pos_m = jnp.pad(pos_m, ((0, 0), (0, m_rows - block_q * group)),
                     constant_values=-1)
   kv_len_s = kv_lens.astype(jnp.int32)[seq_s]
@@ -588,8 +590,13 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
   def over_chunks(c, out):
     start = c * chunk
     take = lambda x: jax.lax.dynamic_slice_in_dim(x, start, chunk)
-    table_c, q_c, pos_c, kv_len_c = (take(table_s), take(qs), take(pos_m),
-                                     take(kv_len_s))
+    table_c, rows_c, pos_c, kv_len_c = (take(table_s), take(rows_s), take(pos_m),
+                                        take(kv_len_s))
+    q_c = jnp.transpose(_slot_queries(q, rows_c, num_kv_heads=num_kv_heads),
+                        (0, 2, 1, 3, 4)).reshape(chunk, num_kv_heads,
+                                                 block_q * group, head_dim)
+    if m_rows > block_q * group:
+      q_c = jnp.pad(q_c, ((0, 0), (0, 0), (0, m_rows - block_q * group), (0, 0)))
 
     def over_blocks(i, state):
       j0 = i * unroll
@@ -618,15 +625,11 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, *,
     _, l, acc = jax.lax.fori_loop(0, steps, over_blocks, state)
     o = jnp.where(l[..., None] > 0,
                   acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
-    return jax.lax.dynamic_update_slice_in_dim(out, o, start, 0)
+    o = o[:, :, :block_q * group].reshape(chunk, num_kv_heads, block_q, group, head_dim)
+    o = jnp.transpose(o, (0, 2, 1, 3, 4)).reshape(chunk * block_q, num_q_heads, head_dim)
+    return out.at[rows_c.reshape(-1)].set(o, mode="drop")
 
-  out = jnp.zeros((padded, num_kv_heads, m_rows, head_dim), jnp.float32)
-  out = jax.lax.fori_loop(0, (num_active + chunk - 1) // chunk, over_chunks,
-                          out)
-  out = out[:, :, :block_q * group].reshape(padded, num_kv_heads, block_q,
-                                            group, head_dim)
-  out = jnp.transpose(out, (0, 2, 1, 3, 4))
-  return out.reshape(padded, block_q, num_q_heads, head_dim), rows_s
+  return jax.lax.fori_loop(0, (num_active + chunk - 1) // chunk, over_chunks, out)
 
 
 def _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
@@ -729,8 +732,10 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
     impl: static, one of ``IMPLS`` (see module docstring).
     sliding_window: static; a row at position ``p`` sees keys ``> p - w``.
     soft_cap: static; scores become ``c * tanh(scores / c)`` (after scaling).
-    block_q: static query rows per slot (default 16). "blocked" gives
-      sequences with ``q_len <= block_q // 4`` one slot per row (decode).
+    block_q: static query rows per slot (default 16; 64 for "blocked_dot",
+      whose default gives sequences with ``q_len <= 4`` one slot per row).
+      "blocked" and "blocked_dot" give sequences with ``q_len <= block_q //
+      4`` one slot per row (decode) when ``block_q`` is given.
     block_kv: static keys per block, a multiple of ``page_size`` (default:
       128 rounded up to a multiple of ``page_size``). Results are bitwise
       reproducible for a fixed ``block_kv`` and ``page_size``.
@@ -761,8 +766,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   if impl == "gather":
     return _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                         num_seqs, **kw)
+  short_q = None              # _blocked's default: block_q // 4
   if block_q is None:
     block_q = 16
+    if impl == "blocked_dot":
+      block_q, short_q = _TUNE["block_q"], _TUNE["short_q"]
   if block_q < 1:
     raise ValueError(f"block_q must be >= 1, got {block_q}")
   if impl == "blocked_dot":
@@ -770,7 +778,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
                         num_seqs, block_q=block_q, block_kv=block_kv,
                         chunk_rows=_TUNE["chunk_rows"],
                         chunk_blocks=_TUNE["chunk_blocks"],
-                        unroll_rows=_TUNE["unroll_rows"], **kw)
+                        unroll_rows=_TUNE["unroll_rows"], short_q=short_q, **kw)
   if impl == "blocked":
     return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                     num_seqs, block_q=block_q, block_kv=block_kv,

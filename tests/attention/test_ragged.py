@@ -219,6 +219,21 @@ def test_blocked_dot_invariance_across_buckets_and_slot_counts(variant):
           err_msg=f"{seq} at {pos} of {len(mix)}, T={num_rows}")
 
 
+def test_blocked_dot_slot_height_does_not_change_bits():
+  """The default 64-row prefill slots give the rows of 16-, 32- and 1-row
+  slots bitwise (block_q=32 also moves 5..8-row chunks to row slots):
+  the slot height is a speed choice only."""
+  seqs = [(1, 50, 1), (2, 0, 70), (3, 30, 9), (4, 200, 1), (5, 140, 6),
+          (6, 0, 130)]
+  args, cu, n = make_batch(seqs, num_rows=256, max_seqs=8, max_kv_len=480,
+                           pool_tokens=4096)
+  out = attend(args, "blocked_dot")
+  assert_matches_reference(args, cu, n, "blocked_dot")
+  for block_q in (1, 16, 32):
+    np.testing.assert_array_equal(attend(args, "blocked_dot", block_q=block_q),
+                                  out, err_msg=f"block_q={block_q}")
+
+
 def test_auto_is_blocked_dot_on_cpu():
   assert ragged.resolve_impl("auto", "cpu") == "blocked_dot"
   assert ragged.resolve_impl("auto", "tpu") == "pallas_tpu"
