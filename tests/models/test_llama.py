@@ -333,8 +333,10 @@ def test_bfloat16_rows_round_alike_from_three_rows_and_row_tiled_pads_to_them():
 
 def test_bfloat16_decode_row_does_not_depend_on_the_bucket(tiny_cfg, tiny_params, seqs):
   """bfloat16 weights: a decode row's hidden state is bitwise the same alone
-  in a 1- or 2-row bucket and beside other rows in 8- and 40-row buckets
-  (every projection in one bfloat16 GEMM class, ``row_tiled``)."""
+  in a 1-row bucket and beside other rows in 8- and 40-row buckets (every
+  projection in one bfloat16 GEMM class, ``row_tiled``). At this model's
+  size the bfloat16 rounding of each projection hides the 2-row GEMM's
+  float32 differences; the GEMM-level test above is the one that sees them."""
   params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), tiny_params)
   kv = llama.init_kv_cache(tiny_cfg, NUM_PAGES, PAGE_SIZE, jnp.bfloat16)
   history = [(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)]
@@ -342,12 +344,11 @@ def test_bfloat16_decode_row_does_not_depend_on_the_bucket(tiny_cfg, tiny_params
   decode = (seqs["decode"], 7, 8)
   others = [(seqs["chunk"], 5, 9), (seqs["prompt"], 0, 6)]
   hidden = {}
-  for num_rows, parts in [(1, [decode]), (2, [decode]), (8, [decode, others[0]]),
-                          (40, [decode] + others)]:
+  for num_rows, parts in [(1, [decode]), (8, [decode, others[0]]), (40, [decode] + others)]:
     got, _ = run(params16, tiny_cfg, jax.tree_util.tree_map(jnp.copy, kv),
                  pack(parts, num_rows=num_rows), "gather")
     hidden[num_rows] = np.asarray(got)[0]
-  for num_rows in (2, 8, 40):
+  for num_rows in (8, 40):
     np.testing.assert_array_equal(hidden[num_rows], hidden[1], err_msg=f"T={num_rows}")
 
 
