@@ -398,7 +398,8 @@ class Attention(nn.Module):
     wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
-    q, k, v = rowwise(lambda h: (linear(h, wq), linear(h, wk), linear(h, wv)), x, batch.num_live, batch.classes)
+    q, k, v = rowwise(lambda h: (linear(h, wq), linear(h, wk), linear(h, wv)), x,
+                      batch.num_live, batch.classes)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
