@@ -5,10 +5,12 @@ token rows of several sequences (decode rows, prefill chunks with committed
 history, whole prompts) laid end to end, plus padding rows. Row-wise work
 (norms, projections, MLP) runs over all rows in ``rowwise``: a prompt row
 (position < its request's prompt length) in one GEMM of at least
-``LARGE_GEMM_ROWS`` rows, every other row in ``row_tiled`` tiles of 2 to 32
-rows, so a row's bits depend only on its request and position, never on the
-bucket or its neighbours; attention is request-local and reads the paged KV
-cache through ``attention.ragged.ragged_paged_attention``.
+``LARGE_GEMM_ROWS`` rows, every other row in ``row_tiled`` tiles of 2 (4 for
+bfloat16) to 32 rows, so a row's bits depend only on its request and
+position, never on the bucket or its neighbours; attention is request-local
+and reads the paged KV cache through ``attention.ragged.ragged_paged_attention``.
+Projections are ``linear``: bfloat16 weights run native bfloat16 GEMMs with
+float32 accumulation.
 
 The blocks' weights are stacked on a leading layer axis and run with
 ``flax.linen.scan`` (a ``lax.scan``), so one block is traced and compiled
@@ -57,49 +59,66 @@ _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
 
 # Most rows in one GEMM of a row-wise map (``row_tiled``).
 ROW_TILE = 32
+# Fewest rows of a ``row_tiled`` GEMM, by operand dtype: XLA:CPU rounds a
+# float32 row alike for every M in 2..32 but M = 1 apart; a bfloat16 row
+# (``linear``'s native bfloat16 GEMM, float32 accumulation) alike for every
+# M >= 3 but M = 1 and M = 2 each apart (measured, jax 0.10.2), and 3- or
+# 4-row bfloat16 GEMMs cost about what 2 rows do.
+MIN_TILE_ROWS = {jnp.dtype(jnp.float32): 2, jnp.dtype(jnp.bfloat16): 4}
 # Fewest rows of a prompt rows' GEMM (``rowwise``): every M >= 64 is one
 # float32 bit class on all projection shapes of SmolLM2 and the tiny model.
 LARGE_GEMM_ROWS = 64
 
 
 def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
-  """Applies the row-wise map ``fn`` to ``x`` in GEMMs of 2 to ``tile`` rows.
+  """Applies the row-wise map ``fn`` to ``x`` in GEMMs of ``m`` to ``tile`` rows.
 
   XLA:CPU picks a float32 GEMM kernel, and so the summation order, by the
   row count M: on SmolLM2's and the tiny model's shapes a row's bits are
   the same for every M in 2..32 (whatever the other rows hold or where the
   row sits) but differ for M = 1 and for M >= 33 or >= 48 (measured, jax
-  0.10.2; docs/benchmarks.md "Decode without padding waste"). Keeping every
-  GEMM's M inside 2..32 makes a row's result independent of its batch at
-  any bucket size:
+  0.10.2; docs/benchmarks.md "Decode without padding waste"). A bfloat16
+  row (``linear``) rounds alike for every M >= 3, M = 1 and M = 2 apart
+  (docs/benchmarks.md "Native bfloat16 GEMMs"). ``m = MIN_TILE_ROWS[x.dtype]``
+  (2 for float32, 4 for bfloat16); keeping every GEMM's M inside
+  ``m..tile`` makes a row's result independent of its batch at any bucket
+  size:
 
   * ``T <= tile`` rows (a decode bucket): one call of ``fn`` on all rows,
-    padded to 2 if ``T == 1``;
+    zero-padded to ``m`` rows if ``T < m``;
   * ``T > tile``: ``x`` is cut into ``tile``-row tiles (zero-padded to a
     multiple) and ``fn`` runs once per tile holding a live row, in a
     ``fori_loop`` of ``ceil(num_live / tile)`` trips; later tiles are zeros.
 
   Args:
     fn: maps [M, K] -> [M, N] (or a tuple of such) row by row, no mixing
-      of rows, for 2 <= M <= tile.
-    x: [T, K] rows; rows at or beyond ``num_live`` are padding.
+      of rows, for m <= M <= tile.
+    x: [T, K] rows, float32 or bfloat16; rows at or beyond ``num_live`` are
+      padding.
     num_live: i32[] live rows (a prefix of ``x``), 0 <= num_live <= T.
-    tile: static, the most rows per GEMM (2..32 to stay in one bit class).
+    tile: static, the most rows per GEMM (m..32 to stay in one bit class).
 
   Returns:
     ``fn``'s result for all T rows; padding rows hold unspecified finite
     values.
 
   Raises:
-    ValueError: if ``tile`` is not in [2, 32].
+    ValueError: if ``x.dtype`` is neither float32 nor bfloat16, or ``tile``
+      is not in [m, 32].
   """
-  if not 2 <= tile <= 32:
-    raise ValueError(f"tile must lie in [2, 32] (one GEMM bit class), got {tile}")
+  min_rows = MIN_TILE_ROWS.get(jnp.dtype(x.dtype))
+  if min_rows is None:
+    raise ValueError(f"x.dtype must be float32 or bfloat16 (a measured GEMM bit class), "
+                     f"got {x.dtype}")
+  if not min_rows <= tile <= 32:
+    raise ValueError(f"tile must lie in [{min_rows}, 32] (one {x.dtype} GEMM bit class), "
+                     f"got {tile}")
   num_rows = x.shape[0]
   tmap = jax.tree_util.tree_map
   if num_rows <= tile:
-    if num_rows == 1:                      # M = 1 is a bit class of its own
-      return tmap(lambda y: y[:1], fn(jnp.concatenate([x, x])))
+    if num_rows < min_rows:                # too few rows: a bit class of their own
+      padded = jnp.pad(x, ((0, min_rows - num_rows), (0, 0)))
+      return tmap(lambda y: y[:num_rows], fn(padded))
     return fn(x)
   padded = -(-num_rows // tile) * tile
   if padded != num_rows:
@@ -164,8 +183,10 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> ja
   XLA:CPU's float32 GEMM rounds a row the same way for every row count M in
   2..32 and again for every M >= 64, the two classes differing (measured on
   every projection shape of SmolLM2 and the tiny model, jax 0.10.2;
-  docs/benchmarks.md "Prompt rows in the large GEMM class"). A large GEMM
-  runs near the machine's GEMM ceiling, 32-row tiles at ~60% of it. So:
+  docs/benchmarks.md "Prompt rows in the large GEMM class"); bfloat16's
+  (``linear``) has one class for every M >= 3, so there both branches
+  round alike. A large GEMM runs near the machine's GEMM ceiling, 32-row
+  tiles at ~60% of it. So:
 
   * prompt rows (``classes.prompt``): one GEMM over all T rows, zero-padded
     to ``LARGE_GEMM_ROWS`` when T is smaller, run only when some row is a
@@ -206,6 +227,26 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> ja
   big = jax.lax.cond(classes.any_prompt, large, zeros)
   small = jax.lax.cond(classes.num_tiled > 0, tiled, zeros)
   return tmap(lambda a, b: jnp.where(classes.prompt[:, None], a, b), big, small)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  """The projection ``x @ w`` accumulated in float32, rounded to ``x.dtype``.
+
+  Both operands bfloat16 run XLA:CPU's native bfloat16 GEMM (AMX/AVX512-BF16
+  on CPUs that have them); a plain bfloat16 ``x @ w`` is instead widened to
+  float32 on both operands, the [K, N] weight converted on every call, and
+  the product rounded back. For float32 operands this is ``x @ w``.
+
+  Args:
+    x: [M, K] rows, float32 or bfloat16.
+    w: [K, N] weight, the same dtype.
+
+  Returns:
+    [M, N] in ``x.dtype``.
+  """
+  out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return out.astype(x.dtype)
 
 
 @struct.dataclass
@@ -357,7 +398,8 @@ class Attention(nn.Module):
     wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
-    q, k, v = rowwise(lambda h: (h @ wq, h @ wk, h @ wv), x, batch.num_live, batch.classes)
+    q, k, v = rowwise(lambda h: (linear(h, wq), linear(h, wk), linear(h, wv)), x,
+                      batch.num_live, batch.classes)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
@@ -376,7 +418,7 @@ class Attention(nn.Module):
       attend = sharding.attention_over_heads(attend, self.mesh)
     out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
                  batch.cu_q_lens, batch.num_seqs)
-    out = rowwise(lambda h: h @ wo, out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
+    out = rowwise(lambda h: linear(h, wo), out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
                   batch.num_live, batch.classes)
     return out, k_pool, v_pool
 
@@ -393,8 +435,8 @@ class MLP(nn.Module):
     w_gate = self.param("w_gate", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
-    return rowwise(lambda h: (nn.silu(h @ w_gate) * (h @ w_up)) @ w_down, x, num_live,
-                   classes)
+    return rowwise(lambda h: linear(nn.silu(linear(h, w_gate)) * linear(h, w_up), w_down),
+                   x, num_live, classes)
 
 
 class DecoderLayer(nn.Module):

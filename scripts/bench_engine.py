@@ -2,7 +2,8 @@
 
   python scripts/bench_engine.py --out=runs/bench_engine.json
 
-Sections (float32, CPU, greedy, ignore EOS):
+Sections (``--dtype``, float32 by default, for both engines; CPU, greedy,
+ignore EOS):
 * prefill: tokens/s for one 512-token prompt (one output token).
 * decode: output tokens/s with N concurrent requests (256-token prompts, 128
   output tokens), end to end and decode-only (minus the one-token run).
@@ -74,7 +75,7 @@ flags.DEFINE_string("trace", str(Path(__file__).resolve().parents[2] / "shared/d
 flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference extra).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
-                  "iterserve weights, activations and KV cache (transformers stays float32).")
+                  "Weights, activations and KV cache of iterserve and of transformers.")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
@@ -233,11 +234,12 @@ def hf_run(model, torch, prompts, new_tokens):
 
 
 def load_hf():
+  """transformers' model in ``--dtype`` (bfloat16 runs oneDNN's bfloat16 GEMMs)."""
   import torch
   import transformers
   path, _ = resolve_model_path("smollm2-135m")
   model = transformers.LlamaForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+      str(path.parent), gguf_file=path.name, dtype=getattr(torch, FLAGS.dtype)).eval()
   return model, torch
 
 

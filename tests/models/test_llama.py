@@ -280,6 +280,78 @@ def test_rowwise_puts_prompt_rows_in_the_large_class_and_the_rest_in_tiles():
     np.testing.assert_array_equal(out[at], tiled, err_msg=f"T={num_rows}")
 
 
+def test_bfloat16_projection_is_a_native_gemm_within_rounding_of_float64():
+  """``linear`` on bfloat16 operands multiplies them as they are (no float32
+  copy of the weight in the compiled program, which a plain ``x @ w`` makes)
+  and is within bfloat16 rounding of the float64 product: |error| <=
+  2^-8 |x w| (the output's rounding) + K 2^-24 (|x| |w|) (float32
+  accumulation)."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((40, 576)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((576, 1536)) * 0.05, jnp.bfloat16)
+  widened = "f32[576,1536]"
+  assert widened in jax.jit(lambda x, w: x @ w).lower(x, w).compile().as_text()
+  assert widened not in jax.jit(llama.linear).lower(x, w).compile().as_text()
+  got = jax.jit(llama.linear)(x, w)
+  assert got.dtype == jnp.bfloat16
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  want = x64 @ w64
+  bound = 2.0 ** -8 * np.abs(want) + 576 * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))
+  err = np.abs(np.asarray(got, np.float64) - want)
+  assert (err <= bound).all(), float((err / bound).max())
+  assert err.max() > 0                         # rounded to bfloat16, not exact
+
+
+def test_bfloat16_rows_round_alike_from_three_rows_and_row_tiled_pads_to_them():
+  """The float32 accumulator of ``linear``'s bfloat16 GEMM (compared before
+  its rounding to bfloat16, which would hide most differences) holds the
+  same bits for a row at every row count M >= 3 wherever the row sits (the
+  class ``row_tiled`` keeps bfloat16 GEMMs in, ``MIN_TILE_ROWS``); M = 2
+  rounds apart on some shape (the control, so the comparison can fail),
+  and ``row_tiled`` of 1 or 2 rows gives the M >= 3 bits."""
+  rng = np.random.default_rng(6)
+  gemm = lambda h, w: jax.lax.dot_general(h, w, (((1,), (0,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+  fn = jax.jit(lambda x, w, n: llama.row_tiled(lambda h: gemm(h, w), x, n))
+  plain = jax.jit(gemm)
+  two_apart = []
+  for k, n in [(576, 576), (64, 64), (64, 32), (128, 64)]:   # SmolLM2 q/o, tiny shapes
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((100, k)), jnp.bfloat16)
+    ref = np.asarray(plain(x[:3], w))[:1]
+    for m in (4, 7, 32, 33, 64, 100):
+      np.testing.assert_array_equal(np.asarray(plain(x[:m], w))[:1], ref, err_msg=f"M={m}")
+      np.testing.assert_array_equal(np.asarray(plain(jnp.roll(x[:m], m - 1, 0), w))[m - 1:],
+                                    ref, err_msg=f"M={m}, last row")
+    for num_rows in (1, 2):
+      np.testing.assert_array_equal(np.asarray(fn(x[:num_rows], w, num_rows))[:1], ref)
+    two_apart.append(not np.array_equal(np.asarray(plain(x[:2], w))[:1], ref))
+  assert any(two_apart), two_apart
+  with pytest.raises(ValueError, match=r"tile must lie in \[4, 32\]"):
+    llama.row_tiled(lambda h: h, x, 1, tile=3)
+
+
+def test_bfloat16_decode_row_does_not_depend_on_the_bucket(tiny_cfg, tiny_params, seqs):
+  """bfloat16 weights: a decode row's hidden state is bitwise the same alone
+  in a 1-row bucket and beside other rows in 8- and 40-row buckets (every
+  projection in one bfloat16 GEMM class, ``row_tiled``). At this model's
+  size the bfloat16 rounding of each projection hides the 2-row GEMM's
+  float32 differences; the GEMM-level test above is the one that sees them."""
+  params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), tiny_params)
+  kv = llama.init_kv_cache(tiny_cfg, NUM_PAGES, PAGE_SIZE, jnp.bfloat16)
+  history = [(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)]
+  _, kv = run(params16, tiny_cfg, kv, pack(history), "gather")
+  decode = (seqs["decode"], 7, 8)
+  others = [(seqs["chunk"], 5, 9), (seqs["prompt"], 0, 6)]
+  hidden = {}
+  for num_rows, parts in [(1, [decode]), (8, [decode, others[0]]), (40, [decode] + others)]:
+    got, _ = run(params16, tiny_cfg, jax.tree_util.tree_map(jnp.copy, kv),
+                 pack(parts, num_rows=num_rows), "gather")
+    hidden[num_rows] = np.asarray(got)[0]
+  for num_rows in (8, 40):
+    np.testing.assert_array_equal(hidden[num_rows], hidden[1], err_msg=f"T={num_rows}")
+
+
 def test_row_sum_does_not_depend_on_the_row_count():
   """``row_sum`` (RMSNorm's sum of squares) gives a row the same bits at
   any row count and equals the float64 sum to float32 rounding; XLA's own

@@ -63,6 +63,19 @@ def test_batch_invariance_alone_mixed_and_across_chunk_sizes(params):
   assert all(len(t) == GREEDY.max_tokens for t in alone)
 
 
+def test_bfloat16_weights_keep_tokens_batch_invariant(params):
+  """bfloat16 weights (native bfloat16 GEMMs, ``llama.linear``, padded to
+  their 4-row class): each request's tokens alone (1-row decode buckets)
+  equal its tokens beside the others."""
+  params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  config = dataclasses.replace(BASE, dtype="bfloat16")
+  prompts = _prompts([5, 17, 3], seed=7)
+  alone = [_run(params16, config, [p])[1][0].output_token_ids for p in prompts]
+  _, mixed = _run(params16, config, prompts)
+  assert [r.output_token_ids for r in mixed] == alone
+  assert len(set(map(tuple, alone))) == len(alone)
+
+
 def test_preemption_recomputes_and_keeps_tokens(params):
   prompts = _prompts([14, 13, 12, 11], seed=3)
   _, reference = _run(params, BASE, prompts)
