@@ -107,7 +107,7 @@ def test_bfloat16_kv_cache_is_stored_as_bits_and_swaps_them_back(params):
   assert [r.output_token_ids for r in swapped] == [r.output_token_ids for r in mixed]
 
 
-@pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1", "vtc"])
+@pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1"])
 def test_swap_preemption_preserves_kv_exactly_and_keeps_tokens(params, policy):
   """§0x0C exact preservation: the victim's pages go to host memory and come
   back, so it resumes at its frontier with no REBUILD rows, and every request
