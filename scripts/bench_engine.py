@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -383,6 +384,27 @@ def prefill_step(cfg, params, ecfg):
           "load_average": list(os.getloadavg())}
 
 
+def host_cpu() -> dict:
+  """The CPU the run measured: model name, core count and the vector/matrix
+  extensions that decide XLA:CPU's GEMM kernels (and so its speed and its
+  row bit classes), read from /proc/cpuinfo where it exists."""
+  model, flags_seen = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          model = value.strip()
+        elif key.strip() == "flags":
+          flags_seen = set(value.split())
+          break
+  except OSError:
+    pass
+  wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"]
+  return {"model": model, "cores": os.cpu_count(),
+          "extensions": [f for f in wanted if f in flags_seen]}
+
+
 def main(argv):
   del argv
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
@@ -392,6 +414,7 @@ def main(argv):
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
     warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
+         "host_cpu": host_cpu(),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "kv_dtype": FLAGS.kv_dtype,
          "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,
          "load_average": list(os.getloadavg()),

@@ -5,6 +5,7 @@ tests reuse a handful of configs.
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -468,8 +469,9 @@ def test_prompt_rows_are_bitwise_equal_alone_in_a_big_bucket_and_chunked_beside_
   chunks beside three decoding requests in 16-row buckets, leaves bitwise
   equal K/V in every layer (layer 1's K/V are functions of layer 0's hidden
   states): prompt rows always run in the large GEMM class, decode rows in
-  tiles. The control shows the two classes round differently on this
-  model, so a row computed in the wrong class would fail the comparison."""
+  tiles. The control shows whether the two classes round differently on
+  this CPU (they do on AVX-512 Xeons), so that a row computed in the wrong
+  class would fail the comparison; where they do not, a warning says so."""
   prompt = _prompts([40], seed=41)[0]
   sampling = SamplingParams(max_tokens=4, ignore_eos=True)
 
@@ -509,7 +511,13 @@ def test_prompt_rows_are_bitwise_equal_alone_in_a_big_bucket_and_chunked_beside_
                               **batch, attention_impl="auto", prompt_rows=prompt_rows)
     k[name] = np.asarray(kv.k)[:, 1:11].reshape(CFG.n_layers, 40, CFG.n_kv_heads, -1)
   np.testing.assert_array_equal(k["large"], kv_alone[0])
-  assert not np.array_equal(k["tiled"], k["large"])
+  if np.array_equal(k["tiled"], k["large"]):
+    # Whether the classes round apart is the CPU's GEMM kernels' doing: they
+    # do on AVX-512 Xeons, not on an AVX2-only AMD EPYC. There the control
+    # cannot show that a wrong-class row would be caught; the comparisons
+    # above still hold and are still checked.
+    warnings.warn("the large and tiled GEMM classes round alike on this CPU: "
+                  "the bitwise comparison is not discriminating here")
 
 
 def test_a_long_prompt_prefills_in_one_scanned_iteration_with_the_same_bits(params):
