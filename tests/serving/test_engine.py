@@ -19,7 +19,8 @@ from serving.engine import Engine
 from serving.kv_pages import NULL_PAGE
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
-BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, chunk cap 8
+BASE = EngineConfig.preset("tiny", min_bucket=8)   # 4 seqs, 16-token budget, chunk cap 8,
+                                                   # token buckets 8 and 16
 SMALL_CHUNKS = dataclasses.replace(BASE, long_prefill_token_threshold=3)
 FEW_PAGES = dataclasses.replace(BASE, num_pages=12)   # 11 usable pages of 4 rows
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -378,7 +379,7 @@ def test_split_iterations_run_the_fused_programs(params):
 def test_policy_that_can_never_schedule_a_request_rejects_it(params):
   # ORCA runs a whole prompt in one iteration: a 20-token prompt can never
   # fit the 16-token budget, so it is rejected and the rest keep running.
-  engine = Engine(CFG, params, dataclasses.replace(BASE, policy="orca"))
+  engine = Engine(CFG, params, dataclasses.replace(BASE, policy="orca", executor="simulated"))
   wide = engine.add_request("wide", _prompts([20])[0], GREEDY)
   ok = engine.add_request("ok", _prompts([5])[0], GREEDY)
   engine.run(max_iterations=50)
@@ -409,7 +410,7 @@ def test_tpu_kernel_path_gives_the_same_greedy_tokens(params):
 def test_fresh_engine_reuses_compiled_programs(params):
   # Bucket 16 is first compiled on an engine's later step; a fresh engine
   # whose first step needs bucket 16 must not compile it again.
-  config = dataclasses.replace(BASE, max_request_slots=6)
+  config = dataclasses.replace(BASE, max_request_slots=6, executor="simulated")
   params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), params)  # as loaded
   warm = Engine(CFG, params, config)
   warm.generate(_prompts([5], seed=30), GREEDY)
