@@ -384,6 +384,14 @@ def prefill_step(cfg, params, ecfg):
           "load_average": list(os.getloadavg())}
 
 
+def _decode_rate(tokens: int, whole_s: float, prefill_s: float):
+  """Decode-phase tokens/s: the tokens after each request's first over the
+  whole run's time less a one-token run's (its prefill). None when the
+  one-token run took as long as the whole run (a loaded machine): the
+  difference then measures noise, not decoding."""
+  return tokens / (whole_s - prefill_s) if whole_s > prefill_s else None
+
+
 def host_cpu() -> dict:
   """The CPU the run measured: model name, core count and the vector/matrix
   extensions that decide XLA:CPU's GEMM kernels (and so its speed and its
@@ -444,7 +452,7 @@ def main(argv):
                                 **shape)
       s1, _ = iterserve_run(cfg, params, prompts, [1] * n, **shape)
       row = {"concurrency": n, "iterserve_output_tokens_per_s": total / s,
-             "iterserve_decode_tokens_per_s": (total - n) / max(s - s1, 1e-9),
+             "iterserve_decode_tokens_per_s": _decode_rate(total - n, s, s1),
              "iterserve_iterations": engine.num_iterations,
              "steps": engine.step_timer.summary(),
              "compiles_during_run": engine.compiles_during_run,
@@ -453,7 +461,7 @@ def main(argv):
         h = hf_run(*hf, prompts, FLAGS.output_len)
         h1 = hf_run(*hf, prompts, 1)
         row.update(hf_output_tokens_per_s=total / h,
-                   hf_decode_tokens_per_s=(total - n) / max(h - h1, 1e-9))
+                   hf_decode_tokens_per_s=_decode_rate(total - n, h, h1))
         row["speedup"] = row["iterserve_output_tokens_per_s"] / row["hf_output_tokens_per_s"]
       out["decode"].append(row)
       print("decode", row)
@@ -514,7 +522,8 @@ def main(argv):
     decode32 = [r for r in out.get("decode", []) if r["concurrency"] == 32]
     if decode32:
       rate = decode32[0]["iterserve_decode_tokens_per_s"]
-      row["decode32_fraction_of_gemm"] = flops_per_token(cfg) * rate / peak
+      row["decode32_fraction_of_gemm"] = (flops_per_token(cfg) * rate / peak
+                                          if rate is not None else None)
     out["gemm"] = row
     print("gemm", row)
 
