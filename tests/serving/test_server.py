@@ -528,6 +528,16 @@ def test_bench_serving_fits_its_workload_to_the_served_model(served, tmp_path):
       cwd=root, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
+  # A model the server does not serve is refused before any request is sent.
+  out.unlink()
+  refused = subprocess.run(
+      [sys.executable, str(root / "scripts/bench_serving.py"), f"--url={served.url}/v1",
+       "--model=nope", "--num_requests=3", f"--out={out}"],
+      cwd=root, capture_output=True, text=True, timeout=300)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert refused.stderr.strip().splitlines()[-1] == (
+      f"error: --model=nope is not served by {served.url}; it serves ['{MODEL}']")
+  assert not out.exists()
   assert (report["completed"], report["failed"], report["rejected"]) == (3, 0, 0)
   for r in report["requests"]:       # prompts clipped to 63 tokens: one output token left
     assert r["prompt_tokens"] <= 63
