@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -106,25 +107,30 @@ def base_url(url: str) -> str:
   return root.removesuffix("/v1").rstrip("/")
 
 
-def server_model(root: str) -> dict:
-  """The first model ``GET {root}/v1/models`` lists, with its
-  ``max_model_len`` (vLLM's field) and ``vocab_size`` (SmolLM2's, with a
-  note, when the server does not say).
+def server_model(root: str, name: Optional[str]) -> dict:
+  """The model ``GET {root}/v1/models`` lists as ``name`` (None: the first
+  one), with its ``max_model_len`` (vLLM's field) and ``vocab_size``
+  (SmolLM2's, with a note, when the server does not say).
 
   Raises:
-    ValueError: the server cannot be reached, or its answer is not an
-      OpenAI model list with ``max_model_len``.
+    ValueError: the server cannot be reached, its answer is not an OpenAI
+      model list with ``max_model_len``, or it does not serve ``name``
+      (--model; the message lists the served names).
   """
   try:
     reply = httpx.get(f"{root}/v1/models", timeout=30)
   except httpx.TransportError as e:
     raise ValueError(f"cannot reach {root} (--url): {type(e).__name__}: {e}") from None
   try:
-    card = reply.raise_for_status().json()["data"][0]
+    cards = reply.raise_for_status().json()["data"]
+    served = [card["id"] for card in cards]
+    card = cards[served.index(name) if name in served else 0]
     int(card["max_model_len"])
   except (httpx.HTTPStatusError, ValueError, KeyError, IndexError, TypeError):
     raise ValueError(f"{root}/v1/models (--url) is not an OpenAI model list with "
                      f"max_model_len: HTTP {reply.status_code} {reply.text[:200]!r}") from None
+  if name is not None and name not in served:
+    raise ValueError(f"--model={name} is not served by {root}; it serves {served}")
   if "vocab_size" not in card:
     print(f"note: {root}/v1/models gives no vocab_size; prompt ids drawn below "
           f"{workloads.DEFAULT_VOCAB_SIZE} (SmolLM2's)")
@@ -144,9 +150,11 @@ async def _run(workload, model, root, max_model_len):
 def main(argv):
   del argv
   logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
+  if not FLAGS.timeout_s > 0:
+    raise ValueError(f"--timeout_s must be > 0, got {FLAGS.timeout_s}")
   root = base_url(FLAGS.url)
-  info = server_model(root)
-  model = FLAGS.model or info["id"]
+  info = server_model(root, FLAGS.model)
+  model = info["id"]
   workload = launch.load_workload(info["vocab_size"], info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}) against {root} ({model})")

@@ -51,19 +51,31 @@ _FRONT_FLAGS = ("replicas", "router", "route_log", "route_prefill_ms_per_token",
 
 
 def _check_flags() -> socket.socket:
-  """Port and queue flags, checked before any model loads. Returns the
+  """The flags serve.py checks itself, before any model loads. Returns the
   socket bound to --host:--port (served on once the model is ready, so
   that nothing else can take the port meanwhile).
 
   Raises:
     ValueError: --port outside [1, 65535] (with --replicas, the replicas'
-      ports --port+1..--port+N too), --max_waiting < 0, --replicas < 0, or
-      --host:--port (or a replica port on 127.0.0.1) cannot be bound: in
-      use, or not an address of this machine.
+      ports --port+1..--port+N too), --max_waiting < 0, --replicas < 0, an
+      empty --served_model_name, --route_log without --replicas or in a
+      directory that does not exist, or --host:--port (or a replica port on
+      127.0.0.1) cannot be bound: in use, or not an address of this machine.
   """
   if FLAGS.replicas < 0:
     raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
                      f"got {FLAGS.replicas}")
+  if FLAGS.served_model_name is not None and not FLAGS.served_model_name:
+    raise ValueError("--served_model_name must be non-empty (unset: the --model name)")
+  if FLAGS.route_log is not None:
+    if not FLAGS.replicas:
+      raise ValueError("--route_log applies only with --replicas >= 1 (it logs the "
+                       "router front's placements)")
+    if not FLAGS.route_log:
+      raise ValueError("--route_log must be a file path (unset: no route log)")
+    folder = os.path.dirname(os.path.abspath(FLAGS.route_log))
+    if not os.path.isdir(folder):
+      raise ValueError(f"--route_log={FLAGS.route_log}: the folder {folder} does not exist")
   last = FLAGS.port + FLAGS.replicas
   if not (1 <= FLAGS.port and last <= 65535):
     raise ValueError("--port must be in [1, 65535]"

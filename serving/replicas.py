@@ -7,7 +7,9 @@ and relays: it asks a live replica for the prompt's token ids
 (``POST /tokenize``), queues the request in ``serving.router.Router``, sends
 the body unchanged to the chosen replica with the original arrival
 (``ARRIVAL_HEADER``) and passes the response through byte for byte (SSE
-streams included).
+streams included); a replica's error that is not an OpenAI error body (a
+plain-text 500) is wrapped in one (``relayed_error``), so every error a
+client sees has the OpenAI shape.
 
 A replica that dies (its process exits, or a request to it fails at the
 transport and its ``/health`` does not answer) is marked down; new requests
@@ -67,14 +69,14 @@ from typing import Dict, List, Optional, Sequence
 import httpx
 import prometheus_client as prom
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.router import RouteCost, Router
 from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
                             _error_response, _sse, bind_socket, json_body, model_card,
-                            model_routes, serve_forever)
+                            model_routes, openai_errors, serve_forever)
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
@@ -162,6 +164,25 @@ def wait_ready(urls: Sequence[str], processes: Sequence[Optional[subprocess.Pope
       late = [urls[i] for i in range(len(urls)) if i not in facts]
       raise RuntimeError(f"replicas {late} not ready within {timeout_s} s")
     time.sleep(0.2)
+
+
+def relayed_error(replica: int, status: int, content: bytes,
+                  headers: Optional[dict] = None) -> Response:
+  """A replica's non-200 answer as the front returns it: its OpenAI error
+  body unchanged, or, when the body is not one (e.g. a plain-text 500), the
+  same status with an OpenAI error naming the replica and quoting its text."""
+  try:
+    body = json.loads(content)
+  except (json.JSONDecodeError, UnicodeDecodeError):
+    body = None
+  if isinstance(body, dict) and isinstance(body.get("error"), dict):
+    return Response(content, status_code=status, media_type="application/json",
+                    headers=headers)
+  text = content.decode("utf-8", "replace").strip()[:200]
+  kind = "invalid_request_error" if status < 500 else "server_error"
+  return JSONResponse({"error": {"message": f"replica {replica} answered HTTP {status}: "
+                                            f"{text!r}", "type": kind, "param": None,
+                                 "code": None}}, status_code=status, headers=headers)
 
 
 def _stream_error(tail: bytes) -> Optional[dict]:
@@ -334,8 +355,7 @@ class ReplicaFront:
         await self._lost(replica)
         continue
       if reply.status_code != 200:
-        return None, Response(reply.content, status_code=reply.status_code,
-                              media_type="application/json")
+        return None, relayed_error(replica, reply.status_code, reply.content)
       return reply.json()["tokens"], None
     return None, _error_response(Unavailable("no replica is alive"))
 
@@ -423,6 +443,9 @@ class ReplicaFront:
           outcome = ("completed" if upstream.status_code == 200 else
                      "refused" if upstream.status_code in (400, 429) else "failed")
           self._end(record, outcome, f"HTTP {upstream.status_code}")
+          if upstream.status_code != 200:
+            return relayed_error(replica, upstream.status_code, content,
+                                 self._headers(record))
           return Response(content, status_code=upstream.status_code,
                           media_type=upstream.headers.get("content-type"),
                           headers=self._headers(record))
@@ -537,6 +560,7 @@ class ReplicaFront:
             process.wait(timeout=30)
 
     app = FastAPI(title="iterserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    openai_errors(app)
 
     @app.get("/health")
     async def health():

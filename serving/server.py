@@ -58,6 +58,7 @@ import prometheus_client as prom
 import uvicorn
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from scheduler import records as rec
 from serving.config import SamplingParams
@@ -115,8 +116,10 @@ def _error_body(exc: Exception) -> Tuple[int, dict]:
   """The one mapping from a refusal to an OpenAI-style error: (HTTP status,
   ``{"error": {...}}``). OVERLOAD_ERRORS -> 429; UnknownModel -> 404 (as
   OpenAI and vLLM); Unavailable -> 503; BadRequest, and the engine's
-  ValueError naming a bad field -> 400; anything else -> 500. A stream that
-  already started sends the body as its last event."""
+  ValueError naming a bad field -> 400; the app's own HTTPException (an
+  unknown path, a wrong method) -> its status (404, 405); anything else ->
+  500. A stream that already started sends the body as its last event."""
+  message = str(exc)
   if isinstance(exc, OVERLOAD_ERRORS):
     status, kind, code, param = 429, "rate_limit_error", "server_overloaded", None
   elif isinstance(exc, UnknownModel):
@@ -127,15 +130,36 @@ def _error_body(exc: Exception) -> Tuple[int, dict]:
     status, kind, code, param = 400, "invalid_request_error", None, exc.param
   elif isinstance(exc, ValueError):
     status, kind, code, param = 400, "invalid_request_error", None, None
+  elif isinstance(exc, HTTPException):
+    status, code, param, message = exc.status_code, None, None, exc.detail
+    kind = "invalid_request_error" if status < 500 else "server_error"
   else:
     status, kind, code, param = 500, "server_error", None, None
-  return status, {"error": {"message": str(exc), "type": kind, "param": param, "code": code}}
+  return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def _error_response(exc: Exception) -> JSONResponse:
   """``_error_body`` as a JSON response with its status."""
   status, body = _error_body(exc)
-  return JSONResponse(body, status_code=status)
+  return JSONResponse(body, status_code=status,
+                      headers=exc.headers if isinstance(exc, HTTPException) else None)
+
+
+def openai_errors(app: FastAPI) -> None:
+  """Makes ``app`` answer every error in the OpenAI shape (``_error_body``):
+  an unknown path (404) or a wrong method (405, with its ``Allow`` header)
+  instead of FastAPI's ``{"detail": ...}``, and an unexpected exception
+  (500) instead of a plain-text "Internal Server Error"."""
+
+  @app.exception_handler(HTTPException)
+  async def http_error(request: HttpRequest, exc: HTTPException):
+    return _error_response(HTTPException(
+        exc.status_code, f"{exc.detail} ({request.method} {request.url.path})", exc.headers))
+
+  @app.exception_handler(Exception)
+  async def server_error(request: HttpRequest, exc: Exception):
+    return _error_response(RuntimeError(f"{request.method} {request.url.path} failed: "
+                                        f"{type(exc).__name__}: {exc}"))
 
 
 # ----------------------------------------------------------------- bodies
@@ -520,12 +544,56 @@ def _arrival_s(request: HttpRequest) -> Optional[float]:
   return arrival_s
 
 
-def json_body(raw: bytes) -> Any:
-  """A request body's JSON; raises BadRequest when it is not JSON."""
+def _is_text(s: str) -> bool:
+  """Whether ``s`` is valid Unicode text: no lone UTF-16 surrogate (JSON's
+  ``\\ud800`` escapes allow one; the tokenizer and the UTF-8 encoder do not)."""
+  if s.isascii():
+    return True
   try:
-    return json.loads(raw)
+    s.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def _check_text(body: Any) -> None:
+  """Raises BadRequest naming the first string of a parsed body (a value or
+  a key, at any depth) that is not valid Unicode text, e.g. ``prompt`` or
+  ``messages[1].content``."""
+  stack = [("", body)]
+  while stack:
+    path, value = stack.pop()
+    if isinstance(value, str):
+      if not _is_text(value):
+        name = path or "the request body"
+        raise BadRequest(f"'{name}' must be valid Unicode text without lone surrogates "
+                         f"(an unpaired \\ud800-\\udfff escape), got {ascii(value)[:80]}",
+                         path or None)
+    elif isinstance(value, dict):
+      for key, item in reversed(list(value.items())):
+        key_path = f"{path}.{key}" if path else key
+        if not _is_text(key):
+          raise BadRequest(f"keys of '{path or 'the request body'}' must be valid Unicode "
+                           f"text without lone surrogates, got {ascii(key)[:80]}",
+                           path or None)
+        stack.append((key_path, item))
+    elif isinstance(value, list):
+      stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+
+
+def json_body(raw: bytes) -> Any:
+  """A request body's JSON, every string in it valid Unicode text (the one
+  home of that rule, for the server and the router front alike).
+
+  Raises:
+    BadRequest: not JSON, or a string with a lone surrogate (naming its field).
+  """
+  try:
+    body = json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise BadRequest(f"the request body is not valid JSON ({e})") from None
+  _check_text(body)
+  return body
 
 
 def model_card(name: str, created: int, max_model_len: int, vocab_size: int) -> dict:
@@ -736,6 +804,7 @@ class OpenAIServer:
       self.loop.stop()
 
     app = FastAPI(title="iterserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    openai_errors(app)
 
     @app.get("/health")
     async def health():
@@ -767,7 +836,7 @@ class OpenAIServer:
           raise BadRequest("the request body must be a JSON object")
         ids = (self._chat_prompt(body) if "messages" in body else
                self._completion_prompt(body))
-      except BadRequest as e:
+      except Exception as e:          # BadRequest: 400 naming the field; else 500
         return _error_response(e)
       return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 

@@ -46,6 +46,19 @@ def test_a_port_in_use_is_refused_before_loading():
      "error: --prefill_chunk_rows must be 0 (off) or a positive multiple of 8, got 12"),
     ("generate.py", ["--prompt=hi", "--max_tokens=0"],
      "error: --max_tokens must be in [1, 2**31), got 0"),
+    ("generate.py", ["--prompt=hi", "--num_pages=2"],
+     "error: --num_pages=2 leaves no room for the cpu_default preset's watermark_pages=8: "
+     "--num_pages must be at least 9 (or set --watermark_pages)"),
+    ("serve.py", ["--route_log=routes.jsonl"],
+     "error: --route_log applies only with --replicas >= 1 (it logs the router front's "
+     "placements)"),
+    ("serve.py", ["--replicas=2", "--route_log=no/such/folder/routes.jsonl"],
+     f"error: --route_log=no/such/folder/routes.jsonl: the folder {ROOT}/no/such/folder "
+     f"does not exist"),
+    ("serve.py", ["--served_model_name="],
+     "error: --served_model_name must be non-empty (unset: the --model name)"),
+    ("bench_serving.py", ["--timeout_s=0"], "error: --timeout_s must be > 0, got 0.0"),
+    ("bench_serving.py", ["--timeout_s=-5"], "error: --timeout_s must be > 0, got -5.0"),
     ("serve.py", ["--router=nearest"],
      "error: flag --router=nearest: value should be one of <prefix_aware|round_robin> "
      "(--helpfull lists the flags)"),

@@ -132,8 +132,35 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
     assert sum(v for (n, _), v in relayed.items() if n == "iterserve:router_requests_total") == 6
     bad = served.http.post("/v1/completions", json={"model": "tiny", "prompt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    lone = served.http.post(
+        "/v1/chat/completions", headers={"content-type": "application/json"},
+        content=b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}')
+    assert lone.status_code == 400, lone.text
+    assert lone.json()["error"]["param"] == "messages[0].content"
+    assert "must be valid Unicode text without lone surrogates" in lone.text
+    for method, path, status, message in (
+        ("GET", "/nope", 404, "Not Found (GET /nope)"),
+        ("GET", "/v1/completions", 405, "Method Not Allowed (GET /v1/completions)")):
+      r = served.http.request(method, path)
+      assert r.status_code == status
+      assert r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                    "param": None, "code": None}}
   finally:
     served.close()
+
+
+def test_a_replica_error_reaches_the_client_in_the_openai_shape():
+  """A plain-text 500 (an exception the replica did not map) is wrapped in
+  an OpenAI error with its status; an OpenAI error body passes unchanged."""
+  plain = replicas_module.relayed_error(1, 500, b"Internal Server Error")
+  assert plain.status_code == 500
+  assert json.loads(plain.body) == {"error": {
+      "message": "replica 1 answered HTTP 500: 'Internal Server Error'",
+      "type": "server_error", "param": None, "code": None}}
+  body = (b'{"error": {"message": "m", "type": "invalid_request_error", "param": "prompt", '
+          b'"code": null}}')
+  same = replicas_module.relayed_error(0, 400, body, {"x-iterserve-replica": "0"})
+  assert (same.status_code, same.body, same.headers["x-iterserve-replica"]) == (400, body, "0")
 
 
 def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_path):

@@ -183,6 +183,11 @@ BAD = [
      "must be in [-2**31, 2**31)"),
     ("top_k beyond int32", {"prompt": "hi", "top_k": 2**40}, "top_k",
      "must be in [0, 2**31)"),
+    ("lone surrogate", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}'
+     % MODEL.encode(), "prompt", "'prompt' must be valid Unicode text without lone "
+     "surrogates"),
+    ("lone surrogate streamed", b'{"model": "%s", "prompt": ["a\\udfffb"], "stream": true}'
+     % MODEL.encode(), "prompt[0]", "must be valid Unicode text without lone surrogates"),
 ]
 
 
@@ -207,6 +212,38 @@ def test_unknown_chat_role_is_400_naming_the_message(served):
   assert r.status_code == 400, r.text
   error = r.json()["error"]
   assert error["param"] == "messages[1].role" and "must be one of" in error["message"]
+
+
+@pytest.mark.parametrize("content,param", [
+    ('"a\\ud800b"', "messages[1].content"),
+    ('[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udc00"}]',
+     "messages[1].content[1].text"),
+])
+def test_lone_surrogate_in_a_chat_message_is_400_naming_it(served, content, param):
+  raw = ('{"model": "%s", "stream": true, "messages": [{"role": "system", "content": "hi"}, '
+         '{"role": "user", "content": %s}]}' % (MODEL, content)).encode()
+  for path in ("/v1/chat/completions", "/tokenize"):
+    r = served.http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, (path, r.text)
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"'{param}' must be valid Unicode text without "
+                                       f"lone surrogates")
+
+
+@pytest.mark.parametrize("method,path,status,message", [
+    ("GET", "/nope", 404, "Not Found (GET /nope)"),
+    ("GET", "/v1/completions", 405, "Method Not Allowed (GET /v1/completions)"),
+    ("DELETE", "/v1/chat/completions", 405,
+     "Method Not Allowed (DELETE /v1/chat/completions)"),
+])
+def test_unknown_path_or_method_is_an_openai_error(served, method, path, status, message):
+  r = served.http.request(method, path)
+  assert r.status_code == status, r.text
+  assert r.json() == {"error": {"message": message, "type": "invalid_request_error",
+                                "param": None, "code": None}}
+  if status == 405:
+    assert r.headers["allow"] == "POST"
 
 
 def test_unknown_model_is_404_model_not_found(served):
@@ -491,6 +528,16 @@ def test_bench_serving_fits_its_workload_to_the_served_model(served, tmp_path):
       cwd=root, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
+  # A model the server does not serve is refused before any request is sent.
+  out.unlink()
+  refused = subprocess.run(
+      [sys.executable, str(root / "scripts/bench_serving.py"), f"--url={served.url}/v1",
+       "--model=nope", "--num_requests=3", f"--out={out}"],
+      cwd=root, capture_output=True, text=True, timeout=300)
+  assert refused.returncode == 2, refused.stderr[-3000:]
+  assert refused.stderr.strip().splitlines()[-1] == (
+      f"error: --model=nope is not served by {served.url}; it serves ['{MODEL}']")
+  assert not out.exists()
   assert (report["completed"], report["failed"], report["rejected"]) == (3, 0, 0)
   for r in report["requests"]:       # prompts clipped to 63 tokens: one output token left
     assert r["prompt_tokens"] <= 63
