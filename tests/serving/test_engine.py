@@ -22,6 +22,8 @@ from tests.serving.engine_testing import CFG, prompts as _prompts
 BASE = EngineConfig.preset("tiny", min_bucket=8)   # 4 seqs, 16-token budget, chunk cap 8,
                                                    # token buckets 8 and 16
 SMALL_CHUNKS = dataclasses.replace(BASE, long_prefill_token_threshold=3)
+ONE_BUCKET = EngineConfig.preset("tiny")      # the preset's one 16-row bucket: one step
+                                              # program per kernel path
 FEW_PAGES = dataclasses.replace(BASE, num_pages=12)   # 11 usable pages of 4 rows
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -392,8 +394,8 @@ def test_pallas_kernel_path_gives_the_same_greedy_tokens(params):
   # The Pallas kernel (interpret mode on CPU) against the default CPU path,
   # through the whole engine: mixed prefill chunks and decode rows.
   prompts = _prompts([5, 17, 9], seed=21)
-  _, default = _run(params, BASE, prompts)
-  _, kernel = _run(params, dataclasses.replace(BASE, attention_impl="pallas"), prompts)
+  _, default = _run(params, ONE_BUCKET, prompts)
+  _, kernel = _run(params, dataclasses.replace(ONE_BUCKET, attention_impl="pallas"), prompts)
   assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
 
 
@@ -401,8 +403,8 @@ def test_tpu_kernel_path_gives_the_same_greedy_tokens(params):
   # The Mosaic TPU kernel (TPU interpret mode on CPU: simulated DMAs of the
   # K/V pages) against the default CPU path, through the whole engine.
   prompts = _prompts([5, 17, 9], seed=21)
-  _, default = _run(params, BASE, prompts)
-  _, kernel = _run(params, dataclasses.replace(BASE, attention_impl="pallas_tpu"),
+  _, default = _run(params, ONE_BUCKET, prompts)
+  _, kernel = _run(params, dataclasses.replace(ONE_BUCKET, attention_impl="pallas_tpu"),
                    prompts)
   assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
 

@@ -62,16 +62,17 @@ def test_simulated_replays_are_byte_identical_and_admit_by_virtual_time(
     assert r.first_token_s > r.arrival_s
   # Engine time is the sum of modelled step times: alone on an idle engine,
   # a 20-token prompt gets its first token after 3 chunks (cap 8) of
-  # (5 + 0.5 rows + 0.01 keys read + 0.125 bucket) ms, a chunk [s, e)
+  # (5 + 0.5 rows + 0.01 keys read + 0.125 bucket) ms (the tiny preset's
+  # one 16-row bucket), a chunk [s, e)
   # reading (e - s)(s + e + 1)/2 keys; then 1 decode step reading 21 keys.
   engine = _sim_engine(params, cost_file)
   req = engine.add_request("solo", prompts([20])[0], SamplingParams(max_tokens=2))
   engine.run()
-  t_ms = sum(INTERCEPT_MS + 0.5 * n + 0.01 * keys + 0.125 * 8
+  t_ms = sum(INTERCEPT_MS + 0.5 * n + 0.01 * keys + 0.125 * 16
              for n, keys in ((8, 36), (8, 100), (4, 74)))
   assert req.token_times_ms[0] == pytest.approx(t_ms, rel=1e-6)
   assert req.token_times_ms[1] - req.token_times_ms[0] == pytest.approx(
-      INTERCEPT_MS + 2.0 + 0.01 * 21 + 0.125 * 8, rel=1e-6)
+      INTERCEPT_MS + 2.0 + 0.01 * 21 + 0.125 * 16, rel=1e-6)
   report = json.loads(a)
   assert report["config"]["executor"] == "simulated"
   assert report["config"]["clock"] == "virtual"
