@@ -197,7 +197,8 @@ class EngineConfig:
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
              f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
-             f"usable pages)", self.watermark_pages)
+             f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "
+             f"{self.watermark_pages + 1} or lower watermark_pages)", self.watermark_pages)
     check_reservation(c, self.reservation, self.reservation_quantile, self.watermark_pages)
     _require(self.policy in POLICIES, c, "policy", f"must be one of {sorted(POLICIES)}",
              self.policy)

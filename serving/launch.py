@@ -178,10 +178,8 @@ def engine_config(**overrides) -> EngineConfig:
   """The --engine preset with the flags' overrides.
 
   Raises:
-    ValueError: an unknown preset, a value the config refuses (``cli.run``
-      names an override's flag: ``--prefill_chunk_rows must be ...``), or
-      --num_pages too few for the preset's watermark_pages (named as
-      --num_pages's rule).
+    ValueError: an unknown preset, or a value the config refuses (``cli.run``
+      names an override's flag: ``--prefill_chunk_rows must be ...``).
   """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
@@ -199,14 +197,6 @@ def engine_config(**overrides) -> EngineConfig:
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
-  if fields["num_pages"] is not None and fields["watermark_pages"] is None:
-    # The preset's watermark must fit the pages the flag leaves: said of
-    # --num_pages, the flag the user set, not of a field they never saw.
-    watermark = EngineConfig.preset(FLAGS.engine).watermark_pages
-    if fields["num_pages"] - 1 < watermark:
-      raise ValueError(f"--num_pages={fields['num_pages']} leaves no room for the "
-                       f"{FLAGS.engine} preset's watermark_pages={watermark}: --num_pages "
-                       f"must be at least {watermark + 1} (or set --watermark_pages)")
   return EngineConfig.preset(FLAGS.engine, **fields)
 
 

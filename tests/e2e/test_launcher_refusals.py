@@ -47,8 +47,9 @@ def test_a_port_in_use_is_refused_before_loading():
     ("generate.py", ["--prompt=hi", "--max_tokens=0"],
      "error: --max_tokens must be in [1, 2**31), got 0"),
     ("generate.py", ["--prompt=hi", "--num_pages=2"],
-     "error: --num_pages=2 leaves no room for the cpu_default preset's watermark_pages=8: "
-     "--num_pages must be at least 9 (or set --watermark_pages)"),
+     "error: EngineConfig.watermark_pages must be in [0, num_pages - 1] = [0, 1] (at most "
+     "the usable pages; num_pages=2: raise num_pages to at least 9 or lower "
+     "watermark_pages), got 8"),
     ("serve.py", ["--route_log=routes.jsonl"],
      "error: --route_log applies only with --replicas >= 1 (it logs the router front's "
      "placements)"),
