@@ -41,11 +41,15 @@ def flag_named(message: str) -> str:
   """A config's refusal, ``"<Config>.<field> <rule>, got <value>"`` (e.g.
   ``EngineConfig``, ``SamplingParams``), said of the flag that gave the
   value: ``"--<field> <rule>, got <value>"`` when a flag of that name was
-  given with that value; any other message unchanged."""
+  given with that value; when the flag was not given (the value is a
+  preset's), the message with ``" (set it with --<field>)"`` appended; any
+  other message unchanged."""
   head, _, rest = message.partition(" ")
   owner, dot, name = head.partition(".")
-  if not (dot and owner.isidentifier() and name in FLAGS and FLAGS[name].present):
+  if not (dot and owner.isidentifier() and name in FLAGS):
     return message
+  if not FLAGS[name].present:
+    return f"{message} (set it with --{name})"
   if not rest.endswith(f", got {FLAGS[name].value!r}"):
     return message                   # the value came from elsewhere (a preset, a file)
   return f"--{name} {rest}"

@@ -49,7 +49,7 @@ def test_a_port_in_use_is_refused_before_loading():
     ("generate.py", ["--prompt=hi", "--num_pages=2"],
      "error: EngineConfig.watermark_pages must be in [0, num_pages - 1] = [0, 1] (at most "
      "the usable pages; num_pages=2: raise num_pages to at least 9 or lower "
-     "watermark_pages), got 8"),
+     "watermark_pages), got 8 (set it with --watermark_pages)"),
     ("serve.py", ["--route_log=routes.jsonl"],
      "error: --route_log applies only with --replicas >= 1 (it logs the router front's "
      "placements)"),
