@@ -39,6 +39,11 @@ Parameter tree (``L = n_layers``; ``lm_head`` only when embeddings are untied)::
   layers/mlp/w_down      [L, ffn_dim, d_model]
   final_norm/scale       [d_model]
   lm_head                [d_model, vocab]
+
+With int8 weights (``models.quant.quantize_params``) every ``layers/attn/w*``
+and ``layers/mlp/w_*`` leaf is a ``QuantizedWeight`` (``q`` int8[L, K, N],
+``col_scale`` f32[L, N]) and ``lm_head`` is one of int8[d_model, vocab], tied
+embeddings included (the float32 embedding stays for the lookup).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from attention.ragged import KV_BITS, ragged_paged_attention, write_kv_pages
-from models import sharding
+from models import quant, sharding
 from models.config import ModelConfig
 
 _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
@@ -229,21 +234,25 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> ja
   return tmap(lambda a, b: jnp.where(classes.prompt[:, None], a, b), big, small)
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+def linear(x: jax.Array, w) -> jax.Array:
   """The projection ``x @ w`` accumulated in float32, rounded to ``x.dtype``.
 
   Both operands bfloat16 run XLA:CPU's native bfloat16 GEMM (AMX/AVX512-BF16
   on CPUs that have them); a plain bfloat16 ``x @ w`` is instead widened to
   float32 on both operands, the [K, N] weight converted on every call, and
-  the product rounded back. For float32 operands this is ``x @ w``.
+  the product rounded back. For float32 operands this is ``x @ w``. An int8
+  weight (``models.quant.QuantizedWeight``) runs ``models.quant.linear``:
+  rows quantized to int8, an int32 GEMM, rescaled to float32.
 
   Args:
-    x: [M, K] rows, float32 or bfloat16.
-    w: [K, N] weight, the same dtype.
+    x: [M, K] rows, float32 or bfloat16 (float32 for an int8 weight).
+    w: [K, N] weight, the same dtype, or a ``QuantizedWeight``.
 
   Returns:
     [M, N] in ``x.dtype``.
   """
+  if isinstance(w, quant.QuantizedWeight):
+    return quant.linear(x, w).astype(x.dtype)
   out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
   return out.astype(x.dtype)
@@ -466,6 +475,10 @@ class Llama(nn.Module):
   dtype: Any = jnp.float32
   attention_impl: str = "gather"
   mesh: Any = None       # a Mesh that splits attention (``models.sharding``)
+  # int8 projection weights and LM head (``models.quant.quantize_params``).
+  # Flax checks a stored parameter's first leaf against the declared shape:
+  # a ``QuantizedWeight``'s ``q`` has the float weight's [K, N] shape.
+  quantized: bool = False
 
   def setup(self):
     cfg = self.cfg
@@ -476,7 +489,7 @@ class Llama(nn.Module):
         in_axes=(0, nn.broadcast), length=cfg.n_layers,
     )(cfg, self.dtype, self.attention_impl, self.mesh)
     self.final_norm = RMSNorm(cfg.rms_eps, self.dtype)
-    if not cfg.tie_embeddings:
+    if not cfg.tie_embeddings or self.quantized:
       self.lm_head = self.param("lm_head", _WEIGHT_INIT,
                                 (cfg.d_model, cfg.vocab_size), self.dtype)
 
@@ -490,12 +503,14 @@ class Llama(nn.Module):
     hidden = hidden.astype(self.dtype)
     # Tied: contract the [vocab, d_model] table's second axis; a transposed
     # copy (``embedding.T``) would be materialised outside the tile loop.
+    if num_live is None:
+      num_live = hidden.shape[0]
+    if self.quantized:
+      return row_tiled(lambda h: quant.linear(h, self.lm_head), hidden, num_live)
     if self.cfg.tie_embeddings:
       table, contract = self.embed.embedding, 1
     else:
       table, contract = self.lm_head, 0
-    if num_live is None:
-      num_live = hidden.shape[0]
     head = lambda h: jax.lax.dot_general(h, table, (((1,), (contract,)), ((), ())),
                                          preferred_element_type=jnp.float32)
     return row_tiled(head, hidden, num_live)
@@ -550,7 +565,8 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
       is below 1.
   """
   dtype = _params_dtype(params)
-  model = Llama(cfg, dtype=dtype, attention_impl=attention_impl, mesh=mesh)
+  model = Llama(cfg, dtype=dtype, attention_impl=attention_impl, mesh=mesh,
+                quantized=quant.is_quantized(params))
   num_layers, num_pages = kv.k.shape[:2]
   if num_layers != cfg.n_layers:
     raise ValueError(f"kv has {num_layers} layers, cfg.n_layers is {cfg.n_layers}")
@@ -658,7 +674,7 @@ def compute_logits(params, cfg: ModelConfig, hidden, num_live=None) -> jax.Array
   holding the first ``num_live`` rows are computed when N > 32 (rows of
   later tiles are zeros).
   """
-  model = Llama(cfg, dtype=_params_dtype(params))
+  model = Llama(cfg, dtype=_params_dtype(params), quantized=quant.is_quantized(params))
   return model.apply({"params": params}, hidden, num_live, method=Llama.logits)
 
 

@@ -3,7 +3,9 @@
   python scripts/bench_engine.py --out=runs/bench_engine.json
 
 Sections (``--dtype``, float32 by default, for both engines; CPU, greedy,
-ignore EOS):
+ignore EOS; ``--weights=int8`` runs iterserve's int8 weights, and
+``--hf_weights=dense,int8`` runs transformers both as it is and with torch's
+dynamic int8 quantization, each beside the same iterserve run):
 * prefill: tokens/s for one 512-token prompt (one output token).
 * decode: output tokens/s with N concurrent requests (256-token prompts, 128
   output tokens), end to end and decode-only (minus the one-token run).
@@ -53,7 +55,7 @@ import numpy as np
 from absl import flags
 
 from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention
-from models import llama
+from models import llama, quant
 from models.loaders import load_model, resolve_model_path
 from serving import cli, workloads
 from serving.config import EngineConfig, SamplingParams
@@ -77,6 +79,13 @@ flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference ext
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "Weights, activations and KV cache of iterserve and of transformers.")
+flags.DEFINE_enum("weights", "dense", ["dense", "int8"],
+                  "iterserve's weights: dense (in --dtype) or int8 "
+                  "(EngineConfig.weights='int8').")
+flags.DEFINE_list("hf_weights", [], "transformers peers run in the same process: dense "
+                  "(in --dtype; JSON keys hf_*) and/or int8 (torch's dynamic int8 "
+                  "quantization of every Linear, the LM head included; keys hf_int8_*). "
+                  "Default: --weights.")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
@@ -188,6 +197,7 @@ def _prompts(lengths, seed=0):
 def _engine(cfg, params, **overrides):
   overrides.setdefault("dtype", FLAGS.dtype)
   overrides.setdefault("kv_dtype", FLAGS.kv_dtype)
+  overrides.setdefault("weights", FLAGS.weights)
   if FLAGS.num_pages:
     overrides.setdefault("num_pages", FLAGS.num_pages)
   if FLAGS.token_budget:
@@ -234,13 +244,18 @@ def hf_run(model, torch, prompts, new_tokens):
   return time.perf_counter() - t
 
 
-def load_hf():
-  """transformers' model in ``--dtype`` (bfloat16 runs oneDNN's bfloat16 GEMMs)."""
+def load_hf(weights="dense"):
+  """transformers' model in ``--dtype`` (bfloat16 runs oneDNN's bfloat16 GEMMs);
+  ``weights="int8"``: every Linear through torch's dynamic int8 quantization
+  (int8 weights, activations quantized per call)."""
   import torch
   import transformers
   path, _ = resolve_model_path("smollm2-135m")
   model = transformers.LlamaForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=getattr(torch, FLAGS.dtype)).eval()
+  if weights == "int8":
+    from torch.ao.quantization import quantize_dynamic
+    model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
   return model, torch
 
 
@@ -349,7 +364,7 @@ def breakdown(cfg, params, num_seqs, ecfg):
          "sampling_ms": _time_ms(samp, logits)}
   row["blocks_minus_attention_ms"] = row["model_ms"] - row["attention_ms"]
   kv_bytes = (2 * num_seqs * ctx * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
-              * jnp.dtype(ecfg.dtype).itemsize)
+              * jnp.dtype(kv_float_dtype(kv.k.dtype)).itemsize)
   row["attention_kv_gb_per_s"] = kv_bytes / row["attention_ms"] / 1e6
   return {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
 
@@ -417,13 +432,20 @@ def main(argv):
   del argv
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
-  hf = load_hf() if FLAGS.hf else None
+  if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
+    params = quant.quantize_params(params, cfg.tie_embeddings)
+  peers = {}
+  for w in (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []:
+    if w not in ("dense", "int8"):
+      raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
+    peers["hf" if w == "dense" else f"hf_{w}"] = load_hf(w)
   scratch = _engine(cfg, params)
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
     warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "host_cpu": host_cpu(),
-         "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "kv_dtype": FLAGS.kv_dtype,
+         "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
+         "kv_dtype": FLAGS.kv_dtype,
          "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,
          "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),
@@ -433,9 +455,9 @@ def main(argv):
     prompt = _prompts([512])
     s, _ = iterserve_run(cfg, params, prompt, [1])
     row = {"prompt_tokens": 512, "iterserve_tokens_per_s": 512 / s}
-    if hf:
+    for name, hf in peers.items():
       hf_run(*hf, prompt, 1)
-      row["hf_tokens_per_s"] = 512 / hf_run(*hf, prompt, 1)
+      row[f"{name}_tokens_per_s"] = 512 / hf_run(*hf, prompt, 1)
     out["prefill"] = row
     print("prefill", row)
 
@@ -457,12 +479,12 @@ def main(argv):
              "steps": engine.step_timer.summary(),
              "compiles_during_run": engine.compiles_during_run,
              "compiled_programs": engine.compiled_programs()}
-      if hf:
+      for name, hf in peers.items():
         h = hf_run(*hf, prompts, FLAGS.output_len)
         h1 = hf_run(*hf, prompts, 1)
-        row.update(hf_output_tokens_per_s=total / h,
-                   hf_decode_tokens_per_s=_decode_rate(total - n, h, h1))
-        row["speedup"] = row["iterserve_output_tokens_per_s"] / row["hf_output_tokens_per_s"]
+        row[f"{name}_output_tokens_per_s"] = total / h
+        row[f"{name}_decode_tokens_per_s"] = _decode_rate(total - n, h, h1)
+        row[f"speedup{name[2:]}"] = row["iterserve_output_tokens_per_s"] / (total / h)
       out["decode"].append(row)
       print("decode", row)
 
@@ -508,11 +530,12 @@ def main(argv):
            "output_tokens": useful, "iterserve_seconds": s,
            "iterserve_output_tokens_per_s": useful / s,
            "iterserve_preemptions": engine.num_preemptions}
-    if hf:
+    for name, hf in peers.items():
       h = sum(hf_run(*hf, prompts[i:i + 32], max(outputs[i:i + 32]))
               for i in range(0, n, 32))
-      row.update(hf_seconds=h, hf_output_tokens_per_s=useful / h,
-                 speedup=(useful / s) / (useful / h))
+      row[f"{name}_seconds"] = h
+      row[f"{name}_output_tokens_per_s"] = useful / h
+      row[f"speedup{name[2:]}"] = (useful / s) / (useful / h)
     out["trace"] = row
     print("trace", row)
 

@@ -18,6 +18,7 @@ from scheduler.policies import POLICIES, check_reservation
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")
+WEIGHTS = ("dense", "int8")
 
 
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
@@ -102,6 +103,13 @@ class EngineConfig:
     policy: registered policy name.
     attention_impl: "auto", or an implementation name of attention.ragged.
     dtype: "float32" or "bfloat16" for weights and activations.
+    weights: "dense" (weights in ``dtype``) or "int8" (``models.quant``:
+      int8 projection and LM-head weights with per-column scales, each
+      projection's input rows quantized to int8 per row, int32 sums; a
+      quarter of the weight bytes per step and still a request's tokens
+      independent of its batch; its own numerics, not float32's). "int8"
+      needs ``dtype`` "float32" (it is quantized from the float32 load) and
+      one device (``mesh`` "").
     kv_dtype: the KV cache's dtype: "auto" (``dtype``), "float32" or
       "bfloat16" (on CPU stored as its bits, ``attention.ragged.KV_BITS``:
       half the bytes each decode step gathers; its own numerics, not
@@ -157,6 +165,7 @@ class EngineConfig:
   policy: str = "sarathi_serve"
   attention_impl: str = "auto"
   dtype: str = "float32"
+  weights: str = "dense"
   kv_dtype: str = "auto"
   num_clients: int = 64
   max_stop_ids: int = 8
@@ -193,6 +202,13 @@ class EngineConfig:
              f"must be >= max_num_seqs ({self.max_num_seqs})", self.sample_rows)
     _require(self.dtype in ("float32", "bfloat16"), c, "dtype",
              "must be 'float32' or 'bfloat16'", self.dtype)
+    _require(self.weights in WEIGHTS, c, "weights", f"must be one of {WEIGHTS}",
+             self.weights)
+    _require(self.weights == "dense" or self.dtype == "float32", c, "weights",
+             f"'int8' needs dtype 'float32' (activations stay float32; got dtype "
+             f"{self.dtype!r})", self.weights)
+    _require(self.weights == "dense" or not self.mesh, c, "weights",
+             f"'int8' runs on one device: mesh must be '' (got {self.mesh!r})", self.weights)
     _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",

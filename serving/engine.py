@@ -84,6 +84,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import llama
+from models import quant
 from models import sharding
 from scheduler import apply as apply_lib
 from scheduler import preemption as pre
@@ -206,7 +207,8 @@ class Engine:
 
   Args:
     model_cfg: ``models.config.ModelConfig`` (hashable).
-    params: model parameters (pytree).
+    params: model parameters (pytree); float32 ones are quantized here when
+      ``config.weights`` is "int8" (``models.quant.quantize_params``).
     config: ``EngineConfig``.
     clock: returns seconds (monotonic); injectable for tests. Default:
       ``time.monotonic``, or a ``sim_executor.VirtualClock`` for the
@@ -215,7 +217,8 @@ class Engine:
       either executor, so a replay's schedule repeats bit for bit.
 
   Raises:
-    ValueError: the simulated executor with a clock that is not virtual.
+    ValueError: the simulated executor with a clock that is not virtual;
+      ``config.weights`` "int8" with parameters that are not float32.
   """
 
   def __init__(self, model_cfg, params, config: EngineConfig,
@@ -226,6 +229,8 @@ class Engine:
     # split over the mesh's model axis, every other table replicated.
     self.mesh = sharding.make_mesh(config.mesh)
     self._placement = sharding.Placement(model_cfg, self.mesh)
+    if config.weights == "int8":
+      params = quant.quantize_params(params, model_cfg.tie_embeddings)
     self.params = self._placement.params(params)
     simulated = config.executor == "simulated"
     if clock is None:
@@ -276,7 +281,7 @@ class Engine:
     # truth; never in the policy's view). Missing: the declared max_tokens.
     self.realized_output_tokens: Dict[str, int] = {}
     self.prefix_cache = (pc.PrefixCache(c.num_pages, c.page_size,
-                                        pc.root_key(model_cfg, c.dtype, c.page_size))
+                                        pc.root_key(model_cfg, c.dtype, c.weights, c.page_size))
                          if c.enable_prefix_caching else None)
     self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
     self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again

@@ -25,6 +25,10 @@ def define_engine_flags() -> None:
   flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
   flags.DEFINE_string("engine", "cpu_default", "Engine preset in configs/ (or a JSON path).")
   flags.DEFINE_string("dtype", None, "Override the preset's dtype: float32 or bfloat16.")
+  flags.DEFINE_enum("weights", None, ["dense", "int8"], "Override the preset's weights: "
+                    "dense (in --dtype) or int8 (int8 projection and LM-head weights, "
+                    "per-row int8 activations, int32 sums: a quarter of the weight bytes; "
+                    "needs --dtype=float32 and no --mesh).")
   flags.DEFINE_string("kv_dtype", None, "Override the preset's KV cache dtype: auto "
                       "(the dtype), float32 or bfloat16.")
   flags.DEFINE_string("policy", None, "Override the preset's scheduling policy.")
@@ -184,7 +188,7 @@ def engine_config(**overrides) -> EngineConfig:
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
-  fields = dict(dtype=FLAGS.dtype, kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
+  fields = dict(dtype=FLAGS.dtype, weights=FLAGS.weights, kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl,

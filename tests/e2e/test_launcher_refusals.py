@@ -50,6 +50,12 @@ def test_a_port_in_use_is_refused_before_loading():
      "error: EngineConfig.watermark_pages must be in [0, num_pages - 1] = [0, 1] (at most "
      "the usable pages; num_pages=2: raise num_pages to at least 9 or lower "
      "watermark_pages), got 8 (set it with --watermark_pages)"),
+    ("generate.py", ["--prompt=hi", "--weights=int8", "--dtype=bfloat16"],
+     "error: --weights 'int8' needs dtype 'float32' (activations stay float32; got dtype "
+     "'bfloat16'), got 'int8'"),
+    ("generate.py", ["--prompt=hi", "--weights=int4"],
+     "error: flag --weights=int4: value should be one of <dense|int8> "
+     "(--helpfull lists the flags)"),
     ("serve.py", ["--route_log=routes.jsonl"],
      "error: --route_log applies only with --replicas >= 1 (it logs the router front's "
      "placements)"),

@@ -359,6 +359,30 @@ def test_bfloat16_decode_row_does_not_depend_on_the_bucket(tiny_cfg, tiny_params
     np.testing.assert_array_equal(hidden[num_rows], hidden[1], err_msg=f"T={num_rows}")
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "known: XLA:CPU's exp gives some inputs other bits in arrays of other sizes "
+    "(seen on an AVX2 AMD EPYC: sizes 3, 5, 7 and 15 against 4096), and the "
+    "blocked_dot row layout's online-softmax arrays [W, Hkv, M] take their slot "
+    "batch W from the bucket (2..16), so a decode row can round apart by bucket; "
+    "these tiny weights happen to pass, these scaled by 1.0001 do not"))
+def test_decode_row_bits_with_other_weights(tiny_cfg, tiny_params, seqs):
+  """A lone decode row (one layer, ``blocked_dot``, wk scaled by 1.0001) has the
+  same hidden state in 4-, 8- and 16-row buckets."""
+  cfg = dataclasses.replace(tiny_cfg, n_layers=1)
+  layers = jax.tree_util.tree_map(lambda x: x[:1], tiny_params["layers"])
+  layers["attn"] = dict(layers["attn"], wk=layers["attn"]["wk"] * np.float32(1.0001))
+  params = dict(tiny_params, layers=layers)
+  kv = llama.init_kv_cache(cfg, NUM_PAGES, PAGE_SIZE)
+  _, kv = run(params, cfg, kv, pack([(seqs["decode"], 0, 7)]), "blocked_dot")
+  hidden = {}
+  for num_rows in (4, 8, 16):
+    got, _ = run(params, cfg, jax.tree_util.tree_map(jnp.copy, kv),
+                 pack([(seqs["decode"], 7, 8)], num_rows=num_rows), "blocked_dot")
+    hidden[num_rows] = np.asarray(got)[0]
+  for num_rows in (8, 16):
+    np.testing.assert_array_equal(hidden[num_rows], hidden[4], err_msg=f"T={num_rows}")
+
+
 def test_row_sum_does_not_depend_on_the_row_count():
   """``row_sum`` (RMSNorm's sum of squares) gives a row the same bits at
   any row count and equals the float64 sum to float32 rounding; XLA's own

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import llama
+from models import llama, quant
 from serving import launch
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
@@ -78,6 +78,25 @@ def test_bfloat16_weights_keep_tokens_batch_invariant(params):
   _, mixed = _run(params16, config, prompts)
   assert [r.output_token_ids for r in mixed] == alone
   assert len(set(map(tuple, alone))) == len(alone)
+
+
+def test_int8_weights_keep_tokens_batch_invariant(params):
+  """``weights="int8"``: the engine quantizes the float32 parameters
+  (``models.quant``; the caller's tree left float32) and each request's
+  greedy tokens alone equal its tokens beside the others (exact int32
+  sums, per-row activation scales)."""
+  config = dataclasses.replace(BASE, weights="int8")
+  prompts = _prompts([5, 17, 3], seed=7)
+  engine, mixed = _run(params, config, prompts)
+  assert quant.is_quantized(engine.params) and not quant.is_quantized(params)
+  assert engine.params["lm_head"].q.dtype == jnp.int8
+  alone = [_run(params, config, [p])[1][0].output_token_ids for p in prompts]
+  assert [r.output_token_ids for r in mixed] == alone
+  assert len(set(map(tuple, alone))) == len(alone)
+  assert all(len(t) == GREEDY.max_tokens for t in alone)
+  params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  with pytest.raises(ValueError, match="float32"):
+    Engine(CFG, params16, config)
 
 
 def test_preemption_recomputes_and_keeps_tokens(params):
@@ -266,6 +285,20 @@ def test_bad_requests_name_the_field(params, prompt, sampling, match):
 def test_bad_sampling_params_name_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
     SamplingParams(**kwargs)
+
+
+def test_bad_weights_settings_name_the_field():
+  with pytest.raises(ValueError, match=r"EngineConfig.weights must be one of \('dense', "
+                                       r"'int8'\), got 'int4'"):
+    EngineConfig(weights="int4")
+  with pytest.raises(ValueError, match=r"EngineConfig.weights 'int8' needs dtype 'float32'.*"
+                                       r"'bfloat16'.*got 'int8'"):
+    EngineConfig(weights="int8", dtype="bfloat16")
+  with pytest.raises(ValueError, match=r"EngineConfig.weights 'int8' runs on one device: "
+                                       r"mesh must be ''.*'model:2'.*got 'int8'"):
+    EngineConfig(weights="int8", mesh="model:2")
+  assert EngineConfig(weights="dense", dtype="bfloat16", mesh="model:2").weights == "dense"
+  assert dataclasses.replace(BASE, weights="int8").weights == "int8"
 
 
 def test_priority_beyond_int32_is_refused_before_it_reaches_the_device(params):

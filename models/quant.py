@@ -1,0 +1,192 @@
+"""int8 weights with dynamically quantized int8 activations (W8A8).
+
+``EngineConfig.weights = "int8"``: every projection (q/k/v/o, the SwiGLU
+MLP) and the LM head hold int8 weights with one float32 scale per output
+column (symmetric, ``w ~= q * col_scale``); at each projection the input
+rows are quantized to int8 with one scale per row (``x ~= a * row_scale``),
+multiplied in int8 x int8 -> int32, and the int32 sums rescaled to float32
+(``acc * row_scale * col_scale``). The embedding lookup, norms, RoPE,
+attention and the KV cache stay float32. This is the per-channel weight,
+per-token activation scheme of LLM.int8()'s vector-wise quantization
+(Dettmers et al., 2022) without its float16 outlier columns, and of
+SmoothQuant's per-token dynamic variant (Xiao et al., 2023) without the
+smoothing.
+
+Why on a CPU: a decode step reads every weight once, so int8 weights read
+a quarter of the float32 bytes, and XLA:CPU's int8 GEMM of 2..32 rows runs
+3-20x faster than its float32 one on the engine's shapes
+(docs/benchmarks.md "int8 weights"). Why it keeps a request's tokens
+batch-invariant: integer sums are exact in any order, and the row scale
+depends on the row alone, so a row's result is the same bits whatever M,
+tiling or neighbours its GEMM has (tested bitwise against a numpy int64
+reference, ``reference_linear``). One GEMM row count is avoided: XLA:CPU's
+one-row int8 GEMM is ~15x slower than its two-row one, and
+``models.llama.row_tiled`` never hands a GEMM fewer than 2 float32 rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# int8 range used by both operands: symmetric, -127..127 (no -128), so a
+# product of two values is at most 127^2 and K <= 2^31 / 127^2 = 133,144
+# products fit an int32 sum exactly.
+QMAX = 127
+MAX_CONTRACTION = (2**31 - 1) // (QMAX * QMAX)
+INV_QMAX = np.float32(1 / QMAX)
+# Smallest row magnitude with a normal float32 scale (``quantize_rows``).
+ROW_FLOOR = np.float32(np.finfo(np.float32).tiny * QMAX)
+
+# Paths (last keys) of the projection weights quantized per output column.
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@struct.dataclass
+class QuantizedWeight:
+  """An int8 ``[..., K, N]`` weight and its per-column scales.
+
+  Attributes:
+    q: int8[..., K, N] in -127..127 (a leading stacked layer axis allowed).
+    col_scale: f32[..., N] scale of each output column: ``w ~= q * col_scale``.
+  """
+
+  q: jax.Array
+  col_scale: jax.Array
+
+
+def quantize_columns(w, contract_axis: int = -2) -> QuantizedWeight:
+  """Symmetric per-output-column int8 quantization of a float weight.
+
+  Args:
+    w: float[..., K, N] (``contract_axis`` -2) or float[..., N, K]
+      (``contract_axis`` -1: a tied ``[vocab, d_model]`` embedding used as
+      the LM head, transposed here to ``[d_model, vocab]``).
+    contract_axis: the axis the projection sums over, -2 or -1.
+
+  Returns:
+    ``QuantizedWeight`` with ``q`` int8[..., K, N]: ``round(w / col_scale)``
+    where ``col_scale = max_k |w[k, n]| / 127`` (1 for an all-zero column).
+
+  Raises:
+    ValueError: ``contract_axis`` not -2 or -1, or K above ``MAX_CONTRACTION``.
+  """
+  if contract_axis not in (-2, -1):
+    raise ValueError(f"contract_axis must be -2 or -1, got {contract_axis}")
+  w = np.asarray(jax.device_get(w), np.float32)
+  if contract_axis == -1:
+    w = np.swapaxes(w, -1, -2)
+  if w.shape[-2] > MAX_CONTRACTION:
+    raise ValueError(f"int8 weights: contraction length {w.shape[-2]} exceeds "
+                     f"{MAX_CONTRACTION} (an int32 sum of int8 products would overflow)")
+  amax = np.max(np.abs(w), axis=-2)
+  scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+  q = np.clip(np.rint(w / scale[..., None, :]), -QMAX, QMAX).astype(np.int8)
+  return QuantizedWeight(q=jnp.asarray(q), col_scale=jnp.asarray(scale))
+
+
+def quantize_rows(x: jax.Array):
+  """Symmetric per-row int8 quantization of activations.
+
+  Written as products with reciprocals, as XLA:CPU computes a division by a
+  value (``x / s`` becomes ``x * (1 / s)``), so the numpy reference
+  (``reference_linear``) can follow it op for op.
+
+  Args:
+    x: f32[M, K].
+
+  Returns:
+    ``(a int8[M, K], row_scale f32[M, 1])`` with ``row_scale = max_k |x| *
+    (1 / 127)`` (1 for a row whose largest magnitude is below ``ROW_FLOOR``,
+    where the scale would be subnormal: such a row quantizes to zeros) and
+    ``a = round(x * (1 / row_scale))`` clipped to +-127; each row's values
+    depend only on that row.
+  """
+  amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+  scale = jnp.where(amax >= ROW_FLOOR, amax * INV_QMAX, 1.0).astype(jnp.float32)
+  inv = jnp.float32(1) / scale
+  a = jnp.clip(jnp.round(x * inv), -QMAX, QMAX).astype(jnp.int8)
+  return a, scale
+
+
+def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+  """``x @ w`` for an int8 weight: rows quantized, int32 GEMM, rescaled.
+
+  The rescale runs inside a ``lax.cond`` whose predicate always holds (the
+  row scales are positive), so its float32 result is stored before any
+  consumer reads it. Without that, XLA:CPU fuses the rescale's multiply into
+  the next op and, in some fusions only, contracts it with a following add
+  (the residual) into one FMA, a single rounding: a row's bits then depended
+  on its bucket (one GEMM for <= 32 rows, a loop of tiles above). A float32
+  GEMM's output is stored anyway.
+
+  Args:
+    x: f32[M, K] rows.
+    w: ``QuantizedWeight`` with ``q`` int8[K, N], ``col_scale`` f32[N].
+
+  Returns:
+    f32[M, N]: ``float32(sum_k a[m, k] q[k, n]) * (row_scale[m] * col_scale[n])``.
+  """
+  a, row_scale = quantize_rows(x.astype(jnp.float32))
+  acc = jax.lax.dot_general(a, w.q, (((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.int32)
+  rescale = lambda: acc.astype(jnp.float32) * (row_scale * w.col_scale)
+  never = lambda: jnp.zeros(acc.shape, jnp.float32)
+  return jax.lax.cond(jnp.all(row_scale > 0), rescale, never)
+
+
+def reference_linear(x, w: QuantizedWeight) -> np.ndarray:
+  """numpy reference of ``linear``: the same row quantization in float32, op
+  for op, the integer sums in int64, the same float32 rescale. f32[M, N]."""
+  x = np.asarray(x, np.float32)
+  amax = np.max(np.abs(x), axis=-1, keepdims=True)
+  scale = np.where(amax >= ROW_FLOOR, amax * INV_QMAX, np.float32(1)).astype(np.float32)
+  inv = (np.float32(1) / scale).astype(np.float32)
+  a = np.clip(np.rint(x * inv), -QMAX, QMAX).astype(np.int64)
+  acc = a @ np.asarray(w.q, np.int64)
+  return acc.astype(np.float32) * (scale * np.asarray(w.col_scale, np.float32))
+
+
+def is_quantized(params) -> bool:
+  """True when ``params`` holds int8 projection weights (``quantize_params``)."""
+  return isinstance(params.get("lm_head"), QuantizedWeight)
+
+
+def quantize_params(params, tie_embeddings: bool):
+  """The W8A8 parameter tree of float parameters.
+
+  Every projection weight of ``layers`` becomes a ``QuantizedWeight``
+  (stacked: ``q`` int8[L, K, N], ``col_scale`` f32[L, N]); the LM head
+  becomes ``lm_head`` = ``QuantizedWeight`` int8[d_model, vocab] (from the
+  tied embedding when ``tie_embeddings``; the float embedding stays for the
+  lookup). Norm scales stay float32. Already quantized trees are returned
+  unchanged.
+
+  Args:
+    params: float32 tree (``models.llama``'s layout).
+    tie_embeddings: the model config's ``tie_embeddings``.
+
+  Raises:
+    ValueError: a parameter that is not float32 (bfloat16 trees are not
+      quantized: quantize from the float32 load).
+  """
+  if is_quantized(params):
+    return params
+  for leaf in jax.tree_util.tree_leaves(params):
+    if leaf.dtype != jnp.float32:
+      raise ValueError(f"int8 weights are quantized from float32 parameters, got a "
+                       f"{leaf.dtype} leaf: load the model with dtype float32")
+
+  def layer(path, leaf):
+    key = getattr(path[-1], "key", None)
+    return quantize_columns(leaf) if key in _PROJECTIONS else leaf
+
+  out = dict(params)
+  out["layers"] = jax.tree_util.tree_map_with_path(layer, params["layers"])
+  if tie_embeddings:
+    out["lm_head"] = quantize_columns(params["embed"]["embedding"], contract_axis=-1)
+  else:
+    out["lm_head"] = quantize_columns(params["lm_head"])
+  return out
