@@ -430,15 +430,15 @@ def host_cpu() -> dict:
 
 def main(argv):
   del argv
+  hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
+  for w in hf_weights:
+    if w not in ("dense", "int8"):
+      raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
     params = quant.quantize_params(params, cfg.tie_embeddings)
-  peers = {}
-  for w in (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []:
-    if w not in ("dense", "int8"):
-      raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
-    peers["hf" if w == "dense" else f"hf_{w}"] = load_hf(w)
+  peers = {"hf" if w == "dense" else f"hf_{w}": load_hf(w) for w in hf_weights}
   scratch = _engine(cfg, params)
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
     warmup(scratch)
