@@ -430,10 +430,10 @@ def host_cpu() -> dict:
 
 def main(argv):
   del argv
-  hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
-  for w in hf_weights:
+  for w in FLAGS.hf_weights:
     if w not in ("dense", "int8"):
       raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
+  hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)

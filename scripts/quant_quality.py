@@ -48,12 +48,32 @@ _FALLBACK = ["The capital of France is Paris, a city known for its museums and c
 
 
 def texts():
+  """The texts to score and their source.
+
+  Raises:
+    ValueError: a --prompts path given on the command line that does not
+      exist, or a line that is not a JSON object with a list of strings
+      under "turns" (naming the file and line).
+  """
   path = Path(FLAGS.prompts)
   if not path.exists():
+    if FLAGS["prompts"].present:
+      raise ValueError(f"--prompts {path} does not exist")
     print(f"{path} not found: scoring the {len(_FALLBACK)} built-in sentences")
     return _FALLBACK, "built-in"
-  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  return ["\n\n".join(r["turns"]) for r in rows][:FLAGS.max_texts], str(path)
+  docs = []
+  for n, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      turns = json.loads(line)["turns"]
+    except (ValueError, TypeError, KeyError) as e:
+      raise ValueError(f"--prompts {path} line {n}: must be a JSON object with a "
+                       f"'turns' list of strings ({type(e).__name__}: {e})") from None
+    if not (isinstance(turns, list) and all(isinstance(t, str) for t in turns)):
+      raise ValueError(f"--prompts {path} line {n}: 'turns' must be a list of strings")
+    docs.append("\n\n".join(turns))
+  return docs[:FLAGS.max_texts], str(path)
 
 
 def next_token_log_probs(params, cfg, ids, rows, page_size=16):
@@ -77,10 +97,10 @@ def next_token_log_probs(params, cfg, ids, rows, page_size=16):
 
 def main(argv):
   del argv
+  docs, source = texts()
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=jnp.float32,
                                       cache_dir=f"{FLAGS.cache_dir}/weights")
   qparams = quant.quantize_params(params, cfg.tie_embeddings)
-  docs, source = texts()
   rows = -(-FLAGS.max_len // 64) * 64
   per_text, nll, agree, kl = [], {"float32": [], "int8": []}, [], []
   t = time.perf_counter()

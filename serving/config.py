@@ -205,10 +205,11 @@ class EngineConfig:
     _require(self.weights in WEIGHTS, c, "weights", f"must be one of {WEIGHTS}",
              self.weights)
     _require(self.weights == "dense" or self.dtype == "float32", c, "weights",
-             f"'int8' needs dtype 'float32' (activations stay float32; got dtype "
-             f"{self.dtype!r})", self.weights)
+             f"must be 'dense' when dtype is {self.dtype!r} (int8 weights are quantized "
+             f"from float32 and keep float32 activations)", self.weights)
     _require(self.weights == "dense" or not self.mesh, c, "weights",
-             f"'int8' runs on one device: mesh must be '' (got {self.mesh!r})", self.weights)
+             f"must be 'dense' with mesh {self.mesh!r} (int8 weights run on one device, "
+             f"mesh '')", self.weights)
     _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",

@@ -119,6 +119,8 @@ def run_config(engine: Engine, model_name: str) -> dict:
   return {
       "model": model_name,
       "dtype": c.dtype,
+      "weights": c.weights,
+      "kv_dtype": c.kv_cache_dtype,
       "token_buckets": list(c.token_buckets),
       "max_num_batched_tokens": c.max_num_batched_tokens,
       "max_num_seqs": c.max_num_seqs,

@@ -51,8 +51,8 @@ def test_a_port_in_use_is_refused_before_loading():
      "the usable pages; num_pages=2: raise num_pages to at least 9 or lower "
      "watermark_pages), got 8 (set it with --watermark_pages)"),
     ("generate.py", ["--prompt=hi", "--weights=int8", "--dtype=bfloat16"],
-     "error: --weights 'int8' needs dtype 'float32' (activations stay float32; got dtype "
-     "'bfloat16'), got 'int8'"),
+     "error: --weights must be 'dense' when dtype is 'bfloat16' (int8 weights are quantized "
+     "from float32 and keep float32 activations), got 'int8'"),
     ("generate.py", ["--prompt=hi", "--weights=int4"],
      "error: flag --weights=int4: value should be one of <dense|int8> "
      "(--helpfull lists the flags)"),

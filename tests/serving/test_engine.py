@@ -291,11 +291,11 @@ def test_bad_weights_settings_name_the_field():
   with pytest.raises(ValueError, match=r"EngineConfig.weights must be one of \('dense', "
                                        r"'int8'\), got 'int4'"):
     EngineConfig(weights="int4")
-  with pytest.raises(ValueError, match=r"EngineConfig.weights 'int8' needs dtype 'float32'.*"
-                                       r"'bfloat16'.*got 'int8'"):
+  with pytest.raises(ValueError, match=r"EngineConfig.weights must be 'dense' when dtype is "
+                                       r"'bfloat16' .*float32.*got 'int8'"):
     EngineConfig(weights="int8", dtype="bfloat16")
-  with pytest.raises(ValueError, match=r"EngineConfig.weights 'int8' runs on one device: "
-                                       r"mesh must be ''.*'model:2'.*got 'int8'"):
+  with pytest.raises(ValueError, match=r"EngineConfig.weights must be 'dense' with mesh "
+                                       r"'model:2' \(int8 weights run on one device.*got 'int8'"):
     EngineConfig(weights="int8", mesh="model:2")
   assert EngineConfig(weights="dense", dtype="bfloat16", mesh="model:2").weights == "dense"
   assert dataclasses.replace(BASE, weights="int8").weights == "int8"
