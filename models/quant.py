@@ -5,7 +5,7 @@ MLP) and the LM head hold int8 weights with one float32 scale per output
 column (symmetric, ``w ~= q * col_scale``); at each projection the input
 rows are quantized to int8 with one scale per row (``x ~= a * row_scale``),
 multiplied in int8 x int8 -> int32, and the int32 sums rescaled to float32
-(``acc * row_scale * col_scale``). The embedding lookup, norms, RoPE,
+(``acc * (row_scale * col_scale)``). The embedding lookup, norms, RoPE,
 attention and the KV cache stay float32. This is the per-channel weight,
 per-token activation scheme of LLM.int8()'s vector-wise quantization
 (Dettmers et al., 2022) without its float16 outlier columns, and of
