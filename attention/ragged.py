@@ -45,7 +45,8 @@ Implementations (``impl=``):
 * ``"pallas_tpu"`` the Mosaic TPU kernel of ``attention/pallas_tpu.py``
                  (DMA'd K/V pages; TPU interpret mode off a TPU).
 * ``"gather"``   each row gathers its sequence's whole page list (memory heavy;
-                 kept as a second jittable cross-check).
+                 kept as a second jittable cross-check; its arrays are sized
+                 by the bucket, so a row's bits may differ between buckets).
 * ``"auto"``     ``"pallas"`` on GPU, ``"blocked_dot"`` on CPU,
                  ``"pallas_tpu"`` on TPU (``resolve_impl``).
 
@@ -87,10 +88,12 @@ def widen_kv(blk):
 
 
 # "blocked_dot" loop sizes: decode rows / prefill slots per step (the dot's
-# batch, fixed so results do not depend on T), key blocks per decode step;
-# the default query rows per prefill slot and the longest sequence that
-# gets one slot per row (q_len <= short_q). No size here changes a row's
-# bits (``_dot_update``), only the time.
+# batch, the same in every bucket so results do not depend on T), key blocks
+# per decode step; the default query rows per prefill slot and the longest
+# sequence that gets one slot per row (q_len <= short_q). The dots' sums do
+# not depend on these sizes (``_dot_update``); the slot batches fix the
+# shapes of the online-softmax arrays, whose exp XLA:CPU may round apart
+# between shapes, so changing one can change bits (never between buckets).
 _TUNE = dict(chunk_rows=16, chunk_blocks=2, unroll_rows=1, block_q=64, short_q=4)
 IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "pallas_tpu", "gather")
 
@@ -487,12 +490,15 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
     slots = query_slots(cu_q_lens, kv_lens, num_seqs, num_rows=num_rows,
                         block_q=bq, num_slots=num_slots,
                         select=select)
-    # ``chunk`` (the slot batch) is at most the layout's slot count, so a
-    # small bucket does not pay for empty slots, and at least 2: for the dot
-    # path a batch of one slot lowers to a different kernel (a row's bits
-    # are the same for every batch of 2 or more slots).
+    # ``chunk`` (the slot batch) is the same in every bucket, even where it
+    # exceeds the layout's slot count: the loop body's arrays are then the
+    # same shapes in every bucket, and XLA:CPU compiles them alike. Sized
+    # by the bucket, the online-softmax arrays ``[chunk, Hkv, M]`` made
+    # XLA:CPU's exp round some inputs apart between a 4- and an 8-row
+    # bucket. At least 2: for the dot path a batch of one slot lowers to a
+    # different kernel.
     out = attend(q, k_pages, v_pages, kv_lens, page_table, slots, out,
-                 block_q=bq, chunk=max(2, min(chunk, num_slots)), **kw, **extra)
+                 block_q=bq, chunk=max(2, chunk), **kw, **extra)
   return out.astype(q.dtype)
 
 
