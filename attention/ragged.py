@@ -87,14 +87,22 @@ def widen_kv(blk):
   return blk.astype(jnp.float32)
 
 
-# "blocked_dot" loop sizes: decode rows / prefill slots per step (the dot's
-# batch, the same in every bucket so results do not depend on T), key blocks
-# per decode step; the default query rows per prefill slot and the longest
+# "blocked_dot" loop sizes: the least number of softmax rows a decode step
+# holds (below), prefill slots per step (the dot's batch), key blocks per
+# decode step; the default query rows per prefill slot and the longest
 # sequence that gets one slot per row (q_len <= short_q). The dots' sums do
-# not depend on these sizes (``_dot_update``); the slot batches fix the
-# shapes of the online-softmax arrays, whose exp XLA:CPU may round apart
-# between shapes, so changing one can change bits (never between buckets).
-_TUNE = dict(chunk_rows=16, chunk_blocks=2, unroll_rows=1, block_q=64, short_q=4)
+# not depend on these sizes (``_dot_update``); they fix the shapes of the
+# online-softmax arrays, whose exp XLA:CPU rounds apart between some shapes.
+#
+# ``row_softmax_rows``: the row layout takes the smallest slot batch W >= 2
+# with ``W * n_kv_heads * M >= row_softmax_rows`` (M = max(2, group) query
+# rows per KV head), the same in every bucket. Measured on two x86 CPUs
+# (AVX2; AVX-512): softmax arrays of 16 to 27 rows of keys round some exps
+# apart from those of 32 rows or more (a lone decode row then differs
+# between buckets, and a prompt's short last chunk, which takes row slots,
+# from the same rows in 64-row slots); from 32 rows up they agree
+# (``tests/attention/test_ragged.py``: slot heights, small buckets).
+_TUNE = dict(row_softmax_rows=32, chunk_blocks=2, unroll_rows=1, block_q=64, short_q=4)
 IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "pallas_tpu", "gather")
 
 
@@ -495,8 +503,8 @@ def _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs, *,
     # same shapes in every bucket, and XLA:CPU compiles them alike. Sized
     # by the bucket, the online-softmax arrays ``[chunk, Hkv, M]`` made
     # XLA:CPU's exp round some inputs apart between a 4- and an 8-row
-    # bucket. At least 2: for the dot path a batch of one slot lowers to a
-    # different kernel.
+    # bucket (see ``_TUNE``). At least 2: for the dot path a batch of one
+    # slot lowers to a different kernel.
     out = attend(q, k_pages, v_pages, kv_lens, page_table, slots, out,
                  block_q=bq, chunk=max(2, chunk), **kw, **extra)
   return out.astype(q.dtype)
@@ -642,7 +650,12 @@ def _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                  num_seqs, *, sm_scale, soft_cap, sliding_window, block_q,
                  block_kv, chunk_rows, chunk_blocks, unroll_rows=1,
                  short_q=None):
-  """``_blocked``'s two layouts with ``_attend_slots_dot``."""
+  """``_blocked``'s two layouts with ``_attend_slots_dot``; ``chunk_rows``
+  None takes the row layout's slot batch from ``_TUNE["row_softmax_rows"]``."""
+  if chunk_rows is None:
+    num_kv_heads = k_pages.shape[2]
+    rows_per_slot = num_kv_heads * max(2, q.shape[1] // num_kv_heads)
+    chunk_rows = max(2, -(-_TUNE["row_softmax_rows"] // rows_per_slot))
   return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, block_q=block_q,
@@ -782,7 +795,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   if impl == "blocked_dot":
     return _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                         num_seqs, block_q=block_q, block_kv=block_kv,
-                        chunk_rows=_TUNE["chunk_rows"],
+                        chunk_rows=None,
                         chunk_blocks=_TUNE["chunk_blocks"],
                         unroll_rows=_TUNE["unroll_rows"], short_q=short_q, **kw)
   if impl == "blocked":
