@@ -7,7 +7,7 @@ chunks with committed history and whole prompts, with sequences cut by the
 chunk boundaries, gives the same hidden states and the same cache bits for
 C = 8 and 16 as one invocation; chunks past the live rows are skipped and
 nothing is written past them. The engine-level check (a 30-token prompt
-prefilled in one scanned iteration) is in test_engine.py.
+prefilled in one scanned iteration) is in test_engine_paths.py.
 """
 
 import jax
