@@ -65,9 +65,8 @@ from serving.sampling import sample
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_engine.json", "Result JSON path.")
-flags.DEFINE_list("sections", ["prefill", "decode", "trace", "gemm", "breakdown",
-                                "prefill_step"],
-                  "What to measure.")
+SECTIONS = ("prefill", "decode", "trace", "gemm", "breakdown", "prefill_step")
+flags.DEFINE_list("sections", list(SECTIONS), "What to measure: any of " + ", ".join(SECTIONS) + ".")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "Decode concurrency levels.")
 flags.DEFINE_integer("prompt_len", 256, "Decode section prompt length.")
 flags.DEFINE_integer("output_len", 128, "Decode section output length.")
@@ -430,6 +429,9 @@ def host_cpu() -> dict:
 
 def main(argv):
   del argv
+  for name in FLAGS.sections:
+    if name not in SECTIONS:
+      raise ValueError(f"--sections entries must be among {', '.join(SECTIONS)}, got {name!r}")
   for w in FLAGS.hf_weights:
     if w not in ("dense", "int8"):
       raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")

@@ -126,6 +126,19 @@ def test_bench_policies_bad_flags_stop_before_loading_the_model(tmp_path, args, 
   assert "model:" not in proc.stdout and not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--sections=decode,bogus"], "error: --sections entries must be among prefill, "),
+    (["--hf=false", "--hf_weights=fp8"], "error: --hf_weights entries must be dense or int8"),
+])
+def test_bench_engine_bad_flags_stop_before_loading_the_model(tmp_path, args, line):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_engine.py"),
+                         f"--out={tmp_path / 'b.json'}", *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(line)
+  assert not (tmp_path / "b.json").exists()
+
+
 def test_generate_bad_sampling_flag_stops_before_loading_the_model():
   proc = subprocess.run([sys.executable, str(ROOT / "scripts/generate.py"), "--engine=cpu_small",
                          "--prompt=hi", "--top_p=0"],
