@@ -648,14 +648,12 @@ def _attend_slots_dot(q, k_pages, v_pages, kv_lens, page_table, slots, out, *,
 
 def _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                  num_seqs, *, sm_scale, soft_cap, sliding_window, block_q,
-                 block_kv, chunk_rows, chunk_blocks, unroll_rows=1,
-                 short_q=None):
-  """``_blocked``'s two layouts with ``_attend_slots_dot``; ``chunk_rows``
-  None takes the row layout's slot batch from ``_TUNE["row_softmax_rows"]``."""
-  if chunk_rows is None:
-    num_kv_heads = k_pages.shape[2]
-    rows_per_slot = num_kv_heads * max(2, q.shape[1] // num_kv_heads)
-    chunk_rows = max(2, -(-_TUNE["row_softmax_rows"] // rows_per_slot))
+                 block_kv, chunk_blocks, unroll_rows=1, short_q=None):
+  """``_blocked``'s two layouts with ``_attend_slots_dot``; the row layout's
+  slot batch is the least that holds ``_TUNE["row_softmax_rows"]``."""
+  num_kv_heads = k_pages.shape[2]
+  rows_per_slot = num_kv_heads * max(2, q.shape[1] // num_kv_heads)
+  chunk_rows = max(2, -(-_TUNE["row_softmax_rows"] // rows_per_slot))
   return _blocked(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, block_q=block_q,
@@ -795,7 +793,6 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   if impl == "blocked_dot":
     return _blocked_dot(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                         num_seqs, block_q=block_q, block_kv=block_kv,
-                        chunk_rows=None,
                         chunk_blocks=_TUNE["chunk_blocks"],
                         unroll_rows=_TUNE["unroll_rows"], short_q=short_q, **kw)
   if impl == "blocked":

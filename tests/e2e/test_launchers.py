@@ -112,31 +112,24 @@ def test_generate_missing_mt_bench_file_is_one_line(tmp_path):
       f"error: --mt_bench={tmp_path / 'none.jsonl'}: cannot read")
 
 
-@pytest.mark.parametrize("args,line", [
-    (["--policies=sarathi_serve,nope"], "error: --policies must name policies in "),
-    (["--num_pages=1"], "error: --num_pages must be >= 2 (page 0 is the null page), got 1"),
-    (["--policy=vtc"], "error: --policy=vtc does not apply here; use --policies"),
+@pytest.mark.parametrize("script,args,line", [
+    ("bench_policies.py", ["--policies=sarathi_serve,nope"],
+     "error: --policies must name policies in "),
+    ("bench_policies.py", ["--num_pages=1"],
+     "error: --num_pages must be >= 2 (page 0 is the null page), got 1"),
+    ("bench_policies.py", ["--policy=vtc"], "error: --policy=vtc does not apply here; use --policies"),
+    ("bench_engine.py", ["--sections=decode,bogus"],
+     "error: --sections entries must be among prefill, "),
+    ("bench_engine.py", ["--hf=false", "--hf_weights=fp8"],
+     "error: --hf_weights entries must be dense or int8"),
 ])
-def test_bench_policies_bad_flags_stop_before_loading_the_model(tmp_path, args, line):
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_policies.py"),
+def test_bench_bad_flags_stop_before_loading_the_model(tmp_path, script, args, line):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script),
                          f"--out={tmp_path / 'b.json'}", *args],
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 2 and "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith(line)
   assert "model:" not in proc.stdout and not (tmp_path / "b.json").exists()
-
-
-@pytest.mark.parametrize("args,line", [
-    (["--sections=decode,bogus"], "error: --sections entries must be among prefill, "),
-    (["--hf=false", "--hf_weights=fp8"], "error: --hf_weights entries must be dense or int8"),
-])
-def test_bench_engine_bad_flags_stop_before_loading_the_model(tmp_path, args, line):
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts/bench_engine.py"),
-                         f"--out={tmp_path / 'b.json'}", *args],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 2 and "Traceback" not in proc.stderr
-  assert proc.stderr.strip().splitlines()[-1].startswith(line)
-  assert not (tmp_path / "b.json").exists()
 
 
 def test_generate_bad_sampling_flag_stops_before_loading_the_model():
