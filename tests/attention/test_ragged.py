@@ -107,14 +107,14 @@ CASES = {  # name: [(key, history, q_len)]; all packed into T=64, S=16
 }
 
 
-@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "gather", "pallas"])
+@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "gather", "pallas"])
 @pytest.mark.parametrize("case", CASES)
 def test_matches_reference(case, impl):
   args, cu, n = make_batch(CASES[case], num_rows=64, max_seqs=16)
   assert_matches_reference(args, cu, n, impl)
 
 
-@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "gather", "pallas"])
+@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "gather", "pallas"])
 def test_no_live_sequences_gives_zeros(impl):
   args, _, _ = make_batch(CASES["mixed"], num_rows=64, max_seqs=16)
   out = attend(args[:-1] + (jnp.asarray(0, jnp.int32),), impl)
@@ -130,7 +130,7 @@ VARIANTS = {  # together they cover page_size 8/16/32, GQA 9:3/8:1/4:4,
 SMALL_MIX = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 9, 1)]
 
 
-@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "pallas"])
+@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "pallas"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_reference(variant, impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5,
@@ -147,17 +147,21 @@ def test_variants_match_reference(variant, impl):
     ("pallas", dict(block_q=4, block_kv=32)),
     ("blocked_dot", dict(block_q=4, block_kv=32)),
     ("blocked_dot", dict(block_q=1, block_kv=16)),
+    ("native", dict(sliding_window=8, soft_cap=3.0)),
+    ("native", dict(block_kv=32)),
+    ("native", dict(sliding_window=40, block_kv=16)),
 ], ids=["window_softcap-blocked", "window_softcap-gather",
         "window_softcap-pallas", "window_softcap-blocked_dot",
         "small_blocks-blocked", "small_blocks-pallas",
-        "small_blocks-blocked_dot", "row_slots-blocked_dot"])
+        "small_blocks-blocked_dot", "row_slots-blocked_dot",
+        "window_softcap-native", "small_blocks-native", "window_blocks-native"])
 def test_options_match_reference(kw, impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
   assert_matches_reference(args, cu, n, impl, **kw)
 
 
 @pytest.mark.parametrize("impl, chunks", [
-    ("blocked", range(1, 25)), ("blocked_dot", range(1, 25)),
+    ("native", range(1, 25)), ("blocked", range(1, 25)), ("blocked_dot", range(1, 25)),
     ("pallas", (1, 5, 24))])
 def test_chunked_prefill_equals_full_prefill(impl, chunks):
   """§0x09: any chunking of a 24-token prompt gives bitwise the same rows."""
@@ -174,7 +178,7 @@ def test_chunked_prefill_equals_full_prefill(impl, chunks):
                                   err_msg=f"chunk={chunk}")
 
 
-@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "pallas"])
+@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "pallas"])
 def test_batch_invariance_is_bitwise(impl):
   """A sequence's rows are identical alone and inside any mix."""
   others = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 200, 1)]
@@ -188,11 +192,12 @@ def test_batch_invariance_is_bitwise(impl):
                                     alone, err_msg=f"{seq} at {pos}")
 
 
+@pytest.mark.parametrize("impl", ["native", "blocked_dot"])
 @pytest.mark.parametrize("variant", [
     dict(), dict(heads=(4, 4), head_dim=128, dtype=jnp.bfloat16,
                  page_size=8)], ids=["gqa9to3", "mha4to4_head128_bf16"])
-def test_blocked_dot_invariance_across_buckets_and_slot_counts(variant):
-  """``blocked_dot``: a sequence's rows are bitwise the same alone and mixed
+def test_invariance_across_buckets_and_slot_counts(variant, impl):
+  """``native`` and ``blocked_dot``: a sequence's rows are bitwise the same alone and mixed
   into packs of different T buckets (64/128/256) and slot counts, at any
   position, as decode rows, short chunks (row slots) or long chunks."""
   max_kv = 480
@@ -202,7 +207,7 @@ def test_blocked_dot_invariance_across_buckets_and_slot_counts(variant):
     alone_args, _, _ = make_batch([seq], num_rows=40, max_seqs=1,
                                   max_kv_len=max_kv, pool_tokens=4096,
                                   **variant)
-    alone = attend(alone_args, "blocked_dot")[:seq[2]]
+    alone = attend(alone_args, impl)[:seq[2]]
     for num_rows, num_others, max_seqs, pos in [
         (64, 6, 7, 3), (128, 30, 32, 30), (128, 30, 32, 11),
         (256, 12, 100, 12)]:
@@ -215,11 +220,11 @@ def test_blocked_dot_invariance_across_buckets_and_slot_counts(variant):
                                max_kv_len=max_kv, pool_tokens=16384,
                                seed=num_rows + pos, **variant)
       np.testing.assert_array_equal(
-          attend(args, "blocked_dot")[cu[pos]:cu[pos + 1]], alone,
+          attend(args, impl)[cu[pos]:cu[pos + 1]], alone,
           err_msg=f"{seq} at {pos} of {len(mix)}, T={num_rows}")
 
 
-@pytest.mark.parametrize("impl", ["blocked", "blocked_dot"])
+@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot"])
 def test_decode_row_bits_do_not_depend_on_small_buckets(impl):
   """A lone decode row is bitwise the same in the engine's small decode
   buckets (4, 8, 16, 32 rows), in the tiny model's shapes (4 / 2 heads,
@@ -255,13 +260,14 @@ def test_blocked_dot_slot_height_does_not_change_bits():
                                   out, err_msg=f"block_q={block_q}")
 
 
-def test_auto_is_blocked_dot_on_cpu():
-  assert ragged.resolve_impl("auto", "cpu") == "blocked_dot"
+def test_auto_picks_the_backend_kernel():
+  assert ragged.resolve_impl("auto", "cpu") == "native"
+  assert ragged.resolve_impl("auto", "cpu", head_dim=48) == "blocked_dot"
   assert ragged.resolve_impl("auto", "tpu") == "pallas_tpu"
   assert ragged.resolve_impl("auto", "gpu") == "pallas"
 
 
-@pytest.mark.parametrize("impl", ["gather", "pallas"])
+@pytest.mark.parametrize("impl", ["native", "gather", "pallas"])
 def test_num_seqs_may_be_shape_1(impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
   args = args[:-1] + (jnp.asarray([n], jnp.int32),)
@@ -280,13 +286,14 @@ def test_random_ragged_batches_match_reference(seqs, seed):
                            seed=seed)
   assert_matches_reference(args, cu, n, "blocked")
   assert_matches_reference(args, cu, n, "blocked_dot")
+  assert_matches_reference(args, cu, n, "native")
 
 
 # ----------------------------------------------------------------------------
 # write_kv_pages
 
 
-@pytest.mark.parametrize("impl", ["blocked", "blocked_dot", "gather"])
+@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "gather"])
 def test_bfloat16_bit_pages_equal_bfloat16_pages(impl):
   # A bfloat16 cache stored as its bits (KV_BITS, the CPU storage) gives the
   # float bfloat16 pages' rows bitwise, and the reference's values.

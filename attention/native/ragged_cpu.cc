@@ -1,0 +1,362 @@
+// Ragged paged attention for packed iterations on the CPU, as an XLA FFI
+// custom call (attention/native.py builds, registers and calls it).
+//
+// Every query row is computed by the same code whatever else shares the
+// launch: the row walks its own sequence's key blocks [j * Bk, (j + 1) * Bk)
+// in order with a float32 online softmax; scores sum over head_dim in order,
+// the softmax denominator sums a block's keys in 16 fixed lanes reduced in a
+// fixed tree, and P@V sums keys in order. Nothing depends on the batch, the
+// row's neighbours, how its prompt was chunked or how the work was split
+// across threads, so a row's bits are batch- and chunk-invariant by
+// construction. exp is a fixed polynomial (Exp), not libm's.
+//
+// Operands (attention/ragged.py's layout):
+//   q          f32[T, Hq, D]
+//   k_pages    [P, page_size, Hkv, D] f32, or u16 / bf16 holding bfloat16
+//   v_pages    same as k_pages
+//   kv_lens    s32[S]
+//   page_table s32[S, pages_per_seq]
+//   cu_q_lens  s32[S + 1]
+//   num_seqs   s32[1]
+// Attributes: sm_scale f32, soft_cap f32 (0: none), sliding_window s64
+// (0: none), block_kv s64 (keys per block, a multiple of page_size).
+// Result: f32[T, Hq, D]; rows at or past cu_q_lens[num_seqs] are zero.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;      // one vector: 16 float32 lanes
+constexpr int kRowTile = 16;    // query rows per work item
+
+typedef float V __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t VI __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t VU __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t VH __attribute__((vector_size(32), aligned(2), may_alias));
+
+inline V Load(const float* p) { return *reinterpret_cast<const V*>(p); }
+inline void Store(float* p, V v) { *reinterpret_cast<V*>(p) = v; }
+inline V Splat(float x) { return V{} + x; }
+
+// exp(x) lane by lane, branch-free: x = k ln2 + r (|r| <= ln2 / 2), a
+// degree-6 polynomial for e^r, scaled by 2^k. Lanes below -87.3 (and -inf)
+// give 0; the softmax only passes inputs <= 0.
+inline V Exp(V x) {
+  const VI zero = !(x > -87.3f);
+  x = zero ? Splat(0.0f) : x;
+  const V kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  V r = x - kf * 0.693359375f;
+  r = r - kf * -2.12194440e-4f;
+  V p = Splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const VI bits = (__builtin_convertvector(kf, VI) + 127) << 23;
+  const V scale = reinterpret_cast<const V&>(bits);
+  return zero ? Splat(0.0f) : p * scale;
+}
+
+// Lane sums of 16 vectors in one vector (lane i = the sum of a[i]'s lanes),
+// by four levels of pairwise folds: every sum is the same tree of adds.
+inline V Reduce16(V* a) {
+  constexpr VI l1_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr VI l1_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr VI l2_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  constexpr VI l2_hi = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  constexpr VI l3_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  constexpr VI l3_hi = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  constexpr VI l4_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  constexpr VI l4_hi = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  V b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], l1_lo) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], l1_hi);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], l2_lo) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], l2_hi);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], l3_lo) +
+           __builtin_shuffle(c[2 * i], c[2 * i + 1], l3_hi);
+  return __builtin_shuffle(d[0], d[1], l4_lo) + __builtin_shuffle(d[0], d[1], l4_hi);
+}
+
+struct Problem {
+  const float* q;
+  const void* k_pages;
+  const void* v_pages;
+  bool bf16_pages;
+  const int32_t* kv_lens;
+  const int32_t* page_table;
+  const int32_t* cu_q_lens;
+  float* out;
+  int64_t num_pages, page_size, hkv, hq, d, pages_per_seq;
+  int64_t group, bk, bkp;   // keys per block, padded to whole vectors
+  float sm_scale, soft_cap;
+  int64_t window;
+};
+
+struct Item {
+  int32_t seq, head, row0, rows;
+};
+
+// Widens key rows [k0, k0 + nk) of sequence `seq`, KV head `h`, into
+// k[bkp][D] and v[bkp][D] (float32); rows past nk are zero.
+template <int NC>
+void LoadBlock(const Problem& pb, int seq, int h, int64_t k0, int64_t nk,
+               float* k, float* v) {
+  constexpr int64_t d = NC * kLanes;
+  std::fill(k + nk * d, k + pb.bkp * d, 0.0f);
+  std::fill(v + nk * d, v + pb.bkp * d, 0.0f);
+  const int32_t* table = pb.page_table + static_cast<int64_t>(seq) * pb.pages_per_seq;
+  for (int64_t key = 0; key < nk; ++key) {
+    const int64_t pos = k0 + key;
+    int64_t page = table[std::min<int64_t>(pos / pb.page_size, pb.pages_per_seq - 1)];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), pb.num_pages - 1);
+    const int64_t off = ((page * pb.page_size + pos % pb.page_size) * pb.hkv + h) * d;
+    if (pb.bf16_pages) {
+      const uint16_t* ks = static_cast<const uint16_t*>(pb.k_pages) + off;
+      const uint16_t* vs = static_cast<const uint16_t*>(pb.v_pages) + off;
+      for (int c = 0; c < NC; ++c) {
+        const VU kb = __builtin_convertvector(*reinterpret_cast<const VH*>(ks + c * kLanes), VU) << 16;
+        const VU vb = __builtin_convertvector(*reinterpret_cast<const VH*>(vs + c * kLanes), VU) << 16;
+        Store(k + key * d + c * kLanes, reinterpret_cast<const V&>(kb));
+        Store(v + key * d + c * kLanes, reinterpret_cast<const V&>(vb));
+      }
+    } else {
+      const float* ks = static_cast<const float*>(pb.k_pages) + off;
+      const float* vs = static_cast<const float*>(pb.v_pages) + off;
+      std::memcpy(k + key * d, ks, d * sizeof(float));
+      std::memcpy(v + key * d, vs, d * sizeof(float));
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> k, v, s, m, l, acc;
+};
+
+template <int NC>
+void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
+  constexpr int64_t d = NC * kLanes;
+  const int64_t g_n = pb.group, bk = pb.bk, bkp = pb.bkp;
+  const int64_t kv_len = pb.kv_lens[it.seq];
+  const int64_t q_len = pb.cu_q_lens[it.seq + 1] - pb.cu_q_lens[it.seq];
+  const int64_t pos_lo = kv_len - q_len + it.row0;
+  const int64_t pos_hi = pos_lo + it.rows - 1;
+  const int64_t nrg = static_cast<int64_t>(it.rows) * g_n;
+  sc.k.resize(bkp * d);
+  sc.v.resize(bkp * d);
+  sc.s.resize(bkp);
+  sc.m.assign(nrg, -INFINITY);
+  sc.l.assign(nrg, 0.0f);
+  sc.acc.assign(nrg * d, 0.0f);
+  float* kb = sc.k.data();
+  float* vb = sc.v.data();
+  float* s = sc.s.data();
+  int64_t j_lo = 0;
+  if (pb.window > 0) j_lo = std::max<int64_t>(0, pos_lo - pb.window + 1) / bk;
+  const int64_t j_hi = pos_hi / bk;
+  for (int64_t j = j_lo; j <= j_hi; ++j) {
+    const int64_t k0 = j * bk;
+    const int64_t nk = std::min<int64_t>(bk, kv_len - k0);
+    LoadBlock<NC>(pb, it.seq, it.head, k0, nk, kb, vb);
+    for (int64_t r = 0; r < it.rows; ++r) {
+      const int64_t pos = pos_lo + r;
+      // Visible keys of this block: [vis_lo, vis_hi) in block coordinates.
+      const int64_t vis_hi = std::min<int64_t>(bk, pos - k0 + 1);
+      int64_t vis_lo = 0;
+      if (pb.window > 0) vis_lo = std::max<int64_t>(0, pos - pb.window + 1 - k0);
+      if (vis_hi <= vis_lo) continue;          // sees nothing here: state kept
+      const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
+      for (int64_t g = 0; g < g_n; ++g) {
+        const float* qg = pb.q + (row * pb.hq + it.head * g_n + g) * d;
+        V qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = Load(qg + c * kLanes);
+        // s[key] = fold(sum over c of q[c] * k[key][c]): lanes over head_dim
+        // chunks in order, then Reduce16's tree.
+        for (int64_t kc = 0; kc < bkp; kc += kLanes) {
+          V a[kLanes];
+          for (int key = 0; key < kLanes; ++key) {
+            const float* kr = kb + (kc + key) * d;
+            V t = qv[0] * Load(kr);
+            for (int c = 1; c < NC; ++c) t = t + qv[c] * Load(kr + c * kLanes);
+            a[key] = t;
+          }
+          Store(s + kc, Reduce16(a) * pb.sm_scale);
+        }
+        if (pb.soft_cap > 0.0f) {
+          for (int64_t key = vis_lo; key < vis_hi; ++key)
+            s[key] = pb.soft_cap * std::tanh(s[key] / pb.soft_cap);
+        }
+        float mx = -INFINITY;
+        for (int64_t key = vis_lo; key < vis_hi; ++key) mx = std::max(mx, s[key]);
+        const int64_t rg = r * g_n + g;
+        const float m_old = sc.m[rg];
+        const float m_new = std::max(m_old, mx);
+        const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
+        V part = Splat(0.0f);
+        for (int64_t kc = 0; kc < bkp; kc += kLanes) {
+          VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(kc);
+          const VI vis = (idx >= static_cast<int32_t>(vis_lo)) & (idx < static_cast<int32_t>(vis_hi));
+          const V p = Exp(vis ? Load(s + kc) - m_safe : Splat(-INFINITY));
+          Store(s + kc, p);
+          part = part + p;
+        }
+        V fold[kLanes];
+        fold[0] = part;
+        for (int i = 1; i < kLanes; ++i) fold[i] = Splat(0.0f);
+        const float psum = Reduce16(fold)[0];
+        const float alpha = Exp(Splat(m_old - m_safe))[0];
+        sc.l[rg] = alpha * sc.l[rg] + psum;
+        sc.m[rg] = m_new;
+        V pv[NC];
+        for (int c = 0; c < NC; ++c) pv[c] = Splat(0.0f);
+        for (int64_t key = vis_lo; key < vis_hi; ++key) {
+          const V p = Splat(s[key]);
+          const float* vr = vb + key * d;
+          for (int c = 0; c < NC; ++c) pv[c] = pv[c] + p * Load(vr + c * kLanes);
+        }
+        float* acc = sc.acc.data() + rg * d;
+        for (int c = 0; c < NC; ++c)
+          Store(acc + c * kLanes, alpha * Load(acc + c * kLanes) + pv[c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < it.rows; ++r) {
+    const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t rg = r * g_n + g;
+      float* o = pb.out + (row * pb.hq + it.head * g_n + g) * d;
+      const float lv = sc.l[rg];
+      const float* acc = sc.acc.data() + rg * d;
+      for (int64_t i = 0; i < d; ++i) o[i] = lv > 0.0f ? acc[i] / lv : 0.0f;
+    }
+  }
+}
+
+void RunAny(const Problem& pb, const Item& it, Scratch& sc) {
+  switch (pb.d) {
+    case 16: return RunItem<1>(pb, it, sc);
+    case 32: return RunItem<2>(pb, it, sc);
+    case 64: return RunItem<4>(pb, it, sc);
+    case 128: return RunItem<8>(pb, it, sc);
+    case 256: return RunItem<16>(pb, it, sc);
+  }
+}
+
+// Work shared by the calling thread and the pool's helpers; helpers that
+// start after the work is done find nothing and only drop their reference.
+struct Shared {
+  Problem pb;
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void Drain(Shared& sh) {
+  thread_local Scratch scratch;
+  const int64_t n = static_cast<int64_t>(sh.items.size());
+  for (;;) {
+    const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) return;
+    RunAny(sh.pb, sh.items[i], scratch);
+    sh.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                           ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> page_table,
+                           ffi::Buffer<ffi::S32> cu_q_lens,
+                           ffi::Buffer<ffi::S32> num_seqs, float sm_scale,
+                           float soft_cap, int64_t sliding_window,
+                           int64_t block_kv,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4)
+    return ffi::Error::InvalidArgument("q must be rank 3 and pages rank 4");
+  const auto kt = k_pages.element_type();
+  if (kt != v_pages.element_type())
+    return ffi::Error::InvalidArgument("k_pages and v_pages dtypes differ");
+  if (kt != ffi::DataType::F32 && kt != ffi::DataType::U16 &&
+      kt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("pages must be f32, u16 or bf16");
+  if (qd[2] != 16 && qd[2] != 32 && qd[2] != 64 && qd[2] != 128 && qd[2] != 256)
+    return ffi::Error::InvalidArgument("head_dim must be 16, 32, 64, 128 or 256");
+  auto sh = std::make_shared<Shared>();
+  Problem& pb = sh->pb;
+  pb.q = q.typed_data();
+  pb.k_pages = k_pages.untyped_data();
+  pb.v_pages = v_pages.untyped_data();
+  pb.bf16_pages = kt != ffi::DataType::F32;
+  pb.kv_lens = kv_lens.typed_data();
+  pb.page_table = page_table.typed_data();
+  pb.cu_q_lens = cu_q_lens.typed_data();
+  pb.out = out->typed_data();
+  const int64_t t = qd[0];
+  pb.hq = qd[1];
+  pb.d = qd[2];
+  pb.num_pages = kd[0];
+  pb.page_size = kd[1];
+  pb.hkv = kd[2];
+  pb.pages_per_seq = page_table.dimensions()[1];
+  pb.group = pb.hq / pb.hkv;
+  pb.bk = block_kv;
+  pb.bkp = (block_kv + kLanes - 1) / kLanes * kLanes;
+  pb.sm_scale = sm_scale;
+  pb.soft_cap = soft_cap;
+  pb.window = sliding_window;
+  const int64_t slots = kv_lens.dimensions()[0];
+  const int64_t live = std::min<int64_t>(std::max<int64_t>(num_seqs.typed_data()[0], 0), slots);
+  const int64_t rows_used = live > 0 ? pb.cu_q_lens[live] : 0;
+  std::fill(pb.out + std::max<int64_t>(0, std::min(rows_used, t)) * pb.hq * pb.d,
+            pb.out + t * pb.hq * pb.d, 0.0f);
+  for (int64_t s = 0; s < live; ++s) {
+    const int64_t q_len = pb.cu_q_lens[s + 1] - pb.cu_q_lens[s];
+    for (int64_t r0 = 0; r0 < q_len; r0 += kRowTile)
+      for (int64_t h = 0; h < pb.hkv; ++h)
+        sh->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(h),
+                                 static_cast<int32_t>(r0),
+                                 static_cast<int32_t>(std::min<int64_t>(kRowTile, q_len - r0))});
+  }
+  const int64_t n = static_cast<int64_t>(sh->items.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh] { Drain(*sh); });
+  Drain(*sh);
+  while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveRaggedAttention, RaggedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<int64_t>("block_kv")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
