@@ -93,7 +93,10 @@ flags.DEFINE_integer("token_budget", 0, "Token budget and prefill chunk cap per 
                      "(0: the preset's); buckets above the preset's prefill_chunk_rows run as "
                      "scanned chunks.")
 flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
-flags.DEFINE_integer("profile_steps", 4, "Decode steps in the --profile trace.")
+flags.DEFINE_integer("profile_steps", 4, "Steps in the --profile trace.")
+flags.DEFINE_enum("profile_phase", "decode", ["decode", "prefill"],
+                  "--profile traces 32 requests' decode steps (after their prompts) "
+                  "or their first steps (prompt chunks, then prompt chunks with decode rows).")
 flags.DEFINE_bool("fused", True, "Run iterations as one fused device program "
                   "(False: program by program, Engine.fused).")
 flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch sizes.")
@@ -292,7 +295,7 @@ def breakdown(cfg, params, num_seqs, ecfg):
   """Parts of one decode iteration of ``num_seqs`` sequences, each timed alone.
 
   Shapes are the engine's (``ecfg``): token bucket, ``max_num_seqs``,
-  ``sample_rows``, the KV pool; each sequence has ``--breakdown_context``
+  the KV pool; each sequence has ``--breakdown_context``
   KV rows on its own pages. ``model_ms`` is ``llama.forward`` (all blocks,
   with attention); ``attention_ms`` is ``ragged_paged_attention`` for every
   layer alone; ``blocks_minus_attention_ms`` is the difference (projections,
@@ -348,9 +351,9 @@ def breakdown(cfg, params, num_seqs, ecfg):
       return carry + out[0, 0, 0] * 0, None
     return jax.lax.scan(layer, jnp.float32(0), jnp.arange(cfg.n_layers))[0]
 
-  # As the executor: the head's rows are min(sample_rows, bucket), the live
-  # ones only.
-  hidden = jnp.full((min(ecfg.sample_rows, bucket), cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
+  # As the executor: the head's rows are min(max_num_seqs, bucket), the
+  # live ones only.
+  hidden = jnp.full((min(ecfg.max_num_seqs, bucket), cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
   head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h, num))
   logits = jnp.resize(head(params, hidden), (seqs, cfg.vocab_size))
   z = jnp.zeros((seqs,), jnp.float32)
@@ -470,8 +473,7 @@ def main(argv):
       total = n * FLAGS.output_len
       # At least 32 running sequences (at most the preset's token budget).
       seqs = min(max(32, n), scratch.config.max_num_batched_tokens)
-      shape = dict(max_num_seqs=seqs, max_request_slots=max(128, n),
-                   sample_rows=max(scratch.config.sample_rows, seqs))
+      shape = dict(max_num_seqs=seqs, max_request_slots=max(128, n))
       s, engine = iterserve_run(cfg, params, prompts, [FLAGS.output_len] * n, timer=True,
                                 **shape)
       s1, _ = iterserve_run(cfg, params, prompts, [1] * n, **shape)
@@ -505,8 +507,9 @@ def main(argv):
     engine = _engine(cfg, params)
     for i, p in enumerate(_prompts([FLAGS.prompt_len] * n, seed=n)):
       engine.add_request(f"p{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
-    for _ in range(n * FLAGS.prompt_len // engine.config.max_num_batched_tokens + 2):
-      engine.step()                  # prefill everything; decode from here
+    if FLAGS.profile_phase == "decode":
+      for _ in range(n * FLAGS.prompt_len // engine.config.max_num_batched_tokens + 2):
+        engine.step()                # prefill everything; decode from here
     with jax.profiler.trace(FLAGS.profile, create_perfetto_trace=True):
       for _ in range(FLAGS.profile_steps):
         with jax.profiler.TraceAnnotation("engine.step"):

@@ -116,7 +116,6 @@ class EngineConfig:
       float32's).
     num_clients: size of the completed-service counter table.
     max_stop_ids: stop token ids per request.
-    sample_rows: rows of the logits matrix (>= max_num_seqs).
     preemption_mode: how a preempted request's KV cache is recovered
       (§0x0C): "recompute" frees its pages and rebuilds the prefix later
       (REBUILD rows); "swap" copies the pages to host memory and back
@@ -169,7 +168,6 @@ class EngineConfig:
   kv_dtype: str = "auto"
   num_clients: int = 64
   max_stop_ids: int = 8
-  sample_rows: int = 64
   preemption_mode: str = "recompute"
   swap_space_mb: float = 1024.0
   force_preempt_every: int = 0
@@ -198,8 +196,6 @@ class EngineConfig:
              self.max_num_batched_tokens)
     _require(self.num_pages >= 2, c, "num_pages", "must be >= 2 (one is the null page)",
              self.num_pages)
-    _require(self.sample_rows >= self.max_num_seqs, c, "sample_rows",
-             f"must be >= max_num_seqs ({self.max_num_seqs})", self.sample_rows)
     _require(self.dtype in ("float32", "bfloat16"), c, "dtype",
              "must be 'float32' or 'bfloat16'", self.dtype)
     _require(self.weights in WEIGHTS, c, "weights", f"must be one of {WEIGHTS}",

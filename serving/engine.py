@@ -1148,7 +1148,7 @@ def _model_step(model_cfg, config: EngineConfig) -> Callable:
   return functools.partial(
       step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
                               config.prefill_chunk_rows),
-      num_seqs=config.max_num_seqs, sample_rows=config.sample_rows,
+      num_seqs=config.max_num_seqs,
       max_model_len=config.max_model_len)
 
 

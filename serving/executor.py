@@ -103,15 +103,16 @@ class ModelRunner:
 def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
             manifest: rec.WorkloadManifest, state: rec.SchedulerState,
             plan: rec.IterationPlan, *, model, num_rows: int, num_seqs: int,
-            sample_rows: int, max_model_len: int):
+            max_model_len: int):
   """Runs one plan. Returns ``(kv, pages, buffers, result)``.
 
   Args:
     model: static ``ModelRunner`` (forward / compute_logits / eos ids).
     num_rows: static token-row bucket T; num_seqs: static S.
-    sample_rows: static logits rows (>= S). The head runs on
-      ``min(sample_rows, num_rows)`` rows (every selected sequence holds at
-      least one row), in ``llama.row_tiled`` GEMMs over the live ones only.
+  The LM head runs on the last row of each of the ``min(S, num_rows)``
+  sequences that can hold a row (every selected sequence holds at least
+  one), in ``llama.row_tiled`` GEMMs over the live ones only: no logits row
+  is computed, zero-filled or copied for a sequence that cannot exist.
   The result's ``emit_ms`` is 0: the host stamps the publication time.
   """
   pages = allocate_for_plan(pages, plan)
@@ -119,15 +120,12 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
                 num_rows=num_rows, num_seqs=num_seqs)
 
   hidden, kv = model.forward(params, kv, packed, manifest.prompt_len)
-  head_rows = min(sample_rows, num_rows)
-  last = jnp.zeros((head_rows,), jnp.int32).at[:min(num_seqs, head_rows)].set(
-      packed.last_row[:head_rows])
-  logits = model.compute_logits(params, hidden[last], packed.num_seqs)
-  # Sequences at or beyond head_rows hold no row (they are padding), so the
-  # stop mask, sampling and the finiteness check run on the head's rows only
-  # (each row's token is its own) and their results are padded to S.
-  sampled_rows = min(head_rows, num_seqs)
-  logits = logits[:sampled_rows]                                      # [N, V]
+  # Sequences at or beyond sampled_rows hold no row (they are padding), so
+  # the head, the stop mask, sampling and the finiteness check run on those
+  # rows only (each row's token is its own) and their results are padded to S.
+  sampled_rows = min(num_rows, num_seqs)
+  logits = model.compute_logits(params, hidden[packed.last_row[:sampled_rows]],
+                                packed.num_seqs)                      # [N, V]
   slots = packed.seq_slots[:sampled_rows]
   logits = _mask_stops(logits, slots, buffers, state.emitted, model.eos_token_ids)
   token = sample(logits, buffers.temperature[slots], buffers.top_k[slots],

@@ -41,15 +41,15 @@ class VirtualClock:
 
 def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: rec.WorkloadManifest,
                       state: rec.SchedulerState, plan: rec.IterationPlan, *, model,
-                      num_rows: int, num_seqs: int, sample_rows: int, max_model_len: int):
+                      num_rows: int, num_seqs: int, max_model_len: int):
   """Runs one plan without the model. Returns ``(kv, pages, buffers, result)``.
 
   Args: as ``serving.executor.execute``; ``params`` is unused, ``kv`` is
-  passed through, ``num_rows``/``num_seqs``/``sample_rows`` only key the
+  passed through, ``num_rows``/``num_seqs`` only key the
   compiled program. The truth ``manifest.hidden_realized_output_tokens``
   (i32[R]) may be None: the declared ``max_tokens`` is then the length.
   """
-  del params, num_seqs, sample_rows
+  del params, num_seqs
   pages = executor.allocate_for_plan(pages, plan)
   p = manifest.prompt_len
   truth = manifest.hidden_realized_output_tokens

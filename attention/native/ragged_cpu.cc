@@ -47,7 +47,18 @@ typedef uint16_t VH __attribute__((vector_size(32), aligned(2), may_alias));
 
 inline V Load(const float* p) { return *reinterpret_cast<const V*>(p); }
 inline void Store(float* p, V v) { *reinterpret_cast<V*>(p) = v; }
-inline V Splat(float x) { return V{} + x; }
+inline V Splat(float x) {
+  return V{} + x;
+}
+
+// The dot of one key with q over head_dim: lane l sums q[c][l] * k[c][l]
+// over the NC chunks c in order.
+template <int NC>
+inline V DotLanes(const V* q, const float* k) {
+  V t = q[0] * Load(k);
+  for (int c = 1; c < NC; ++c) t = t + q[c] * Load(k + c * kLanes);
+  return t;
+}
 
 // exp(x) lane by lane, branch-free: x = k ln2 + r (|r| <= ln2 / 2), a
 // degree-6 polynomial for e^r, scaled by 2^k. Lanes below -87.3 (and -inf)
@@ -114,13 +125,15 @@ struct Item {
 };
 
 // Widens key rows [k0, k0 + nk) of sequence `seq`, KV head `h`, into
-// k[bkp][D] and v[bkp][D] (float32); rows past nk are zero.
+// k[bkp][D] and v[bkp][D] (float32); rows from nk to the end of its vector
+// of keys are zero.
 template <int NC>
 void LoadBlock(const Problem& pb, int seq, int h, int64_t k0, int64_t nk,
                float* k, float* v) {
   constexpr int64_t d = NC * kLanes;
-  std::fill(k + nk * d, k + pb.bkp * d, 0.0f);
-  std::fill(v + nk * d, v + pb.bkp * d, 0.0f);
+  const int64_t end = std::min<int64_t>(pb.bkp, (nk + kLanes - 1) / kLanes * kLanes);
+  std::fill(k + nk * d, k + end * d, 0.0f);
+  std::fill(v + nk * d, v + end * d, 0.0f);
   const int32_t* table = pb.page_table + static_cast<int64_t>(seq) * pb.pages_per_seq;
   for (int64_t key = 0; key < nk; ++key) {
     const int64_t pos = k0 + key;
@@ -181,38 +194,42 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
       int64_t vis_lo = 0;
       if (pb.window > 0) vis_lo = std::max<int64_t>(0, pos - pb.window + 1 - k0);
       if (vis_hi <= vis_lo) continue;          // sees nothing here: state kept
+      // Vectors of keys holding a visible key; the others would add exact
+      // zeros to the softmax sums and P@V, so skipping them keeps the bits.
+      const int64_t kc_lo = vis_lo / kLanes * kLanes;
+      const int64_t kc_hi = (vis_hi + kLanes - 1) / kLanes * kLanes;
       const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
       for (int64_t g = 0; g < g_n; ++g) {
         const float* qg = pb.q + (row * pb.hq + it.head * g_n + g) * d;
         V qv[NC];
         for (int c = 0; c < NC; ++c) qv[c] = Load(qg + c * kLanes);
-        // s[key] = fold(sum over c of q[c] * k[key][c]): lanes over head_dim
-        // chunks in order, then Reduce16's tree.
-        for (int64_t kc = 0; kc < bkp; kc += kLanes) {
+        // s[key] = fold(DotLanes(q, k[key])): lanes over head_dim chunks in
+        // order, then Reduce16's tree; keys the row does not see
+        // become -inf.
+        V mxv = Splat(-INFINITY);
+        for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
           V a[kLanes];
-          for (int key = 0; key < kLanes; ++key) {
-            const float* kr = kb + (kc + key) * d;
-            V t = qv[0] * Load(kr);
-            for (int c = 1; c < NC; ++c) t = t + qv[c] * Load(kr + c * kLanes);
-            a[key] = t;
+          for (int key = 0; key < kLanes; ++key) a[key] = DotLanes<NC>(qv, kb + (kc + key) * d);
+          V sv = Reduce16(a) * pb.sm_scale;
+          if (pb.soft_cap > 0.0f) {
+            for (int l = 0; l < kLanes; ++l) sv[l] = pb.soft_cap * std::tanh(sv[l] / pb.soft_cap);
           }
-          Store(s + kc, Reduce16(a) * pb.sm_scale);
+          const VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
+                         static_cast<int32_t>(kc);
+          const VI vis = (idx >= static_cast<int32_t>(vis_lo)) & (idx < static_cast<int32_t>(vis_hi));
+          sv = vis ? sv : Splat(-INFINITY);
+          Store(s + kc, sv);
+          mxv = mxv > sv ? mxv : sv;
         }
-        if (pb.soft_cap > 0.0f) {
-          for (int64_t key = vis_lo; key < vis_hi; ++key)
-            s[key] = pb.soft_cap * std::tanh(s[key] / pb.soft_cap);
-        }
-        float mx = -INFINITY;
-        for (int64_t key = vis_lo; key < vis_hi; ++key) mx = std::max(mx, s[key]);
+        float mx = -INFINITY;                  // max is exact in any order
+        for (int l = 0; l < kLanes; ++l) mx = std::max(mx, mxv[l]);
         const int64_t rg = r * g_n + g;
         const float m_old = sc.m[rg];
         const float m_new = std::max(m_old, mx);
         const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
         V part = Splat(0.0f);
-        for (int64_t kc = 0; kc < bkp; kc += kLanes) {
-          VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + static_cast<int32_t>(kc);
-          const VI vis = (idx >= static_cast<int32_t>(vis_lo)) & (idx < static_cast<int32_t>(vis_hi));
-          const V p = Exp(vis ? Load(s + kc) - m_safe : Splat(-INFINITY));
+        for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
+          const V p = Exp(Load(s + kc) - m_safe);
           Store(s + kc, p);
           part = part + p;
         }
@@ -223,16 +240,23 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         const float alpha = Exp(Splat(m_old - m_safe))[0];
         sc.l[rg] = alpha * sc.l[rg] + psum;
         sc.m[rg] = m_new;
-        V pv[NC];
-        for (int c = 0; c < NC; ++c) pv[c] = Splat(0.0f);
-        for (int64_t key = vis_lo; key < vis_hi; ++key) {
-          const V p = Splat(s[key]);
-          const float* vr = vb + key * d;
-          for (int c = 0; c < NC; ++c) pv[c] = pv[c] + p * Load(vr + c * kLanes);
+        // P@V: key i of the block goes to accumulator set i % 4 (keys in
+        // order within a set), the sets added as (0 + 1) + (2 + 3). Keys
+        // the row does not see have p = 0 and add exact zeros.
+        V pv[4][NC];
+        for (int j = 0; j < 4; ++j)
+          for (int c = 0; c < NC; ++c) pv[j][c] = Splat(0.0f);
+        for (int64_t k4 = vis_lo / 4 * 4; k4 < vis_hi; k4 += 4) {
+          for (int j = 0; j < 4; ++j) {
+            const V p = Splat(s[k4 + j]);
+            const float* vr = vb + (k4 + j) * d;
+            for (int c = 0; c < NC; ++c) pv[j][c] = pv[j][c] + p * Load(vr + c * kLanes);
+          }
         }
         float* acc = sc.acc.data() + rg * d;
         for (int c = 0; c < NC; ++c)
-          Store(acc + c * kLanes, alpha * Load(acc + c * kLanes) + pv[c]);
+          Store(acc + c * kLanes, alpha * Load(acc + c * kLanes) +
+                                      ((pv[0][c] + pv[1][c]) + (pv[2][c] + pv[3][c])));
       }
     }
   }
@@ -328,7 +352,15 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   std::fill(pb.out + std::max<int64_t>(0, std::min(rows_used, t)) * pb.hq * pb.d,
             pb.out + t * pb.hq * pb.d, 0.0f);
   for (int64_t s = 0; s < live; ++s) {
-    const int64_t q_len = pb.cu_q_lens[s + 1] - pb.cu_q_lens[s];
+    // Rows outside [0, T) are dropped (as the jnp paths' scatter does).
+    const int64_t lo = pb.cu_q_lens[s], hi = pb.cu_q_lens[s + 1];
+    if (lo < 0 || hi > t || hi < lo) {
+      const int64_t a = std::min(std::max<int64_t>(lo, 0), t);
+      const int64_t b = std::min(std::max<int64_t>(hi, a), t);
+      std::fill(pb.out + a * pb.hq * pb.d, pb.out + b * pb.hq * pb.d, 0.0f);
+      continue;
+    }
+    const int64_t q_len = hi - lo;
     for (int64_t r0 = 0; r0 < q_len; r0 += kRowTile)
       for (int64_t h = 0; h < pb.hkv; ++h)
         sh->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(h),

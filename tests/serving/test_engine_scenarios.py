@@ -105,7 +105,7 @@ def test_long_prefill_threshold_400_three_800_token_prompts(params):
   config = dataclasses.replace(
       BASE, policy="vllm_v1", max_num_batched_tokens=1024,
       long_prefill_token_threshold=400, max_num_seqs=4, page_size=16,
-      num_pages=256, max_model_len=1024, min_bucket=1024, sample_rows=64)
+      num_pages=256, max_model_len=1024, min_bucket=1024)
   engine = _engine(params, config, model_cfg)
   _add(engine, _prompts([800, 800, 800], seed=4), SamplingParams(max_tokens=3,
                                                                ignore_eos=True))
