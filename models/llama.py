@@ -182,7 +182,8 @@ def row_classes(prompt_rows, num_live) -> RowClasses:
                     num_tiled=jnp.sum(tiled, dtype=jnp.int32), any_prompt=jnp.any(prompt))
 
 
-def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> jax.Array:
+def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
+            exact: bool = False) -> jax.Array:
   """Applies the row-wise map ``fn`` to ``x``, each row in its bit class.
 
   XLA:CPU's float32 GEMM rounds a row the same way for every row count M in
@@ -202,21 +203,31 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None) -> ja
   A row's result thus depends only on the row and its class, never on how
   many rows share the bucket or where it sits.
 
+  ``exact=True`` (int8 weights, ``models.quant.linear``: integer sums, a
+  row's scale its own) has no bit classes: every row runs in one GEMM over
+  all T rows (two when T is 1), whatever ``classes`` says; the large GEMM is
+  the fastest form, and a bucket's decode rows are not run a second time.
+
   Args:
     fn: maps [M, K] -> [M, N] (or a tuple of such) row by row.
     x: [T, K] rows; rows at or beyond ``num_live`` are padding.
     num_live: i32[] live rows (a prefix of ``x``).
     classes: the rows' ``RowClasses``; None: every row in the tiled class
       (``row_tiled``).
+    exact: static; ``fn``'s row results do not depend on the row count.
 
   Returns:
     ``fn``'s result for all T rows; padding rows hold unspecified finite
     values.
   """
-  if classes is None:
-    return row_tiled(fn, x, num_live)
   num_rows = x.shape[0]
   tmap = jax.tree_util.tree_map
+  if exact:
+    if num_rows >= 2:
+      return fn(x)
+    return tmap(lambda y: y[:num_rows], fn(jnp.pad(x, ((0, 2 - num_rows), (0, 0)))))
+  if classes is None:
+    return row_tiled(fn, x, num_live)
   out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((2,) + x.shape[1:], x.dtype))
   zeros = lambda: tmap(lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype), out_aval)
 
@@ -407,8 +418,9 @@ class Attention(nn.Module):
     wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
     wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
+    exact = isinstance(wq, quant.QuantizedWeight)
     q, k, v = rowwise(lambda h: (linear(h, wq), linear(h, wk), linear(h, wv)), x,
-                      batch.num_live, batch.classes)
+                      batch.num_live, batch.classes, exact=exact)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
@@ -428,7 +440,7 @@ class Attention(nn.Module):
     out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
                  batch.cu_q_lens, batch.num_seqs)
     out = rowwise(lambda h: linear(h, wo), out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
-                  batch.num_live, batch.classes)
+                  batch.num_live, batch.classes, exact=exact)
     return out, k_pool, v_pool
 
 
@@ -445,7 +457,7 @@ class MLP(nn.Module):
     w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
     w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
     return rowwise(lambda h: linear(nn.silu(linear(h, w_gate)) * linear(h, w_up), w_down),
-                   x, num_live, classes)
+                   x, num_live, classes, exact=isinstance(w_down, quant.QuantizedWeight))
 
 
 class DecoderLayer(nn.Module):

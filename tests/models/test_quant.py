@@ -107,6 +107,26 @@ def test_linear_row_does_not_depend_on_the_row_count_or_its_place():
         np.testing.assert_array_equal(got, want, err_msg=f"K={k} N={n} M={m} row {at}")
 
 
+def test_int8_swiglu_row_does_not_depend_on_the_row_count_or_its_place():
+  """SmolLM2's int8 SwiGLU MLP as the model runs it (``rowwise(...,
+  exact=True)``: one GEMM over every row of the bucket, silu and the
+  product between the projections) gives a row the same bits at any row
+  count and place: the elementwise ops between the GEMMs round a row alike
+  in every shape, as the model's one-GEMM int8 path needs."""
+  rng = np.random.default_rng(7)
+  w_gate, w_up, w_down = _weight(rng, 576, 1536), _weight(rng, 576, 1536), _weight(rng, 1536, 576)
+  mlp = lambda h: quant.linear(jax.nn.silu(quant.linear(h, w_gate)) * quant.linear(h, w_up),
+                               w_down)
+  fn = jax.jit(lambda x: llama.rowwise(mlp, x, x.shape[0], exact=True))
+  row = rng.standard_normal((1, 576)).astype(np.float32)
+  want = np.asarray(fn(jnp.asarray(row)))[0]
+  for m in (2, 4, 7, 32, 33, 64, 200, 256):
+    others = rng.standard_normal((m - 1, 576)).astype(np.float32) * rng.uniform(0.1, 10)
+    for at, x in ((0, np.concatenate([row, others])), (m - 1, np.concatenate([others, row]))):
+      np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x)))[at], want,
+                                    err_msg=f"M={m} row {at}")
+
+
 def test_quantize_columns():
   rng = np.random.default_rng(3)
   w = 0.05 * rng.standard_normal((2, 96, 40)).astype(np.float32)
@@ -237,14 +257,16 @@ def test_int8_projection_and_residual_add_do_not_depend_on_the_bucket():
     (8, False),
     (40, False),
     (64, True),
+    (256, True),
 ])
 def test_int8_decode_row_does_not_depend_on_the_bucket(tiny_cfg, quantized, seqs, num_rows,
                                                         classes):
   """int8 weights: a decode row's hidden state and logits are bitwise the
-  same alone in a 1-row bucket and beside other rows in an 8-row bucket
-  (one GEMM per projection), a 40-row one (32-row tiles in a loop), and a
-  64-row one with the engine's row classes (``prompt_rows``: a prompt in
-  the large class, the decode row in tiles)
+  same alone in a 1-row bucket (a 2-row GEMM) and beside other rows in
+  8-, 40-, 64- and 256-row buckets, with and without the engine's row
+  classes (``prompt_rows``): int8 projections have no bit classes, so every
+  bucket runs each projection as one GEMM over all its rows (``rowwise``'s
+  ``exact``)
   (``test_bfloat16_decode_row_does_not_depend_on_the_bucket``)."""
   kv = llama.init_kv_cache(tiny_cfg, NUM_PAGES, PAGE_SIZE)
   history = [(seqs["decode"], 0, 7), (seqs["chunk"], 0, 5)]
