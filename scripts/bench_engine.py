@@ -54,10 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention
+from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
 from models import llama, quant
 from models.loaders import load_model, resolve_model_path
-from serving import cli, workloads
+from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.launch import warmup
@@ -74,6 +74,8 @@ flags.DEFINE_integer("trace_requests", 64, "Trace section request count.")
 flags.DEFINE_string("trace", str(Path(__file__).resolve().parents[2] / "shared/data/traces/"
                                  "azure2023/AzureLLMInferenceTrace_conv.csv"),
                     "Azure conv CSV for the trace section (synthetic lengths if absent).")
+flags.DEFINE_bool("keep_freed_pages", True, "serving.hostmem.keep_freed_pages before "
+                  "anything loads (the launchers' default; both engines in the process share it).")
 flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference extra).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
@@ -438,6 +440,7 @@ def main(argv):
   for w in FLAGS.hf_weights:
     if w not in ("dense", "int8"):
       raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
+  kept = hostmem.keep_freed_pages() if FLAGS.keep_freed_pages else False
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
@@ -450,7 +453,8 @@ def main(argv):
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "host_cpu": host_cpu(),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
-         "kv_dtype": FLAGS.kv_dtype,
+         "kv_dtype": FLAGS.kv_dtype, "keep_freed_pages": kept,
+         "attention_impl": resolve_impl(scratch.config.attention_impl, head_dim=cfg.head_dim),
          "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,
          "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),

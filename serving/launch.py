@@ -12,7 +12,7 @@ from absl import flags, logging
 
 from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
-from serving import workloads
+from serving import hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.sim_executor import VirtualClock
@@ -75,6 +75,9 @@ def define_engine_flags() -> None:
                       "own --process_id, and --clock=virtual).")
   flags.DEFINE_integer("num_processes", 1, "Multi-process JAX: number of processes.")
   flags.DEFINE_integer("process_id", 0, "Multi-process JAX: this process's index.")
+  flags.DEFINE_boolean("keep_freed_pages", True, "Serve every malloc from glibc's heap and "
+                       "never trim it, so each step's XLA buffers reuse mapped pages "
+                       "(serving.hostmem; the process keeps its peak heap).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -208,6 +211,8 @@ def load_flags_model(engine_cfg: EngineConfig):
   """Loads --model in the engine's dtype (and turns on the caches under
   --cache_dir). Returns (cfg, params, tokenizer)."""
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
+  if FLAGS.keep_freed_pages:
+    hostmem.keep_freed_pages()
   init_processes(engine_cfg)
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
