@@ -75,7 +75,7 @@ def library_path() -> Path:
       source, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
       _cpu_signature().encode()])).hexdigest()[:20]
   out = _cache_dir() / f"ragged_cpu-{key}.so"
-  if out.exists():
+  if out.exists() and out.stat().st_size > 0:
     return out
   if shutil.which(cxx) is None:
     raise NativeUnavailable(f"no C++ compiler {cxx!r} on PATH (set CXX)")
@@ -84,10 +84,12 @@ def library_path() -> Path:
   os.close(fd)
   cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if proc.returncode != 0:
+  if proc.returncode != 0 or os.path.getsize(tmp) == 0:
     os.unlink(tmp)
-    first = "\n".join(proc.stderr.strip().splitlines()[:8])
-    raise NativeUnavailable(f"compiling {SOURCE.name} failed:\n{first}")
+    first = "; ".join(proc.stderr.strip().splitlines()[:8])
+    raise NativeUnavailable(f"compiling {SOURCE.name} with {cxx} failed (exit status "
+                            f"{proc.returncode}{', no library written' if not proc.returncode else ''})"
+                            f"{': ' + first if first else ''}")
   os.replace(tmp, out)             # atomic: concurrent builders agree
   return out
 

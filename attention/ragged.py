@@ -735,10 +735,16 @@ def resolve_impl(impl: str, backend: str | None = None,
     return "blocked_dot"
   reason = native.unavailable_reason()
   if reason is not None:
-    warnings.warn(f"attention impl 'auto': the native CPU kernel is unavailable "
-                  f"({reason}); using 'blocked_dot'", RuntimeWarning, stacklevel=2)
+    _warn_fallback(reason)
     return "blocked_dot"
   return "native"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(reason: str) -> None:
+  """Warns once per process that ``auto`` falls back from the native kernel."""
+  warnings.warn(f"attention impl 'auto': the native CPU kernel is unavailable "
+                f"({reason}); using 'blocked_dot'", RuntimeWarning, stacklevel=3)
 
 
 @functools.partial(

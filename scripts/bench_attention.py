@@ -46,7 +46,7 @@ from serving import cli  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "/tmp/bench_attention.json", "JSON path.")
 _BACKEND = flags.DEFINE_string("backend", "cpu", "JAX platform to run on.")
-_IMPLS = flags.DEFINE_list("impls", ["blocked", "blocked_dot", "gather"],
+_IMPLS = flags.DEFINE_list("impls", ["native", "blocked", "blocked_dot", "gather"],
                            "ragged impls, plus 'dense' (masked attention).")
 _MIXES = flags.DEFINE_list("mixes", ["decode32", "prefill0", "prefill1k",
                                      "mixed"], "Mixes to run.")

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from attention.ragged import KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
+from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
 from models import llama, quant
 from models.loaders import load_model, resolve_model_path
 from serving import cli, hostmem, workloads
@@ -87,6 +87,9 @@ flags.DEFINE_list("hf_weights", [], "transformers peers run in the same process:
                   "(in --dtype; JSON keys hf_*) and/or int8 (torch's dynamic int8 "
                   "quantization of every Linear, the LM head included; keys hf_int8_*). "
                   "Default: --weights.")
+flags.DEFINE_enum("attention_impl", None, list(IMPLS),
+                  "Override the preset's attention implementation (e.g. blocked_dot "
+                  "against the CPU default, native).")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
@@ -202,6 +205,8 @@ def _engine(cfg, params, **overrides):
   overrides.setdefault("dtype", FLAGS.dtype)
   overrides.setdefault("kv_dtype", FLAGS.kv_dtype)
   overrides.setdefault("weights", FLAGS.weights)
+  if FLAGS.attention_impl:
+    overrides.setdefault("attention_impl", FLAGS.attention_impl)
   if FLAGS.num_pages:
     overrides.setdefault("num_pages", FLAGS.num_pages)
   if FLAGS.token_budget:

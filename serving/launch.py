@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags, logging
 
+from attention import native, ragged
 from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import hostmem, workloads
@@ -213,6 +216,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.keep_freed_pages:
     hostmem.keep_freed_pages()
+  check_attention_impl(engine_cfg)
   init_processes(engine_cfg)
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
@@ -223,8 +227,41 @@ def load_flags_model(engine_cfg: EngineConfig):
                                       cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
                                       mesh=make_mesh(engine_cfg.mesh))
   print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
-        f"{time.perf_counter() - t:.1f} s")
+        f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}")
   return cfg, params, tokenizer
+
+
+def check_attention_impl(engine_cfg: EngineConfig) -> None:
+  """Checks ``--attention_impl`` before any model loads; where ``auto``
+  cannot take the native CPU kernel, says so in one ``warning:`` line on
+  stderr (and not again when the engine resolves it).
+
+  Raises:
+    ValueError: ``--attention_impl=native`` off the CPU, or where the native
+      kernel does not build (the reason, e.g. no C++ compiler).
+  """
+  impl, backend = engine_cfg.attention_impl, jax.default_backend()
+  if engine_cfg.executor == "simulated" or impl not in ("auto", "native"):
+    return
+  if impl == "native" and backend != "cpu":
+    raise ValueError(f"--attention_impl=native runs on the CPU only (backend: {backend})")
+  reason = native.unavailable_reason() if backend == "cpu" else None
+  if impl == "native" and reason:
+    raise ValueError(f"--attention_impl=native: {reason}")
+  if reason:
+    print(f"warning: --attention_impl=auto: the native CPU kernel is unavailable ({reason}); "
+          f"using blocked_dot", file=sys.stderr)
+    attention_impl(engine_cfg, None)   # the engine's own resolution now stays silent
+
+
+def attention_impl(engine_cfg: EngineConfig, head_dim: int | None) -> str:
+  """The attention implementation the engine runs for a model of
+  ``head_dim`` (``--attention_impl`` resolved for this backend)."""
+  if engine_cfg.executor == "simulated":
+    return "none (simulated executor)"
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return ragged.resolve_impl(engine_cfg.attention_impl, head_dim=head_dim)
 
 
 def init_processes(engine_cfg: EngineConfig) -> None:

@@ -2,13 +2,24 @@
 // custom call (attention/native.py builds, registers and calls it).
 //
 // Every query row is computed by the same code whatever else shares the
-// launch: the row walks its own sequence's key blocks [j * Bk, (j + 1) * Bk)
-// in order with a float32 online softmax; scores sum over head_dim in order,
-// the softmax denominator sums a block's keys in 16 fixed lanes reduced in a
-// fixed tree, and P@V sums keys in order. Nothing depends on the batch, the
-// row's neighbours, how its prompt was chunked or how the work was split
-// across threads, so a row's bits are batch- and chunk-invariant by
-// construction. exp is a fixed polynomial (Exp), not libm's.
+// launch. A row walks its own sequence's key blocks [j * Bk, (j + 1) * Bk)
+// in order with a float32 online softmax; within a block:
+//   scores  q . k over head_dim in 16 lanes (chunks of 16 dims added in
+//           order), the lanes folded by one fixed tree (Reduce16);
+//   max     exact in any order;
+//   p       exp(s - m) by a fixed polynomial (Exp), not libm's;
+//   sum     p in 16 lanes by vector of keys in order, then Reduce16's tree;
+//   P@V     key i into accumulator set i % 4 (keys in order within a set),
+//           the sets added as (0 + 1) + (2 + 3).
+// Which keys a row sees depends only on its position, and vectors of keys
+// it does not see are skipped (they would add exact zeros). Nothing depends
+// on the batch, the row's neighbours, how its prompt was chunked or how the
+// work was split across threads, so a row's bits are batch- and
+// chunk-invariant by construction. One binary gives the same bits for a row
+// everywhere; another compiler or -march may round differently.
+//
+// Written with GCC's vector extensions (__builtin_shuffle: g++ only), which
+// compile to AVX-512, AVX2 or SSE registers for the -march given.
 //
 // Operands (attention/ragged.py's layout):
 //   q          f32[T, Hq, D]
@@ -47,9 +58,7 @@ typedef uint16_t VH __attribute__((vector_size(32), aligned(2), may_alias));
 
 inline V Load(const float* p) { return *reinterpret_cast<const V*>(p); }
 inline void Store(float* p, V v) { *reinterpret_cast<V*>(p) = v; }
-inline V Splat(float x) {
-  return V{} + x;
-}
+inline V Splat(float x) { return V{} + x; }
 
 // The dot of one key with q over head_dim: lane l sums q[c][l] * k[c][l]
 // over the NC chunks c in order.

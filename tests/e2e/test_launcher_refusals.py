@@ -1,6 +1,7 @@
 """Launcher refusals that need no model: each is one line naming the flag,
 exit status 2, before any model loads (no SmolLM2 weights needed)."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -13,9 +14,9 @@ from tests.serving.engine_testing import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(script, *args):
+def _run(script, *args, env=None):
   proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+                        capture_output=True, text=True, timeout=300, env=env)
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
   assert "model:" not in proc.stdout             # refused before a model loaded
   return proc.returncode, proc.stderr.strip().splitlines()[-1]
@@ -73,6 +74,16 @@ def test_a_port_in_use_is_refused_before_loading():
 def test_bad_input_is_one_line_and_exit_2(script, args, line):
   status, last = _run(script, *args)
   assert status == 2 and last.startswith(line), last
+
+
+def test_native_attention_without_a_compiler_is_refused_before_loading(tmp_path):
+  """--attention_impl=native where the kernel cannot build (no compiler, an
+  empty kernel cache) is one line naming the flag and the reason."""
+  env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
+             ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"))
+  status, last = _run("generate.py", "--prompt=hi", "--attention_impl=native", env=env)
+  assert (status, last) == (2, f"error: --attention_impl=native: no C++ compiler "
+                               f"'{tmp_path / 'no-such-c++'}' on PATH (set CXX)")
 
 
 def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
