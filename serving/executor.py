@@ -109,6 +109,7 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   Args:
     model: static ``ModelRunner`` (forward / compute_logits / eos ids).
     num_rows: static token-row bucket T; num_seqs: static S.
+
   The LM head runs on the last row of each of the ``min(S, num_rows)``
   sequences that can hold a row (every selected sequence holds at least
   one), in ``llama.row_tiled`` GEMMs over the live ones only: no logits row

@@ -216,8 +216,8 @@ def load_flags_model(engine_cfg: EngineConfig):
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.keep_freed_pages:
     hostmem.keep_freed_pages()
-  check_attention_impl(engine_cfg)
   init_processes(engine_cfg)
+  check_attention_impl(engine_cfg)
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
