@@ -130,39 +130,43 @@ struct Problem {
 };
 
 struct Item {
-  int32_t seq, head, row0, rows;
+  int32_t seq, row0, rows;
 };
 
-// Widens key rows [k0, k0 + nk) of sequence `seq`, KV head `h`, into
-// k[bkp][D] and v[bkp][D] (float32); rows from nk to the end of its vector
-// of keys are zero.
+// Widens key rows [k0, k0 + nk) of sequence `seq`, every KV head, into
+// k[Hkv][bkp][D] and v[Hkv][bkp][D] (float32), reading each key's page row
+// (all heads) once; rows from nk to the end of its vector of keys are zero.
 template <int NC>
-void LoadBlock(const Problem& pb, int seq, int h, int64_t k0, int64_t nk,
-               float* k, float* v) {
+void LoadBlock(const Problem& pb, int seq, int64_t k0, int64_t nk, float* k, float* v) {
   constexpr int64_t d = NC * kLanes;
   const int64_t end = std::min<int64_t>(pb.bkp, (nk + kLanes - 1) / kLanes * kLanes);
-  std::fill(k + nk * d, k + end * d, 0.0f);
-  std::fill(v + nk * d, v + end * d, 0.0f);
+  for (int64_t h = 0; h < pb.hkv; ++h) {
+    std::fill(k + (h * pb.bkp + nk) * d, k + (h * pb.bkp + end) * d, 0.0f);
+    std::fill(v + (h * pb.bkp + nk) * d, v + (h * pb.bkp + end) * d, 0.0f);
+  }
   const int32_t* table = pb.page_table + static_cast<int64_t>(seq) * pb.pages_per_seq;
   for (int64_t key = 0; key < nk; ++key) {
     const int64_t pos = k0 + key;
     int64_t page = table[std::min<int64_t>(pos / pb.page_size, pb.pages_per_seq - 1)];
     page = std::min<int64_t>(std::max<int64_t>(page, 0), pb.num_pages - 1);
-    const int64_t off = ((page * pb.page_size + pos % pb.page_size) * pb.hkv + h) * d;
-    if (pb.bf16_pages) {
-      const uint16_t* ks = static_cast<const uint16_t*>(pb.k_pages) + off;
-      const uint16_t* vs = static_cast<const uint16_t*>(pb.v_pages) + off;
-      for (int c = 0; c < NC; ++c) {
-        const VU kb = __builtin_convertvector(*reinterpret_cast<const VH*>(ks + c * kLanes), VU) << 16;
-        const VU vb = __builtin_convertvector(*reinterpret_cast<const VH*>(vs + c * kLanes), VU) << 16;
-        Store(k + key * d + c * kLanes, reinterpret_cast<const V&>(kb));
-        Store(v + key * d + c * kLanes, reinterpret_cast<const V&>(vb));
+    const int64_t row = (page * pb.page_size + pos % pb.page_size) * pb.hkv * d;
+    for (int64_t h = 0; h < pb.hkv; ++h) {
+      const int64_t off = row + h * d;
+      float* kd = k + (h * pb.bkp + key) * d;
+      float* vd = v + (h * pb.bkp + key) * d;
+      if (pb.bf16_pages) {
+        const uint16_t* ks = static_cast<const uint16_t*>(pb.k_pages) + off;
+        const uint16_t* vs = static_cast<const uint16_t*>(pb.v_pages) + off;
+        for (int c = 0; c < NC; ++c) {
+          const VU kb = __builtin_convertvector(*reinterpret_cast<const VH*>(ks + c * kLanes), VU) << 16;
+          const VU vb = __builtin_convertvector(*reinterpret_cast<const VH*>(vs + c * kLanes), VU) << 16;
+          Store(kd + c * kLanes, reinterpret_cast<const V&>(kb));
+          Store(vd + c * kLanes, reinterpret_cast<const V&>(vb));
+        }
+      } else {
+        std::memcpy(kd, static_cast<const float*>(pb.k_pages) + off, d * sizeof(float));
+        std::memcpy(vd, static_cast<const float*>(pb.v_pages) + off, d * sizeof(float));
       }
-    } else {
-      const float* ks = static_cast<const float*>(pb.k_pages) + off;
-      const float* vs = static_cast<const float*>(pb.v_pages) + off;
-      std::memcpy(k + key * d, ks, d * sizeof(float));
-      std::memcpy(v + key * d, vs, d * sizeof(float));
     }
   }
 }
@@ -179,15 +183,13 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t q_len = pb.cu_q_lens[it.seq + 1] - pb.cu_q_lens[it.seq];
   const int64_t pos_lo = kv_len - q_len + it.row0;
   const int64_t pos_hi = pos_lo + it.rows - 1;
-  const int64_t nrg = static_cast<int64_t>(it.rows) * g_n;
-  sc.k.resize(bkp * d);
-  sc.v.resize(bkp * d);
+  const int64_t nrg = static_cast<int64_t>(it.rows) * pb.hq;   // (row, query head)
+  sc.k.resize(pb.hkv * bkp * d);
+  sc.v.resize(pb.hkv * bkp * d);
   sc.s.resize(bkp);
   sc.m.assign(nrg, -INFINITY);
   sc.l.assign(nrg, 0.0f);
   sc.acc.assign(nrg * d, 0.0f);
-  float* kb = sc.k.data();
-  float* vb = sc.v.data();
   float* s = sc.s.data();
   int64_t j_lo = 0;
   if (pb.window > 0) j_lo = std::max<int64_t>(0, pos_lo - pb.window + 1) / bk;
@@ -195,7 +197,10 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   for (int64_t j = j_lo; j <= j_hi; ++j) {
     const int64_t k0 = j * bk;
     const int64_t nk = std::min<int64_t>(bk, kv_len - k0);
-    LoadBlock<NC>(pb, it.seq, it.head, k0, nk, kb, vb);
+    LoadBlock<NC>(pb, it.seq, k0, nk, sc.k.data(), sc.v.data());
+    for (int64_t h = 0; h < pb.hkv; ++h) {
+    const float* kb = sc.k.data() + h * bkp * d;
+    const float* vb = sc.v.data() + h * bkp * d;
     for (int64_t r = 0; r < it.rows; ++r) {
       const int64_t pos = pos_lo + r;
       // Visible keys of this block: [vis_lo, vis_hi) in block coordinates.
@@ -209,7 +214,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
       const int64_t kc_hi = (vis_hi + kLanes - 1) / kLanes * kLanes;
       const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
       for (int64_t g = 0; g < g_n; ++g) {
-        const float* qg = pb.q + (row * pb.hq + it.head * g_n + g) * d;
+        const float* qg = pb.q + (row * pb.hq + h * g_n + g) * d;
         V qv[NC];
         for (int c = 0; c < NC; ++c) qv[c] = Load(qg + c * kLanes);
         // s[key] = fold(DotLanes(q, k[key])): lanes over head_dim chunks in
@@ -232,7 +237,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         }
         float mx = -INFINITY;                  // max is exact in any order
         for (int l = 0; l < kLanes; ++l) mx = std::max(mx, mxv[l]);
-        const int64_t rg = r * g_n + g;
+        const int64_t rg = r * pb.hq + h * g_n + g;
         const float m_old = sc.m[rg];
         const float m_new = std::max(m_old, mx);
         const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
@@ -268,12 +273,13 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
                                       ((pv[0][c] + pv[1][c]) + (pv[2][c] + pv[3][c])));
       }
     }
+    }
   }
   for (int64_t r = 0; r < it.rows; ++r) {
     const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
-    for (int64_t g = 0; g < g_n; ++g) {
-      const int64_t rg = r * g_n + g;
-      float* o = pb.out + (row * pb.hq + it.head * g_n + g) * d;
+    for (int64_t hq = 0; hq < pb.hq; ++hq) {
+      const int64_t rg = r * pb.hq + hq;
+      float* o = pb.out + (row * pb.hq + hq) * d;
       const float lv = sc.l[rg];
       const float* acc = sc.acc.data() + rg * d;
       for (int64_t i = 0; i < d; ++i) o[i] = lv > 0.0f ? acc[i] / lv : 0.0f;
@@ -371,10 +377,8 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     }
     const int64_t q_len = hi - lo;
     for (int64_t r0 = 0; r0 < q_len; r0 += kRowTile)
-      for (int64_t h = 0; h < pb.hkv; ++h)
-        sh->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(h),
-                                 static_cast<int32_t>(r0),
-                                 static_cast<int32_t>(std::min<int64_t>(kRowTile, q_len - r0))});
+      sh->items.push_back(Item{static_cast<int32_t>(s), static_cast<int32_t>(r0),
+                               static_cast<int32_t>(std::min<int64_t>(kRowTile, q_len - r0))});
   }
   const int64_t n = static_cast<int64_t>(sh->items.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
