@@ -1,11 +1,11 @@
 """The native CPU attention kernel (``impl="native"``, ``"auto"`` on CPU).
 
 ``attention/native/ragged_cpu.cc`` is a C++ XLA FFI custom call computing
-``ragged_paged_attention`` over the paged cache directly: each work item (one
-sequence, one KV head, up to 16 query rows) widens its own key blocks from
-the pages into a cache-resident buffer, so no gathered copy of the K/V
-blocks is written to memory, and the items are spread over XLA's intra-op
-thread pool. Every query row runs the same code whatever shares the launch
+``ragged_paged_attention`` over the paged cache directly: each work item (up
+to 16 query rows of one sequence, every KV head) widens its own key blocks
+from the pages into a cache-resident buffer, reading each key's page row
+once, so no gathered copy of the K/V blocks is written to memory; the items
+are spread over XLA's intra-op thread pool. Every query row runs the same code whatever shares the launch
 (the order of every sum is fixed by the row's position alone), so its bits
 do not depend on the batch, its neighbours, the bucket or how its prompt was
 chunked. The source file's header states the numerics.
@@ -13,8 +13,9 @@ chunked. The source file's header states the numerics.
 The library is compiled on first use with the system C++ compiler (``CXX``,
 default ``g++``) and ``-O3 -march=native`` into
 ``$XDG_CACHE_HOME/iterserve/native`` (default ``~/.cache/iterserve/native``;
-``ITERSERVE_NATIVE_CACHE`` overrides the folder); the file name carries a hash of the source, the flags, jax's version and the
-CPU's model and flags, so a changed source or another machine builds anew.
+``ITERSERVE_NATIVE_CACHE`` overrides the folder); the file name carries a
+hash of the source, the flags, the compiler, jax's version and the CPU's
+model and flags, so a changed source or another machine builds anew.
 ``scripts/setup.sh`` builds it once.
 """
 
@@ -87,9 +88,9 @@ def library_path() -> Path:
   if proc.returncode != 0 or os.path.getsize(tmp) == 0:
     os.unlink(tmp)
     first = "; ".join(proc.stderr.strip().splitlines()[:8])
+    empty = "" if proc.returncode else ", no library written"
     raise NativeUnavailable(f"compiling {SOURCE.name} with {cxx} failed (exit status "
-                            f"{proc.returncode}{', no library written' if not proc.returncode else ''})"
-                            f"{': ' + first if first else ''}")
+                            f"{proc.returncode}{empty}){': ' + first if first else ''}")
   os.replace(tmp, out)             # atomic: concurrent builders agree
   return out
 

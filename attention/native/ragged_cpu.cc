@@ -199,80 +199,80 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
     const int64_t nk = std::min<int64_t>(bk, kv_len - k0);
     LoadBlock<NC>(pb, it.seq, k0, nk, sc.k.data(), sc.v.data());
     for (int64_t h = 0; h < pb.hkv; ++h) {
-    const float* kb = sc.k.data() + h * bkp * d;
-    const float* vb = sc.v.data() + h * bkp * d;
-    for (int64_t r = 0; r < it.rows; ++r) {
-      const int64_t pos = pos_lo + r;
-      // Visible keys of this block: [vis_lo, vis_hi) in block coordinates.
-      const int64_t vis_hi = std::min<int64_t>(bk, pos - k0 + 1);
-      int64_t vis_lo = 0;
-      if (pb.window > 0) vis_lo = std::max<int64_t>(0, pos - pb.window + 1 - k0);
-      if (vis_hi <= vis_lo) continue;          // sees nothing here: state kept
-      // Vectors of keys holding a visible key; the others would add exact
-      // zeros to the softmax sums and P@V, so skipping them keeps the bits.
-      const int64_t kc_lo = vis_lo / kLanes * kLanes;
-      const int64_t kc_hi = (vis_hi + kLanes - 1) / kLanes * kLanes;
-      const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
-      for (int64_t g = 0; g < g_n; ++g) {
-        const float* qg = pb.q + (row * pb.hq + h * g_n + g) * d;
-        V qv[NC];
-        for (int c = 0; c < NC; ++c) qv[c] = Load(qg + c * kLanes);
-        // s[key] = fold(DotLanes(q, k[key])): lanes over head_dim chunks in
-        // order, then Reduce16's tree; keys the row does not see
-        // become -inf.
-        V mxv = Splat(-INFINITY);
-        for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
-          V a[kLanes];
-          for (int key = 0; key < kLanes; ++key) a[key] = DotLanes<NC>(qv, kb + (kc + key) * d);
-          V sv = Reduce16(a) * pb.sm_scale;
-          if (pb.soft_cap > 0.0f) {
-            for (int l = 0; l < kLanes; ++l) sv[l] = pb.soft_cap * std::tanh(sv[l] / pb.soft_cap);
+      const float* kb = sc.k.data() + h * bkp * d;
+      const float* vb = sc.v.data() + h * bkp * d;
+      for (int64_t r = 0; r < it.rows; ++r) {
+        const int64_t pos = pos_lo + r;
+        // Visible keys of this block: [vis_lo, vis_hi) in block coordinates.
+        const int64_t vis_hi = std::min<int64_t>(bk, pos - k0 + 1);
+        int64_t vis_lo = 0;
+        if (pb.window > 0) vis_lo = std::max<int64_t>(0, pos - pb.window + 1 - k0);
+        if (vis_hi <= vis_lo) continue;          // sees nothing here: state kept
+        // Vectors of keys holding a visible key; the others would add exact
+        // zeros to the softmax sums and P@V, so skipping them keeps the bits.
+        const int64_t kc_lo = vis_lo / kLanes * kLanes;
+        const int64_t kc_hi = (vis_hi + kLanes - 1) / kLanes * kLanes;
+        const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
+        for (int64_t g = 0; g < g_n; ++g) {
+          const float* qg = pb.q + (row * pb.hq + h * g_n + g) * d;
+          V qv[NC];
+          for (int c = 0; c < NC; ++c) qv[c] = Load(qg + c * kLanes);
+          // s[key] = fold(DotLanes(q, k[key])): lanes over head_dim chunks in
+          // order, then Reduce16's tree; keys the row does not see
+          // become -inf.
+          V mxv = Splat(-INFINITY);
+          for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
+            V a[kLanes];
+            for (int key = 0; key < kLanes; ++key) a[key] = DotLanes<NC>(qv, kb + (kc + key) * d);
+            V sv = Reduce16(a) * pb.sm_scale;
+            if (pb.soft_cap > 0.0f) {
+              for (int l = 0; l < kLanes; ++l) sv[l] = pb.soft_cap * std::tanh(sv[l] / pb.soft_cap);
+            }
+            const VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
+                           static_cast<int32_t>(kc);
+            const VI vis = (idx >= static_cast<int32_t>(vis_lo)) & (idx < static_cast<int32_t>(vis_hi));
+            sv = vis ? sv : Splat(-INFINITY);
+            Store(s + kc, sv);
+            mxv = mxv > sv ? mxv : sv;
           }
-          const VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
-                         static_cast<int32_t>(kc);
-          const VI vis = (idx >= static_cast<int32_t>(vis_lo)) & (idx < static_cast<int32_t>(vis_hi));
-          sv = vis ? sv : Splat(-INFINITY);
-          Store(s + kc, sv);
-          mxv = mxv > sv ? mxv : sv;
-        }
-        float mx = -INFINITY;                  // max is exact in any order
-        for (int l = 0; l < kLanes; ++l) mx = std::max(mx, mxv[l]);
-        const int64_t rg = r * pb.hq + h * g_n + g;
-        const float m_old = sc.m[rg];
-        const float m_new = std::max(m_old, mx);
-        const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
-        V part = Splat(0.0f);
-        for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
-          const V p = Exp(Load(s + kc) - m_safe);
-          Store(s + kc, p);
-          part = part + p;
-        }
-        V fold[kLanes];
-        fold[0] = part;
-        for (int i = 1; i < kLanes; ++i) fold[i] = Splat(0.0f);
-        const float psum = Reduce16(fold)[0];
-        const float alpha = Exp(Splat(m_old - m_safe))[0];
-        sc.l[rg] = alpha * sc.l[rg] + psum;
-        sc.m[rg] = m_new;
-        // P@V: key i of the block goes to accumulator set i % 4 (keys in
-        // order within a set), the sets added as (0 + 1) + (2 + 3). Keys
-        // the row does not see have p = 0 and add exact zeros.
-        V pv[4][NC];
-        for (int j = 0; j < 4; ++j)
-          for (int c = 0; c < NC; ++c) pv[j][c] = Splat(0.0f);
-        for (int64_t k4 = vis_lo / 4 * 4; k4 < vis_hi; k4 += 4) {
-          for (int j = 0; j < 4; ++j) {
-            const V p = Splat(s[k4 + j]);
-            const float* vr = vb + (k4 + j) * d;
-            for (int c = 0; c < NC; ++c) pv[j][c] = pv[j][c] + p * Load(vr + c * kLanes);
+          float mx = -INFINITY;                  // max is exact in any order
+          for (int l = 0; l < kLanes; ++l) mx = std::max(mx, mxv[l]);
+          const int64_t rg = r * pb.hq + h * g_n + g;
+          const float m_old = sc.m[rg];
+          const float m_new = std::max(m_old, mx);
+          const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
+          V part = Splat(0.0f);
+          for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
+            const V p = Exp(Load(s + kc) - m_safe);
+            Store(s + kc, p);
+            part = part + p;
           }
+          V fold[kLanes];
+          fold[0] = part;
+          for (int i = 1; i < kLanes; ++i) fold[i] = Splat(0.0f);
+          const float psum = Reduce16(fold)[0];
+          const float alpha = Exp(Splat(m_old - m_safe))[0];
+          sc.l[rg] = alpha * sc.l[rg] + psum;
+          sc.m[rg] = m_new;
+          // P@V: key i of the block goes to accumulator set i % 4 (keys in
+          // order within a set), the sets added as (0 + 1) + (2 + 3). Keys
+          // the row does not see have p = 0 and add exact zeros.
+          V pv[4][NC];
+          for (int j = 0; j < 4; ++j)
+            for (int c = 0; c < NC; ++c) pv[j][c] = Splat(0.0f);
+          for (int64_t k4 = vis_lo / 4 * 4; k4 < vis_hi; k4 += 4) {
+            for (int j = 0; j < 4; ++j) {
+              const V p = Splat(s[k4 + j]);
+              const float* vr = vb + (k4 + j) * d;
+              for (int c = 0; c < NC; ++c) pv[j][c] = pv[j][c] + p * Load(vr + c * kLanes);
+            }
+          }
+          float* acc = sc.acc.data() + rg * d;
+          for (int c = 0; c < NC; ++c)
+            Store(acc + c * kLanes, alpha * Load(acc + c * kLanes) +
+                                        ((pv[0][c] + pv[1][c]) + (pv[2][c] + pv[3][c])));
         }
-        float* acc = sc.acc.data() + rg * d;
-        for (int c = 0; c < NC; ++c)
-          Store(acc + c * kLanes, alpha * Load(acc + c * kLanes) +
-                                      ((pv[0][c] + pv[1][c]) + (pv[2][c] + pv[3][c])));
       }
-    }
     }
   }
   for (int64_t r = 0; r < it.rows; ++r) {
