@@ -79,7 +79,7 @@ def library_path() -> Path:
   if out.exists() and out.stat().st_size > 0:
     return out
   if shutil.which(cxx) is None:
-    raise NativeUnavailable(f"no C++ compiler {cxx!r} on PATH (set CXX)")
+    raise NativeUnavailable(f"C++ compiler {cxx!r} not found (set CXX)")
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)

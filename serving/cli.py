@@ -29,10 +29,11 @@ def refuse(message: str) -> NoReturn:
 def parse_flags(argv: List[str]) -> List[str]:
   """absl's flag parsing (``app.run``'s ``flags_parser``): the arguments left
   after the flags; on a flag absl refuses, prints one line naming it (absl's
-  own message) and exits with status 2."""
+  own message) and exits with status 2. absl raises a plain ValueError for a
+  boolean's negation given a value (``--nofoo=1``), so that is refused too."""
   try:
     return FLAGS(argv)
-  except flags.Error as e:
+  except (flags.Error, ValueError) as e:
     message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
     refuse(f"{message} (--helpfull lists the flags)")
 

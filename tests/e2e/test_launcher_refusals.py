@@ -82,8 +82,8 @@ def test_native_attention_without_a_compiler_is_refused_before_loading(tmp_path)
   env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
              ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"))
   status, last = _run("generate.py", "--prompt=hi", "--attention_impl=native", env=env)
-  assert (status, last) == (2, f"error: --attention_impl=native: no C++ compiler "
-                               f"'{tmp_path / 'no-such-c++'}' on PATH (set CXX)")
+  assert (status, last) == (2, f"error: --attention_impl=native: C++ compiler "
+                               f"'{tmp_path / 'no-such-c++'}' not found (set CXX)")
 
 
 def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
@@ -116,6 +116,8 @@ def test_bad_flags_of_the_light_launchers_are_one_line_and_exit_2():
       (("bench_attention.py", "--iters=x"),
        "error: flag --iters=x: invalid literal for int() with base 10: 'x' "
        "(--helpfull lists the flags)"),
+      (("bench_attention.py", "--noreference=1"),
+       "error: --noreference=1 does not take an argument (--helpfull lists the flags)"),
   ]
   for args, line in cases:
     assert _run(*args) == (2, line), args
