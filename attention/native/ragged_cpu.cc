@@ -175,6 +175,134 @@ struct Scratch {
   std::vector<float> k, v, s, m, l, acc;
 };
 
+// Up to kMaxPairs (row, query head) pairs of one KV head, each with its own
+// query vector, visible keys and softmax state.
+constexpr int kMaxPairs = 8;
+struct Pairs {
+  const float* q[kMaxPairs];
+  int64_t vis_lo[kMaxPairs], vis_hi[kMaxPairs];
+  float* m[kMaxPairs];
+  float* l[kMaxPairs];
+  float* acc[kMaxPairs];
+};
+
+// P pairs against one block of keys: scores, online-softmax update and P@V,
+// over the union of the pairs' visible vectors of keys, so each key and
+// value vector loaded serves all P pairs. A pair's keys outside its own
+// visible range get score -inf and p = 0 and add exact zeros, so every
+// pair's bits are those of the pair alone over its own range (which is the
+// definition in the header); how pairs are grouped does not change a bit.
+template <int NC, int P>
+void PairBlock(const Problem& pb, const Pairs& pr, const float* kb, const float* vb,
+               float* s) {
+  constexpr int64_t d = NC * kLanes;
+  const int64_t bkp = pb.bkp;
+  int64_t lo = pr.vis_lo[0], hi = pr.vis_hi[0];
+  for (int p = 1; p < P; ++p) {
+    lo = std::min(lo, pr.vis_lo[p]);
+    hi = std::max(hi, pr.vis_hi[p]);
+  }
+  // Vectors of keys holding a key some pair sees; the others would add
+  // exact zeros to every pair's softmax sums and P@V.
+  const int64_t kc_lo = lo / kLanes * kLanes;
+  const int64_t kc_hi = (hi + kLanes - 1) / kLanes * kLanes;
+  // s[p][key] = fold(lanes of q . k): lanes over head_dim chunks in order,
+  // then Reduce16's tree; keys the pair does not see become -inf.
+  V mxv[P];
+  for (int p = 0; p < P; ++p) mxv[p] = Splat(-INFINITY);
+  for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
+    V a[P][kLanes];
+    for (int key = 0; key < kLanes; ++key) {
+      const float* kr = kb + (kc + key) * d;
+      V kk[NC];
+      for (int c = 0; c < NC; ++c) kk[c] = Load(kr + c * kLanes);
+      for (int p = 0; p < P; ++p) {
+        V t = Load(pr.q[p]) * kk[0];
+        for (int c = 1; c < NC; ++c) t = t + Load(pr.q[p] + c * kLanes) * kk[c];
+        a[p][key] = t;
+      }
+    }
+    const VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
+                   static_cast<int32_t>(kc);
+    for (int p = 0; p < P; ++p) {
+      V sv = Reduce16(a[p]) * pb.sm_scale;
+      if (pb.soft_cap > 0.0f) {
+        for (int ln = 0; ln < kLanes; ++ln) sv[ln] = pb.soft_cap * std::tanh(sv[ln] / pb.soft_cap);
+      }
+      const VI vis = (idx >= static_cast<int32_t>(pr.vis_lo[p])) &
+                     (idx < static_cast<int32_t>(pr.vis_hi[p]));
+      sv = vis ? sv : Splat(-INFINITY);
+      Store(s + p * bkp + kc, sv);
+      mxv[p] = mxv[p] > sv ? mxv[p] : sv;
+    }
+  }
+  float alpha[P];
+  for (int p = 0; p < P; ++p) {
+    float mx = -INFINITY;                  // max is exact in any order
+    for (int ln = 0; ln < kLanes; ++ln) mx = std::max(mx, mxv[p][ln]);
+    const float m_old = *pr.m[p];
+    const float m_new = std::max(m_old, mx);
+    const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
+    float* sp = s + p * bkp;
+    V part = Splat(0.0f);
+    for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
+      const V e = Exp(Load(sp + kc) - m_safe);
+      Store(sp + kc, e);
+      part = part + e;
+    }
+    V fold[kLanes];
+    fold[0] = part;
+    for (int i = 1; i < kLanes; ++i) fold[i] = Splat(0.0f);
+    const float psum = Reduce16(fold)[0];
+    alpha[p] = Exp(Splat(m_old - m_safe))[0];
+    *pr.l[p] = alpha[p] * *pr.l[p] + psum;
+    *pr.m[p] = m_new;
+  }
+  // P@V: key i of the block goes to accumulator set i % 4 (keys in order
+  // within a set), the sets added as (0 + 1) + (2 + 3); keys a pair does
+  // not see have p = 0 and add exact zeros. One set at a time, all pairs
+  // together, so each value vector is loaded once per call.
+  V pv[4][P][NC];
+  const int64_t k4_lo = lo / 4 * 4;
+  for (int js = 0; js < 4; ++js) {
+    V w[P][NC];
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < NC; ++c) w[p][c] = Splat(0.0f);
+    for (int64_t key = k4_lo + js; key - js < hi; key += 4) {
+      const float* vr = vb + key * d;
+      V vv[NC];
+      for (int c = 0; c < NC; ++c) vv[c] = Load(vr + c * kLanes);
+      for (int p = 0; p < P; ++p) {
+        const V e = Splat(s[p * bkp + key]);
+        for (int c = 0; c < NC; ++c) w[p][c] = w[p][c] + e * vv[c];
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      for (int c = 0; c < NC; ++c) pv[js][p][c] = w[p][c];
+  }
+  for (int p = 0; p < P; ++p) {
+    float* ap = pr.acc[p];
+    for (int c = 0; c < NC; ++c)
+      Store(ap + c * kLanes, alpha[p] * Load(ap + c * kLanes) +
+                                 ((pv[0][p][c] + pv[1][p][c]) + (pv[2][p][c] + pv[3][p][c])));
+  }
+}
+
+template <int NC>
+void RunPairs(const Problem& pb, int np, const Pairs& pr, const float* kb,
+              const float* vb, float* s) {
+  switch (np) {
+    case 1: return PairBlock<NC, 1>(pb, pr, kb, vb, s);
+    case 2: return PairBlock<NC, 2>(pb, pr, kb, vb, s);
+    case 3: return PairBlock<NC, 3>(pb, pr, kb, vb, s);
+    case 4: return PairBlock<NC, 4>(pb, pr, kb, vb, s);
+    case 5: return PairBlock<NC, 5>(pb, pr, kb, vb, s);
+    case 6: return PairBlock<NC, 6>(pb, pr, kb, vb, s);
+    case 7: return PairBlock<NC, 7>(pb, pr, kb, vb, s);
+    default: return PairBlock<NC, 8>(pb, pr, kb, vb, s);
+  }
+}
+
 template <int NC>
 void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   constexpr int64_t d = NC * kLanes;
@@ -186,7 +314,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   const int64_t nrg = static_cast<int64_t>(it.rows) * pb.hq;   // (row, query head)
   sc.k.resize(pb.hkv * bkp * d);
   sc.v.resize(pb.hkv * bkp * d);
-  sc.s.resize(bkp);
+  sc.s.resize(kMaxPairs * bkp);
   sc.m.assign(nrg, -INFINITY);
   sc.l.assign(nrg, 0.0f);
   sc.acc.assign(nrg * d, 0.0f);
@@ -194,6 +322,7 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
   int64_t j_lo = 0;
   if (pb.window > 0) j_lo = std::max<int64_t>(0, pos_lo - pb.window + 1) / bk;
   const int64_t j_hi = pos_hi / bk;
+  const int64_t row_base = pb.cu_q_lens[it.seq] + it.row0;
   for (int64_t j = j_lo; j <= j_hi; ++j) {
     const int64_t k0 = j * bk;
     const int64_t nk = std::min<int64_t>(bk, kv_len - k0);
@@ -201,6 +330,15 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
     for (int64_t h = 0; h < pb.hkv; ++h) {
       const float* kb = sc.k.data() + h * bkp * d;
       const float* vb = sc.v.data() + h * bkp * d;
+      // (row, query head) pairs that see a key of this block, in order,
+      // kMaxPairs at a time.
+      Pairs pr;
+      int np = 0;
+      auto flush = [&] {
+        if (np == 0) return;
+        RunPairs<NC>(pb, np, pr, kb, vb, s);
+        np = 0;
+      };
       for (int64_t r = 0; r < it.rows; ++r) {
         const int64_t pos = pos_lo + r;
         // Visible keys of this block: [vis_lo, vis_hi) in block coordinates.
@@ -208,75 +346,22 @@ void RunItem(const Problem& pb, const Item& it, Scratch& sc) {
         int64_t vis_lo = 0;
         if (pb.window > 0) vis_lo = std::max<int64_t>(0, pos - pb.window + 1 - k0);
         if (vis_hi <= vis_lo) continue;          // sees nothing here: state kept
-        // Vectors of keys holding a visible key; the others would add exact
-        // zeros to the softmax sums and P@V, so skipping them keeps the bits.
-        const int64_t kc_lo = vis_lo / kLanes * kLanes;
-        const int64_t kc_hi = (vis_hi + kLanes - 1) / kLanes * kLanes;
-        const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
         for (int64_t g = 0; g < g_n; ++g) {
-          const float* qg = pb.q + (row * pb.hq + h * g_n + g) * d;
-          V qv[NC];
-          for (int c = 0; c < NC; ++c) qv[c] = Load(qg + c * kLanes);
-          // s[key] = fold(DotLanes(q, k[key])): lanes over head_dim chunks in
-          // order, then Reduce16's tree; keys the row does not see
-          // become -inf.
-          V mxv = Splat(-INFINITY);
-          for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
-            V a[kLanes];
-            for (int key = 0; key < kLanes; ++key) a[key] = DotLanes<NC>(qv, kb + (kc + key) * d);
-            V sv = Reduce16(a) * pb.sm_scale;
-            if (pb.soft_cap > 0.0f) {
-              for (int l = 0; l < kLanes; ++l) sv[l] = pb.soft_cap * std::tanh(sv[l] / pb.soft_cap);
-            }
-            const VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
-                           static_cast<int32_t>(kc);
-            const VI vis = (idx >= static_cast<int32_t>(vis_lo)) & (idx < static_cast<int32_t>(vis_hi));
-            sv = vis ? sv : Splat(-INFINITY);
-            Store(s + kc, sv);
-            mxv = mxv > sv ? mxv : sv;
-          }
-          float mx = -INFINITY;                  // max is exact in any order
-          for (int l = 0; l < kLanes; ++l) mx = std::max(mx, mxv[l]);
           const int64_t rg = r * pb.hq + h * g_n + g;
-          const float m_old = sc.m[rg];
-          const float m_new = std::max(m_old, mx);
-          const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
-          V part = Splat(0.0f);
-          for (int64_t kc = kc_lo; kc < kc_hi; kc += kLanes) {
-            const V p = Exp(Load(s + kc) - m_safe);
-            Store(s + kc, p);
-            part = part + p;
-          }
-          V fold[kLanes];
-          fold[0] = part;
-          for (int i = 1; i < kLanes; ++i) fold[i] = Splat(0.0f);
-          const float psum = Reduce16(fold)[0];
-          const float alpha = Exp(Splat(m_old - m_safe))[0];
-          sc.l[rg] = alpha * sc.l[rg] + psum;
-          sc.m[rg] = m_new;
-          // P@V: key i of the block goes to accumulator set i % 4 (keys in
-          // order within a set), the sets added as (0 + 1) + (2 + 3). Keys
-          // the row does not see have p = 0 and add exact zeros.
-          V pv[4][NC];
-          for (int j = 0; j < 4; ++j)
-            for (int c = 0; c < NC; ++c) pv[j][c] = Splat(0.0f);
-          for (int64_t k4 = vis_lo / 4 * 4; k4 < vis_hi; k4 += 4) {
-            for (int j = 0; j < 4; ++j) {
-              const V p = Splat(s[k4 + j]);
-              const float* vr = vb + (k4 + j) * d;
-              for (int c = 0; c < NC; ++c) pv[j][c] = pv[j][c] + p * Load(vr + c * kLanes);
-            }
-          }
-          float* acc = sc.acc.data() + rg * d;
-          for (int c = 0; c < NC; ++c)
-            Store(acc + c * kLanes, alpha * Load(acc + c * kLanes) +
-                                        ((pv[0][c] + pv[1][c]) + (pv[2][c] + pv[3][c])));
+          pr.q[np] = pb.q + ((row_base + r) * pb.hq + h * g_n + g) * d;
+          pr.vis_lo[np] = vis_lo;
+          pr.vis_hi[np] = vis_hi;
+          pr.m[np] = sc.m.data() + rg;
+          pr.l[np] = sc.l.data() + rg;
+          pr.acc[np] = sc.acc.data() + rg * d;
+          if (++np == kMaxPairs) flush();
         }
       }
+      flush();
     }
   }
   for (int64_t r = 0; r < it.rows; ++r) {
-    const int64_t row = pb.cu_q_lens[it.seq] + it.row0 + r;
+    const int64_t row = row_base + r;
     for (int64_t hq = 0; hq < pb.hq; ++hq) {
       const int64_t rg = r * pb.hq + hq;
       float* o = pb.out + (row * pb.hq + hq) * d;

@@ -181,6 +181,28 @@ def test_chunked_prefill_equals_full_prefill(impl, chunks):
                                   err_msg=f"chunk={chunk}")
 
 
+def test_native_chunking_is_bitwise_with_bf16_windows_and_head_groups():
+  """``native`` computes up to 8 (row, query head) pairs per pass over a key
+  block, reads bfloat16 pages directly for one-row items and widens them
+  into a buffer for longer ones: with 10:2 heads (groups of 5 spanning
+  rows), head_dim 32, a sliding window and 16-key blocks (rows of one pass
+  seeing different keys), every chunking of a prompt still gives the full
+  prefill's rows bitwise, and they match the reference."""
+  variant = dict(heads=(10, 2), head_dim=32, dtype=jnp.bfloat16)
+  kw = dict(sliding_window=10, block_kv=16)
+  full_args, cu, n = make_batch([(9, 0, 24)], num_rows=64, max_seqs=16, **variant)
+  full = attend(full_args, "native", **kw)[:24]
+  assert_matches_reference(full_args, cu, n, "native", **kw)
+  for chunk in (1, 2, 3, 5, 7, 16, 23):
+    rows = []
+    for start in range(0, 24, chunk):
+      q_len = min(chunk, 24 - start)
+      seqs = [(1, 40, 1), (9, start, q_len), (3, 5, 2)]
+      args, cu, _ = make_batch(seqs, num_rows=64, max_seqs=16, seed=start, **variant)
+      rows.append(attend(args, "native", **kw)[cu[1]:cu[2]])
+    np.testing.assert_array_equal(np.concatenate(rows), full, err_msg=f"chunk={chunk}")
+
+
 @pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "pallas"])
 def test_batch_invariance_is_bitwise(impl):
   """A sequence's rows are identical alone and inside any mix."""
