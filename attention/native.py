@@ -64,18 +64,31 @@ def _cpu_signature() -> str:
 
 
 def library_path() -> Path:
-  """Builds the kernel library if needed and returns its path.
+  """Builds the attention kernel's library if needed and returns its path.
+
+  Raises:
+    NativeUnavailable: no C++ compiler, or the compile failed (with its
+      first error lines).
+  """
+  return build_library(SOURCE)
+
+
+def build_library(source_path: Path) -> Path:
+  """Compiles the XLA FFI source ``source_path`` into the cache if needed.
+
+  The library is named ``<stem>-<hash>.so``, the hash covering the source,
+  the flags, the compiler, jax's version and the CPU (module docstring).
 
   Raises:
     NativeUnavailable: no C++ compiler, or the compile failed (with its
       first error lines).
   """
   cxx = os.environ.get("CXX", "g++")
-  source = SOURCE.read_bytes()
+  source = source_path.read_bytes()
   key = hashlib.sha256(b"\0".join([
       source, " ".join(FLAGS).encode(), cxx.encode(), jax.__version__.encode(),
       _cpu_signature().encode()])).hexdigest()[:20]
-  out = _cache_dir() / f"ragged_cpu-{key}.so"
+  out = _cache_dir() / f"{source_path.stem}-{key}.so"
   if out.exists() and out.stat().st_size > 0:
     return out
   if shutil.which(cxx) is None:
@@ -83,13 +96,13 @@ def library_path() -> Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
-  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source_path), "-o", tmp]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if proc.returncode != 0 or os.path.getsize(tmp) == 0:
     os.unlink(tmp)
     first = "; ".join(proc.stderr.strip().splitlines()[:8])
     empty = "" if proc.returncode else ", no library written"
-    raise NativeUnavailable(f"compiling {SOURCE.name} with {cxx} failed (exit status "
+    raise NativeUnavailable(f"compiling {source_path.name} with {cxx} failed (exit status "
                             f"{proc.returncode}{empty}){': ' + first if first else ''}")
   os.replace(tmp, out)             # atomic: concurrent builders agree
   return out

@@ -262,7 +262,7 @@ def linear(x: jax.Array, w) -> jax.Array:
   Returns:
     [M, N] in ``x.dtype``.
   """
-  if isinstance(w, quant.QuantizedWeight):
+  if isinstance(w, (quant.QuantizedWeight, quant.LayerWeight)):
     return quant.linear(x, w).astype(x.dtype)
   out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
@@ -357,6 +357,10 @@ class _Batch:
   cu_q_lens: jax.Array     # i32[S + 1]
   num_seqs: jax.Array      # i32[]
   classes: RowClasses | None = None   # the rows' GEMM classes (``rowwise``)
+  # int8 tile-layout projection stacks ({"attn": {"wq": ...}, "mlp": {...}},
+  # each [L, K, N]), passed whole: a block selects its layer inside the
+  # GEMM (``quant.LayerWeight``) instead of the scan copying a slice.
+  weights: Any = None
 
   @property
   def num_live(self) -> jax.Array:
@@ -414,11 +418,12 @@ class Attention(nn.Module):
   def __call__(self, x, k_pool, v_pool, layer, batch: _Batch):
     cfg = self.cfg
     num_rows = x.shape[0]
-    wq = self.param("wq", _WEIGHT_INIT, (cfg.d_model, cfg.q_dim), self.dtype)
-    wk = self.param("wk", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
-    wv = self.param("wv", _WEIGHT_INIT, (cfg.d_model, cfg.kv_dim), self.dtype)
-    wo = self.param("wo", _WEIGHT_INIT, (cfg.q_dim, cfg.d_model), self.dtype)
-    exact = isinstance(wq, quant.QuantizedWeight)
+    weight = functools.partial(_layer_weight, self, batch.weights, "attn", layer)
+    wq = weight("wq", (cfg.d_model, cfg.q_dim))
+    wk = weight("wk", (cfg.d_model, cfg.kv_dim))
+    wv = weight("wv", (cfg.d_model, cfg.kv_dim))
+    wo = weight("wo", (cfg.q_dim, cfg.d_model))
+    exact = _is_int8(wq)
     q, k, v = rowwise(lambda h: (linear(h, wq), linear(h, wk), linear(h, wv)), x,
                       batch.num_live, batch.classes, exact=exact)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
@@ -451,13 +456,27 @@ class MLP(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, num_live, classes=None):
+  def __call__(self, x, num_live, classes=None, layer=None, weights=None):
     cfg = self.cfg
-    w_gate = self.param("w_gate", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
-    w_up = self.param("w_up", _WEIGHT_INIT, (cfg.d_model, cfg.ffn_dim), self.dtype)
-    w_down = self.param("w_down", _WEIGHT_INIT, (cfg.ffn_dim, cfg.d_model), self.dtype)
+    weight = functools.partial(_layer_weight, self, weights, "mlp", layer)
+    w_gate = weight("w_gate", (cfg.d_model, cfg.ffn_dim))
+    w_up = weight("w_up", (cfg.d_model, cfg.ffn_dim))
+    w_down = weight("w_down", (cfg.ffn_dim, cfg.d_model))
     return rowwise(lambda h: linear(nn.silu(linear(h, w_gate)) * linear(h, w_up), w_down),
-                   x, num_live, classes, exact=isinstance(w_down, quant.QuantizedWeight))
+                   x, num_live, classes, exact=_is_int8(w_down))
+
+
+def _is_int8(w) -> bool:
+  return isinstance(w, (quant.QuantizedWeight, quant.LayerWeight))
+
+
+def _layer_weight(module: nn.Module, weights, group: str, layer, name: str, shape):
+  """A block's projection ``name``: layer ``layer`` of the whole stack in
+  ``weights[group]`` (``_Batch.weights``) when it is there, else the
+  module's own (scanned) parameter."""
+  if weights is not None and name in weights.get(group, {}):
+    return quant.LayerWeight(stack=weights[group][name], layer=layer)
+  return module.param(name, _WEIGHT_INIT, shape, module.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -476,7 +495,8 @@ class DecoderLayer(nn.Module):
                                      name="attn")(h, k_pool, v_pool, layer, batch)
     x = x + attn
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
-    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes)
+    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes, layer,
+                                                 batch.weights)
     return (x, k_pool, v_pool), None
 
 
@@ -585,8 +605,10 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
   if chunk_rows is not None and chunk_rows < 1:
     raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
   flat = (num_layers * num_pages,) + kv.k.shape[2:]
+  params, stacks = _split_tiled_stacks(params)
   batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
-                 page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs)
+                 page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs,
+                 weights=stacks)
 
   def run(tokens, k_pool, v_pool, batch, prompt_rows):
     if prompt_rows is not None:
@@ -601,6 +623,23 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     hidden, k_pool, v_pool = _scanned_chunks(run, chunk_rows, *args)
   return hidden.astype(jnp.float32), KVCache(k=k_pool.reshape(kv.k.shape),
                                              v=v_pool.reshape(kv.v.shape))
+
+
+def _split_tiled_stacks(params):
+  """Moves the tile-layout int8 projection stacks out of ``params["layers"]``
+  (which the blocks' scan slices layer by layer) into ``{"attn": {...},
+  "mlp": {...}}`` for ``_Batch.weights``; None when there are none."""
+  layers = params.get("layers", {})
+  stacks, kept = {}, {}
+  for group, leaves in layers.items():
+    tiled = {k: w for k, w in leaves.items()
+             if isinstance(w, quant.QuantizedWeight) and w.layout == "tiles"}
+    if tiled:
+      stacks[group] = tiled
+    kept[group] = {k: w for k, w in leaves.items() if k not in tiled}
+  if not stacks:
+    return params, None
+  return {**params, "layers": kept}, stacks
 
 
 def _chunk_batch(batch: _Batch, lo, chunk_rows: int) -> _Batch:
@@ -631,7 +670,7 @@ def _chunk_batch(batch: _Batch, lo, chunk_rows: int) -> _Batch:
       kv_lens=kv_lens, page_table=batch.page_table[src],
       cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                  jnp.cumsum(q_lens).astype(jnp.int32)]),
-      num_seqs=count)
+      num_seqs=count, weights=batch.weights)
 
 
 def _scanned_chunks(run, chunk_rows: int, tokens, k_pool, v_pool, batch: _Batch, prompt_rows):

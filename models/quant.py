@@ -22,6 +22,12 @@ tiling or neighbours its GEMM has (tested bitwise against a numpy int64
 reference, ``reference_linear``). One GEMM row count is avoided: XLA:CPU's
 one-row int8 GEMM is ~15x slower than its two-row one, and
 ``models.llama.row_tiled`` never hands a GEMM fewer than 2 float32 rows.
+
+Two GEMMs compute the same bits (``EngineConfig.int8_gemm``): XLA's, over
+row-major weights, and ``models.amx``'s on Intel AMX tiles, over weights in
+the tile layout (``QuantizedWeight.layout = "tiles"``), which a scanned
+model indexes by layer inside the kernel (``LayerWeight``) instead of
+copying each layer's slice of the stack.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from models import amx
 
 # int8 range used by both operands: symmetric, -127..127 (no -128), so a
 # product of two values is at most 127^2 and K <= 2^31 / 127^2 = 133,144
@@ -49,12 +57,25 @@ class QuantizedWeight:
   """An int8 ``[..., K, N]`` weight and its per-column scales.
 
   Attributes:
-    q: int8[..., K, N] in -127..127 (a leading stacked layer axis allowed).
+    q: int8[..., K, N] in -127..127 (a leading stacked layer axis allowed),
+      row-major (``layout`` "kn") or in ``models.amx``'s tile layout
+      (``layout`` "tiles": the same shape, the bytes permuted).
     col_scale: f32[..., N] scale of each output column: ``w ~= q * col_scale``.
+    layout: static, "kn" or "tiles".
   """
 
   q: jax.Array
   col_scale: jax.Array
+  layout: str = struct.field(pytree_node=False, default="kn")
+
+
+@struct.dataclass
+class LayerWeight:
+  """Layer ``layer`` of a stacked ``QuantizedWeight`` (``q`` [L, K, N]),
+  selected inside the GEMM: no copy of the layer's slice is made."""
+
+  stack: QuantizedWeight
+  layer: jax.Array          # i32[]
 
 
 def quantize_columns(w, contract_axis: int = -2) -> QuantizedWeight:
@@ -111,8 +132,11 @@ def quantize_rows(x: jax.Array):
   return a, scale
 
 
-def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def linear(x: jax.Array, w: QuantizedWeight | LayerWeight) -> jax.Array:
   """``x @ w`` for an int8 weight: rows quantized, int32 GEMM, rescaled.
+
+  A weight in the tile layout runs ``models.amx.matmul`` (same bits; a
+  ``LayerWeight`` passes the whole stack and the layer index). Otherwise:
 
   The rescale runs inside a ``lax.cond`` whose predicate always holds (the
   row scales are positive), so its float32 result is stored before any
@@ -124,12 +148,23 @@ def linear(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 
   Args:
     x: f32[M, K] rows.
-    w: ``QuantizedWeight`` with ``q`` int8[K, N], ``col_scale`` f32[N].
+    w: ``QuantizedWeight`` with ``q`` int8[K, N], ``col_scale`` f32[N]; or a
+      ``LayerWeight`` of a stack.
 
   Returns:
     f32[M, N]: ``float32(sum_k a[m, k] q[k, n]) * (row_scale[m] * col_scale[n])``.
+
+  Raises:
+    RuntimeError: a tile-layout weight where ``models.amx`` cannot run.
   """
   a, row_scale = quantize_rows(x.astype(jnp.float32))
+  layer = None
+  if isinstance(w, LayerWeight):
+    w, layer = w.stack, w.layer
+  if w.layout == "tiles":
+    return amx.matmul(a, row_scale, w.q, w.col_scale, layer)
+  if layer is not None:
+    w = jax.tree_util.tree_map(lambda t: t[layer], w)
   acc = jax.lax.dot_general(a, w.q, (((1,), (0,)), ((), ())),
                             preferred_element_type=jnp.int32)
   rescale = lambda: acc.astype(jnp.float32) * (row_scale * w.col_scale)
@@ -154,7 +189,7 @@ def is_quantized(params) -> bool:
   return isinstance(params.get("lm_head"), QuantizedWeight)
 
 
-def quantize_params(params, tie_embeddings: bool):
+def quantize_params(params, tie_embeddings: bool, gemm: str = "xla"):
   """The W8A8 parameter tree of float parameters.
 
   Every projection weight of ``layers`` becomes a ``QuantizedWeight``
@@ -167,6 +202,8 @@ def quantize_params(params, tie_embeddings: bool):
   Args:
     params: float32 tree (``models.llama``'s layout).
     tie_embeddings: the model config's ``tie_embeddings``.
+    gemm: "xla" (row-major weights) or "amx" (``models.amx.resolve``): every
+      weight whose shape fits the tiles is stored in the tile layout.
 
   Raises:
     ValueError: a parameter that is not float32 (bfloat16 trees are not
@@ -174,19 +211,27 @@ def quantize_params(params, tie_embeddings: bool):
   """
   if is_quantized(params):
     return params
+  if gemm not in ("xla", "amx"):
+    raise ValueError(f"gemm must be 'xla' or 'amx', got {gemm!r}")
   for leaf in jax.tree_util.tree_leaves(params):
     if leaf.dtype != jnp.float32:
       raise ValueError(f"int8 weights are quantized from float32 parameters, got a "
                        f"{leaf.dtype} leaf: load the model with dtype float32")
 
+  def place(w: QuantizedWeight) -> QuantizedWeight:
+    if gemm != "amx" or not amx.fits(*w.q.shape[-2:]):
+      return w
+    return QuantizedWeight(q=jnp.asarray(amx.to_tiles(np.asarray(w.q))),
+                           col_scale=w.col_scale, layout="tiles")
+
   def layer(path, leaf):
     key = getattr(path[-1], "key", None)
-    return quantize_columns(leaf) if key in _PROJECTIONS else leaf
+    return place(quantize_columns(leaf)) if key in _PROJECTIONS else leaf
 
   out = dict(params)
   out["layers"] = jax.tree_util.tree_map_with_path(layer, params["layers"])
   if tie_embeddings:
-    out["lm_head"] = quantize_columns(params["embed"]["embedding"], contract_axis=-1)
+    out["lm_head"] = place(quantize_columns(params["embed"]["embedding"], contract_axis=-1))
   else:
-    out["lm_head"] = quantize_columns(params["lm_head"])
+    out["lm_head"] = place(quantize_columns(params["lm_head"]))
   return out

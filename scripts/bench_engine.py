@@ -55,7 +55,7 @@ import numpy as np
 from absl import flags
 
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
-from models import llama, quant
+from models import amx, llama, quant
 from models.loaders import load_model, resolve_model_path
 from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
@@ -90,6 +90,9 @@ flags.DEFINE_list("hf_weights", [], "transformers peers run in the same process:
 flags.DEFINE_enum("attention_impl", None, list(IMPLS),
                   "Override the preset's attention implementation (e.g. blocked_dot "
                   "against the CPU default, native).")
+flags.DEFINE_enum("int8_gemm", "auto", ["auto", "amx", "xla"],
+                  "iterserve's int8 GEMM with --weights=int8 (EngineConfig.int8_gemm): "
+                  "amx (Intel AMX tiles), xla, or auto.")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
@@ -205,6 +208,7 @@ def _engine(cfg, params, **overrides):
   overrides.setdefault("dtype", FLAGS.dtype)
   overrides.setdefault("kv_dtype", FLAGS.kv_dtype)
   overrides.setdefault("weights", FLAGS.weights)
+  overrides.setdefault("int8_gemm", FLAGS.int8_gemm)
   if FLAGS.attention_impl:
     overrides.setdefault("attention_impl", FLAGS.attention_impl)
   if FLAGS.num_pages:
@@ -449,8 +453,9 @@ def main(argv):
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
+  int8_gemm = amx.resolve(FLAGS.int8_gemm) if FLAGS.weights == "int8" else None
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
-    params = quant.quantize_params(params, cfg.tie_embeddings)
+    params = quant.quantize_params(params, cfg.tie_embeddings, gemm=int8_gemm)
   peers = {"hf" if w == "dense" else f"hf_{w}": load_hf(w) for w in hf_weights}
   scratch = _engine(cfg, params)
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
@@ -458,6 +463,7 @@ def main(argv):
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "host_cpu": host_cpu(),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
+         "int8_gemm": int8_gemm,
          "kv_dtype": FLAGS.kv_dtype, "keep_freed_pages": kept,
          "attention_impl": resolve_impl(scratch.config.attention_impl, head_dim=cfg.head_dim),
          "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,

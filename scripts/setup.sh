@@ -18,3 +18,6 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 # The native CPU attention kernel (attention/native.py): compiled once here
 # with the system g++; without a compiler the CPU falls back to blocked_dot.
 .venv/bin/python -c "from attention import native; print('native attention:', native.unavailable_reason() or native.library_path())"
+# The AMX int8 GEMM (models/amx.py, --weights=int8): built the same way; on a
+# CPU without AMX int8 tiles the int8 weights run XLA's GEMM (same bits).
+.venv/bin/python -c "from models import amx; print('int8 GEMM:', amx.resolve('auto'), amx.unavailable_reason() or '')"

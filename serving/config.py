@@ -19,6 +19,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")
 WEIGHTS = ("dense", "int8")
+INT8_GEMMS = ("auto", "amx", "xla")
 
 
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
@@ -110,6 +111,10 @@ class EngineConfig:
       independent of its batch; its own numerics, not float32's). "int8"
       needs ``dtype`` "float32" (it is quantized from the float32 load) and
       one device (``mesh`` "").
+    int8_gemm: the int8 GEMM of ``weights`` "int8" (``models.amx``): "amx"
+      (Intel AMX tiles, weights stored in the tile layout and indexed by
+      layer inside the kernel), "xla" (XLA:CPU's GEMM), or "auto" ("amx"
+      where it runs, else "xla"). The same bits either way; a speed choice.
     kv_dtype: the KV cache's dtype: "auto" (``dtype``), "float32" or
       "bfloat16" (on CPU stored as its bits, ``attention.ragged.KV_BITS``:
       half the bytes each decode step gathers; its own numerics, not
@@ -165,6 +170,7 @@ class EngineConfig:
   attention_impl: str = "auto"
   dtype: str = "float32"
   weights: str = "dense"
+  int8_gemm: str = "auto"
   kv_dtype: str = "auto"
   num_clients: int = 64
   max_stop_ids: int = 8
@@ -206,6 +212,8 @@ class EngineConfig:
     _require(self.weights == "dense" or not self.mesh, c, "weights",
              f"must be 'dense' with mesh {self.mesh!r} (int8 weights run on one device, "
              f"mesh '')", self.weights)
+    _require(self.int8_gemm in INT8_GEMMS, c, "int8_gemm", f"must be one of {INT8_GEMMS}",
+             self.int8_gemm)
     _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",

@@ -83,6 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import amx
 from models import llama
 from models import quant
 from models import sharding
@@ -218,7 +219,8 @@ class Engine:
 
   Raises:
     ValueError: the simulated executor with a clock that is not virtual;
-      ``config.weights`` "int8" with parameters that are not float32.
+      ``config.weights`` "int8" with parameters that are not float32;
+      ``config.int8_gemm`` "amx" where the AMX kernel cannot run.
   """
 
   def __init__(self, model_cfg, params, config: EngineConfig,
@@ -230,7 +232,8 @@ class Engine:
     self.mesh = sharding.make_mesh(config.mesh)
     self._placement = sharding.Placement(model_cfg, self.mesh)
     if config.weights == "int8":
-      params = quant.quantize_params(params, model_cfg.tie_embeddings)
+      params = quant.quantize_params(params, model_cfg.tie_embeddings,
+                                     gemm=amx.resolve(config.int8_gemm))
     self.params = self._placement.params(params)
     simulated = config.executor == "simulated"
     if clock is None:

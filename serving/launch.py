@@ -13,6 +13,7 @@ import numpy as np
 from absl import flags, logging
 
 from attention import native, ragged
+from models import amx
 from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import hostmem, workloads
@@ -32,6 +33,9 @@ def define_engine_flags() -> None:
                     "dense (in --dtype) or int8 (int8 projection and LM-head weights, "
                     "per-row int8 activations, int32 sums: a quarter of the weight bytes; "
                     "needs --dtype=float32 and no --mesh).")
+  flags.DEFINE_enum("int8_gemm", None, ["auto", "amx", "xla"], "Override the preset's "
+                    "int8 GEMM (--weights=int8): amx (Intel AMX tiles), xla, or auto (amx "
+                    "where it runs); the same bits either way.")
   flags.DEFINE_string("kv_dtype", None, "Override the preset's KV cache dtype: auto "
                       "(the dtype), float32 or bfloat16.")
   flags.DEFINE_string("policy", None, "Override the preset's scheduling policy.")
@@ -194,7 +198,8 @@ def engine_config(**overrides) -> EngineConfig:
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
-  fields = dict(dtype=FLAGS.dtype, weights=FLAGS.weights, kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
+  fields = dict(dtype=FLAGS.dtype, weights=FLAGS.weights, int8_gemm=FLAGS.int8_gemm,
+                kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl,
@@ -218,6 +223,7 @@ def load_flags_model(engine_cfg: EngineConfig):
     hostmem.keep_freed_pages()
   init_processes(engine_cfg)
   check_attention_impl(engine_cfg)
+  gemm = int8_gemm(engine_cfg)
   if FLAGS.cache_dir:
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
@@ -227,8 +233,24 @@ def load_flags_model(engine_cfg: EngineConfig):
                                       cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
                                       mesh=make_mesh(engine_cfg.mesh))
   print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
-        f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}")
+        f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}"
+        + (f"; int8 GEMM: {gemm}" if gemm else ""))
   return cfg, params, tokenizer
+
+
+def int8_gemm(engine_cfg: EngineConfig) -> str | None:
+  """``--int8_gemm`` resolved before any model loads (None without
+  ``--weights=int8``).
+
+  Raises:
+    ValueError: ``--int8_gemm=amx`` where the AMX kernel cannot run (why).
+  """
+  if engine_cfg.weights != "int8" or engine_cfg.executor == "simulated":
+    return None
+  try:
+    return amx.resolve(engine_cfg.int8_gemm)
+  except ValueError as e:
+    raise ValueError(f"--{e}".replace("int8_gemm 'amx'", "int8_gemm=amx", 1)) from None
 
 
 def check_attention_impl(engine_cfg: EngineConfig) -> None:

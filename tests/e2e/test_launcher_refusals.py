@@ -86,6 +86,19 @@ def test_native_attention_without_a_compiler_is_refused_before_loading(tmp_path)
                                f"'{tmp_path / 'no-such-c++'}' not found (set CXX)")
 
 
+def test_amx_int8_gemm_without_a_compiler_is_refused_before_loading(tmp_path):
+  """--weights=int8 --int8_gemm=amx where the AMX kernel cannot build is one
+  line naming the flag and the reason; an unknown value is absl's refusal."""
+  env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
+             ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"))
+  status, last = _run("generate.py", "--prompt=hi", "--weights=int8", "--int8_gemm=amx",
+                      "--attention_impl=blocked_dot", env=env)
+  assert (status, last) == (2, f"error: --int8_gemm=amx: C++ compiler "
+                               f"'{tmp_path / 'no-such-c++'}' not found (set CXX)")
+  status, last = _run("generate.py", "--prompt=hi", "--int8_gemm=tiles")
+  assert status == 2 and "int8_gemm" in last, last
+
+
 def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
   port = free_port()
   status, last = _run("bench_serving.py", f"--url=http://127.0.0.1:{port}/v1/",

@@ -285,3 +285,102 @@ def test_int8_decode_row_does_not_depend_on_the_bucket(tiny_cfg, quantized, seqs
     logits[rows] = np.asarray(llama.compute_logits_jit(quantized, tiny_cfg, got))[0]
   np.testing.assert_array_equal(hidden[num_rows], hidden[1], err_msg=f"T={num_rows}")
   np.testing.assert_array_equal(logits[num_rows], logits[1], err_msg=f"T={num_rows}")
+
+
+def _amx_or_skip():
+  from models import amx
+  reason = amx.unavailable_reason()
+  if reason is not None:
+    pytest.skip(f"AMX int8 kernel unavailable: {reason}")
+  return amx
+
+
+def _tiled(w):
+  from models import amx
+  return quant.QuantizedWeight(q=jnp.asarray(amx.to_tiles(np.asarray(w.q))),
+                               col_scale=w.col_scale, layout="tiles")
+
+
+def test_tile_layout_round_trips_and_refuses_shapes_that_do_not_fit():
+  """``amx.to_tiles`` permutes a [.., K, N] weight's bytes into B tiles
+  (checked at one element of each index class against the layout's
+  formula); ``from_tiles`` inverts it; other shapes are refused by name."""
+  from models import amx
+  rng = np.random.default_rng(8)
+  q = rng.integers(-127, 128, (2, 128, 64), dtype=np.int8)
+  t = amx.to_tiles(q)
+  assert t.shape == q.shape
+  np.testing.assert_array_equal(amx.from_tiles(t), q)
+  flat = t.reshape(2, -1)
+  k_blocks = 128 // 64
+  for layer, k, n in [(0, 0, 0), (1, 5, 17), (0, 127, 63), (1, 64 + 4 * 3 + 2, 16 * 2 + 7)]:
+    kb, r, i = k // 64, (k % 64) // 4, k % 4
+    nb, j = n // 16, n % 16
+    assert flat[layer, (nb * k_blocks + kb) * 1024 + 64 * r + 4 * j + i] == q[layer, k, n]
+  assert amx.fits(576, 192) and not amx.fits(576, 200) and not amx.fits(100, 64)
+  with pytest.raises(ValueError, match="does not fit the tiles"):
+    amx.to_tiles(np.zeros((96, 64), np.int8))
+
+
+def test_amx_linear_equals_reference_linear_bitwise():
+  """The AMX kernel (weights in the tile layout) gives ``reference_linear``'s
+  bits on SmolLM2's projection shapes and the LM head's, at row counts that
+  fill, split and pad its 16- and 32-row blocks, an all-zero row and rows of
+  very different magnitudes among them; and a ``LayerWeight`` selects each
+  layer of a stack."""
+  _amx_or_skip()
+  rng = np.random.default_rng(9)
+  bad = []
+  for k, n in SMOLLM2_SHAPES + [(576, 4096)]:
+    w = _weight(rng, k, n)
+    tiled = _tiled(w)
+    x = _rows(rng, 256, k)
+    for m in (1, 2, 5, 16, 17, 32, 33, 64, 256):
+      got = np.asarray(_linear(jnp.asarray(x[:m]), tiled))
+      if not np.array_equal(got, quant.reference_linear(x[:m], w)):
+        bad.append((k, n, m))
+  assert not bad, f"(K, N, M) that differ: {bad}"
+  layers = [_weight(rng, 64, 96) for _ in range(3)]
+  stack = quant.QuantizedWeight(q=jnp.stack([w.q for w in layers]),
+                                col_scale=jnp.stack([w.col_scale for w in layers]))
+  stack = _tiled(stack)
+  x = _rows(rng, 8, 64)
+  pick = jax.jit(lambda x, layer: quant.linear(x, quant.LayerWeight(stack=stack, layer=layer)))
+  for i, w in enumerate(layers):
+    np.testing.assert_array_equal(np.asarray(pick(jnp.asarray(x), i)),
+                                  quant.reference_linear(x, w), err_msg=f"layer {i}")
+
+
+def test_amx_params_give_the_xla_params_hidden_states(tiny_cfg, tiny_params, quantized, seqs):
+  """The tiny model quantized for the AMX kernel (every projection and the
+  LM head in the tile layout, the stacks indexed by layer inside the
+  kernel) gives the XLA path's hidden states, cache and logits bitwise."""
+  _amx_or_skip()
+  tiled = quant.quantize_params(tiny_params, tiny_cfg.tie_embeddings, gemm="amx")
+  layouts = {w.layout for w in jax.tree_util.tree_leaves(tiled, is_leaf=_is_qw) if _is_qw(w)}
+  assert layouts == {"tiles"}
+  batch = pack([(seqs["chunk"], 0, 9), (seqs["prompt"], 0, 6)])
+  out = {}
+  for name, params in (("xla", quantized), ("amx", tiled)):
+    hidden, kv = run(params, tiny_cfg, nan_cache(tiny_cfg), batch, "gather")
+    out[name] = (np.asarray(hidden), np.asarray(kv.k), np.asarray(kv.v),
+                 np.asarray(llama.compute_logits_jit(params, tiny_cfg, hidden[:15])))
+  assert np.isfinite(out["amx"][0][:15]).all() and np.isfinite(out["amx"][3]).all()
+  for a, b in zip(out["xla"], out["amx"]):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="gemm must be"):
+    quant.quantize_params(tiny_params, tiny_cfg.tie_embeddings, gemm="tiles")
+
+
+def test_int8_gemm_resolution():
+  """``amx.resolve``: "xla" stays, "auto" is "amx" exactly where the kernel
+  runs, "amx" where it cannot is refused with the reason, other values are
+  refused by name."""
+  from models import amx
+  assert amx.resolve("xla") == "xla"
+  assert amx.resolve("auto") == ("amx" if amx.available() else "xla")
+  with pytest.raises(ValueError, match="int8_gemm must be one of"):
+    amx.resolve("tiles")
+  if not amx.available():
+    with pytest.raises(ValueError, match="int8_gemm 'amx'"):
+      amx.resolve("amx")

@@ -98,6 +98,29 @@ def test_int8_weights_keep_tokens_batch_invariant(params):
     Engine(CFG, params16, config)
 
 
+def test_int8_gemm_amx_and_xla_give_the_same_tokens(params):
+  """``int8_gemm``: the AMX kernel (weights in the tile layout, each layer's
+  stack indexed inside the kernel) and XLA's GEMM give every request the
+  same greedy tokens (the same bits); "amx" where it cannot run and unknown
+  values are refused by name."""
+  from models import amx
+  prompts = _prompts([5, 17, 3], seed=11)
+  xla_engine, xla = _run(params, dataclasses.replace(BASE, weights="int8", int8_gemm="xla"),
+                         prompts)
+  assert xla_engine.params["lm_head"].layout == "kn"
+  with pytest.raises(ValueError, match="int8_gemm must be one of"):
+    dataclasses.replace(BASE, weights="int8", int8_gemm="tiles")
+  if not amx.available():
+    with pytest.raises(ValueError, match="int8_gemm 'amx'"):
+      Engine(CFG, params, dataclasses.replace(BASE, weights="int8", int8_gemm="amx"))
+    pytest.skip(f"AMX int8 kernel unavailable: {amx.unavailable_reason()}")
+  amx_engine, tiled = _run(params, dataclasses.replace(BASE, weights="int8", int8_gemm="amx"),
+                           prompts)
+  assert amx_engine.params["lm_head"].layout == "tiles"
+  assert [r.output_token_ids for r in tiled] == [r.output_token_ids for r in xla]
+  assert all(r.outcome == "completed" for r in tiled)
+
+
 def test_preemption_recomputes_and_keeps_tokens(params):
   prompts = _prompts([14, 13, 12, 11], seed=3)
   _, reference = _run(params, BASE, prompts)
