@@ -43,7 +43,10 @@ Parameter tree (``L = n_layers``; ``lm_head`` only when embeddings are untied)::
 With int8 weights (``models.quant.quantize_params``) every ``layers/attn/w*``
 and ``layers/mlp/w_*`` leaf is a ``QuantizedWeight`` (``q`` int8[L, K, N],
 ``col_scale`` f32[L, N]) and ``lm_head`` is one of int8[d_model, vocab], tied
-embeddings included (the float32 embedding stays for the lookup).
+embeddings included (the float32 embedding stays for the lookup). Stacks in
+``models.amx``'s tile layout are not sliced by the blocks' scan: ``forward``
+passes them whole (``_Batch.weights``) and each block's GEMM reads its layer
+in place (``quant.LayerWeight``).
 """
 
 from __future__ import annotations

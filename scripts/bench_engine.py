@@ -55,12 +55,13 @@ import numpy as np
 from absl import flags
 
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
-from models import amx, llama, quant
+from models import llama, quant
 from models.loaders import load_model, resolve_model_path
 from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
-from serving.launch import warmup
+from serving.launch import check_attention_impl, warmup
+from serving.launch import int8_gemm as launch_int8_gemm
 from serving.sampling import sample
 
 FLAGS = flags.FLAGS
@@ -436,7 +437,8 @@ def host_cpu() -> dict:
           break
   except OSError:
     pass
-  wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"]
+  wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile",
+            "amx_int8"]
   return {"model": model, "cores": os.cpu_count(),
           "extensions": [f for f in wanted if f in flags_seen]}
 
@@ -449,11 +451,17 @@ def main(argv):
   for w in FLAGS.hf_weights:
     if w not in ("dense", "int8"):
       raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
+  # The launchers' refusals, before any model loads: the flags' combination
+  # (EngineConfig), --attention_impl=native and --int8_gemm=amx where their
+  # kernels cannot run.
+  probe = EngineConfig.preset(FLAGS.engine, dtype=FLAGS.dtype, weights=FLAGS.weights,
+                              int8_gemm=FLAGS.int8_gemm, attention_impl=FLAGS.attention_impl)
+  check_attention_impl(probe)
+  int8_gemm = launch_int8_gemm(probe)
   kept = hostmem.keep_freed_pages() if FLAGS.keep_freed_pages else False
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
-  int8_gemm = amx.resolve(FLAGS.int8_gemm) if FLAGS.weights == "int8" else None
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
     params = quant.quantize_params(params, cfg.tie_embeddings, gemm=int8_gemm)
   peers = {"hf" if w == "dense" else f"hf_{w}": load_hf(w) for w in hf_weights}

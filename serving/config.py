@@ -214,6 +214,9 @@ class EngineConfig:
              f"mesh '')", self.weights)
     _require(self.int8_gemm in INT8_GEMMS, c, "int8_gemm", f"must be one of {INT8_GEMMS}",
              self.int8_gemm)
+    _require(self.int8_gemm != "amx" or self.weights == "int8", c, "int8_gemm",
+             f"must be 'auto' or 'xla' with weights {self.weights!r} (the AMX kernel runs "
+             f"int8 weights: set weights 'int8')", self.int8_gemm)
     _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",

@@ -231,9 +231,10 @@ class Engine:
     # split over the mesh's model axis, every other table replicated.
     self.mesh = sharding.make_mesh(config.mesh)
     self._placement = sharding.Placement(model_cfg, self.mesh)
+    # The int8 GEMM that runs ("amx" or "xla"; None for dense weights).
+    self.int8_gemm = amx.resolve(config.int8_gemm) if config.weights == "int8" else None
     if config.weights == "int8":
-      params = quant.quantize_params(params, model_cfg.tie_embeddings,
-                                     gemm=amx.resolve(config.int8_gemm))
+      params = quant.quantize_params(params, model_cfg.tie_embeddings, gemm=self.int8_gemm)
     self.params = self._placement.params(params)
     simulated = config.executor == "simulated"
     if clock is None:

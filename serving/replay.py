@@ -120,6 +120,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "model": model_name,
       "dtype": c.dtype,
       "weights": c.weights,
+      "int8_gemm": engine.int8_gemm,
       "kv_dtype": c.kv_cache_dtype,
       "token_buckets": list(c.token_buckets),
       "max_num_batched_tokens": c.max_num_batched_tokens,

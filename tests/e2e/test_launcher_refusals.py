@@ -99,6 +99,21 @@ def test_amx_int8_gemm_without_a_compiler_is_refused_before_loading(tmp_path):
   assert status == 2 and "int8_gemm" in last, last
 
 
+@pytest.mark.parametrize("flags, line", [
+    (("--attention_impl=native",), "error: --attention_impl=native: C++ compiler"),
+    (("--weights=int8", "--int8_gemm=amx", "--attention_impl=blocked_dot"),
+     "error: --int8_gemm=amx: C++ compiler"),
+], ids=["attention_native", "int8_gemm_amx"])
+def test_bench_engine_refuses_kernels_that_cannot_build_before_loading(tmp_path, flags, line):
+  """bench_engine makes the launchers' kernel checks before it loads a model."""
+  env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
+             ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"))
+  status, last = _run("bench_engine.py", "--sections=gemm", "--hf=false",
+                      f"--out={tmp_path / 'b.json'}", *flags, env=env)
+  assert status == 2 and last.startswith(line), last
+  assert not (tmp_path / "b.json").exists()
+
+
 def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
   port = free_port()
   status, last = _run("bench_serving.py", f"--url=http://127.0.0.1:{port}/v1/",

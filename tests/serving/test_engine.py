@@ -110,6 +110,8 @@ def test_int8_gemm_amx_and_xla_give_the_same_tokens(params):
   assert xla_engine.params["lm_head"].layout == "kn"
   with pytest.raises(ValueError, match="int8_gemm must be one of"):
     dataclasses.replace(BASE, weights="int8", int8_gemm="tiles")
+  with pytest.raises(ValueError, match="int8_gemm must be 'auto' or 'xla' with weights 'dense'"):
+    dataclasses.replace(BASE, int8_gemm="amx")
   if not amx.available():
     with pytest.raises(ValueError, match="int8_gemm 'amx'"):
       Engine(CFG, params, dataclasses.replace(BASE, weights="int8", int8_gemm="amx"))
