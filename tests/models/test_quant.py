@@ -326,7 +326,7 @@ def test_amx_linear_equals_reference_linear_bitwise():
   """The AMX kernel (weights in the tile layout) gives ``reference_linear``'s
   bits on SmolLM2's projection shapes and the LM head's, at row counts that
   fill, split and pad its 16- and 32-row blocks, an all-zero row and rows of
-  very different magnitudes among them; and a ``LayerWeight`` selects each
+  very different magnitudes among them (1, 5, 17, 33, 256 rows); and a ``LayerWeight`` selects each
   layer of a stack."""
   _amx_or_skip()
   rng = np.random.default_rng(9)
@@ -335,7 +335,7 @@ def test_amx_linear_equals_reference_linear_bitwise():
     w = _weight(rng, k, n)
     tiled = _tiled(w)
     x = _rows(rng, 256, k)
-    for m in (1, 2, 5, 16, 17, 32, 33, 64, 256):
+    for m in (1, 5, 17, 33, 256):
       got = np.asarray(_linear(jnp.asarray(x[:m]), tiled))
       if not np.array_equal(got, quant.reference_linear(x[:m], w)):
         bad.append((k, n, m))
