@@ -104,15 +104,6 @@ def to_tiles(q: np.ndarray) -> np.ndarray:
   return np.ascontiguousarray(t.transpose(perm)).reshape(q.shape)
 
 
-def from_tiles(q):
-  """The inverse of ``to_tiles`` (numpy or jax arrays)."""
-  *lead, k, n = q.shape
-  nd = len(lead)
-  t = q.reshape(*lead, n // 16, k // 64, 16, 16, 4)           # nb, kb, r, j, i
-  perm = tuple(range(nd)) + tuple(nd + a for a in (1, 2, 4, 0, 3))   # kb, r, i, nb, j
-  return t.transpose(perm).reshape(q.shape)
-
-
 def matmul(a, row_scale, q_tiles, col_scale, layer=None):
   """``float32(a @ q[layer]) * (row_scale * col_scale[layer])`` on AMX tiles.
 

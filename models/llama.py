@@ -43,10 +43,10 @@ Parameter tree (``L = n_layers``; ``lm_head`` only when embeddings are untied)::
 With int8 weights (``models.quant.quantize_params``) every ``layers/attn/w*``
 and ``layers/mlp/w_*`` leaf is a ``QuantizedWeight`` (``q`` int8[L, K, N],
 ``col_scale`` f32[L, N]) and ``lm_head`` is one of int8[d_model, vocab], tied
-embeddings included (the float32 embedding stays for the lookup). Stacks in
-``models.amx``'s tile layout are not sliced by the blocks' scan: ``forward``
-passes them whole (``_Batch.weights``) and each block's GEMM reads its layer
-in place (``quant.LayerWeight``).
+embeddings included (the float32 embedding stays for the lookup). The int8
+stacks are not sliced by the blocks' scan: ``forward`` passes them whole
+(``_Batch.weights``) and each block's GEMM selects its layer
+(``quant.LayerWeight``); the AMX kernel reads it in place.
 """
 
 from __future__ import annotations
@@ -360,9 +360,10 @@ class _Batch:
   cu_q_lens: jax.Array     # i32[S + 1]
   num_seqs: jax.Array      # i32[]
   classes: RowClasses | None = None   # the rows' GEMM classes (``rowwise``)
-  # int8 tile-layout projection stacks ({"attn": {"wq": ...}, "mlp": {...}},
-  # each [L, K, N]), passed whole: a block selects its layer inside the
-  # GEMM (``quant.LayerWeight``) instead of the scan copying a slice.
+  # int8 projection stacks ({"attn": {"wq": ...}, "mlp": {...}}, each
+  # [L, K, N]), passed whole: a block selects its layer in its GEMM
+  # (``quant.LayerWeight``; inside the AMX kernel for the tile layout)
+  # instead of the scan slicing every stack.
   weights: Any = None
 
   @property
@@ -608,7 +609,7 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
   if chunk_rows is not None and chunk_rows < 1:
     raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
   flat = (num_layers * num_pages,) + kv.k.shape[2:]
-  params, stacks = _split_tiled_stacks(params)
+  params, stacks = _split_int8_stacks(params)
   batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
                  page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs,
                  weights=stacks)
@@ -628,18 +629,17 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
                                              v=v_pool.reshape(kv.v.shape))
 
 
-def _split_tiled_stacks(params):
-  """Moves the tile-layout int8 projection stacks out of ``params["layers"]``
-  (which the blocks' scan slices layer by layer) into ``{"attn": {...},
-  "mlp": {...}}`` for ``_Batch.weights``; None when there are none."""
+def _split_int8_stacks(params):
+  """Moves the int8 projection stacks out of ``params["layers"]`` (which the
+  blocks' scan slices layer by layer) into ``{"attn": {...}, "mlp": {...}}``
+  for ``_Batch.weights``; None when there are none."""
   layers = params.get("layers", {})
   stacks, kept = {}, {}
   for group, leaves in layers.items():
-    tiled = {k: w for k, w in leaves.items()
-             if isinstance(w, quant.QuantizedWeight) and w.layout == "tiles"}
-    if tiled:
-      stacks[group] = tiled
-    kept[group] = {k: w for k, w in leaves.items() if k not in tiled}
+    int8 = {k: w for k, w in leaves.items() if isinstance(w, quant.QuantizedWeight)}
+    if int8:
+      stacks[group] = int8
+    kept[group] = {k: w for k, w in leaves.items() if k not in int8}
   if not stacks:
     return params, None
   return {**params, "layers": kept}, stacks

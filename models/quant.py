@@ -25,9 +25,9 @@ one-row int8 GEMM is ~15x slower than its two-row one, and
 
 Two GEMMs compute the same bits (``EngineConfig.int8_gemm``): XLA's, over
 row-major weights, and ``models.amx``'s on Intel AMX tiles, over weights in
-the tile layout (``QuantizedWeight.layout = "tiles"``), which a scanned
-model indexes by layer inside the kernel (``LayerWeight``) instead of
-copying each layer's slice of the stack.
+the tile layout (``QuantizedWeight.layout = "tiles"``), which it indexes by
+layer inside the kernel (``LayerWeight``) instead of copying each layer's
+slice of the stack.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class QuantizedWeight:
 @struct.dataclass
 class LayerWeight:
   """Layer ``layer`` of a stacked ``QuantizedWeight`` (``q`` [L, K, N]),
-  selected inside the GEMM: no copy of the layer's slice is made."""
+  selected by ``linear``: inside the AMX kernel for the tile layout (no copy
+  of the layer is made), by a slice of the stack otherwise."""
 
   stack: QuantizedWeight
   layer: jax.Array          # i32[]

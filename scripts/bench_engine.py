@@ -55,7 +55,7 @@ import numpy as np
 from absl import flags
 
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
-from models import llama, quant
+from models import amx, llama, quant
 from models.loaders import load_model, resolve_model_path
 from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
@@ -91,7 +91,7 @@ flags.DEFINE_list("hf_weights", [], "transformers peers run in the same process:
 flags.DEFINE_enum("attention_impl", None, list(IMPLS),
                   "Override the preset's attention implementation (e.g. blocked_dot "
                   "against the CPU default, native).")
-flags.DEFINE_enum("int8_gemm", "auto", ["auto", "amx", "xla"],
+flags.DEFINE_enum("int8_gemm", "auto", list(amx.GEMMS),
                   "iterserve's int8 GEMM with --weights=int8 (EngineConfig.int8_gemm): "
                   "amx (Intel AMX tiles), xla, or auto.")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],

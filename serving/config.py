@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Tuple
 
 from attention.ragged import IMPLS
+from models.amx import GEMMS as INT8_GEMMS
 from models.sharding import parse_mesh
 from scheduler.policies import POLICIES, check_reservation
 
@@ -19,7 +20,6 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")
 WEIGHTS = ("dense", "int8")
-INT8_GEMMS = ("auto", "amx", "xla")
 
 
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:

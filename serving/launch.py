@@ -33,7 +33,7 @@ def define_engine_flags() -> None:
                     "dense (in --dtype) or int8 (int8 projection and LM-head weights, "
                     "per-row int8 activations, int32 sums: a quarter of the weight bytes; "
                     "needs --dtype=float32 and no --mesh).")
-  flags.DEFINE_enum("int8_gemm", None, ["auto", "amx", "xla"], "Override the preset's "
+  flags.DEFINE_enum("int8_gemm", None, list(amx.GEMMS), "Override the preset's "
                     "int8 GEMM (--weights=int8): amx (Intel AMX tiles), xla, or auto (amx "
                     "where it runs); the same bits either way.")
   flags.DEFINE_string("kv_dtype", None, "Override the preset's KV cache dtype: auto "
@@ -247,10 +247,10 @@ def int8_gemm(engine_cfg: EngineConfig) -> str | None:
   """
   if engine_cfg.weights != "int8" or engine_cfg.executor == "simulated":
     return None
-  try:
-    return amx.resolve(engine_cfg.int8_gemm)
-  except ValueError as e:
-    raise ValueError(f"--{e}".replace("int8_gemm 'amx'", "int8_gemm=amx", 1)) from None
+  reason = amx.unavailable_reason() if engine_cfg.int8_gemm == "amx" else None
+  if reason:
+    raise ValueError(f"--int8_gemm=amx: {reason}")
+  return amx.resolve(engine_cfg.int8_gemm)
 
 
 def check_attention_impl(engine_cfg: EngineConfig) -> None:
