@@ -48,6 +48,7 @@ def _check_report_flags() -> None:
   the flag and the rule)."""
   if not FLAGS.out or os.path.isdir(FLAGS.out):
     raise ValueError(f"--out must be a file path for the report JSON, got {FLAGS.out!r}")
+  cli.check_creatable("out", FLAGS.out)
   for name in ("ledger_tbt_ms", "ledger_horizon_s"):
     value = getattr(FLAGS, name)
     if value is not None and not value > 0:

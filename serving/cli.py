@@ -11,7 +11,9 @@ enum value outside its choices, a bound, a value of the wrong type) or
 """
 
 import functools
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable, List, NoReturn
 
 from absl import app, flags
@@ -24,6 +26,18 @@ def refuse(message: str) -> NoReturn:
   """Prints ``error: <message>`` on stderr and exits with status 2."""
   print(f"error: {message}", file=sys.stderr)
   sys.exit(USAGE_ERROR)
+
+
+def check_creatable(flag: str, path: str) -> None:
+  """Refuses (ValueError naming ``--flag``) a path that cannot be created:
+  its nearest existing ancestor is not a directory or not writable. Checked
+  before a model loads, so a run's results are not lost at the end."""
+  here = Path(path).absolute()
+  while not here.exists():
+    here = here.parent
+  if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+    raise ValueError(f"--{flag} {path!r} cannot be created: {str(here)!r} is not a "
+                     f"writable directory")
 
 
 def parse_flags(argv: List[str]) -> List[str]:

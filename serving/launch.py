@@ -16,7 +16,7 @@ from attention import native, ragged
 from models import amx
 from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
-from serving import hostmem, workloads
+from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.sim_executor import VirtualClock
@@ -225,6 +225,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   check_attention_impl(engine_cfg)
   gemm = int8_gemm(engine_cfg)
   if FLAGS.cache_dir:
+    cli.check_creatable("cache_dir", FLAGS.cache_dir)
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32

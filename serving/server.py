@@ -590,9 +590,11 @@ def json_body(raw: bytes) -> Any:
   """
   try:
     body = json.loads(raw)
+    _check_text(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise BadRequest(f"the request body is not valid JSON ({e})") from None
-  _check_text(body)
+  except RecursionError:
+    raise BadRequest("the request body is nested too deeply") from None
   return body
 
 

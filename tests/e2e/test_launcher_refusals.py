@@ -114,6 +114,12 @@ def test_bench_engine_refuses_kernels_that_cannot_build_before_loading(tmp_path,
   assert not (tmp_path / "b.json").exists()
 
 
+def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading():
+  status, last = _run("generate.py", "--prompt=hi", "--cache_dir=README.md/cache")
+  assert status == 2 and last.startswith(
+      "error: --cache_dir 'README.md/cache' cannot be created: "), last
+
+
 def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
   port = free_port()
   status, last = _run("bench_serving.py", f"--url=http://127.0.0.1:{port}/v1/",

@@ -87,6 +87,8 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
      "error: give either slo_ttft_ms / slo_tpot_ms or slo_class, not both"),
     (["--slo_class=a:1:1,"], "error: slo_class 'a:1:1,' has an empty entry"),
     (["--out=."], "error: --out must be a file path for the report JSON, got '.'"),
+    (["--out=README.md/report.json"],
+     "error: --out 'README.md/report.json' cannot be created: "),
     (["--ledger_tbt_ms=-1"], "error: --ledger_tbt_ms must be > 0 (or unset), got -1.0"),
     (["--cost_model=no/such.json"], "error: --cost_model 'no/such.json': no such calibration"),
     (["--mesh=model:2"], "error: EngineConfig.mesh 'model:2' needs 2 devices, JAX has 1"),

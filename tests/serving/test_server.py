@@ -163,6 +163,7 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(served, monkeypatc
 
 BAD = [
     ("not json", b"{oops", None, "not valid JSON"),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, None, "nested too deeply"),
     ("wrong type", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", "must be int"),
     ("max_tokens < 1", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "must be >= 1"),
     ("beyond context", {"prompt": "the " * 5, "max_tokens": 60}, "max_tokens",
