@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from attention.ragged import KV_BITS, ragged_paged_attention, write_kv_pages
-from models import quant, sharding
+from models import quant, rowgemm, sharding
 from models.config import ModelConfig
 
 _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
@@ -99,8 +99,10 @@ def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
     ``fori_loop`` of ``ceil(num_live / tile)`` trips; later tiles are zeros.
 
   Args:
-    fn: maps [M, K] -> [M, N] (or a tuple of such) row by row, no mixing
-      of rows, for m <= M <= tile.
+    fn: ``fn(rows, live)`` maps [M, K] -> [M, N] (or a tuple of such) row
+      by row, no mixing of rows, for m <= M <= tile; ``live`` (i32[]) says
+      how many leading rows of ``rows`` are live: the others' results are
+      never used (``fn`` may skip them).
     x: [T, K] rows, float32 or bfloat16; rows at or beyond ``num_live`` are
       padding.
     num_live: i32[] live rows (a prefix of ``x``), 0 <= num_live <= T.
@@ -124,22 +126,25 @@ def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
   num_rows = x.shape[0]
   tmap = jax.tree_util.tree_map
   if num_rows <= tile:
+    live = jnp.clip(jnp.reshape(jnp.asarray(num_live, jnp.int32), ()), 0, num_rows)
     if num_rows < min_rows:                # too few rows: a bit class of their own
       padded = jnp.pad(x, ((0, min_rows - num_rows), (0, 0)))
-      return tmap(lambda y: y[:num_rows], fn(padded))
-    return fn(x)
+      return tmap(lambda y: y[:num_rows], fn(padded, live))
+    return fn(x, live)
   padded = -(-num_rows // tile) * tile
   if padded != num_rows:
     x = jnp.pad(x, ((0, padded - num_rows), (0, 0)))
-  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((tile,) + x.shape[1:], x.dtype))
+  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((tile,) + x.shape[1:], x.dtype),
+                            jax.ShapeDtypeStruct((), jnp.int32))
+  num_live = jnp.clip(jnp.reshape(jnp.asarray(num_live, jnp.int32), ()), 0, num_rows)
 
   def body(i, out):
     rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
+    live = jnp.clip(num_live - i * tile, 0, tile)
     return tmap(lambda o, y: jax.lax.dynamic_update_slice_in_dim(o, y, i * tile, 0),
-                out, fn(rows))
+                out, fn(rows, live))
 
   out = tmap(lambda a: jnp.zeros((padded,) + a.shape[1:], a.dtype), out_aval)
-  num_live = jnp.clip(jnp.reshape(jnp.asarray(num_live, jnp.int32), ()), 0, num_rows)
   out = jax.lax.fori_loop(0, (num_live + tile - 1) // tile, body, out)
   return tmap(lambda o: o[:num_rows], out)
 
@@ -212,7 +217,8 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
   the fastest form, and a bucket's decode rows are not run a second time.
 
   Args:
-    fn: maps [M, K] -> [M, N] (or a tuple of such) row by row.
+    fn: ``fn(rows, live)`` maps [M, K] -> [M, N] (or a tuple of such) row
+      by row; the first ``live`` rows are live (``row_tiled``).
     x: [T, K] rows; rows at or beyond ``num_live`` are padding.
     num_live: i32[] live rows (a prefix of ``x``).
     classes: the rows' ``RowClasses``; None: every row in the tiled class
@@ -225,19 +231,21 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
   """
   num_rows = x.shape[0]
   tmap = jax.tree_util.tree_map
+  all_rows = jnp.int32(num_rows)
   if exact:
     if num_rows >= 2:
-      return fn(x)
-    return tmap(lambda y: y[:num_rows], fn(jnp.pad(x, ((0, 2 - num_rows), (0, 0)))))
+      return fn(x, all_rows)
+    return tmap(lambda y: y[:num_rows], fn(jnp.pad(x, ((0, 2 - num_rows), (0, 0))), all_rows))
   if classes is None:
     return row_tiled(fn, x, num_live)
-  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((2,) + x.shape[1:], x.dtype))
+  out_aval = jax.eval_shape(fn, jax.ShapeDtypeStruct((2,) + x.shape[1:], x.dtype),
+                            jax.ShapeDtypeStruct((), jnp.int32))
   zeros = lambda: tmap(lambda a: jnp.zeros((num_rows,) + a.shape[1:], a.dtype), out_aval)
 
   def large():
     padded = max(num_rows, LARGE_GEMM_ROWS)
     rows = x if padded == num_rows else jnp.pad(x, ((0, padded - num_rows), (0, 0)))
-    return tmap(lambda y: y[:num_rows], fn(rows))
+    return tmap(lambda y: y[:num_rows], fn(rows, all_rows))
 
   def tiled():
     out = row_tiled(fn, x[classes.order], classes.num_tiled)
@@ -248,25 +256,48 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
   return tmap(lambda a, b: jnp.where(classes.prompt[:, None], a, b), big, small)
 
 
-def linear(x: jax.Array, w) -> jax.Array:
+def linear(x: jax.Array, w, live=None) -> jax.Array:
   """The projection ``x @ w`` accumulated in float32, rounded to ``x.dtype``.
 
   Both operands bfloat16 run XLA:CPU's native bfloat16 GEMM (AMX/AVX512-BF16
   on CPUs that have them); a plain bfloat16 ``x @ w`` is instead widened to
   float32 on both operands, the [K, N] weight converted on every call, and
-  the product rounded back. For float32 operands this is ``x @ w``. An int8
-  weight (``models.quant.QuantizedWeight``) runs ``models.quant.linear``:
-  rows quantized to int8, an int32 GEMM, rescaled to float32.
+  the product rounded back. For float32 operands this is ``x @ w``: XLA's
+  GEMM, or for a weight of a ``LayerWeight`` whose ``row_gemm`` is "native"
+  and at most ``rowgemm.MAX_ROWS`` rows (generated rows: ``rowwise`` hands
+  prompt rows' GEMMs at least ``LARGE_GEMM_ROWS``) ``models.rowgemm``'s
+  kernel. An int8 weight (``models.quant.QuantizedWeight``) runs
+  ``models.quant.linear``: rows quantized to int8, an int32 GEMM, rescaled
+  to float32.
 
   Args:
     x: [M, K] rows, float32 or bfloat16 (float32 for an int8 weight).
-    w: [K, N] weight, the same dtype, or a ``QuantizedWeight``.
+    w: [K, N] weight, the same dtype, or a ``QuantizedWeight``; or a
+      ``quant.LayerWeight`` (one layer of a stack, or of ``split_layers``'
+      per-layer tuple).
+    live: i32[] leading rows of ``x`` whose results are used (None: all);
+      the native kernel computes only those (the others are zeros).
 
   Returns:
     [M, N] in ``x.dtype``.
   """
+  if isinstance(w, quant.LayerWeight) and isinstance(w.stack, tuple):
+    # One branch per layer, each a GEMM on that layer's own buffer: XLA:CPU
+    # copies a slice of a stack (``w[layer]``) out before its GEMM, which
+    # cost a float32 decode step twice the weight bytes' reading time.
+    branches = [functools.partial(_linear_on, w=one, row_gemm=w.row_gemm) for one in w.stack]
+    return jax.lax.switch(w.layer, branches, x, live)
+  return _linear_on(x, live, w)
+
+
+def _linear_on(x: jax.Array, live, w, row_gemm: str = "xla") -> jax.Array:
   if isinstance(w, (quant.QuantizedWeight, quant.LayerWeight)):
     return quant.linear(x, w).astype(x.dtype)
+  # Generated rows only: ``rowwise`` hands a prompt row's GEMM at least
+  # LARGE_GEMM_ROWS rows, a generated row's at most ROW_TILE.
+  if (row_gemm == "native" and x.shape[0] <= rowgemm.MAX_ROWS
+      and x.dtype == jnp.float32 and w.dtype == jnp.float32):
+    return rowgemm.matmul(x, w, live=live)
   out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=jnp.float32)
   return out.astype(x.dtype)
@@ -365,6 +396,8 @@ class _Batch:
   # (``quant.LayerWeight``; inside the AMX kernel for the tile layout)
   # instead of the scan slicing every stack.
   weights: Any = None
+  # The GEMM of float32 projections' generated rows ("native": models.rowgemm).
+  row_gemm: str = struct.field(pytree_node=False, default="xla")
 
   @property
   def num_live(self) -> jax.Array:
@@ -422,13 +455,14 @@ class Attention(nn.Module):
   def __call__(self, x, k_pool, v_pool, layer, batch: _Batch):
     cfg = self.cfg
     num_rows = x.shape[0]
-    weight = functools.partial(_layer_weight, self, batch.weights, "attn", layer)
+    weight = functools.partial(_layer_weight, self, batch.weights, "attn", layer,
+                               row_gemm=batch.row_gemm)
     wq = weight("wq", (cfg.d_model, cfg.q_dim))
     wk = weight("wk", (cfg.d_model, cfg.kv_dim))
     wv = weight("wv", (cfg.d_model, cfg.kv_dim))
     wo = weight("wo", (cfg.q_dim, cfg.d_model))
     exact = _is_int8(wq)
-    q, k, v = rowwise(lambda h: (linear(h, wq), linear(h, wk), linear(h, wv)), x,
+    q, k, v = rowwise(lambda h, n: (linear(h, wq, n), linear(h, wk, n), linear(h, wv, n)), x,
                       batch.num_live, batch.classes, exact=exact)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
@@ -448,7 +482,7 @@ class Attention(nn.Module):
       attend = sharding.attention_over_heads(attend, self.mesh)
     out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
                  batch.cu_q_lens, batch.num_seqs)
-    out = rowwise(lambda h: linear(h, wo), out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
+    out = rowwise(lambda h, n: linear(h, wo, n), out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
                   batch.num_live, batch.classes, exact=exact)
     return out, k_pool, v_pool
 
@@ -460,26 +494,30 @@ class MLP(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x, num_live, classes=None, layer=None, weights=None):
+  def __call__(self, x, num_live, classes=None, layer=None, weights=None, row_gemm="xla"):
     cfg = self.cfg
-    weight = functools.partial(_layer_weight, self, weights, "mlp", layer)
+    weight = functools.partial(_layer_weight, self, weights, "mlp", layer, row_gemm=row_gemm)
     w_gate = weight("w_gate", (cfg.d_model, cfg.ffn_dim))
     w_up = weight("w_up", (cfg.d_model, cfg.ffn_dim))
     w_down = weight("w_down", (cfg.ffn_dim, cfg.d_model))
-    return rowwise(lambda h: linear(nn.silu(linear(h, w_gate)) * linear(h, w_up), w_down),
+    return rowwise(lambda h, n: linear(nn.silu(linear(h, w_gate, n)) * linear(h, w_up, n),
+                                       w_down, n),
                    x, num_live, classes, exact=_is_int8(w_down))
 
 
 def _is_int8(w) -> bool:
-  return isinstance(w, (quant.QuantizedWeight, quant.LayerWeight))
+  if isinstance(w, quant.LayerWeight):
+    w = w.stack[0] if isinstance(w.stack, tuple) else w.stack
+  return isinstance(w, quant.QuantizedWeight)
 
 
-def _layer_weight(module: nn.Module, weights, group: str, layer, name: str, shape):
-  """A block's projection ``name``: layer ``layer`` of the whole stack in
-  ``weights[group]`` (``_Batch.weights``) when it is there, else the
-  module's own (scanned) parameter."""
+def _layer_weight(module: nn.Module, weights, group: str, layer, name: str, shape, *,
+                  row_gemm: str = "xla"):
+  """A block's projection ``name``: layer ``layer`` of the weights in
+  ``weights[group]`` (``_Batch.weights``: an int8 stack or a per-layer
+  tuple) when they are there, else the module's own (scanned) parameter."""
   if weights is not None and name in weights.get(group, {}):
-    return quant.LayerWeight(stack=weights[group][name], layer=layer)
+    return quant.LayerWeight(stack=weights[group][name], layer=layer, row_gemm=row_gemm)
   return module.param(name, _WEIGHT_INIT, shape, module.dtype)
 
 
@@ -500,7 +538,7 @@ class DecoderLayer(nn.Module):
     x = x + attn
     h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
     x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes, layer,
-                                                 batch.weights)
+                                                 batch.weights, batch.row_gemm)
     return (x, k_pool, v_pool), None
 
 
@@ -542,12 +580,12 @@ class Llama(nn.Module):
     if num_live is None:
       num_live = hidden.shape[0]
     if self.quantized:
-      return row_tiled(lambda h: quant.linear(h, self.lm_head), hidden, num_live)
+      return row_tiled(lambda h, _: quant.linear(h, self.lm_head), hidden, num_live)
     if self.cfg.tie_embeddings:
       table, contract = self.embed.embedding, 1
     else:
       table, contract = self.lm_head, 0
-    head = lambda h: jax.lax.dot_general(h, table, (((1,), (contract,)), ((), ())),
+    head = lambda h, _: jax.lax.dot_general(h, table, (((1,), (contract,)), ((), ())),
                                          preferred_element_type=jnp.float32)
     return row_tiled(head, hidden, num_live)
 
@@ -563,7 +601,8 @@ def _params_dtype(params):
 
 def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
             slot_mapping, kv_lens, page_table, cu_q_lens, num_seqs, *,
-            attention_impl: str, mesh=None, prompt_rows=None, chunk_rows=None):
+            attention_impl: str, mesh=None, prompt_rows=None, chunk_rows=None,
+            decode_gemm: str = "xla"):
   """Runs every block over one packed iteration and writes its K/V.
 
   Args:
@@ -591,14 +630,18 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     chunk_rows: static; when T exceeds it, the rows run as a ``lax.scan``
       over ``ceil(T / chunk_rows)`` chunk invocations (``_scanned_chunks``):
       bounded activations, the same bits as one invocation. None: one.
+    decode_gemm: static; the GEMM of float32 projections' generated rows
+      (tiles of at most ``ROW_TILE`` rows): "native" (``models.rowgemm``,
+      the caller having checked that it is available) or "xla". Prompt rows
+      run XLA's large GEMM either way.
 
   Returns:
     ``(hidden f32[T, d_model], kv)``: the final-normed hidden state of every
     row (padding rows hold unspecified finite values) and the updated cache.
 
   Raises:
-    ValueError: if ``kv`` has not ``cfg.n_layers`` layers, or ``chunk_rows``
-      is below 1.
+    ValueError: if ``kv`` has not ``cfg.n_layers`` layers, ``chunk_rows``
+      is below 1, or ``decode_gemm`` is neither "native" nor "xla".
   """
   dtype = _params_dtype(params)
   model = Llama(cfg, dtype=dtype, attention_impl=attention_impl, mesh=mesh,
@@ -608,11 +651,16 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     raise ValueError(f"kv has {num_layers} layers, cfg.n_layers is {cfg.n_layers}")
   if chunk_rows is not None and chunk_rows < 1:
     raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+  if decode_gemm not in ("native", "xla"):
+    raise ValueError(f"decode_gemm must be 'native' or 'xla', got {decode_gemm!r}")
   flat = (num_layers * num_pages,) + kv.k.shape[2:]
-  params, stacks = _split_int8_stacks(params)
+  # Already split by the engine (``split_layers``); split here otherwise,
+  # which copies each layer once per call, as slicing in the scan did.
+  params, stacks = _unscanned_weights(split_layers(params))
+  params = {k: v for k, v in params.items() if k != HEAD_PANELS}
   batch = _Batch(positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
                  page_table=page_table, cu_q_lens=cu_q_lens, num_seqs=num_seqs,
-                 weights=stacks)
+                 weights=stacks, row_gemm=decode_gemm)
 
   def run(tokens, k_pool, v_pool, batch, prompt_rows):
     if prompt_rows is not None:
@@ -629,20 +677,60 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
                                              v=v_pool.reshape(kv.v.shape))
 
 
-def _split_int8_stacks(params):
-  """Moves the int8 projection stacks out of ``params["layers"]`` (which the
-  blocks' scan slices layer by layer) into ``{"attn": {...}, "mlp": {...}}``
-  for ``_Batch.weights``; None when there are none."""
+def _unscanned_weights(params):
+  """Moves the projections the blocks' scan must not slice out of
+  ``params["layers"]`` into ``{"attn": {...}, "mlp": {...}}`` for
+  ``_Batch.weights``: int8 stacks (``QuantizedWeight``) and
+  ``split_layers``' per-layer tuples; None when there are none."""
   layers = params.get("layers", {})
-  stacks, kept = {}, {}
+  moved, kept = {}, {}
   for group, leaves in layers.items():
-    int8 = {k: w for k, w in leaves.items() if isinstance(w, quant.QuantizedWeight)}
-    if int8:
-      stacks[group] = int8
-    kept[group] = {k: w for k, w in leaves.items() if k not in int8}
-  if not stacks:
+    out = {k: w for k, w in leaves.items() if isinstance(w, (quant.QuantizedWeight, tuple))}
+    if out:
+      moved[group] = out
+    kept[group] = {k: w for k, w in leaves.items() if k not in out}
+  if not moved:
     return params, None
-  return {**params, "layers": kept}, stacks
+  return {**params, "layers": kept}, moved
+
+
+def split_layers(params):
+  """Stores every projection stack as a tuple of per-layer weights.
+
+  ``layers/{attn,mlp}/w*`` [L, K, N] (float, or an int8 ``QuantizedWeight``
+  in the row-major layout) becomes a tuple of L [K, N] weights, each its own
+  buffer. ``forward`` then hands them to the blocks whole and each block's
+  GEMM reads its layer's buffer in place (``linear``'s ``lax.switch``): a
+  scanned block would copy its layer's slice of every stack first, as
+  XLA:CPU does for a dynamic slice feeding a GEMM (a 1-row float32 decode
+  step of SmolLM2 spent about half its time copying). The bits are the same
+  (the same GEMM on the same values). Int8 stacks in the AMX tile layout stay
+  stacked: the kernel indexes them by layer. Idempotent.
+
+  Args:
+    params: a parameter tree in this module's layout (device or host arrays,
+      sharded or not).
+
+  Returns:
+    The tree with the projections split; every other leaf unchanged.
+  """
+  layers = params.get("layers")
+  if layers is None:
+    return params
+
+  def split(w):
+    if isinstance(w, tuple):
+      return w
+    if isinstance(w, quant.QuantizedWeight):
+      if w.layout != "kn":
+        return w
+      return tuple(quant.QuantizedWeight(q=w.q[i], col_scale=w.col_scale[i])
+                   for i in range(w.q.shape[0]))
+    return tuple(w[i] for i in range(w.shape[0]))
+
+  out = {group: {k: split(w) if k in quant.PROJECTIONS else w for k, w in leaves.items()}
+         for group, leaves in layers.items()}
+  return {**params, "layers": out}
 
 
 def _chunk_batch(batch: _Batch, lo, chunk_rows: int) -> _Batch:
@@ -673,7 +761,7 @@ def _chunk_batch(batch: _Batch, lo, chunk_rows: int) -> _Batch:
       kv_lens=kv_lens, page_table=batch.page_table[src],
       cu_q_lens=jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                  jnp.cumsum(q_lens).astype(jnp.int32)]),
-      num_seqs=count, weights=batch.weights)
+      num_seqs=count, weights=batch.weights, row_gemm=batch.row_gemm)
 
 
 def _scanned_chunks(run, chunk_rows: int, tokens, k_pool, v_pool, batch: _Batch, prompt_rows):
@@ -720,16 +808,54 @@ def _scanned_chunks(run, chunk_rows: int, tokens, k_pool, v_pool, batch: _Batch,
   return hidden.reshape((num_chunks * chunk_rows,) + hidden.shape[2:])[:num_rows], k_pool, v_pool
 
 
-def compute_logits(params, cfg: ModelConfig, hidden, num_live=None) -> jax.Array:
+def compute_logits(params, cfg: ModelConfig, hidden, num_live=None, *,
+                   decode_gemm: str = "xla") -> jax.Array:
   """f32[N, vocab] logits of ``hidden`` [N, d_model] (tied or untied head).
 
   The head runs in ``row_tiled`` GEMMs (2..32 rows), so a row's logits do
   not depend on N; with ``num_live`` (i32[], default N) only the tiles
   holding the first ``num_live`` rows are computed when N > 32 (rows of
-  later tiles are zeros).
+  later tiles are zeros). With ``decode_gemm`` "native" and float32 dense
+  weights the head is ``models.rowgemm``'s GEMM over the head in panels
+  (``params[HEAD_PANELS]``, stored by ``with_head_panels``; made here,
+  per call, when absent).
   """
+  if decode_gemm == "native" and _dense_float32(params):
+    head = params.get(HEAD_PANELS)
+    if head is None:
+      head = head_panels(params, cfg)
+    # One call over every row: the kernel's rows do not depend on M, and
+    # rows past num_live are not computed (zeros).
+    return rowgemm.matmul(hidden.astype(jnp.float32), head, n=cfg.vocab_size, live=num_live)
+  params = {k: v for k, v in params.items() if k != HEAD_PANELS}
   model = Llama(cfg, dtype=_params_dtype(params), quantized=quant.is_quantized(params))
   return model.apply({"params": params}, hidden, num_live, method=Llama.logits)
+
+
+# The LM head in ``models.rowgemm``'s panel layout, beside the parameters.
+HEAD_PANELS = "lm_head_panels"
+
+
+def _dense_float32(params) -> bool:
+  return not quant.is_quantized(params) and _params_dtype(params) == jnp.float32
+
+
+def head_panels(params, cfg: ModelConfig) -> jax.Array:
+  """The LM head [d_model, vocab] (the tied embedding's transpose, or
+  ``lm_head``) as ``rowgemm.to_panels`` f32[ceil(vocab / 64), d_model, 64]."""
+  table = params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]
+  return rowgemm.to_panels(table)
+
+
+def with_head_panels(params, cfg: ModelConfig):
+  """``params`` plus the LM head in panels (``HEAD_PANELS``: a copy of the
+  head, 113 MB for SmolLM2-135M in float32), for ``compute_logits`` with
+  ``decode_gemm`` "native": a 64-column panel of the [576, 49152] head is
+  then one contiguous read, where row-major rows lie 196 KB apart. Float32
+  dense parameters only; others are returned unchanged."""
+  if HEAD_PANELS in params or not _dense_float32(params):
+    return params
+  return {**params, HEAD_PANELS: head_panels(params, cfg)}
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,
@@ -758,7 +884,8 @@ def init_params(cfg: ModelConfig, rng: jax.Array, dtype=jnp.float32, *,
   return params
 
 
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh", "chunk_rows"),
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention_impl", "mesh", "chunk_rows",
+                                                "decode_gemm"),
                       donate_argnames=("kv",))
 forward_jit.__doc__ = "``forward`` under ``jax.jit`` (cfg, impl static; kv donated)."
-compute_logits_jit = jax.jit(compute_logits, static_argnames=("cfg",))
+compute_logits_jit = jax.jit(compute_logits, static_argnames=("cfg", "decode_gemm"))

@@ -49,7 +49,7 @@ INV_QMAX = np.float32(1 / QMAX)
 ROW_FLOOR = np.float32(np.finfo(np.float32).tiny * QMAX)
 
 # Paths (last keys) of the projection weights quantized per output column.
-_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 @struct.dataclass
@@ -71,12 +71,21 @@ class QuantizedWeight:
 
 @struct.dataclass
 class LayerWeight:
-  """Layer ``layer`` of a stacked ``QuantizedWeight`` (``q`` [L, K, N]),
-  selected by ``linear``: inside the AMX kernel for the tile layout (no copy
-  of the layer is made), by a slice of the stack otherwise."""
+  """Layer ``layer`` of a projection's weights across the blocks.
 
-  stack: QuantizedWeight
+  ``stack`` is a stacked ``QuantizedWeight`` (``q`` [L, K, N]), selected by
+  ``linear``: inside the AMX kernel for the tile layout (no copy of the
+  layer is made), by a slice of the stack otherwise. Or it is a tuple of L
+  per-layer weights (float [K, N] arrays or ``QuantizedWeight``s, from
+  ``models.llama.split_layers``), selected by ``models.llama.linear`` with a
+  ``lax.switch`` whose branch runs the GEMM on that layer's own buffer.
+  """
+
+  stack: QuantizedWeight | tuple
   layer: jax.Array          # i32[]
+  # The GEMM of a float32 weight's generated rows (at most
+  # ``models.rowgemm.MAX_ROWS``): "native" (``models.rowgemm``) or "xla".
+  row_gemm: str = struct.field(pytree_node=False, default="xla")
 
 
 def quantize_columns(w, contract_axis: int = -2) -> QuantizedWeight:
@@ -227,7 +236,7 @@ def quantize_params(params, tie_embeddings: bool, gemm: str = "xla"):
 
   def layer(path, leaf):
     key = getattr(path[-1], "key", None)
-    return place(quantize_columns(leaf)) if key in _PROJECTIONS else leaf
+    return place(quantize_columns(leaf)) if key in PROJECTIONS else leaf
 
   out = dict(params)
   out["layers"] = jax.tree_util.tree_map_with_path(layer, params["layers"])

@@ -55,12 +55,13 @@ import numpy as np
 from absl import flags
 
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
-from models import amx, llama, quant
+from models import amx, llama, quant, rowgemm
 from models.loaders import load_model, resolve_model_path
 from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine import Engine, resolve_decode_gemm
 from serving.launch import check_attention_impl, warmup
+from serving.launch import decode_gemm as launch_decode_gemm
 from serving.launch import int8_gemm as launch_int8_gemm
 from serving.sampling import sample
 
@@ -94,6 +95,9 @@ flags.DEFINE_enum("attention_impl", None, list(IMPLS),
 flags.DEFINE_enum("int8_gemm", "auto", list(amx.GEMMS),
                   "iterserve's int8 GEMM with --weights=int8 (EngineConfig.int8_gemm): "
                   "amx (Intel AMX tiles), xla, or auto.")
+flags.DEFINE_enum("decode_gemm", "auto", list(rowgemm.GEMMS),
+                  "iterserve's GEMM of generated rows with float32 dense weights "
+                  "(EngineConfig.decode_gemm): native, xla, or auto.")
 flags.DEFINE_enum("kv_dtype", "auto", ["auto", "float32", "bfloat16"],
                   "iterserve KV cache dtype (auto: --dtype).")
 flags.DEFINE_integer("num_pages", 0, "KV pages per engine (0: the preset's); "
@@ -210,6 +214,7 @@ def _engine(cfg, params, **overrides):
   overrides.setdefault("kv_dtype", FLAGS.kv_dtype)
   overrides.setdefault("weights", FLAGS.weights)
   overrides.setdefault("int8_gemm", FLAGS.int8_gemm)
+  overrides.setdefault("decode_gemm", FLAGS.decode_gemm)
   if FLAGS.attention_impl:
     overrides.setdefault("attention_impl", FLAGS.attention_impl)
   if FLAGS.num_pages:
@@ -345,7 +350,7 @@ def breakdown(cfg, params, num_seqs, ecfg):
   # copies the whole KV pool, which would dominate the step.
   fwd_jit = jax.jit(lambda p, kv: llama.forward(
       p, cfg, kv, tokens, positions, slot_mapping, kv_lens, table, cu, num,
-      attention_impl=impl), donate_argnums=(1,))
+      attention_impl=impl, decode_gemm=resolve_decode_gemm(ecfg)), donate_argnums=(1,))
 
   def fwd(p, kv_box):
     hidden, kv_box[0] = fwd_jit(p, kv_box[0])
@@ -366,7 +371,8 @@ def breakdown(cfg, params, num_seqs, ecfg):
   # As the executor: the head's rows are min(max_num_seqs, bucket), the
   # live ones only.
   hidden = jnp.full((min(ecfg.max_num_seqs, bucket), cfg.d_model), 0.01, jnp.dtype(ecfg.dtype))
-  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h, num))
+  head = jax.jit(lambda p, h: llama.compute_logits(p, cfg, h, num,
+                                                 decode_gemm=resolve_decode_gemm(ecfg)))
   logits = jnp.resize(head(params, hidden), (seqs, cfg.vocab_size))
   z = jnp.zeros((seqs,), jnp.float32)
   samp = jax.jit(lambda lg: sample(lg, z, z.astype(jnp.int32), z + 1,
@@ -401,7 +407,8 @@ def prefill_step(cfg, params, ecfg):
   chunk = ecfg.prefill_chunk_rows or None
   step = {name: jax.jit(lambda p, kv, pr=pr: llama.forward(
       p, cfg, kv, tokens, pos, pos + ps, kv_lens, table, cu, jnp.int32(1),
-      attention_impl=ecfg.attention_impl, prompt_rows=pr, chunk_rows=chunk)[0])
+      attention_impl=ecfg.attention_impl, prompt_rows=pr, chunk_rows=chunk,
+      decode_gemm=resolve_decode_gemm(ecfg))[0])
           for name, pr in (("large", pos >= 0), ("tiled", None))}
   best = {name: _time_ms(fn, params, kv, reps=1) for name, fn in step.items()}
   for _ in range(4):
@@ -455,15 +462,20 @@ def main(argv):
   # (EngineConfig), --attention_impl=native and --int8_gemm=amx where their
   # kernels cannot run.
   probe = EngineConfig.preset(FLAGS.engine, dtype=FLAGS.dtype, weights=FLAGS.weights,
-                              int8_gemm=FLAGS.int8_gemm, attention_impl=FLAGS.attention_impl)
+                              int8_gemm=FLAGS.int8_gemm, decode_gemm=FLAGS.decode_gemm,
+                              attention_impl=FLAGS.attention_impl)
   check_attention_impl(probe)
   int8_gemm = launch_int8_gemm(probe)
+  decode_gemm = launch_decode_gemm(probe)
   kept = hostmem.keep_freed_pages() if FLAGS.keep_freed_pages else False
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
     params = quant.quantize_params(params, cfg.tie_embeddings, gemm=int8_gemm)
+  params = llama.split_layers(params)   # the engine's layout, for every section
+  if launch_decode_gemm(probe) == "native":
+    params = llama.with_head_panels(params, cfg)
   peers = {"hf" if w == "dense" else f"hf_{w}": load_hf(w) for w in hf_weights}
   scratch = _engine(cfg, params)
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
@@ -471,7 +483,7 @@ def main(argv):
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "host_cpu": host_cpu(),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
-         "int8_gemm": int8_gemm,
+         "int8_gemm": int8_gemm, "decode_gemm": decode_gemm,
          "kv_dtype": FLAGS.kv_dtype, "keep_freed_pages": kept,
          "attention_impl": resolve_impl(scratch.config.attention_impl, head_dim=cfg.head_dim),
          "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,

@@ -21,3 +21,6 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 # The AMX int8 GEMM (models/amx.py, --weights=int8): built the same way; on a
 # CPU without AMX int8 tiles the int8 weights run XLA's GEMM (same bits).
 .venv/bin/python -c "from models import amx; print('int8 GEMM:', amx.resolve('auto'), amx.unavailable_reason() or '')"
+# The float32 decode-row GEMM (models/rowgemm.py, --decode_gemm): built the
+# same way; on a CPU without AVX-512F generated rows run XLA's GEMM.
+.venv/bin/python -c "from models import rowgemm; print('decode GEMM:', rowgemm.resolve('auto'), rowgemm.unavailable_reason() or '')"

@@ -13,6 +13,7 @@ from typing import Tuple
 
 from attention.ragged import IMPLS
 from models.amx import GEMMS as INT8_GEMMS
+from models.rowgemm import GEMMS as DECODE_GEMMS
 from models.sharding import parse_mesh
 from scheduler.policies import POLICIES, check_reservation
 
@@ -115,6 +116,14 @@ class EngineConfig:
       (Intel AMX tiles, weights stored in the tile layout and indexed by
       layer inside the kernel), "xla" (XLA:CPU's GEMM), or "auto" ("amx"
       where it runs, else "xla"). The same bits either way; a speed choice.
+    decode_gemm: the GEMM of generated (non-prompt) rows' float32
+      projections (``models.rowgemm``): "native" (a kernel whose rows are
+      k-ordered fma chains: a row's bits independent of the row count at
+      any count), "xla" (XLA:CPU's GEMM in 2..32-row tiles), or "auto"
+      ("native" where it runs with ``dtype`` "float32", ``weights`` "dense"
+      and no ``mesh``, else "xla"). The two round differently: part of a
+      run's numerics (replay reports record it). Prompt rows run XLA's large
+      GEMM either way.
     kv_dtype: the KV cache's dtype: "auto" (``dtype``), "float32" or
       "bfloat16" (on CPU stored as its bits, ``attention.ragged.KV_BITS``:
       half the bytes each decode step gathers; its own numerics, not
@@ -171,6 +180,7 @@ class EngineConfig:
   dtype: str = "float32"
   weights: str = "dense"
   int8_gemm: str = "auto"
+  decode_gemm: str = "auto"
   kv_dtype: str = "auto"
   num_clients: int = 64
   max_stop_ids: int = 8
@@ -217,6 +227,13 @@ class EngineConfig:
     _require(self.int8_gemm != "amx" or self.weights == "int8", c, "int8_gemm",
              f"must be 'auto' or 'xla' with weights {self.weights!r} (the AMX kernel runs "
              f"int8 weights: set weights 'int8')", self.int8_gemm)
+    _require(self.decode_gemm in DECODE_GEMMS, c, "decode_gemm",
+             f"must be one of {DECODE_GEMMS}", self.decode_gemm)
+    _require(self.decode_gemm != "native" or (self.dtype == "float32" and self.weights == "dense"
+                                              and not self.mesh), c, "decode_gemm",
+             f"must be 'auto' or 'xla' with dtype {self.dtype!r}, weights {self.weights!r}, "
+             f"mesh {self.mesh!r} (the native kernel runs float32 dense weights on one "
+             f"device)", self.decode_gemm)
     _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
     _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",

@@ -86,6 +86,7 @@ import numpy as np
 from models import amx
 from models import llama
 from models import quant
+from models import rowgemm
 from models import sharding
 from scheduler import apply as apply_lib
 from scheduler import preemption as pre
@@ -220,7 +221,8 @@ class Engine:
   Raises:
     ValueError: the simulated executor with a clock that is not virtual;
       ``config.weights`` "int8" with parameters that are not float32;
-      ``config.int8_gemm`` "amx" where the AMX kernel cannot run.
+      ``config.int8_gemm`` "amx" where the AMX kernel cannot run;
+      ``config.decode_gemm`` "native" where its kernel cannot run.
   """
 
   def __init__(self, model_cfg, params, config: EngineConfig,
@@ -233,9 +235,15 @@ class Engine:
     self._placement = sharding.Placement(model_cfg, self.mesh)
     # The int8 GEMM that runs ("amx" or "xla"; None for dense weights).
     self.int8_gemm = amx.resolve(config.int8_gemm) if config.weights == "int8" else None
+    # The GEMM of generated rows' float32 projections ("native" or "xla").
+    self.decode_gemm = resolve_decode_gemm(config)
     if config.weights == "int8":
       params = quant.quantize_params(params, model_cfg.tie_embeddings, gemm=self.int8_gemm)
-    self.params = self._placement.params(params)
+    # Per-layer weight buffers: each block's GEMM reads its layer in place
+    # (``llama.split_layers``).
+    self.params = llama.split_layers(self._placement.params(params))
+    if self.decode_gemm == "native":
+      self.params = llama.with_head_panels(self.params, model_cfg)
     simulated = config.executor == "simulated"
     if clock is None:
       clock = sim_executor.VirtualClock() if simulated else time.monotonic
@@ -285,7 +293,8 @@ class Engine:
     # truth; never in the policy's view). Missing: the declared max_tokens.
     self.realized_output_tokens: Dict[str, int] = {}
     self.prefix_cache = (pc.PrefixCache(c.num_pages, c.page_size,
-                                        pc.root_key(model_cfg, c.dtype, c.weights, c.page_size))
+                                        pc.root_key(model_cfg, c.dtype, c.weights, c.page_size,
+                                                    self.decode_gemm))
                          if c.enable_prefix_caching else None)
     self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
     self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
@@ -1144,6 +1153,22 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
       traces=traces)
 
 
+def resolve_decode_gemm(config: EngineConfig) -> str:
+  """``config.decode_gemm`` resolved: "native" (``models.rowgemm``) or
+  "xla". "auto" is "native" where the kernel runs and the weights are
+  float32, dense, on one device.
+
+  Raises:
+    ValueError: "native" where the kernel cannot run (why).
+  """
+  if config.decode_gemm == "xla":
+    return "xla"
+  if config.decode_gemm == "auto" and (config.dtype != "float32" or config.weights != "dense"
+                                       or config.mesh):
+    return "xla"
+  return rowgemm.resolve(config.decode_gemm)
+
+
 def _model_step(model_cfg, config: EngineConfig) -> Callable:
   """``execute`` (or the simulated executor, ``config.executor``) bound to the
   engine shape; ``num_rows`` (the token bucket) is left to the caller."""
@@ -1151,7 +1176,7 @@ def _model_step(model_cfg, config: EngineConfig) -> Callable:
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
   return functools.partial(
       step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
-                              config.prefill_chunk_rows),
+                              config.prefill_chunk_rows, resolve_decode_gemm(config)),
       num_seqs=config.max_num_seqs,
       max_model_len=config.max_model_len)
 

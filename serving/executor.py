@@ -81,6 +81,7 @@ class ModelRunner:
   attention_impl: str = "auto"
   mesh: object = None    # a Mesh splitting attention (``models.sharding.attention_mesh``)
   chunk_rows: int = 0    # scan a bucket of more rows in chunks of this many (0: never)
+  decode_gemm: str = "xla"   # generated rows' float32 GEMM (``llama.forward``)
 
   @property
   def eos_token_ids(self):
@@ -94,10 +95,12 @@ class ModelRunner:
                          packed.slot_mapping, packed.kv_lens, packed.page_table,
                          packed.cu_q_lens, packed.num_seqs,
                          attention_impl=self.attention_impl, mesh=self.mesh,
-                         prompt_rows=prompt_rows, chunk_rows=self.chunk_rows or None)
+                         prompt_rows=prompt_rows, chunk_rows=self.chunk_rows or None,
+                         decode_gemm=self.decode_gemm)
 
   def compute_logits(self, params, hidden, num_live=None):
-    return llama.compute_logits(params, self.cfg, hidden, num_live)
+    return llama.compute_logits(params, self.cfg, hidden, num_live,
+                                decode_gemm=self.decode_gemm)
 
 
 def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,

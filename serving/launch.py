@@ -13,12 +13,12 @@ import numpy as np
 from absl import flags, logging
 
 from attention import native, ragged
-from models import amx
+from models import amx, rowgemm
 from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import cli, hostmem, workloads
 from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine import Engine, resolve_decode_gemm
 from serving.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
@@ -36,6 +36,10 @@ def define_engine_flags() -> None:
   flags.DEFINE_enum("int8_gemm", None, list(amx.GEMMS), "Override the preset's "
                     "int8 GEMM (--weights=int8): amx (Intel AMX tiles), xla, or auto (amx "
                     "where it runs); the same bits either way.")
+  flags.DEFINE_enum("decode_gemm", None, list(rowgemm.GEMMS), "Override the preset's "
+                    "GEMM of generated rows with float32 dense weights: native (a kernel "
+                    "whose rows are k-ordered fma chains), xla, or auto (native where it "
+                    "runs); they round differently.")
   flags.DEFINE_string("kv_dtype", None, "Override the preset's KV cache dtype: auto "
                       "(the dtype), float32 or bfloat16.")
   flags.DEFINE_string("policy", None, "Override the preset's scheduling policy.")
@@ -199,6 +203,7 @@ def engine_config(**overrides) -> EngineConfig:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
   fields = dict(dtype=FLAGS.dtype, weights=FLAGS.weights, int8_gemm=FLAGS.int8_gemm,
+                decode_gemm=FLAGS.decode_gemm,
                 kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
@@ -224,6 +229,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   init_processes(engine_cfg)
   check_attention_impl(engine_cfg)
   gemm = int8_gemm(engine_cfg)
+  rows = decode_gemm(engine_cfg)
   if FLAGS.cache_dir:
     cli.check_creatable("cache_dir", FLAGS.cache_dir)
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
@@ -235,8 +241,23 @@ def load_flags_model(engine_cfg: EngineConfig):
                                       mesh=make_mesh(engine_cfg.mesh))
   print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
         f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}"
-        + (f"; int8 GEMM: {gemm}" if gemm else ""))
+        + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
   return cfg, params, tokenizer
+
+
+def decode_gemm(engine_cfg: EngineConfig) -> str | None:
+  """``--decode_gemm`` resolved before any model loads (None for the
+  simulated executor, which runs no model).
+
+  Raises:
+    ValueError: ``--decode_gemm=native`` where the kernel cannot run (why).
+  """
+  if engine_cfg.executor == "simulated":
+    return None
+  try:
+    return resolve_decode_gemm(engine_cfg)
+  except ValueError:
+    raise ValueError(f"--decode_gemm=native: {rowgemm.unavailable_reason()}") from None
 
 
 def int8_gemm(engine_cfg: EngineConfig) -> str | None:

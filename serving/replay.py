@@ -121,6 +121,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "dtype": c.dtype,
       "weights": c.weights,
       "int8_gemm": engine.int8_gemm,
+      "decode_gemm": engine.decode_gemm,
       "kv_dtype": c.kv_cache_dtype,
       "token_buckets": list(c.token_buckets),
       "max_num_batched_tokens": c.max_num_batched_tokens,

@@ -65,8 +65,9 @@ def _teacher_forced_logits(engine: Engine, sequences: Sequence[Sequence[int]]) -
       engine.params, cfg, kv, i32(tokens), i32(positions), i32(slots), i32(kv_lens),
       i32(tables), i32(cu), jnp.int32(len(sequences)),
       attention_impl=engine.config.attention_impl,
-      mesh=sharding.attention_mesh(cfg, engine.mesh))
-  return np.asarray(llama.compute_logits_jit(engine.params, cfg, hidden))
+      mesh=sharding.attention_mesh(cfg, engine.mesh), decode_gemm=engine.decode_gemm)
+  return np.asarray(llama.compute_logits_jit(engine.params, cfg, hidden,
+                                             decode_gemm=engine.decode_gemm))
 
 
 def _compiled(engine: Engine) -> Dict[str, int]:

@@ -99,11 +99,26 @@ def test_amx_int8_gemm_without_a_compiler_is_refused_before_loading(tmp_path):
   assert status == 2 and "int8_gemm" in last, last
 
 
+def test_native_decode_gemm_without_a_compiler_is_refused_before_loading(tmp_path):
+  """--decode_gemm=native where its kernel cannot build is one line naming
+  the flag and the reason; with --dtype=bfloat16 the config's refusal."""
+  env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
+             ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"))
+  status, last = _run("generate.py", "--prompt=hi", "--decode_gemm=native",
+                      "--attention_impl=blocked_dot", env=env)
+  assert (status, last) == (2, f"error: --decode_gemm=native: C++ compiler "
+                               f"'{tmp_path / 'no-such-c++'}' not found (set CXX)")
+  status, last = _run("generate.py", "--prompt=hi", "--decode_gemm=native", "--dtype=bfloat16")
+  assert status == 2 and "decode_gemm must be 'auto' or 'xla'" in last, last
+
+
 @pytest.mark.parametrize("flags, line", [
     (("--attention_impl=native",), "error: --attention_impl=native: C++ compiler"),
     (("--weights=int8", "--int8_gemm=amx", "--attention_impl=blocked_dot"),
      "error: --int8_gemm=amx: C++ compiler"),
-], ids=["attention_native", "int8_gemm_amx"])
+    (("--decode_gemm=native", "--attention_impl=blocked_dot"),
+     "error: --decode_gemm=native: C++ compiler"),
+], ids=["attention_native", "int8_gemm_amx", "decode_gemm_native"])
 def test_bench_engine_refuses_kernels_that_cannot_build_before_loading(tmp_path, flags, line):
   """bench_engine makes the launchers' kernel checks before it loads a model."""
   env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),

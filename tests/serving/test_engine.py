@@ -123,6 +123,36 @@ def test_int8_gemm_amx_and_xla_give_the_same_tokens(params):
   assert all(r.outcome == "completed" for r in tiled)
 
 
+def test_decode_gemm_xla_keeps_tokens_batch_invariant_and_native_resolves(params):
+  """``decode_gemm``: with "xla" (the path of CPUs without the kernel) each
+  request's tokens alone equal its tokens beside the others, as with the
+  default (``test_batch_invariance_alone_mixed_and_across_chunk_sizes``:
+  "native" where it runs). "native" is refused by name where it cannot run
+  or with bfloat16, int8 or a mesh; "auto" resolves to "xla" for bfloat16."""
+  from models import rowgemm
+  config = dataclasses.replace(BASE, decode_gemm="xla")
+  prompts = _prompts([5, 17, 3], seed=7)
+  engine, mixed = _run(params, config, prompts)
+  assert engine.decode_gemm == "xla" and llama.HEAD_PANELS not in engine.params
+  alone = [_run(params, config, [p])[1][0].output_token_ids for p in prompts]
+  assert [r.output_token_ids for r in mixed] == alone
+  with pytest.raises(ValueError, match="decode_gemm must be one of"):
+    dataclasses.replace(BASE, decode_gemm="mkl")
+  for bad in (dict(dtype="bfloat16"), dict(weights="int8")):
+    with pytest.raises(ValueError, match="decode_gemm must be 'auto' or 'xla' with dtype"):
+      dataclasses.replace(BASE, decode_gemm="native", **bad)
+  params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+  assert Engine(CFG, params16, dataclasses.replace(BASE, dtype="bfloat16")).decode_gemm == "xla"
+  if not rowgemm.available():
+    with pytest.raises(ValueError, match="decode_gemm 'native'"):
+      Engine(CFG, params, dataclasses.replace(BASE, decode_gemm="native"))
+    pytest.skip(f"float32 row kernel unavailable: {rowgemm.unavailable_reason()}")
+  native = Engine(CFG, params, BASE)
+  assert native.decode_gemm == "native"
+  assert native.params[llama.HEAD_PANELS].shape == (CFG.vocab_size // 64, CFG.d_model, 64)
+  assert isinstance(native.params["layers"]["mlp"]["w_up"], tuple)
+
+
 def test_preemption_recomputes_and_keeps_tokens(params):
   prompts = _prompts([14, 13, 12, 11], seed=3)
   _, reference = _run(params, BASE, prompts)
