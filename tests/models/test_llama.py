@@ -238,7 +238,7 @@ def test_row_tiled_rows_do_not_depend_on_the_bucket():
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((576, 1536), np.float32))
   x = jnp.asarray(rng.standard_normal((100, 576), np.float32))
-  fn = jax.jit(lambda x, n: llama.row_tiled(lambda h: h @ w, x, n))
+  fn = jax.jit(lambda x, n: llama.row_tiled(lambda h, _: h @ w, x, n))
   ref = np.asarray(fn(x[:2], 2))
   assert not np.array_equal(np.asarray(jax.jit(lambda x: x @ w)(x[:64]))[:2], ref)
   assert np.array_equal(np.asarray(fn(x[:1], 1)), ref[:1])
@@ -252,7 +252,7 @@ def test_row_tiled_rows_do_not_depend_on_the_bucket():
             :num_rows - lo])
       assert not out[done:].any() and out[num_live:min(done, num_rows)].all()
   with pytest.raises(ValueError, match="tile must lie in"):
-    llama.row_tiled(lambda h: h, x, 1, tile=33)
+    llama.row_tiled(lambda h, _: h, x, 1, tile=33)
 
 
 def test_rowwise_puts_prompt_rows_in_the_large_class_and_the_rest_in_tiles():
@@ -263,8 +263,8 @@ def test_rowwise_puts_prompt_rows_in_the_large_class_and_the_rest_in_tiles():
   rng = np.random.default_rng(3)
   w = jnp.asarray(rng.standard_normal((576, 576), np.float32))
   x = rng.standard_normal((96, 576), np.float32)
-  gemm = lambda h: h @ w
-  large = np.asarray(jax.jit(gemm)(jnp.asarray(x[:64])))
+  gemm = lambda h, _: h @ w
+  large = np.asarray(jax.jit(lambda h: h @ w)(jnp.asarray(x[:64])))
   tiled = np.asarray(jax.jit(lambda h: llama.row_tiled(gemm, h, 2))(jnp.asarray(x[:2])))
   assert not np.array_equal(large[:2], tiled)
   fn = jax.jit(lambda h, p, n: llama.rowwise(gemm, h, n, llama.row_classes(p, n)))
@@ -277,7 +277,7 @@ def test_rowwise_puts_prompt_rows_in_the_large_class_and_the_rest_in_tiles():
     live_prompt = np.flatnonzero(prompt[:num_live])
     padded = np.pad(rows, ((0, max(0, 64 - num_rows)), (0, 0)))   # a plain M >= 64 GEMM
     np.testing.assert_array_equal(out[live_prompt],
-                                  np.asarray(jax.jit(gemm)(jnp.asarray(padded)))[live_prompt])
+                                  np.asarray(jax.jit(lambda h: h @ w)(jnp.asarray(padded)))[live_prompt])
     np.testing.assert_array_equal(out[at], tiled, err_msg=f"T={num_rows}")
 
 
@@ -314,7 +314,7 @@ def test_bfloat16_rows_round_alike_from_three_rows_and_row_tiled_pads_to_them():
   rng = np.random.default_rng(6)
   gemm = lambda h, w: jax.lax.dot_general(h, w, (((1,), (0,)), ((), ())),
                                           preferred_element_type=jnp.float32)
-  fn = jax.jit(lambda x, w, n: llama.row_tiled(lambda h: gemm(h, w), x, n))
+  fn = jax.jit(lambda x, w, n: llama.row_tiled(lambda h, _: gemm(h, w), x, n))
   plain = jax.jit(gemm)
   two_apart = []
   for k, n in [(576, 576), (64, 64), (64, 32), (128, 64)]:   # SmolLM2 q/o, tiny shapes
@@ -335,7 +335,7 @@ def test_bfloat16_rows_round_alike_from_three_rows_and_row_tiled_pads_to_them():
     warnings.warn("M = 2 rounds like M >= 3 on this CPU: the control is not "
                   "discriminating here")
   with pytest.raises(ValueError, match=r"tile must lie in \[4, 32\]"):
-    llama.row_tiled(lambda h: h, x, 1, tile=3)
+    llama.row_tiled(lambda h, _: h, x, 1, tile=3)
 
 
 def test_bfloat16_decode_row_does_not_depend_on_the_bucket(tiny_cfg, tiny_params, seqs):

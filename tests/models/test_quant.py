@@ -115,7 +115,7 @@ def test_int8_swiglu_row_does_not_depend_on_the_row_count_or_its_place():
   in every shape, as the model's one-GEMM int8 path needs."""
   rng = np.random.default_rng(7)
   w_gate, w_up, w_down = _weight(rng, 576, 1536), _weight(rng, 576, 1536), _weight(rng, 1536, 576)
-  mlp = lambda h: quant.linear(jax.nn.silu(quant.linear(h, w_gate)) * quant.linear(h, w_up),
+  mlp = lambda h, _: quant.linear(jax.nn.silu(quant.linear(h, w_gate)) * quant.linear(h, w_up),
                                w_down)
   fn = jax.jit(lambda x: llama.rowwise(mlp, x, x.shape[0], exact=True))
   row = rng.standard_normal((1, 576)).astype(np.float32)
@@ -247,7 +247,7 @@ def test_int8_projection_and_residual_add_do_not_depend_on_the_bucket():
   w = _weight(rng, 64, 64)
   h = rng.standard_normal((40, 64)).astype(np.float32)
   x = rng.standard_normal((40, 64)).astype(np.float32)
-  fn = jax.jit(lambda x, h, n: x + llama.row_tiled(lambda r: quant.linear(r, w), h, n))
+  fn = jax.jit(lambda x, h, n: x + llama.row_tiled(lambda r, _: quant.linear(r, w), h, n))
   small = np.asarray(fn(x[:2], h[:2], 2))
   big = np.asarray(fn(x, h, 2))[:2]
   np.testing.assert_array_equal(small, big)
