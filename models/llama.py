@@ -14,7 +14,10 @@ float32 accumulation.
 
 The blocks' weights are stacked on a leading layer axis and run with
 ``flax.linen.scan`` (a ``lax.scan``), so one block is traced and compiled
-whatever ``n_layers`` is. The whole KV cache travels in the scan carry as a
+whatever ``n_layers`` is. The projections are not sliced by the scan:
+``forward`` hands them to the blocks as per-layer buffers (``split_layers``;
+the engine stores them so) and each GEMM reads its layer's buffer through a
+``lax.switch`` on the layer index (XLA:CPU copies a sliced layer out). The whole KV cache travels in the scan carry as a
 flat pool of ``n_layers * num_pages`` pages; layer ``l`` owns pages
 ``[l * num_pages, (l + 1) * num_pages)``. Each block scatters its rows into its
 own pages and hands attention a page table shifted by ``l * num_pages``, so no
@@ -815,10 +818,11 @@ def compute_logits(params, cfg: ModelConfig, hidden, num_live=None, *,
   The head runs in ``row_tiled`` GEMMs (2..32 rows), so a row's logits do
   not depend on N; with ``num_live`` (i32[], default N) only the tiles
   holding the first ``num_live`` rows are computed when N > 32 (rows of
-  later tiles are zeros). With ``decode_gemm`` "native" and float32 dense
-  weights the head is ``models.rowgemm``'s GEMM over the head in panels
-  (``params[HEAD_PANELS]``, stored by ``with_head_panels``; made here,
-  per call, when absent).
+  later tiles are zeros). With ``decode_gemm`` "native" (static) and
+  float32 dense weights the head is one call of ``models.rowgemm``'s GEMM
+  (its rows never depend on N; rows from ``num_live`` on are zeros) over
+  the head in panels (``params[HEAD_PANELS]``, stored by
+  ``with_head_panels``; made here, per call, when absent: the same bits).
   """
   if decode_gemm == "native" and _dense_float32(params):
     head = params.get(HEAD_PANELS)
