@@ -28,11 +28,24 @@ def refuse(message: str) -> NoReturn:
   sys.exit(USAGE_ERROR)
 
 
-def check_creatable(flag: str, path: str) -> None:
-  """Refuses (ValueError naming ``--flag``) a path that cannot be created:
-  its nearest existing ancestor is not a directory or not writable. Checked
-  before a model loads, so a run's results are not lost at the end."""
-  here = Path(path).absolute()
+def check_creatable(flag: str, path: str, *, directory: bool = False) -> None:
+  """Refuses (ValueError naming ``--flag``) a path that cannot be written:
+  an existing one that is not a writable file (with ``directory``: not a
+  writable directory), or a new one whose nearest existing ancestor is not a
+  writable directory. Checked before a model loads, so a run's results are
+  not lost at the end; an existing file is overwritten."""
+  target = Path(path).absolute()
+  if target.exists():
+    if directory:
+      ok = target.is_dir() and os.access(target, os.W_OK | os.X_OK)
+    else:
+      ok = target.is_file() and os.access(target, os.W_OK)
+    if not ok:
+      kind = "directory" if directory else "file"
+      raise ValueError(f"--{flag} {path!r} cannot be written: it exists and is not a "
+                       f"writable {kind}")
+    return
+  here = target.parent
   while not here.exists():
     here = here.parent
   if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):

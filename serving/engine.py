@@ -235,7 +235,8 @@ class Engine:
     self._placement = sharding.Placement(model_cfg, self.mesh)
     # The int8 GEMM that runs ("amx" or "xla"; None for dense weights).
     self.int8_gemm = amx.resolve(config.int8_gemm) if config.weights == "int8" else None
-    # The GEMM of generated rows' float32 projections ("native" or "xla").
+    # The GEMM of generated rows' float32 projections ("native" or "xla";
+    # None for the simulated executor).
     self.decode_gemm = resolve_decode_gemm(config)
     if config.weights == "int8":
       params = quant.quantize_params(params, model_cfg.tie_embeddings, gemm=self.int8_gemm)
@@ -1153,14 +1154,17 @@ def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
       traces=traces)
 
 
-def resolve_decode_gemm(config: EngineConfig) -> str:
+def resolve_decode_gemm(config: EngineConfig) -> str | None:
   """``config.decode_gemm`` resolved: "native" (``models.rowgemm``) or
-  "xla". "auto" is "native" where the kernel runs and the weights are
-  float32, dense, on one device.
+  "xla"; None for the simulated executor, which runs no GEMM. "auto" is
+  "native" where the kernel runs and the weights are float32, dense, on one
+  device.
 
   Raises:
     ValueError: "native" where the kernel cannot run (why).
   """
+  if config.executor == "simulated":
+    return None
   if config.decode_gemm == "xla":
     return "xla"
   if config.decode_gemm == "auto" and (config.dtype != "float32" or config.weights != "dense"
@@ -1176,7 +1180,7 @@ def _model_step(model_cfg, config: EngineConfig) -> Callable:
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
   return functools.partial(
       step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
-                              config.prefill_chunk_rows, resolve_decode_gemm(config)),
+                              config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
       num_seqs=config.max_num_seqs,
       max_model_len=config.max_model_len)
 

@@ -231,7 +231,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   gemm = int8_gemm(engine_cfg)
   rows = decode_gemm(engine_cfg)
   if FLAGS.cache_dir:
-    cli.check_creatable("cache_dir", FLAGS.cache_dir)
+    cli.check_creatable("cache_dir", FLAGS.cache_dir, directory=True)
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
@@ -252,8 +252,6 @@ def decode_gemm(engine_cfg: EngineConfig) -> str | None:
   Raises:
     ValueError: ``--decode_gemm=native`` where the kernel cannot run (why).
   """
-  if engine_cfg.executor == "simulated":
-    return None
   try:
     return resolve_decode_gemm(engine_cfg)
   except ValueError:

@@ -129,6 +129,23 @@ def test_bench_engine_refuses_kernels_that_cannot_build_before_loading(tmp_path,
   assert not (tmp_path / "b.json").exists()
 
 
+def test_an_existing_out_file_is_overwritten_not_refused(tmp_path):
+  """``--out`` naming an existing file (a rerun) is accepted; a directory
+  there, or an existing file as ``--cache_dir``, is refused by name."""
+  from serving import cli
+  out = tmp_path / "report.json"
+  out.write_text("{}")
+  cli.check_creatable("out", str(out))
+  cli.check_creatable("out", str(tmp_path / "new" / "report.json"))
+  cli.check_creatable("cache_dir", str(tmp_path), directory=True)
+  with pytest.raises(ValueError, match="--out .* cannot be written: it exists and is not a "
+                                       "writable file"):
+    cli.check_creatable("out", str(tmp_path))
+  with pytest.raises(ValueError, match="--cache_dir .* it exists and is not a writable "
+                                       "directory"):
+    cli.check_creatable("cache_dir", str(out), directory=True)
+
+
 def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading():
   status, last = _run("generate.py", "--prompt=hi", "--cache_dir=README.md/cache")
   assert status == 2 and last.startswith(

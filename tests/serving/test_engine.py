@@ -143,6 +143,9 @@ def test_decode_gemm_xla_keeps_tokens_batch_invariant_and_native_resolves(params
       dataclasses.replace(BASE, decode_gemm="native", **bad)
   params16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
   assert Engine(CFG, params16, dataclasses.replace(BASE, dtype="bfloat16")).decode_gemm == "xla"
+  # The simulated executor runs no GEMM: nothing to resolve, build or refuse.
+  simulated = dataclasses.replace(BASE, executor="simulated", decode_gemm="native")
+  assert Engine(CFG, params, simulated).decode_gemm is None
   if not rowgemm.available():
     with pytest.raises(ValueError, match="decode_gemm 'native'"):
       Engine(CFG, params, dataclasses.replace(BASE, decode_gemm="native"))
