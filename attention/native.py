@@ -108,6 +108,53 @@ def build_library(source_path: Path) -> Path:
   return out
 
 
+def load_kernel(source_path: Path, what: str, probe: str, missing: str,
+                targets: dict) -> str | None:
+  """Builds and loads another FFI source with ``build_library`` and
+  registers its handlers: None when it runs here, else why not.
+
+  Args:
+    source_path: the C++ source.
+    what: the kernel's name in the reasons ("the AMX kernel").
+    probe: an ``extern "C" int`` symbol, nonzero when this CPU can run it.
+    missing: the reason when ``probe`` returns 0.
+    targets: FFI target name -> handler symbol, registered for the CPU.
+  """
+  if jax.default_backend() != "cpu":
+    return f"{what} runs on the CPU backend only (backend: {jax.default_backend()})"
+  try:
+    lib = ctypes.CDLL(str(build_library(source_path)))
+  except (NativeUnavailable, OSError) as e:
+    return str(e)
+  if not getattr(lib, probe)():
+    return missing
+  for target, symbol in targets.items():
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+  return None
+
+
+def resolve_choice(field: str, value: str, choices: tuple, kernel: str,
+                   unavailable_reason) -> str:
+  """``value`` of a config field choosing "auto", a native kernel or "xla",
+  resolved to ``kernel`` or "xla": "auto" takes the kernel where
+  ``unavailable_reason()`` is None.
+
+  Raises:
+    ValueError: a value not in ``choices``, or ``kernel`` where it cannot
+      run (the message says why).
+  """
+  if value not in choices:
+    raise ValueError(f"{field} must be one of {choices}, got {value!r}")
+  if value == "xla":
+    return "xla"
+  reason = unavailable_reason()
+  if reason is None:
+    return kernel
+  if value == kernel:
+    raise ValueError(f"{field} {kernel!r}: {reason}")
+  return "xla"
+
+
 @functools.lru_cache(maxsize=None)
 def _register() -> str:
   lib = ctypes.CDLL(str(library_path()))

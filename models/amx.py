@@ -21,7 +21,6 @@ where ``available()``; elsewhere the XLA path runs with the same bits.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
@@ -42,17 +41,9 @@ GEMMS = ("auto", "amx", "xla")
 @functools.lru_cache(maxsize=None)
 def unavailable_reason() -> str | None:
   """None when the AMX kernel builds and runs here, else why not."""
-  if jax.default_backend() != "cpu":
-    return f"the AMX kernel runs on the CPU backend only (backend: {jax.default_backend()})"
-  try:
-    lib = ctypes.CDLL(str(native.build_library(SOURCE)))
-  except (native.NativeUnavailable, OSError) as e:
-    return str(e)
-  if not lib.iterserve_amx_available():
-    return "this CPU has no AMX int8 tiles, or the OS does not grant them"
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.IterserveInt8Linear),
-                              platform="cpu")
-  return None
+  return native.load_kernel(SOURCE, "the AMX kernel", "iterserve_amx_available",
+                            "this CPU has no AMX int8 tiles, or the OS does not grant them",
+                            {TARGET: "IterserveInt8Linear"})
 
 
 def available() -> bool:
@@ -67,16 +58,7 @@ def resolve(gemm: str) -> str:
     ValueError: an unknown value, or ``"amx"`` where it cannot run (the
       message says why).
   """
-  if gemm not in GEMMS:
-    raise ValueError(f"int8_gemm must be one of {GEMMS}, got {gemm!r}")
-  if gemm == "xla":
-    return "xla"
-  reason = unavailable_reason()
-  if reason is None:
-    return "amx"
-  if gemm == "amx":
-    raise ValueError(f"int8_gemm 'amx': {reason}")
-  return "xla"
+  return native.resolve_choice("int8_gemm", gemm, GEMMS, "amx", unavailable_reason)
 
 
 def fits(k: int, n: int) -> bool:

@@ -24,7 +24,6 @@ it where ``available()``; elsewhere XLA's GEMM runs.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from pathlib import Path
 
@@ -46,18 +45,9 @@ MAX_ROWS = 32
 @functools.lru_cache(maxsize=None)
 def unavailable_reason() -> str | None:
   """None when the kernel builds and runs here, else why not."""
-  if jax.default_backend() != "cpu":
-    return f"the float32 row kernel runs on the CPU backend only (backend: {jax.default_backend()})"
-  try:
-    lib = ctypes.CDLL(str(native.build_library(SOURCE)))
-  except (native.NativeUnavailable, OSError) as e:
-    return str(e)
-  if not lib.iterserve_f32_rows_available():
-    return "this CPU has no AVX-512F"
-  jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.IterserveF32Rows), platform="cpu")
-  jax.ffi.register_ffi_target(TARGET_PANELS, jax.ffi.pycapsule(lib.IterserveF32RowsPanels),
-                              platform="cpu")
-  return None
+  return native.load_kernel(SOURCE, "the float32 row kernel", "iterserve_f32_rows_available",
+                            "this CPU has no AVX-512F",
+                            {TARGET: "IterserveF32Rows", TARGET_PANELS: "IterserveF32RowsPanels"})
 
 
 def available() -> bool:
@@ -72,16 +62,7 @@ def resolve(gemm: str) -> str:
     ValueError: an unknown value, or ``"native"`` where it cannot run (the
       message says why).
   """
-  if gemm not in GEMMS:
-    raise ValueError(f"decode_gemm must be one of {GEMMS}, got {gemm!r}")
-  if gemm == "xla":
-    return "xla"
-  reason = unavailable_reason()
-  if reason is None:
-    return "native"
-  if gemm == "native":
-    raise ValueError(f"decode_gemm 'native': {reason}")
-  return "xla"
+  return native.resolve_choice("decode_gemm", gemm, GEMMS, "native", unavailable_reason)
 
 
 def to_panels(w: jax.Array) -> jax.Array:

@@ -297,18 +297,14 @@ ffi::Error F32RowsPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 extern "C" int iterserve_f32_rows_available() { return Usable() ? 1 : 0; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveF32Rows, F32Rows,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// Both handlers bind x, w, live and the result alike.
+#define ITERSERVE_F32_ROWS_BINDING                                              \
+  ffi::Ffi::Bind()                                                             \
+      .Ctx<ffi::ThreadPool>()                                                  \
+      .Arg<ffi::Buffer<ffi::F32>>()                                            \
+      .Arg<ffi::Buffer<ffi::F32>>()                                            \
+      .Arg<ffi::Buffer<ffi::S32>>()                                            \
+      .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveF32RowsPanels, F32RowsPanels,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveF32Rows, F32Rows, ITERSERVE_F32_ROWS_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveF32RowsPanels, F32RowsPanels, ITERSERVE_F32_ROWS_BINDING);
