@@ -284,3 +284,52 @@ def test_load_model_and_cache_restore(saved, tmp_path, family):
     assert got[path].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got[path], np.float32),
                                   np.asarray(want[path], np.float32), err_msg=str(path))
+
+
+def test_qwen2_gguf_with_biases_matches_the_hf_directory(saved, tmp_path):
+  import gguf  # pylint: disable=import-outside-toplevel
+  directory, _ = saved["qwen2"]
+  cfg, want, _ = loaders.read_hf_dir(directory)
+  tensors = load_file(str(directory / "model.safetensors"))
+  tokens, merges, types = bpe_vocab()
+  writer = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "qwen2")
+  writer.add_block_count(cfg.n_layers)
+  writer.add_context_length(cfg.max_position)
+  writer.add_embedding_length(cfg.d_model)
+  writer.add_feed_forward_length(cfg.ffn_dim)
+  writer.add_head_count(cfg.n_heads)
+  writer.add_head_count_kv(cfg.n_kv_heads)
+  writer.add_rope_freq_base(cfg.rope_theta)
+  writer.add_layer_norm_rms_eps(cfg.rms_eps)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("qwen2")
+  writer.add_token_list(tokens)
+  writer.add_token_merges(merges)
+  writer.add_token_types(types)
+  writer.add_eos_token_id(2)
+  names = {"input_layernorm.weight": "attn_norm.weight",
+           "post_attention_layernorm.weight": "ffn_norm.weight",
+           "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+           "mlp.down_proj.weight": "ffn_down.weight",
+           "self_attn.o_proj.weight": "attn_output.weight"}
+  for proj in "qkv":
+    names[f"self_attn.{proj}_proj.weight"] = f"attn_{proj}.weight"
+    names[f"self_attn.{proj}_proj.bias"] = f"attn_{proj}.bias"
+  top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+         "output_norm.weight", "lm_head.weight": "output.weight"}
+  for name, value in tensors.items():
+    if name in top:
+      writer.add_tensor(top[name], value)
+    else:
+      _, _, layer, rest = name.split(".", 3)
+      writer.add_tensor(f"blk.{layer}.{names[rest]}", value)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  got_cfg, got, _ = loaders.read_gguf(tmp_path / "q.gguf")
+  assert got_cfg.qkv_bias and got_cfg.family == "qwen2"
+  got, want = flat(got), flat(want)
+  assert set(got) == set(want)
+  for path in want:
+    np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
