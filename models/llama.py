@@ -1,4 +1,14 @@
-"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over packed, paged rows.
+"""The decoder of every served family (Llama, Qwen2/3, Mistral, Gemma 2/3,
+Phi-3, Mixtral, Qwen3-MoE) over packed, paged rows.
+
+One definition, the families by configuration (``models.config.ModelConfig``):
+pre-RMSNorm blocks with RoPE (default, llama3, linear, yarn; partial
+rotary), GQA with optional q/k/v/o biases and per-head q/k norms, per-layer
+sliding windows (a ``lax.switch`` over the distinct windows, each static in
+its branch), attention and final logit soft-caps, a gated MLP (SwiGLU or
+GeGLU) or a mixture of experts (``MoE``: top-k routing, grouped expert GEMMs
+with ``jax.lax.ragged_dot``), Gemma's ``1 + weight`` norms, sandwich norms
+and scaled embeddings.
 
 One call of ``forward`` runs every decoder block over a packed iteration: the
 token rows of several sequences (decode rows, prefill chunks with committed
@@ -23,25 +33,37 @@ flat pool of ``n_layers * num_pages`` pages; layer ``l`` owns pages
 own pages and hands attention a page table shifted by ``l * num_pages``, so no
 block slices out (copies) its layer's cache, and XLA updates the carry in place.
 
-Conventions follow HF ``transformers``' ``LlamaForCausalLM``: RMSNorm computed
-in float32 then scaled, RoPE with the rotate-half layout (the first half of a
-head holds the "real" parts), ``silu(x W_gate) * (x W_up)`` MLP, no embedding
-scaling. Weights are stored ``[in, out]`` (the transpose of torch's Linear).
+Conventions follow HF ``transformers``' modeling files of each family:
+RMSNorm computed in float32 then scaled, RoPE with the rotate-half layout
+(the first half of a head holds the "real" parts), cos/sin rounded to the
+activation dtype. Weights are stored ``[in, out]`` (the transpose of torch's
+Linear).
 
-Parameter tree (``L = n_layers``; ``lm_head`` only when embeddings are untied)::
+Parameter tree (``L = n_layers``, ``E = num_experts``; entries marked with a
+switch exist only under it; ``lm_head`` only when embeddings are untied)::
 
-  embed/embedding        [vocab, d_model]
-  layers/attn_norm/scale [L, d_model]
-  layers/attn/wq         [L, d_model, n_heads * head_dim]
-  layers/attn/wk         [L, d_model, n_kv_heads * head_dim]
-  layers/attn/wv         [L, d_model, n_kv_heads * head_dim]
-  layers/attn/wo         [L, n_heads * head_dim, d_model]
-  layers/mlp_norm/scale  [L, d_model]
-  layers/mlp/w_gate      [L, d_model, ffn_dim]
-  layers/mlp/w_up        [L, d_model, ffn_dim]
-  layers/mlp/w_down      [L, ffn_dim, d_model]
-  final_norm/scale       [d_model]
-  lm_head                [d_model, vocab]
+  embed/embedding             [vocab, d_model]
+  layers/attn_norm/scale      [L, d_model]
+  layers/attn/wq              [L, d_model, n_heads * head_dim]
+  layers/attn/wk              [L, d_model, n_kv_heads * head_dim]
+  layers/attn/wv              [L, d_model, n_kv_heads * head_dim]
+  layers/attn/wo              [L, n_heads * head_dim, d_model]
+  layers/attn/bq, bk, bv      [L, q_dim], [L, kv_dim], [L, kv_dim]   qkv_bias
+  layers/attn/bo              [L, d_model]                           o_bias
+  layers/attn/q_norm/scale    [L, head_dim] (and k_norm)             qk_norm
+  layers/post_attn_norm/scale [L, d_model]                           post_norms
+  layers/mlp_norm/scale       [L, d_model]
+  layers/mlp/w_gate, w_up     [L, d_model, ffn_dim]                  dense
+  layers/mlp/w_down           [L, ffn_dim, d_model]                  dense
+  layers/moe/router           [L, d_model, E]                        num_experts
+  layers/moe/experts_gate, experts_up [L, E, d_model, ffn_dim]       num_experts
+  layers/moe/experts_down     [L, E, ffn_dim, d_model]               num_experts
+  layers/post_mlp_norm/scale  [L, d_model]                           post_norms
+  final_norm/scale            [d_model]
+  lm_head                     [d_model, vocab]
+
+Norm scales are stored as HF stores them (Gemma's raw weight; ``RMSNorm``
+adds the 1).
 
 With int8 weights (``models.quant.quantize_params``) every ``layers/attn/w*``
 and ``layers/mlp/w_*`` leaf is a ``QuantizedWeight`` (``q`` int8[L, K, N],
@@ -64,7 +86,7 @@ from flax import struct
 
 from attention.ragged import KV_BITS, ragged_paged_attention, write_kv_pages
 from models import quant, rowgemm, sharding
-from models.config import ModelConfig
+from models.config import ModelConfig, RopeConfig
 
 _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
 
@@ -259,8 +281,8 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
   return tmap(lambda a, b: jnp.where(classes.prompt[:, None], a, b), big, small)
 
 
-def linear(x: jax.Array, w, live=None) -> jax.Array:
-  """The projection ``x @ w`` accumulated in float32, rounded to ``x.dtype``.
+def linear(x: jax.Array, w, live=None, bias=None) -> jax.Array:
+  """The projection ``x @ w (+ bias)`` accumulated in float32, rounded to ``x.dtype``.
 
   Both operands bfloat16 run XLA:CPU's native bfloat16 GEMM (AMX/AVX512-BF16
   on CPUs that have them); a plain bfloat16 ``x @ w`` is instead widened to
@@ -280,6 +302,8 @@ def linear(x: jax.Array, w, live=None) -> jax.Array:
       per-layer tuple).
     live: i32[] leading rows of ``x`` whose results are used (None: all);
       the native kernel computes only those (the others are zeros).
+    bias: [N] or None; added to the float32 sums before rounding (as a
+      fused ``addmm`` does: HF's q/k/v biases of Qwen2).
 
   Returns:
     [M, N] in ``x.dtype``.
@@ -289,21 +313,25 @@ def linear(x: jax.Array, w, live=None) -> jax.Array:
     # copies a slice of a stack (``w[layer]``) out before its GEMM, which
     # cost a float32 decode step twice the weight bytes' reading time.
     branches = [functools.partial(_linear_on, w=one, row_gemm=w.row_gemm) for one in w.stack]
-    return jax.lax.switch(w.layer, branches, x, live)
-  return _linear_on(x, live, w)
+    out = jax.lax.switch(w.layer, branches, x, live)
+  else:
+    out = _linear_on(x, live, w)
+  if bias is None:
+    return out.astype(x.dtype)
+  return (out + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 def _linear_on(x: jax.Array, live, w, row_gemm: str = "xla") -> jax.Array:
+  """``x @ w`` as float32 sums (the caller rounds)."""
   if isinstance(w, (quant.QuantizedWeight, quant.LayerWeight)):
-    return quant.linear(x, w).astype(x.dtype)
+    return quant.linear(x, w).astype(jnp.float32)
   # Generated rows only: ``rowwise`` hands a prompt row's GEMM at least
   # LARGE_GEMM_ROWS rows, a generated row's at most ROW_TILE.
   if (row_gemm == "native" and x.shape[0] <= rowgemm.MAX_ROWS
       and x.dtype == jnp.float32 and w.dtype == jnp.float32):
     return rowgemm.matmul(x, w, live=live)
-  out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-  return out.astype(x.dtype)
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
 
 
 @struct.dataclass
@@ -346,25 +374,39 @@ def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
   return 1.0 / (theta ** exponent)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, rope, rotary_dim: int | None = None
+               ) -> jax.Array:
   """Rotary position embedding, rotate-half layout (HF Llama convention).
 
   Args:
     x: [T, n_heads, head_dim] queries or keys.
     positions: i32[T] absolute position of each row.
-    theta: RoPE base.
+    rope: a ``models.config.RopeConfig`` (the frequencies: default, llama3,
+      linear or yarn scaling; yarn also scales cos and sin), or a float
+      base ``theta`` (plain RoPE, ``theta ** (-2i / head_dim)``).
+    rotary_dim: leading dimensions of each head that rotate (partial
+      rotary, Phi-3); the rest pass through. None: all of ``head_dim``.
 
   Returns:
-    ``x * cos + rotate_half(x) * sin`` in ``x.dtype``, where dimension ``i``
-    and ``i + head_dim // 2`` form one rotated pair with angle
-    ``positions * inv_freq[i]`` (computed in float32).
+    ``x * cos + rotate_half(x) * sin`` in ``x.dtype`` over the rotary
+    dimensions, where dimension ``i`` and ``i + rotary_dim // 2`` form one
+    rotated pair with angle ``positions * inv_freq[i]`` (computed in
+    float32; cos and sin rounded to ``x.dtype`` as transformers does).
   """
-  half = x.shape[-1] // 2
-  angles = positions.astype(jnp.float32)[:, None] * rope_inv_freq(x.shape[-1], theta)
-  cos = jnp.cos(angles)[:, None, :].astype(x.dtype)
-  sin = jnp.sin(angles)[:, None, :].astype(x.dtype)
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  dim = x.shape[-1] if rotary_dim is None else rotary_dim
+  if isinstance(rope, RopeConfig):
+    inv_freq, scale = jnp.asarray(rope.inv_freq(dim)), rope.cos_sin_scale
+  else:
+    inv_freq, scale = rope_inv_freq(dim, rope), 1.0
+  half = dim // 2
+  angles = positions.astype(jnp.float32)[:, None] * inv_freq
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
+  cos = cos[:, None, :].astype(x.dtype)
+  sin = sin[:, None, :].astype(x.dtype)
+  x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
 def _write_rows(k_pool, v_pool, k, v, slots):
@@ -431,23 +473,56 @@ def row_sum(x: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nn.Module):
-  """``scale * x / sqrt(mean(x**2) + eps)``, normalised in float32; the mean
-  sums in ``row_sum``'s fixed order (a row's bits never depend on T)."""
+  """RMSNorm normalised in float32; the mean sums in ``row_sum``'s fixed
+  order (a row's bits never depend on T).
+
+  ``style`` "llama": ``scale * normed`` with ``normed`` rounded to ``dtype``
+  first (HF ``LlamaRMSNorm``); "gemma": ``(1 + scale) * normed`` in float32,
+  then rounded (HF ``Gemma2RMSNorm``, whose stored weight is ``scale``).
+  Normalises over the last axis of any shape (the per-head q/k norms).
+  """
 
   eps: float
   dtype: Any = jnp.float32
+  style: str = "llama"
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    init = nn.initializers.zeros if self.style == "gemma" else nn.initializers.ones
+    scale = self.param("scale", init, (x.shape[-1],), self.dtype)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(row_sum(x32 * x32) / x.shape[-1] + self.eps)
+    if self.style == "gemma":
+      return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
     return scale * normed.astype(self.dtype)
+
+
+def _norm(cfg: ModelConfig, dtype, name: str) -> RMSNorm:
+  return RMSNorm(cfg.rms_eps, dtype, cfg.norm_style, name=name)
+
+
+def _window_rope(cfg: ModelConfig, q, k, positions, window):
+  """q and k rotated with the frequencies of a layer whose window is
+  ``window`` (i32[], 0: global): one ``RopeConfig`` unless the sliding
+  layers have their own (``cfg.rope_local``), then both, selected."""
+  rope = lambda r: (apply_rope(q, positions, r, cfg.rotary_dim),
+                    apply_rope(k, positions, r, cfg.rotary_dim))
+  if cfg.rope_local is None:
+    return rope(cfg.global_rope)
+  (qg, kg), (ql, kl) = rope(cfg.global_rope), rope(cfg.rope_local)
+  local = window > 0
+  return jnp.where(local, ql, qg), jnp.where(local, kl, kg)
 
 
 class Attention(nn.Module):
   """GQA self-attention of one block over packed rows and the paged cache
-  (under ``shard_map`` over KV heads when ``mesh`` splits attention)."""
+  (under ``shard_map`` over KV heads when ``mesh`` splits attention).
+
+  Family switches (``ModelConfig``): q/k/v and output biases, per-head q/k
+  RMSNorm before RoPE, RoPE variants and partial rotary, the scores' scale
+  and soft cap, and the layer's sliding window (layers of different windows
+  run one ``lax.switch`` branch each, the window static in each).
+  """
 
   cfg: ModelConfig
   dtype: Any
@@ -464,14 +539,23 @@ class Attention(nn.Module):
     wk = weight("wk", (cfg.d_model, cfg.kv_dim))
     wv = weight("wv", (cfg.d_model, cfg.kv_dim))
     wo = weight("wo", (cfg.q_dim, cfg.d_model))
+    bias = lambda name, width: self.param(name, _WEIGHT_INIT, (width,), self.dtype)
+    bq, bk, bv = ((bias("bq", cfg.q_dim), bias("bk", cfg.kv_dim), bias("bv", cfg.kv_dim))
+                  if cfg.qkv_bias else (None, None, None))
+    bo = bias("bo", cfg.d_model) if cfg.o_bias else None
     exact = _is_int8(wq)
-    q, k, v = rowwise(lambda h, n: (linear(h, wq, n), linear(h, wk, n), linear(h, wv, n)), x,
-                      batch.num_live, batch.classes, exact=exact)
+    q, k, v = rowwise(lambda h, n: (linear(h, wq, n, bq), linear(h, wk, n, bk),
+                                    linear(h, wv, n, bv)),
+                      x, batch.num_live, batch.classes, exact=exact)
     q = q.reshape(num_rows, cfg.n_heads, cfg.head_dim)
     k = k.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
     v = v.reshape(num_rows, cfg.n_kv_heads, cfg.head_dim)
-    q = apply_rope(q, batch.positions, cfg.rope_theta)
-    k = apply_rope(k, batch.positions, cfg.rope_theta)
+    if cfg.qk_norm:
+      q = _norm(cfg, self.dtype, "q_norm")(q)
+      k = _norm(cfg, self.dtype, "k_norm")(k)
+    kinds = cfg.window_kinds
+    windows = jnp.asarray([cfg.layer_window(i) for i in range(cfg.n_layers)], jnp.int32)
+    q, k = _window_rope(cfg, q, k, batch.positions, windows[layer])
 
     # This layer's pages inside the flat pool of all layers.
     pages_per_layer = k_pool.shape[0] // cfg.n_layers
@@ -479,19 +563,39 @@ class Attention(nn.Module):
     slots = jnp.where(batch.slot_mapping >= 0,
                       batch.slot_mapping + first_page * k_pool.shape[1], -1)
     k_pool, v_pool = _write_rows(k_pool, v_pool, k, v, slots)
-    attend = functools.partial(ragged_paged_attention, sm_scale=cfg.head_dim ** -0.5,
-                               impl=self.attention_impl)
-    if self.mesh is not None:
-      attend = sharding.attention_over_heads(attend, self.mesh)
-    out = attend(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
-                 batch.cu_q_lens, batch.num_seqs)
-    out = rowwise(lambda h, n: linear(h, wo, n), out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
+
+    def attend(window, q, k_pool, v_pool):
+      fn = functools.partial(ragged_paged_attention, sm_scale=cfg.sm_scale,
+                             impl=self.attention_impl, sliding_window=window or None,
+                             soft_cap=cfg.attn_softcap)
+      if self.mesh is not None:
+        fn = sharding.attention_over_heads(fn, self.mesh)
+      return fn(q, k_pool, v_pool, batch.kv_lens, batch.page_table + first_page,
+                batch.cu_q_lens, batch.num_seqs)
+
+    if len(kinds) == 1:
+      out = attend(kinds[0], q, k_pool, v_pool)
+    else:
+      kind = jnp.asarray([kinds.index(cfg.layer_window(i)) for i in range(cfg.n_layers)],
+                         jnp.int32)[layer]
+      out = jax.lax.switch(kind, [functools.partial(attend, w) for w in kinds],
+                           q, k_pool, v_pool)
+    out = rowwise(lambda h, n: linear(h, wo, n, bo),
+                  out.reshape(num_rows, cfg.q_dim).astype(self.dtype),
                   batch.num_live, batch.classes, exact=exact)
     return out, k_pool, v_pool
 
 
+def _activation(cfg: ModelConfig):
+  """The gate's activation: SiLU (SwiGLU) in the operand dtype, or tanh-GELU
+  (GeGLU, HF ``gelu_pytorch_tanh``) computed in float32 and rounded."""
+  if cfg.activation == "gelu_tanh":
+    return lambda g: jax.nn.gelu(g.astype(jnp.float32), approximate=True).astype(g.dtype)
+  return nn.silu
+
+
 class MLP(nn.Module):
-  """SwiGLU: ``(silu(x W_gate) * (x W_up)) W_down``."""
+  """Gated MLP: ``(act(x W_gate) * (x W_up)) W_down`` (SwiGLU or GeGLU)."""
 
   cfg: ModelConfig
   dtype: Any
@@ -503,9 +607,79 @@ class MLP(nn.Module):
     w_gate = weight("w_gate", (cfg.d_model, cfg.ffn_dim))
     w_up = weight("w_up", (cfg.d_model, cfg.ffn_dim))
     w_down = weight("w_down", (cfg.ffn_dim, cfg.d_model))
-    return rowwise(lambda h, n: linear(nn.silu(linear(h, w_gate, n)) * linear(h, w_up, n),
+    act = _activation(cfg)
+    return rowwise(lambda h, n: linear(act(linear(h, w_gate, n)) * linear(h, w_up, n),
                                        w_down, n),
                    x, num_live, classes, exact=_is_int8(w_down))
+
+
+def route(cfg: ModelConfig, router_logits: jax.Array):
+  """Top-k routing of a mixture of experts.
+
+  Softmax over all experts in float32, the ``experts_per_token`` largest
+  kept (ties: the lower expert id), renormalised to sum 1 when
+  ``cfg.norm_topk_prob`` (Mixtral; Qwen3-MoE's flag) — transformers'
+  ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``.
+
+  Args:
+    router_logits: [T, num_experts] any float dtype.
+
+  Returns:
+    ``(weights f32[T, k], experts i32[T, k])``.
+  """
+  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+  weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
+  if cfg.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return weights, experts.astype(jnp.int32)
+
+
+class MoE(nn.Module):
+  """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): each row routed to its
+  top-k experts (``route``), the expert GEMMs grouped by expert.
+
+  The T * k (row, expert) assignments are sorted by expert (stable, so by
+  row within an expert) and run as three ``jax.lax.ragged_dot`` grouped
+  GEMMs (gate, up, down) over ``[num_experts, ...]`` weight stacks; padding
+  rows are routed to no group (their assignments sort last and come out
+  zero). A row's k outputs are weighted and summed in expert-id order in the
+  activation dtype, as transformers' expert loop accumulates. A row's result
+  depends only on the row: routing is row-wise, and each assignment's
+  grouped-GEMM row is the product of that row with its expert's weight.
+  """
+
+  cfg: ModelConfig
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x, num_live, classes=None):
+    cfg = self.cfg
+    num_experts, k = cfg.num_experts, cfg.experts_per_token
+    d, f = cfg.d_model, cfg.ffn_dim
+    router = self.param("router", _WEIGHT_INIT, (d, num_experts), self.dtype)
+    w_gate = self.param("experts_gate", _WEIGHT_INIT, (num_experts, d, f), self.dtype)
+    w_up = self.param("experts_up", _WEIGHT_INIT, (num_experts, d, f), self.dtype)
+    w_down = self.param("experts_down", _WEIGHT_INIT, (num_experts, f, d), self.dtype)
+    num_rows = x.shape[0]
+    logits = rowwise(lambda h, n: linear(h, router, n), x, num_live, classes)
+    weights, experts = route(cfg, logits)                         # [T, k]
+    live = jnp.arange(num_rows, dtype=jnp.int32) < jnp.reshape(num_live, ())
+    key = jnp.where(live[:, None], experts, num_experts).reshape(-1)   # [T * k]
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    rows = x[order // k]                                           # [T * k, d]
+    grouped = lambda a, w: jax.lax.ragged_dot(
+        a, w, group_sizes, preferred_element_type=jnp.float32).astype(self.dtype)
+    act = _activation(cfg)
+    hidden = act(grouped(rows, w_gate)) * grouped(rows, w_up)
+    out = grouped(hidden, w_down)                                  # sorted order
+    out = out[jnp.argsort(order)].reshape(num_rows, k, d)          # [T, k, d]
+    weighted = (out.astype(jnp.float32) * weights[..., None]).astype(self.dtype)
+    by_expert = jnp.argsort(experts, axis=-1)
+    total = jnp.zeros((num_rows, d), self.dtype)
+    for j in range(k):
+      total = total + jnp.take_along_axis(weighted, by_expert[:, j, None, None], axis=1)[:, 0]
+    return total
 
 
 def _is_int8(w) -> bool:
@@ -525,7 +699,12 @@ def _layer_weight(module: nn.Module, weights, group: str, layer, name: str, shap
 
 
 class DecoderLayer(nn.Module):
-  """One pre-norm block; the scan body. Carry: ``(x, k_pool, v_pool)``."""
+  """One pre-norm block; the scan body. Carry: ``(x, k_pool, v_pool)``.
+
+  ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with ``cfg.post_norms``
+  (Gemma 2/3) each branch's output is normed before its residual add; the
+  MLP is a ``MoE`` when ``cfg.num_experts`` > 0.
+  """
 
   cfg: ModelConfig
   dtype: Any
@@ -534,15 +713,23 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, carry, layer, batch: _Batch):
+    cfg = self.cfg
     x, k_pool, v_pool = carry
-    h = RMSNorm(self.cfg.rms_eps, self.dtype, name="attn_norm")(x)
-    attn, k_pool, v_pool = Attention(self.cfg, self.dtype, self.attention_impl, self.mesh,
+    h = _norm(cfg, self.dtype, "attn_norm")(x)
+    attn, k_pool, v_pool = Attention(cfg, self.dtype, self.attention_impl, self.mesh,
                                      name="attn")(h, k_pool, v_pool, layer, batch)
+    if cfg.post_norms:
+      attn = _norm(cfg, self.dtype, "post_attn_norm")(attn)
     x = x + attn
-    h = RMSNorm(self.cfg.rms_eps, self.dtype, name="mlp_norm")(x)
-    x = x + MLP(self.cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes, layer,
-                                                 batch.weights, batch.row_gemm)
-    return (x, k_pool, v_pool), None
+    h = _norm(cfg, self.dtype, "mlp_norm")(x)
+    if cfg.is_moe:
+      out = MoE(cfg, self.dtype, name="moe")(h, batch.num_live, batch.classes)
+    else:
+      out = MLP(cfg, self.dtype, name="mlp")(h, batch.num_live, batch.classes, layer,
+                                            batch.weights, batch.row_gemm)
+    if cfg.post_norms:
+      out = _norm(cfg, self.dtype, "post_mlp_norm")(out)
+    return (x + out, k_pool, v_pool), None
 
 
 class Llama(nn.Module):
@@ -565,13 +752,15 @@ class Llama(nn.Module):
         DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
         in_axes=(0, nn.broadcast), length=cfg.n_layers,
     )(cfg, self.dtype, self.attention_impl, self.mesh)
-    self.final_norm = RMSNorm(cfg.rms_eps, self.dtype)
+    self.final_norm = RMSNorm(cfg.rms_eps, self.dtype, cfg.norm_style)
     if not cfg.tie_embeddings or self.quantized:
       self.lm_head = self.param("lm_head", _WEIGHT_INIT,
                                 (cfg.d_model, cfg.vocab_size), self.dtype)
 
   def __call__(self, tokens, k_pool, v_pool, batch: _Batch):
     x = self.embed(tokens)
+    if self.cfg.scale_embeddings:   # Gemma: sqrt(d_model) rounded to the dtype
+      x = x * jnp.asarray(self.cfg.d_model ** 0.5, self.dtype)
     layer_ids = jnp.arange(self.cfg.n_layers, dtype=jnp.int32)
     (x, k_pool, v_pool), _ = self.layers((x, k_pool, v_pool), layer_ids, batch)
     return self.final_norm(x), k_pool, v_pool
@@ -596,6 +785,15 @@ class Llama(nn.Module):
     """Touches every parameter (used only by ``init_params``)."""
     hidden, _, _ = self(tokens, k_pool, v_pool, batch)
     return self.logits(hidden)
+
+
+def soft_cap_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+  """``c * tanh(logits / c)`` with ``c = cfg.final_softcap`` (Gemma 2), in
+  float32; the logits unchanged when the config has no cap."""
+  if cfg.final_softcap is None:
+    return logits
+  cap = jnp.float32(cfg.final_softcap)
+  return cap * jnp.tanh(logits.astype(jnp.float32) / cap)
 
 
 def _params_dtype(params):
@@ -818,7 +1016,8 @@ def compute_logits(params, cfg: ModelConfig, hidden, num_live=None, *,
   The head runs in ``row_tiled`` GEMMs (2..32 rows), so a row's logits do
   not depend on N; with ``num_live`` (i32[], default N) only the tiles
   holding the first ``num_live`` rows are computed when N > 32 (rows of
-  later tiles are zeros). With ``decode_gemm`` "native" (static) and
+  later tiles are zeros); ``cfg.final_softcap`` caps them (``soft_cap_logits``).
+  With ``decode_gemm`` "native" (static) and
   float32 dense weights the head is one call of ``models.rowgemm``'s GEMM
   (its rows never depend on N; rows from ``num_live`` on are zeros) over
   the head in panels (``params[HEAD_PANELS]``, stored by
@@ -830,10 +1029,12 @@ def compute_logits(params, cfg: ModelConfig, hidden, num_live=None, *,
       head = head_panels(params, cfg)
     # One call over every row: the kernel's rows do not depend on M, and
     # rows past num_live are not computed (zeros).
-    return rowgemm.matmul(hidden.astype(jnp.float32), head, n=cfg.vocab_size, live=num_live)
+    return soft_cap_logits(cfg, rowgemm.matmul(hidden.astype(jnp.float32), head,
+                                               n=cfg.vocab_size, live=num_live))
   params = {k: v for k, v in params.items() if k != HEAD_PANELS}
   model = Llama(cfg, dtype=_params_dtype(params), quantized=quant.is_quantized(params))
-  return model.apply({"params": params}, hidden, num_live, method=Llama.logits)
+  return soft_cap_logits(cfg, model.apply({"params": params}, hidden, num_live,
+                                          method=Llama.logits))
 
 
 # The LM head in ``models.rowgemm``'s panel layout, beside the parameters.
