@@ -8,17 +8,47 @@ replicas are separate engines, each with its own mesh.
 Weights are placed by their path in the parameter tree (``models.llama``'s
 docstring lists it), following Megatron-LM (Shoeybi et al., 2019):
 
-  ============================  ==========================  =========
-  path                          split                       group
-  ============================  ==========================  =========
-  layers/attn/wq, wk, wv        columns (heads)             attention
-  layers/attn/wo                rows (heads)                attention
-  layers/mlp/w_gate, w_up       columns (ffn)               mlp
-  layers/mlp/w_down             rows (ffn)                  mlp
-  embed/embedding               rows (vocabulary)           vocab
-  lm_head                       columns (vocabulary)        vocab
-  */scale (RMSNorm)             replicated                  -
-  ============================  ==========================  =========
+  ================================  ===========================  =========
+  path                              split                        group
+  ================================  ===========================  =========
+  layers/attn/wq, wk, wv            columns (heads)              attention
+  layers/attn/bq, bk, bv            their only axis (heads)      attention
+  layers/attn/wo                    rows (heads)                 attention
+  layers/attn/bo                    replicated (added after the  -
+                                    row-parallel all-reduce)
+  layers/mlp/w_gate, w_up           columns (ffn)                mlp
+  layers/mlp/w_down                 rows (ffn)                   mlp
+  layers/moe/router                 replicated                   -
+  layers/moe/experts_gate, _up      columns (each expert's ffn)  experts
+  layers/moe/experts_down           rows (each expert's ffn)     experts
+  embed/embedding                   rows (vocabulary)            vocab
+  lm_head                           columns (vocabulary)         vocab
+  lm_head_panels                    replicated (one device only) -
+  */scale (RMSNorm, q/k norms,      replicated                   -
+  Gemma's post norms)
+  ================================  ===========================  =========
+
+A rule names the split of the weight without its layer axis (``[K, N]``,
+``[N]`` for a bias, ``[E, K, N]`` for an expert stack) and applies alike to
+the stacked leaf (``[L, K, N]``: the layer axis is not split), to each
+element of ``models.llama.split_layers``' per-layer tuples (``[K, N]``), and
+to an int8 ``models.quant.QuantizedWeight`` of either (its ``q`` like the
+float weight, its per-column ``col_scale [..., N]`` like the weight's
+columns: split for a column-parallel weight, replicated for a row-parallel
+one). Int8 weights run on one device (``EngineConfig`` refuses them with a
+mesh), so the AMX tile layout, whose bytes are permuted, is never split.
+
+Experts are split Megatron-style within each expert (every device holds
+every expert's slice of the ffn axis), not expert-parallel (each device a
+subset of the experts). Measured with ``jax.lax.ragged_dot(x[M, K],
+w[E, K, N], group_sizes)`` under GSPMD on CPU with 4 fake devices (E 8, K 64,
+F 128, M 40; jax 0.10.2): both compile and neither replicates the weights,
+but splitting E all-reduces the gate and up outputs ``[M, F]`` as well as
+the down output ``[M, D]`` (each device fills only its experts' rows), where
+splitting F all-reduces the down output ``[M, D]`` once, like a dense MLP;
+both are within 1e-6 of one device (7.2e-7 splitting E, 3.6e-7 splitting
+F, outputs of order 1), neither bitwise. The experts group is split when
+``M`` divides ``ffn_dim`` (one expert's width).
 
 The KV cache ``[L, pages, page_size, n_kv_heads, head_dim]`` is split on its
 KV-head axis with the attention group. Everything else (scheduler records,
@@ -26,11 +56,11 @@ page tables, request buffers) is replicated on every device.
 
 Head counts the mesh does not divide are not refused. The rule: a group is
 split over ``model`` when the model-axis size ``M`` divides its dimension
-(attention: ``n_kv_heads``, which then also divides ``n_heads``; mlp:
-``ffn_dim``; vocab: ``vocab_size``), and replicated on every device of the
-axis otherwise. SmolLM2-135M (9 query, 3 KV heads, ffn 1536, vocab 49152)
-therefore runs attention split at M = 3 and replicated at M = 2 or 4, with
-its MLP and vocabulary split at M = 2, 3 and 4.
+(attention: ``n_kv_heads``, which then also divides ``n_heads``; mlp and
+experts: ``ffn_dim``; vocab: ``vocab_size``), and replicated on every device
+of the axis otherwise. SmolLM2-135M (9 query, 3 KV heads, ffn 1536, vocab
+49152) therefore runs attention split at M = 3 and replicated at M = 2 or 4,
+with its MLP and vocabulary split at M = 2, 3 and 4.
 
 The jitted programs stay the same programs: their inputs carry
 ``NamedSharding``s and GSPMD partitions them, inserting the all-reduce after
@@ -54,20 +84,35 @@ from models.config import ModelConfig
 
 MESH_AXES = ("data", "model")
 
-# Last path keys -> (group, spec of the array without its stacked layer axis).
-# Column-parallel weights split their output axis, row-parallel their input.
-_COLUMN, _ROW = P(None, "model"), P("model", None)
+# Last path keys -> (group, spec of the weight without its stacked layer
+# axis); group None: replicated whatever the mesh. Column-parallel weights
+# split their output axis, row-parallel their input.
+_COLUMN, _ROW, _BIAS = P(None, "model"), P("model", None), P("model")
+_EXPERT_COLUMN, _EXPERT_ROW = P(None, None, "model"), P(None, "model", None)
 _RULES = {
     ("attn", "wq"): ("attention", _COLUMN),
     ("attn", "wk"): ("attention", _COLUMN),
     ("attn", "wv"): ("attention", _COLUMN),
+    ("attn", "bq"): ("attention", _BIAS),
+    ("attn", "bk"): ("attention", _BIAS),
+    ("attn", "bv"): ("attention", _BIAS),
     ("attn", "wo"): ("attention", _ROW),
+    ("attn", "bo"): (None, P(None)),
     ("mlp", "w_gate"): ("mlp", _COLUMN),
     ("mlp", "w_up"): ("mlp", _COLUMN),
     ("mlp", "w_down"): ("mlp", _ROW),
+    ("moe", "router"): (None, P(None, None)),
+    ("moe", "experts_gate"): ("experts", _EXPERT_COLUMN),
+    ("moe", "experts_up"): ("experts", _EXPERT_COLUMN),
+    ("moe", "experts_down"): ("experts", _EXPERT_ROW),
     ("embed", "embedding"): ("vocab", _ROW),
     ("lm_head",): ("vocab", _COLUMN),
+    # models.llama.HEAD_PANELS [ceil(vocab / 64), d_model, 64]: the native
+    # decode GEMM's copy of the head, which runs on one device only.
+    ("lm_head_panels",): (None, P(None, None, None)),
 }
+# The fields of an int8 ``models.quant.QuantizedWeight`` leaf.
+_QUANTIZED_FIELDS = ("q", "col_scale")
 
 
 def parse_mesh(spec: str) -> Dict[str, int]:
@@ -145,36 +190,83 @@ def initialize_processes(coordinator: str, num_processes: int, process_id: int) 
 
 
 def split_groups(cfg: ModelConfig, model_size: int) -> Dict[str, bool]:
-  """Which weight groups are split over a model axis of ``model_size``
-  (the rule in the module docstring)."""
-  return dict(attention=cfg.n_kv_heads % model_size == 0,
-              mlp=cfg.ffn_dim % model_size == 0,
-              vocab=cfg.vocab_size % model_size == 0)
+  """Which weight groups of ``cfg``'s model are split over a model axis of
+  ``model_size`` (the rule in the module docstring): ``attention``, ``mlp``
+  (dense models) or ``experts`` (``cfg.num_experts`` > 0), ``vocab``."""
+  ffn = "experts" if cfg.num_experts else "mlp"
+  return {"attention": cfg.n_kv_heads % model_size == 0,
+          ffn: cfg.ffn_dim % model_size == 0,
+          "vocab": cfg.vocab_size % model_size == 0}
 
 
 def _model_size(mesh: Optional[Mesh]) -> int:
   return 1 if mesh is None else mesh.shape["model"]
 
 
+def _weight_path(path):
+  """(dict keys, QuantizedWeight field or None) of a leaf's tree path: the
+  index of a per-layer tuple element is dropped (the element is one layer
+  of the weight), a ``QuantizedWeight`` field is returned apart."""
+  keys, field = [], None
+  for k in path:
+    if isinstance(k, jax.tree_util.SequenceKey):
+      continue
+    if isinstance(k, jax.tree_util.GetAttrKey) and k.name in _QUANTIZED_FIELDS:
+      field = k.name
+      continue
+    keys.append(getattr(k, "key", getattr(k, "name", str(k))))
+  return tuple(keys), field
+
+
 def param_specs(params, cfg: ModelConfig, model_size: int):
   """The ``PartitionSpec`` of every leaf of ``params`` (same tree).
 
+  ``params`` is in ``models.llama``'s layout, stacked (``[L, K, N]``) or
+  with ``split_layers``' per-layer tuples (``[K, N]`` each), float or int8
+  ``QuantizedWeight`` (``q`` [..., K, N] int8, ``col_scale`` [..., N]
+  float32); leaves may be arrays or shape structs. A leaf of a split group
+  gets its rule's spec, with ``None`` for a leading layer axis; a leaf of a
+  replicated group ``P()``.
+
   Raises:
-    ValueError: a leaf whose path has no rule (a new weight must be given one).
+    ValueError: a leaf whose path has no rule (a new weight must be given
+      one), a leaf with fewer axes than its rule or more than one axis in
+      front of them, or a split axis ``model_size`` does not divide (a
+      shape that disagrees with ``cfg``).
   """
   split = split_groups(cfg, model_size)
 
   def spec(path, leaf):
-    keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-    if keys[-1] == "scale":
+    keys, field = _weight_path(path)
+    name = "/".join(map(str, keys)) + (f".{field}" if field else "")
+    if keys and keys[-1] == "scale":
       return P()
     for suffix, (group, rule) in _RULES.items():
-      if keys[-len(suffix):] == suffix:
-        if not split[group]:
-          return P()
-        return P(*((None,) * (leaf.ndim - len(rule)) + tuple(rule)))  # layer axis
-    raise ValueError(f"parameter {'/'.join(map(str, keys))} has no sharding rule in "
-                     f"models.sharding")
+      if keys[-len(suffix):] != suffix:
+        continue
+      if field == "col_scale":           # per output column: the rule's last axis
+        rule = P(*tuple(rule)[-1:])
+      extra = leaf.ndim - len(rule)
+      if extra not in (0, 1):
+        raise ValueError(f"parameter {name} has shape {tuple(leaf.shape)}: its sharding "
+                         f"rule {rule} wants {len(rule)} axes, or one more in front "
+                         f"(the layer axis)")
+      if group is None or not split.get(group, False) or "model" not in tuple(rule):
+        return P()
+      out = (None,) * extra + tuple(rule)
+      axis = out.index("model")
+      if leaf.shape[axis] % model_size:
+        raise ValueError(f"parameter {name} has shape {tuple(leaf.shape)}: axis {axis} "
+                         f"does not divide by the model axis size {model_size}, though "
+                         f"the config's {group} group splits")
+      # Trailing replicated axes left out: the spec GSPMD gives a slice of a
+      # placed stack (``split_layers``' ``w[i]`` of a row-parallel
+      # [L, K, N] is ``P("model")``), so placing the split tree again is no
+      # copy and no new program signature.
+      while out[-1] is None:
+        out = out[:-1]
+      return P(*out)
+    raise ValueError(f"parameter {name} has no sharding rule in models.sharding")
 
   return jax.tree_util.tree_map_with_path(spec, params)
 
@@ -215,8 +307,17 @@ def attention_over_heads(attend, mesh: Mesh):
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh):
-  """``params`` (host or device arrays) placed into their target shardings."""
-  return jax.device_put(params, param_shardings(params, cfg, mesh))
+  """``params`` (host or device arrays) placed into their target shardings;
+  a device array already placed so (an equivalent sharding) is kept as it
+  is, not copied."""
+  targets = param_shardings(params, cfg, mesh)
+
+  def place(x, target):
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, x.ndim):
+      return x
+    return jax.device_put(x, target)
+
+  return jax.tree_util.tree_map(place, params, targets)
 
 
 def shard_kv(kv, cfg: ModelConfig, mesh: Mesh):

@@ -1,7 +1,10 @@
 """Tensor-parallel equality: logits and greedy tokens per mesh against one device.
 
 For each model-axis size M, ``tp_equality`` builds an ``Engine`` with
-``mesh="model:M"`` and
+``mesh="model:M"`` the way the launchers do (``serving.launch``: the
+parameters loaded straight into their shardings when a loader is given, the
+engine's per-layer weights, then ``launch.warmup``'s scratch engines built
+from the engine's stored parameters) and
 
 * runs the test prompts through ``Engine.generate`` (greedy), comparing every
   output token with the one-device engine's;
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,21 +80,39 @@ def _compiled(engine: Engine) -> Dict[str, int]:
 
 def tp_equality(model_cfg, params, engine_cfg: EngineConfig,
                 prompts: Sequence[Sequence[int]], max_tokens: int,
-                model_sizes: Sequence[int]) -> List[dict]:
+                model_sizes: Sequence[int], *,
+                load: Optional[Callable[[str], Any]] = None,
+                warmup: Optional[Callable[[Engine], Any]] = None) -> List[dict]:
   """One row per model-axis size (the first row is one device, no mesh).
+
+  Args:
+    model_cfg, params: the model (``params`` unused when ``load`` is given).
+    engine_cfg: the engine config; its ``mesh`` is replaced per row.
+    prompts: token ids of each prompt.
+    max_tokens: greedy tokens per prompt.
+    model_sizes: model-axis sizes after the one-device row.
+    load: ``mesh spec -> params`` placed on that mesh (the launchers'
+      ``load_model(..., mesh=...)``); None: ``params`` for every row.
+    warmup: called with each engine before it generates (the launchers'
+      ``launch.warmup``, which builds scratch engines from the engine's
+      stored, per-layer, placed parameters).
 
   Returns rows of ``{"mesh", "split", "max_abs_logit_diff", "min_margin",
   "tokens_equal", "compiled", "compile_bound_ok", "seconds"}``.
 
   Raises:
-    ValueError: a size needs more devices than this process has.
+    ValueError: a size needs more devices than this process has, or a
+      parameter without a sharding rule (``models.sharding.param_specs``).
   """
   sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
   rows, reference = [], None
   for size in [None] + list(model_sizes):
     t = time.perf_counter()
     mesh = "" if size is None else f"model:{size}"
-    engine = Engine(model_cfg, params, dataclasses.replace(engine_cfg, mesh=mesh))
+    engine = Engine(model_cfg, params if load is None else load(mesh),
+                    dataclasses.replace(engine_cfg, mesh=mesh))
+    if warmup is not None:
+      warmup(engine)
     outputs = [r.output_token_ids for r in engine.generate(prompts, sampling)]
     compiled = _compiled(engine)
     if reference is None:

@@ -5,6 +5,7 @@ asks for fake host devices before jax starts, so they run in subprocesses
 (this pytest process has one device).
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -16,8 +17,8 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models import llama, sharding
-from models.config import get_config
+from models import llama, quant, sharding
+from models.config import ModelConfig, RopeConfig, get_config
 from serving.config import EngineConfig
 from tests.serving import multiprocess_replay
 
@@ -58,12 +59,12 @@ def test_split_rule_for_head_counts_the_mesh_does_not_divide():
 def test_param_specs_are_megatron_by_path():
   params = jax.eval_shape(lambda: llama.init_params(TP_CFG, jax.random.PRNGKey(0)))
   specs = sharding.param_specs(params, TP_CFG, 2)
-  layer_col, layer_row = P(None, None, "model"), P(None, "model", None)
+  layer_col, layer_row = P(None, None, "model"), P(None, "model")   # trailing None left out
   assert [specs["layers"]["attn"][w] for w in ("wq", "wk", "wv", "wo")] == [
       layer_col, layer_col, layer_col, layer_row]
   assert [specs["layers"]["mlp"][w] for w in ("w_gate", "w_up", "w_down")] == [
       layer_col, layer_col, layer_row]
-  assert specs["embed"]["embedding"] == P("model", None)
+  assert specs["embed"]["embedding"] == P("model")
   assert specs["layers"]["attn_norm"]["scale"] == specs["final_norm"]["scale"] == P()
   assert sharding.kv_spec(TP_CFG, 2) == P(None, None, None, "model", None)
   # Model axis 4 does not divide the 2 KV heads: attention and cache replicated.
@@ -72,6 +73,123 @@ def test_param_specs_are_megatron_by_path():
   assert specs4["layers"]["mlp"]["w_down"] == layer_row
   with pytest.raises(ValueError, match="extra/w has no sharding rule"):
     sharding.param_specs({"extra": {"w": jax.ShapeDtypeStruct((2, 2), "f4")}}, TP_CFG, 2)
+
+
+# One small config per family (the switches of models/config.py that add or
+# reshape parameters, and a few that do not), at widths 2 and 4 divide where a
+# split is wanted: 2 KV heads (attention split at 2, replicated at 4), ffn
+# 128, vocabulary 384.
+_BASE = ModelConfig(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=16, ffn_dim=128, tie_embeddings=False, name="family")
+FAMILY_CFGS = {
+    "llama3.1": dataclasses.replace(_BASE, rope_theta=500000.0, rope=RopeConfig(
+        kind="llama3", theta=500000.0, factor=8.0, original_max_position=64)),
+    "qwen2.5": dataclasses.replace(_BASE, qkv_bias=True, family="qwen2"),
+    "llama-attention-bias": dataclasses.replace(_BASE, qkv_bias=True, o_bias=True),
+    "qwen3": dataclasses.replace(_BASE, head_dim=32, qk_norm=True, family="qwen3"),
+    "mistral": dataclasses.replace(_BASE, layer_windows=(8, 8), family="mistral"),
+    "gemma2": dataclasses.replace(
+        _BASE, tie_embeddings=True, norm_style="gemma", post_norms=True,
+        activation="gelu_tanh", scale_embeddings=True, attn_softcap=4.0,
+        final_softcap=8.0, layer_windows=(8, 0), family="gemma2"),
+    "gemma3": dataclasses.replace(
+        _BASE, tie_embeddings=True, head_dim=32, qk_norm=True, norm_style="gemma",
+        post_norms=True, activation="gelu_tanh", scale_embeddings=True,
+        layer_windows=(8, 0), rope_local=RopeConfig(theta=10000.0), family="gemma3"),
+    "phi3": dataclasses.replace(_BASE, rotary_dim=12, layer_windows=(8, 8), family="phi3"),
+    "mixtral": dataclasses.replace(_BASE, ffn_dim=96, num_experts=4, experts_per_token=2,
+                                   family="mixtral"),
+    "qwen3-moe": dataclasses.replace(_BASE, ffn_dim=64, num_experts=4, experts_per_token=2,
+                                     qk_norm=True, family="qwen3_moe"),
+}
+
+
+def _family_shapes(cfg):
+  return jax.eval_shape(lambda: llama.init_params(cfg, jax.random.PRNGKey(0)))
+
+
+def _flat(tree):
+  return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                   for k in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(
+              tree, is_leaf=lambda x: isinstance(x, P))}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CFGS))
+def test_every_family_parameter_gets_a_spec_split_as_its_group(family):
+  """Every leaf of every family's tree has a rule, at model axes 1, 2, 4 and
+  for the stacked and the per-layer (``split_layers``) trees; the new leaves
+  split or replicate as the module docstring's table says."""
+  cfg = FAMILY_CFGS[family]
+  shapes = _family_shapes(cfg)
+  per_layer = jax.eval_shape(lambda: llama.split_layers(
+      llama.init_params(cfg, jax.random.PRNGKey(0))))
+  col, row, vec = P(None, None, "model"), P(None, "model"), P(None, "model")
+  for size in (1, 2, 4):
+    split = sharding.split_groups(cfg, size)
+    assert set(split) == {"attention", "experts" if cfg.num_experts else "mlp", "vocab"}
+    specs = _flat(sharding.param_specs(shapes, cfg, size))
+    layer_specs = _flat(sharding.param_specs(per_layer, cfg, size))
+    assert set(specs) == set(_flat(shapes))
+    attn = split["attention"]      # at size 1 every group "splits" over one device
+    want = {"layers/attn/wq": col if attn else P(), "layers/attn/wo": row if attn else P(),
+            "layers/attn/bq": vec if attn else P(), "layers/attn/bk": vec if attn else P(),
+            "layers/attn/bo": P(), "layers/attn/q_norm/scale": P(),
+            "layers/attn/k_norm/scale": P(), "layers/post_attn_norm/scale": P(),
+            "layers/post_mlp_norm/scale": P(), "layers/moe/router": P(),
+            "layers/moe/experts_gate": P(None, None, None, "model"),
+            "layers/moe/experts_up": P(None, None, None, "model"),
+            "layers/moe/experts_down": P(None, None, "model"),
+            "layers/mlp/w_gate": col, "layers/mlp/w_down": row}
+    for path, spec in want.items():
+      if path not in specs:
+        continue
+      group = path.split("/")[1]
+      on = split.get({"attn": "attention", "mlp": "mlp",
+                                   "moe": "experts"}.get(group, group), False)
+      assert specs[path] == (spec if on or spec == P() else P()), (family, size, path)
+    for path, spec in specs.items():      # per-layer [K, N]: the rule without the layer axis
+      if path.startswith("layers/attn/w") or path.startswith("layers/mlp/w"):
+        for i in range(cfg.n_layers):
+          assert layer_specs[f"{path}/{i}"] == (P(*tuple(spec)[1:]) if spec != P()
+                                                else P()), (family, size, path, i)
+      elif "/" not in path or not path.startswith("layers/"):
+        assert layer_specs[path] == spec
+  if cfg.qkv_bias:
+    assert "layers/attn/bq" in _flat(shapes)
+  if cfg.num_experts:
+    assert _flat(shapes)["layers/moe/experts_down"].shape == (2, 4, cfg.ffn_dim, 64)
+
+
+def test_int8_weights_get_their_float_weights_split():
+  """A ``QuantizedWeight`` (stacked, per layer, and the LM head): ``q`` like
+  the float weight, ``col_scale`` split with the columns of a column-
+  parallel weight, replicated for a row-parallel one."""
+  from conftest import perturbed_params  # pylint: disable=import-outside-toplevel
+  params = quant.quantize_params(perturbed_params(TP_CFG, seed=0), TP_CFG.tie_embeddings)
+  for tree in (params, llama.split_layers(params)):
+    specs = sharding.param_specs(tree, TP_CFG, 2)
+    attn, mlp = specs["layers"]["attn"], specs["layers"]["mlp"]
+    stacked = not isinstance(attn["wq"], tuple)
+    one = lambda w: w if stacked else w[1]
+    lead = (None,) if stacked else ()
+    assert one(attn["wq"]).q == P(*lead, None, "model")
+    assert one(attn["wq"]).col_scale == P(*lead, "model")
+    assert one(attn["wo"]).q == P(*lead, "model") and one(attn["wo"]).col_scale == P()
+    assert one(mlp["w_down"]).q == P(*lead, "model")
+    assert specs["lm_head"].q == P(None, "model") and specs["lm_head"].col_scale == P("model")
+  # Not divided (4 does not divide the 2 KV heads): replicated, q and scales.
+  specs4 = sharding.param_specs(params, TP_CFG, 4)["layers"]["attn"]["wq"]
+  assert specs4.q == specs4.col_scale == P()
+
+
+def test_a_shape_that_disagrees_with_its_rule_or_the_config_is_refused():
+  bad_rank = {"layers": {"attn": {"wq": jax.ShapeDtypeStruct((2, 2, 64, 32), "f4")}}}
+  with pytest.raises(ValueError, match=r"layers/attn/wq has shape \(2, 2, 64, 32\)"):
+    sharding.param_specs(bad_rank, TP_CFG, 2)
+  odd = {"layers": {"mlp": {"w_up": jax.ShapeDtypeStruct((2, 64, 191), "f4")}}}
+  with pytest.raises(ValueError, match="axis 2 does not divide by the model axis size 2"):
+    sharding.param_specs(odd, TP_CFG, 2)
 
 
 def test_tp_meshes_match_one_device_logits_and_greedy_tokens(tmp_path):
