@@ -85,7 +85,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from attention.ragged import KV_BITS, ragged_paged_attention, write_kv_pages
-from models import quant, rowgemm, sharding
+from models import moe, quant, rowgemm, sharding
 from models.config import ModelConfig, RopeConfig
 
 _WEIGHT_INIT = nn.initializers.normal(stddev=0.02)
@@ -613,36 +613,16 @@ class MLP(nn.Module):
                    x, num_live, classes, exact=_is_int8(w_down))
 
 
-def route(cfg: ModelConfig, router_logits: jax.Array):
-  """Top-k routing of a mixture of experts.
-
-  Softmax over all experts in float32, the ``experts_per_token`` largest
-  kept (ties: the lower expert id), renormalised to sum 1 when
-  ``cfg.norm_topk_prob`` (Mixtral; Qwen3-MoE's flag) — transformers'
-  ``MixtralTopKRouter`` / ``Qwen3MoeTopKRouter``.
-
-  Args:
-    router_logits: [T, num_experts] any float dtype.
-
-  Returns:
-    ``(weights f32[T, k], experts i32[T, k])``.
-  """
-  probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-  weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
-  if cfg.norm_topk_prob:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts.astype(jnp.int32)
-
-
 class MoE(nn.Module):
   """Mixture-of-experts MLP (Mixtral, Qwen3-MoE): each row routed to its
-  top-k experts (``route``), the expert GEMMs grouped by expert.
+  top-k experts (``models.moe.route``), the expert GEMMs grouped by expert.
 
   The T * k (row, expert) assignments are sorted by expert (stable, so by
-  row within an expert) and run as three ``jax.lax.ragged_dot`` grouped
-  GEMMs (gate, up, down) over ``[num_experts, ...]`` weight stacks; padding
-  rows are routed to no group (their assignments sort last and come out
-  zero). A row's k outputs are weighted and summed in expert-id order in the
+  row within an expert) and run as three grouped GEMMs (gate, up, down;
+  ``models.moe.grouped_matmul``: ``jax.lax.ragged_dot`` on accelerators,
+  fixed-row tiles of the routed experts only on CPU) over
+  ``[num_experts, ...]`` weight stacks; padding rows are routed to no group
+  (their assignments sort last and come out zero). A row's k outputs are weighted and summed in expert-id order in the
   activation dtype, as transformers' expert loop accumulates. A row's result
   depends only on the row: routing is row-wise, and each assignment's
   grouped-GEMM row is the product of that row with its expert's weight.
@@ -662,14 +642,13 @@ class MoE(nn.Module):
     w_down = self.param("experts_down", _WEIGHT_INIT, (num_experts, f, d), self.dtype)
     num_rows = x.shape[0]
     logits = rowwise(lambda h, n: linear(h, router, n), x, num_live, classes)
-    weights, experts = route(cfg, logits)                         # [T, k]
+    weights, experts = moe.route(logits, k, cfg.norm_topk_prob)   # [T, k]
     live = jnp.arange(num_rows, dtype=jnp.int32) < jnp.reshape(num_live, ())
     key = jnp.where(live[:, None], experts, num_experts).reshape(-1)   # [T * k]
     order = jnp.argsort(key, stable=True).astype(jnp.int32)
     group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     rows = x[order // k]                                           # [T * k, d]
-    grouped = lambda a, w: jax.lax.ragged_dot(
-        a, w, group_sizes, preferred_element_type=jnp.float32).astype(self.dtype)
+    grouped = lambda a, w: moe.grouped_matmul(a, w, group_sizes).astype(self.dtype)
     act = _activation(cfg)
     hidden = act(grouped(rows, w_gate)) * grouped(rows, w_up)
     out = grouped(hidden, w_down)                                  # sorted order
