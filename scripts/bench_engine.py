@@ -1,6 +1,8 @@
 """Engine throughput beside HF transformers `generate` on the same weights.
 
   python scripts/bench_engine.py --out=runs/bench_engine.json
+  python scripts/bench_engine.py --model=~/models/Qwen2.5-0.5B-Instruct --sections=decode \
+      --concurrency=8 --out=runs/bench_qwen.json
 
 Sections (``--dtype``, float32 by default, for both engines; CPU, greedy,
 ignore EOS; ``--weights=int8`` runs iterserve's int8 weights, and
@@ -52,21 +54,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
+from absl import flags, logging
 
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
 from models import amx, llama, quant, rowgemm
 from models.loaders import load_model, resolve_model_path
 from serving import cli, hostmem, workloads
+from serving import cost_model as cost_lib
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine, resolve_decode_gemm
-from serving.launch import check_attention_impl, warmup
+from serving.launch import check_attention_impl, describe_model, model_costs, warmup
 from serving.launch import decode_gemm as launch_decode_gemm
 from serving.launch import int8_gemm as launch_int8_gemm
 from serving.sampling import sample
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_engine.json", "Result JSON path.")
+flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory "
+                    "(as the launchers' --model); transformers loads the same source.")
 SECTIONS = ("prefill", "decode", "trace", "gemm", "breakdown", "prefill_step")
 flags.DEFINE_list("sections", list(SECTIONS), "What to measure: any of " + ", ".join(SECTIONS) + ".")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "Decode concurrency levels.")
@@ -204,9 +209,10 @@ class StepTimer:
     return out
 
 
-def _prompts(lengths, seed=0):
+def _prompts(lengths, vocab_size, seed=0):
+  """Random prompts of the given lengths, ids in [20, min(40000, vocab_size))."""
   rng = np.random.default_rng(seed)
-  return [rng.integers(20, 40000, size=n).tolist() for n in lengths]
+  return [rng.integers(20, min(40000, vocab_size), size=n).tolist() for n in lengths]
 
 
 def _engine(cfg, params, **overrides):
@@ -269,9 +275,11 @@ def load_hf(weights="dense"):
   (int8 weights, activations quantized per call)."""
   import torch
   import transformers
-  path, _ = resolve_model_path("smollm2-135m")
-  model = transformers.LlamaForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=getattr(torch, FLAGS.dtype)).eval()
+  path, _ = resolve_model_path(FLAGS.model)
+  source = dict(pretrained_model_name_or_path=str(path)) if path.is_dir() else dict(
+      pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      **source, dtype=getattr(torch, FLAGS.dtype)).eval()
   if weights == "int8":
     from torch.ao.quantization import quantize_dynamic
     model = quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
@@ -290,11 +298,10 @@ def gemm_flops_per_s():
 
 
 def flops_per_token(cfg):
-  """2 x multiply-adds of the projections, MLP and LM head for one row."""
-  attn = cfg.d_model * (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-  attn += cfg.n_heads * cfg.head_dim * cfg.d_model
-  mlp = 3 * cfg.d_model * cfg.ffn_dim
-  return 2 * (cfg.n_layers * (attn + mlp) + cfg.d_model * cfg.vocab_size)
+  """FLOPs (2 per multiply-add) of one row's projections, MLP (MoE: router
+  and its top-k experts) and LM head (``serving.cost_model.model_costs``)."""
+  costs = cost_lib.model_costs(cfg)
+  return costs.gemm_flops_per_row + costs.lm_head_flops_per_row
 
 
 def _time_ms(fn, *args, reps=5):
@@ -337,7 +344,7 @@ def breakdown(cfg, params, num_seqs, ecfg):
   slot_mapping = jnp.asarray(np.where(
       rows < num_seqs, np.asarray(table)[np.minimum(rows, seqs - 1), (ctx - 1) // ps] * ps
       + (ctx - 1) % ps, -1), jnp.int32)
-  tokens = jnp.asarray(rng.integers(20, 1000, size=bucket), jnp.int32)
+  tokens = jnp.asarray(rng.integers(20, min(1000, cfg.vocab_size), size=bucket), jnp.int32)
   kv = llama.init_kv_cache(cfg, num_pages, ps, jnp.dtype(ecfg.kv_cache_dtype))
   fill = jnp.full(kv.k.shape, 0.01, kv_float_dtype(kv.k.dtype))
   if kv.k.dtype == KV_BITS:            # a bfloat16 cache is stored as bits
@@ -364,7 +371,8 @@ def breakdown(cfg, params, num_seqs, ecfg):
 
     def layer(carry, l):
       out = ragged_paged_attention(q + carry, k, v, kv_lens, table + l * num_pages,
-                                   cu, num, sm_scale=cfg.head_dim ** -0.5, impl=impl)
+                                   cu, num, sm_scale=cfg.sm_scale, impl=impl,
+                                   soft_cap=cfg.attn_softcap)
       return carry + out[0, 0, 0] * 0, None
     return jax.lax.scan(layer, jnp.float32(0), jnp.arange(cfg.n_layers))[0]
 
@@ -400,7 +408,8 @@ def prefill_step(cfg, params, ecfg):
   table = jnp.zeros((ecfg.max_num_seqs, ecfg.pages_per_seq), jnp.int32).at[0, :pages].set(
       jnp.arange(1, pages + 1, dtype=jnp.int32))
   pos = jnp.arange(rows, dtype=jnp.int32)
-  tokens = jnp.asarray(np.random.default_rng(0).integers(20, 1000, size=rows), jnp.int32)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(20, min(1000, cfg.vocab_size),
+                                                         size=rows), jnp.int32)
   kv_lens = jnp.zeros((ecfg.max_num_seqs,), jnp.int32).at[0].set(rows)
   cu = jnp.full((ecfg.max_num_seqs + 1,), rows, jnp.int32).at[0].set(0)
   kv = llama.init_kv_cache(cfg, pages + 1, ps, jnp.dtype(ecfg.dtype))
@@ -468,9 +477,11 @@ def main(argv):
   int8_gemm = launch_int8_gemm(probe)
   decode_gemm = launch_decode_gemm(probe)
   kept = hostmem.keep_freed_pages() if FLAGS.keep_freed_pages else False
+  logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
-  cfg, params, _ = load_model("smollm2-135m", dtype=jnp.dtype(FLAGS.dtype),
+  cfg, params, _ = load_model(FLAGS.model, dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
+  print(f"model: {cfg.name} ({describe_model(cfg)})", flush=True)
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
     params = quant.quantize_params(params, cfg.tie_embeddings, gemm=int8_gemm)
   params = llama.split_layers(params)   # the engine's layout, for every section
@@ -482,6 +493,8 @@ def main(argv):
     warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
          "host_cpu": host_cpu(),
+         "model": FLAGS.model, "family": cfg.family,
+         "model_costs": model_costs(cfg, scratch.config),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "weights": FLAGS.weights,
          "int8_gemm": int8_gemm, "decode_gemm": decode_gemm,
          "kv_dtype": FLAGS.kv_dtype, "keep_freed_pages": kept,
@@ -492,19 +505,20 @@ def main(argv):
          "xla_compiles_during_warmup": _COMPILES[0]}
 
   if "prefill" in FLAGS.sections:
-    prompt = _prompts([512])
+    length = min(512, scratch.config.max_model_len - 1)
+    prompt = _prompts([length], cfg.vocab_size)
     s, _ = iterserve_run(cfg, params, prompt, [1])
-    row = {"prompt_tokens": 512, "iterserve_tokens_per_s": 512 / s}
+    row = {"prompt_tokens": length, "iterserve_tokens_per_s": length / s}
     for name, hf in peers.items():
       hf_run(*hf, prompt, 1)
-      row[f"{name}_tokens_per_s"] = 512 / hf_run(*hf, prompt, 1)
+      row[f"{name}_tokens_per_s"] = length / hf_run(*hf, prompt, 1)
     out["prefill"] = row
     print("prefill", row)
 
   if "decode" in FLAGS.sections:
     out["decode"] = []
     for n in map(int, FLAGS.concurrency):
-      prompts = _prompts([FLAGS.prompt_len] * n, seed=n)
+      prompts = _prompts([FLAGS.prompt_len] * n, cfg.vocab_size, seed=n)
       total = n * FLAGS.output_len
       # At least 32 running sequences (at most the preset's token budget).
       seqs = min(max(32, n), scratch.config.max_num_batched_tokens)
@@ -540,7 +554,7 @@ def main(argv):
   if FLAGS.profile:
     n = 32
     engine = _engine(cfg, params)
-    for i, p in enumerate(_prompts([FLAGS.prompt_len] * n, seed=n)):
+    for i, p in enumerate(_prompts([FLAGS.prompt_len] * n, cfg.vocab_size, seed=n)):
       engine.add_request(f"p{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
     if FLAGS.profile_phase == "decode":
       for _ in range(n * FLAGS.prompt_len // engine.config.max_num_batched_tokens + 2):

@@ -61,14 +61,17 @@ def step_features(entry, engine) -> list:
 
 
 def measure_grid(engine_cfg, cfg, params):
+  """Step features and times (ms) over the --batch_sizes x --prompt_lens grid;
+  prompt ids are drawn in [20, min(1000, vocab_size))."""
   rng = np.random.default_rng(0)
+  top = min(1000, cfg.vocab_size)
   rows, times = [], []
   for n in (int(x) for x in FLAGS.batch_sizes):
     for length in (int(x) for x in FLAGS.prompt_lens):
       engine = Engine(cfg, params, engine_cfg)
       engine.record_plans = True
       for i in range(n):
-        engine.add_request(f"g{i}", rng.integers(20, 1000, size=length).tolist(),
+        engine.add_request(f"g{i}", rng.integers(20, top, size=length).tolist(),
                            SamplingParams(max_tokens=FLAGS.decode_tokens, ignore_eos=True))
       t_case = time.perf_counter()
       while engine.has_unfinished():
@@ -86,9 +89,12 @@ def measure_grid(engine_cfg, cfg, params):
 
 def holdout(engine_cfg, cfg, params, model, vocab):
   """Per-request TTFT/E2EL errors of the simulated replay vs the real one."""
+  # Prompts up to 512 tokens and outputs up to 32, both within the context.
+  output_len = min(32, engine_cfg.max_model_len // 4)
   wl = workloads.synthetic_azure_conv(FLAGS.holdout_requests, FLAGS.holdout_rate_scale,
-                                      max_prompt_len=512, max_output_len=32, seed=7,
-                                      vocab_size=vocab)
+                                      max_prompt_len=min(512, engine_cfg.max_model_len
+                                                         - output_len),
+                                      max_output_len=output_len, seed=7, vocab_size=vocab)
   real_recs, real_s = replay(Engine(cfg, params, engine_cfg), wl, realtime=True)
   sim_cfg = dataclasses.replace(engine_cfg, executor="simulated", cost_model=FLAGS.out)
   sim_recs, sim_s = replay(Engine(cfg, params, sim_cfg, clock=VirtualClock()), wl)
@@ -108,9 +114,21 @@ def holdout(engine_cfg, cfg, params, model, vocab):
   return out
 
 
+def _check_grid(engine_cfg) -> None:
+  """The grid's flags, checked before the model loads: each prompt and its
+  --decode_tokens must fit the engine's context (ValueError naming the flag)."""
+  longest = max(int(x) for x in FLAGS.prompt_lens)
+  if longest + FLAGS.decode_tokens > engine_cfg.max_model_len:
+    raise ValueError(f"--prompt_lens={longest} plus --decode_tokens={FLAGS.decode_tokens} "
+                     f"exceeds the engine's max_model_len={engine_cfg.max_model_len} "
+                     f"(--engine={FLAGS.engine})")
+
+
 def main(argv):
   del argv
   engine_cfg = launch.engine_config()
+  if not FLAGS.holdout_only and not FLAGS.refit:
+    _check_grid(engine_cfg)
   cfg, params, _ = launch.load_flags_model(engine_cfg)
   launch.warmup(Engine(cfg, params, engine_cfg))
   if not FLAGS.holdout_only:
@@ -119,7 +137,9 @@ def main(argv):
       x, y = grid["features"], grid["step_ms"]
     else:
       x, y = measure_grid(engine_cfg, cfg, params)
-    meta = dict(model=FLAGS.model, dtype=engine_cfg.dtype, engine=FLAGS.engine,
+    meta = dict(model=FLAGS.model, family=cfg.family,
+                model_costs=launch.model_costs(cfg, engine_cfg),
+                dtype=engine_cfg.dtype, engine=FLAGS.engine,
                 backend=jax.default_backend(), device=str(jax.devices()[0]),
                 machine=f"{platform.machine()} {os.cpu_count()} cpus {platform.node()}",
                 platform=platform.platform(), jax_version=jax.__version__,

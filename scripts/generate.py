@@ -74,10 +74,14 @@ def prompt_texts():
 
 
 def _token_ids(tokenizer, text: str, chat: bool):
+  """A raw prompt's ids (BOS added as the tokenizer's post-processor says),
+  or a chat message rendered by the model's template, whose text already
+  holds every special token (BOS too: not added again; as the server and
+  transformers tokenize a rendered chat)."""
   if chat:
     text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                          add_generation_prompt=True)
-  return tokenizer.encode(text)
+  return tokenizer.encode(text, add_special_tokens=not chat)
 
 
 def main(argv):

@@ -86,6 +86,8 @@ def main(argv):
   wall_s = time.perf_counter() - t
   bar.close()
   config = run_config(engine, FLAGS.model)
+  config["family"] = cfg.family
+  config["model_costs"] = launch.model_costs(cfg, engine.config)
   config["workload"] = workload.describe()
   if engine.cost_model is None:     # wall-clock facts stay out of virtual-time reports
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}

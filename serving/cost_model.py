@@ -19,6 +19,11 @@ JSON names the model, dtype, backend, machine and jax version it holds for.
 ``fit`` uses non-negative least squares by default (``scipy.optimize.nnls``).
 Linear per-iteration cost models of this form are what Vidur (Agrawal et
 al., MLSys 2024) profiles per operator; here one fit covers the whole step.
+
+``model_costs(cfg)`` derives a model's cost features from its
+``ModelConfig`` alone (FLOPs per row, weight and KV bytes, attention FLOPs
+per query-key pair): what a calibration holds for (recorded in its meta and
+in replay reports), and the features a config-driven cost model builds on.
 """
 
 from __future__ import annotations
@@ -31,11 +36,120 @@ from typing import Dict, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import ModelConfig
 from scheduler import records as rec
 
 FEATURES = ("prefill_rows", "decode_rows", "kv_tokens_read", "bucket")
 DEFAULT_CALIBRATION = (Path(__file__).resolve().parent.parent / "configs"
                        / "calibration" / "cost_model_smollm2_cpu.json")
+# Bytes per stored element of a weight or KV dtype name.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+  """A model's per-step cost features, from its config alone.
+
+  FLOPs count a multiply-add as 2. Sums are over all ``n_layers`` blocks.
+  Biases, norms, RoPE, activations, routing's top-k and sampling are left
+  out (each under 1% of a projection's FLOPs at real widths).
+
+  Attributes:
+    gemm_flops_per_row: FLOPs of one token row's weight GEMMs in all blocks:
+      the q/k/v/o projections plus the MLP (dense: gate, up, down of width
+      ``ffn_dim``; MoE: the router's ``d_model x num_experts`` and the MLPs
+      of the ``experts_per_token`` experts the row is routed to).
+    lm_head_flops_per_row: FLOPs of the LM head for one live row
+      (``2 * d_model * vocab_size``; the engine computes it for the rows
+      that sample only).
+    attention_flops_per_pair: FLOPs of one (query row, cached key) pair in
+      all blocks: scores ``q . k`` and the weighted sum of ``v``
+      (``4 * n_heads * head_dim`` per block). A windowed block (``windows``)
+      counts only the keys inside its window: ``attention_flops``.
+    kv_bytes_per_token: bytes one cached token holds in all blocks (K and
+      V, ``2 * n_kv_heads * head_dim`` elements per block, in ``kv_dtype``).
+    weight_bytes_per_step: bytes of the weights one model step reads, in
+      ``weight_dtype``: every block's projections, norms and biases, the MLP
+      (MoE: the router and every expert, an upper bound: a step reads only
+      the experts its rows route to) and the LM head (the tied embedding
+      counted once; an untied embedding is only gathered by row, not read).
+    expert_bytes: bytes of one expert's three matrices in all blocks (0 for
+      a dense model); a step whose rows hit ``h`` experts per block reads
+      ``weight_bytes_per_step - (num_experts - h) * expert_bytes``.
+    weight_bytes: every parameter (the embedding included), in
+      ``weight_dtype``: the model's memory.
+    windows: per block, its sliding window in tokens (0: global);
+      ``ModelConfig.layer_windows`` or all zeros.
+    weight_dtype, kv_dtype: the dtype names the byte counts are for (int8
+      weights: one byte per element, per-column scales left out).
+  """
+
+  gemm_flops_per_row: int
+  lm_head_flops_per_row: int
+  attention_flops_per_pair: int
+  kv_bytes_per_token: int
+  weight_bytes_per_step: int
+  expert_bytes: int
+  weight_bytes: int
+  windows: tuple
+  weight_dtype: str
+  kv_dtype: str
+
+  def attention_flops(self, num_keys: int) -> int:
+    """FLOPs of one query row that attends ``num_keys`` cached keys (its own
+    included), all blocks; a windowed block sees at most its window."""
+    per_block = self.attention_flops_per_pair // len(self.windows)
+    return sum(per_block * (min(num_keys, w) if w else num_keys) for w in self.windows)
+
+  def to_json(self) -> dict:
+    return {**dataclasses.asdict(self), "windows": list(self.windows)}
+
+
+def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
+                kv_dtype: str | None = None) -> ModelCosts:
+  """The cost features of ``cfg`` (``ModelCosts``; a pure function).
+
+  Args:
+    cfg: the model's config (any family).
+    weight_dtype: "float32", "bfloat16", "float16" or "int8".
+    kv_dtype: the KV cache's dtype name; None: ``weight_dtype`` (int8
+      weights keep a float32 cache).
+
+  Raises:
+    ValueError: a dtype name outside ``DTYPE_BYTES``.
+  """
+  if kv_dtype is None:
+    kv_dtype = "float32" if weight_dtype == "int8" else weight_dtype
+  for name, value in (("weight_dtype", weight_dtype), ("kv_dtype", kv_dtype)):
+    if value not in DTYPE_BYTES:
+      raise ValueError(f"model_costs: {name} must be one of {sorted(DTYPE_BYTES)}, "
+                       f"got {value!r}")
+  d, f, layers = cfg.d_model, cfg.ffn_dim, cfg.n_layers
+  attn_weights = d * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * d
+  expert = 3 * d * f                                       # gate, up, down
+  if cfg.is_moe:
+    mlp_flops = 2 * (d * cfg.num_experts + cfg.experts_per_token * expert)
+    mlp_weights = d * cfg.num_experts + cfg.num_experts * expert
+  else:
+    mlp_flops, mlp_weights = 2 * expert, expert
+  small = (2 + 2 * cfg.post_norms) * d                     # norm scales
+  small += (cfg.q_dim + 2 * cfg.kv_dim) * cfg.qkv_bias + d * cfg.o_bias
+  small += 2 * cfg.head_dim * cfg.qk_norm
+  block = attn_weights + mlp_weights + small
+  head = d * cfg.vocab_size
+  step_elements = layers * block + d + head                # + final norm
+  all_elements = step_elements + (0 if cfg.tie_embeddings else cfg.vocab_size * d)
+  wb, kb = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
+  return ModelCosts(
+      gemm_flops_per_row=layers * (2 * attn_weights + mlp_flops),
+      lm_head_flops_per_row=2 * head,
+      attention_flops_per_pair=layers * 4 * cfg.n_heads * cfg.head_dim,
+      kv_bytes_per_token=layers * 2 * cfg.kv_dim * kb,
+      weight_bytes_per_step=step_elements * wb,
+      expert_bytes=layers * expert * wb if cfg.is_moe else 0,
+      weight_bytes=all_elements * wb,
+      windows=tuple(cfg.layer_windows) or (0,) * layers,
+      weight_dtype=weight_dtype, kv_dtype=kv_dtype)
 
 
 def step_features(plan: rec.IterationPlan):

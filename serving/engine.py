@@ -210,7 +210,9 @@ class Engine:
   Args:
     model_cfg: ``models.config.ModelConfig`` (hashable).
     params: model parameters (pytree); float32 ones are quantized here when
-      ``config.weights`` is "int8" (``models.quant.quantize_params``).
+      ``config.weights`` is "int8" (``models.quant.quantize_params``). The
+      simulated executor (``config.executor``) runs no model: it takes None
+      (any params given are dropped).
     config: ``EngineConfig``.
     clock: returns seconds (monotonic); injectable for tests. Default:
       ``time.monotonic``, or a ``sim_executor.VirtualClock`` for the
@@ -220,6 +222,7 @@ class Engine:
 
   Raises:
     ValueError: the simulated executor with a clock that is not virtual;
+      ``params`` None with the model executor;
       ``config.weights`` "int8" with parameters that are not float32;
       ``config.int8_gemm`` "amx" where the AMX kernel cannot run;
       ``config.decode_gemm`` "native" where its kernel cannot run.
@@ -238,14 +241,19 @@ class Engine:
     # The GEMM of generated rows' float32 projections ("native" or "xla";
     # None for the simulated executor).
     self.decode_gemm = resolve_decode_gemm(config)
-    if config.weights == "int8":
+    simulated = config.executor == "simulated"
+    if simulated:             # no model runs: the weights are neither needed nor kept
+      params = {}
+    elif params is None:
+      raise ValueError("Engine needs model parameters unless EngineConfig.executor is "
+                       "'simulated'")
+    elif config.weights == "int8":
       params = quant.quantize_params(params, model_cfg.tie_embeddings, gemm=self.int8_gemm)
     # Per-layer weight buffers: each block's GEMM reads its layer in place
     # (``llama.split_layers``).
-    self.params = llama.split_layers(self._placement.params(params))
+    self.params = params if simulated else llama.split_layers(self._placement.params(params))
     if self.decode_gemm == "native":
       self.params = llama.with_head_panels(self.params, model_cfg)
-    simulated = config.executor == "simulated"
     if clock is None:
       clock = sim_executor.VirtualClock() if simulated else time.monotonic
     self._virtual = isinstance(clock, sim_executor.VirtualClock)

@@ -14,9 +14,11 @@ from absl import flags, logging
 
 from attention import native, ragged
 from models import amx, rowgemm
+from models.config import ModelConfig
 from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import cli, hostmem, workloads
+from serving import cost_model as cost_lib
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine, resolve_decode_gemm
 from serving.sim_executor import VirtualClock
@@ -239,10 +241,28 @@ def load_flags_model(engine_cfg: EngineConfig):
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,
                                       cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
                                       mesh=make_mesh(engine_cfg.mesh))
-  print(f"model: {cfg.name} ({cfg.n_layers} layers, d_model {cfg.d_model}) loaded in "
+  print(f"model: {cfg.name} ({describe_model(cfg)}) loaded in "
         f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}"
         + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
+  if engine_cfg.executor == "simulated":
+    params = None       # the simulated executor runs no model (Engine takes None)
   return cfg, params, tokenizer
+
+
+def model_costs(cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
+  """``serving.cost_model.model_costs`` of ``cfg`` in the engine's weight and
+  KV dtypes, as JSON (the calibration's meta and replay reports record it)."""
+  weights = "int8" if engine_cfg.weights == "int8" else engine_cfg.dtype
+  return cost_lib.model_costs(cfg, weights, engine_cfg.kv_cache_dtype).to_json()
+
+
+def describe_model(cfg: ModelConfig) -> str:
+  """One phrase naming a model's family and shape, e.g. ``qwen3_moe, 2
+  layers, d_model 64, 4 experts (top 2), context 256``."""
+  experts = (f", {cfg.num_experts} experts (top {cfg.experts_per_token})"
+             if cfg.is_moe else "")
+  return (f"{cfg.family}, {cfg.n_layers} layers, d_model {cfg.d_model}{experts}, "
+          f"context {cfg.max_position}")
 
 
 def decode_gemm(engine_cfg: EngineConfig) -> str | None:

@@ -598,12 +598,21 @@ def json_body(raw: bytes) -> Any:
   return body
 
 
-def model_card(name: str, created: int, max_model_len: int, vocab_size: int) -> dict:
+def model_card(name: str, created: int, max_model_len: int, vocab_size: int, *,
+               family: Optional[str] = None, max_position: Optional[int] = None) -> dict:
   """A served model as ``GET /v1/models`` lists it and ``GET /v1/models/{id}``
-  returns it (OpenAI's model object, plus vLLM's ``max_model_len`` and the
-  ``vocab_size`` that bounds prompt token ids)."""
-  return {"id": name, "object": "model", "created": created, "owned_by": "iterserve",
+  returns it: OpenAI's model object, plus vLLM's ``max_model_len`` (tokens a
+  request may hold here: the engine's context), the ``vocab_size`` that
+  bounds prompt token ids, and, when given, the model's ``family`` (its HF
+  ``model_type``, ``ModelConfig.family``) and ``max_position`` (the context
+  the model itself was built for, ``ModelConfig.max_position``, tokens)."""
+  card = {"id": name, "object": "model", "created": created, "owned_by": "iterserve",
           "max_model_len": max_model_len, "vocab_size": vocab_size}
+  if family is not None:
+    card["family"] = family
+  if max_position is not None:
+    card["max_position"] = max_position
+  return card
 
 
 def model_routes(app: FastAPI, card) -> None:
@@ -814,8 +823,10 @@ class OpenAIServer:
         return Response(status_code=503)
       return Response(status_code=200)
 
+    cfg = self.engine.model_cfg
     model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len,
-                                         self.engine.model_cfg.vocab_size))
+                                         cfg.vocab_size, family=cfg.family,
+                                         max_position=cfg.max_position))
 
     @app.get("/engine")
     async def engine_facts():
@@ -823,6 +834,8 @@ class OpenAIServer:
       c = self.engine.config
       return {"model": self.model_name, "max_model_len": c.max_model_len,
               "vocab_size": self.engine.model_cfg.vocab_size,
+              "family": self.engine.model_cfg.family,
+              "max_position": self.engine.model_cfg.max_position,
               "page_size": c.page_size, "num_pages": c.num_pages,
               "max_request_slots": c.max_request_slots,
               "capacity": self.metrics.capacity,

@@ -1,0 +1,167 @@
+"""The launchers on saved random checkpoints of the model families, as a
+user runs them: ``scripts/generate.py --model=DIR`` and ``scripts/serve.py
+--model=DIR`` (then ``/v1/models``, a completion and a chat completion over
+HTTP), and a simulated ``scripts/replay.py`` that reads the config alone.
+
+The checkpoints are transformers' own (``tests/models/families.py``: random
+weights saved with ``save_pretrained``, a BPE tokenizer trained on the
+repository's text, a chat template), one dense family with Llama 3.1's
+RoPE, BOS and three EOS ids, and one mixture of experts (Qwen3-MoE, q/k
+norms, no BOS). The launchers' greedy text must equal transformers'
+``generate`` on the same directory, through each launcher's own path
+(tokenizer, BOS, chat template, EOS ids). Each test runs in well under a
+minute on 2 cores (one 16-row bucket, ``--engine=tiny``).
+"""
+
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "models"))
+
+from tests.serving.engine_testing import free_port  # pylint: disable=wrong-import-position
+
+pytestmark = pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
+    reason="needs the reference extra (torch, transformers) to write the checkpoints")
+
+# family variant (tests/models/families.py) -> its ModelConfig.family
+FAMILIES = {"llama3.1": "llama", "qwen3-moe": "qwen3_moe"}
+PROMPT = "The scheduler admits requests"
+CHAT = "Which request runs first?"
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+  """variant -> a saved random float32 checkpoint directory."""
+  import families  # pylint: disable=import-outside-toplevel
+  tok = functools.lru_cache(maxsize=None)(families.train_tokenizer)
+  root = tmp_path_factory.mktemp("family-launchers")
+  return {name: families.build_checkpoint(families.FAMILIES[name], root / name, tok)
+          for name in FAMILIES}
+
+
+def _hf_text(directory: Path, text: str, *, chat: bool, stop: bool) -> str:
+  """transformers' greedy continuation of ``text`` (``MAX_TOKENS`` tokens;
+  with ``stop``, ended by generation_config.json's EOS ids), decoded
+  without special tokens."""
+  import families  # pylint: disable=import-outside-toplevel
+  model, tokenizer = families.hf_model(directory), families.hf_tokenizer(directory)
+  if chat:     # the template's text, tokenized without adding BOS (as transformers does)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+  ids = tokenizer(text, add_special_tokens=not chat)["input_ids"]
+  eos = model.generation_config.eos_token_id
+  out = families.hf_generate(model, ids, MAX_TOKENS,
+                             stop_ids=tuple(eos if isinstance(eos, list) else [eos])
+                             if stop else None)
+  return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def _loaded_line(stdout: str) -> str:
+  return next(line for line in stdout.splitlines() if line.startswith("model: "))
+
+
+@pytest.mark.parametrize("variant", list(FAMILIES))
+def test_generate_streams_transformers_greedy_text(variant, checkpoints, tmp_path):
+  """generate.py --model=DIR: the loaded line names the family; a raw
+  prompt and a chat message (the directory's template) in one batch give
+  transformers' greedy text."""
+  directory = checkpoints[variant]
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "generate.py"), f"--model={directory}",
+       "--engine=tiny", f"--cache_dir={tmp_path / 'cache'}", f"--prompt={PROMPT}",
+       f"--chat={CHAT}", f"--max_tokens={MAX_TOKENS}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  line = _loaded_line(proc.stdout)
+  assert line.startswith(f"model: {variant} ({FAMILIES[variant]}, 2 layers, d_model 64"), line
+  assert ("experts (top 2)" in line) == (variant == "qwen3-moe"), line
+  for rid, text, chat in (("prompt-0", PROMPT, False), ("chat-0", CHAT, True)):
+    head, _, answer = proc.stdout.partition(f"\n=== {rid} (completed, ")
+    assert answer, proc.stdout[-2000:]
+    got = answer.split("\n", 1)[1].split("\n=== ")[0]
+    assert got.rstrip("\n") == _hf_text(directory, text, chat=chat, stop=True), rid
+
+
+def _post(port: int, path: str, body: dict) -> dict:
+  req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                               data=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(req, timeout=90) as resp:
+    return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("variant", list(FAMILIES))
+def test_serve_lists_the_family_and_answers_as_transformers(variant, checkpoints, tmp_path):
+  """serve.py --model=DIR: /v1/models shows the family and both contexts;
+  a completion and a chat completion (greedy, ignore_eos) are transformers'
+  greedy text."""
+  directory, port, log = checkpoints[variant], free_port(), tmp_path / "serve.log"
+  with open(log, "w") as out:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "serve.py"), f"--model={directory}",
+         "--engine=tiny", f"--port={port}", f"--cache_dir={tmp_path / 'cache'}",
+         "--nowarmup"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 90
+    while True:
+      assert proc.poll() is None, log.read_text()[-3000:]
+      try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+          models = json.loads(r.read())
+        break
+      except OSError:
+        assert time.monotonic() < deadline, "serve.py not ready in 90 s"
+        time.sleep(0.3)
+    card, = models["data"]
+    assert (card["id"], card["family"], card["max_position"], card["max_model_len"],
+            card["vocab_size"]) == (str(directory), FAMILIES[variant], 256, 64, 384)
+    common = {"model": str(directory), "max_tokens": MAX_TOKENS, "temperature": 0,
+              "ignore_eos": True}
+    done = _post(port, "/v1/completions", {**common, "prompt": PROMPT})
+    assert done["usage"]["completion_tokens"] == MAX_TOKENS, done
+    assert done["choices"][0]["text"] == _hf_text(directory, PROMPT, chat=False, stop=False)
+    chat = _post(port, "/v1/chat/completions",
+                 {**common, "messages": [{"role": "user", "content": CHAT}]})
+    assert chat["usage"]["completion_tokens"] == MAX_TOKENS, chat
+    assert chat["choices"][0]["message"]["content"] == _hf_text(directory, CHAT, chat=True,
+                                                                stop=False)
+    assert f"model: {variant} ({FAMILIES[variant]}, " in log.read_text()
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+
+
+def test_simulated_replay_reports_the_family_and_its_costs(checkpoints, tmp_path):
+  """replay.py --executor=simulated on the MoE checkpoint: the engine holds
+  no weights; the report names the family and its ``model_costs``."""
+  out = tmp_path / "report.json"
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "replay.py"),
+       f"--model={checkpoints['qwen3-moe']}", "--engine=tiny", "--executor=simulated",
+       "--cache_dir=", "--num_requests=4", "--rate_scale=4", "--max_prompt_len=24",
+       "--max_output_len=6", f"--out={out}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["completed"] == 4
+  config = report["config"]
+  assert config["family"] == "qwen3_moe"
+  costs = config["model_costs"]
+  # 2 blocks: attention 64 x (64 + 2 x 32) + 64 x 64 and a router 64 x 4 and
+  # two experts 3 x 64 x 64 per row, 2 FLOPs each.
+  assert costs["gemm_flops_per_row"] == 2 * 2 * (12288 + 256 + 2 * 12288)
+  assert costs["kv_bytes_per_token"] == 2 * 2 * 32 * 4
