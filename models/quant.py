@@ -5,8 +5,11 @@ MLP) and the LM head hold int8 weights with one float32 scale per output
 column (symmetric, ``w ~= q * col_scale``); at each projection the input
 rows are quantized to int8 with one scale per row (``x ~= a * row_scale``),
 multiplied in int8 x int8 -> int32, and the int32 sums rescaled to float32
-(``acc * (row_scale * col_scale)``). The embedding lookup, norms, RoPE,
-attention and the KV cache stay float32. This is the per-channel weight,
+(``acc * (row_scale * col_scale)``). The embedding lookup, norms (q/k
+norms included), the q/k/v/o biases, RoPE, attention and the KV cache stay
+float32, and so do a mixture of experts' router and expert stacks
+(``layers/moe/*``: their grouped GEMMs run in float32; the attention
+projections and the LM head of a MoE model are int8). This is the per-channel weight,
 per-token activation scheme of LLM.int8()'s vector-wise quantization
 (Dettmers et al., 2022) without its float16 outlier columns, and of
 SmoothQuant's per-token dynamic variant (Xiao et al., 2023) without the
@@ -202,12 +205,12 @@ def is_quantized(params) -> bool:
 def quantize_params(params, tie_embeddings: bool, gemm: str = "xla"):
   """The W8A8 parameter tree of float parameters.
 
-  Every projection weight of ``layers`` becomes a ``QuantizedWeight``
+  Every projection weight of ``layers`` (``PROJECTIONS``) becomes a ``QuantizedWeight``
   (stacked: ``q`` int8[L, K, N], ``col_scale`` f32[L, N]); the LM head
   becomes ``lm_head`` = ``QuantizedWeight`` int8[d_model, vocab] (from the
   tied embedding when ``tie_embeddings``; the float embedding stays for the
-  lookup). Norm scales stay float32. Already quantized trees are returned
-  unchanged.
+  lookup). Norm scales, biases and MoE routers and experts stay float32.
+  Already quantized trees are returned unchanged.
 
   Args:
     params: float32 tree (``models.llama``'s layout).

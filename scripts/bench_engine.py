@@ -63,7 +63,8 @@ from serving import cli, hostmem, workloads
 from serving import cost_model as cost_lib
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine, resolve_decode_gemm
-from serving.launch import check_attention_impl, describe_model, model_costs, warmup
+from serving.launch import (check_attention_impl, check_model_attention, describe_model,
+                            model_costs, warmup)
 from serving.launch import decode_gemm as launch_decode_gemm
 from serving.launch import int8_gemm as launch_int8_gemm
 from serving.sampling import sample
@@ -481,6 +482,7 @@ def main(argv):
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model(FLAGS.model, dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")
+  check_model_attention(probe, cfg)
   print(f"model: {cfg.name} ({describe_model(cfg)})", flush=True)
   if FLAGS.weights == "int8":         # once, not per engine (Engine would quantize)
     params = quant.quantize_params(params, cfg.tie_embeddings, gemm=int8_gemm)

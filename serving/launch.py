@@ -241,6 +241,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,
                                       cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
                                       mesh=make_mesh(engine_cfg.mesh))
+  check_model_attention(engine_cfg, cfg)
   print(f"model: {cfg.name} ({describe_model(cfg)}) loaded in "
         f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}"
         + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
@@ -314,6 +315,20 @@ def check_attention_impl(engine_cfg: EngineConfig) -> None:
     print(f"warning: --attention_impl=auto: the native CPU kernel is unavailable ({reason}); "
           f"using blocked_dot", file=sys.stderr)
     attention_impl(engine_cfg, None)   # the engine's own resolution now stays silent
+
+
+def check_model_attention(engine_cfg: EngineConfig, cfg: ModelConfig) -> None:
+  """Checks ``--attention_impl=native`` against the loaded model, before
+  anything compiles (``auto`` falls back by itself).
+
+  Raises:
+    ValueError: the native kernel does not take the model's ``head_dim``.
+  """
+  if (engine_cfg.executor != "simulated" and engine_cfg.attention_impl == "native"
+      and cfg.head_dim not in native.HEAD_DIMS):
+    raise ValueError(f"--attention_impl=native: the native kernel takes head_dim in "
+                     f"{native.HEAD_DIMS}, model {cfg.name} has {cfg.head_dim} "
+                     f"(--attention_impl=auto runs blocked_dot for it)")
 
 
 def attention_impl(engine_cfg: EngineConfig, head_dim: int | None) -> str:

@@ -27,6 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
+from attention import native  # pylint: disable=wrong-import-position
 from tests.serving.engine_testing import free_port  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.skipif(
@@ -165,3 +166,27 @@ def test_simulated_replay_reports_the_family_and_its_costs(checkpoints, tmp_path
   # two experts 3 x 64 x 64 per row, 2 FLOPs each.
   assert costs["gemm_flops_per_row"] == 2 * 2 * (12288 + 256 + 2 * 12288)
   assert costs["kv_bytes_per_token"] == 2 * 2 * 32 * 4
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None,
+                    reason="the native attention kernel does not build here")
+def test_native_attention_refuses_a_head_dim_it_does_not_take(tmp_path):
+  """--attention_impl=native on a Phi-3 of head_dim 24: one line naming the
+  flag and the head_dim, exit 2, before anything compiles."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import families  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  phi3 = families.FAMILIES["phi3"]
+  wide = dataclasses.replace(phi3, name="phi3-hd24", config=lambda: transformers.Phi3Config(
+      **{**families.COMMON, "hidden_size": 96}, rope_parameters=dict(
+          rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)))
+  directory = families.build_checkpoint(wide, tmp_path / "phi3-hd24",
+                                        lambda pre: families.train_tokenizer(pre))
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "generate.py"), f"--model={directory}",
+       "--engine=tiny", "--cache_dir=", "--prompt=x", "--attention_impl=native"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: --attention_impl=native: the native kernel takes head_dim in (16, 32, 64, "
+      "128, 256), model phi3-hd24 has 24 (--attention_impl=auto runs blocked_dot for it)")
