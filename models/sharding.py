@@ -40,15 +40,27 @@ mesh), so the AMX tile layout, whose bytes are permuted, is never split.
 
 Experts are split Megatron-style within each expert (every device holds
 every expert's slice of the ffn axis), not expert-parallel (each device a
-subset of the experts). Measured with ``jax.lax.ragged_dot(x[M, K],
-w[E, K, N], group_sizes)`` under GSPMD on CPU with 4 fake devices (E 8, K 64,
-F 128, M 40; jax 0.10.2): both compile and neither replicates the weights,
-but splitting E all-reduces the gate and up outputs ``[M, F]`` as well as
-the down output ``[M, D]`` (each device fills only its experts' rows), where
-splitting F all-reduces the down output ``[M, D]`` once, like a dense MLP;
-both are within 1e-6 of one device (7.2e-7 splitting E, 3.6e-7 splitting
-F, outputs of order 1), neither bitwise. The experts group is split when
-``M`` divides ``ffn_dim`` (one expert's width).
+subset of the experts). Measured on the three grouped GEMMs of an expert
+MLP (``models.moe.grouped_matmul``, x [M, K] replicated, w [E, K, N]) under
+GSPMD on CPU with 4 fake devices (E 8, K 64, F 128, M 40; jax 0.10.2):
+
+  =====================  ===============================  ==================
+  grouped GEMM, split    collectives GSPMD inserts        max diff vs 1 dev.
+  =====================  ===============================  ==================
+  ragged_dot, E          all-reduce of the gate and up    7.2e-7
+                         outputs [M, F] and down [M, D]
+  ragged_dot, F          all-reduce of down [M, D]        3.6e-7
+  tiled (CPU), E         all-gather of every expert       0 (bitwise)
+                         weight: replicated, defeats TP
+  tiled (CPU), F         all-reduce of each down tile     9.5e-7
+                         [GROUP_TILE, D]
+  =====================  ===============================  ==================
+
+(outputs of order 1). Splitting F compiles and keeps the weights split
+under both implementations, communicating only the down projection's
+partial sums (of the routed rows), as a dense MLP does; the tiled GEMM's
+per-tile expert index cannot be partitioned over E. The
+experts group is split when ``M`` divides ``ffn_dim`` (one expert's width).
 
 The KV cache ``[L, pages, page_size, n_kv_heads, head_dim]`` is split on its
 KV-head axis with the attention group. Everything else (scheduler records,
