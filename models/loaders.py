@@ -644,6 +644,21 @@ def _flat_paths(tree) -> list:
           for kp, v in jax.tree_util.tree_leaves_with_path(tree)]
 
 
+def _hf_config_and_tokenizer(directory: Path):
+  """``(ModelConfig, Tokenizer)`` of an HF directory: ``config.json``,
+  ``generation_config.json`` and the tokenizer files, no tensor read."""
+  hf = _read_json(directory / "config.json")
+  backend, template, bos = _hf_tokenizer(directory)
+  generation = _read_json(directory / "generation_config.json", required=False)
+  cfg = hf_config.from_hf(hf, where=directory / "config.json", tokenizer_bos=bos,
+                          generation=generation if isinstance(generation, dict) else None,
+                          name=directory.name)
+  tokenizer = Tokenizer(backend, eos_token_id=cfg.eos_token_ids[0],
+                        stop_token_ids=cfg.eos_token_ids, bos_token_id=bos,
+                        chat_template=template)
+  return cfg, tokenizer
+
+
 def read_hf_dir(directory: Union[str, Path], *, dtype=jnp.float32, mesh=None,
                 to_device: bool = False):
   """Reads an HF checkpoint directory of a supported family
@@ -672,15 +687,7 @@ def read_hf_dir(directory: Union[str, Path], *, dtype=jnp.float32, mesh=None,
       the file and the field or tensor).
   """
   directory = Path(directory)
-  hf = _read_json(directory / "config.json")
-  backend, template, bos = _hf_tokenizer(directory)
-  generation = _read_json(directory / "generation_config.json", required=False)
-  cfg = hf_config.from_hf(hf, where=directory / "config.json", tokenizer_bos=bos,
-                          generation=generation if isinstance(generation, dict) else None,
-                          name=directory.name)
-  tokenizer = Tokenizer(backend, eos_token_id=cfg.eos_token_ids[0],
-                        stop_token_ids=cfg.eos_token_ids, bos_token_id=bos,
-                        chat_template=template)
+  cfg, tokenizer = _hf_config_and_tokenizer(directory)
   st = _Safetensors(directory)
   np_dtype = jnp.dtype(dtype)
   leaves = _hf_leaves(cfg, st)
@@ -860,3 +867,19 @@ def load_model(name_or_path: Union[str, Path], *, dtype=jnp.float32,
   if entry is not None:
     save_converted(entry, cfg, params, tokenizer)
   return cfg, params, tokenizer
+
+
+def load_config(name_or_path: Union[str, Path]):
+  """The ``(ModelConfig, Tokenizer)`` of a model source without its weights
+  (the simulated executor runs no model): an HF directory's JSON and
+  tokenizer files, or a GGUF file's metadata (its tensors are not read).
+
+  Raises:
+    ModelLoadError: as ``load_model`` for the config and tokenizer.
+  """
+  path, name = resolve_model_path(name_or_path)
+  if path.is_dir():
+    return _hf_config_and_tokenizer(path)
+  reader = _open_gguf(path)
+  cfg = _gguf_config(reader, path, name)
+  return cfg, _gguf_tokenizer(reader, path, cfg)

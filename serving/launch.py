@@ -15,7 +15,7 @@ from absl import flags, logging
 from attention import native, ragged
 from models import amx, rowgemm
 from models.config import ModelConfig
-from models.loaders import load_model
+from models.loaders import load_config, load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import cli, hostmem, workloads
 from serving import cost_model as cost_lib
@@ -224,7 +224,8 @@ def engine_config(**overrides) -> EngineConfig:
 
 def load_flags_model(engine_cfg: EngineConfig):
   """Loads --model in the engine's dtype (and turns on the caches under
-  --cache_dir). Returns (cfg, params, tokenizer)."""
+  --cache_dir). Returns (cfg, params, tokenizer); params is None for the
+  simulated executor, which reads only the config and tokenizer (``load_config``)."""
   logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.keep_freed_pages:
     hostmem.keep_freed_pages()
@@ -238,15 +239,16 @@ def load_flags_model(engine_cfg: EngineConfig):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
-  cfg, params, tokenizer = load_model(FLAGS.model, dtype=dtype,
-                                      cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir else None,
-                                      mesh=make_mesh(engine_cfg.mesh))
+  if engine_cfg.executor == "simulated":   # no model runs: the config and tokenizer only
+    (cfg, tokenizer), params = load_config(FLAGS.model), None
+  else:
+    cfg, params, tokenizer = load_model(
+        FLAGS.model, dtype=dtype, cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir
+        else None, mesh=make_mesh(engine_cfg.mesh))
   check_model_attention(engine_cfg, cfg)
   print(f"model: {cfg.name} ({describe_model(cfg)}) loaded in "
         f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}"
         + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
-  if engine_cfg.executor == "simulated":
-    params = None       # the simulated executor runs no model (Engine takes None)
   return cfg, params, tokenizer
 
 

@@ -567,7 +567,9 @@ class ReplicaFront:
       return Response(status_code=200 if self.router.alive() else 503)
 
     model_routes(app, lambda: model_card(self.model_name, self.created, self.max_model_len,
-                                         self.facts[0]["vocab_size"]))
+                                         self.facts[0]["vocab_size"],
+                                         family=self.facts[0].get("family"),
+                                         max_position=self.facts[0].get("max_position")))
 
     @app.get("/metrics")
     async def metrics():

@@ -6,6 +6,7 @@ state dict by the tensor names of that family. Numerics against
 transformers' forward live in ``test_families.py``.
 """
 
+import dataclasses
 import json
 import shutil
 
@@ -333,3 +334,19 @@ def test_qwen2_gguf_with_biases_matches_the_hf_directory(saved, tmp_path):
   assert set(got) == set(want)
   for path in want:
     np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
+
+
+def test_load_config_reads_no_tensor(saved, tmp_path):
+  # The simulated executor's read: the same config and tokenizer as a full
+  # load, from a directory whose weights are gone.
+  directory, _ = saved["gemma2"]
+  cfg, _, tok = loaders.read_hf_dir(directory)
+  bare = tmp_path / "bare"
+  shutil.copytree(directory, bare)
+  for file in bare.glob("*.safetensors"):
+    file.unlink()
+  cfg2, tok2 = loaders.load_config(bare)
+  assert cfg2 == dataclasses.replace(cfg, name="bare")
+  assert tok2.encode("hello world") == tok.encode("hello world")
+  with pytest.raises(ModelLoadError, match="no .*safetensors"):
+    loaders.read_hf_dir(bare)
