@@ -162,13 +162,24 @@ ENGINE_FAMILIES = ("llama3.1", "llama3.2", "qwen2.5", "qwen3", "mistral", "gemma
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-  """name -> a saved random checkpoint of each family (float32)."""
+  """name -> a saved random checkpoint of that family (float32), written on
+  first use (``families.build_checkpoint``)."""
   import families  # pylint: disable=import-outside-toplevel
   assert ENGINE_FAMILIES == tuple(n for n, f in families.FAMILIES.items() if f.engine)
-  tok = families.train_tokenizer()
   root = tmp_path_factory.mktemp("families")
-  return lambda name: (root / name if (root / name).exists() else
-                       families.build_checkpoint(families.FAMILIES[name], root / name, tok))
+  trained, built = {}, {}
+
+  def tokenizer(kind):
+    if kind not in trained:
+      trained[kind] = families.train_tokenizer(kind)
+    return trained[kind]
+
+  def get(name):
+    if name not in built:
+      built[name] = families.build_checkpoint(families.FAMILIES[name], root / name,
+                                              tokenizer)
+    return built[name]
+  return get
 
 
 @pytest.mark.slow
