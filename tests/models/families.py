@@ -82,15 +82,20 @@ class Family:
     config: builds the transformers config (tiny widths, the family's switches).
     switches: what the variant turns on, in words (the docs table's column).
     adds_bos: the tokenizer's post-processor prepends ``<|bos|>``.
-    legacy_rope: ``config.json`` is rewritten in transformers 4's form
-      (``rope_scaling`` + top-level ``rope_theta``) that most Hub checkpoints
-      still carry; transformers 5 reads both.
+    legacy_rope: ``config.json`` is rewritten in transformers 4's form that
+      most Hub checkpoints still carry (transformers 5 reads both): the
+      value is the key naming the kind in ``rope_scaling`` ("rope_type", or
+      "type" as in Qwen2.5's published yarn snippet); ``rope_theta``,
+      ``partial_rotary_factor`` and Gemma 3's ``rope_local_base_freq`` at
+      the top level. None: transformers 5's ``rope_parameters``.
     window_pattern: ``config.json``'s ``layer_types`` is replaced by the
       older ``sliding_window_pattern`` integer (Gemma 3 on the Hub).
     template_file: the chat template lives in ``chat_template.jinja``
       instead of ``tokenizer_config.json``.
     extra_eos: more end-of-sequence ids, in ``generation_config.json``
       (Llama 3's ``<|eot_id|>`` / ``<|eom_id|>``).
+    shard_size: ``save_pretrained``'s ``max_shard_size``: several
+      ``*.safetensors`` files with ``model.safetensors.index.json``.
     engine: the engine checks (greedy tokens, invariances) run on this
       variant; variants that only change the forward's numbers are checked
       by logits alone, to keep the suite's compile time down.
@@ -105,10 +110,11 @@ class Family:
   config: Callable[[], transformers.PretrainedConfig]
   switches: str
   adds_bos: bool = False
-  legacy_rope: bool = False
+  legacy_rope: Optional[str] = None
   window_pattern: bool = False
   template_file: bool = False
   extra_eos: tuple[int, ...] = ()
+  shard_size: Optional[str] = None
   engine: bool = True
   pre_tokenizer: str = "gpt2"
 
@@ -185,16 +191,17 @@ def _qwen3_moe(norm_topk_prob):
 
 FAMILIES = {f.name: f for f in [
     Family("llama3.1", "LlamaForCausalLM", _llama31,
-           "llama3 RoPE (config.json in the rope_scaling form), untied head, 3 EOS ids",
-           adds_bos=True, legacy_rope=True, extra_eos=(IM_END_ID, EOT_ID)),
+           "llama3 RoPE (config.json in the rope_scaling form), untied head, 3 EOS ids, "
+           "sharded safetensors (index.json)", adds_bos=True, legacy_rope="rope_type",
+           extra_eos=(IM_END_ID, EOT_ID), shard_size="150KB"),
     Family("llama3.2", "LlamaForCausalLM", _llama32,
            "llama3 RoPE (rope_parameters form), tied embeddings, chat_template.jinja",
            adds_bos=True, template_file=True, extra_eos=(EOT_ID,)),
     Family("qwen2.5", "Qwen2ForCausalLM", _qwen2,
            "q/k/v biases, theta 1e6, no BOS, Qwen2 tokenizer", pre_tokenizer="qwen2"),
     Family("qwen2.5-yarn", "Qwen2ForCausalLM", _qwen2_yarn,
-           "q/k/v biases, yarn RoPE (factor 4 over 64 positions)", engine=False,
-           pre_tokenizer="qwen2"),
+           "q/k/v biases, yarn RoPE (factor 4 over 64 positions; rope_scaling with 'type')",
+           legacy_rope="type", engine=False, pre_tokenizer="qwen2"),
     Family("qwen3", "Qwen3ForCausalLM", _qwen3,
            "per-head q/k RMSNorm, head_dim 32 != hidden / heads (16)", extra_eos=(IM_END_ID,),
            pre_tokenizer="qwen2"),
@@ -208,10 +215,14 @@ FAMILIES = {f.name: f for f in [
            "sliding_window_pattern 2 (window 8), local RoPE theta 1e4, global linear RoPE x4 "
            "theta 1e6, q/k norm, head_dim 32, query_pre_attn_scalar 24, GeGLU, sandwich norms",
            adds_bos=True, window_pattern=True),
+    Family("gemma3-legacy", "Gemma3ForCausalLM", _gemma3,
+           "gemma3 in transformers 4's config form (rope_scaling linear, rope_local_base_freq, "
+           "layer_types)", adds_bos=True, legacy_rope="rope_type", engine=False),
     Family("phi3", "Phi3ForCausalLM", _phi3,
-           "fused qkv_proj and gate_up_proj, partial rotary 0.75, sliding window 8"),
+           "fused qkv_proj and gate_up_proj, partial rotary 0.75 (top-level "
+           "partial_rotary_factor), sliding window 8", legacy_rope="rope_type"),
     Family("mixtral", "MixtralForCausalLM", _mixtral,
-           "4 experts, top-2 (softmax over the top 2)", adds_bos=True),
+           "4 experts, top-2 (softmax over the top 2)", adds_bos=True, legacy_rope="rope_type"),
     Family("qwen3-moe", "Qwen3MoeForCausalLM", _qwen3_moe(True),
            "4 experts, top-2, norm_topk_prob true, q/k norm", pre_tokenizer="qwen2"),
     Family("qwen3-moe-unnormed", "Qwen3MoeForCausalLM", _qwen3_moe(False),
@@ -312,13 +323,29 @@ def randomize(model: torch.nn.Module, seed: int, gemma: bool) -> None:
       p.copy_(value.to(p.dtype))
 
 
+def _legacy_rope(config: dict, kind_key: str) -> None:
+  """``rope_parameters`` -> transformers 4's keys, in place."""
+  rope = config.pop("rope_parameters")
+  if "full_attention" in rope:          # Gemma 3: one entry per layer type
+    local = rope["sliding_attention"]
+    assert local["rope_type"] == "default"
+    config["rope_local_base_freq"] = local["rope_theta"]
+    rope = dict(rope["full_attention"])
+  else:
+    rope = dict(rope)
+  config["rope_theta"] = rope.pop("rope_theta")
+  partial = rope.pop("partial_rotary_factor", None)
+  if partial is not None and partial != 1.0:
+    config["partial_rotary_factor"] = partial
+  kind = rope.pop("rope_type")
+  config["rope_scaling"] = None if kind == "default" else {kind_key: kind, **rope}
+
+
 def _rewrite_config(directory: Path, family: Family) -> None:
   path = directory / "config.json"
   config = json.loads(path.read_text())
   if family.legacy_rope:
-    rope = dict(config.pop("rope_parameters"))
-    config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = rope
+    _legacy_rope(config, family.legacy_rope)
   if family.window_pattern:
     pattern = config["layer_types"].index("full_attention") + 1
     assert config["layer_types"] == [
@@ -338,8 +365,8 @@ def build_checkpoint(family: Family, directory: Path, tok: Callable[[str], Token
     family: the variant.
     directory: target; replaced when it exists.
     tok: pre-tokenizer kind -> the trained tokenizer (``train_tokenizer``).
-    dtype: "float32" or "bfloat16": the dtype of the saved tensors (the
-      weights are drawn in float32 and rounded).
+    dtype: "float32", "bfloat16" or "float16": the dtype of the saved
+      tensors (the weights are drawn in float32 and rounded).
     seed: weight seed; equal seeds give equal float32 weights, so the
       bfloat16 checkpoint is the float32 one rounded.
 
@@ -360,7 +387,8 @@ def build_checkpoint(family: Family, directory: Path, tok: Callable[[str], Token
   model.generation_config.eos_token_id = [EOS_ID, *family.extra_eos]
   model.generation_config.bos_token_id = BOS_ID
   model.generation_config.pad_token_id = EOS_ID
-  model.save_pretrained(directory)
+  model.save_pretrained(directory, **({"max_shard_size": family.shard_size}
+                                      if family.shard_size else {}))
   _rewrite_config(directory, family)
   _write_tokenizer(directory, tok(family.pre_tokenizer), family)
   return directory
