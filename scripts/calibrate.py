@@ -7,8 +7,9 @@
    shapes (batches of N equal prompts of L tokens, each then decoding a few
    tokens: prefill-heavy, mixed and decode-only steps over growing
    contexts), timing every ``Engine.step`` after the buckets are compiled.
-2. Fits ``serving.cost_model`` (numpy lstsq) and writes JSON naming the
-   model, dtype, backend, machine and jax version.
+2. Fits ``serving.cost_model`` by non-negative least squares
+   (``scipy.optimize.nnls``: the intercept and every coefficient >= 0) and
+   writes JSON naming the model, dtype, backend, machine and jax version.
 3. Held-out check: replays a short workload in real time with the model
    executor and again with the simulated executor on a virtual clock, and
    reports the median and p90 absolute error of per-request TTFT and E2EL

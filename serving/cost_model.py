@@ -1,4 +1,4 @@
-"""Step-time cost model of one iteration, and its least-squares fit.
+"""Step-time cost model of one iteration, and its non-negative least-squares fit.
 
 The modelled time of an iteration is linear in its shape (ms):
 
@@ -14,9 +14,10 @@ The modelled time of an iteration is linear in its shape (ms):
 
 A prediction is clamped at ``min_step_ms`` (>= 0) so that a virtual clock
 never goes back. ``scripts/calibrate.py`` measures the model executor on a
-grid of shapes and fits the coefficients with ``numpy.linalg.lstsq``; the
-JSON names the model, dtype, backend, machine and jax version it holds for.
-``fit`` uses non-negative least squares by default (``scipy.optimize.nnls``).
+grid of shapes and fits the coefficients by non-negative least squares
+(``fit``: ``scipy.optimize.nnls``, ``numpy.linalg.lstsq`` only when asked
+with ``nonnegative=False``); the JSON names the model, dtype, backend,
+machine and jax version it holds for.
 Linear per-iteration cost models of this form are what Vidur (Agrawal et
 al., MLSys 2024) profiles per operator; here one fit covers the whole step.
 
