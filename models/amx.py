@@ -14,36 +14,36 @@ on a decode step:
   stack in the scan copied every layer's weights on every step.
 
 It needs an x86 CPU with AMX int8 (``amx_tile``, ``amx_int8``), a Linux
-kernel that grants the tile state, and the C++ compiler of
-``attention.native`` (same cache and flags). ``int8_gemm = "auto"`` picks it
-where ``available()``; elsewhere the XLA path runs with the same bits.
+kernel that grants the tile state, and a C++ compiler (it is built and
+loaded by ``attention.native_build``, as every native kernel).
+``int8_gemm = "auto"`` picks it where ``available()``; elsewhere the XLA
+path runs with the same bits.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import native
+from attention import native_build
 
-SOURCE = Path(__file__).resolve().parent / "native" / "int8_amx.cc"
 TARGET = "iterserve_int8_amx"
+KERNEL = native_build.Kernel(
+    name="the AMX kernel", source=Path(__file__).resolve().parent / "native" / "int8_amx.cc",
+    targets=((TARGET, "IterserveInt8Linear"),), probe="iterserve_amx_available",
+    missing="this CPU has no AMX int8 tiles, or the OS does not grant them")
 # A weight runs on tiles when K is a multiple of TILE_K (one tile's depth)
 # and N of TILE_N (one work item's columns).
 TILE_K, TILE_N = 64, 32
 GEMMS = ("auto", "amx", "xla")
 
 
-@functools.lru_cache(maxsize=None)
 def unavailable_reason() -> str | None:
   """None when the AMX kernel builds and runs here, else why not."""
-  return native.load_kernel(SOURCE, "the AMX kernel", "iterserve_amx_available",
-                            "this CPU has no AMX int8 tiles, or the OS does not grant them",
-                            {TARGET: "IterserveInt8Linear"})
+  return native_build.load(KERNEL)
 
 
 def available() -> bool:
@@ -58,7 +58,7 @@ def resolve(gemm: str) -> str:
     ValueError: an unknown value, or ``"amx"`` where it cannot run (the
       message says why).
   """
-  return native.resolve_choice("int8_gemm", gemm, GEMMS, "amx", unavailable_reason)
+  return native_build.resolve_choice("int8_gemm", gemm, GEMMS, "amx", unavailable_reason)
 
 
 def fits(k: int, n: int) -> bool:

@@ -17,37 +17,37 @@ generated rows' (``row_tiled``'s) float32 projections and the LM head when
 (``models.llama.rowwise``). Its bits differ from XLA's: the choice is part
 of a run's numerics, recorded in replay reports.
 
-It needs an x86 CPU with AVX-512F and the C++ compiler of
-``attention.native`` (same cache and flags). ``decode_gemm = "auto"`` picks
-it where ``available()``; elsewhere XLA's GEMM runs.
+It needs an x86 CPU with AVX-512F and a C++ compiler (it is built and
+loaded by ``attention.native_build``, as every native kernel).
+``decode_gemm = "auto"`` picks it where ``available()``; elsewhere XLA's
+GEMM runs.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention import native
+from attention import native_build
 
-SOURCE = Path(__file__).resolve().parent / "native" / "f32_rows.cc"
 TARGET = "iterserve_f32_rows"
 TARGET_PANELS = "iterserve_f32_rows_panels"
+KERNEL = native_build.Kernel(
+    name="the float32 row kernel", source=Path(__file__).resolve().parent / "native" / "f32_rows.cc",
+    targets=((TARGET, "IterserveF32Rows"), (TARGET_PANELS, "IterserveF32RowsPanels")),
+    probe="iterserve_f32_rows_available", missing="this CPU has no AVX-512F")
 PANEL = 64   # columns per panel (one work item)
 GEMMS = ("auto", "native", "xla")
 # Most rows a call takes: the generated rows' tile (``models.llama.ROW_TILE``).
 MAX_ROWS = 32
 
 
-@functools.lru_cache(maxsize=None)
 def unavailable_reason() -> str | None:
   """None when the kernel builds and runs here, else why not."""
-  return native.load_kernel(SOURCE, "the float32 row kernel", "iterserve_f32_rows_available",
-                            "this CPU has no AVX-512F",
-                            {TARGET: "IterserveF32Rows", TARGET_PANELS: "IterserveF32RowsPanels"})
+  return native_build.load(KERNEL)
 
 
 def available() -> bool:
@@ -62,7 +62,7 @@ def resolve(gemm: str) -> str:
     ValueError: an unknown value, or ``"native"`` where it cannot run (the
       message says why).
   """
-  return native.resolve_choice("decode_gemm", gemm, GEMMS, "native", unavailable_reason)
+  return native_build.resolve_choice("decode_gemm", gemm, GEMMS, "native", unavailable_reason)
 
 
 def to_panels(w: jax.Array) -> jax.Array:

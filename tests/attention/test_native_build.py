@@ -1,0 +1,78 @@
+"""``attention.native_build``: the one build-and-load path of the native
+kernels; a build's name follows its source's bytes, and a missing source is
+a reason naming the file (not a fallback without one)."""
+
+import pytest
+
+from attention import native, native_build
+from models import amx, rowgemm
+
+KERNELS = (native.KERNEL, amx.KERNEL, rowgemm.KERNEL)
+
+
+def _copy(kernel, tmp_path, text=None):
+  source = tmp_path / kernel.source.name
+  source.write_bytes(kernel.source.read_bytes() if text is None else text)
+  return native_build.Kernel(kernel.name, source, kernel.targets, kernel.probe, kernel.missing)
+
+
+def test_every_kernel_source_is_a_packaged_cc_file_of_its_package():
+  names = [(k.source.parent.parent.name, k.source.parent.name, k.source.name) for k in KERNELS]
+  assert names == [("attention", "native", "ragged_cpu.cc"), ("models", "native", "int8_amx.cc"),
+                   ("models", "native", "f32_rows.cc")]
+  assert all(k.source.is_file() for k in KERNELS)
+  targets = [t for k in KERNELS for t, _ in k.targets]
+  assert len(targets) == len(set(targets)) == 4
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.source.stem)
+def test_the_library_name_hashes_the_source_bytes(kernel, tmp_path):
+  same = _copy(kernel, tmp_path)
+  name = native_build.library_name(kernel)
+  assert name.startswith(kernel.source.stem + "-") and name.endswith(".so")
+  assert len(name) == len(kernel.source.stem) + 1 + 20 + 3
+  assert native_build.library_name(same) == name          # bytes, not the path
+  edited = _copy(kernel, tmp_path, kernel.source.read_bytes() + b"\n// edited\n")
+  assert native_build.library_name(edited) != name
+
+
+def test_the_library_name_follows_the_compiler(monkeypatch):
+  name = native_build.library_name(amx.KERNEL)
+  monkeypatch.setenv("CXX", "clang++")
+  assert native_build.library_name(amx.KERNEL) != name
+
+
+def test_a_missing_source_is_a_reason_naming_the_file(tmp_path, monkeypatch):
+  monkeypatch.setenv("ITERSERVE_NATIVE_CACHE", str(tmp_path / "cache"))
+  gone = native_build.Kernel("the float32 row kernel", tmp_path / "f32_rows.cc",
+                             rowgemm.KERNEL.targets, rowgemm.KERNEL.probe, rowgemm.KERNEL.missing)
+  reason = native_build.load(gone)
+  assert reason == (f"the float32 row kernel's source {tmp_path / 'f32_rows.cc'} is missing "
+                    f"(No such file or directory): the package was installed without its .cc "
+                    f"package data")
+  with pytest.raises(native_build.NativeUnavailable, match="is missing"):
+    native_build.library_path(gone)
+  with pytest.raises(ValueError, match=r"^decode_gemm 'native': the float32 row kernel's source"):
+    native_build.resolve_choice("decode_gemm", "native", rowgemm.GEMMS, "native",
+                                lambda: native_build.load(gone))
+  assert native_build.resolve_choice("decode_gemm", "auto", rowgemm.GEMMS, "native",
+                                     lambda: native_build.load(gone)) == "xla"
+  assert not (tmp_path / "cache").exists()
+
+
+def test_a_compiler_that_is_not_there_is_named(tmp_path, monkeypatch):
+  monkeypatch.setenv("ITERSERVE_NATIVE_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+  with pytest.raises(native_build.NativeUnavailable) as e:
+    native_build.library_path(_copy(native.KERNEL, tmp_path))
+  assert str(e.value) == f"C++ compiler '{tmp_path / 'no-such-c++'}' not found (set CXX)"
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None,
+                    reason=f"native kernel: {native.unavailable_reason()}")
+def test_a_built_library_is_reused_from_the_cache_and_loaded_once(tmp_path):
+  path = native_build.library_path(native.KERNEL)
+  assert path.parent == native_build.cache_dir() and path.name == native_build.library_name(native.KERNEL)
+  assert native_build.library_path(native.KERNEL) == path      # no rebuild: the same file
+  assert native_build.load(native.KERNEL) is None
+  assert native_build.load.cache_info().hits >= 1
