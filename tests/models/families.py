@@ -131,6 +131,11 @@ def _llama32():
       high_freq_factor=4.0, original_max_position_embeddings=32))
 
 
+def _llama_dynamic():
+  return transformers.LlamaConfig(**COMMON, rope_parameters=dict(
+      rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+
+
 def _qwen2():
   return transformers.Qwen2Config(**COMMON, rope_parameters=dict(rope_type="default",
                                                                  rope_theta=1000000.0))
@@ -197,6 +202,10 @@ FAMILIES = {f.name: f for f in [
     Family("llama3.2", "LlamaForCausalLM", _llama32,
            "llama3 RoPE (rope_parameters form), tied embeddings, chat_template.jinja",
            adds_bos=True, template_file=True, extra_eos=(EOT_ID,)),
+    Family("llama-dynamic", "LlamaForCausalLM", _llama_dynamic,
+           "dynamic NTK RoPE x2 (rope_scaling with 'type'; transformers scales only past "
+           "max_position_embeddings, so within the context it is the default)",
+           adds_bos=True, legacy_rope="type", engine=False),
     Family("qwen2.5", "Qwen2ForCausalLM", _qwen2,
            "q/k/v biases, theta 1e6, no BOS, Qwen2 tokenizer", pre_tokenizer="qwen2"),
     Family("qwen2.5-yarn", "Qwen2ForCausalLM", _qwen2_yarn,
