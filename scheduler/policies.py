@@ -456,7 +456,7 @@ def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True):
   order (a stable partition of ``order``), in a loop of as many trips as
   there are such slots instead of R: each trip is several small XLA:CPU
   thunks, and the two calls of a fused step took 27 ms at R = 128 with one
-  live request on a loaded 2-core machine (docs/benchmarks.md "The
+  live request on a loaded 2-core machine (docs/benchmarks-log.md "The
   one-request decode step").
   """
   work = (x["decode"] | x["partial"] | x["waiting"] | x["resume"])[order]

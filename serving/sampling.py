@@ -33,7 +33,7 @@ def greedy_argmax(logits: jax.Array) -> jax.Array:
   reductions: a row max, then the lowest index holding it. XLA:CPU lowers
   ``argmax`` to a variadic (value, index) reduce that it does not
   vectorise; over a 49152-entry vocabulary that took ~10 ms for 32 rows,
-  against ~1 ms for this form (docs/benchmarks.md "The one-request decode
+  against ~1 ms for this form (docs/benchmarks-log.md "The one-request decode
   step").
 
   Args:
