@@ -25,7 +25,7 @@ from absl import flags
 from scheduler.policies import POLICIES
 from serving import cli, launch, metrics, workloads
 from serving.engine import Engine
-from serving.replay import replay, run_config
+from serving.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("policies", sorted(POLICIES), "Registered policy names to compare.")
@@ -56,7 +56,7 @@ def summarize(name, report, gap):
           "gap_pair": list(gap.pair) if gap.pair else None,
           "gap_window_s": list(gap.window_s) if gap.window_s else None,
           "preemptions": report["num_preemptions"],
-          "iterations": report["config"]["iterations"], "duration_s": report["duration_s"],
+          "iterations": report["engine_outcomes"]["iterations"], "duration_s": report["duration_s"],
           "output_tok_per_s": report["output_throughput"]}
 
 
@@ -88,6 +88,7 @@ def run_policy(name, cfg, params, workload, num_clients):
   config = run_config(engine, FLAGS.model)
   config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  report["engine_outcomes"] = run_outcomes(engine)
   if launch.slo_flags_given():
     report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
   gap = metrics.client_service_gap(records)

@@ -22,7 +22,7 @@ from absl import flags
 
 from serving import cli, launch, metrics
 from serving.engine import Engine
-from serving.replay import replay, run_config
+from serving.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_prefix_cache.json", "Result JSON path.")
@@ -45,7 +45,7 @@ def run(on, cfg, params, workload):
   records, duration_s = replay(engine, workload)
   report = metrics.build_report(records, duration_s, run_config(engine, FLAGS.model),
                                 num_offered=len(workload))
-  c = report["config"]
+  c = report["engine_outcomes"] = run_outcomes(engine)
   row = {"prefix_caching": on, "completed": report["completed"],
          "hit_rate": c["prefix_cache_hit_rate"], "hit_tokens": c["prefix_cache_hits"],
          "queried_tokens": c["prefix_cache_queries"],

@@ -3,8 +3,11 @@
   python scripts/bench_sim.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --policy=sarathi_serve --out=runs/bench_sim.json
 
-Replays every request (prompts clipped only to the context, outputs
-uncapped) with the simulated executor and logs, every ``--log_every``
+Replays every request (outputs uncapped; prompt and output fitted into the
+context by ``serving.workloads.FIT_RULE``, with a note when that cuts) with
+the simulated executor, which holds no weights (``--model`` is a preset, or
+a GGUF file or HF directory of which only the config is read), and logs,
+every ``--log_every``
 iterations, the wall time, the virtual time, iterations per second over the
 last interval and the number of waiting requests, so the JSON shows how the
 step rate scales with the queue. ``--max_wall_s`` stops the replay early
@@ -24,7 +27,8 @@ import jax
 import numpy as np
 from absl import flags
 
-from models.config import get_config
+from models.config import PRESETS
+from models.loaders import load_config
 from scheduler import records as rec
 from serving import cli, workloads
 from serving.config import EngineConfig, SamplingParams
@@ -34,9 +38,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
                     "AzureLLMInferenceTrace_conv.csv", "KIND:PATH.")
 flags.DEFINE_string("policy", "sarathi_serve", "Policy.")
-flags.DEFINE_string("model", "smollm2-135m", "Model preset (config only).")
+flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF directory "
+                    "(its config only).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
-flags.DEFINE_integer("max_model_len", 8192, "Context.")
+flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
+                     "(serving.workloads.FIT_RULE).")
 flags.DEFINE_string("cost_model", "", "Cost model JSON.")
 flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows.")
 flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time.")
@@ -46,12 +52,18 @@ flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON.")
 def main(argv):
   del argv
   kind, _, path = FLAGS.trace.partition(":")
-  loader = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
-            "mooncake": workloads.load_mooncake_trace}[kind]
-  cfg = get_config(FLAGS.model)
+  loaders = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
+             "mooncake": workloads.load_mooncake_trace}
+  if kind not in loaders or not path:
+    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
+                     f"got {FLAGS.trace!r}")
+  cfg = PRESETS[FLAGS.model] if FLAGS.model in PRESETS else load_config(FLAGS.model)[0]
   t = time.perf_counter()
-  wl = loader(path, max_prompt_len=FLAGS.max_model_len - 1, vocab_size=cfg.vocab_size)
+  wl = workloads.fit_context(loaders[kind](path, vocab_size=cfg.vocab_size),
+                             FLAGS.max_model_len)
   load_s = time.perf_counter() - t
+  if workloads.fit_note(wl):
+    print(workloads.fit_note(wl))
   engine = Engine(cfg, None, EngineConfig.preset(
       FLAGS.engine, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
       executor="simulated", cost_model=FLAGS.cost_model))
@@ -94,6 +106,7 @@ def main(argv):
       break
   wall_s = time.perf_counter() - start
   out = {"trace": FLAGS.trace, "requests": len(specs), "trace_duration_s": wl.duration_s,
+         "workload": wl.describe(),
          "policy": FLAGS.policy, "completed": sum(r.outcome == "completed"
                                                   for r in engine.requests.values()),
          "admitted": i - queue_full, "refused_queue_full": queue_full,
@@ -104,7 +117,7 @@ def main(argv):
          "cost_model": engine.cost_model.to_json(), "progress": rows}
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   json.dump(out, open(FLAGS.out, "w"), indent=1)
-  print({k: v for k, v in out.items() if k not in ("progress", "cost_model")})
+  print({k: v for k, v in out.items() if k not in ("progress", "cost_model", "workload")})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ Inputs are replay reports (scripts/replay.py) or a sweep (scripts/sweep.py,
 ranked by G*). Runs are ranked only when every comparison coordinate
 (model, executor + cost model, trace + window + rate scale, SLOs, metric
 definitions, engine config apart from the policy) is equal; otherwise the
-script names the coordinate that differs and exits with status 2.
+script prints one line naming every key that differs (e.g. ``coordinate
+'engine_config' differs in max_num_seqs (32 vs 8)``) and exits with status
+2. Coordinates are what the user set: what a run measured (the report's
+``engine_outcomes``: iterations, preemptions, extensions, prompt rows
+computed, prefix-cache evictions and pages) differs between policies and is
+never one, so two replays that differ only in ``--policy`` compare.
 """
 
 import json

@@ -17,7 +17,9 @@ and completion-conditioned attainments. Per request the report lists its
 preemptions, recomputed tokens and §0x06 KV extensions;
 ``--reservation=max|point|quantile|watermark`` chooses how admission reserves
 KV for the unknown output length (the report's ``config.reservation`` and
-``reservation_estimator``).
+``reservation_estimator``). ``config`` holds what the run was given;
+what it measured (iterations, preemptions, extensions, prompt rows
+computed, prefix-cache counters) is in ``engine_outcomes``.
 
   python scripts/replay.py --engine=cpu_small --num_pages=24 --reservation=point
 """
@@ -32,7 +34,7 @@ from absl import flags
 from tqdm import tqdm
 
 from serving import cli, launch, ledger, metrics, workloads
-from serving.replay import replay, run_config
+from serving.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/replay.json", "Report JSON path.")
@@ -92,6 +94,7 @@ def main(argv):
   if engine.cost_model is None:     # wall-clock facts stay out of virtual-time reports
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  report["engine_outcomes"] = run_outcomes(engine)
   if launch.slo_flags_given():           # each request judged by its own SLOs
     report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
   report["ledger"] = ledger.build_ledger(

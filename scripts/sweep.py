@@ -11,6 +11,15 @@ wall clock unless ``--clock=virtual``). Per (policy, rate) the mean offered
 attainment (valid/offered, SLO ``--ttft_ms`` and ``--tpot_ms``) gives G* at
 ``--alpha`` (DistServe's definition, ``serving.ablation.g_star``). Every
 trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
+
+Prompt and output lengths are fitted into ``--max_model_len`` together
+(``serving.workloads.FIT_RULE``: the output keeps min(requested,
+max_model_len // 2) tokens, the prompt is cut to the rest), and a note says
+so when it cuts. The simulated executor reads only the model's config
+(``--model``: a preset, or a GGUF file or HF directory whose weights are not
+loaded).
+
+  python scripts/compare.py OUT/sweep.json --metric=g_star    # the ranking
 """
 
 import dataclasses
@@ -24,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 from absl import flags
 
-from models.config import get_config
-from serving import ablation, cli, launch, ledger, metrics, workloads
+from models.config import PRESETS
+from serving import ablation, cli, ledger, metrics, workloads
 from serving.config import EngineConfig
 from serving.engine import Engine
-from serving.replay import replay, run_config
+from serving.replay import replay, run_config, run_outcomes
 from serving.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
@@ -41,9 +50,12 @@ flags.DEFINE_float("window_s", 60.0, "Trace seconds per trial (before rate scali
 flags.DEFINE_float("ttft_ms", 2000.0, "SLO: TTFT limit (ms).")
 flags.DEFINE_float("tpot_ms", 100.0, "SLO: TPOT limit (ms).")
 flags.DEFINE_float("alpha", 0.9, "Attainment target of G*.")
-flags.DEFINE_string("model", "smollm2-135m", "Model preset (its config shapes the run).")
+flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF directory "
+                    "(its config shapes the run; weights are loaded only for "
+                    "--executor=model).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
-flags.DEFINE_integer("max_model_len", 8192, "Context (prompts are clipped to it minus 1).")
+flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
+                     "(serving.workloads.FIT_RULE).")
 flags.DEFINE_integer("max_output_len", None, "Cap output lengths (default: none).")
 flags.DEFINE_enum("executor", "simulated", ["simulated", "model"], "Executor.")
 flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simulated.")
@@ -55,14 +67,28 @@ flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these 
                   "different rate grids) into --out, recomputing G* and plots.")
 
 
+LOADERS = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
+           "mooncake": workloads.load_mooncake_trace}
+
+
 def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
+  """Trial ``trial``'s window of --trace at ``rate_scale``, fitted into the
+  context (``workloads.fit_context``)."""
   kind, _, path = FLAGS.trace.partition(":")
-  loader = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
-            "mooncake": workloads.load_mooncake_trace}[kind]
   w = FLAGS.window_s
-  return loader(path, time_scale=1.0 / rate_scale, window_s=(trial * w, (trial + 1) * w),
-                max_prompt_len=max_model_len - 1, max_output_len=FLAGS.max_output_len,
-                seed=trial, vocab_size=vocab)
+  wl = LOADERS[kind](path, time_scale=1.0 / rate_scale, window_s=(trial * w, (trial + 1) * w),
+                     max_output_len=FLAGS.max_output_len, seed=trial, vocab_size=vocab)
+  return workloads.fit_context(wl, max_model_len)
+
+
+def model_config(name: str):
+  """(ModelConfig, params): params None for the simulated executor, which
+  reads only the config (a preset's, or ``loaders.load_config``'s)."""
+  from models import loaders
+  if FLAGS.executor == "model":
+    cfg, params, _ = loaders.load_model(name)
+    return cfg, params
+  return (PRESETS[name] if name in PRESETS else loaders.load_config(name)[0]), None
 
 
 def run_trial(model_cfg, params, config, wl):
@@ -78,6 +104,7 @@ def run_trial(model_cfg, params, config, wl):
                             sampler=sampler)
   report = metrics.build_report(records, duration_s, run_config(engine, FLAGS.model),
                                 num_offered=len(wl))
+  outcomes = run_outcomes(engine)
   q = np.linspace(0, 100, 51)
   ttft = [r.ttft_s * 1e3 for r in records if r.outcome == "completed"]
   gaps = [(b - a) * 1e3 for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
@@ -98,7 +125,7 @@ def run_trial(model_cfg, params, config, wl):
       "tbt_ms_quantiles": np.percentile(gaps, q).tolist() if gaps else [],
       "client_service": {c: [(t, w) for t, w in _service_curve(records, c)]
                          for c in clients[:6]},
-      "config": report["config"],
+      "config": report["config"], "engine_outcomes": outcomes, "workload": wl.describe(),
   }
 
 
@@ -143,11 +170,19 @@ def plots(result, out):
   plt.close(fig)
   fig, ax = plt.subplots(1, 2, figsize=(10, 4))
   for p, t in trials.items():
-    rows = np.array(t["resources"].get("timeseries", {}).get("rows", []))
-    if len(rows):
-      ax[0].plot(rows[:, 0] / 1e3, rows[:, 1], label=p)
-      ax[1].plot(rows[:, 0] / 1e3, rows[:, 2], label=p)
-  ax[0].set(xlabel="time (s)", ylabel="KV pages in use", title=f"rate x{mid}, trial 0")
+    series = t["resources"].get("timeseries", {})
+    rows, cols = np.array(series.get("rows", [])), series.get("columns", [])
+    if not len(rows):
+      continue
+    col = lambda name: rows[:, cols.index(name)]
+    if "kv_pages_live" in cols:
+      line, = ax[0].plot(col("t_ms") / 1e3, col("kv_pages_live"), label=f"{p} live")
+      ax[0].plot(col("t_ms") / 1e3, col("kv_pages_cached"), ls="--", c=line.get_color(),
+                 label=f"{p} cached only")
+    else:             # a sweep.json written before live and cached pages were apart
+      ax[0].plot(col("t_ms") / 1e3, col("kv_pages_in_use"), label=f"{p} live + cached")
+    ax[1].plot(col("t_ms") / 1e3, col("queue_len"), label=p)
+  ax[0].set(xlabel="time (s)", ylabel="KV pages", title=f"rate x{mid}, trial 0")
   ax[1].set(xlabel="time (s)", ylabel="queue length (waiting)")
   ax[0].legend(); fig.tight_layout(); fig.savefig(f"{out}/kv_queue.png", dpi=90)
   plt.close(fig)
@@ -172,6 +207,13 @@ def _check_flags():
   if not rates or any(not r > 0 for r in rates):
     raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
                      f"{FLAGS.rate_scales}")
+  kind, _, path = FLAGS.trace.partition(":")
+  if kind not in LOADERS or not path:
+    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(LOADERS)}, "
+                     f"got {FLAGS.trace!r}")
+  if FLAGS.max_model_len < 2:
+    raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
+                     f"got {FLAGS.max_model_len}")
   unknown = [p for p in FLAGS.policies if p not in POLICIES]
   if not FLAGS.policies or unknown:
     raise ValueError(f"--policies must name registered policies {sorted(POLICIES)}, got "
@@ -192,15 +234,11 @@ def main(argv):
   if FLAGS.merge:
     return finish(merge(FLAGS.merge))
   os.makedirs(FLAGS.out, exist_ok=True)
-  model_cfg = get_config(FLAGS.model)
+  rates = _check_flags()
   base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
                              executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                              num_clients=64)
-  params = None
-  if FLAGS.executor == "model":
-    from models.loaders import load_model
-    model_cfg, params, _ = load_model(FLAGS.model)
-  rates = _check_flags()
+  model_cfg, params = model_config(FLAGS.model)
   result = {"trace": FLAGS.trace, "window_s": FLAGS.window_s, "trials_per_point": FLAGS.trials,
             "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
             "policies": FLAGS.policies, "rate_scales": rates,
@@ -211,6 +249,9 @@ def main(argv):
     for rate in rates:
       for k in range(FLAGS.trials):
         wl = load(rate, k, model_cfg.vocab_size, config.max_model_len)
+        note = workloads.fit_note(wl)
+        if note and policy == FLAGS.policies[0]:     # the same cut for every policy
+          print(f"trial {k} x{rate:g}: {note}")
         t = run_trial(model_cfg, params, config, wl)
         t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
                  window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])

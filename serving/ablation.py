@@ -4,8 +4,10 @@ Two runs may be ranked only when every coordinate that shapes their numbers
 is equal: the model, the executor (and for a modelled clock its cost model),
 the trace, its window and rate scale, the SLOs, the metric definitions and
 the engine configuration apart from the policy being compared.
-``check_comparable`` refuses otherwise and names the first coordinate that
-differs.
+``check_comparable`` refuses otherwise and names, in one line, every key
+in which they differ. Coordinates are what the user set; what a run
+measured (``serving.replay.run_outcomes``: iterations, preemptions,
+extensions, prompt rows computed, prefix-cache counters) never is one.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ METRIC_DEFINITIONS = ("vLLM benchmark_serving TTFT/TPOT/ITL/E2EL from original a
                       "attainment = valid/offered (§0x07); G* = largest rate with mean "
                       "attainment >= alpha (DistServe)")
 
-# Engine-config keys that are the compared variable or measured outcomes.
-_NOT_COORDINATES = {"policy_id", "policy_version", "compiled_programs", "bucket_histogram",
-                    "iterations", "preemptions", "swap", "recompute_tokens", "workload",
-                    "compile_seconds_by_bucket", "cost_model", "slo", "trace", "platform",
-                    "device"}
+# Engine-config keys that are the compared variable, a coordinate of their
+# own, where the run ran, or measured outcomes (reports written before
+# ``run_outcomes`` kept those in the config; they are skipped there).
+_NOT_COORDINATES = {"policy_id", "policy_version", "workload", "compile_seconds_by_bucket",
+                    "cost_model", "slo", "trace", "platform", "device",
+                    "compiled_programs", "bucket_histogram", "iterations", "preemptions",
+                    "swap", "recompute_tokens", "num_slots", "extensions",
+                    "prefill_tokens_computed", "prefix_cache_queries", "prefix_cache_hits",
+                    "prefix_cache_hit_rate", "prefix_cache_evictions", "prefix_cache_pages"}
 
 
 def coordinates(run: dict) -> Dict[str, str]:
@@ -49,18 +55,48 @@ def coordinates(run: dict) -> Dict[str, str]:
   return {k: json.dumps(v, sort_keys=True) for k, v in coords.items()}
 
 
+def _short(value, width: int = 48) -> str:
+  text = json.dumps(value, sort_keys=True)
+  return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def differing_keys(a, b, prefix: str = "") -> List[str]:
+  """``"key.sub (a vs b)"`` for every leaf in which two JSON values differ
+  (dicts compared key by key, anything else whole; a missing key is
+  ``<absent>``)."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    out = []
+    for key in sorted(set(a) | set(b)):
+      path = f"{prefix}.{key}" if prefix else str(key)
+      if key not in a or key not in b:
+        out.append(f"{path} ({_short(a[key]) if key in a else '<absent>'} vs "
+                   f"{_short(b[key]) if key in b else '<absent>'})")
+      else:
+        out += differing_keys(a[key], b[key], path)
+    return out
+  return [] if a == b else [f"{prefix or 'value'} ({_short(a)} vs {_short(b)})"]
+
+
+def _difference(key: str, a, b) -> str:
+  if isinstance(a, dict) and isinstance(b, dict):
+    return f"coordinate {key!r} differs in " + ", ".join(differing_keys(a, b))
+  return f"coordinate {key!r} differs ({_short(a)} vs {_short(b)})"
+
+
 def check_comparable(runs: Sequence[dict], names: Optional[Sequence[str]] = None) -> None:
-  """Raises ValueError naming the first coordinate in which two runs differ."""
+  """Raises ValueError, in one line, naming the first run that differs from
+  the first one and every coordinate key in which it differs, e.g.
+  ``coordinate 'engine_config' differs in max_num_batched_tokens (256 vs 32)``."""
   names = list(names or [f"run{i}" for i in range(len(runs))])
   if len(runs) < 2:
     return
   base = coordinates(runs[0])
   for name, run in zip(names[1:], runs[1:]):
     other = coordinates(run)
-    for key in base:
-      if base[key] != other[key]:
-        raise ValueError(f"refusing to rank {names[0]} and {name}: coordinate {key!r} "
-                         f"differs ({base[key]} vs {other[key]})")
+    diffs = [_difference(key, json.loads(base[key]), json.loads(other[key]))
+             for key in base if base[key] != other[key]]
+    if diffs:
+      raise ValueError(f"refusing to rank {names[0]} and {name}: " + "; ".join(diffs))
 
 
 def g_star(rates: Sequence[float], attainment: Sequence[float], alpha: float) -> dict:

@@ -122,9 +122,10 @@ def define_workload_flags() -> None:
 
 
 def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
-  """The workload of define_workload_flags(); prompts are clipped to fit the
-  context (max_model_len - 1 tokens), with a note when that lowers an
-  explicit --max_prompt_len.
+  """The workload of define_workload_flags(), fitted into the context
+  (``workloads.fit_context``: prompt + output <= max_model_len, the output
+  keeping min(requested, max_model_len // 2) tokens), with a one-line note
+  when that cuts a request.
 
   Raises:
     ValueError: a flag of the other workload kind is set (--window_s,
@@ -143,14 +144,14 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
            else "a trace takes --window_s, --time_scale and --max_requests"))
   pick = lambda value, default_synthetic, default_trace: value if value is not None else (
       default_synthetic if synthetic else default_trace)
-  prompt_clip = pick(FLAGS.max_prompt_len, 512, 1024)
-  if FLAGS.max_prompt_len is not None and prompt_clip > max_model_len - 1:
-    print(f"note: --max_prompt_len={prompt_clip} lowered to {max_model_len - 1} "
-          f"(the engine's max_model_len={max_model_len} minus one output token)")
-  common = dict(max_prompt_len=min(prompt_clip, max_model_len - 1),
+  common = dict(max_prompt_len=pick(FLAGS.max_prompt_len, 512, 1024),
                 max_output_len=pick(FLAGS.max_output_len, 64, 512),
                 seed=FLAGS.seed, vocab_size=vocab_size)
-  return _with_flag_slos(_load_flag_workload(synthetic, common))
+  workload = workloads.fit_context(_load_flag_workload(synthetic, common), max_model_len)
+  note = workloads.fit_note(workload)
+  if note:
+    print(note)
+  return _with_flag_slos(workload)
 
 
 def slo_flags_given() -> bool:

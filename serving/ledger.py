@@ -16,7 +16,7 @@ facts) into the report's ``ledger`` block:
   w_q * output tokens of completed requests), the backlogged service gap
   (``metrics.client_service_gap``), and starvation: requests still without
   a first token ``starvation_s`` after arrival, per client.
-* ``resources``: KV pages in use and queue length over time
+* ``resources``: live and cached KV pages and queue length over time
   (``ResourceSampler``), preemptions and recompute tokens per request.
 
 SLO limits are inputs (ms; None = no objective), so the ledger reads the
@@ -39,8 +39,14 @@ PARTS = ("valid", "completed_miss", "rejected", "cancelled", "failed", "open_at_
 
 class ResourceSampler:
   """``on_step`` hook of ``replay``: samples the engine after every
-  ``every``-th step. Each sample: (t_ms engine clock, KV pages in use,
-  queue length = pending + WAITING slots, running sequences)."""
+  ``every``-th step. Each sample (``COLUMNS``): t_ms on the engine clock;
+  ``kv_pages_live``, pages some request's page table holds (refcount >= 1,
+  shared prefix pages counted once); ``kv_pages_cached``, pages only the
+  prefix cache holds (refcount 0, kept for later hits, evicted on demand,
+  so free for admission); the queue length (pending + WAITING slots); the
+  running sequences. Live + cached + free pages = ``num_pages - 1``."""
+
+  COLUMNS = ("t_ms", "kv_pages_live", "kv_pages_cached", "queue_len", "running")
 
   def __init__(self, engine, every: int = 1):
     if every < 1:
@@ -54,11 +60,13 @@ class ResourceSampler:
     if self._n % self.every:
       return
     e = self.engine
-    free, status = jax.device_get((e.pages.num_free, e.state.status))
-    in_use = e.config.num_pages - 1 - int(free)
+    refcount, cached, status = jax.device_get((e.pages.refcount, e.pages.cached,
+                                               e.state.status))
+    live = int(np.sum(refcount > 0))
+    cached_only = int(np.sum(cached & (refcount == 0)))
     waiting = int(np.sum(status == rec.WAITING)) + len(e._pending)
     running = int(np.sum(status == rec.RUNNING))
-    self.samples.append((round(e.now_ms(), 3), in_use, waiting, running))
+    self.samples.append((round(e.now_ms(), 3), live, cached_only, waiting, running))
 
 
 def _ms(x: Optional[float]) -> Optional[float]:
@@ -180,11 +188,11 @@ def _resources(records, engine, sampler) -> dict:
     out["per_request"] = {k: {"preemptions": p, "recompute_tokens": t}
                           for k, (p, t) in per.items() if p or t}
   if sampler is not None:
-    s = np.asarray(sampler.samples, np.float64).reshape(-1, 4)
-    out["timeseries"] = {"columns": ["t_ms", "kv_pages_in_use", "queue_len", "running"],
-                         "every_steps": sampler.every,
+    columns = list(ResourceSampler.COLUMNS)
+    s = np.asarray(sampler.samples, np.float64).reshape(-1, len(columns))
+    out["timeseries"] = {"columns": columns, "every_steps": sampler.every,
                          "rows": [list(map(float, row)) for row in s]}
     if len(s):
-      out["kv_pages_in_use_max"] = int(s[:, 1].max())
-      out["queue_len_max"] = int(s[:, 2].max())
+      for name in ("kv_pages_live", "kv_pages_cached", "queue_len"):
+        out[f"{name}_max"] = int(s[:, columns.index(name)].max())
   return out

@@ -113,8 +113,18 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
       slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
 
 
+# Keys of ``run_outcomes``: what a run measured, never what the user set.
+OUTCOME_KEYS = ("iterations", "bucket_histogram", "compiled_programs", "num_slots",
+                "preemptions", "extensions", "recompute_tokens", "swap",
+                "prefill_tokens_computed", "prefix_cache_queries", "prefix_cache_hits",
+                "prefix_cache_hit_rate", "prefix_cache_evictions", "prefix_cache_pages")
+
+
 def run_config(engine: Engine, model_name: str) -> dict:
-  """The configuration block of a report (model, engine, versions, device)."""
+  """The configuration block of a report: what the user set (model, engine
+  preset and overrides, policy, executor and cost model) and where it ran
+  (versions, device). Two runs are compared on these (``serving.ablation``);
+  what the run measured is in ``run_outcomes``, never here."""
   c = engine.config
   return {
       "model": model_name,
@@ -138,25 +148,37 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "mesh": c.mesh,
       "num_processes": jax.process_count(),
       "platform": platform.platform(),
-      "compiled_programs": engine.compiled_programs(),
-      "num_slots": engine.num_slots,
       "max_queued_requests": c.max_queued_requests,
-      "bucket_histogram": {str(k): v for k, v in sorted(engine.buckets_used.items())},
-      "iterations": engine.num_iterations,
-      "preemptions": engine.num_preemptions,
       "preemption_mode": c.preemption_mode,
       "reservation": c.reservation,
       "reservation_estimator": estimator_name(c.reservation, c.reservation_quantile),
       "watermark_pages": c.watermark_pages,
-      "extensions": sum(r.num_extensions for r in engine.requests.values()),
       "force_preempt_every": c.force_preempt_every,
       "max_preemptions_per_request": c.max_preemptions_per_request,
-      "swap": engine.swap.stats(),
-      "recompute_tokens": sum(r.recompute_tokens for r in engine.requests.values()),
       "executor": c.executor,
       "clock": "virtual" if engine.cost_model is not None else "wall",
       "cost_model": engine.cost_model.to_json() if engine.cost_model is not None else None,
       "enable_prefix_caching": c.enable_prefix_caching,
+  }
+
+
+def run_outcomes(engine: Engine) -> dict:
+  """The engine's measured totals after a run (``OUTCOME_KEYS``): iterations
+  and the token buckets they used, programs compiled and slot-table size
+  reached, preemptions, §0x06 extensions, recomputed and swapped KV, prompt
+  rows computed, and the prefix cache's counters (vLLM's names; tokens,
+  except ``prefix_cache_evictions`` and ``prefix_cache_pages``, in pages).
+  Outcomes differ between the runs a comparison ranks; they are never
+  comparison coordinates."""
+  return {
+      "iterations": engine.num_iterations,
+      "bucket_histogram": {str(k): v for k, v in sorted(engine.buckets_used.items())},
+      "compiled_programs": engine.compiled_programs(),
+      "num_slots": engine.num_slots,
+      "preemptions": engine.num_preemptions,
+      "extensions": sum(r.num_extensions for r in engine.requests.values()),
+      "recompute_tokens": sum(r.recompute_tokens for r in engine.requests.values()),
+      "swap": engine.swap.stats(),
       "prefill_tokens_computed": engine.prefill_tokens_computed,
       **engine.prefix_cache_stats(),
   }

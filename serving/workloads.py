@@ -27,6 +27,11 @@ Shared replay options (see `_finalize` for the order they apply in):
 * `max_prompt_len`: longer prompts are cut to it and flagged `clipped`.
 * `max_output_len`: caps `max_tokens` (counted in `num_output_capped`).
 
+`fit_context(workload, max_model_len)` then fits prompt and output together
+into an engine's context (`FIT_RULE`): a trace's long prompt is cut so that
+its output keeps min(requested, max_model_len // 2) tokens, instead of
+leaving one output token after a prompt clipped to the whole context.
+
 Length rule: every prompt and output length in a trace must be >= 1.
 
 Malformed input raises `WorkloadError` naming the file, line, field and rule.
@@ -127,6 +132,9 @@ class Workload:
       window_s: the (a, b) window applied, or None.
       seed: seed of the prompt-id (and synthetic arrival) streams.
       max_prompt_len / max_output_len: caps applied, or None.
+      max_model_len: the context `fit_context` fitted the requests into, or
+        None (not fitted).
+      num_context_fitted: requests whose prompt or output `fit_context` cut.
     """
 
     requests: tuple[RequestSpec, ...]
@@ -141,6 +149,8 @@ class Workload:
     seed: int
     max_prompt_len: int | None
     max_output_len: int | None
+    max_model_len: int | None = None
+    num_context_fitted: int = 0
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -171,6 +181,8 @@ class Workload:
             "seed": self.seed,
             "max_prompt_len": self.max_prompt_len,
             "max_output_len": self.max_output_len,
+            "max_model_len": self.max_model_len,
+            "num_context_fitted": self.num_context_fitted,
             "total_prompt_tokens": sum(r.prompt_len for r in self.requests),
             "total_max_tokens": sum(r.max_tokens for r in self.requests),
             "last_arrival_s": self.duration_s,
@@ -471,6 +483,70 @@ def _finalize(
         max_prompt_len=max_prompt_len,
         max_output_len=max_output_len,
     )
+
+
+FIT_RULE = ("prompt + output <= max_model_len: the output keeps min(requested, "
+            "max_model_len // 2) tokens, the prompt is cut to the rest, and the output "
+            "then takes what the prompt leaves, up to its request")
+
+
+def fit_context(workload: Workload, max_model_len: int) -> Workload:
+    """Fits every request's prompt and output into a context of
+    `max_model_len` tokens (the engine's rule: prompt + max_tokens <=
+    max_model_len), by `FIT_RULE`. For a request of prompt P and output O
+    (after `max_output_len`) and L = max_model_len:
+
+      keep = min(O, L // 2);  prompt = min(P, L - keep);  output = min(O, L - prompt)
+
+    so a request that fits is unchanged, and a trace's long prompt no longer
+    takes the whole context and leaves one output token (which makes TPOT and
+    ITL meaningless). A cut prompt is the prefix of the original (shared
+    prefixes stay shared) and is flagged `clipped`; a cut output counts in
+    `num_output_capped`.
+
+    Args:
+      workload: any workload.
+      max_model_len: the context (tokens), >= 2.
+    Returns:
+      the fitted Workload (`max_model_len` set, `num_context_fitted` the
+      requests it changed); `fit_note` says what it did in one line.
+    Raises:
+      ValueError: max_model_len < 2.
+    """
+    if max_model_len < 2:
+        raise ValueError(f"fit_context: max_model_len={max_model_len} must be >= 2 "
+                         f"(one prompt and one output token)")
+    requests, clipped, capped, fitted = [], 0, 0, 0
+    for r in workload.requests:
+        keep = min(r.max_tokens, max_model_len // 2)
+        n_in = min(r.prompt_len, max_model_len - keep)
+        n_out = min(r.max_tokens, max_model_len - n_in)
+        if (n_in, n_out) == (r.prompt_len, r.max_tokens):
+            requests.append(r)
+            continue
+        fitted += 1
+        clipped += n_in < r.prompt_len and not r.clipped
+        capped += n_out < r.max_tokens
+        requests.append(dataclasses.replace(
+            r, prompt_token_ids=r.prompt_token_ids[:n_in], max_tokens=n_out,
+            clipped=r.clipped or n_in < r.prompt_len))
+    return dataclasses.replace(
+        workload, requests=tuple(requests), num_clipped=workload.num_clipped + clipped,
+        num_output_capped=workload.num_output_capped + capped,
+        max_model_len=max_model_len, num_context_fitted=workload.num_context_fitted + fitted)
+
+
+def fit_note(workload: Workload) -> str | None:
+    """One line saying what `fit_context` cut (and by which rule), or None
+    when it cut nothing."""
+    if not workload.num_context_fitted:
+        return None
+    reqs, n = workload.requests, workload.max_model_len
+    return (f"note: {workload.num_context_fitted} of {len(reqs)} requests cut to fit "
+            f"max_model_len={n} (prompt + output <= {n}, each output keeping "
+            f"min(requested, {n // 2}) tokens): prompts now "
+            f"{min(r.prompt_len for r in reqs)}-{max(r.prompt_len for r in reqs)}, outputs "
+            f"{min(r.max_tokens for r in reqs)}-{max(r.max_tokens for r in reqs)} tokens")
 
 
 # --------------------------------------------------------------------------

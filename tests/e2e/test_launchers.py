@@ -35,7 +35,7 @@ def test_replay_completes_every_request_with_its_output_length(tmp_path):
   assert report["total_output_tokens"] == sum(outputs)
   assert report["config"]["policy_id"] == "sarathi_serve"
   assert report["config"]["token_buckets"] == [64]
-  assert report["config"]["compiled_programs"]["step"] == 1
+  assert report["engine_outcomes"]["compiled_programs"]["step"] == 1
   assert "p99_ttft_ms" in report["insufficient_sample"]   # n = 4 < 100
   assert "Successful requests:" in stdout
   good = report["goodput"]                   # ten-minute SLOs: all four meet them
