@@ -7,6 +7,15 @@ order into a preemption intent (recompute or swap, as the engine's
 no longer selected, the ranks of the later rows close up, and the token and
 sequence ledgers drop its row. Replays with and without it must emit the same
 tokens: that is what makes recovery exact (a research control, and a test).
+
+A victim has emitted since its last preemption: its decode row starts past
+its ``rebuild_target`` (the frontier it had when last preempted). Without
+this rule a request alone whose rebuild takes ``every - 1`` iterations (or
+``2 * every - 1``, ...) reaches its first decode exactly on the next forced
+decision, every time: it is preempted again with nothing emitted and the run
+repeats itself until ``max_preemptions_per_request`` fails it. With it, each
+forced preemption follows at least one new token. (A state built without
+``rebuild_target`` keeps every selected decode row a candidate.)
 """
 
 from __future__ import annotations
@@ -25,8 +34,7 @@ class ForcedPreemption:
 
   Attributes:
     inner: a registered policy (its keys, tie-break and ``update`` are kept).
-    every: decisions between forced preemptions (>= 2, so that a request
-      preempted alone still makes progress between them).
+    every: decisions between forced preemptions (>= 2).
 
   Raises:
     ValueError: ``every < 2``.
@@ -72,6 +80,8 @@ class ForcedPreemption:
     plan = self.inner(manifest, state, alloc)
     fire = state.decision_id % self.every == self.every - 1
     cand = plan.selected & (plan.kind == rec.DECODE_ROW) & (state.status == rec.RUNNING)
+    if state.rebuild_target is not None:     # emitted since its last preemption
+      cand = cand & (plan.start > state.rebuild_target)
     hit = fire & jnp.any(cand)
     v = jnp.argmax(jnp.where(cand, plan.rank, -1))
     victim = hit & (jnp.arange(cand.shape[0]) == v)

@@ -308,6 +308,7 @@ class Engine:
     self._prefix_keys: Dict[str, List[bytes]] = {}   # live requests' page keys
     self._rehit_epoch: Dict[str, int] = {}   # preemption last looked up again
     self._rehit_tokens: Dict[str, int] = {}  # its hit, not recomputed on resume
+    self._uncounted: Dict[str, Request] = {}  # placed, first chunk not yet run
 
     # Blocking device -> host fetches (``_fetch``); the fused iteration makes one.
     self.host_fetches = 0
@@ -530,6 +531,7 @@ class Engine:
     self._prefix_keys.pop(req.request_id, None)
     self._rehit_epoch.pop(req.request_id, None)
     self._rehit_tokens.pop(req.request_id, None)
+    self._uncounted.pop(req.request_id, None)
     suspended = self.swap.pop(req.request_id)
     if suspended is not None:      # ended while suspended: the copy is void
       req.queue_record = pre.cancel(suspended.record)
@@ -558,6 +560,8 @@ class Engine:
       req.slot = slot
       self._slots[slot] = req
       self._rows_ahead += len(req.prompt_token_ids)
+      if self.prefix_cache is not None:
+        self._uncounted[req.request_id] = req
     self._pending = []
 
   def _arrival(self, req: Request) -> Arrival:
@@ -699,6 +703,22 @@ class Engine:
       self.prefix_cache.evict(short, after)
       self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
 
+  def _count_prefix_use(self, computed) -> None:
+    """Counts the prompt of every request whose first chunk just ran, with
+    the hit it ran from (``PrefixCache.count_use``), once per request.
+
+    Args:
+      computed: i32[R] computed frontiers published by the step (host). A
+        request's frontier starts at its hit (0 once the hit is dropped) and
+        passes it with its first chunk (at least one prompt token is left
+        to compute); it was running before any preemption, so a resume
+        lookup is never counted.
+    """
+    for request_id, req in list(self._uncounted.items()):
+      if int(computed[req.slot]) > req.prefix_hit_tokens:
+        self.prefix_cache.count_use(len(req.prompt_token_ids), req.prefix_hit_tokens)
+        del self._uncounted[request_id]
+
   def _register_prefixes(self, fetched=None) -> None:
     """Adds the computed full prompt pages of every live slot to the cache.
 
@@ -822,6 +842,8 @@ class Engine:
     # any policy reads them (``_tick``).
     self._stamp = (result.emitted, launch, self._device_ms(emit_ms))
     self.num_iterations += 1
+    if self.prefix_cache is not None:
+      self._count_prefix_use(facts["prefix"][0])
     outputs = self._drain(emit_ms, facts["emitted"], facts["token"], facts["finished"],
                           facts["finish_reason"], facts["failed"], preempt)
     if self.prefix_cache is not None:
@@ -1067,8 +1089,9 @@ class Engine:
     return self._programs.policy
 
   def prefix_cache_stats(self) -> dict:
-    """``prefix_cache_queries`` (prompt tokens looked up), ``prefix_cache_hits``
-    (tokens served from cache), ``prefix_cache_hit_rate`` (hits / queries),
+    """``prefix_cache_queries`` (prompt tokens of requests whose first chunk
+    ran, once each), ``prefix_cache_hits`` (those served from cache: the hits
+    they ran from), ``prefix_cache_hit_rate`` (hits / queries),
     evictions and cached pages; zeros with caching off (vLLM's names)."""
     if self.prefix_cache is None:
       return dict(prefix_cache_queries=0, prefix_cache_hits=0, prefix_cache_hit_rate=0.0,

@@ -26,8 +26,12 @@ This module owns the key -> page table and the LRU order; ownership
   same pages and a chain loses its tail before its head.
 
 Counters (token units, as vLLM's ``prefix_cache_queries`` /
-``prefix_cache_hits``): ``queries`` prompt tokens looked up, ``hits`` tokens
-found cached.
+``prefix_cache_hits``), advanced by ``count_use`` when a request's first
+chunk runs, once per request: ``queries`` its prompt tokens, ``hits`` the
+cached tokens it ran from. A lookup alone counts nothing: a hit dropped
+before use (``Engine._unpin_waiting_hits``) served nothing, and the lookup
+of a preempted request resuming from its own pages is no new hit (vLLM
+keeps preempted requests out of its hit rate as well).
 """
 
 from __future__ import annotations
@@ -88,8 +92,8 @@ class PrefixCache:
 
   def match(self, keys: Sequence[bytes], prompt_len: int) -> List[int]:
     """Pages of the longest cached prefix of a prompt (``keys`` from
-    ``keys_for``), leaving at least one prompt token to compute. Counts
-    ``prompt_len`` queried tokens and the hit tokens; touches the hit pages."""
+    ``keys_for``), leaving at least one prompt token to compute; touches the
+    hit pages. Counts nothing (``count_use`` does, once the hit is used)."""
     limit = min(len(keys), (prompt_len - 1) // self.page_size)
     hit = []
     for key in keys[:limit]:
@@ -100,9 +104,22 @@ class PrefixCache:
     self._clock += 1
     for page in hit:
       self._last_use[page] = self._clock
-    self.queries += prompt_len
-    self.hits += len(hit) * self.page_size
     return hit
+
+  def count_use(self, prompt_tokens: int, hit_tokens: int) -> None:
+    """Counts one request's prompt, once, when its first chunk ran:
+    ``prompt_tokens`` queried, ``hit_tokens`` (whole pages, < prompt_tokens)
+    of them served from the cache.
+
+    Raises:
+      ValueError: ``hit_tokens`` outside [0, prompt_tokens) or not a
+        multiple of ``page_size``.
+    """
+    if not (0 <= hit_tokens < prompt_tokens and hit_tokens % self.page_size == 0):
+      raise ValueError(f"hit_tokens must be a multiple of page_size {self.page_size} "
+                       f"in [0, prompt_tokens={prompt_tokens}), got {hit_tokens}")
+    self.queries += prompt_tokens
+    self.hits += hit_tokens
 
   def register(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
     """Adds ``(key, page)`` pairs for full computed pages a live table holds,
