@@ -232,6 +232,13 @@ class Engine:
                clock: Optional[Callable[[], float]] = None):
     self.model_cfg = model_cfg
     self.config = config
+    if config.max_model_len > model_cfg.max_position:
+      # Past its context a model's positions are untrained (and dynamic
+      # RoPE, read as plain RoPE within it, would rescale there).
+      raise ValueError(
+          f"EngineConfig.max_model_len ({config.max_model_len}) must not exceed the "
+          f"model's context, ModelConfig.max_position ({model_cfg.max_position}) of "
+          f"{model_cfg.name!r}")
     # Tensor parallelism (``models.sharding``): weights and the KV cache
     # split over the mesh's model axis, every other table replicated.
     self.mesh = sharding.make_mesh(config.mesh)

@@ -133,3 +133,14 @@ def test_preemptions_per_request_are_bounded_and_reported(params, mode):
   free, evictable, in_use = map(int, kv_pages.page_census(engine.pages))
   assert (free + evictable, in_use) == (config.num_pages - 1, 0)
   assert engine.swap.used_bytes == 0
+
+
+def test_max_model_len_past_the_models_context_is_refused(params):
+  # The tiny model's context is 512 tokens; an engine may not hold longer
+  # requests (their positions were never trained, and dynamic RoPE, read as
+  # plain RoPE within the context, would rescale past it).
+  config = dataclasses.replace(BASE, max_model_len=CFG.max_position + 1,
+                               num_pages=64)
+  with pytest.raises(ValueError, match=r"EngineConfig.max_model_len \(513\) must not exceed "
+                                       r"the model's context, ModelConfig.max_position \(512\)"):
+    Engine(CFG, params, config)
