@@ -262,15 +262,16 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
   # walk puts prefill work first never makes an earlier decoder a victim.
   decode_need = jnp.where(f["decode"], jnp.maximum(
       pages_for(state.computed + 1, ps) - held, 0), 0)
-  victim_order = key_order(jnp.stack(
-      [jnp.where(f["running"], 0, 1), victim_rank(manifest)], axis=1))
+  # Running slots first, each part by victim rank (a partition, not a sort).
+  vrank = victim_rank(manifest)
+  victim_order, _ = stable_partition(inverse_permutation(vrank), f["running"])
   reclaim = (held if alloc.reclaimable_pages is None
              else alloc.reclaimable_pages.astype(jnp.int32))
   ctx = dict(f, held=held, reclaim=reclaim, ps=ps, own=own, need_total=need_total,
              reserved_pages=pages_for(reserve_rows, ps),
              decode_need=decode_need,
              computed=state.computed, victim_order=victim_order,
-             pos=inverse_permutation(victim_order), vrank=victim_rank(manifest),
+             pos=inverse_permutation(victim_order), vrank=vrank,
              budgets=budgets,
              chunk_cap=budgets.chunk_cap if chunk_cap is None else chunk_cap,
              whole_prefill=whole_prefill, max_prefills=max_prefills)
@@ -446,28 +447,58 @@ def try_admit(x, c, s, fcfs_break=True):
   return jax.lax.cond(go, lambda c: admit(x, c, s, width), lambda c: c, c)
 
 
-def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True):
+def stable_partition(order, mask):
+  """(walk, count): ``order`` (i32[R], a permutation of the slots) with the
+  slots where ``mask`` (bool[R], by slot) holds first, each part in
+  ``order``'s order, and i32[] how many hold. O(R): two prefix sums and a
+  scatter, no sort."""
+  keep = mask[order]
+  num_slots = order.shape[0]
+  count = jnp.sum(keep, dtype=jnp.int32)
+  first = jnp.cumsum(keep, dtype=jnp.int32) - 1
+  rest = count + jnp.cumsum(~keep, dtype=jnp.int32) - 1
+  dest = jnp.where(keep, first, rest)
+  return jnp.zeros((num_slots,), jnp.int32).at[dest].set(order), count
+
+
+def budgets_left(x, c):
+  """bool[]: the plan can still take a row: a sequence and a token row are
+  left. Every offer needs both (a decode row, a prefill or rebuild chunk,
+  an admission), and neither ledger shrinks inside a greedy walk, so once
+  this is False every later offer changes nothing and the walk may stop."""
+  b = x["budgets"]
+  return (c["seq"] < b.seq_budget) & (c["tok"] < b.token_budget)
+
+
+def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True, admit=True):
   """One pass over ``order``: running slots via ``try_running``, waiting
-  slots via ``try_admit``.
+  slots via ``try_admit`` (only running slots when ``admit`` is False).
 
   A slot with no work (not decoding, not mid-prefill, not waiting, not a
   resumed decoder) changes nothing when offered: both offers are guarded by
   those flags. So the pass walks only the slots with work, in ``order``'s
-  order (a stable partition of ``order``), in a loop of as many trips as
-  there are such slots instead of R: each trip is several small XLA:CPU
-  thunks, and the two calls of a fused step took 27 ms at R = 128 with one
-  live request on a loaded 2-core machine (docs/benchmarks-log.md "The
-  one-request decode step").
+  order (a stable partition of ``order``), and stops once the sequence or
+  token budget is spent (``budgets_left``): each trip is several small
+  XLA:CPU thunks, and the two calls of a fused step took 27 ms at R = 128
+  with one live request on a loaded 2-core machine (docs/benchmarks-log.md "The
+  one-request decode step"). Each trip is O(1), so the pass is O(R).
   """
-  work = (x["decode"] | x["partial"] | x["waiting"] | x["resume"])[order]
-  walk = order[jnp.argsort(jnp.where(work, 0, 1), stable=True)]
+  work = x["decode"] | x["partial"]
+  if admit:
+    work = work | x["waiting"] | x["resume"]
+  walk, count = stable_partition(order, work)
 
-  def step(i, c):
+  def cond(carry):
+    i, c = carry
+    return (i < count) & budgets_left(x, c)
+
+  def step(carry):
+    i, c = carry
     s = walk[i]
     c = try_running(x, c, s, preempt_victims)
-    return try_admit(x, c, s, fcfs_break)
+    return i + 1, try_admit(x, c, s, fcfs_break) if admit else c
 
-  return jax.lax.fori_loop(0, jnp.sum(work, dtype=jnp.int32), step, c)
+  return jax.lax.while_loop(cond, step, (jnp.int32(0), c))[1]
 
 
 def finish_plan(manifest, state, x, c, keys, order, policy,

@@ -210,42 +210,53 @@ class Vtc(base.PolicyBase):
     return base.identity_keys(manifest, state, queue, counter)
 
   def plan(self, manifest, state, alloc):
+    """Running requests in key order, then admissions client by client.
+
+    The admission loop keeps, per client, its waiting requests in key order
+    (one sort) and a head index; each admission takes the head of the
+    client with the least provisional counter (ties: lower index), so a
+    trip costs O(C) and there is at most one trip per admission plus the
+    one that stops.
+    """
     keys = self.sort_keys(manifest, state)
     order = base.key_order(keys)
     x, c = base.ledger(manifest, state, alloc, self.budgets, order)
-
-    def run_step(c, s):
-      return base.try_running(x, c, s), None
-
-    c, _ = jax.lax.scan(run_step, c, order)
+    c = base.greedy_scan(x, c, order, admit=False)
     num_clients = state.client_counter.shape[0]
     num_slots = manifest.num_slots
-    client_of_order = manifest.client[order]
     c["prov"] = lifted_counters(manifest, state) + self.running_charges(
         manifest, state, x, c)
+    # Each client's candidates, in key order: queue[first[k]:last[k]].
+    cand = (x["waiting"] | x["resume"]) & ~c["selected"]
+    client = manifest.client
+    own = cand & (client >= 0) & (client < num_clients)
+    queue = jnp.lexsort((base.inverse_permutation(order),
+                         jnp.where(own, client, num_clients)))
+    count = jnp.zeros((num_clients,), jnp.int32).at[client].add(
+        own.astype(jnp.int32), mode="drop")
+    last = jnp.cumsum(count, dtype=jnp.int32)
+    c["head"] = last - count
     c["done"] = jnp.bool_(False)
 
-    def admit_step(c, _):
-      cand = (x["waiting"] | x["resume"]) & ~c["selected"]
-      has = jnp.zeros((num_clients,), bool).at[
-          jnp.where(cand, manifest.client, num_clients)].set(True, mode="drop")
-      client = jnp.argmin(jnp.where(has, c["prov"], base.INT32_MAX))
-      mine = (cand[order] & (client_of_order == client))
-      s = order[jnp.argmax(mine)]
+    def admit_step(c):
+      has = c["head"] < last
+      k = jnp.argmin(jnp.where(has, c["prov"], base.INT32_MAX))
+      s = queue[jnp.minimum(c["head"][k], num_slots - 1)]
       fits, width = base.admission_fits(x, c, s)
-      go = jnp.any(has) & ~c["done"] & fits
+      go = jnp.any(has) & fits
       c = dict(c)
-      c["done"] = c["done"] | ~go
+      c["done"] = ~go
 
       def take(c):
         c = base.admit(x, c, s, width)
-        c["prov"] = c["prov"].at[client].add(
+        c["prov"] = c["prov"].at[k].add(
             self.admission_charge(manifest, state, s, width))
+        c["head"] = c["head"].at[k].add(1)
         return c
 
-      return jax.lax.cond(go, take, lambda c: c, c), None
+      return jax.lax.cond(go, take, lambda c: c, c)
 
-    c, _ = jax.lax.scan(admit_step, c, None, length=num_slots)
+    c = jax.lax.while_loop(lambda c: ~c["done"], admit_step, c)
     return base.finish_plan(manifest, state, x, c, keys, order, self)
 
   def actual_charges(self, manifest, state, plan, result):

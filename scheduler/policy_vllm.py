@@ -66,23 +66,34 @@ class VllmV1(base.PolicyBase):
                      manifest.priority, 0)
     return base.identity_keys(manifest, state, queue, prio)
 
-  def victim_rank(self, manifest, state, order):
-    """i32[R]: larger = preempted first among running requests."""
+  def victim_order(self, manifest, state, order):
+    """i32[R]: slots, first preempted first: descending position in the
+    running queue (``order``) in FCFS mode, descending ``(priority,
+    arrival, id)`` in PRIORITY mode."""
     if self.mode == "fcfs":
-      return base.inverse_permutation(order)           # tail of running queue
-    return base.inverse_permutation(base.key_order(jnp.stack(
-        [manifest.priority, manifest.arrival_seq, manifest.request_id], axis=1)))
+      return order[::-1]                               # tail of running queue
+    return base.key_order(jnp.stack(
+        [manifest.priority, manifest.arrival_seq, manifest.request_id], axis=1))[::-1]
 
   def plan(self, manifest, state, alloc):
+    """The two passes walk only their own slots (running and ready;
+    waiting or resumed), in ``order``, and each stops at its first ``stop``
+    (or once the budgets are spent); victims come off one precomputed list
+    by a pointer. Every trip is O(1), the plan O(R log R) (the sorts)."""
     b = self.budgets
     keys = self.sort_keys(manifest, state)
     order = base.key_order(keys)
     x, c = base.ledger(manifest, state, alloc, b, order,
                        reserve_rows=state.computed)      # demand paging
-    vrank = self.victim_rank(manifest, state, order)
+    # Each preemption takes the running, unpreempted slot of largest victim
+    # rank; only this pass preempts, so the preempted slots are always the
+    # first ``c["victims"]`` of the running slots in victim order.
+    victims, num_running = base.stable_partition(
+        self.victim_order(manifest, state, order), x["running"])
     comp, held, ps = x["computed"], x["held"], x["ps"]
     catchup = jnp.where(x["decode"], 1, x["target"] - comp)
     c["stop"] = jnp.bool_(False)
+    c["victims"] = jnp.int32(0)
 
     def unschedule(c, v):
       c = dict(c)
@@ -98,8 +109,10 @@ class VllmV1(base.PolicyBase):
       c["alloc_now"] = c["alloc_now"].at[v].set(0)
       return c
 
-    def running_step(c, s):
-      active = x["running"][s] & state.ready[s] & ~c["preempt"][s] & ~c["stop"]
+    def running_step(carry):
+      i, c = carry
+      s = running[i]
+      active = ~c["preempt"][s]
       num_new = jnp.minimum(jnp.minimum(catchup[s], b.chunk_cap),
                             b.token_budget - c["tok"])
       go = active & (num_new > 0) & (c["seq"] < b.seq_budget)
@@ -109,15 +122,15 @@ class VllmV1(base.PolicyBase):
         # Pages other requests reserved (§0x06 reservation kinds; none on
         # demand) are not this request's to take.
         def cond(c):
-          cands = x["running"] & ~c["preempt"]
           return ((need > c["free"] - (c["reserved"] - x["own"][s])) & ~c["preempt"][s]
-                  & jnp.any(cands))
+                  & (c["victims"] < num_running))
 
         def body(c):
-          cands = x["running"] & ~c["preempt"]
-          v = jnp.argmax(jnp.where(cands, vrank, -1))
+          v = victims[c["victims"]]
           c = unschedule(c, v)
-          return base.preempt_slot(x, c, v)
+          c = base.preempt_slot(x, c, v)
+          c["victims"] = c["victims"] + 1
+          return c
 
         c = jax.lax.while_loop(cond, body, c)
         self_preempted = c["preempt"][s]
@@ -132,12 +145,20 @@ class VllmV1(base.PolicyBase):
 
         return jax.lax.cond(self_preempted, stop, take, c)
 
-      return jax.lax.cond(go, allocate, lambda c: c, c), None
+      return i + 1, jax.lax.cond(go, allocate, lambda c: c, c)
 
-    c, _ = jax.lax.scan(running_step, c, order)
+    # A slot not running and ready changes nothing; nor does any once the
+    # pass stopped or a sequence or token row is no longer left (``unschedule``
+    # gives rows back only inside a step that could take its own).
+    running, num_walk = base.stable_partition(order, x["running"] & state.ready)
+    c = jax.lax.while_loop(
+        lambda ic: (ic[0] < num_walk) & ~ic[1]["stop"] & base.budgets_left(x, ic[1]),
+        running_step, (jnp.int32(0), c))[1]
     c["wstop"] = jnp.bool_(False)
 
-    def waiting_step(c, s):
+    def waiting_step(carry):
+      i, c = carry
+      s = waiting[i]
       num_new = base.admission_width(x, s, b.token_budget - c["tok"])
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
       watermark = jnp.where(c["live"], b.watermark_pages, 0)
@@ -146,12 +167,16 @@ class VllmV1(base.PolicyBase):
       fits = ((c["seq"] < b.seq_budget) & (num_new > 0)
               & adm.admits(c["reserved"], jnp.maximum(need, x["need_total"][s]),
                            adm.soft_ceiling(c["free"], watermark)))
-      is_waiting = (x["waiting"][s] | x["resume"][s]) & ~c["wstop"]
       c = dict(c)
-      c["wstop"] = c["wstop"] | (is_waiting & ~fits)
-      return jax.lax.cond(is_waiting & fits, lambda c: base.admit(x, c, s, num_new),
-                          lambda c: c, c), None
+      c["wstop"] = ~fits
+      return i + 1, jax.lax.cond(fits, lambda c: base.admit(x, c, s, num_new),
+                                 lambda c: c, c)
 
-    c = jax.lax.cond(jnp.any(c["preempt"]), lambda c: c,
-                     lambda c: jax.lax.scan(waiting_step, c, order)[0], c)
+    # Waiting and resumed slots in queue order, up to the first that does
+    # not fit (the others change nothing).
+    waiting, num_waiting = base.stable_partition(order, x["waiting"] | x["resume"])
+    c = jax.lax.cond(
+        jnp.any(c["preempt"]), lambda c: c,
+        lambda c: jax.lax.while_loop(lambda ic: (ic[0] < num_waiting) & ~ic[1]["wstop"],
+                                     waiting_step, (jnp.int32(0), c))[1], c)
     return base.finish_plan(manifest, state, x, c, keys, order, self)

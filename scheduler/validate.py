@@ -291,6 +291,56 @@ def _leaks(record, words, allowed_none=()):
 # ------------------------------------------------------------ predicates
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _sorted_groups(cols):
+  """(order, group): slots sorted by the columns (first column primary) and
+  i32[R] the group of equal keys each sorted position belongs to (0, 1, ...
+  in key order). ``cols``: i32[R] arrays."""
+  order = jnp.lexsort(tuple(reversed(cols)))
+  num_slots = order.shape[0]
+  differs = jnp.zeros((num_slots - 1,), bool)
+  for col in cols:
+    col = col[order]
+    differs = differs | (col[1:] != col[:-1])
+  new_group = jnp.concatenate([jnp.zeros((1,), bool), differs])
+  return order, jnp.cumsum(new_group, dtype=jnp.int32)
+
+
+def _equal_key_sums(cols, weight):
+  """i32[R]: for each slot, the sum of ``weight`` (bool or i32[R]) over the
+  slots whose ``cols`` all equal its own, itself included. O(R log R): one
+  sort and a segment sum, never the R x R pairs."""
+  order, group = _sorted_groups(cols)
+  num_slots = order.shape[0]
+  totals = jax.ops.segment_sum(jnp.asarray(weight, jnp.int32)[order], group,
+                               num_segments=num_slots)
+  return jnp.zeros((num_slots,), jnp.int32).at[order].set(totals[group])
+
+
+def _rank_inverted(keys, sel, rank):
+  """bool[R]: selected slots ranked after a selected slot with a strictly
+  larger key (lexicographic over the columns of i32[R, K] ``keys``).
+
+  In key order, a slot is inverted when its rank exceeds the least rank of
+  the selected slots in the groups after its own group of equal keys (a
+  suffix minimum), so the check is one sort and two scans, O(R log R).
+  """
+  num_slots = sel.shape[0]
+  order, group = _sorted_groups([keys[:, col] for col in range(keys.shape[1])])
+  rank_sorted = jnp.where(sel, rank, _INT32_MAX)[order]
+  # suffix_min[p] = least selected rank at sorted positions >= p.
+  suffix_min = jnp.concatenate([jax.lax.cummin(rank_sorted, reverse=True),
+                                jnp.full((1,), _INT32_MAX, rank_sorted.dtype)])
+  # First sorted position of each group; the group after the last starts at R.
+  group_start = jnp.full((num_slots + 1,), num_slots, jnp.int32).at[group].min(
+      jnp.arange(num_slots, dtype=jnp.int32))
+  later_min = suffix_min[group_start[group + 1]]
+  inverted = jnp.zeros((num_slots,), bool).at[order].set(rank_sorted > later_min)
+  return sel & inverted
+
+
 def replay_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                 plan: rec.IterationPlan, view=None) -> jax.Array:
   """i32[R, K]: the tie-break key the plan's policy derives from the state.
@@ -330,12 +380,10 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   width = jnp.where(sel, plan.end - plan.start, 0)
   live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
 
-  # Pairwise identity checks over slots.
+  # Identity checks over slots, by counting equal keys (sort, not pairs).
   rid = manifest.request_id
-  same_id = (rid[:, None] == rid[None, :]) & ~jnp.eye(num_slots, dtype=bool)
-  dup_gen = jnp.any(same_id & (plan.generation[:, None] == plan.generation[None, :])
-                    & sel[None, :], axis=1) & sel
-  dup_member = jnp.any(same_id & live[None, :], axis=1) & (sel | plan.admit)
+  dup_gen = sel & (_equal_key_sums([rid, plan.generation], sel) >= 2)
+  dup_member = (sel | plan.admit) & (_equal_key_sums([rid], live) - live >= 1)
 
   ranks_sorted = jnp.sort(jnp.where(sel, plan.rank, num_slots + 1))
   rank_ok = jnp.all(jnp.where(jnp.arange(num_slots) < jnp.sum(sel),
@@ -348,15 +396,7 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   key_shape_bad = keys.shape != plan.sort_key.shape
   if key_shape_bad:
     keys = jnp.zeros(plan.sort_key.shape, jnp.int32)
-  key_less = jnp.zeros((num_slots, num_slots), bool)
-  key_eq = jnp.ones((num_slots, num_slots), bool)
-  for col in range(keys.shape[1]):
-    a, b = keys[:, col][:, None], keys[:, col][None, :]
-    key_less = key_less | (key_eq & (a < b))
-    key_eq = key_eq & (a == b)
-  both = sel[:, None] & sel[None, :]
-  rank_inverted = jnp.any(both & key_less & (plan.rank[:, None] > plan.rank[None, :]),
-                          axis=1)
+  rank_inverted = _rank_inverted(keys, sel, plan.rank)
 
   hidden = (_leaks(manifest, _HIDDEN_WORDS, ("hidden_realized_output_tokens",))
             or _leaks(plan, _HIDDEN_WORDS))

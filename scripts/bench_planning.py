@@ -1,14 +1,15 @@
 """Host planning time against the number of waiting requests.
 
-  python scripts/bench_planning.py --waiting=256,1024,4096 \
-      --policies=sarathi_serve,vllm_v1_priority,vtc,least_slack
+  python scripts/bench_planning.py --waiting=1024,4096   # every registered policy
 
 Every accepted request holds a slot of the scheduler's table, so a policy's
-plan walks all of them: this times one ``plan`` program (policy + plan
+plan reads all of them: this times one ``plan`` program (policy + plan
 validation, device-synchronised) on a tiny-model engine whose slot table
 holds exactly ``N`` waiting requests (8-token prompts, one client per 16
 requests), after one warm-up (compile) call. Writes a JSON of per-policy,
-per-size median / min planning milliseconds.
+per-size median / min planning milliseconds, the load average before and
+after, and whether each median is within ``LIMITS_MS`` (the planning cost
+target: linear in the queue).
 """
 
 import os
@@ -29,11 +30,13 @@ from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("waiting", ["256", "1024", "4096"], "Waiting-queue sizes.")
-flags.DEFINE_list("policies", ["sarathi_serve", "vllm_v1_priority", "vtc", "least_slack"],
-                  "Registered policy names.")
-flags.DEFINE_integer("repeats", 5, "Timed plan calls per (policy, size).")
+flags.DEFINE_list("waiting", ["1024", "4096"], "Waiting-queue sizes.")
+flags.DEFINE_list("policies", sorted(POLICIES), "Registered policy names.")
+flags.DEFINE_integer("repeats", 20, "Timed plan calls per (policy, size).")
 flags.DEFINE_string("out", "runs/bench_planning.json", "Result JSON path.")
+
+# Median plan milliseconds allowed at a queue size (2-core CPU host).
+LIMITS_MS = {1024: 2.0, 4096: 8.0}
 
 
 def time_plan(model_cfg, params, policy: str, num_waiting: int):
@@ -72,10 +75,14 @@ def main(argv):
   for policy in FLAGS.policies:
     for n in map(int, FLAGS.waiting):
       compile_s, times = time_plan(model_cfg, params, policy, n)
+      median = statistics.median(times)
       row = dict(policy=policy, waiting=n, compile_s=compile_s,
-                 plan_ms_median=statistics.median(times), plan_ms_min=min(times),
-                 plan_us_per_request=statistics.median(times) * 1e3 / n)
+                 plan_ms_median=median, plan_ms_min=min(times),
+                 plan_us_per_request=median * 1e3 / n,
+                 limit_ms=LIMITS_MS.get(n),
+                 within_limit=None if n not in LIMITS_MS else median <= LIMITS_MS[n])
       out["results"].append(row)
+      out["load_average_after"] = os.getloadavg()
       print(row, flush=True)
       metrics.write_report(FLAGS.out, out)
 

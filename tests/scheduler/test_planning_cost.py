@@ -1,0 +1,334 @@
+"""Planning cost is linear in the queue, and the plans are the ones before.
+
+Two kinds of check, neither timed:
+
+* Plan equality. Every registered policy plans a few seeded random states
+  (running decoders, partial prefills, rebuilds, resumed decoders, waiting
+  requests, page pressure, several clients, prefix hits); the plans must
+  equal the ones recorded in ``expected_plans.json`` from the pairwise,
+  loop-per-slot implementation these replaced. The pairwise plan rules of
+  ``validate.plan_violations`` are compared slot by slot with a plain
+  O(R^2) reference on forged plans (duplicate ids, inverted ranks).
+* Shape of the program. In the jaxpr of one policy's plan plus its
+  validation at R slots, no value holds R * R elements, and no loop body
+  whose trip count grows with R computes a value of R elements (only
+  single-slot reads and writes), so each step costs O(1) and the whole plan
+  O(R log R) (the sorts).
+
+Regenerate the expectations (only when a policy's decisions change on
+purpose): ``PYTHONPATH=. python tests/scheduler/test_planning_cost.py``.
+"""
+
+import hashlib
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scheduler import records as rec
+from scheduler import validate as v
+from scheduler.policies import POLICIES, Budgets, make_policy
+
+EXPECTED = pathlib.Path(__file__).with_name("expected_plans.json")
+PAGE_SIZE = 4
+NUM_CLIENTS = 4
+MAX_OUTPUT_TOKENS = 32
+BUDGETS = {
+    "tight": Budgets(token_budget=32, seq_budget=8, chunk_cap=8),
+    "quantile": Budgets(token_budget=64, seq_budget=16, chunk_cap=16, watermark_pages=2,
+                        reservation="quantile", reservation_quantile=0.75),
+}
+# (seed, slots, share of live slots that run): two table sizes (one
+# compilation each), mixed tables, and mostly-waiting queues where admission
+# decides (odd seeds have pages to spare).
+STATES = [(0, 48, 0.45), (1, 48, 0.45), (2, 48, 0.45), (3, 48, 0.45), (4, 160, 0.45),
+          (5, 160, 0.45), (6, 48, 0.1), (7, 160, 0.1), (9, 48, 0.05), (11, 160, 0.0)]
+
+
+# ------------------------------------------------------------ random states
+
+
+def random_state(seed: int, num_slots: int, running_share: float = 0.45):
+  """(manifest, state, view): a seeded random table of mixed work.
+
+  Slots are free (10 %), finished (10 %), or live (80 %): running (a
+  ``running_share`` of them: prefill, decode or rebuild) or waiting (fresh,
+  part-way through a prefix, recompute-preempted, or resumed at the decode
+  frontier); a few are not ready. Pages
+  held follow the computed rows; free pages are scarce under even seeds (decode
+  rows preempt, admissions block) and plentiful under odd ones.
+  """
+  rng = np.random.RandomState(seed)
+  n = num_slots
+  status = rng.choice([rec.FREE, rec.FINISHED, rec.WAITING, rec.RUNNING], size=n,
+                      p=[0.10, 0.10, 0.8 * (1 - running_share), 0.8 * running_share]
+                      ).astype(np.int32)
+  live = (status == rec.WAITING) | (status == rec.RUNNING)
+  prompt = rng.randint(1, 41, size=n).astype(np.int32)
+  max_tokens = rng.randint(1, MAX_OUTPUT_TOKENS, size=n).astype(np.int32)
+  emitted = np.where(rng.rand(n) < 0.5, 0, rng.randint(1, 8, size=n)).astype(np.int32)
+  emitted = np.minimum(emitted, max_tokens)
+  frontier = prompt + emitted - 1                     # decode frontier when e >= 1
+  target = np.where(emitted == 0, prompt, frontier)
+  shape = rng.rand(n)
+  computed = np.where(emitted == 0, (shape * prompt).astype(np.int32),
+                      np.where(shape < 0.5, frontier, (shape * frontier).astype(np.int32)))
+  computed = np.clip(computed, 0, np.maximum(target, frontier)).astype(np.int32)
+  computed = np.where(live, computed, 0).astype(np.int32)
+  held = np.where(live, (computed + PAGE_SIZE - 1) // PAGE_SIZE, 0).astype(np.int32)
+  shared = np.minimum(held, rng.randint(0, 2, size=n)).astype(np.int32)
+  request_id = np.where(status == rec.FREE, -1, rng.permutation(n) + 100).astype(np.int32)
+  arrival_seq = rng.permutation(n).astype(np.int32)
+  arrival_ms = (arrival_seq * 3.0 + rng.rand(n)).astype(np.float32)
+  now_ms = np.float32(arrival_ms.max() + 50.0)
+  last_ms = np.where(emitted > 0, now_ms - rng.randint(1, 60, size=n), -1.0)
+  ttft = np.where(rng.rand(n) < 0.7, rng.randint(20, 400, size=n), np.inf)
+  tbt = np.where(rng.rand(n) < 0.7, rng.randint(5, 80, size=n), np.inf)
+  manifest = rec.WorkloadManifest(
+      request_id=jnp.asarray(request_id), arrival_ms=jnp.asarray(arrival_ms),
+      arrival_seq=jnp.asarray(arrival_seq), prompt_len=jnp.asarray(prompt),
+      max_tokens=jnp.asarray(max_tokens),
+      priority=jnp.asarray(rng.randint(0, 3, size=n), jnp.int32),
+      client=jnp.asarray(rng.randint(0, NUM_CLIENTS, size=n), jnp.int32),
+      ttft_ms=jnp.asarray(ttft, jnp.float32), tbt_ms=jnp.asarray(tbt, jnp.float32))
+  completed = np.zeros(MAX_OUTPUT_TOKENS + 1, np.int32)
+  completed[rng.randint(1, MAX_OUTPUT_TOKENS, size=12)] += 1
+  state = rec.initial_state(n, NUM_CLIENTS, MAX_OUTPUT_TOKENS).replace(
+      decision_id=jnp.int32(rng.randint(0, 50)), state_version=jnp.int32(rng.randint(0, 50)),
+      now_ms=jnp.float32(now_ms), status=jnp.asarray(status),
+      ready=jnp.asarray(live & (rng.rand(n) < 0.9)),
+      generation=jnp.asarray(rng.randint(0, 3, size=n), jnp.int32),
+      snapshot_version=jnp.asarray(rng.randint(0, 5, size=n), jnp.int32),
+      emitted=jnp.asarray(emitted), computed=jnp.asarray(computed),
+      committed=jnp.asarray(computed),
+      first_token_ms=jnp.asarray(np.where(emitted > 0, last_ms - 5.0, -1.0), jnp.float32),
+      last_token_ms=jnp.asarray(last_ms, jnp.float32),
+      num_preemptions=jnp.asarray(np.where(rng.rand(n) < 0.2, 1, 0), jnp.int32),
+      rebuild_target=jnp.asarray(np.where(emitted > 0, frontier, 0), jnp.int32),
+      client_counter=jnp.asarray(rng.randint(0, 200, size=NUM_CLIENTS), jnp.int32),
+      client_done=jnp.asarray(rng.randint(0, 200, size=NUM_CLIENTS), jnp.int32),
+      client_active=jnp.asarray(rng.rand(NUM_CLIENTS) < 0.5),
+      last_left_counter=jnp.int32(rng.randint(0, 100)),
+      mlfq_level=jnp.asarray(rng.randint(-1, 4, size=n), jnp.int32),
+      mlfq_used=jnp.asarray(rng.randint(0, 8, size=n), jnp.int32),
+      wait_iters=jnp.asarray(rng.randint(0, 10, size=n), jnp.int32),
+      hot_streak=jnp.int32(rng.randint(0, 4)),
+      completed_outputs=jnp.asarray(completed))
+  hits = np.where(live & (emitted == 0) & (rng.rand(n) < 0.4),
+                  (rng.rand(n) * prompt).astype(np.int32), 0)
+  view = rec.AllocatorView(
+      free_pages=jnp.int32(rng.randint(0, 3 * n // 8) if seed % 2 == 0
+                           else rng.randint(n, 4 * n)),
+      pages_held=jnp.asarray(held),
+      page_size=PAGE_SIZE, prefix_hit_tokens=jnp.asarray(hits, jnp.int32),
+      reclaimable_pages=jnp.asarray(held - shared))
+  return manifest, state, view
+
+
+# ------------------------------------------------------------ plan equality
+
+
+_PLAN_ARRAYS = ("selected", "start", "end", "kind", "rank", "admit", "preempt",
+                "sort_key", "num_tokens", "num_seqs", "unschedulable", "extend")
+
+
+@jax.jit
+def _violation_bits(manifest, state, plan, view):
+  return v.plan_violations(manifest, state, plan, view)
+
+
+def plan_summary(plan) -> dict:
+  """The plan in readable form: selected slots in rank order with their
+  ``[start, end)`` and kind, intent lists, ledger, and a sha256 of every
+  plan array (``None`` ones as the word)."""
+  arr = {k: None if getattr(plan, k) is None else np.asarray(getattr(plan, k))
+         for k in _PLAN_ARRAYS}
+  ranked = np.argsort(np.where(arr["selected"], arr["rank"], 1 << 30), kind="stable")
+  ranked = ranked[:int(arr["selected"].sum())]
+  digest = hashlib.sha256()
+  for k in _PLAN_ARRAYS:
+    digest.update(k.encode())
+    digest.update(b"None" if arr[k] is None else arr[k].astype(np.int64).tobytes())
+  slots = lambda mask: [] if mask is None else np.flatnonzero(mask).tolist()
+  return {
+      "rows": [[int(s), int(arr["start"][s]), int(arr["end"][s]), int(arr["kind"][s])]
+               for s in ranked],
+      "admit": slots(arr["admit"]), "preempt": slots(arr["preempt"]),
+      "extend": slots(arr["extend"]), "unschedulable": slots(arr["unschedulable"]),
+      "num_tokens": int(arr["num_tokens"]), "num_seqs": int(arr["num_seqs"]),
+      "sha256": digest.hexdigest(),
+  }
+
+
+def all_summaries() -> dict:
+  """``{"policy/budgets/seed": plan_summary}`` over every registered policy."""
+  out = {}
+  for name in sorted(POLICIES):
+    for budget_name, budgets in BUDGETS.items():
+      policy = make_policy(name, budgets)
+      plan_fn = jax.jit(lambda m, s, a, policy=policy: policy(m, s, a))
+      for seed, num_slots, running_share in STATES:
+        manifest, state, view = random_state(seed, num_slots, running_share)
+        plan = plan_fn(manifest, state, view)
+        bits = _violation_bits(manifest, state, plan, view)
+        broken = sorted(k for k, b in bits.items() if bool(np.any(b)))
+        assert not broken, f"{name}/{budget_name}/{seed}: plan rules {broken}"
+        out[f"{name}/{budget_name}/{seed}"] = plan_summary(plan)
+  return out
+
+
+def test_every_policy_plans_as_recorded():
+  """Same plans, slot for slot, as the recorded ones, for every policy."""
+  expected = json.loads(EXPECTED.read_text())
+  got = all_summaries()
+  assert sorted(got) == sorted(expected)
+  # The workload exercises the paths that matter: admissions, preemptions,
+  # and (ORCA) unschedulable requests.
+  assert sum(len(s["preempt"]) for s in got.values()) > 20
+  assert sum(len(s["admit"]) for s in got.values()) > 100
+  for key in sorted(expected):
+    assert got[key] == expected[key], key
+
+
+# ---------------------------------------------------- pairwise plan rules
+
+
+def _pairwise_reference(manifest, state, plan, keys):
+  """The three pairwise rules of ``plan_violations`` as plain O(R^2) loops
+  over numpy arrays: ``duplicate_generation``, ``duplicate_member`` and the
+  rank-inversion half of ``tie_break``."""
+  rid = np.asarray(manifest.request_id)
+  gen = np.asarray(plan.generation)
+  sel = np.asarray(plan.selected)
+  admit = np.asarray(plan.admit)
+  rank = np.asarray(plan.rank)
+  status = np.asarray(state.status)
+  live = (status == rec.WAITING) | (status == rec.RUNNING)
+  keys = [tuple(row) for row in np.asarray(keys).tolist()]
+  n = rid.shape[0]
+  dup_gen = np.zeros(n, bool)
+  dup_member = np.zeros(n, bool)
+  inverted = np.zeros(n, bool)
+  for i in range(n):
+    for j in range(n):
+      if i == j:
+        continue
+      if rid[i] == rid[j] and gen[i] == gen[j] and sel[i] and sel[j]:
+        dup_gen[i] = True
+      if rid[i] == rid[j] and live[j] and (sel[i] or admit[i]):
+        dup_member[i] = True
+      if sel[i] and sel[j] and keys[i] < keys[j] and rank[i] > rank[j]:
+        inverted[i] = True
+  return dup_gen, dup_member, inverted
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pairwise_plan_rules_match_the_quadratic_reference(seed):
+  """Forged plans: request ids drawn from few values (duplicates), random
+  selection and generations, ranks shuffled with ties; every pairwise rule
+  flags exactly the slots the O(R^2) definition flags."""
+  rng = np.random.RandomState(100 + seed)
+  policy = make_policy("vllm_v1_priority", BUDGETS["tight"])
+  manifest, state, view = random_state(seed, 48)
+  n = manifest.num_slots
+  manifest = manifest.replace(
+      request_id=jnp.asarray(rng.randint(0, 12, size=n), jnp.int32))
+  plan = jax.jit(lambda m, s, a: policy(m, s, a))(manifest, state, view)
+  sel = rng.rand(n) < 0.6
+  rank = np.where(sel, rng.randint(-1, n // 2, size=n), -1)
+  keys = np.asarray(policy.sort_keys(manifest, state, view))
+  if seed % 2:           # collapse key columns so equal keys are common
+    keys = keys.copy()
+    keys[:, 1:] = keys[:, 1:] % 2
+  plan = plan.replace(
+      selected=jnp.asarray(sel), rank=jnp.asarray(rank, jnp.int32),
+      generation=jnp.asarray(rng.randint(0, 2, size=n), jnp.int32),
+      admit=jnp.asarray(rng.rand(n) < 0.3), sort_key=jnp.asarray(keys, jnp.int32))
+  bits = _violation_bits(manifest, state, plan, view)
+  dup_gen, dup_member, inverted = _pairwise_reference(manifest, state, plan, keys)
+  assert dup_gen.any() and dup_member.any() and inverted.any()
+  np.testing.assert_array_equal(np.asarray(bits["duplicate_generation"]), dup_gen)
+  np.testing.assert_array_equal(np.asarray(bits["duplicate_member"]), dup_member)
+  # With the recorded keys forged, tie_break also flags the slots whose
+  # recorded key differs from the replayed one.
+  replay_differs = np.any(keys != np.asarray(policy.sort_keys(manifest, state, view)),
+                          axis=1)
+  np.testing.assert_array_equal(np.asarray(bits["tie_break"]), inverted | replay_differs)
+
+
+# ------------------------------------------------------- program shape
+
+_LOOPS = ("while", "scan")
+# Single-slot writes and control flow: O(1) per loop step (in place).
+_PER_STEP_OK = ("dynamic_update_slice", "scatter", "cond", "while", "scan", "pjit",
+                "closed_call", "custom_jvp_call", "custom_vjp_call")
+
+
+def _sub_jaxprs(eqn):
+  for param in eqn.params.values():
+    for item in (param if isinstance(param, (list, tuple)) else [param]):
+      if hasattr(item, "eqns"):                       # a Jaxpr
+        yield item
+      elif hasattr(getattr(item, "jaxpr", None), "eqns"):   # a ClosedJaxpr
+        yield item.jaxpr
+
+
+def _size(var):
+  shape = getattr(var.aval, "shape", ())
+  return int(np.prod(shape)) if shape else 1
+
+
+def program_faults(jaxpr, num_slots: int, in_loop: bool = False):
+  """Equations that make a plan superlinear in ``num_slots``: any value of
+  ``num_slots**2`` elements or more, and, inside a loop body, any equation
+  other than a single-slot write or control flow that produces a value of
+  ``num_slots`` elements or more (an O(R) step repeated up to R times)."""
+  faults = []
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    big = max((_size(o) for o in eqn.outvars), default=0)
+    if big >= num_slots * num_slots:
+      faults.append(f"{name} -> {[o.aval for o in eqn.outvars]}")
+    elif in_loop and big >= num_slots and name not in _PER_STEP_OK:
+      faults.append(f"{name} in a loop -> {[o.aval for o in eqn.outvars]}")
+    for sub in _sub_jaxprs(eqn):
+      faults += program_faults(sub, num_slots, in_loop or name in _LOOPS)
+  return faults
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_plan_and_validation_are_linear_in_the_queue(name):
+  """No R x R value anywhere, and no O(R) work per loop step, in the jaxpr
+  of the policy's plan plus ``plan_violations`` (what the engine's plan
+  program runs), at R = 96 slots."""
+  policy = make_policy(name, BUDGETS["tight"])
+  manifest, state, view = random_state(0, 96)
+
+  def plan_and_check(manifest, state, view):
+    plan = policy(manifest, state, view)
+    return plan, v.any_violation(v.plan_violations(manifest, state, plan, view))
+
+  jaxpr = jax.make_jaxpr(plan_and_check)(manifest, state, view).jaxpr
+  assert program_faults(jaxpr, 96) == []
+
+
+def test_program_faults_sees_quadratic_constructs():
+  """The check itself: a pairwise matrix and an O(R) reduction per scan step
+  are both reported."""
+  x = jnp.arange(96)
+  pairwise = jax.make_jaxpr(lambda x: jnp.any(x[:, None] < x[None, :], axis=1))(x)
+  looped = jax.make_jaxpr(lambda x: jax.lax.scan(
+      lambda c, s: (c + jnp.sum(x < s), None), 0, x)[0])(x)
+  single = jax.make_jaxpr(lambda x: jax.lax.fori_loop(
+      0, 96, lambda i, c: c.at[i].set(x[i] + 1), x))(x)
+  assert program_faults(pairwise.jaxpr, 96)
+  assert program_faults(looped.jaxpr, 96)
+  assert program_faults(single.jaxpr, 96) == []
+
+
+if __name__ == "__main__":
+  EXPECTED.write_text(json.dumps(all_summaries(), indent=1, sort_keys=True) + "\n")
+  print(f"wrote {EXPECTED}")
