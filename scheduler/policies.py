@@ -477,8 +477,10 @@ def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True, admit=True):
   A slot with no work (not decoding, not mid-prefill, not waiting, not a
   resumed decoder) changes nothing when offered: both offers are guarded by
   those flags. So the pass walks only the slots with work, in ``order``'s
-  order (a stable partition of ``order``), and stops once the sequence or
-  token budget is spent (``budgets_left``): each trip is several small
+  order (a stable partition of ``order``), skips the slots no offer can
+  take any more (waiting prompts behind an FCFS ``break``, prefill work once
+  ``max_prefills`` is spent), and stops once the sequence or token budget
+  is spent (``budgets_left``): each trip is several small
   XLA:CPU thunks, and the two calls of a fused step took 27 ms at R = 128
   with one live request on a loaded 2-core machine (docs/benchmarks-log.md "The
   one-request decode step"). Each trip is O(1), so the pass is O(R).
@@ -487,6 +489,18 @@ def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True, admit=True):
   if admit:
     work = work | x["waiting"] | x["resume"]
   walk, count = stable_partition(order, work)
+  # Skips that change nothing: with the prefill slots spent (``max_prefills``)
+  # only decode rows and resumed decoders can still be taken; behind an FCFS
+  # ``break`` no waiting prompt can. next_*[i]: the first walk position >= i
+  # of that kind (``count`` if none).
+  position = jnp.arange(walk.shape[0] + 1, dtype=jnp.int32)
+
+  def next_of(kind):
+    here = jnp.concatenate([kind[walk], jnp.zeros((1,), bool)]) & (position < count)
+    return jax.lax.cummin(jnp.where(here, position, count), reverse=True)
+
+  next_decode = next_of(x["decode"] | x["resume"])
+  next_running = next_of(x["decode"] | x["resume"] | x["partial"])
 
   def cond(carry):
     i, c = carry
@@ -496,7 +510,14 @@ def greedy_scan(x, c, order, fcfs_break=True, preempt_victims=True, admit=True):
     i, c = carry
     s = walk[i]
     c = try_running(x, c, s, preempt_victims)
-    return i + 1, try_admit(x, c, s, fcfs_break) if admit else c
+    if admit:
+      c = try_admit(x, c, s, fcfs_break)
+    nxt = i + 1
+    if admit and fcfs_break:
+      nxt = jnp.where(c["blocked"], next_running[nxt], nxt)
+    if x["max_prefills"] is not None:
+      nxt = jnp.where(c["prefills"] >= x["max_prefills"], next_decode[nxt], nxt)
+    return nxt, c
 
   return jax.lax.while_loop(cond, step, (jnp.int32(0), c))[1]
 

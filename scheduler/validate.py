@@ -294,25 +294,28 @@ def _leaks(record, words, allowed_none=()):
 _INT32_MAX = 2**31 - 1
 
 
-def _sorted_groups(cols):
-  """(order, group): slots sorted by the columns (first column primary) and
-  i32[R] the group of equal keys each sorted position belongs to (0, 1, ...
-  in key order). ``cols``: i32[R] arrays."""
-  order = jnp.lexsort(tuple(reversed(cols)))
-  num_slots = order.shape[0]
-  differs = jnp.zeros((num_slots - 1,), bool)
+def _groups(order, cols):
+  """i32[R]: the group of equal ``cols`` (i32[R] arrays) each position of
+  ``order`` belongs to (0, 1, ... along ``order``), where ``order`` sorts
+  the slots by those columns, or by them and then finer ones."""
+  differs = jnp.zeros((order.shape[0] - 1,), bool)
   for col in cols:
     col = col[order]
     differs = differs | (col[1:] != col[:-1])
-  new_group = jnp.concatenate([jnp.zeros((1,), bool), differs])
-  return order, jnp.cumsum(new_group, dtype=jnp.int32)
+  return jnp.cumsum(jnp.concatenate([jnp.zeros((1,), bool), differs]), dtype=jnp.int32)
 
 
-def _equal_key_sums(cols, weight):
+def _sorted_groups(cols):
+  """(order, group): slots sorted by the columns (first column primary) and
+  ``_groups`` of that order."""
+  order = jnp.lexsort(tuple(reversed(cols)))
+  return order, _groups(order, cols)
+
+
+def _equal_key_sums(order, group, weight):
   """i32[R]: for each slot, the sum of ``weight`` (bool or i32[R]) over the
-  slots whose ``cols`` all equal its own, itself included. O(R log R): one
-  sort and a segment sum, never the R x R pairs."""
-  order, group = _sorted_groups(cols)
+  slots in its group of equal keys (``_groups``), itself included. A
+  segment sum: O(R), never the R x R pairs."""
   num_slots = order.shape[0]
   totals = jax.ops.segment_sum(jnp.asarray(weight, jnp.int32)[order], group,
                                num_segments=num_slots)
@@ -380,10 +383,14 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   width = jnp.where(sel, plan.end - plan.start, 0)
   live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
 
-  # Identity checks over slots, by counting equal keys (sort, not pairs).
+  # Identity checks over slots, by counting equal keys along one sort by
+  # (request id, generation), not over R x R pairs.
   rid = manifest.request_id
-  dup_gen = sel & (_equal_key_sums([rid, plan.generation], sel) >= 2)
-  dup_member = (sel | plan.admit) & (_equal_key_sums([rid], live) - live >= 1)
+  by_id = jnp.lexsort((plan.generation, rid))
+  dup_gen = sel & (_equal_key_sums(by_id, _groups(by_id, [rid, plan.generation]),
+                                   sel) >= 2)
+  dup_member = (sel | plan.admit) & (
+      _equal_key_sums(by_id, _groups(by_id, [rid]), live) - live >= 1)
 
   ranks_sorted = jnp.sort(jnp.where(sel, plan.rank, num_slots + 1))
   rank_ok = jnp.all(jnp.where(jnp.arange(num_slots) < jnp.sum(sel),
