@@ -21,7 +21,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags
+from absl import flags
+
+from serving import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("layers", 2, "Decoder layers of the random checkpoint.")
@@ -151,4 +153,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -183,6 +183,7 @@ def family_dirs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.skipif(not _HAS_REFERENCE, reason="needs the reference extra (torch, "
                     "transformers) to write the family checkpoints")
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)

@@ -186,7 +186,8 @@ def models(checkpoints, report):
 
 def by_family(fast=None):
   """Parameters over every family; with ``fast``, the others marked slow."""
-  return [pytest.param(name, marks=[] if fast is None or name in fast else [pytest.mark.slow])
+  return [pytest.param(name, marks=[] if fast is None or name in fast
+                       else [pytest.mark.slow, pytest.mark.extended])
           for name in F.FAMILIES]
 
 
@@ -417,6 +418,7 @@ SWITCHES = [
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("name,switch,cfg_off,params_off", SWITCHES,
                          ids=[f"{n}-{s}" for n, s, _, _ in SWITCHES])
 def test_each_switch_moves_the_logits_far_beyond_the_tolerance(name, switch, cfg_off,

@@ -165,7 +165,7 @@ def test_int8_weights_get_their_float_weights_split():
   """A ``QuantizedWeight`` (stacked, per layer, and the LM head): ``q`` like
   the float weight, ``col_scale`` split with the columns of a column-
   parallel weight, replicated for a row-parallel one."""
-  from conftest import perturbed_params  # pylint: disable=import-outside-toplevel
+  from tests.models.conftest import perturbed_params  # pylint: disable=import-outside-toplevel
   params = quant.quantize_params(perturbed_params(TP_CFG, seed=0), TP_CFG.tie_embeddings)
   for tree in (params, llama.split_layers(params)):
     specs = sharding.param_specs(tree, TP_CFG, 2)

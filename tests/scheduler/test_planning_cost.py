@@ -180,6 +180,7 @@ def all_summaries() -> dict:
   return out
 
 
+@pytest.mark.extended   # ~200 s on 2 cores: a plan program per policy, budget and queue size
 def test_every_policy_plans_as_recorded():
   """Same plans, slot for slot, as the recorded ones, for every policy."""
   expected = json.loads(EXPECTED.read_text())
