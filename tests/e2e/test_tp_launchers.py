@@ -135,6 +135,7 @@ def _serve_completions(model_dir: Path, mesh: str, prompts, log: Path) -> list:
       proc.kill()
 
 
+@pytest.mark.extended
 def test_serve_on_a_mesh_answers_with_the_one_device_completions(hf_tiny, tmp_path):
   """serve.py (warmup on, as by default) under model:2 and model:4: the
   greedy completions over HTTP equal one device's."""
@@ -210,6 +211,7 @@ def test_family_on_model_2_and_4_matches_one_device(family, family_dirs, tmp_pat
     assert rows[0]["min_margin"] > 2 * r["max_abs_logit_diff"], r
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.skipif(not _HAS_REFERENCE, reason="needs the reference extra (torch, "
                     "transformers) to write the family checkpoints")
