@@ -75,11 +75,19 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   # §0x06 online facts: the realized length of a request that ended
   # (eos / stop / length) joins the completed-output histogram; extensions
   # the plan granted are counted once their row completed.
+  done = result.finished & ~result.failed & (result.finish_reason >= rec.FINISH_EOS) & (
+      result.finish_reason <= rec.FINISH_LENGTH)
   hist = state.completed_outputs
   if hist is not None:
-    done = result.finished & ~result.failed & (result.finish_reason >= rec.FINISH_EOS) & (
-        result.finish_reason <= rec.FINISH_LENGTH)
     hist = hist.at[jnp.minimum(emitted, hist.shape[0] - 1)].add(done.astype(jnp.int32))
+  # The same ended requests, per client: count and outputs (the online facts
+  # of a per-client output-length mean, ``scheduler.policy_length``).
+  client_requests = state.client_completed_requests
+  if client_requests is not None:
+    client_requests = client_requests + per_client(done.astype(jnp.int32))
+  client_outputs = state.client_completed_outputs
+  if client_outputs is not None:
+    client_outputs = client_outputs + per_client(jnp.where(done, emitted, 0))
   extensions = state.num_extensions
   if extensions is not None and plan.extend is not None:
     extensions = extensions + (plan.extend & completed).astype(jnp.int32)
@@ -101,7 +109,9 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       recompute_rows=recompute_rows,
       rebuild_target=target,
       completed_outputs=hist,
-      num_extensions=extensions)
+      num_extensions=extensions,
+      client_completed_requests=client_requests,
+      client_completed_outputs=client_outputs)
   update = getattr(plan.policy, "update", None)
   if update is not None:
     successor = update(manifest, state, plan, result, successor)

@@ -18,7 +18,8 @@ Implemented here:
 The rest of the library lives in ``policy_orca`` (``orca``),
 ``policy_sarathi`` (``sarathi``), ``policy_vllm`` (``vllm_v1``),
 ``policy_fairness`` (``fastserve``, ``vtc``, ``vtc_completion_reconciled``,
-``prefix_aware``) and ``policy_slo`` (``priority_aging``, ``least_slack``),
+``prefix_aware``), ``policy_slo`` (``priority_aging``, ``least_slack``) and
+``policy_length`` (``sjf``, ``srpt``, ``spf``),
 built on the shared helpers below and registered by name in ``POLICIES``.
 Each records its own tie-break key (``policy.sort_keys``), which
 ``validate`` replays through ``IterationPlan.policy``.
@@ -604,6 +605,9 @@ POLICIES: Dict[str, Callable[[Budgets], object]] = {
     "priority_aging": _lazy("scheduler.policy_slo", "PriorityAging"),
     "least_slack": _lazy("scheduler.policy_slo", "LeastSlack"),
     "prefix_aware": _lazy("scheduler.policy_fairness", "PrefixAware"),
+    "sjf": _lazy("scheduler.policy_length", "ShortestJobFirst"),
+    "srpt": _lazy("scheduler.policy_length", "ShortestRemainingFirst"),
+    "spf": _lazy("scheduler.policy_length", "ShortestPrefillFirst"),
 }
 
 

@@ -143,6 +143,13 @@ class SchedulerState:
     num_extensions: i32[R], §0x06 extensions granted to the request: decode
       rows that crossed its reserved frontier and took a new page
       (``IterationPlan.extend``).
+    client_completed_requests: i32[C], requests of each client that
+      completed in this run (eos / stop / length; aborts and failures are
+      not counted).
+    client_completed_outputs: i32[C], the outputs those requests emitted in
+      all. With ``client_completed_requests`` the online facts of a
+      per-client output-length mean (§0x06; ``scheduler.policy_length``):
+      learned only from requests that ended, never a live one's length.
   """
 
   decision_id: jax.Array
@@ -172,6 +179,8 @@ class SchedulerState:
   hot_streak: Optional[jax.Array] = None
   completed_outputs: Optional[jax.Array] = None
   num_extensions: Optional[jax.Array] = None
+  client_completed_requests: Optional[jax.Array] = None
+  client_completed_outputs: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -341,7 +350,9 @@ def initial_state(num_slots: int, num_clients: int,
       hot_streak=jnp.int32(0),
       completed_outputs=(jnp.zeros((max_output_tokens + 1,), jnp.int32)
                          if max_output_tokens > 0 else None),
-      num_extensions=i32(0))
+      num_extensions=i32(0),
+      client_completed_requests=jnp.zeros((num_clients,), jnp.int32),
+      client_completed_outputs=jnp.zeros((num_clients,), jnp.int32))
 
 
 def kv_rows(prompt_len, max_tokens):
