@@ -4,10 +4,21 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream`` true: server-sent events in OpenAI's chunk format ending with
 ``data: [DONE]``, or false), ``GET /v1/models`` and ``GET /v1/models/{id}``,
 ``GET /health``, ``GET /metrics`` (Prometheus text; vLLM's metric names where
-one exists), and for a router front (``serving.replicas``) ``POST /tokenize`` (a body's
-prompt token ids) and ``GET /engine`` (page size, pages, slots). A stream
+one exists), the tokenizer endpoints in vLLM's shapes (``POST /tokenize``: a
+body's prompt token ids, with ``add_special_tokens``; ``POST /detokenize``:
+``{tokens}`` -> ``{prompt}``; ``GET /tokenizer_info``: special tokens and
+chat template, what lm-evaluation-harness's remote tokenizer reads) and, for
+a router front (``serving.replicas``), ``GET /engine`` (page size, pages,
+slots). Every response and chunk has OpenAI's ``object`` field. A stream
 carries ``usage`` only when ``stream_options.include_usage`` is true: null
-on every chunk, then one last chunk with no choices and the usage (OpenAI).
+on every chunk (or, with ``continuous_usage_stats``, the counts so far),
+then one last chunk with no choices and the usage (OpenAI). Usage gives
+``prompt_tokens_details.cached_tokens``, the prompt tokens the request took
+from the prefix cache. A batched prompt (a list of strings or of token-id
+lists) is one engine request per prompt and one choice each, ``index`` in
+prompt order. The ``x-request-id`` header, when sent, names the request
+(its ``id`` is "cmpl-"/"chatcmpl-" + it) and comes back on the response.
+A body field the endpoint does not read is a 400 naming it, never ignored.
 
 Threads: one engine thread owns the ``Engine``. Between iterations it drains
 a command queue (add, abort), runs one ``step``, detokenizes each request's
@@ -81,6 +92,20 @@ UNSUPPORTED_FIELDS = {
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
 }
 MAX_STOP_STRING_CHARS = 256
+# Body fields each endpoint reads; with UNSUPPORTED_FIELDS (at their off
+# values) they are all a body may hold: any other field is a 400 naming it.
+_COMMON_FIELDS = frozenset({
+    "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "stream", "stream_options",
+    "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms"})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages"}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+# A client's id for its request (vLLM, ``vllm bench serve``): the response's
+# ``id`` is "cmpl-"/"chatcmpl-" + it, the engine's request id the same
+# (choice i of a batched prompt: + "-i"), and the response carries it back.
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_CHARS = 256
 # Seconds between disconnect checks of a non-streaming request.
 _DISCONNECT_POLL_S = 0.25
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -182,10 +207,11 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
 
 @dataclasses.dataclass
 class ParsedRequest:
-  """A validated request: prompt ids, sampling, stop strings, routing."""
+  """A validated request: its prompts (one choice each), sampling, stop
+  strings, streaming and routing."""
 
-  prompt_token_ids: List[int]
-  sampling: SamplingParams
+  prompts: List[List[int]]   # prompt token ids, one list per choice (``index`` order)
+  samplings: List[SamplingParams]       # one per prompt (max_tokens may differ)
   stop: List[str]
   stream: bool
   include_usage: bool
@@ -194,16 +220,21 @@ class ParsedRequest:
   extra: Dict[str, Any]      # engine keyword arguments (e.g. SLO targets)
   prompt_field: str = "prompt"          # or "messages": the body field of the prompt
   max_tokens_field: str = "max_tokens"  # or "max_completion_tokens", as the body named it
+  continuous_usage: bool = False        # usage on every chunk (include_usage too)
 
 
 # ------------------------------------------------------------- per request
 class _Live:
-  """Server-side state of one request (owned by the engine thread after add)."""
+  """Server-side state of one engine request, choice ``index`` of its HTTP
+  request (owned by the engine thread after add)."""
 
-  def __init__(self, rid: str, parsed: ParsedRequest, detok, events: asyncio.Queue,
-               loop: asyncio.AbstractEventLoop):
+  def __init__(self, rid: str, index: int, parsed: ParsedRequest, detok,
+               events: asyncio.Queue, loop: asyncio.AbstractEventLoop):
     self.rid = rid
+    self.index = index
     self.parsed = parsed
+    self.prompt_token_ids = parsed.prompts[index]
+    self.sampling = parsed.samplings[index]
     self.detok = detok
     self.events = events
     self.loop = loop
@@ -214,6 +245,7 @@ class _Live:
     self.arrival_s: Optional[float] = None
 
   def push(self, event: dict) -> None:
+    event["index"] = self.index
     self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -244,8 +276,10 @@ class EngineLoop:
     self._commands.put(("stop",))
     self._thread.join(timeout=30)
 
-  def add(self, live: _Live) -> None:
-    self._commands.put(("add", live))
+  def add(self, lives: List[_Live]) -> None:
+    """Adds the engine requests of one HTTP request (its choices) between
+    two iterations, in ``index`` order."""
+    self._commands.put(("add", lives))
 
   def abort(self, rid: str) -> None:
     self._commands.put(("abort", rid))
@@ -302,30 +336,49 @@ class EngineLoop:
         self._stopping = True
         return ran
       if command[0] == "add":
-        self._add(command[1])
+        self._add_all(command[1])
       elif command[0] == "abort":
         self._abort(command[1])
 
-  def _add(self, live: _Live) -> None:
+  def _add_all(self, lives: List[_Live]) -> None:
+    """Adds one HTTP request's choices; each pushes its first event
+    (accepted, refused, or the end of a request rejected at once). After a
+    refusal the choices before it are cancelled and those after it are
+    never added (the handler answers with the refusal)."""
+    for i, live in enumerate(lives):
+      if not self._add(live):
+        for done in lives[:i]:
+          self._abort(done.rid)
+        for never in lives[i + 1:]:
+          self.metrics.release()
+        return
+
+  def _add(self, live: _Live) -> bool:
+    """Adds one engine request; False when the engine refused it."""
     p = live.parsed
     arrival_ms = None
     if live.arrival_s is not None and self.engine.clock is time.monotonic:
       arrival_ms = self.engine.now_ms() - (time.monotonic() - live.arrival_s) * 1e3
     try:
-      req = self.engine.add_request(live.rid, p.prompt_token_ids, p.sampling,
+      if live.rid in self.engine.requests:
+        raise BadRequest(f"header '{REQUEST_ID_HEADER}' names request {live.rid!r}, "
+                         f"which is still live; request ids must be unique",
+                         REQUEST_ID_HEADER)
+      req = self.engine.add_request(live.rid, live.prompt_token_ids, live.sampling,
                                     arrival_ms=arrival_ms, priority=p.priority,
                                     client=p.client, **p.extra)
     except Exception as e:          # refused by the engine: never accepted
       live.push({"type": "refused", "exc": e})
       self.metrics.refused("overloaded" if isinstance(e, OVERLOAD_ERRORS) else "bad_request")
       self.metrics.release()
-      return
+      return False
     self._live[live.rid] = live
-    self.metrics.prompt_tokens.inc(len(p.prompt_token_ids))
+    self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
     if req.finished:          # rejected at once (can never fit the KV cache): its
       self._end(live, req)    # "end" is the first event, a 400 before any stream
-      return
+      return True
     live.push({"type": "accepted"})
+    return True
 
   def _stamp_queue_time(self, start_ms: float, outputs) -> None:
     """Queue time (arrival -> start of the first iteration that scheduled
@@ -362,14 +415,14 @@ class EngineLoop:
         piece += live.detok.flush()
       # Like EOS and stop ids, stop strings count from min_tokens on.
       stopped = self._append(live, piece, check=len(req.output_token_ids) >=
-                             live.parsed.sampling.min_tokens)
+                             live.sampling.min_tokens)
       if stopped and not out.finished:
         self.engine.finish(out.request_id, "stop")
         finished_here = True
       if stopped or out.finished:
         self._end(live, req, stop_string=stopped)
       else:
-        self._push_text(live, final=False)
+        self._push_text(live, len(req.output_token_ids), final=False)
     return finished_here
 
   def _append(self, live: _Live, piece: str, check: bool) -> bool:
@@ -388,15 +441,19 @@ class EngineLoop:
       return True
     return False
 
-  def _push_text(self, live: _Live, final: bool) -> None:
+  def _push_text(self, live: _Live, completion_tokens: int, final: bool) -> None:
+    """Pushes the text not sent yet (all of it when ``final``, else all but
+    what could still start a stop string) as a "delta" event, with the
+    request's output tokens so far."""
     hold = 0 if final else max((len(s) for s in live.parsed.stop), default=1) - 1
     upto = max(live.sent, len(live.text) - hold)
     if upto > live.sent:
-      live.push({"type": "delta", "text": live.text[live.sent:upto]})
+      live.push({"type": "delta", "text": live.text[live.sent:upto],
+                 "completion_tokens": completion_tokens})
       live.sent = upto
 
   def _end(self, live: _Live, req, stop_string: bool = False) -> None:
-    self._push_text(live, final=True)
+    self._push_text(live, len(req.output_token_ids), final=True)
     outcome, reason = req.outcome, req.finish_reason
     finish = None
     if outcome == "completed":   # OpenAI: "stop" (EOS, stop id or string) or "length"
@@ -404,6 +461,7 @@ class EngineLoop:
     self.metrics.finished(self.engine, req, finish)
     live.push({"type": "end", "outcome": outcome, "reason": reason, "finish_reason": finish,
                "prompt_tokens": len(req.prompt_token_ids),
+               "cached_tokens": req.prefix_hit_tokens,
                "completion_tokens": len(req.output_token_ids), "text": live.text})
     del self._live[live.rid]
     self.engine.evict(live.rid)
@@ -457,13 +515,15 @@ class ServerMetrics:
     self._preemptions_seen = 0
     self._prefix_seen = (0, 0)
 
-  def admit(self) -> None:
+  def admit(self, count: int = 1) -> None:
+    """Reserves ``count`` live places (one per choice), all or none."""
     with self._lock:
-      if self.live >= self.capacity:
+      if self.live + count > self.capacity:
         self.refused("overloaded")
         raise Overloaded(f"the server holds {self.live} requests, its bound "
-                         f"(engine slots + --max_waiting = {self.capacity}); retry later")
-      self.live += 1
+                         f"(engine slots + --max_waiting = {self.capacity}); "
+                         f"{count} more do not fit; retry later")
+      self.live += count
 
   def release(self) -> None:
     with self._lock:
@@ -473,9 +533,15 @@ class ServerMetrics:
     self._refused.labels(self._model, reason).inc()
 
   def outcome(self, outcome: str, finish: Optional[str]) -> None:
+    """Counts an accepted request's end: ``iterserve:requests`` by outcome;
+    ``vllm:request_success`` by finish reason for a completed request
+    ("stop", "length") and as "abort" for a cancelled one (vLLM counts a
+    client's abort there too)."""
     self._outcomes.labels(self._model, outcome).inc()
     if outcome == "completed":
       self._success.labels(self._model, finish).inc()
+    elif outcome == "cancelled":
+      self._success.labels(self._model, "abort").inc()
 
   def finished(self, engine: Engine, req, finish: Optional[str]) -> None:
     """Counts a request's outcome and observes its latencies.
@@ -667,24 +733,32 @@ class OpenAIServer:
 
   # ------------------------------------------------------------- parsing
   def parse(self, body: Any, chat: bool) -> ParsedRequest:
-    """Validates an OpenAI request body; raises BadRequest naming the field."""
+    """Validates an OpenAI request body; raises BadRequest naming the field.
+
+    Every body field is one this endpoint reads (``COMPLETION_FIELDS``,
+    ``CHAT_FIELDS``) or an unimplemented one at its off value
+    (``UNSUPPORTED_FIELDS``); any other field is a 400 naming it.
+    """
     if not isinstance(body, dict):
       raise BadRequest("the request body must be a JSON object")
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for field in body:
+      if field not in known and field not in UNSUPPORTED_FIELDS:
+        raise BadRequest(f"'{field}' is not a field this server reads for "
+                         f"{'chat completions' if chat else 'completions'} (unknown "
+                         f"fields are refused, never ignored)", field)
     model = _get(body, "model", str, self.model_name)
     if model != self.model_name:
       raise UnknownModel(f"model {model!r} does not exist; this server serves "
                          f"{self.model_name!r}", "model")
     n = _get(body, "n", int, 1)
     if n != 1:
-      raise BadRequest(f"'n' must be 1 (one choice per request), got {n}", "n")
+      raise BadRequest(f"'n' must be 1 (one choice per prompt), got {n}", "n")
     for field, neutral in UNSUPPORTED_FIELDS.items():
       if field in body and body[field] not in neutral:
         raise BadRequest(f"'{field}' is not supported by this server (accepted only as "
                          f"{' or '.join(json.dumps(v) for v in neutral)})", field)
-    if chat:
-      ids = self._chat_prompt(body)
-    else:
-      ids = self._completion_prompt(body)
+    prompts = [self._chat_prompt(body)] if chat else self._completion_prompts(body)
     max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
       max_tokens = _get(body, "max_completion_tokens", int, None)
@@ -693,18 +767,26 @@ class OpenAIServer:
       field = "max_tokens"
     # The field a "too long" refusal names: the one the body gave (default max_tokens).
     max_tokens_field = field if field in body else "max_tokens"
-    if max_tokens is None:
-      max_tokens = self.default_max_tokens or self.max_model_len - len(ids)
-      max_tokens = min(max_tokens, self.max_model_len - len(ids))
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
       raise BadRequest(f"'{field}' must be >= 1, got {max_tokens}", field)
-    if len(ids) + max_tokens > self.max_model_len:
-      raise BadRequest(
-          f"This model's maximum context length is {self.max_model_len} tokens. However, "
-          f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the "
-          f"{'messages' if chat else 'prompt'}, {max_tokens} in the completion). Please "
-          f"reduce the length of the {'messages' if chat else 'prompt'} or completion.",
-          field if len(ids) < self.max_model_len else ("messages" if chat else "prompt"))
+    prompt_field = "messages" if chat else "prompt"
+    lengths = []          # each prompt's max_tokens (the body's, or the default)
+    for i, ids in enumerate(prompts):
+      wanted = max_tokens
+      if wanted is None:  # the rest of the context (or the server's default)
+        wanted = min(self.default_max_tokens or self.max_model_len - len(ids),
+                     self.max_model_len - len(ids))
+        if wanted < 1:
+          wanted = 1      # the prompt fills the context: refused below
+      if len(ids) + wanted > self.max_model_len:
+        name = prompt_field if len(prompts) == 1 else f"{prompt_field}[{i}]"
+        raise BadRequest(
+            f"This model's maximum context length is {self.max_model_len} tokens. "
+            f"However, you requested {len(ids) + wanted} tokens ({len(ids)} in the "
+            f"{name}, {wanted} in the completion). Please reduce the length of the "
+            f"{name} or completion.",
+            field if len(ids) < self.max_model_len else name)
+      lengths.append(wanted)
     temperature = float(_get(body, "temperature", (int, float), 1.0, "a number"))
     top_p = float(_get(body, "top_p", (int, float), 1.0, "a number"))
     top_k = _get(body, "top_k", int, 0)
@@ -729,15 +811,27 @@ class OpenAIServer:
       raise BadRequest(f"'stop_token_ids' holds at most {self.max_stop_ids} ids, got "
                        f"{len(stop_ids)}", "stop_token_ids")
     try:
-      sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, min_tokens=min_tokens,
+      sampling = SamplingParams(max_tokens=max(lengths), temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed, min_tokens=min_tokens,
                                 stop_token_ids=tuple(stop_ids), ignore_eos=ignore_eos)
+      samplings = [dataclasses.replace(sampling, max_tokens=m) for m in lengths]
     except ValueError as e:         # "SamplingParams.top_p must be in (0, 1], got 2.0"
       field_name = str(e).split(" ", 1)[0].split(".")[-1]
+      if field_name == "max_tokens":
+        field_name = field
       raise BadRequest(f"'{field_name}' {str(e).split(' ', 1)[1]}", field_name) from None
     stream = _get(body, "stream", bool, False)
-    options = _get(body, "stream_options", dict, {}, "an object")
+    options = _get(body, "stream_options", dict, None, "an object")
+    if options is not None and not stream:
+      raise BadRequest("'stream_options' is only allowed with 'stream': true",
+                       "stream_options")
+    options = options or {}
+    for key in options:
+      if key not in STREAM_OPTIONS:
+        raise BadRequest(f"'stream_options.{key}' is not a stream option this server "
+                         f"reads (one of {list(STREAM_OPTIONS)})", f"stream_options.{key}")
     include_usage = _get(options, "include_usage", bool, False)
+    continuous = _get(options, "continuous_usage_stats", bool, False)
     priority = _get(body, "priority", int, 0)
     if not -2**31 <= priority < 2**31:
       raise BadRequest(f"'priority' must be in [-2**31, 2**31) (an int32; lower runs "
@@ -754,30 +848,46 @@ class OpenAIServer:
       if value <= 0:
         raise BadRequest(f"'{field}' must be > 0 ms, got {value}", field)
       extra[keyword] = float(value)
-    return ParsedRequest(ids, sampling, stop, stream, include_usage, priority, client, extra,
-                         prompt_field="messages" if chat else "prompt",
-                         max_tokens_field=max_tokens_field)
+    return ParsedRequest(prompts, samplings, stop, stream, include_usage, priority, client,
+                         extra, prompt_field=prompt_field,
+                         max_tokens_field=max_tokens_field,
+                         continuous_usage=include_usage and continuous)
 
-  def _completion_prompt(self, body: dict) -> List[int]:
+  def _completion_prompts(self, body: dict) -> List[List[int]]:
+    """The body's ``prompt`` as token ids, one list per choice: a string or
+    a list of token ids is one prompt; a list of strings or a list of
+    token-id lists is a batch (at most the server's live bound)."""
     prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
-    if isinstance(prompt, list):
-      if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-      elif prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("'prompt' must be one prompt (batched prompts are not served)",
-                         "prompt")
+    if isinstance(prompt, str):
+      return [self._one_prompt(prompt, "prompt", True)]
+    if not prompt:
+      raise BadRequest("'prompt' must be non-empty", "prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+      return [self._one_prompt(prompt, "prompt", True)]
+    if not (all(isinstance(p, str) for p in prompt) or
+            all(isinstance(p, list) for p in prompt)):
+      raise BadRequest("'prompt' must be a string, a list of token ids, a list of strings "
+                       "or a list of token-id lists (not a mix)", "prompt")
+    if len(prompt) > self.metrics.capacity:
+      raise BadRequest(f"'prompt' holds {len(prompt)} prompts; a batch holds at most "
+                       f"{self.metrics.capacity} (the server's live bound)", "prompt")
+    return [self._one_prompt(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt", True)
+            for i, p in enumerate(prompt)]
+
+  def _one_prompt(self, prompt, name: str, add_special_tokens: bool) -> List[int]:
+    """One prompt (a string, or a list of token ids) as token ids."""
     if isinstance(prompt, str):
       if not prompt:
-        raise BadRequest("'prompt' must be non-empty", "prompt")
-      return self.tokenizer.encode(prompt)
+        raise BadRequest(f"'{name}' must be non-empty", name)
+      return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     vocab = self.engine.model_cfg.vocab_size
     if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and
                              0 <= t < vocab for t in prompt):
-      raise BadRequest(f"'prompt' as token ids must be a non-empty list of ids in "
-                       f"[0, {vocab})", "prompt")
+      raise BadRequest(f"'{name}' as token ids must be a non-empty list of ids in "
+                       f"[0, {vocab})", name)
     return list(prompt)
 
-  def _chat_prompt(self, body: dict) -> List[int]:
+  def _chat_prompt(self, body: dict, add_special_tokens: bool = False) -> List[int]:
     messages = _get(body, "messages", list, rule="a list of messages")
     if not messages:
       raise BadRequest("'messages' must hold at least one message", "messages")
@@ -804,7 +914,7 @@ class OpenAIServer:
       text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
     except Exception as e:          # jinja2 raise_exception in the template
       raise BadRequest(f"'messages' rejected by the chat template: {e}", "messages") from None
-    return self.tokenizer.encode(text, add_special_tokens=False)
+    return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
   # ---------------------------------------------------------------- app
   def _build_app(self) -> FastAPI:
@@ -844,16 +954,70 @@ class OpenAIServer:
     @app.post("/tokenize")
     async def tokenize(request: HttpRequest):
       """The prompt token ids a completion (``prompt``) or chat (``messages``)
-      body would run with; 400 naming the field as for the request itself."""
+      body would run with; 400 naming the field as for the request itself.
+      ``add_special_tokens`` (vLLM's default: true for a prompt, false for
+      messages, whose template writes its own) adds the tokenizer's BOS. A
+      whole request body may be sent (a router front does): the fields
+      other than these are left to the request itself."""
       try:
         body = json_body(await request.body())
         if not isinstance(body, dict):
           raise BadRequest("the request body must be a JSON object")
-        ids = (self._chat_prompt(body) if "messages" in body else
-               self._completion_prompt(body))
+        chat = "messages" in body
+        special = _get(body, "add_special_tokens", bool, not chat)
+        if chat:
+          ids = self._chat_prompt(body, add_special_tokens=special)
+        else:
+          prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
+          if (isinstance(prompt, list) and len(prompt) == 1
+              and isinstance(prompt[0], (str, list))):
+            prompt = prompt[0]            # a batch of one
+          if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+            raise BadRequest("'prompt' must be one prompt here (a string or a list of "
+                             "token ids); tokenize a batch prompt by prompt", "prompt")
+          ids = self._one_prompt(prompt, "prompt", special)
       except Exception as e:          # BadRequest: 400 naming the field; else 500
         return _error_response(e)
       return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HttpRequest):
+      """``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM's shape; special
+      tokens kept, as vLLM decodes them)."""
+      try:
+        body = json_body(await request.body())
+        if not isinstance(body, dict):
+          raise BadRequest("the request body must be a JSON object")
+        for field in body:
+          if field not in ("model", "tokens"):
+            raise BadRequest(f"'{field}' is not a field of /detokenize (model, tokens)",
+                             field)
+        model = _get(body, "model", str, self.model_name)
+        if model != self.model_name:
+          raise UnknownModel(f"model {model!r} does not exist; this server serves "
+                             f"{self.model_name!r}", "model")
+        tokens = _get(body, "tokens", list, rule="a list of token ids")
+        vocab = self.engine.model_cfg.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in tokens):
+          raise BadRequest(f"'tokens' must be token ids in [0, {vocab})", "tokens")
+      except Exception as e:
+        return _error_response(e)
+      return {"prompt": self.tokenizer.decode(tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+      """The tokenizer's special tokens and chat template, as vLLM's
+      ``/tokenizer_info`` gives them (what lm-evaluation-harness's remote
+      tokenizer reads): ``eos_token``, ``bos_token`` (None when the model
+      prepends none), ``pad_token`` (None: the engine pads nothing),
+      ``chat_template`` (None without one) and ``model_max_length``."""
+      tok = self.tokenizer
+      name = lambda i: None if i is None else tok.id_to_token(i)
+      return {"tokenizer_class": "tokenizers.Tokenizer",
+              "eos_token": name(tok.eos_token_id), "bos_token": name(tok.bos_token_id),
+              "pad_token": None, "unk_token": None, "chat_template": tok.chat_template,
+              "model_max_length": self.max_model_len}
 
     @app.get("/metrics")
     async def metrics():
@@ -870,35 +1034,79 @@ class OpenAIServer:
 
     return app
 
+  def _request_id(self, request: HttpRequest, chat: bool) -> Tuple[str, str]:
+    """(the request's id, the ``x-request-id`` value its response carries):
+    "cmpl-"/"chatcmpl-" + the client's ``x-request-id`` header, or + a fresh
+    one (echoed back either way). Raises BadRequest naming the header when
+    it is empty, too long or not printable ASCII."""
+    kind = "chatcmpl" if chat else "cmpl"
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+      rid = f"{kind}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+      return rid, rid
+    if not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii()
+            and given.isprintable()):
+      raise BadRequest(f"header '{REQUEST_ID_HEADER}' must be 1..{MAX_REQUEST_ID_CHARS} "
+                       f"printable ASCII characters, got {given[:80]!r}", REQUEST_ID_HEADER)
+    return f"{kind}-{given}", given
+
   async def _serve(self, request: HttpRequest, chat: bool):
+    """One completion or chat request: parse, admit every choice, add them
+    to the engine in one command, then answer (whole or streamed)."""
+    echo_id = None
     try:
+      rid, echo_id = self._request_id(request, chat)
       parsed = self.parse(json_body(await request.body()), chat)
       arrival_s = _arrival_s(request)
       if not self.loop.alive:
         raise RuntimeError("the engine thread has stopped")
-      self.metrics.admit()
+      self.metrics.admit(len(parsed.prompts))
     except BadRequest as e:
       self.metrics.refused("bad_request")
-      return _error_response(e)
+      return self._with_id(_error_response(e), echo_id)
     except Exception as e:
-      return _error_response(e)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+      return self._with_id(_error_response(e), echo_id)
     events: asyncio.Queue = asyncio.Queue()
-    live = _Live(rid, parsed, self.tokenizer.detokenizer(skip_special_tokens=True), events,
-                 asyncio.get_running_loop())
-    live.arrival_s = arrival_s
-    self.loop.add(live)
-    first = await events.get()
-    if first["type"] == "refused":
-      return _error_response(first["exc"])
-    if first["type"] == "end":           # rejected at once: can never fit the KV cache
-      return _error_response(self._unfinished(parsed, first))
-    if first["type"] == "error":
-      return _error_response(RuntimeError(first["error"]))
+    loop = asyncio.get_running_loop()
+    n = len(parsed.prompts)
+    lives = [_Live(rid if n == 1 else f"{rid}-{i}", i, parsed,
+                   self.tokenizer.detokenizer(skip_special_tokens=True), events, loop)
+             for i in range(n)]
+    for live in lives:
+      live.arrival_s = arrival_s
+    self.loop.add(lives)
+    for _ in range(n):          # first events come in index order, all before any delta
+      first = await events.get()
+      if first["type"] == "accepted":
+        continue
+      self._abort_all(lives)
+      if first["type"] == "refused":
+        error = first["exc"]
+      elif first["type"] == "end":       # rejected at once: can never fit the KV cache
+        error = self._unfinished(parsed, first)
+      else:
+        error = RuntimeError(first["error"])
+      return self._with_id(_error_response(error), echo_id)
     if parsed.stream:
-      return StreamingResponse(self._stream(rid, parsed, events, chat),
-                               media_type="text/event-stream")
-    return await self._complete(request, rid, parsed, events, chat)
+      return StreamingResponse(self._stream(rid, lives, parsed, events, chat),
+                               media_type="text/event-stream",
+                               headers={REQUEST_ID_HEADER: echo_id})
+    return self._with_id(await self._complete(request, rid, lives, parsed, events, chat),
+                         echo_id)
+
+  @staticmethod
+  def _with_id(response, echo_id: Optional[str]):
+    """``response`` (a Response, or a dict made one) with ``x-request-id``."""
+    if isinstance(response, dict):
+      response = JSONResponse(response)
+    if echo_id is not None:
+      response.headers[REQUEST_ID_HEADER] = echo_id
+    return response
+
+  def _abort_all(self, lives: List[_Live]) -> None:
+    """Cancels every choice still live (an ended one is left as it is)."""
+    for live in lives:
+      self.loop.abort(live.rid)
 
   def _unfinished(self, parsed: ParsedRequest, end: dict) -> Exception:
     """The error of a request that ended without completing (its "end"
@@ -915,27 +1123,64 @@ class OpenAIServer:
     if end["outcome"] != "rejected":
       return RuntimeError(message)
     c = self.engine.config
-    prompt_len = len(parsed.prompt_token_ids)
+    index = end.get("index", 0)
+    prompt_len = len(parsed.prompts[index])
     fits = lambda max_tokens: kv_pages.pages_for(
         min(rec.kv_rows(prompt_len, max_tokens), c.max_model_len - 1),
         c.page_size) <= c.num_pages - 1
-    too_long = not fits(1) or (fits(parsed.sampling.max_tokens)
+    too_long = not fits(1) or (fits(parsed.samplings[index].max_tokens)
                                and prompt_len > c.max_num_batched_tokens)
-    return BadRequest(message, parsed.prompt_field if too_long else parsed.max_tokens_field)
+    prompt_field = (parsed.prompt_field if len(parsed.prompts) == 1 else
+                    f"{parsed.prompt_field}[{index}]")
+    return BadRequest(message, prompt_field if too_long else parsed.max_tokens_field)
 
   def _head(self, rid: str, chat: bool, chunk: bool) -> dict:
+    """The fields every response and chunk starts with; ``object`` is
+    "text_completion" (OpenAI's legacy completions, chunks too),
+    "chat.completion" or "chat.completion.chunk"."""
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
     return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
 
   @staticmethod
-  def _usage(end: dict) -> dict:
-    return {"prompt_tokens": end["prompt_tokens"], "completion_tokens": end["completion_tokens"],
-            "total_tokens": end["prompt_tokens"] + end["completion_tokens"]}
+  def _usage(prompt_tokens: int, completion_tokens: int,
+             cached_tokens: Optional[int] = None) -> dict:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` (the
+    prompt tokens served from the prefix cache) when given."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+      usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
-  async def _complete(self, request: HttpRequest, rid: str, parsed: ParsedRequest,
-                      events: asyncio.Queue, chat: bool):
+  @staticmethod
+  def _final_usage(parsed: ParsedRequest, ends: Dict[int, dict]) -> dict:
+    """Usage summed over the choices of a request that completed."""
+    return OpenAIServer._usage(sum(e["prompt_tokens"] for e in ends.values()),
+                               sum(e["completion_tokens"] for e in ends.values()),
+                               sum(e["cached_tokens"] for e in ends.values()))
+
+  def _choice(self, index: int, chat: bool, text: str, finish_reason: Optional[str],
+              chunk: bool, logprobs=None) -> dict:
+    """One choice of a response (``chunk``: of a stream chunk, a ``delta``
+    for chat)."""
+    if not chat:
+      return {"index": index, "text": text, "logprobs": logprobs,
+              "finish_reason": finish_reason}
+    if chunk:
+      delta = {"content": text} if text or finish_reason is None else {}
+      return {"index": index, "delta": delta, "logprobs": logprobs,
+              "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+  async def _complete(self, request: HttpRequest, rid: str, lives: List[_Live],
+                      parsed: ParsedRequest, events: asyncio.Queue, chat: bool):
+    """The whole response once every choice ended; a client that hangs up
+    cancels every choice; a choice that did not complete answers the
+    request with its error (the others are cancelled)."""
     checked = time.monotonic()
-    while True:
+    ends: Dict[int, dict] = {}
+    while len(ends) < len(lives):
       try:
         event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
       except asyncio.TimeoutError:
@@ -943,64 +1188,78 @@ class OpenAIServer:
       if time.monotonic() - checked >= _DISCONNECT_POLL_S:
         checked = time.monotonic()
         if await request.is_disconnected():      # abort at the next boundary
-          self.loop.abort(rid)
+          self._abort_all(lives)
           return Response(status_code=499)
       if event is None:
         continue
       if event["type"] == "error":
         return _error_response(RuntimeError(event["error"]))
-      if event["type"] == "end":
-        break
-    if event["outcome"] != "completed":
-      return _error_response(self._unfinished(parsed, event))
-    choice = ({"index": 0, "message": {"role": "assistant", "content": event["text"]},
-               "logprobs": None, "finish_reason": event["finish_reason"]} if chat else
-              {"index": 0, "text": event["text"], "logprobs": None,
-               "finish_reason": event["finish_reason"]})
-    return {**self._head(rid, chat, False), "choices": [choice], "usage": self._usage(event)}
+      if event["type"] != "end":
+        continue
+      if event["outcome"] != "completed":
+        self._abort_all(lives)
+        return _error_response(self._unfinished(parsed, event))
+      ends[event["index"]] = event
+    choices = [self._choice(i, chat, e["text"], e["finish_reason"], chunk=False)
+               for i, e in sorted(ends.items())]
+    return {**self._head(rid, chat, False), "choices": choices,
+            "usage": self._final_usage(parsed, ends)}
 
-  async def _stream(self, rid: str, parsed: ParsedRequest, events: asyncio.Queue, chat: bool):
-    ended = False
+  async def _stream(self, rid: str, lives: List[_Live], parsed: ParsedRequest,
+                    events: asyncio.Queue, chat: bool):
+    """Server-sent events: each choice's deltas as they come (``index``
+    tells them apart), its finish chunk, then, with ``include_usage``, one
+    last chunk with no choices and the usage (OpenAI; ``usage`` is null on
+    the chunks before it, or with ``continuous_usage_stats`` the counts so
+    far), then ``[DONE]``. A choice that did not complete ends the stream
+    with its error (the others are cancelled)."""
+    ends: Dict[int, dict] = {}
+    counts = [0] * len(lives)
+    prompt_tokens = sum(len(p) for p in parsed.prompts)
+    done = False
     try:
       head = self._head(rid, chat, True)
       if parsed.include_usage:             # OpenAI: null on every chunk but the last
         head["usage"] = None
+
+      def chunk(choice):
+        out = {**head, "choices": [choice]}
+        if parsed.continuous_usage:
+          out["usage"] = self._usage(prompt_tokens, sum(counts))
+        return _sse(out)
+
       if chat:
-        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                         "logprobs": None, "finish_reason": None}]})
-      while True:
+        for i in range(len(lives)):
+          yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                       "logprobs": None, "finish_reason": None})
+      while len(ends) < len(lives):
         event = await events.get()
+        i = event["index"]
         if event["type"] == "error":
-          ended = True
+          done = True
           yield _sse({"error": {"message": event["error"], "type": "server_error",
                                 "param": None, "code": None}})
           break
         if event["type"] == "delta":
-          delta = {"content": event["text"]} if chat else None
-          choice = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-                    if chat else {"index": 0, "text": event["text"], "logprobs": None,
-                                  "finish_reason": None})
-          yield _sse({**head, "choices": [choice]})
+          counts[i] = event["completion_tokens"]
+          yield chunk(self._choice(i, chat, event["text"], None, chunk=True))
           continue
-        ended = True                       # "end"
-        if event["outcome"] != "completed":
+        if event["outcome"] != "completed":        # "end"
+          done = True
+          self._abort_all(lives)
           yield _sse(_error_body(self._unfinished(parsed, event))[1])
           break
-        choice = ({"index": 0, "delta": {}, "logprobs": None,
-                   "finish_reason": event["finish_reason"]} if chat else
-                  {"index": 0, "text": "", "logprobs": None,
-                   "finish_reason": event["finish_reason"]})
-        # OpenAI: usage only with stream_options.include_usage, and then in
-        # one extra last chunk with no choices.
-        yield _sse({**head, "choices": [choice]})
+        ends[i] = event
+        counts[i] = event["completion_tokens"]
+        yield chunk(self._choice(i, chat, "", event["finish_reason"], chunk=True))
+      else:
+        done = True
         if parsed.include_usage:
-          yield _sse({**head, "choices": [], "usage": self._usage(event)})
-        break
+          yield _sse({**head, "choices": [], "usage": self._final_usage(parsed, ends)})
       yield _sse("[DONE]")
     finally:
-      if not ended:                        # client gone: abort at the next boundary
-        self.loop.abort(rid)
+      if not done:                         # client gone: abort at the next boundary
+        self._abort_all(lives)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

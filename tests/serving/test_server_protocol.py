@@ -1,0 +1,207 @@
+"""The OpenAI server's protocol surface that clients (lm-evaluation-harness,
+``vllm bench serve``, guidellm, AIPerf, the openai client) rely on: the
+tokenizer endpoints, batched prompts, ``object`` fields, stream options,
+cached-token usage, ``x-request-id``, unknown fields refused and the abort
+counter. Real HTTP on 127.0.0.1, the real engine on the tiny model."""
+
+import json
+import time
+
+import numpy as np
+import openai
+import pytest
+
+from tests.serving.engine_testing import CHAT_TEMPLATE
+from tests.serving.engine_testing import wait_until as _wait
+from tests.serving.test_server import MODEL, TOK, _greedy_text, _Served
+
+
+@pytest.fixture(scope="module")
+def served(params):
+  s = _Served(params, max_waiting=64)
+  yield s
+  s.close()
+
+
+def _client(served):
+  return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _sse(served, body, path="/v1/completions", headers=None):
+  """(response headers, chunks) of one streamed request."""
+  with served.http.stream("POST", path, json={"model": MODEL, **body},
+                          headers=headers) as r:
+    assert r.status_code == 200, r.read()
+    lines = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+    response_headers = dict(r.headers)
+  assert lines[-1] == "[DONE]"
+  return response_headers, [json.loads(l) for l in lines[:-1]]
+
+
+def test_tokenizer_endpoints_as_lm_eval_reads_them(served):
+  info = served.http.get("/tokenizer_info").json()
+  assert (info["eos_token"], info["bos_token"], info["pad_token"]) == ("<|im_end|>",
+                                                                      None, None)
+  assert info["chat_template"] == CHAT_TEMPLATE and info["model_max_length"] == 64
+  # lm-eval's remote tokenizer finds the EOS id by tokenizing its text.
+  eos = served.http.post("/tokenize", json={"prompt": info["eos_token"],
+                                            "add_special_tokens": False}).json()
+  assert eos["tokens"] == [1]
+  text = "the heart of it"
+  ids = served.http.post("/tokenize", json={"prompt": text,
+                                            "add_special_tokens": False}).json()["tokens"]
+  assert ids == TOK.encode(text, add_special_tokens=False) and len(ids) > 3
+  back = served.http.post("/detokenize", json={"model": MODEL, "tokens": ids})
+  assert back.status_code == 200 and back.json() == {"prompt": text}
+  with_specials = served.http.post("/detokenize", json={"tokens": [2] + ids + [1]}).json()
+  assert with_specials["prompt"] == "<|im_start|>" + text + "<|im_end|>"
+  for path, body, param in [("/detokenize", {"tokens": [0, 512]}, "tokens"),
+                            ("/detokenize", {"tokens": "abc"}, "tokens"),
+                            ("/detokenize", {"tokens": [3], "skip": True}, "skip"),
+                            ("/tokenize", {"prompt": "x", "add_special_tokens": 1},
+                             "add_special_tokens"),
+                            ("/tokenize", {"prompt": ["a", "b"]}, "prompt")]:
+    r = served.http.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_batched_prompts_one_choice_each_in_index_order(served, params):
+  client = _client(served)
+  texts = ["the heart", "of it all", "ab"]
+  expected = [_greedy_text(params, TOK.encode(t), 5)[1] for t in texts]
+  got = client.completions.create(model=MODEL, prompt=texts, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+  assert [c.index for c in got.choices] == [0, 1, 2]
+  assert [c.text for c in got.choices] == expected
+  assert got.usage.prompt_tokens == sum(len(TOK.encode(t)) for t in texts)
+  assert got.usage.completion_tokens == 15
+  as_ids = client.completions.create(model=MODEL, prompt=[TOK.encode(t) for t in texts],
+                                     max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True})
+  assert [c.text for c in as_ids.choices] == expected
+  # Streamed: chunks of the choices interleave; each index adds up to its text.
+  _, chunks = _sse(served, {"prompt": texts, "max_tokens": 5, "temperature": 0,
+                            "ignore_eos": True, "stream": True})
+  streamed = ["", "", ""]
+  for chunk in chunks:
+    for c in chunk["choices"]:
+      streamed[c["index"]] += c["text"]
+  assert streamed == expected
+  finishes = [c["choices"][0] for c in chunks if c["choices"][0]["finish_reason"]]
+  assert sorted(c["index"] for c in finishes) == [0, 1, 2]
+  mixed = served.http.post("/v1/completions", json={"model": MODEL, "prompt": ["a", [5]]})
+  assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
+  bad = served.http.post("/v1/completions", json={"model": MODEL, "prompt": [[5], [600]]})
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt[1]"
+
+
+def test_object_fields_and_max_completion_tokens(served, params):
+  client = _client(served)
+  got = client.completions.create(model=MODEL, prompt="the end", max_tokens=2)
+  assert got.object == "text_completion"
+  messages = [{"role": "user", "content": "hi"}]
+  chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                        max_completion_tokens=3,
+                                        extra_body={"ignore_eos": True})
+  assert chat.object == "chat.completion" and chat.usage.completion_tokens == 3
+  _, chunks = _sse(served, {"messages": messages, "max_completion_tokens": 3,
+                            "stream": True}, path="/v1/chat/completions")
+  assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+  _, chunks = _sse(served, {"prompt": "the end", "max_tokens": 3, "stream": True})
+  assert {c["object"] for c in chunks} == {"text_completion"}
+
+
+def test_stream_options_usage_only_when_asked_and_continuous(served):
+  body = {"prompt": "the end", "max_tokens": 4, "ignore_eos": True, "stream": True}
+  _, plain = _sse(served, {**body, "stream_options": {"include_usage": False}})
+  assert all("usage" not in c for c in plain)
+  _, chunks = _sse(served, {**body, "stream_options": {"include_usage": True,
+                                                       "continuous_usage_stats": True}})
+  *rest, last = chunks
+  assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+  counts = [c["usage"]["completion_tokens"] for c in rest]
+  assert counts == sorted(counts) and counts[-1] == 4 and counts[0] >= 1
+  prompt_tokens = len(TOK.encode("the end"))
+  assert {c["usage"]["prompt_tokens"] for c in chunks} == {prompt_tokens}
+  for extra, param in [({"stream": False, "stream_options": {"include_usage": True}},
+                        "stream_options"),
+                       ({"stream_options": {"include_usage": True, "chunky": 1}},
+                        "stream_options.chunky")]:
+    r = served.http.post("/v1/completions", json={"model": MODEL, **body, **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(served):
+  """13 prompt tokens in 4-row pages: a repeat maps 3 cached pages (12 rows;
+  one prompt token is always computed)."""
+  prompt = list(np.random.default_rng(30).integers(3, 512, size=13))
+  body = {"model": MODEL, "prompt": [int(t) for t in prompt], "max_tokens": 2,
+          "ignore_eos": True}
+  first = served.http.post("/v1/completions", json=body).json()["usage"]
+  second = served.http.post("/v1/completions", json=body).json()["usage"]
+  assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+  assert second["prompt_tokens_details"] == {"cached_tokens": 12}
+  assert second["prompt_tokens"] == 13
+
+
+def test_x_request_id_is_the_request_id_and_is_echoed(served, monkeypatch):
+  body = {"model": MODEL, "prompt": "the end", "max_tokens": 2}
+  r = served.http.post("/v1/completions", json=body, headers={"x-request-id": "bench-7"})
+  assert r.status_code == 200
+  assert r.json()["id"] == "cmpl-bench-7" and r.headers["x-request-id"] == "bench-7"
+  headers, chunks = _sse(served, {**body, "stream": True},
+                         headers={"x-request-id": "bench-8"})
+  assert headers["x-request-id"] == "bench-8"
+  assert {c["id"] for c in chunks} == {"cmpl-bench-8"}
+  bad = served.http.post("/v1/completions", json=body, headers={"x-request-id": "x" * 300})
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+  # An id still live is refused, naming the header; the live request goes on.
+  engine = served.server.engine
+  step = engine.step
+
+  def slow_step():               # 40 steps x 20 ms: still running at the second post
+    time.sleep(0.02)
+    return step()
+
+  monkeypatch.setattr(engine, "step", slow_step)
+  long = {**body, "max_tokens": 40, "ignore_eos": True, "stream": True}
+  with served.http.stream("POST", "/v1/completions", json=long,
+                          headers={"x-request-id": "dup"}) as first:
+    lines = first.iter_lines()
+    assert next(lines).startswith("data: ")
+    again = served.http.post("/v1/completions", json=body, headers={"x-request-id": "dup"})
+    assert again.status_code == 400, again.text
+    assert again.json()["error"]["param"] == "x-request-id"
+    assert "still live" in again.json()["error"]["message"]
+    rest = [l for l in lines if l.startswith("data: ")]
+  monkeypatch.undo()
+  assert rest[-1] == "data: [DONE]"
+
+
+def test_unknown_fields_are_refused_and_null_stop_accepted(served):
+  for path, body, param in [
+      ("/v1/completions", {"prompt": "hi", "cache_salt": "tenant-a"}, "cache_salt"),
+      ("/v1/completions", {"prompt": "hi", "messages": []}, "messages"),
+      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                "prompt": "hi"}, "prompt"),
+  ]:
+    r = served.http.post(path, json={"model": MODEL, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "never ignored" in error["message"]
+  ok = served.http.post("/v1/completions", json={
+      "model": MODEL, "prompt": "hi", "max_tokens": 3, "stop": None, "ignore_eos": True})
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_cancelled_request_counts_as_abort_in_request_success(served):
+  key = ("vllm:request_success_total", (("finished_reason", "abort"),))
+  before = served.metrics().get(key, 0)
+  with served.http.stream("POST", "/v1/completions", json={
+      "model": MODEL, "prompt": "the end", "max_tokens": 50, "ignore_eos": True,
+      "stream": True}) as r:
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        break                                    # one chunk, then hang up
+  _wait(lambda: served.metrics().get(key, 0) == before + 1)
+  _wait(served.pages_free)
