@@ -1,46 +1,78 @@
-"""Calibrates the step-time cost model of the simulated executor.
+"""Calibrates the simulated executor's step-time model on this device.
 
-  python scripts/calibrate.py --out=configs/calibration/cost_model_smollm2_cpu.json
-  python scripts/calibrate.py --holdout_only --out=configs/calibration/cost_model_smollm2_cpu.json
+  python scripts/calibrate.py                      # --model, on an idle machine
+  python scripts/calibrate.py --second_model=random:smollm2-135m,d_model=960,n_heads=15,n_kv_heads=5,ffn_dim=2560
+  python scripts/calibrate.py --holdout_only --out=PATH
 
-1. Measures real step times of the model executor over a grid of batch
-   shapes (batches of N equal prompts of L tokens, each then decoding a few
-   tokens: prefill-heavy, mixed and decode-only steps over growing
-   contexts), timing every ``Engine.step`` after the buckets are compiled.
-2. Fits ``serving.cost_model`` by non-negative least squares
-   (``scipy.optimize.nnls``: the intercept and every coefficient >= 0) and
-   writes JSON naming the model, dtype, backend, machine and jax version.
-3. Held-out check: replays a short workload in real time with the model
-   executor and again with the simulated executor on a virtual clock, and
-   reports the median and p90 absolute error of per-request TTFT and E2EL
-   (ms).
+The protocol (``serving.cost_model`` holds the model it fits):
+
+1. Refuses to start when the machine is busy: the 1-minute load average
+   above ``--max_load`` (default 1.5 on this 2-core kind of machine: a
+   calibration taken beside other jobs was 5-45x off).
+2. Measures real step times of the model executor over a grid that covers
+   what replays run: batches of N equal prompts of L tokens (N in
+   ``--batch_sizes``, L in ``--prompt_lens``), each then decoding
+   ``--decode_tokens`` tokens — prefill-only, mixed and decode-only steps,
+   batch 1..max_num_seqs, contexts to max_model_len, the buckets those
+   shapes need — after a warmup that compiles every bucket. Each grid case
+   runs ``--repeats`` times; the spread of a case's step times across
+   repeats (the median over steps of max/min - 1) above ``--max_spread``
+   refuses the calibration (a busy machine), as does a load average above
+   ``--max_load`` at the end.
+3. Fits the model's features (``cost_model.FEATURES``) by non-negative
+   least squares. On one model the weight-read term cannot be told from the
+   per-step term and is left out (the calibration then predicts that model
+   only); ``--second_model`` (another width: a checkpoint, or ``random:`` a
+   preset with overrides, random weights of that shape) runs the grid again
+   so every term is fitted and the calibration predicts any model through
+   its features.
+4. Writes JSON keyed by model, dtype, engine preset and the device
+   fingerprint (``cost_model.device_fingerprint``), by default under
+   ``--cache_dir``/calibration, where simulated launchers on this device
+   find it; and the grid (``*_grid.npz``) beside it for ``--refit``.
+5. Held-out check: replays a short workload in real time with the model
+   executor and again on the simulated executor with the new calibration,
+   and reports per-request relative errors (median and p90) of TTFT, TPOT
+   and E2EL and the replay durations.
 """
 
 import dataclasses
+import gc
 import json
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from models import llama
+from models.config import get_config
+from models.loaders import load_model
 from serving import cost_model as cost_lib
 from serving import cli, launch, workloads
 from serving.config import SamplingParams
 from serving.engine import Engine
-from serving.replay import replay
+from serving.replay import fidelity, replay
 from serving.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "configs/calibration/cost_model_smollm2_cpu.json", "Calibration JSON.")
+flags.DEFINE_string("out", "", "Calibration JSON; default <cache_dir>/calibration/"
+                    "<model>_<dtype>_<engine>_<device id>.json.")
+flags.DEFINE_string("second_model", "", "A model of another width whose grid is fitted "
+                    "too (a checkpoint, preset or GGUF; or random:PRESET[,key=value...] "
+                    "for random weights of that preset's shape with overrides).")
 flags.DEFINE_list("batch_sizes", ["1", "4", "16", "32"], "Grid: requests per batch (N).")
 flags.DEFINE_list("prompt_lens", ["32", "256", "1024"], "Grid: prompt tokens (L).")
 flags.DEFINE_integer("decode_tokens", 8, "Grid: output tokens per request.")
+flags.DEFINE_integer("repeats", 2, "Grid: runs of each case (the spread check).")
+flags.DEFINE_float("max_load", 1.5, "Refuse when the 1-minute load average is above this.")
+flags.DEFINE_float("max_spread", 0.15, "Refuse when the median spread of a step's time "
+                   "across repeats (max/min - 1) is above this.")
 flags.DEFINE_string("refit", None, "Fit from a saved grid (.npz of a previous run) "
                     "instead of measuring; keeps the calibration's meta.")
 flags.DEFINE_bool("holdout_only", False, "Skip the grid; check the calibration in "
@@ -53,66 +85,101 @@ flags.DEFINE_string("holdout_out", "runs/calibration_holdout.json", "Held-out re
 launch.define_engine_flags()
 
 
-def step_features(entry, engine) -> list:
-  """FEATURES of one logged plan (``Engine.plan_log`` entry)."""
-  prefill = sum(e - s for _, s, e, kind in entry["scheduled"] if kind != "decode_row")
-  decode = sum(1 for *_, kind in entry["scheduled"] if kind == "decode_row")
-  kv_read = sum((e - s) * (s + e + 1) / 2 for _, s, e, _ in entry["scheduled"])
-  return [prefill, decode, kv_read, engine.config.bucket_for(max(prefill + decode, 1))]
+class BusyMachine(ValueError):
+  """The machine is too busy to calibrate on (load or spread)."""
+
+
+def check_load(when: str, max_load: float) -> float:
+  """The 1-minute load average; raises BusyMachine above ``max_load``."""
+  load = os.getloadavg()[0]
+  if load > max_load:
+    raise BusyMachine(f"machine busy {when}: 1-minute load average {load:.2f} > --max_load="
+                      f"{max_load} (stop other jobs; a calibration taken beside them is wrong)")
+  return load
+
+
+def spread(times_by_repeat) -> float:
+  """Median over steps of max/min - 1 across repeats (f64[repeats, steps])."""
+  t = np.asarray(times_by_repeat, np.float64)
+  return float(np.median(t.max(axis=0) / t.min(axis=0) - 1.0))
+
+
+def second_model(spec: str, dtype):
+  """(cfg, params) of ``--second_model``: ``random:PRESET,key=value,...``
+  (random weights; a step's time does not depend on their values) or any
+  model ``launch`` loads."""
+  if not spec.startswith("random:"):
+    cfg, params, _ = load_model(spec, dtype=dtype)
+    return cfg, params
+  preset, *pairs = spec[len("random:"):].split(",")
+  overrides = {}
+  for pair in pairs:
+    key, _, value = pair.partition("=")
+    overrides[key] = type(getattr(get_config(preset), key))(value)
+  cfg = dataclasses.replace(get_config(preset), name=f"random-{preset}-{'-'.join(pairs)}",
+                            **overrides)
+  return cfg, llama.init_params(cfg, jax.random.PRNGKey(0), dtype)
 
 
 def measure_grid(engine_cfg, cfg, params):
-  """Step features and times (ms) over the --batch_sizes x --prompt_lens grid;
-  prompt ids are drawn in [20, min(1000, vocab_size))."""
+  """Step features and times (ms) over the grid, each case --repeats times.
+
+  Returns (features f64[N, len(FEATURES)], step_ms f64[N] (the median over
+  repeats), spread). Prompt ids are drawn in [20, min(1000, vocab))."""
   rng = np.random.default_rng(0)
   top = min(1000, cfg.vocab_size)
-  rows, times = [], []
+  rows, times, spreads = [], [], []
   for n in (int(x) for x in FLAGS.batch_sizes):
     for length in (int(x) for x in FLAGS.prompt_lens):
-      engine = Engine(cfg, params, engine_cfg)
-      engine.record_plans = True
-      for i in range(n):
-        engine.add_request(f"g{i}", rng.integers(20, top, size=length).tolist(),
-                           SamplingParams(max_tokens=FLAGS.decode_tokens, ignore_eos=True))
-      t_case = time.perf_counter()
-      while engine.has_unfinished():
-        logged = len(engine.plan_log)
-        t = time.perf_counter()
-        engine.step()
-        dt_ms = (time.perf_counter() - t) * 1000.0
-        if len(engine.plan_log) > logged:
-          rows.append(step_features(engine.plan_log[-1], engine))
-          times.append(dt_ms)
-      print(f"N={n:3d} L={length:5d}: {engine.num_iterations} steps in "
-            f"{time.perf_counter() - t_case:.1f} s")
-  return np.array(rows, np.float64), np.array(times, np.float64)
+      prompts = [rng.integers(20, top, size=length).tolist() for _ in range(n)]
+      runs, feats = [], None
+      for _ in range(FLAGS.repeats):
+        engine = Engine(cfg, params, engine_cfg)
+        for i, p in enumerate(prompts):
+          engine.add_request(f"g{i}", p, SamplingParams(max_tokens=FLAGS.decode_tokens,
+                                                        ignore_eos=True))
+        run_feats, run_times = [], []
+        while engine.has_unfinished():
+          done = engine.num_iterations
+          t = time.perf_counter()
+          engine.step()
+          dt_ms = (time.perf_counter() - t) * 1000.0
+          if engine.num_iterations > done:
+            run_feats.append(engine.last_step_features)
+            run_times.append(dt_ms)
+        if feats is not None and len(run_feats) != len(feats):
+          raise RuntimeError(f"N={n} L={length}: repeats ran {len(feats)} and "
+                             f"{len(run_feats)} steps (the schedule must repeat)")
+        feats = run_feats
+        runs.append(run_times)
+        del engine               # one KV cache alive at a time
+        gc.collect()
+      spreads.append(spread(runs))
+      rows.extend(feats)
+      times.extend(np.median(np.asarray(runs), axis=0))
+      print(f"{cfg.name} N={n:3d} L={length:5d}: {len(feats)} steps, median "
+            f"{np.median(runs):.1f} ms, spread {spreads[-1]:.3f}")
+  return np.array(rows, np.float64), np.array(times, np.float64), float(np.median(spreads))
 
 
-def holdout(engine_cfg, cfg, params, model, vocab):
-  """Per-request TTFT/E2EL errors of the simulated replay vs the real one."""
-  # Prompts up to 512 tokens and outputs up to 32, both within the context.
+def holdout(engine_cfg, cfg, params, vocab, cost_path):
+  """``replay.fidelity`` of the simulated replay of a short workload against
+  its real replay (model executor, wall clock)."""
   output_len = min(32, engine_cfg.max_model_len // 4)
   wl = workloads.synthetic_azure_conv(FLAGS.holdout_requests, FLAGS.holdout_rate_scale,
                                       max_prompt_len=min(512, engine_cfg.max_model_len
                                                          - output_len),
                                       max_output_len=output_len, seed=7, vocab_size=vocab)
   real_recs, real_s = replay(Engine(cfg, params, engine_cfg), wl, realtime=True)
-  sim_cfg = dataclasses.replace(engine_cfg, executor="simulated", cost_model=FLAGS.out)
-  sim_recs, sim_s = replay(Engine(cfg, params, sim_cfg, clock=VirtualClock()), wl)
-  err = {"ttft_ms": [], "e2el_ms": []}
-  for a, b in zip(real_recs, sim_recs):
-    if a.outcome == b.outcome == "completed":
-      err["ttft_ms"].append(abs(a.first_token_s - b.first_token_s) * 1000.0)
-      err["e2el_ms"].append(abs(a.token_times_s[-1] - b.token_times_s[-1]) * 1000.0)
-  out = {"requests": len(wl), "measured_duration_s": real_s, "simulated_duration_s": sim_s,
-         "load_avg": os.getloadavg()}
-  for k, v in err.items():
-    out[f"median_abs_err_{k}"] = float(np.median(v))
-    out[f"p90_abs_err_{k}"] = float(np.percentile(v, 90))
-    meas = [((a.first_token_s if k == "ttft_ms" else a.token_times_s[-1]) - a.arrival_s)
-            * 1000.0 for a in real_recs if a.outcome == "completed"]
-    out[f"measured_median_{k}"] = float(np.median(meas))
-  return out
+  sim_cfg = dataclasses.replace(engine_cfg, executor="simulated", cost_model=cost_path)
+  sim_recs, sim_s = replay(Engine(cfg, None, sim_cfg, clock=VirtualClock()), wl)
+  return {**fidelity(real_recs, sim_recs, real_s, sim_s), "load_avg": os.getloadavg()}
+
+
+def default_out(engine_cfg, model_name: str, fingerprint: dict) -> str:
+  safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+  return os.path.join(FLAGS.cache_dir or ".", "calibration",
+                      f"{safe}_{engine_cfg.dtype}_{FLAGS.engine}_{fingerprint['id']}.json")
 
 
 def _check_grid(engine_cfg) -> None:
@@ -123,41 +190,71 @@ def _check_grid(engine_cfg) -> None:
     raise ValueError(f"--prompt_lens={longest} plus --decode_tokens={FLAGS.decode_tokens} "
                      f"exceeds the engine's max_model_len={engine_cfg.max_model_len} "
                      f"(--engine={FLAGS.engine})")
+  if FLAGS.repeats < 2 and not FLAGS.refit:
+    raise ValueError(f"--repeats must be >= 2 (the spread check), got {FLAGS.repeats}")
 
 
 def main(argv):
   del argv
   engine_cfg = launch.engine_config()
-  if not FLAGS.holdout_only and not FLAGS.refit:
+  fingerprint = cost_lib.device_fingerprint()
+  measuring = not FLAGS.holdout_only and not FLAGS.refit
+  if measuring:
     _check_grid(engine_cfg)
+    load_before = check_load("before measuring", FLAGS.max_load)
   cfg, params, _ = launch.load_flags_model(engine_cfg)
-  launch.warmup(Engine(cfg, params, engine_cfg))
+  out = FLAGS.out or default_out(engine_cfg, cfg.name, fingerprint)
   if not FLAGS.holdout_only:
+    models = [(cfg, params)]
+    if FLAGS.second_model:
+      dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
+      models.append(second_model(FLAGS.second_model, dtype))
     if FLAGS.refit:
       grid = np.load(FLAGS.refit)
       x, y = grid["features"], grid["step_ms"]
+      meta = json.loads(str(grid["meta"]))
     else:
-      x, y = measure_grid(engine_cfg, cfg, params)
-    meta = dict(model=FLAGS.model, family=cfg.family,
-                model_costs=launch.model_costs(cfg, engine_cfg),
-                dtype=engine_cfg.dtype, engine=FLAGS.engine,
-                backend=jax.default_backend(), device=str(jax.devices()[0]),
-                machine=f"{platform.machine()} {os.cpu_count()} cpus {platform.node()}",
-                platform=platform.platform(), jax_version=jax.__version__,
-                grid=dict(batch_sizes=FLAGS.batch_sizes, prompt_lens=FLAGS.prompt_lens,
-                          decode_tokens=FLAGS.decode_tokens),
-                load_avg=os.getloadavg(),
-                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    model = cost_lib.fit(x, y, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
-    model.save(FLAGS.out)
+      xs, ys, spreads = [], [], []
+      for model_cfg, model_params in models:
+        launch.warmup(Engine(model_cfg, model_params, engine_cfg))
+        gc.collect()
+        x, y, s = measure_grid(engine_cfg, model_cfg, model_params)
+        xs.append(x)
+        ys.append(y)
+        spreads.append(s)
+      x, y = np.concatenate(xs), np.concatenate(ys)
+      load_after = check_load("after measuring", FLAGS.max_load)
+      if max(spreads) > FLAGS.max_spread:
+        raise BusyMachine(f"step times spread {max(spreads):.3f} across repeats > "
+                          f"--max_spread={FLAGS.max_spread}: the machine is not quiet")
+      meta = dict(model=cfg.name, family=cfg.family, dtype=engine_cfg.dtype,
+                  engine=FLAGS.engine, device=fingerprint,
+                  models=[cost_lib.engine_model_costs(m, engine_cfg).to_json()
+                          for m, _ in models],
+                  model_names=[m.name for m, _ in models],
+                  platform=f"{jax.default_backend()} {jax.devices()[0].device_kind}",
+                  jax_version=jax.__version__,
+                  grid=dict(batch_sizes=FLAGS.batch_sizes, prompt_lens=FLAGS.prompt_lens,
+                            decode_tokens=FLAGS.decode_tokens, repeats=FLAGS.repeats),
+                  load_avg_before=load_before, load_avg_after=load_after,
+                  step_time_spread=spreads, max_load=FLAGS.max_load,
+                  max_spread=FLAGS.max_spread,
+                  created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    free = [f for f in cost_lib.FEATURES
+            if f != "weight_read_gb" or len(meta["models"]) > 1]
+    model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
+    model.save(out)
     if not FLAGS.refit:
-      np.savez(os.path.splitext(FLAGS.out)[0] + "_grid.npz", features=x, step_ms=y)
-    print(json.dumps(model.to_json(), indent=1))
-  result = holdout(engine_cfg, cfg, params, FLAGS.model, cfg.vocab_size)
+      np.savez(os.path.splitext(out)[0] + "_grid.npz", features=x, step_ms=y,
+               meta=json.dumps(meta))
+    print(json.dumps({**model.to_json(), "efficiencies": model.efficiencies()}, indent=1))
+  result = holdout(engine_cfg, cfg, params, cfg.vocab_size, out)
+  result["load_avg_ok"] = result["load_avg"][0] <= FLAGS.max_load
   os.makedirs(os.path.dirname(FLAGS.holdout_out) or ".", exist_ok=True)
   with open(FLAGS.holdout_out, "w") as f:
     json.dump(result, f, indent=1)
   print(json.dumps(result, indent=1))
+  print(f"calibration: {out}")
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ def coordinates(run: dict) -> Dict[str, str]:
   (each rendered as a canonical JSON string)."""
   config = run.get("config", {})
   cost = config.get("cost_model")
-  cost = None if cost is None else {k: cost.get(k) for k in ("intercept_ms", "coef_ms",
+  cost = None if cost is None else {k: cost.get(k) for k in ("coef_ms", "combine",
                                                              "min_step_ms")} | {
-      "file": cost.get("meta", {}).get("path")}
+      "file": cost.get("meta", {}).get("path") or cost.get("meta", {}).get("profile")}
   workload = config.get("workload", {})
   engine = {k: v for k, v in sorted(config.items()) if k not in _NOT_COORDINATES}
   for k in ("model", "executor", "clock"):

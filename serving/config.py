@@ -144,8 +144,10 @@ class EngineConfig:
     executor: "model" runs the model; "simulated" replaces only the model
       call (``serving.sim_executor``: tokens up to each request's recorded
       output length, step time from the cost model on a virtual clock).
-    cost_model: calibration JSON of ``serving.cost_model`` used by a virtual
-      clock ("" = ``configs/calibration/cost_model_smollm2_cpu.json``).
+    cost_model: the step-time model of a virtual clock (``serving.cost_model``):
+      a calibration JSON, "profile:NAME" for an accelerator profile
+      (``configs/accelerators``: a100, h100, h200, tpu_v5e, tpu_v6e), or "" for
+      ``configs/calibration/cost_model_cpu.json``.
     enable_prefix_caching: automatic prefix caching (``serving.prefix_cache``):
       full prompt pages are keyed by content and shared; a request starts
       its prefill after the longest cached prefix. On by default, as in

@@ -1,38 +1,62 @@
-"""Step-time cost model of one iteration, and its non-negative least-squares fit.
+"""Step-time cost model of one iteration: features from the model and the plan.
 
-The modelled time of an iteration is linear in its shape (ms):
+The modelled time of an iteration is a function of what the step computes
+and moves, derived from the ``ModelConfig`` (``model_costs``) and the plan
+(``plan_stats``), so that a fit holds across models and an accelerator's
+published peaks give a first estimate without the accelerator:
 
-  step_ms = intercept_ms + a * prefill_rows + b * decode_rows
-            + c * kv_tokens_read + d * bucket
+  ======================  =============================================  =========
+  feature                 what it counts                                 unit
+  ======================  =============================================  =========
+  step                    1 per iteration (host work, launch, sync)      step
+  rows                    live token rows (per-row non-GEMM work)        row
+  gemm_gflop              weight GEMMs over every row of the bucket      GFLOP
+                          (the program runs the padded bucket)
+  lm_head_gflop           the LM head on the rows that sample            GFLOP
+  attention_gflop         query-key pairs (a chunk of c rows after s     GFLOP
+                          cached keys: c*s + c(c+1)/2 pairs; a windowed
+                          block sees at most its window)
+  kv_read_gb              each scheduled sequence's cached K/V, read     GB
+                          once per block per step
+  weight_read_gb          the weights a step reads (MoE: every expert,   GB
+                          an upper bound)
+  ======================  =============================================  =========
 
-* ``prefill_rows``: prompt and rebuild rows computed (PREFILL_CHUNK + REBUILD).
-* ``decode_rows``: DECODE_ROW rows (one per decoding sequence).
-* ``kv_tokens_read``: cached keys attention reads, summed over the step's
-  rows: the row at position j reads j + 1 keys, so an interval [s, e)
-  reads (e - s) * (s + e + 1) / 2 (a decode row at position e - 1 reads e).
-* ``bucket``: the token-row bucket the step was compiled for (padding cost).
+``CostModel.coef_ms`` holds ms per unit of each feature (``step``'s is the
+per-step term), so ``1000 / coef`` of a GFLOP or GB feature is the
+throughput the fit measured (GFLOP/s, GB/s): the efficiencies of
+``CostModel.efficiencies``. Two ways to combine the terms:
 
-A prediction is clamped at ``min_step_ms`` (>= 0) so that a virtual clock
-never goes back. ``scripts/calibrate.py`` measures the model executor on a
-grid of shapes and fits the coefficients by non-negative least squares
-(``fit``: ``scipy.optimize.nnls``, ``numpy.linalg.lstsq`` only when asked
-with ``nonnegative=False``); the JSON names the model, dtype, backend,
-machine and jax version it holds for.
-Linear per-iteration cost models of this form are what Vidur (Agrawal et
-al., MLSys 2024) profiles per operator; here one fit covers the whole step.
+* ``"sum"``: every term adds (a fitted calibration; on a CPU the compute
+  and memory phases of a step overlap little).
+* ``"roofline"``: ``step + rows + max(compute terms, memory terms)``: an
+  accelerator profile (``profile``), where a step is bound by the larger of
+  its FLOPs at peak x efficiency and its bytes at bandwidth x efficiency.
+
+``scripts/calibrate.py`` measures the model executor on a grid and fits the
+"sum" form by non-negative least squares (``fit``: ``scipy.optimize.nnls``);
+the JSON names the models the grid ran, the dtype, engine preset, device
+fingerprint (``device_fingerprint``) and load average. ``resolve`` is how
+the engine takes one: a calibration fitted on one model predicts only that
+model (its weight term cannot be told from the per-step term); one fitted on
+two or more models, or a profile, predicts any model through its features.
+Linear per-iteration cost models are what Vidur (Agrawal et al., MLSys 2024)
+fits per operator; the roofline bound is Williams et al. (CACM 2009).
 
 ``model_costs(cfg)`` derives a model's cost features from its
 ``ModelConfig`` alone (FLOPs per row, weight and KV bytes, attention FLOPs
-per query-key pair): what a calibration holds for (recorded in its meta and
-in replay reports), and the features a config-driven cost model builds on.
+per query-key pair).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import platform
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,9 +64,15 @@ import numpy as np
 from models.config import ModelConfig
 from scheduler import records as rec
 
-FEATURES = ("prefill_rows", "decode_rows", "kv_tokens_read", "bucket")
-DEFAULT_CALIBRATION = (Path(__file__).resolve().parent.parent / "configs"
-                       / "calibration" / "cost_model_smollm2_cpu.json")
+FEATURES = ("step", "rows", "gemm_gflop", "lm_head_gflop", "attention_gflop",
+            "kv_read_gb", "weight_read_gb")
+COMPUTE = ("gemm_gflop", "lm_head_gflop", "attention_gflop")
+MEMORY = ("kv_read_gb", "weight_read_gb")
+COMBINES = ("sum", "roofline")
+_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CALIBRATION = _CONFIGS / "calibration" / "cost_model_cpu.json"
+PROFILE_DIR = _CONFIGS / "accelerators"
+PROFILE_PREFIX = "profile:"
 # Bytes per stored element of a weight or KV dtype name.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
@@ -153,31 +183,105 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
       weight_dtype=weight_dtype, kv_dtype=kv_dtype)
 
 
-def step_features(plan: rec.IterationPlan):
-  """f32[3]: (prefill_rows, decode_rows, kv_tokens_read) of a plan (the
-  bucket is a static host value and is appended by the caller)."""
+def engine_model_costs(cfg: ModelConfig, engine_config) -> ModelCosts:
+  """``model_costs`` of ``cfg`` in an ``EngineConfig``'s weight and KV dtypes
+  (int8 weights when ``engine_config.weights`` is "int8", else its
+  ``dtype``; the cache in ``kv_cache_dtype``)."""
+  weights = "int8" if engine_config.weights == "int8" else engine_config.dtype
+  return model_costs(cfg, weights, engine_config.kv_cache_dtype)
+
+
+def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,)):
+  """The plan's side of the step features, on device (``step_features``
+  combines them with the model's ``ModelCosts`` on the host).
+
+  Args:
+    plan: the iteration's plan (selected intervals [start, end) per slot).
+    windows: static, the model's distinct attention windows
+      (``ModelConfig.window_kinds``; 0 = global), ascending.
+  Returns:
+    f32[3 + 2 * len(windows)]: prefill rows (prompt and rebuild rows),
+    decode rows, scheduled sequences; then per window w the query-key pairs
+    one block of that window computes (a row at position j sees
+    ``min(j + 1, w)`` keys, all ``j + 1`` for w = 0); then per window the
+    cached keys one block reads (``min(end, w)`` per sequence).
+  """
   sel = plan.selected
-  rows = jnp.where(sel, plan.end - plan.start, 0)
+  start = plan.start.astype(jnp.float32)
+  end = plan.end.astype(jnp.float32)
+  rows = jnp.where(sel, end - start, 0.0)
   decode = sel & (plan.kind == rec.DECODE_ROW)
-  kv_read = rows.astype(jnp.float32) * (plan.start + plan.end + 1).astype(jnp.float32) / 2
-  return jnp.stack([jnp.sum(jnp.where(decode, 0, rows)).astype(jnp.float32),
-                    jnp.sum(decode).astype(jnp.float32), jnp.sum(kv_read)])
+  out = [jnp.sum(jnp.where(decode, 0.0, rows)), jnp.sum(decode).astype(jnp.float32),
+         jnp.sum(sel).astype(jnp.float32)]
+  pairs, keys = [], []
+  for w in windows:
+    if w == 0:
+      pair = rows * (start + end + 1.0) / 2.0
+      key = end
+    else:       # sum over k in [start + 1, end] of min(k, w)
+      lo, top = start + 1.0, jnp.minimum(end, float(w))
+      ramp = jnp.where(top >= lo, (lo + top) * (top - lo + 1.0) / 2.0, 0.0)
+      flat = jnp.maximum(end - jnp.maximum(start, float(w)), 0.0) * float(w)
+      pair, key = ramp + flat, jnp.minimum(end, float(w))
+    pairs.append(jnp.sum(jnp.where(sel, pair, 0.0)))
+    keys.append(jnp.sum(jnp.where(sel, key, 0.0)))
+  return jnp.stack(out + pairs + keys)
+
+
+def step_features(stats, bucket: int, costs: ModelCosts) -> np.ndarray:
+  """f64[len(FEATURES)]: one step's ``FEATURES`` values.
+
+  Args:
+    stats: ``plan_stats`` of the step's plan (for ``costs``' windows).
+    bucket: the token-row bucket the step needs (its GEMMs run every row).
+    costs: the model's ``ModelCosts`` (in the engine's dtypes).
+  Raises:
+    ValueError: ``stats`` is not for ``costs``' windows.
+  """
+  kinds = tuple(sorted(set(costs.windows)))
+  stats = np.asarray(stats, np.float64)
+  if stats.shape != (3 + 2 * len(kinds),):
+    raise ValueError(f"step_features: stats of shape {stats.shape} do not match the model's "
+                     f"{len(kinds)} window kind(s) {kinds}")
+  prefill, decode, seqs = stats[:3]
+  pairs, keys = stats[3:3 + len(kinds)], stats[3 + len(kinds):]
+  blocks = np.array([sum(1 for w in costs.windows if w == k) for k in kinds], np.float64)
+  layers = len(costs.windows)
+  pair_flops = blocks * (costs.attention_flops_per_pair / layers)
+  key_bytes = blocks * (costs.kv_bytes_per_token / layers)
+  return np.array([
+      1.0,
+      prefill + decode,
+      bucket * costs.gemm_flops_per_row / 1e9,
+      seqs * costs.lm_head_flops_per_row / 1e9,
+      float(pairs @ pair_flops) / 1e9,
+      float(keys @ key_bytes) / 1e9,
+      costs.weight_bytes_per_step / 1e9,
+  ])
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-  """Linear step-time model.
+  """Step-time model over ``FEATURES``.
 
   Attributes:
-    intercept_ms: fixed per-step term (ms).
-    coef_ms: per-unit cost of each of ``FEATURES`` (ms per row / token).
+    coef_ms: ms per unit of each of ``FEATURES`` (``step``: ms per
+      iteration; GFLOP and GB features: ms per GFLOP / GB), all >= 0.
+    combine: "sum" (every term adds) or "roofline" (``step`` and ``rows``
+      terms plus the larger of the ``COMPUTE`` and the ``MEMORY`` terms).
     min_step_ms: floor of a prediction (ms, >= 0).
-    meta: where the fit holds (model, dtype, backend, machine, jax
-      version, grid, residuals); carried into reports.
+    meta: where it holds: ``models`` (the ``ModelCosts`` JSON of each model
+      its fit ran; empty: stated model-independent, as a profile),
+      ``device`` (``device_fingerprint``), dtype, engine preset, load
+      average, grid, residuals, ``uncalibrated`` for a profile; carried
+      into reports.
+  Raises:
+    ValueError: a coefficient count other than ``len(FEATURES)``, a
+      negative coefficient, an unknown ``combine`` or ``min_step_ms < 0``.
   """
 
-  intercept_ms: float
   coef_ms: tuple
+  combine: str = "sum"
   min_step_ms: float = 0.0
   meta: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -185,82 +289,283 @@ class CostModel:
     if len(self.coef_ms) != len(FEATURES):
       raise ValueError(f"CostModel.coef_ms needs {len(FEATURES)} values {FEATURES}, "
                        f"got {len(self.coef_ms)}")
+    if any(not c >= 0 for c in self.coef_ms):
+      raise ValueError(f"CostModel.coef_ms must all be >= 0, got {self.coef_ms}")
+    if self.combine not in COMBINES:
+      raise ValueError(f"CostModel.combine must be one of {COMBINES}, got {self.combine!r}")
     if not self.min_step_ms >= 0:
       raise ValueError(f"CostModel.min_step_ms must be >= 0, got {self.min_step_ms}")
     object.__setattr__(self, "coef_ms", tuple(float(c) for c in self.coef_ms))
 
+  @classmethod
+  def of(cls, combine: str = "sum", min_step_ms: float = 0.0, meta: Optional[dict] = None,
+         **coef_ms) -> "CostModel":
+    """A model from named coefficients (the rest 0), e.g.
+    ``CostModel.of(step=5.0, rows=0.5)``; raises ValueError on an unknown name."""
+    unknown = sorted(set(coef_ms) - set(FEATURES))
+    if unknown:
+      raise ValueError(f"CostModel.of: unknown feature(s) {unknown}; features are {FEATURES}")
+    return cls(tuple(float(coef_ms.get(f, 0.0)) for f in FEATURES), combine, min_step_ms,
+               dict(meta or {}))
+
+  def terms_ms(self, features: Sequence[float]) -> Dict[str, float]:
+    """Each feature's term (ms) of one step's ``FEATURES`` values."""
+    return {f: c * float(x) for f, c, x in zip(FEATURES, self.coef_ms, features)}
+
   def predict_ms(self, features: Sequence[float]) -> float:
-    """Modelled step time (ms) of one iteration's ``FEATURES`` values."""
-    x = np.asarray(features, np.float64)
-    return max(self.min_step_ms, float(self.intercept_ms + np.dot(self.coef_ms, x)))
+    """Modelled step time (ms) of one step's ``FEATURES`` values."""
+    t = self.terms_ms(features)
+    if self.combine == "sum":
+      total = sum(t.values())
+    else:
+      total = (t["step"] + t["rows"] + max(sum(t[f] for f in COMPUTE),
+                                           sum(t[f] for f in MEMORY)))
+    return max(self.min_step_ms, total)
+
+  def efficiencies(self) -> Dict[str, float]:
+    """Throughput each GFLOP / GB term stands for (GFLOP/s or GB/s:
+    ``1000 / coef``; inf for a zero coefficient, a term the fit found free)."""
+    return {f: (1000.0 / c if c > 0 else float("inf"))
+            for f, c in zip(FEATURES, self.coef_ms) if f in COMPUTE + MEMORY}
+
+  @property
+  def models(self) -> list:
+    """The ``ModelCosts`` JSON of each model the fit ran (empty: any model)."""
+    return list(self.meta.get("models", []))
 
   def to_json(self) -> dict:
-    return {"features": list(FEATURES), "intercept_ms": self.intercept_ms,
-            "coef_ms": dict(zip(FEATURES, self.coef_ms)),
-            "min_step_ms": self.min_step_ms, "meta": self.meta}
+    return {"features": list(FEATURES), "coef_ms": dict(zip(FEATURES, self.coef_ms)),
+            "combine": self.combine, "min_step_ms": self.min_step_ms, "meta": self.meta}
 
   def save(self, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
 
 
-def load(path=None) -> CostModel:
-  """Reads a calibration JSON (default ``DEFAULT_CALIBRATION``).
+def from_json(d: dict, where: str) -> CostModel:
+  """A ``CostModel`` from its JSON (``CostModel.to_json``).
 
   Raises:
-    ValueError: missing file, or a file without every feature coefficient.
+    ValueError: naming ``where`` and the missing feature, e.g. a calibration
+      of the old row-count form (re-run ``scripts/calibrate.py``).
   """
+  coef = d.get("coef_ms", {})
+  missing = [f for f in FEATURES if f not in coef]
+  if missing:
+    raise ValueError(f"{where}: cost model needs coef_ms for every feature {list(FEATURES)}; "
+                     f"missing {missing} (a calibration of another form: re-run "
+                     f"scripts/calibrate.py)")
+  return CostModel(tuple(coef[f] for f in FEATURES), d.get("combine", "sum"),
+                   float(d.get("min_step_ms", 0.0)), dict(d.get("meta", {})))
+
+
+def load(path=None) -> CostModel:
+  """Reads a calibration JSON (default ``DEFAULT_CALIBRATION``) or, for
+  ``"profile:NAME"``, an accelerator profile (``profile``).
+
+  Raises:
+    ValueError: missing file or profile, or a file of another form.
+  """
+  if path and str(path).startswith(PROFILE_PREFIX):
+    return profile(str(path)[len(PROFILE_PREFIX):])
   path = Path(path) if path else DEFAULT_CALIBRATION
   if not path.exists():
     raise ValueError(f"cost model file {str(path)!r} not found (write one with "
-                     f"scripts/calibrate.py)")
-  d = json.loads(path.read_text())
-  coef = d.get("coef_ms", {})
-  missing = [f for f in FEATURES if f not in coef]
-  if missing or "intercept_ms" not in d:
-    raise ValueError(f"{path}: cost model needs intercept_ms and coef_ms for "
-                     f"{list(FEATURES)}; missing {missing or ['intercept_ms']}")
-  meta = dict(d.get("meta", {}), path=str(path.name))
-  return CostModel(float(d["intercept_ms"]), tuple(coef[f] for f in FEATURES),
-                   float(d.get("min_step_ms", 0.0)), meta)
+                     f"scripts/calibrate.py, or use --cost_model={PROFILE_PREFIX}NAME for one of "
+                     f"{profile_names()})")
+  model = from_json(json.loads(path.read_text()), str(path))
+  model.meta["path"] = path.name
+  return model
 
 
-def fit(features, step_ms, *, min_step_ms: float = 0.0, meta: Dict = None,
-        nonnegative: bool = True) -> CostModel:
-  """Least-squares fit of the linear model.
+def profile_names() -> list:
+  """The accelerator profiles shipped in ``configs/accelerators``."""
+  return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
-  With ``nonnegative`` (default) the intercept and every coefficient are
-  constrained to >= 0 (``scipy.optimize.nnls``): a row, a context token or
-  a padded bucket row never saves time, and on collinear grids (prefill
-  rows and bucket move together) an unconstrained fit can trade a large
-  negative coefficient for a large positive one. Otherwise
-  ``numpy.linalg.lstsq``.
+
+def profile(name: str) -> CostModel:
+  """An accelerator's roofline cost model from its published peaks.
+
+  The profile JSON states ``peak_tflops`` (dense bf16), ``hbm_gbps`` and the
+  fraction of each reached (``efficiency``: gemm, lm_head, attention,
+  memory) plus ``step_ms`` and ``row_ms``; each term's coefficient is
+  ``1000 / (peak * efficiency)``. The model is marked ``uncalibrated`` in
+  its meta (and every report that carries it) until ``scripts/calibrate.py``
+  on the device replaces it.
+
+  Raises:
+    ValueError: no such profile (naming the ones there are).
+  """
+  path = PROFILE_DIR / f"{name}.json"
+  if not path.exists():
+    raise ValueError(f"cost model profile {name!r} not found; profiles: {profile_names()}")
+  p = json.loads(path.read_text())
+  eff = p["efficiency"]
+  flops_s = p["peak_tflops"] * 1e3            # GFLOP/s
+  coef = dict(step=p["step_ms"], rows=p["row_ms"],
+              gemm_gflop=1000.0 / (flops_s * eff["gemm"]),
+              lm_head_gflop=1000.0 / (flops_s * eff["lm_head"]),
+              attention_gflop=1000.0 / (flops_s * eff["attention"]),
+              kv_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]),
+              weight_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]))
+  meta = dict(profile=name, uncalibrated=True, models=[], device={"kind": p["device"]},
+              source=p["source"], assumptions=p["assumptions"])
+  return CostModel.of(combine="roofline", meta=meta, **coef)
+
+
+def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float = 0.0,
+        meta: Dict = None, nonnegative: bool = True) -> CostModel:
+  """Least-squares fit of the "sum" model.
+
+  With ``nonnegative`` (default) every coefficient is constrained to >= 0
+  (``scipy.optimize.nnls``): a row, a FLOP or a byte never saves time, and
+  on collinear grids an unconstrained fit can trade a large negative
+  coefficient for a large positive one. Otherwise ``numpy.linalg.lstsq``
+  (a negative result is then refused by ``CostModel``).
 
   Args:
-    features: f64[N, 4] rows of ``FEATURES``.
+    features: f64[N, len(FEATURES)] rows of ``step_features``.
     step_ms: f64[N] measured step times (ms).
+    free: the features fitted; the others are held at 0 (a grid on one
+      model cannot tell ``weight_read_gb`` from ``step``: leave it out).
   Returns:
     a CostModel whose ``meta`` adds the fit's RMS and max absolute residual
-    (ms) and the number of samples.
+    (ms), the median relative residual, the number of samples and the
+    RMS residual each fitted feature's removal would leave
+    (``residual_without``: what each term earns).
   Raises:
-    ValueError: shapes disagree or fewer samples than unknowns.
+    ValueError: shapes disagree, an unknown feature in ``free``, or fewer
+      samples than unknowns.
   """
   x = np.asarray(features, np.float64)
   y = np.asarray(step_ms, np.float64)
   if x.ndim != 2 or x.shape[1] != len(FEATURES) or y.shape != (x.shape[0],):
     raise ValueError(f"fit needs features f64[N, {len(FEATURES)}] and step_ms f64[N], "
                      f"got {x.shape} and {y.shape}")
-  if x.shape[0] < len(FEATURES) + 1:
-    raise ValueError(f"fit needs at least {len(FEATURES) + 1} samples, got {x.shape[0]}")
-  a = np.concatenate([np.ones((x.shape[0], 1)), x], axis=1)
-  if nonnegative:
-    from scipy.optimize import nnls
-    coef, _ = nnls(a, y)
-  else:
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-  resid = y - a @ coef
-  meta = dict(meta or {}, num_samples=int(x.shape[0]),
+  unknown = sorted(set(free) - set(FEATURES))
+  if unknown:
+    raise ValueError(f"fit: unknown feature(s) in free: {unknown}; features are {FEATURES}")
+  cols = [i for i, f in enumerate(FEATURES) if f in free]
+  if x.shape[0] < len(cols) + 1:
+    raise ValueError(f"fit needs at least {len(cols) + 1} samples, got {x.shape[0]}")
+
+  def solve(use):
+    a = x[:, use]
+    if nonnegative:
+      from scipy.optimize import nnls     # pylint: disable=import-outside-toplevel
+      c, _ = nnls(a, y)
+    else:
+      c, *_ = np.linalg.lstsq(a, y, rcond=None)
+    return c, y - a @ c
+
+  coef_free, resid = solve(cols)
+  coef = np.zeros(len(FEATURES))
+  coef[cols] = coef_free
+  without = {}
+  for i in cols:
+    if len(cols) > 1:
+      without[FEATURES[i]] = float(np.sqrt(np.mean(solve([j for j in cols if j != i])[1] ** 2)))
+  meta = dict(meta or {}, num_samples=int(x.shape[0]), free=[FEATURES[i] for i in cols],
               solver="nnls" if nonnegative else "lstsq",
               rms_residual_ms=float(np.sqrt(np.mean(resid ** 2))),
-              max_abs_residual_ms=float(np.max(np.abs(resid))))
-  return CostModel(float(coef[0]), tuple(float(c) for c in coef[1:]), min_step_ms, meta)
+              max_abs_residual_ms=float(np.max(np.abs(resid))),
+              median_rel_residual=float(np.median(np.abs(resid) / np.maximum(y, 1e-9))),
+              residual_without=without)
+  return CostModel(tuple(float(c) for c in coef), "sum", min_step_ms, meta)
+
+
+def device_fingerprint() -> dict:
+  """What a calibration holds for: the JAX backend and device kind and
+  count, and on a CPU its model name, logical CPU count and a hash of its
+  feature flags (``/proc/cpuinfo``; empty where there is none). ``id`` is a
+  short hash of the rest: equal ids, the same kind of machine."""
+  import jax    # pylint: disable=import-outside-toplevel
+  devices = jax.devices()
+  fp = {"backend": jax.default_backend(), "kind": devices[0].device_kind,
+        "count": len(devices)}
+  if fp["backend"] == "cpu":
+    name, flags = platform.processor(), ""
+    try:
+      for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+          name = value.strip()
+        elif key.strip() == "flags" and not flags:
+          flags = " ".join(sorted(value.split()))
+    except OSError:
+      pass
+    fp.update(cpu=name, cpus=os.cpu_count(),
+              flags_sha=hashlib.sha256(flags.encode()).hexdigest()[:12])
+  fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+  return fp
+
+
+def find_calibration(directory, fingerprint: dict, dtype: str,
+                     engine: str) -> Optional[Path]:
+  """The calibration in ``directory`` made on this kind of device
+  (``fingerprint["id"]``) for ``dtype`` and the ``engine`` preset: one
+  fitted on several models first, then the newest; None when there is none.
+  (Whether it may predict the model at hand is ``resolve``'s check.)"""
+  found = []
+  for path in Path(directory).glob("*.json") if Path(directory).is_dir() else ():
+    try:
+      meta = json.loads(path.read_text()).get("meta", {})
+    except (OSError, ValueError):
+      continue
+    if (meta.get("device", {}).get("id") == fingerprint["id"] and meta.get("dtype") == dtype
+        and meta.get("engine") == engine):
+      found.append((len(meta.get("models", [])) > 1, meta.get("created", ""), path))
+  return max(found)[2] if found else None
+
+
+def _costs_key(costs: dict) -> dict:
+  return {k: v for k, v in costs.items() if k not in ("weight_bytes",)}
+
+
+def resolve(model: CostModel, costs: ModelCosts, *,
+            fingerprint: Optional[dict] = None,
+            say: Callable[[str], None] = print) -> CostModel:
+  """Checks that ``model`` may predict ``costs``' model on this device.
+
+  * A calibration fitted on exactly one model predicts only that model (its
+    weight reads are folded into the per-step term): another model is
+    refused. One fitted on two or more models, or one stating no models (a
+    profile, a hand-written model), predicts any model through its
+    features; a model it did not see gets a one-line note.
+  * A calibration made on another device (``device_fingerprint`` id) gets
+    a one-line warning; a profile (``uncalibrated``) a one-line note.
+
+  Args:
+    model: the loaded cost model.
+    costs: the engine model's ``ModelCosts``.
+    fingerprint: this device's (default ``device_fingerprint()``).
+    say: where the one-line notes go.
+  Returns:
+    ``model``.
+  Raises:
+    ValueError: a one-model calibration for another model, naming both.
+  """
+  seen = [_costs_key(m) for m in model.models]
+  here = _costs_key(costs.to_json())
+  where = model.meta.get("path") or model.meta.get("profile") or "the cost model"
+  if len(seen) == 1 and seen[0] != here:
+    raise ValueError(
+        f"cost model {where} was fitted on one model only ({model.meta.get('model', '?')}: "
+        f"its weight reads are folded into the per-step term) and cannot predict this model "
+        f"(gemm_flops_per_row {here['gemm_flops_per_row']} vs "
+        f"{seen[0].get('gemm_flops_per_row')}); calibrate on this model, or on two models "
+        f"(scripts/calibrate.py --second_model)")
+  if len(seen) > 1 and here not in seen:
+    say(f"cost model: {where} was fitted on {len(seen)} other models; predicting this one "
+        f"from its cost features")
+  if model.meta.get("uncalibrated"):
+    say(f"cost model: accelerator profile {model.meta.get('profile')!r} is uncalibrated "
+        f"(published peaks x stated efficiencies)")
+  elif model.meta.get("device"):
+    fp = fingerprint or device_fingerprint()
+    made = model.meta["device"]
+    if made.get("id") != fp["id"]:
+      say(f"cost model: {where} was calibrated on another device "
+          f"({made.get('cpu') or made.get('kind')}, {made.get('id')}) than this one "
+          f"({fp.get('cpu') or fp.get('kind')}, {fp['id']}): its times may not hold here")
+  return model

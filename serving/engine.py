@@ -56,6 +56,18 @@ same view. After each step the full prompt pages computed so far join the
 cache; before a step that needs more pages than are free, unreferenced
 cached pages are evicted, least recently used first.
 
+Logprobs: a request added with ``logprobs`` gets, with each output token,
+its raw logprob and the ``MAX_LOGPROBS`` most likely tokens
+(``TokenLogprobs``, ``RequestOutput.new_logprobs``); one added with
+``prompt_logprobs`` gets each prompt token's (``Request.prompt_logprobs``,
+complete when its first output token is out), computed from the prefill
+rows it runs (``serving.executor.StepLogprobs``). Both are the raw model
+logits' ``log_softmax`` (vLLM's default "raw_logprobs": before the stop
+mask, temperature and top-k/top-p), float32. A request that wants prompt
+logprobs takes no prefix hit (its whole prompt is computed, so every row
+is scored; its full pages still join the cache for others). Iterations in
+which such a request emitted or ran prompt rows make one more fetch.
+
 Every accepted request ends with exactly one outcome: ``completed``,
 ``rejected`` (can never fit the KV cache), ``cancelled`` (``abort``) or
 ``failed`` (non-finite logits); ``Request.finish_reason`` says why. The host
@@ -75,6 +87,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -101,6 +114,7 @@ from serving import sim_executor
 from serving import prefix_cache as pc
 from serving.config import EngineConfig, SamplingParams
 from serving.executor import ModelRunner, execute, init_buffers
+from serving.sampling import MAX_LOGPROBS
 
 OUTCOMES = ("completed", "rejected", "cancelled", "failed")
 
@@ -142,6 +156,7 @@ class Arrival:
     ignore_eos: bool[] (``SamplingParams``).
     prompt: i32[max_model_len], prompt tokens, zero-padded.
     stop_ids: i32[max_stop_ids], stop token ids, -1-padded (unused entries).
+    logprobs, prompt_logprobs: bool[], the request's logprob flags.
   """
 
   request_id: np.ndarray
@@ -161,6 +176,45 @@ class Arrival:
   ignore_eos: np.ndarray
   prompt: np.ndarray
   stop_ids: np.ndarray
+  logprobs: np.ndarray
+  prompt_logprobs: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+  """One output token's raw logprobs (float32).
+
+  Attributes:
+    logprob: the token's logprob.
+    top_ids: i32[K] the K = ``MAX_LOGPROBS`` (or vocabulary) most likely
+      tokens, descending (lower id first on ties); top: f32[K] theirs.
+  """
+
+  logprob: float
+  top_ids: np.ndarray
+  top: np.ndarray
+
+
+@dataclasses.dataclass
+class PromptLogprobs:
+  """A prompt's raw logprobs, filled as its prefill rows run.
+
+  Attributes:
+    token: f32[p] each prompt token's logprob given the tokens before it
+      (NaN at position 0: the first token has none).
+    top_ids: i32[p, K], top: f32[p, K]: each position's K most likely
+      tokens, descending (-1 / NaN at position 0).
+  """
+
+  token: np.ndarray
+  top_ids: np.ndarray
+  top: np.ndarray
+
+  @classmethod
+  def empty(cls, prompt_len: int, k: int) -> "PromptLogprobs":
+    return cls(np.full(prompt_len, np.nan, np.float32),
+               np.full((prompt_len, k), -1, np.int32),
+               np.full((prompt_len, k), np.nan, np.float32))
 
 
 @dataclasses.dataclass
@@ -187,6 +241,10 @@ class Request:
   prefix_hit_tokens: int = 0
   slot: int = -1
   queue_record: Optional[pre.QueueRecord] = dataclasses.field(default=None, repr=False)
+  want_logprobs: bool = False      # output tokens' logprobs asked (``add_request``)
+  output_logprobs: List[TokenLogprobs] = dataclasses.field(default_factory=list, repr=False)
+  # Asked for prompt logprobs: filled as its prefill rows run (else None).
+  prompt_logprobs: Optional[PromptLogprobs] = dataclasses.field(default=None, repr=False)
 
   @property
   def finished(self) -> bool:
@@ -202,6 +260,8 @@ class RequestOutput:
   finished: bool
   outcome: Optional[str]
   finish_reason: str
+  # Each new token's logprobs, for a request added with ``logprobs``.
+  new_logprobs: Optional[List[TokenLogprobs]] = None
 
 
 class Engine:
@@ -267,7 +327,15 @@ class Engine:
     if simulated and not self._virtual:
       raise ValueError("EngineConfig.executor='simulated' charges modelled step times "
                        "and needs a sim_executor.VirtualClock clock")
-    self.cost_model = cost_lib.load(config.cost_model) if self._virtual else None
+    # The model's cost features (``serving.cost_model``): every committed
+    # step records its ``step_features`` (what calibrate.py fits); on a
+    # virtual clock the cost model charges them.
+    self.model_costs = cost_lib.engine_model_costs(model_cfg, config)
+    self.last_step_features = None
+    self.cost_model = None
+    if self._virtual:
+      self.cost_model = cost_lib.resolve(cost_lib.load(config.cost_model), self.model_costs,
+                                         say=lambda line: print(line, file=sys.stderr))
     self._clock = clock
     self._t0 = clock()
     c = config
@@ -376,7 +444,8 @@ class Engine:
                   sampling: SamplingParams = SamplingParams(), *,
                   arrival_ms: Optional[float] = None, priority: int = 0,
                   client: str = "default", slo_ttft_ms: Optional[float] = None,
-                  slo_tpot_ms: Optional[float] = None) -> Request:
+                  slo_tpot_ms: Optional[float] = None, logprobs: bool = False,
+                  prompt_logprobs: bool = False) -> Request:
     """Accepts a request, or raises ValueError naming the bad field.
 
     A request whose full length can never fit the KV cache is accepted and
@@ -389,6 +458,11 @@ class Engine:
     (each later token, from the previous one: the TBT limit) are the
     request's declared SLOs (§0x07), None for none; SLO-aware policies
     (``least_slack``) order by the deadlines they give.
+
+    ``logprobs``: each output token comes with its ``TokenLogprobs``;
+    ``prompt_logprobs``: ``Request.prompt_logprobs`` is filled from the
+    prefill rows (the request takes no prefix hit). Both need the model
+    executor (ValueError with the simulated one).
     """
     c = self.config
     ids = [int(t) for t in prompt_token_ids]
@@ -417,6 +491,9 @@ class Engine:
       if limit is not None and not limit > 0:
         raise ValueError(f"request {request_id!r}: {name} must be > 0 ms (None for "
                          f"no objective), got {limit!r}")
+    if (logprobs or prompt_logprobs) and c.executor == "simulated":
+      raise ValueError(f"request {request_id!r}: logprobs need the model executor "
+                       f"(EngineConfig.executor='simulated' computes no logits)")
     if self._num_unfinished() >= c.max_queued_requests:
       raise QueueFull(request_id, c.max_queued_requests)
     if client not in self._clients:
@@ -431,7 +508,11 @@ class Engine:
                   sampling=sampling, priority=int(priority), client=client,
                   slo_ttft_ms=float("inf") if slo_ttft_ms is None else float(slo_ttft_ms),
                   slo_tpot_ms=float("inf") if slo_tpot_ms is None else float(slo_tpot_ms),
-                  arrival_ms=self.now_ms() if arrival_ms is None else float(arrival_ms))
+                  arrival_ms=self.now_ms() if arrival_ms is None else float(arrival_ms),
+                  want_logprobs=bool(logprobs))
+    if prompt_logprobs:
+      req.prompt_logprobs = PromptLogprobs.empty(
+          len(ids), min(MAX_LOGPROBS, self.model_cfg.vocab_size))
     self._next_uid += 1
     self._requests[request_id] = req
     # KV rows written at most: p + m - 1 (the last output is never fed
@@ -585,7 +666,9 @@ class Engine:
         ttft_ms=f32(req.slo_ttft_ms), tbt_ms=f32(req.slo_tpot_ms),
         temperature=f32(s.temperature), top_k=i32(s.top_k), top_p=f32(s.top_p),
         seed=np.uint32(s.seed), min_tokens=i32(s.min_tokens),
-        ignore_eos=np.bool_(s.ignore_eos), prompt=prompt, stop_ids=stop)
+        ignore_eos=np.bool_(s.ignore_eos), prompt=prompt, stop_ids=stop,
+        logprobs=np.bool_(req.want_logprobs),
+        prompt_logprobs=np.bool_(req.prompt_logprobs is not None))
 
   def _grow(self, num_requests: int) -> None:
     """Doubles the slot table until it holds ``num_requests`` (at most
@@ -616,6 +699,9 @@ class Engine:
     keys = self._prefix_keys.get(req.request_id)
     if keys is None:
       keys = self._prefix_keys[req.request_id] = cache.keys_for(req.prompt_token_ids)
+    if req.prompt_logprobs is not None:    # every prompt row must run to be scored
+      req.prefix_hit_tokens = 0
+      return 0
     hit = cache.match(keys, len(req.prompt_token_ids))
     if hit:
       ids = np.full(self.config.pages_per_seq, kv_pages.NULL_PAGE, np.int32)
@@ -826,7 +912,7 @@ class Engine:
   def _commit(self, state, aux, facts, bucket: int, launch, preempt) -> List[RequestOutput]:
     """Takes a committed step program's outputs: the published state, the
     clock, counters, the one-step-late emission correction, the drain."""
-    ticked, plan, result = aux
+    ticked, plan, result, logprobs = aux
     c = self.config
     if facts["bad_result"]:
       validate.validate_result(plan, ticked, self.manifest, result)
@@ -837,12 +923,12 @@ class Engine:
     self._pages_low = bool(facts["pages_low"])
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
+    # Modelled time is a function of the plan: the bucket it needs, not the
+    # (possibly larger) bucket the upper bound chose.
+    self.last_step_features = cost_lib.step_features(
+        facts["features"], c.token_buckets[int(facts["bucket"])], self.model_costs)
     if self._virtual:
-      # Modelled time is a function of the plan: the bucket it needs, not
-      # the (possibly larger) bucket the upper bound chose.
-      needed = c.token_buckets[int(facts["bucket"])]
-      features = list(facts["features"]) + [needed]
-      self._clock.advance(self.cost_model.predict_ms(features) / 1000.0)
+      self._clock.advance(self.cost_model.predict_ms(self.last_step_features) / 1000.0)
     emit_ms = self.now_ms()
     # The program stamped this iteration's emissions with its launch time;
     # the next program (fused or split) moves them to ``emit_ms``, before
@@ -851,11 +937,50 @@ class Engine:
     self.num_iterations += 1
     if self.prefix_cache is not None:
       self._count_prefix_use(facts["prefix"][0])
+    token_logprobs = self._take_logprobs(logprobs, facts["emitted"])
     outputs = self._drain(emit_ms, facts["emitted"], facts["token"], facts["finished"],
-                          facts["finish_reason"], facts["failed"], preempt)
+                          facts["finish_reason"], facts["failed"], preempt, token_logprobs)
     if self.prefix_cache is not None:
       self._register_prefixes(facts.get("prefix"))
     return outputs
+
+  def _take_logprobs(self, logprobs, emitted) -> Dict[int, TokenLogprobs]:
+    """Fetches this step's ``StepLogprobs`` when a request that asked used
+    them (one more fetch; none otherwise): records the prompt rows of
+    requests still in their prompt, and returns each emitting slot's
+    ``TokenLogprobs`` (slot -> logprobs) for requests with ``logprobs``.
+    A prompt row computed again (a recompute after preemption) writes the
+    same values again."""
+    if logprobs is None:
+      return {}
+    out = [s for s in np.flatnonzero(emitted)
+           if self._slots[s] is not None and self._slots[s].want_logprobs]
+    prompt = any(r is not None and r.prompt_logprobs is not None and not r.output_token_ids
+                 for r in self._slots)
+    if not out and not prompt:
+      return {}
+    tree = {}
+    if out:
+      tree["out"] = (logprobs.token, logprobs.top_ids, logprobs.top)
+    if prompt:
+      tree["prompt"] = (logprobs.num_prompt, logprobs.prompt_slot, logprobs.prompt_pos,
+                        logprobs.prompt_token, logprobs.prompt_top_ids, logprobs.prompt_top)
+    got = self._fetch(tree)
+    if prompt:
+      count, slots, positions, chosen, top_ids, top = got["prompt"]
+      for j in range(int(count)):
+        req = self._slots[int(slots[j])]
+        if req is None or req.prompt_logprobs is None:
+          continue
+        at = int(positions[j]) + 1
+        req.prompt_logprobs.token[at] = chosen[j]
+        req.prompt_logprobs.top_ids[at] = top_ids[j]
+        req.prompt_logprobs.top[at] = top[j]
+    if not out:
+      return {}
+    chosen, top_ids, top = got["out"]
+    return {int(s): TokenLogprobs(float(chosen[s]), np.array(top_ids[s]), np.array(top[s]))
+            for s in out}
 
   def _pending_stamp(self):
     """(bool[R] emitted, f32[] launch stamp, f32[] publication time) of the
@@ -1033,7 +1158,9 @@ class Engine:
         req.request_id, 0)
     req.queue_record = pre.complete_resume(record, ticket)
 
-  def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt):
+  def _drain(self, emit_ms, emitted, token, finished, reason, failed, preempt,
+             token_logprobs: Optional[Dict[int, TokenLogprobs]] = None):
+    token_logprobs = token_logprobs or {}
     outputs, release = [], np.zeros(self.num_slots, bool)
     extensions = None     # §0x06 extensions per slot, fetched when one ends
     self.num_preemptions += int(preempt.sum())
@@ -1046,11 +1173,14 @@ class Engine:
         if limit and req.num_preemptions > limit:
           thrashing[slot] = True
           continue
-      new = []
+      new, new_logprobs = [], None
       if emitted[slot]:
         new = [int(token[slot])]
         req.output_token_ids.extend(new)
         req.token_times_ms.append(emit_ms)
+        if req.want_logprobs:
+          new_logprobs = [token_logprobs[slot]]
+          req.output_logprobs.extend(new_logprobs)
       if failed[slot]:
         self._end(req, "failed", "non-finite logits")
       elif finished[slot]:
@@ -1063,7 +1193,8 @@ class Engine:
         self._slots[slot] = None
       if new or req.finished:
         outputs.append(RequestOutput(req.request_id, new, req.finished,
-                                     req.outcome, req.finish_reason))
+                                     req.outcome, req.finish_reason,
+                                     new_logprobs if new_logprobs else None))
     if release.any():
       none = np.zeros_like(release)
       self.state, self.pages = self._programs.release(self.state, self.pages, none, release)
@@ -1212,15 +1343,22 @@ def resolve_decode_gemm(config: EngineConfig) -> str | None:
 
 
 def _model_step(model_cfg, config: EngineConfig) -> Callable:
-  """``execute`` (or the simulated executor, ``config.executor``) bound to the
-  engine shape; ``num_rows`` (the token bucket) is left to the caller."""
-  step = sim_executor.simulated_execute if config.executor == "simulated" else execute
+  """``execute`` (or the simulated executor, ``config.executor``, whose
+  logprobs are None) bound to the engine shape; ``num_rows`` (the token
+  bucket) is left to the caller."""
+  step = _simulated_step if config.executor == "simulated" else execute
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
   return functools.partial(
       step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
                               config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
       num_seqs=config.max_num_seqs,
       max_model_len=config.max_model_len)
+
+
+def _simulated_step(*args, **kwargs):
+  """``sim_executor.simulated_execute`` with ``execute``'s outputs: no
+  logits, so no logprobs (None)."""
+  return (*sim_executor.simulated_execute(*args, **kwargs), None)
 
 
 def _counting_jit(name, fn, traces, **jit_kwargs):
@@ -1337,7 +1475,8 @@ def _rows_bound(manifest, state, token_budget, seq_budget):
 
 def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
                 manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
-                fix_actual, given_plan, use_given, preserved_end, *, num_rows: int):
+                fix_actual, given_plan, use_given, preserved_end, *, num_rows: int,
+                windows: tuple = (0,)):
   """One whole iteration as one program: tick -> plan -> validate -> execute
   -> validate -> apply, compiled per token bucket ``num_rows``; the policy
   runs once.
@@ -1368,7 +1507,9 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
     preserved_end: i32[R] the result's preserved prefixes (zeros unless a
       given plan preempts).
 
-  Returns ``(kv, pages, buffers, state, (ticked, plan, result), facts)``.
+  Returns ``(kv, pages, buffers, state, (ticked, plan, result, logprobs),
+  facts)``; ``logprobs`` is the executor's ``StepLogprobs`` (None for the
+  simulated executor), fetched only when a request asked for them.
   When ``facts["needs_host"]`` (``_host_work``) or the plan does not fit,
   nothing is committed (``facts["committed"]`` False; the model runs an
   empty plan, so kv, pages and buffers come back unchanged); after
@@ -1403,8 +1544,9 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
                      preempt=off(view.preempt),
                      num_tokens=jnp.where(commit, view.num_tokens, 0),
                      num_seqs=jnp.where(commit, view.num_seqs, 0))
-  kv, pages, buffers, result = model_step(params, kv, pages, buffers, exec_manifest,
-                                          ticked, run, num_rows=num_rows)
+  kv, pages, buffers, result, logprobs = model_step(params, kv, pages, buffers,
+                                                    exec_manifest, ticked, run,
+                                                    num_rows=num_rows)
   result = result.replace(emit_ms=ticked.now_ms,
                           preserved_end=jnp.asarray(preserved_end, jnp.int32))
   published, bad_result = _publish(manifest, ticked, plan, result)
@@ -1418,10 +1560,10 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
                emitted=result.emitted, token=result.token, finished=result.finished,
                finish_reason=result.finish_reason, failed=result.failed,
                num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
-               bucket=index, features=cost_lib.step_features(plan))
+               bucket=index, features=cost_lib.plan_stats(plan, windows))
   if prefix_caching:
     facts["prefix"] = (published.computed, pages.pages_held, pages.page_table)
-  return kv, pages, buffers, state, (ticked, plan, result), facts
+  return kv, pages, buffers, state, (ticked, plan, result, logprobs), facts
 
 
 def _publish(manifest, state, plan, result):
@@ -1443,7 +1585,9 @@ def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
       top_k=set_(buffers.top_k, a.top_k), top_p=set_(buffers.top_p, a.top_p),
       seed=set_(buffers.seed, a.seed), min_tokens=set_(buffers.min_tokens, a.min_tokens),
       ignore_eos=set_(buffers.ignore_eos, a.ignore_eos),
-      stop_ids=buffers.stop_ids.at[slot].set(a.stop_ids))
+      stop_ids=buffers.stop_ids.at[slot].set(a.stop_ids),
+      logprobs=set_(buffers.logprobs, a.logprobs),
+      prompt_logprobs=set_(buffers.prompt_logprobs, a.prompt_logprobs))
   return manifest, state, buffers
 
 
@@ -1526,7 +1670,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       policy=policy,
       step=jit("step", functools.partial(
           _fused_step, policy, _model_step(model_cfg, config), config.token_buckets,
-          config.enable_prefix_caching), static_argnames=("num_rows",),
+          config.enable_prefix_caching, windows=model_cfg.window_kinds),
+          static_argnames=("num_rows",),
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
       tick=jit("tick", _tick),
       plan=jit("plan", functools.partial(_plan, policy)),

@@ -76,7 +76,10 @@ def define_engine_flags() -> None:
   flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Engine clock: 'virtual' advances "
                     "by the cost model's step time (default: virtual for the simulated "
                     "executor, wall otherwise).")
-  flags.DEFINE_string("cost_model", None, "Override: cost model calibration JSON.")
+  flags.DEFINE_string("cost_model", None, "Override: the virtual clock's cost model: a "
+                      "calibration JSON or profile:NAME (a100, h100, h200, tpu_v5e, "
+                      "tpu_v6e; uncalibrated). Default: the newest calibration of this "
+                      "device under --cache_dir/calibration, else the shipped one.")
   flags.DEFINE_boolean("enable_prefix_caching", None, "Override: automatic prefix "
                        "caching (shared KV pages of equal prompt prefixes; on by default; "
                        "--noenable_prefix_caching for ablations).")
@@ -220,7 +223,17 @@ def engine_config(**overrides) -> EngineConfig:
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
-  return EngineConfig.preset(FLAGS.engine, **fields)
+  config = EngineConfig.preset(FLAGS.engine, **fields)
+  virtual = config.executor == "simulated" or FLAGS.clock == "virtual"
+  if virtual and not config.cost_model and FLAGS.cache_dir:
+    # A calibration scripts/calibrate.py made on this kind of device wins
+    # over the shipped one.
+    found = cost_lib.find_calibration(f"{FLAGS.cache_dir}/calibration",
+                                      cost_lib.device_fingerprint(), config.dtype, FLAGS.engine)
+    if found is not None:
+      print(f"cost model: {found} (calibrated on this device)")
+      config = dataclasses.replace(config, cost_model=str(found))
+  return config
 
 
 def load_flags_model(engine_cfg: EngineConfig):
@@ -256,8 +269,7 @@ def load_flags_model(engine_cfg: EngineConfig):
 def model_costs(cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
   """``serving.cost_model.model_costs`` of ``cfg`` in the engine's weight and
   KV dtypes, as JSON (the calibration's meta and replay reports record it)."""
-  weights = "int8" if engine_cfg.weights == "int8" else engine_cfg.dtype
-  return cost_lib.model_costs(cfg, weights, engine_cfg.kv_cache_dtype).to_json()
+  return cost_lib.engine_model_costs(cfg, engine_cfg).to_json()
 
 
 def describe_model(cfg: ModelConfig) -> str:

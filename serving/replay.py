@@ -182,3 +182,44 @@ def run_outcomes(engine: Engine) -> dict:
       "prefill_tokens_computed": engine.prefill_tokens_computed,
       **engine.prefix_cache_stats(),
   }
+
+
+FIDELITY_METRICS = {
+    "ttft": lambda r: r.ttft_s,
+    "tpot": lambda r: r.tpot_s,
+    "e2el": lambda r: r.token_times_s[-1] - r.arrival_s if r.token_times_s else None,
+}
+
+
+def fidelity(measured: List[RequestRecord], simulated: List[RequestRecord],
+             measured_s: float, simulated_s: float) -> dict:
+  """How far a simulated replay is from a measured one of the same workload.
+
+  Per request completed in both (matched by request id), the relative error
+  ``|simulated - measured| / measured`` of TTFT, TPOT and E2EL; their median
+  and p90 (None for a metric no request has), and the relative error of the
+  replay duration.
+
+  Args:
+    measured, simulated: the two replays' records.
+    measured_s, simulated_s: their durations (s).
+  """
+  import numpy as np      # pylint: disable=import-outside-toplevel
+  sim = {r.request_id: r for r in simulated}
+  pairs = [(m, sim[m.request_id]) for m in measured
+           if m.outcome == "completed" and m.request_id in sim
+           and sim[m.request_id].outcome == "completed"]
+  out = {"requests": len(measured), "completed_in_both": len(pairs),
+         "measured_duration_s": measured_s, "simulated_duration_s": simulated_s,
+         "duration_rel_err": abs(simulated_s - measured_s) / measured_s if measured_s else None}
+  for name, get in FIDELITY_METRICS.items():
+    err = [abs(get(s) - get(m)) / get(m) for m, s in pairs
+           if get(m) is not None and get(s) is not None and get(m) > 0]
+    signed = [(get(s) - get(m)) / get(m) for m, s in pairs
+              if get(m) is not None and get(s) is not None and get(m) > 0]
+    out[name] = None if not err else {
+        "median_rel_err": float(np.median(err)), "p90_rel_err": float(np.percentile(err, 90)),
+        "median_signed_rel_err": float(np.median(signed)), "n": len(err),
+        "measured_median_ms": float(np.median([get(m) for m, _ in pairs
+                                               if get(m) is not None]) * 1e3)}
+  return out

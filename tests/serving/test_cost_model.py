@@ -1,6 +1,9 @@
 """``serving.cost_model.model_costs``: cost features from a ModelConfig,
 checked against numbers computed by hand for two published shapes."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from models.config import ModelConfig, get_config
@@ -76,3 +79,183 @@ def test_tied_int8_and_kv_dtypes():
       f32.kv_bytes_per_token)
   with pytest.raises(ValueError, match="weight_dtype must be one of"):
     cost_lib.model_costs(cfg, "float8")
+
+
+# ---------------------------------------------------------------- step model
+def _plan(intervals):
+  """A stand-in plan: (start, end, kind) per slot, the rest unselected."""
+  from types import SimpleNamespace
+  import jax.numpy as jnp
+  from scheduler import records as rec
+  pad = 6 - len(intervals)
+  start, end, kind = zip(*intervals) if intervals else ((), (), ())
+  kinds = {"prefill": rec.PREFILL_CHUNK, "decode": rec.DECODE_ROW}
+  return SimpleNamespace(
+      selected=jnp.asarray([True] * len(intervals) + [False] * pad),
+      start=jnp.asarray(list(start) + [0] * pad, jnp.int32),
+      end=jnp.asarray(list(end) + [0] * pad, jnp.int32),
+      kind=jnp.asarray([kinds[k] for k in kind] + [0] * pad, jnp.int32))
+
+
+def test_plan_stats_by_hand():
+  # A decode row at position 9 sees 10 keys; chunk [0, 4) computes 1+2+3+4
+  # pairs, chunk [4, 8) 5+6+7+8. Under a window of 6: 6, 10, 5+6+6+6.
+  plan = _plan([(9, 10, "decode"), (0, 4, "prefill"), (4, 8, "prefill")])
+  stats = np.asarray(cost_lib.plan_stats(plan, (0, 6)))
+  np.testing.assert_array_equal(stats, [8, 1, 3, 10 + 10 + 26, 6 + 10 + 23,
+                                        10 + 4 + 8, 6 + 4 + 6])
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 7, 50])
+def test_plan_stats_window_pairs_equal_a_loop(window):
+  rng = np.random.default_rng(window)
+  for _ in range(20):
+    intervals = []
+    for _ in range(rng.integers(0, 6)):
+      s = int(rng.integers(0, 40))
+      intervals.append((s, s + int(rng.integers(1, 12)), "prefill"))
+    stats = np.asarray(cost_lib.plan_stats(_plan(intervals), (window,)))
+    see = lambda j: j + 1 if window == 0 else min(j + 1, window)
+    pairs = sum(see(j) for s, e, _ in intervals for j in range(s, e))
+    keys = sum(e if window == 0 else min(e, window) for _, e, _ in intervals)
+    assert stats[3:].tolist() == [pairs, keys]
+
+
+def test_step_features_by_hand_for_a_windowed_model():
+  # 2 blocks, one global and one with a window of 8: a pair costs
+  # 4 * n_heads * head_dim = 256 FLOPs per block, a cached token 2 * 2 * 16 * 4
+  # bytes per block.
+  cfg = ModelConfig(vocab_size=100, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=16, ffn_dim=64, rope_theta=1e4, tie_embeddings=True,
+                    max_position=64, eos_token_ids=(1,), layer_windows=(0, 8))
+  costs = cost_lib.model_costs(cfg)
+  stats = [12, 2, 3, 100, 60, 30, 20]     # prefill, decode, seqs, pairs g/w, keys g/w
+  f = dict(zip(cost_lib.FEATURES, cost_lib.step_features(stats, 16, costs)))
+  assert f["step"] == 1 and f["rows"] == 14
+  assert f["gemm_gflop"] == pytest.approx(16 * costs.gemm_flops_per_row / 1e9)
+  assert f["lm_head_gflop"] == pytest.approx(3 * 2 * 32 * 100 / 1e9)
+  assert f["attention_gflop"] == pytest.approx((100 + 60) * 256 / 1e9)
+  assert f["kv_read_gb"] == pytest.approx((30 + 20) * 256 / 1e9)
+  assert f["weight_read_gb"] == pytest.approx(costs.weight_bytes_per_step / 1e9)
+  with pytest.raises(ValueError, match="window kind"):
+    cost_lib.step_features(stats[:5], 16, costs)
+
+
+def _synthetic_grid(rng, cfg, n):
+  """Features of random steps of ``cfg`` (buckets 16..256, contexts to 8k)."""
+  costs = cost_lib.model_costs(cfg, "bfloat16")
+  rows = []
+  for _ in range(n):
+    decode, chunks = int(rng.integers(0, 32)), int(rng.integers(0, 5))
+    prefill = chunks * int(rng.integers(1, 64))
+    bucket = int(2 ** np.ceil(np.log2(max(prefill + decode, 16))))
+    ctx = int(rng.integers(1, 8192))
+    stats = [prefill, decode, decode + chunks, prefill * (prefill / max(chunks, 1) + 1) / 2
+             + decode * ctx, (decode + chunks) * ctx]
+    rows.append(cost_lib.step_features(stats, bucket, costs))
+  return np.array(rows)
+
+
+TRUE = dict(step=2.0, rows=0.01, gemm_gflop=1000 / 400.0, lm_head_gflop=1000 / 300.0,
+            attention_gflop=1000 / 150.0, kv_read_gb=1000 / 60.0, weight_read_gb=1000 / 80.0)
+
+
+def test_fit_recovers_known_efficiencies_across_two_models():
+  """Synthetic step times from known throughputs (GFLOP/s, GB/s) on two
+  models of different widths: the fit recovers every efficiency and
+  predicts a third model it never saw."""
+  rng = np.random.default_rng(0)
+  small = get_config("tiny")
+  big = dataclasses.replace(LLAMA_8B, n_layers=2, vocab_size=4096, eos_token_ids=(1,))
+  x = np.concatenate([_synthetic_grid(rng, small, 150), _synthetic_grid(rng, big, 150)])
+  true = cost_lib.CostModel.of(**TRUE)
+  y = np.array([true.predict_ms(r) for r in x]) * rng.normal(1, 0.001, len(x))
+  fit = cost_lib.fit(x, y, meta={"models": ["a", "b"]})
+  for name, value in TRUE.items():
+    assert fit.coef_ms[cost_lib.FEATURES.index(name)] == pytest.approx(value, rel=0.05), name
+  assert fit.efficiencies()["weight_read_gb"] == pytest.approx(80.0, rel=0.05)
+  assert fit.meta["median_rel_residual"] < 0.005
+  # Every term earns its place: leaving one out leaves a larger residual.
+  assert all(v > 2 * fit.meta["rms_residual_ms"] for v in fit.meta["residual_without"].values())
+  third = _synthetic_grid(rng, dataclasses.replace(MIXTRAL, n_layers=1), 20)
+  for r in third:
+    assert fit.predict_ms(r) == pytest.approx(true.predict_ms(r), rel=0.03)
+
+
+def test_one_model_fit_folds_weight_reads_into_the_step_term():
+  rng = np.random.default_rng(1)
+  x = _synthetic_grid(rng, get_config("tiny"), 200)
+  y = np.array([cost_lib.CostModel.of(**TRUE).predict_ms(r) for r in x])
+  free = [f for f in cost_lib.FEATURES if f != "weight_read_gb"]
+  fit = cost_lib.fit(x, y, free=free)
+  weight_ms = TRUE["weight_read_gb"] * x[0, cost_lib.FEATURES.index("weight_read_gb")]
+  assert fit.coef_ms[0] == pytest.approx(TRUE["step"] + weight_ms, rel=1e-3)
+  assert fit.coef_ms[-1] == 0.0 and fit.meta["free"] == free
+  with pytest.raises(ValueError, match="unknown feature"):
+    cost_lib.fit(x, y, free=["step", "bucket"])
+  with pytest.raises(ValueError, match="at least"):
+    cost_lib.fit(x[:3], y[:3])
+
+
+def test_h100_profile_by_hand_on_llama_8b():
+  """A decode step of 8 sequences at 1,024 tokens each on the H100 profile:
+  memory-bound, plus 3 ms: 15.01 GB of bf16 weights (7.505e9 elements read
+  per step: 32 blocks of 218.1M and the 525.3M head) and 1.07 GB of KV
+  (8 x 1,025 tokens x 131,072 bytes) at 3,350 GB/s x 0.75."""
+  model = cost_lib.load("profile:h100")
+  assert model.combine == "roofline" and model.meta["uncalibrated"]
+  costs = cost_lib.model_costs(LLAMA_8B, "bfloat16")
+  stats = [0, 8, 8, 8 * 1025, 8 * 1025]
+  f = cost_lib.step_features(stats, 16, costs)
+  memory_ms = (costs.weight_bytes_per_step + 8 * 1025 * costs.kv_bytes_per_token) / (
+      3350e9 * 0.75) * 1000
+  assert memory_ms == pytest.approx(16.085 / 2512.5 * 1000, rel=1e-3)
+  assert model.predict_ms(f) == pytest.approx(3.0 + memory_ms, rel=1e-9)
+  # A 4,096-row prefill chunk is compute-bound at 989 TFLOP/s x 0.6 (GEMMs).
+  p = cost_lib.step_features([4096, 0, 1, 4096 * 4097 / 2, 4096], 4096, costs)
+  gemm_ms = 4096 * costs.gemm_flops_per_row / (989e12 * 0.6) * 1000
+  assert model.predict_ms(p) > 3.0 + gemm_ms > 3.0 + memory_ms
+  with pytest.raises(ValueError, match="profiles: \\['a100', 'h100', 'h200', 'tpu_v5e'"):
+    cost_lib.load("profile:b200")
+
+
+def test_resolve_refuses_another_model_and_warns_on_another_device(tmp_path):
+  tiny = cost_lib.model_costs(get_config("tiny"))
+  other = cost_lib.model_costs(LLAMA_8B)
+  here = {"id": "aaa", "cpu": "this cpu"}
+  lines = []
+  one = cost_lib.CostModel.of(step=1.0, meta={"models": [tiny.to_json()], "path": "c.json",
+                                               "device": {"id": "aaa"}, "model": "tiny"})
+  assert cost_lib.resolve(one, tiny, fingerprint=here, say=lines.append) is one
+  assert lines == []
+  with pytest.raises(ValueError, match="fitted on one model only \\(tiny"):
+    cost_lib.resolve(one, other, fingerprint=here, say=lines.append)
+  two = cost_lib.CostModel.of(step=1.0, meta={"models": [tiny.to_json(), {"x": 1}],
+                                               "device": {"id": "bbb", "cpu": "that cpu"}})
+  cost_lib.resolve(two, other, fingerprint=here, say=lines.append)
+  assert len(lines) == 2 and "predicting this one from its cost features" in lines[0]
+  assert "calibrated on another device (that cpu, bbb)" in lines[1]
+  lines.clear()
+  cost_lib.resolve(cost_lib.load("profile:tpu_v5e"), other, fingerprint=here,
+                   say=lines.append)
+  assert lines == ["cost model: accelerator profile 'tpu_v5e' is uncalibrated "
+                   "(published peaks x stated efficiencies)"]
+
+
+def test_old_form_and_bad_models_are_refused(tmp_path):
+  old = tmp_path / "old.json"
+  old.write_text('{"intercept_ms": 5, "coef_ms": {"prefill_rows": 1, "decode_rows": 1, '
+                 '"kv_tokens_read": 0, "bucket": 1}}')
+  with pytest.raises(ValueError, match="missing \\['step', 'rows'"):
+    cost_lib.load(old)
+  with pytest.raises(ValueError, match="must all be >= 0"):
+    cost_lib.CostModel.of(step=-1.0)
+  with pytest.raises(ValueError, match="unknown feature"):
+    cost_lib.CostModel.of(bucket=1.0)
+  with pytest.raises(ValueError, match="combine must be one of"):
+    cost_lib.CostModel.of(combine="max")
+
+
+def test_device_fingerprint_is_stable():
+  a, b = cost_lib.device_fingerprint(), cost_lib.device_fingerprint()
+  assert a == b and a["backend"] == "cpu" and len(a["id"]) == 12

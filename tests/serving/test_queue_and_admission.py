@@ -194,7 +194,8 @@ def _trace(params, policy, num_slots, workload, cost_file=None):
 @pytest.fixture(scope="module")
 def cost_file(tmp_path_factory):
   path = tmp_path_factory.mktemp("cost") / "cost.json"
-  cost_lib.CostModel(5.0, (0.5, 2.0, 0.01, 0.125), meta={"model": "tiny"}).save(path)
+  cost_lib.CostModel.of(step=5.0, rows=0.5, attention_gflop=2000.0,
+                      kv_read_gb=400.0).save(path)
   return str(path)
 
 

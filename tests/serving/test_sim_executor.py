@@ -13,13 +13,24 @@ from serving.replay import replay, run_config
 from serving.sim_executor import VirtualClock
 from tests.serving.engine_testing import CFG, prompts
 
-INTERCEPT_MS, COEF_MS = 5.0, (0.5, 2.0, 0.01, 0.125)
+# The test cost model (ms per step, per row, per attention GFLOP, per GB of
+# KV read) and, worked out by hand for the tiny model (2 layers, 4 query and
+# 2 KV heads of 16, float32), its FLOPs per query-key pair (4 * 4 * 16 per
+# layer) and KV bytes per cached token (2 * 2 * 16 * 4 per layer).
+STEP_MS, ROW_MS, ATTN_MS_PER_GFLOP, KV_MS_PER_GB = 5.0, 0.5, 2000.0, 400.0
+PAIR_FLOPS, KV_BYTES = 2 * 4 * 4 * 16, 2 * 2 * 2 * 16 * 4
+
+
+def _step_ms(rows, pairs, keys):
+  return (STEP_MS + ROW_MS * rows + ATTN_MS_PER_GFLOP * pairs * PAIR_FLOPS / 1e9
+          + KV_MS_PER_GB * keys * KV_BYTES / 1e9)
 
 
 @pytest.fixture(scope="module")
 def cost_file(tmp_path_factory):
   path = tmp_path_factory.mktemp("cost") / "cost.json"
-  cost_lib.CostModel(INTERCEPT_MS, COEF_MS, meta={"model": "tiny"}).save(path)
+  cost_lib.CostModel.of(step=STEP_MS, rows=ROW_MS, attention_gflop=ATTN_MS_PER_GFLOP,
+                        kv_read_gb=KV_MS_PER_GB).save(path)
   return str(path)
 
 
@@ -61,18 +72,17 @@ def test_simulated_replays_are_byte_identical_and_admit_by_virtual_time(
     assert r.outcome == "completed" and r.output_tokens == wl[r.request_id].max_tokens
     assert r.first_token_s > r.arrival_s
   # Engine time is the sum of modelled step times: alone on an idle engine,
-  # a 20-token prompt gets its first token after 3 chunks (cap 8) of
-  # (5 + 0.5 rows + 0.01 keys read + 0.125 bucket) ms (the tiny preset's
-  # one 16-row bucket), a chunk [s, e)
-  # reading (e - s)(s + e + 1)/2 keys; then 1 decode step reading 21 keys.
+  # a 20-token prompt gets its first token after 3 chunks (cap 8): a chunk
+  # [s, e) computes (e - s)(s + e + 1)/2 query-key pairs and reads e cached
+  # keys; then 1 decode step of 21 pairs and 21 keys.
   engine = _sim_engine(params, cost_file)
   req = engine.add_request("solo", prompts([20])[0], SamplingParams(max_tokens=2))
   engine.run()
-  t_ms = sum(INTERCEPT_MS + 0.5 * n + 0.01 * keys + 0.125 * 16
-             for n, keys in ((8, 36), (8, 100), (4, 74)))
+  t_ms = sum(_step_ms(n, pairs, keys) for n, pairs, keys in ((8, 36, 8), (8, 100, 16),
+                                                              (4, 74, 20)))
   assert req.token_times_ms[0] == pytest.approx(t_ms, rel=1e-6)
   assert req.token_times_ms[1] - req.token_times_ms[0] == pytest.approx(
-      INTERCEPT_MS + 2.0 + 0.01 * 21 + 0.125 * 16, rel=1e-6)
+      _step_ms(1, 21, 21), rel=1e-6)
   report = json.loads(a)
   assert report["config"]["executor"] == "simulated"
   assert report["config"]["clock"] == "virtual"
@@ -97,23 +107,6 @@ def test_simulated_executor_refuses_a_wall_clock(params, cost_file):
     Engine(CFG, params, cfg, clock=lambda: 0.0)
   with pytest.raises(ValueError, match="executor"):
     EngineConfig.preset("tiny", executor="fast")
-
-
-def test_cost_model_fit_recovers_known_coefficients():
-  rng = np.random.default_rng(0)
-  x = np.stack([rng.integers(0, 256, 200), rng.integers(0, 32, 200),
-                rng.integers(0, 20000, 200), rng.choice([64, 128, 256], 200)], 1)
-  y = INTERCEPT_MS + x @ np.array(COEF_MS) + rng.normal(0, 0.01, 200)
-  fit = cost_lib.fit(x, y)
-  assert fit.intercept_ms == pytest.approx(INTERCEPT_MS, abs=0.05)
-  np.testing.assert_allclose(fit.coef_ms, COEF_MS, rtol=0.01, atol=1e-4)
-  assert fit.meta["rms_residual_ms"] < 0.02
-  assert fit.predict_ms([10, 2, 300, 64]) == pytest.approx(
-      5 + 5 + 4 + 3 + 8, abs=0.05)
-  plain = cost_lib.fit(x, y, nonnegative=False)
-  np.testing.assert_allclose(plain.coef_ms, COEF_MS, rtol=0.01, atol=1e-4)
-  with pytest.raises(ValueError, match="at least"):
-    cost_lib.fit(x[:3], y[:3])
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -160,7 +153,7 @@ def test_comparison_refuses_runs_whose_coordinates_differ(params, cost_file, tmp
   ablation.check_comparable([base, other])
   for path, value, coordinate in (
       (("ledger", "slo", "ttft_ms"), 500.0, "slo"),
-      (("config", "cost_model", "intercept_ms"), 6.0, "cost_model"),
+      (("config", "cost_model", "coef_ms", "step"), 6.0, "cost_model"),
       (("config", "max_num_batched_tokens"), 32, "engine_config"),
       (("config", "workload"), {"source": "azure", "window_s": [0, 60]}, "trace"),
       (("config", "executor"), "model", "executor")):
