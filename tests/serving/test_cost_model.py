@@ -259,3 +259,19 @@ def test_old_form_and_bad_models_are_refused(tmp_path):
 def test_device_fingerprint_is_stable():
   a, b = cost_lib.device_fingerprint(), cost_lib.device_fingerprint()
   assert a == b and a["backend"] == "cpu" and len(a["id"]) == 12
+
+
+def test_calibrate_refuses_a_busy_machine():
+  """scripts/calibrate.py stops before measuring when the load average is
+  above --max_load (here below any load), exit status 2, one line."""
+  import subprocess
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parents[2]
+  proc = subprocess.run([sys.executable, str(root / "scripts" / "calibrate.py"), "--model=tiny",
+                         "--engine=tiny", "--prompt_lens=8", "--batch_sizes=1",
+                         "--max_load=-1", "--cache_dir="],
+                        cwd=root, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert "error: machine busy before measuring: 1-minute load average" in proc.stderr
+  assert "> --max_load=-1.0" in proc.stderr

@@ -195,3 +195,25 @@ def test_model_executor_on_a_virtual_clock_repeats_schedule_and_report(
   _, plans_sim, times_sim = run("simulated", tmp_path / "s.json")
   assert [p["scheduled"] for p in plans_sim] == [p["scheduled"] for p in plans_a]
   assert times_sim == times_a
+
+
+def test_engine_checks_the_calibration_it_is_given(params, tmp_path, capfd):
+  """A calibration made on another device gets a one-line warning; one
+  fitted on another model only is refused, naming it."""
+  tiny = cost_lib.model_costs(CFG)
+  other = cost_lib.model_costs(CFG.__class__(**{**CFG.__dict__, "d_model": 128}))
+  for name, models, device in (("elsewhere", [tiny.to_json()], {"id": "0123456789ab",
+                                                                 "cpu": "another cpu"}),
+                               ("wrong_model", [other.to_json()], {})):
+    cost_lib.CostModel.of(step=1.0, meta={"models": models, "device": device,
+                                          "model": name}).save(tmp_path / f"{name}.json")
+  cfg = EngineConfig.preset("tiny", executor="simulated",
+                            cost_model=str(tmp_path / "elsewhere.json"))
+  Engine(CFG, None, cfg, clock=VirtualClock())
+  err = capfd.readouterr().err
+  assert "was calibrated on another device (another cpu, 0123456789ab)" in err
+  assert len([line for line in err.splitlines() if line.startswith("cost model:")]) == 1
+  cfg = EngineConfig.preset("tiny", executor="simulated",
+                            cost_model=str(tmp_path / "wrong_model.json"))
+  with pytest.raises(ValueError, match="fitted on one model only \\(wrong_model"):
+    Engine(CFG, None, cfg, clock=VirtualClock())
