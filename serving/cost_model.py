@@ -558,6 +558,8 @@ def resolve(model: CostModel, costs: ModelCosts, *,
   if len(seen) > 1 and here not in seen:
     say(f"cost model: {where} was fitted on {len(seen)} other models; predicting this one "
         f"from its cost features")
+  if model.meta.get("provisional"):
+    say(f"cost model: {where} is provisional: {model.meta['provisional']}")
   if model.meta.get("uncalibrated"):
     say(f"cost model: accelerator profile {model.meta.get('profile')!r} is uncalibrated "
         f"(published peaks x stated efficiencies)")
