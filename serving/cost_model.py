@@ -55,6 +55,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
 
@@ -520,6 +521,17 @@ def find_calibration(directory, fingerprint: dict, dtype: str,
 
 def _costs_key(costs: dict) -> dict:
   return {k: v for k, v in costs.items() if k not in ("weight_bytes",)}
+
+
+_SAID = set()
+
+
+def say_once(line: str) -> None:
+  """Prints ``line`` to stderr the first time this process says it (N
+  replicas on one calibration warn once)."""
+  if line not in _SAID:
+    _SAID.add(line)
+    print(line, file=sys.stderr)
 
 
 def resolve(model: CostModel, costs: ModelCosts, *,

@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -335,7 +334,7 @@ class Engine:
     self.cost_model = None
     if self._virtual:
       self.cost_model = cost_lib.resolve(cost_lib.load(config.cost_model), self.model_costs,
-                                         say=lambda line: print(line, file=sys.stderr))
+                                         say=cost_lib.say_once)
     self._clock = clock
     self._t0 = clock()
     c = config
