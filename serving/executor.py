@@ -9,6 +9,16 @@ segmented paged attention; a bucket above ``ModelRunner.chunk_rows`` as a
 interval emits, apply the stop rules, write emitted tokens into the logical
 stream and free the pages of finished requests. It returns facts (``IterationResult``); only
 ``scheduler.apply.apply`` turns them into the next state.
+
+Logprobs (``StepLogprobs``), for the requests that ask (per-slot flags in
+``RequestBuffers``): the emitted token's logprob and the ``MAX_LOGPROBS``
+most likely tokens, from the same logits the sampler read, and for prompt
+rows the logprob of the next prompt token, from the prefill rows this plan
+computes (the LM head runs on those rows too, in tiles; no second forward
+pass). Both are ``sampling.raw_logprobs``: the raw model logits'
+``log_softmax`` (vLLM's default "raw_logprobs"), before the stop mask,
+temperature and top-k/top-p. The output shapes are fixed by the bucket;
+nothing is computed when no request in the step asked.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from models import llama
 from scheduler import records as rec
 from serving import kv_pages
 from serving.pack import pack
-from serving.sampling import sample
+from serving.sampling import MAX_LOGPROBS, raw_logprobs, sample
 
 
 @flax.struct.dataclass
@@ -35,6 +45,8 @@ class RequestBuffers:
     temperature, top_p: f32[R]; top_k, min_tokens: i32[R].
     seed: u32[R]; ignore_eos: bool[R].
     stop_ids: i32[R, max_stop_ids] (-1 padded).
+    logprobs: bool[R] the request wants its emitted tokens' logprobs.
+    prompt_logprobs: bool[R] the request wants its prompt tokens' logprobs.
   """
 
   tokens: jax.Array
@@ -45,6 +57,8 @@ class RequestBuffers:
   min_tokens: jax.Array
   ignore_eos: jax.Array
   stop_ids: jax.Array
+  logprobs: jax.Array
+  prompt_logprobs: jax.Array
 
 
 def init_buffers(num_slots: int, max_model_len: int, max_stop_ids: int) -> RequestBuffers:
@@ -56,7 +70,38 @@ def init_buffers(num_slots: int, max_model_len: int, max_stop_ids: int) -> Reque
       seed=jnp.zeros((num_slots,), jnp.uint32),
       min_tokens=jnp.zeros((num_slots,), jnp.int32),
       ignore_eos=jnp.zeros((num_slots,), bool),
-      stop_ids=jnp.full((num_slots, max_stop_ids), -1, jnp.int32))
+      stop_ids=jnp.full((num_slots, max_stop_ids), -1, jnp.int32),
+      logprobs=jnp.zeros((num_slots,), bool),
+      prompt_logprobs=jnp.zeros((num_slots,), bool))
+
+
+@flax.struct.dataclass
+class StepLogprobs:
+  """Raw logprobs one executed plan computed (``sampling.raw_logprobs``;
+  K = ``MAX_LOGPROBS``, or the vocabulary when smaller).
+
+  Attributes:
+    token: f32[R] per slot: the logprob of the token it emitted (0 where the
+      slot emitted nothing or did not ask).
+    top_ids: i32[R, K], top: f32[R, K]: its K most likely tokens, descending.
+    num_prompt: i32[] prompt rows scored; entries [0, num_prompt) of the
+      ``prompt_*`` arrays hold them (the rest is padding).
+    prompt_slot, prompt_pos: i32[T] the slot and position of each scored
+      row: its logits give the prompt token at ``prompt_pos + 1``.
+    prompt_token: f32[T] that token's logprob.
+    prompt_top_ids: i32[T, K], prompt_top: f32[T, K]: the row's K most
+      likely tokens, descending.
+  """
+
+  token: jax.Array
+  top_ids: jax.Array
+  top: jax.Array
+  num_prompt: jax.Array
+  prompt_slot: jax.Array
+  prompt_pos: jax.Array
+  prompt_token: jax.Array
+  prompt_top_ids: jax.Array
+  prompt_top: jax.Array
 
 
 def _mask_stops(logits, seq_slots, buffers, emitted, eos_ids):
@@ -103,11 +148,91 @@ class ModelRunner:
                                 decode_gemm=self.decode_gemm)
 
 
+def _prompt_logprobs(model: ModelRunner, params, hidden, want, target, *, k: int,
+                     tile: int = 32):
+  """Raw logprobs of the next prompt token at the rows in ``want``.
+
+  The wanted rows are moved to the front (stable order) and the LM head,
+  ``log_softmax`` and top-k run on them ``tile`` rows at a time in a
+  ``fori_loop`` of ``ceil(count / tile)`` trips (no [T, V] logits are ever
+  held; a tile's GEMM has ``tile`` rows, inside the 2..32-row bit class of
+  ``llama.row_tiled``, so a row's values do not depend on its neighbours).
+
+  Args:
+    hidden: f32[T, d_model] the plan's final hidden rows.
+    want: bool[T] rows to score; target: i32[T] each row's next token.
+    k: static alternatives per row.
+
+  Returns:
+    (order i32[T] rows in output order, count i32[], chosen f32[T],
+    top_ids i32[T, k], top f32[T, k]); entries from ``count`` on are padding.
+  """
+  num_rows = hidden.shape[0]
+  tile = min(tile, num_rows)
+  num_tiles = -(-num_rows // tile)
+  order = jnp.argsort(~want, stable=True).astype(jnp.int32)
+  count = jnp.sum(want).astype(jnp.int32)
+  padded = jnp.pad(order, (0, num_tiles * tile - num_rows))
+
+  def one_tile(i, out):
+    chosen, top_ids, top = out
+    rows = jax.lax.dynamic_slice(padded, (i * tile,), (tile,))
+    logits = model.compute_logits(params, hidden[rows])
+    c, ids, t = raw_logprobs(logits, target[rows], k=k)
+    start = i * tile
+    return (jax.lax.dynamic_update_slice(chosen, c, (start,)),
+            jax.lax.dynamic_update_slice(top_ids, ids, (start, 0)),
+            jax.lax.dynamic_update_slice(top, t, (start, 0)))
+
+  size = num_tiles * tile
+  out = (jnp.zeros((size,), jnp.float32), jnp.zeros((size, k), jnp.int32),
+         jnp.zeros((size, k), jnp.float32))
+  trips = (count + tile - 1) // tile
+  chosen, top_ids, top = jax.lax.fori_loop(0, trips, one_tile, out)
+  return order, count, chosen[:num_rows], top_ids[:num_rows], top[:num_rows]
+
+
+def step_logprobs(model: ModelRunner, params, hidden, logits, token, packed, buffers,
+                  prompt_len, num_slots: int) -> StepLogprobs:
+  """The ``StepLogprobs`` of one executed plan.
+
+  Args:
+    hidden: f32[T, d_model] final hidden rows; logits: f32[N, V] the raw
+      logits of the N sampled rows (the sampler's input before its stop
+      mask); token: i32[N] the tokens sampled from them.
+    packed: the ``PackedIteration``; buffers: ``RequestBuffers`` (flags and
+      token stream); prompt_len: i32[R] per slot.
+  """
+  vocab = logits.shape[-1]
+  k = min(MAX_LOGPROBS, vocab)
+  sampled = logits.shape[0]
+  slots = packed.seq_slots[:sampled]
+  want = buffers.logprobs[slots] & packed.valid_seq[:sampled]
+  none = (jnp.zeros((sampled,), jnp.float32), jnp.zeros((sampled, k), jnp.int32),
+          jnp.zeros((sampled, k), jnp.float32))
+  chosen, top_ids, top = jax.lax.cond(
+      jnp.any(want), lambda: raw_logprobs(logits, token, k=k), lambda: none)
+  index = jnp.where(want, slots, num_slots)            # others -> dropped
+  per_slot = lambda x: jnp.zeros((num_slots,) + x.shape[1:], x.dtype).at[index].set(
+      x, mode="drop")
+  # Prompt rows: position j's logits give the prompt token at j + 1.
+  slot, pos = packed.slot_of_row, packed.positions
+  rows_want = (packed.valid_row & buffers.prompt_logprobs[slot]
+               & (pos + 1 < prompt_len[slot]))
+  target = buffers.tokens[slot, jnp.minimum(pos + 1, buffers.tokens.shape[1] - 1)]
+  order, count, p_chosen, p_ids, p_top = _prompt_logprobs(model, params, hidden, rows_want,
+                                                          target, k=k)
+  return StepLogprobs(token=per_slot(chosen), top_ids=per_slot(top_ids), top=per_slot(top),
+                      num_prompt=count, prompt_slot=slot[order], prompt_pos=pos[order],
+                      prompt_token=p_chosen, prompt_top_ids=p_ids, prompt_top=p_top)
+
+
 def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
             manifest: rec.WorkloadManifest, state: rec.SchedulerState,
             plan: rec.IterationPlan, *, model, num_rows: int, num_seqs: int,
             max_model_len: int):
-  """Runs one plan. Returns ``(kv, pages, buffers, result)``.
+  """Runs one plan. Returns ``(kv, pages, buffers, result, logprobs)``
+  (``StepLogprobs``).
 
   Args:
     model: static ``ModelRunner`` (forward / compute_logits / eos ids).
@@ -131,9 +256,12 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   logits = model.compute_logits(params, hidden[packed.last_row[:sampled_rows]],
                                 packed.num_seqs)                      # [N, V]
   slots = packed.seq_slots[:sampled_rows]
+  raw = logits
   logits = _mask_stops(logits, slots, buffers, state.emitted, model.eos_token_ids)
   token = sample(logits, buffers.temperature[slots], buffers.top_k[slots],
                  buffers.top_p[slots], buffers.seed[slots], state.emitted[slots])
+  logprobs = step_logprobs(model, params, hidden, raw, token, packed, buffers,
+                           manifest.prompt_len, plan.selected.shape[0])
   finite = jnp.all(jnp.isfinite(logits) | (logits == -jnp.inf), axis=-1) & jnp.any(
       jnp.isfinite(logits), axis=-1)
   pad = (0, num_seqs - sampled_rows)
@@ -150,7 +278,7 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos
   pages, buffers, result = settle(pages, buffers, manifest, state, plan, slot_token,
                                   slot_finite, is_eos, max_model_len=max_model_len)
-  return kv, pages, buffers, result
+  return kv, pages, buffers, result, logprobs
 
 
 def allocate_for_plan(pages: kv_pages.PageState, plan: rec.IterationPlan

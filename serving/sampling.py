@@ -73,3 +73,35 @@ def sample(logits, temperature, top_k, top_p, seed, output_index):
   draws = (temperature > 0) & (top_k != 1)
   drawn = jax.lax.cond(jnp.any(draws), sampled, lambda _: greedy, None)
   return jnp.where(draws, drawn, greedy)
+
+
+# The most alternatives a request may ask for per token (vLLM's default
+# ``max_logprobs``): the device programs always compute this many, so their
+# output shapes do not depend on the request.
+MAX_LOGPROBS = 20
+
+
+def raw_logprobs(logits, token, *, k: int = MAX_LOGPROBS):
+  """Log-probabilities of the raw model logits (vLLM's default
+  ``logprobs_mode="raw_logprobs"``): ``log_softmax`` of each row as the
+  model computed it, before the min_tokens stop mask, temperature, top-k
+  and top-p; so a token's logprob does not depend on the request's
+  sampling parameters. Float32, row by row (a row's values never depend on
+  the other rows).
+
+  Args:
+    logits: f32[N, V] raw logits.
+    token: i32[N] the token whose logprob each row reports (clipped to
+      [0, V); the caller ignores rows it does not want).
+    k: static, alternatives per row (at most V).
+
+  Returns:
+    (chosen f32[N], top_ids i32[N, k], top_logprobs f32[N, k]): the token's
+    logprob, and the k most likely tokens in descending order (the lower id
+    first on ties, ``lax.top_k``).
+  """
+  logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  index = jnp.clip(token, 0, logits.shape[-1] - 1)[:, None]
+  chosen = jnp.take_along_axis(logprobs, index, axis=-1)[:, 0]
+  top, ids = jax.lax.top_k(logprobs, min(k, logits.shape[-1]))
+  return chosen, ids.astype(jnp.int32), top

@@ -75,6 +75,7 @@ from scheduler import records as rec
 from serving.config import SamplingParams
 from serving import kv_pages
 from serving.engine import Engine, QueueFull
+from serving.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 8
 # Chat roles the OpenAI API defines for text messages ("developer" is its
@@ -84,7 +85,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 # mean "off" (accepted); any other value is a 400 naming the field, never
 # silently ignored.
 UNSUPPORTED_FIELDS = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "echo": (None, False),
     "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
@@ -98,8 +99,8 @@ _COMMON_FIELDS = frozenset({
     "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "stream", "stream_options",
     "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms"})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # A client's id for its request (vLLM, ``vllm bench serve``): the response's
 # ``id`` is "cmpl-"/"chatcmpl-" + it, the engine's request id the same
@@ -221,6 +222,9 @@ class ParsedRequest:
   prompt_field: str = "prompt"          # or "messages": the body field of the prompt
   max_tokens_field: str = "max_tokens"  # or "max_completion_tokens", as the body named it
   continuous_usage: bool = False        # usage on every chunk (include_usage too)
+  # Alternatives per token when logprobs are asked (completions ``logprobs``,
+  # chat ``top_logprobs``), None when not.
+  logprobs: Optional[int] = None
 
 
 # ------------------------------------------------------------- per request
@@ -240,6 +244,10 @@ class _Live:
     self.loop = loop
     self.text = ""          # text so far, stop-string match removed
     self.sent = 0           # characters of ``text`` already pushed
+    # (token id, ``engine.TokenLogprobs``) of every output token, when asked,
+    # and how many of them were pushed.
+    self.logprobs: List[tuple] = []
+    self.logprobs_sent = 0
     self.queued_ms: Optional[float] = None
     # Original arrival (``time.monotonic()`` s) when a front forwarded it.
     self.arrival_s: Optional[float] = None
@@ -410,6 +418,8 @@ class EngineLoop:
         continue
       req = self.engine.requests[out.request_id]
       self.metrics.generation_tokens.inc(len(out.new_token_ids))
+      if out.new_logprobs:
+        live.logprobs.extend(zip(out.new_token_ids, out.new_logprobs))
       piece = live.detok.push_many(out.new_token_ids)
       if out.finished:
         piece += live.detok.flush()
@@ -444,13 +454,17 @@ class EngineLoop:
   def _push_text(self, live: _Live, completion_tokens: int, final: bool) -> None:
     """Pushes the text not sent yet (all of it when ``final``, else all but
     what could still start a stop string) as a "delta" event, with the
-    request's output tokens so far."""
+    request's output tokens so far and the logprobs of the tokens not sent
+    yet (with the next text, or at the end; so a chunk's logprobs may run
+    ahead of its text while a stop string could still match)."""
     hold = 0 if final else max((len(s) for s in live.parsed.stop), default=1) - 1
     upto = max(live.sent, len(live.text) - hold)
-    if upto > live.sent:
+    if upto > live.sent or (final and live.logprobs_sent < len(live.logprobs)):
       live.push({"type": "delta", "text": live.text[live.sent:upto],
-                 "completion_tokens": completion_tokens})
+                 "completion_tokens": completion_tokens,
+                 "logprobs": live.logprobs[live.logprobs_sent:]})
       live.sent = upto
+      live.logprobs_sent = len(live.logprobs)
 
   def _end(self, live: _Live, req, stop_string: bool = False) -> None:
     self._push_text(live, len(req.output_token_ids), final=True)
@@ -462,7 +476,8 @@ class EngineLoop:
     live.push({"type": "end", "outcome": outcome, "reason": reason, "finish_reason": finish,
                "prompt_tokens": len(req.prompt_token_ids),
                "cached_tokens": req.prefix_hit_tokens,
-               "completion_tokens": len(req.output_token_ids), "text": live.text})
+               "completion_tokens": len(req.output_token_ids), "text": live.text,
+               "logprobs": live.logprobs})
     del self._live[live.rid]
     self.engine.evict(live.rid)
     self.metrics.release()
@@ -698,6 +713,12 @@ def model_routes(app: FastAPI, card) -> None:
     return served
 
 
+def _json_logprob(value: float) -> float:
+  """A logprob as JSON carries it: float32 -> Python float; -inf (a token
+  the model rules out) as -9999.0, as vLLM writes it (JSON has no inf)."""
+  return max(float(value), -9999.0)
+
+
 def _sse(payload) -> bytes:
   return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
 
@@ -759,6 +780,7 @@ class OpenAIServer:
         raise BadRequest(f"'{field}' is not supported by this server (accepted only as "
                          f"{' or '.join(json.dumps(v) for v in neutral)})", field)
     prompts = [self._chat_prompt(body)] if chat else self._completion_prompts(body)
+    logprobs = self._logprobs_field(body, chat)
     max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
       max_tokens = _get(body, "max_completion_tokens", int, None)
@@ -848,10 +870,38 @@ class OpenAIServer:
       if value <= 0:
         raise BadRequest(f"'{field}' must be > 0 ms, got {value}", field)
       extra[keyword] = float(value)
+    if logprobs is not None:
+      extra["logprobs"] = True
     return ParsedRequest(prompts, samplings, stop, stream, include_usage, priority, client,
                          extra, prompt_field=prompt_field,
                          max_tokens_field=max_tokens_field,
-                         continuous_usage=include_usage and continuous)
+                         continuous_usage=include_usage and continuous, logprobs=logprobs)
+
+  @staticmethod
+  def _logprobs_field(body: dict, chat: bool) -> Optional[int]:
+    """The alternatives per token a body asks for, None when it asks for no
+    logprobs: completions ``logprobs`` (an int k; null or false: none),
+    chat ``logprobs`` (bool) with ``top_logprobs`` (k, default 0). At most
+    ``MAX_LOGPROBS`` (the device program's static top-k)."""
+    rule = f"an int in [0, {MAX_LOGPROBS}]"
+    if chat:
+      wanted = _get(body, "logprobs", bool, False)
+      k = _get(body, "top_logprobs", int, 0, rule)
+      field = "top_logprobs"
+      if k and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:
+      field = "logprobs"
+      if body.get("logprobs") is False:       # the legacy "off"
+        return None
+      k = _get(body, "logprobs", int, None, rule)
+      wanted = k is not None
+    if not wanted:
+      return None
+    if not 0 <= k <= MAX_LOGPROBS:
+      raise BadRequest(f"'{field}' must be in [0, {MAX_LOGPROBS}] (the most "
+                       f"alternatives per token this server computes), got {k}", field)
+    return k
 
   def _completion_prompts(self, body: dict) -> List[List[int]]:
     """The body's ``prompt`` as token ids, one list per choice: a string or
@@ -1159,6 +1209,57 @@ class OpenAIServer:
                                sum(e["completion_tokens"] for e in ends.values()),
                                sum(e["cached_tokens"] for e in ends.values()))
 
+  def _token_text(self, token_id: int) -> str:
+    """A token's own text as logprobs name it (special tokens kept; a piece
+    of a UTF-8 character shows as U+FFFD, its ``bytes`` are exact)."""
+    return self.tokenizer.decode([token_id])
+
+  def _completion_logprobs(self, entries, k: int, offset: int = 0) -> dict:
+    """OpenAI's legacy completion ``logprobs`` for ``entries`` ((token id,
+    ``TokenLogprobs`` or None) each; None: the prompt's first token, which
+    has none): ``tokens``, ``token_logprobs``, ``top_logprobs`` (the k most
+    likely tokens plus the chosen one, so up to k + 1: text -> logprob; of
+    tokens with the same text, the likeliest's) and
+    ``text_offset`` (each token's start in the text, from ``offset``)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in entries:
+      text = self._token_text(token_id)
+      tokens.append(text)
+      offsets.append(offset)
+      offset += len(text)
+      if lp is None:
+        values.append(None)
+        tops.append(None)
+        continue
+      values.append(_json_logprob(lp.logprob))
+      top = {}        # tokens with the same text (pieces of a character): the likeliest
+      for t, v in zip(lp.top_ids[:k], lp.top[:k]):
+        top.setdefault(self._token_text(int(t)), _json_logprob(v))
+      top.setdefault(text, _json_logprob(lp.logprob))
+      tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
+
+  def _chat_logprobs(self, entries, k: int) -> dict:
+    """OpenAI's chat ``logprobs``: ``content``, one entry per token (its
+    text, logprob, UTF-8 ``bytes`` and the k most likely tokens)."""
+    def one(token_id, logprob):
+      return {"token": self._token_text(token_id), "logprob": _json_logprob(logprob),
+              "bytes": list(self.tokenizer.token_bytes(token_id))}
+    return {"content": [
+        {**one(token_id, lp.logprob),
+         "top_logprobs": [one(int(t), v) for t, v in zip(lp.top_ids[:k], lp.top[:k])]}
+        for token_id, lp in entries]}
+
+  def _logprobs(self, parsed: ParsedRequest, chat: bool, entries, offset: int = 0):
+    """The ``logprobs`` of a choice or chunk for ``entries``; None when the
+    request asked for none."""
+    if parsed.logprobs is None:
+      return None
+    if chat:
+      return self._chat_logprobs(entries, parsed.logprobs)
+    return self._completion_logprobs(entries, parsed.logprobs, offset)
+
   def _choice(self, index: int, chat: bool, text: str, finish_reason: Optional[str],
               chunk: bool, logprobs=None) -> dict:
     """One choice of a response (``chunk``: of a stream chunk, a ``delta``
@@ -1200,7 +1301,8 @@ class OpenAIServer:
         self._abort_all(lives)
         return _error_response(self._unfinished(parsed, event))
       ends[event["index"]] = event
-    choices = [self._choice(i, chat, e["text"], e["finish_reason"], chunk=False)
+    choices = [self._choice(i, chat, e["text"], e["finish_reason"], chunk=False,
+                            logprobs=self._logprobs(parsed, chat, e["logprobs"]))
                for i, e in sorted(ends.items())]
     return {**self._head(rid, chat, False), "choices": choices,
             "usage": self._final_usage(parsed, ends)}
@@ -1215,6 +1317,7 @@ class OpenAIServer:
     with its error (the others are cancelled)."""
     ends: Dict[int, dict] = {}
     counts = [0] * len(lives)
+    offsets = [0] * len(lives)         # text_offset of each choice's next token
     prompt_tokens = sum(len(p) for p in parsed.prompts)
     done = False
     try:
@@ -1242,7 +1345,11 @@ class OpenAIServer:
           break
         if event["type"] == "delta":
           counts[i] = event["completion_tokens"]
-          yield chunk(self._choice(i, chat, event["text"], None, chunk=True))
+          logprobs = self._logprobs(parsed, chat, event["logprobs"], offsets[i])
+          if logprobs is not None and not chat:
+            offsets[i] += sum(len(t) for t in logprobs["tokens"])
+          yield chunk(self._choice(i, chat, event["text"], None, chunk=True,
+                                   logprobs=logprobs))
           continue
         if event["outcome"] != "completed":        # "end"
           done = True
