@@ -27,26 +27,23 @@ bit-for-bit repeatable.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
 from serving.config import SamplingParams
 from serving.engine import Engine, QueueFull
 from serving.metrics import RequestRecord
 from serving.replay import _record, _refused
+from serving import router as router_lib
 from serving.router import Router
 from serving.sim_executor import VirtualClock
 from serving.workloads import Workload
 
 
 def router_for(engines: Sequence[Engine], policy: str, cost=None) -> Router:
-  """The router ``serve.py --replicas`` builds for these replicas: each
-  replica's request slots as its capacity, its KV pages (less the null page)
-  as its prefix-cache model when caching is on."""
-  kwargs = {} if cost is None else {"cost": cost}
-  configs = [e.config for e in engines]
-  return Router([c.max_request_slots for c in configs],
-                [c.num_pages - 1 if c.enable_prefix_caching else 0 for c in configs],
-                configs[0].page_size, policy, **kwargs)
+  """The router ``serve.py --replicas`` builds (``serving.router.router_for``)
+  over these engines' configs."""
+  return router_lib.router_for([dataclasses.asdict(e.config) for e in engines], policy, cost)
 
 
 def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload

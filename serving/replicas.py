@@ -73,7 +73,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.router import RouteCost, Router
+from serving.router import RouteCost, router_for
 from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
                             _error_response, _sse, bind_socket, json_body, model_card,
                             model_routes, openai_errors, serve_forever)
@@ -228,9 +228,7 @@ class ReplicaFront:
     self.model_name = facts[0]["model"]
     self.created = int(time.time())
     self.max_model_len = min(f["max_model_len"] for f in facts)
-    self.router = Router([f["max_request_slots"] for f in facts],
-                         [f["num_pages"] - 1 if f["enable_prefix_caching"] else 0
-                          for f in facts], facts[0]["page_size"], policy, cost)
+    self.router = router_for(facts, policy, cost)
     self.max_waiting = max_waiting
     self.route_log = route_log
     # The last MAX_RECORDS route records (the route log keeps them all).

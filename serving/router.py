@@ -68,6 +68,19 @@ class RouteCost:
         raise ValueError(f"RouteCost.{name} must be > 0, got {value}")
 
 
+def router_for(facts: Sequence[dict], policy: str = "prefix_aware",
+               cost: "RouteCost" = None) -> "Router":
+  """The router over replicas described by their engine facts (dicts with
+  ``max_request_slots``, ``num_pages``, ``enable_prefix_caching`` and
+  ``page_size``, as a replica's ``/v1/models`` card or its ``EngineConfig``
+  gives them): each replica's request slots as its capacity, its KV pages
+  less the null page as its prefix-cache model when caching is on. The one
+  construction ``serve.py --replicas`` and ``serving.cluster_sim`` share."""
+  return Router([f["max_request_slots"] for f in facts],
+                [f["num_pages"] - 1 if f["enable_prefix_caching"] else 0 for f in facts],
+                facts[0]["page_size"], policy, cost if cost is not None else RouteCost())
+
+
 @dataclasses.dataclass
 class _Pending:
   request_id: str
