@@ -10,9 +10,11 @@ The protocol (``serving.cost_model`` holds the model it fits):
    above ``--max_load`` (default 1.5 on this 2-core kind of machine: a
    calibration taken beside other jobs was 5-45x off).
 2. Measures real step times of the model executor over a grid that covers
-   what replays run: batches of N equal prompts of L tokens (N in
-   ``--batch_sizes``, L in ``--prompt_lens``), each then decoding
-   ``--decode_tokens`` tokens — prefill-only, mixed and decode-only steps,
+   what replays run: batches of N prompts of L tokens (N in
+   ``--batch_sizes``, L in ``--prompt_lens``, N x L at most
+   ``--max_case_tokens``), each then decoding ``--decode_tokens`` tokens, the
+   second half arriving once the first half decodes — prefill-only, mixed
+   (prefill chunks beside decode rows) and decode-only steps,
    batch 1..max_num_seqs, contexts to max_model_len, the buckets those
    shapes need — after a warmup that compiles every bucket. Each grid case
    runs ``--repeats`` times; the spread of a case's step times across
@@ -50,8 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from models import llama
-from models.config import get_config
 from models.loaders import load_model
 from serving import cost_model as cost_lib
 from serving import cli, launch, workloads
@@ -66,10 +66,12 @@ flags.DEFINE_string("out", "", "Calibration JSON; default <cache_dir>/calibratio
 flags.DEFINE_string("second_model", "", "A model of another width whose grid is fitted "
                     "too (a checkpoint, preset or GGUF; or random:PRESET[,key=value...] "
                     "for random weights of that preset's shape with overrides).")
-flags.DEFINE_list("batch_sizes", ["1", "4", "16", "32"], "Grid: requests per batch (N).")
+flags.DEFINE_list("batch_sizes", ["1", "8", "32"], "Grid: requests per batch (N).")
 flags.DEFINE_list("prompt_lens", ["32", "256", "1024"], "Grid: prompt tokens (L).")
 flags.DEFINE_integer("decode_tokens", 8, "Grid: output tokens per request.")
 flags.DEFINE_integer("repeats", 2, "Grid: runs of each case (the spread check).")
+flags.DEFINE_integer("max_case_tokens", 9000, "Grid: skip cases whose N x L prompt tokens "
+                     "exceed this (long contexts at small N, large N at short prompts).")
 flags.DEFINE_float("max_load", 1.5, "Refuse when the 1-minute load average is above this.")
 flags.DEFINE_float("max_spread", 0.15, "Refuse when the median spread of a step's time "
                    "across repeats (max/min - 1) is above this.")
@@ -106,19 +108,13 @@ def spread(times_by_repeat) -> float:
 
 def second_model(spec: str, dtype):
   """(cfg, params) of ``--second_model``: ``random:PRESET,key=value,...``
-  (random weights; a step's time does not depend on their values) or any
-  model ``launch`` loads."""
-  if not spec.startswith("random:"):
+  (``launch.random_model``: random weights of that shape) or any model the
+  loader reads."""
+  if spec.startswith(launch.RANDOM_PREFIX):
+    cfg, params, _ = launch.random_model(spec, dtype)
+  else:
     cfg, params, _ = load_model(spec, dtype=dtype)
-    return cfg, params
-  preset, *pairs = spec[len("random:"):].split(",")
-  overrides = {}
-  for pair in pairs:
-    key, _, value = pair.partition("=")
-    overrides[key] = type(getattr(get_config(preset), key))(value)
-  cfg = dataclasses.replace(get_config(preset), name=f"random-{preset}-{'-'.join(pairs)}",
-                            **overrides)
-  return cfg, llama.init_params(cfg, jax.random.PRNGKey(0), dtype)
+  return cfg, params
 
 
 def measure_grid(engine_cfg, cfg, params):
@@ -131,15 +127,26 @@ def measure_grid(engine_cfg, cfg, params):
   rows, times, spreads = [], [], []
   for n in (int(x) for x in FLAGS.batch_sizes):
     for length in (int(x) for x in FLAGS.prompt_lens):
+      if n * length > FLAGS.max_case_tokens:
+        continue
       prompts = [rng.integers(20, top, size=length).tolist() for _ in range(n)]
       runs, feats = [], None
       for _ in range(FLAGS.repeats):
         engine = Engine(cfg, params, engine_cfg)
-        for i, p in enumerate(prompts):
-          engine.add_request(f"g{i}", p, SamplingParams(max_tokens=FLAGS.decode_tokens,
-                                                        ignore_eos=True))
+        # Two waves: the second half's prompts arrive once the first half
+        # decodes, so their prefill chunks share steps with decode rows.
+        first = max(1, n // 2)
+        sampling = SamplingParams(max_tokens=FLAGS.decode_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts[:first]):
+          engine.add_request(f"g{i}", p, sampling)
+        waiting = list(enumerate(prompts))[first:]
         run_feats, run_times = [], []
-        while engine.has_unfinished():
+        while engine.has_unfinished() or waiting:
+          if waiting and all(engine.requests[f"g{i}"].output_token_ids
+                             for i in range(first)):
+            for i, p in waiting:
+              engine.add_request(f"g{i}", p, sampling)
+            waiting = []
           done = engine.num_iterations
           t = time.perf_counter()
           engine.step()

@@ -236,6 +236,39 @@ def engine_config(**overrides) -> EngineConfig:
   return config
 
 
+RANDOM_PREFIX = "random:"
+
+
+def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True):
+  """``random:PRESET[,key=value...]``: a named model's config with overridden
+  shape fields and random weights (``llama.init_params``, seed 0; None when
+  ``weights`` is False), its tokenizer the named model's. For timing runs
+  (calibration, fidelity, simulation) of shapes without a checkpoint: a
+  step's time does not depend on the weights' values; the text is noise.
+
+  Raises:
+    ValueError: an unknown preset or field, a malformed pair, a value the
+      config refuses, or a ``vocab_size`` override (the tokenizer is fixed).
+  """
+  from models import llama              # pylint: disable=import-outside-toplevel
+  preset, *pairs = spec[len(RANDOM_PREFIX):].split(",")
+  base, tokenizer = load_config(preset)
+  fields = {f.name for f in dataclasses.fields(base)}
+  overrides = {}
+  for pair in pairs:
+    key, eq, value = pair.partition("=")
+    if not eq or key not in fields:
+      raise ValueError(f"--model={spec}: {pair!r} must be FIELD=VALUE with FIELD a "
+                       f"ModelConfig field")
+    if key == "vocab_size":
+      raise ValueError(f"--model={spec}: vocab_size cannot change (the tokenizer is "
+                       f"{preset}'s)")
+    overrides[key] = type(getattr(base, key))(value)
+  cfg = dataclasses.replace(base, name=spec[len(RANDOM_PREFIX):], **overrides)
+  params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype) if weights else None
+  return cfg, params, tokenizer
+
+
 def load_flags_model(engine_cfg: EngineConfig):
   """Loads --model in the engine's dtype (and turns on the caches under
   --cache_dir). Returns (cfg, params, tokenizer); params is None for the
@@ -253,7 +286,10 @@ def load_flags_model(engine_cfg: EngineConfig):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
-  if engine_cfg.executor == "simulated":   # no model runs: the config and tokenizer only
+  if FLAGS.model.startswith(RANDOM_PREFIX):
+    cfg, params, tokenizer = random_model(FLAGS.model, dtype,
+                                          weights=engine_cfg.executor != "simulated")
+  elif engine_cfg.executor == "simulated":   # no model runs: the config and tokenizer only
     (cfg, tokenizer), params = load_config(FLAGS.model), None
   else:
     cfg, params, tokenizer = load_model(
