@@ -20,6 +20,17 @@ prompt order. The ``x-request-id`` header, when sent, names the request
 (its ``id`` is "cmpl-"/"chatcmpl-" + it) and comes back on the response.
 A body field the endpoint does not read is a 400 naming it, never ignored.
 
+Logprobs (completions ``logprobs`` k, chat ``logprobs`` + ``top_logprobs``;
+k <= ``MAX_LOGPROBS``) are the engine's: the raw model logits'
+``log_softmax`` (vLLM's default "raw_logprobs": before temperature,
+top-k/top-p and the min_tokens stop mask), float32, computed on the device
+from the logits the sampler read (``serving.executor.StepLogprobs``), one
+entry per generated token (``completion_tokens``; a stop string's tokens
+too), streamed with the chunks. ``echo`` puts the prompt first: its text,
+and with logprobs its tokens' (from the prefill rows; the first token has
+none; such a request takes no prefix hit). ``max_tokens: 0`` with echo
+scores the prompt alone: the engine runs one token, which is dropped.
+
 Threads: one engine thread owns the ``Engine``. Between iterations it drains
 a command queue (add, abort), runs one ``step``, detokenizes each request's
 new tokens, matches its stop strings on the text and pushes events to the
@@ -74,7 +85,7 @@ from starlette.exceptions import HTTPException
 from scheduler import records as rec
 from serving.config import SamplingParams
 from serving import kv_pages
-from serving.engine import Engine, QueueFull
+from serving.engine import Engine, QueueFull, TokenLogprobs
 from serving.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 8
@@ -85,7 +96,6 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 # mean "off" (accepted); any other value is a 400 naming the field, never
 # silently ignored.
 UNSUPPORTED_FIELDS = {
-    "echo": (None, False),
     "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
@@ -99,7 +109,7 @@ _COMMON_FIELDS = frozenset({
     "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "stream", "stream_options",
     "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms"})
-COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # A client's id for its request (vLLM, ``vllm bench serve``): the response's
@@ -225,6 +235,10 @@ class ParsedRequest:
   # Alternatives per token when logprobs are asked (completions ``logprobs``,
   # chat ``top_logprobs``), None when not.
   logprobs: Optional[int] = None
+  # ``echo``: each prompt's text (its string, or its ids decoded), which the
+  # choice's text starts with (and, with logprobs, its tokens' logprobs).
+  echo_texts: Optional[List[str]] = None
+  score_only: bool = False   # max_tokens 0 with echo: the prompt alone is returned
 
 
 # ------------------------------------------------------------- per request
@@ -248,6 +262,11 @@ class _Live:
     # and how many of them were pushed.
     self.logprobs: List[tuple] = []
     self.logprobs_sent = 0
+    # ``echo``: the prompt's text and its (token id, logprobs or None)
+    # entries, set and pushed with the first output token.
+    self.echo_text = ""
+    self.echo_logprobs: List[tuple] = []
+    self.echoed = False
     self.queued_ms: Optional[float] = None
     # Original arrival (``time.monotonic()`` s) when a front forwarded it.
     self.arrival_s: Optional[float] = None
@@ -418,6 +437,11 @@ class EngineLoop:
         continue
       req = self.engine.requests[out.request_id]
       self.metrics.generation_tokens.inc(len(out.new_token_ids))
+      if live.parsed.echo_texts is not None and not live.echoed:
+        self._echo(live, req)
+      if live.parsed.score_only:        # the one token the engine needs: dropped
+        self._end(live, req)
+        continue
       if out.new_logprobs:
         live.logprobs.extend(zip(out.new_token_ids, out.new_logprobs))
       piece = live.detok.push_many(out.new_token_ids)
@@ -434,6 +458,20 @@ class EngineLoop:
       else:
         self._push_text(live, len(req.output_token_ids), final=False)
     return finished_here
+
+  def _echo(self, live: _Live, req) -> None:
+    """Pushes the prompt's text and, with logprobs, its tokens' logprobs
+    (the engine's ``Request.prompt_logprobs``, complete once the first
+    output token is out; the first token has none) as the first delta."""
+    live.echoed = True
+    live.echo_text = live.parsed.echo_texts[live.index]
+    if live.parsed.logprobs is not None:
+      prompt = req.prompt_logprobs
+      live.echo_logprobs = [(req.prompt_token_ids[0], None)] + [
+          (t, TokenLogprobs(float(prompt.token[j]), prompt.top_ids[j], prompt.top[j]))
+          for j, t in enumerate(req.prompt_token_ids) if j > 0]
+    live.push({"type": "delta", "text": live.echo_text, "completion_tokens": 0,
+               "logprobs": live.echo_logprobs})
 
   def _append(self, live: _Live, piece: str, check: bool) -> bool:
     """Adds ``piece`` to the text; when ``check``, True if a stop string
@@ -472,12 +510,16 @@ class EngineLoop:
     finish = None
     if outcome == "completed":   # OpenAI: "stop" (EOS, stop id or string) or "length"
       finish = "length" if reason == "length" and not stop_string else "stop"
+      if live.parsed.score_only:   # max_tokens 0: the length it asked for
+        finish = "length"
     self.metrics.finished(self.engine, req, finish)
     live.push({"type": "end", "outcome": outcome, "reason": reason, "finish_reason": finish,
                "prompt_tokens": len(req.prompt_token_ids),
                "cached_tokens": req.prefix_hit_tokens,
-               "completion_tokens": len(req.output_token_ids), "text": live.text,
-               "logprobs": live.logprobs})
+               "completion_tokens": (0 if live.parsed.score_only else
+                                     len(req.output_token_ids)),
+               "text": live.echo_text + live.text,
+               "logprobs": live.echo_logprobs + live.logprobs})
     del self._live[live.rid]
     self.engine.evict(live.rid)
     self.metrics.release()
@@ -779,8 +821,12 @@ class OpenAIServer:
       if field in body and body[field] not in neutral:
         raise BadRequest(f"'{field}' is not supported by this server (accepted only as "
                          f"{' or '.join(json.dumps(v) for v in neutral)})", field)
-    prompts = [self._chat_prompt(body)] if chat else self._completion_prompts(body)
+    if chat:
+      prompts, texts = [self._chat_prompt(body)], None
+    else:
+      prompts, texts = self._completion_prompts(body)
     logprobs = self._logprobs_field(body, chat)
+    echo = not chat and _get(body, "echo", bool, False)
     max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
       max_tokens = _get(body, "max_completion_tokens", int, None)
@@ -789,8 +835,12 @@ class OpenAIServer:
       field = "max_tokens"
     # The field a "too long" refusal names: the one the body gave (default max_tokens).
     max_tokens_field = field if field in body else "max_tokens"
+    score_only = echo and max_tokens == 0
+    if score_only:     # the engine computes one token (the prompt's last row samples)
+      max_tokens = 1
     if max_tokens is not None and max_tokens < 1:
-      raise BadRequest(f"'{field}' must be >= 1, got {max_tokens}", field)
+      raise BadRequest(f"'{field}' must be >= 1 (0 only with 'echo': true, a request "
+                       f"that scores its prompt), got {max_tokens}", field)
     prompt_field = "messages" if chat else "prompt"
     lengths = []          # each prompt's max_tokens (the body's, or the default)
     for i, ids in enumerate(prompts):
@@ -872,10 +922,18 @@ class OpenAIServer:
       extra[keyword] = float(value)
     if logprobs is not None:
       extra["logprobs"] = True
+      if echo:                  # from the prefill rows; no prefix hit (Engine)
+        extra["prompt_logprobs"] = True
+    echo_texts = None
+    if echo:
+      echo_texts = [t if t is not None else
+                    self.tokenizer.decode(ids, skip_special_tokens=True)
+                    for t, ids in zip(texts, prompts)]
     return ParsedRequest(prompts, samplings, stop, stream, include_usage, priority, client,
                          extra, prompt_field=prompt_field,
                          max_tokens_field=max_tokens_field,
-                         continuous_usage=include_usage and continuous, logprobs=logprobs)
+                         continuous_usage=include_usage and continuous, logprobs=logprobs,
+                         echo_texts=echo_texts, score_only=score_only)
 
   @staticmethod
   def _logprobs_field(body: dict, chat: bool) -> Optional[int]:
@@ -903,17 +961,18 @@ class OpenAIServer:
                        f"alternatives per token this server computes), got {k}", field)
     return k
 
-  def _completion_prompts(self, body: dict) -> List[List[int]]:
-    """The body's ``prompt`` as token ids, one list per choice: a string or
-    a list of token ids is one prompt; a list of strings or a list of
-    token-id lists is a batch (at most the server's live bound)."""
+  def _completion_prompts(self, body: dict) -> Tuple[List[List[int]], List[Optional[str]]]:
+    """The body's ``prompt`` as token ids, one list per choice, and each
+    prompt's string (None for token ids): a string or a list of token ids
+    is one prompt; a list of strings or a list of token-id lists is a batch
+    (at most the server's live bound)."""
     prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
     if isinstance(prompt, str):
-      return [self._one_prompt(prompt, "prompt", True)]
+      return [self._one_prompt(prompt, "prompt", True)], [prompt]
     if not prompt:
       raise BadRequest("'prompt' must be non-empty", "prompt")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-      return [self._one_prompt(prompt, "prompt", True)]
+      return [self._one_prompt(prompt, "prompt", True)], [None]
     if not (all(isinstance(p, str) for p in prompt) or
             all(isinstance(p, list) for p in prompt)):
       raise BadRequest("'prompt' must be a string, a list of token ids, a list of strings "
@@ -921,8 +980,9 @@ class OpenAIServer:
     if len(prompt) > self.metrics.capacity:
       raise BadRequest(f"'prompt' holds {len(prompt)} prompts; a batch holds at most "
                        f"{self.metrics.capacity} (the server's live bound)", "prompt")
-    return [self._one_prompt(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt", True)
-            for i, p in enumerate(prompt)]
+    return ([self._one_prompt(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt", True)
+             for i, p in enumerate(prompt)],
+            [p if isinstance(p, str) else None for p in prompt])
 
   def _one_prompt(self, prompt, name: str, add_special_tokens: bool) -> List[int]:
     """One prompt (a string, or a list of token ids) as token ids."""

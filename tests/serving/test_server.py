@@ -177,7 +177,7 @@ BAD = [
      "temperature", "must be finite and >= 0"),
     ("logprobs beyond the device's top-k", {"prompt": "hi", "logprobs": 21}, "logprobs",
      "must be in [0, 20]"),
-    ("echo", {"prompt": "hi", "echo": True}, "echo", "is not supported"),
+    ("echo not a bool", {"prompt": "hi", "echo": "yes"}, "echo", "must be bool"),
     ("penalty", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty",
      "accepted only as null or 0"),
     ("no prompt", {"max_tokens": 3}, "prompt", "is required"),

@@ -135,3 +135,93 @@ def test_bad_logprobs_fields_are_400_naming_them(served, path, body, param, rule
   assert r.status_code == 400, r.text
   error = r.json()["error"]
   assert error["param"] == param and rule in error["message"], error
+
+
+def _engine_prompt_logprobs(params, prompt):
+  """The engine's own prompt logprobs (``Engine.add_request(prompt_logprobs)``)."""
+  engine = Engine(CFG, params, BASE)
+  req = engine.add_request("direct", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                           logprobs=True, prompt_logprobs=True)
+  engine.run()
+  return req
+
+
+def test_echo_with_logprobs_returns_the_engines_prompt_logprobs(served, params):
+  """lm-evaluation-harness's loglikelihood request: token-id prompts,
+  ``max_tokens: 1, logprobs: 1, echo: true``; the prompt's logprobs (the
+  first token has none) then the generated token's, as the engine computes
+  them directly (and the float64 model to 1e-4)."""
+  prompts = [TOK.encode("the heart of it"), TOK.encode("ab cd ef gh ij")]
+  got = served.http.post("/v1/completions", json={
+      "model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
+      "temperature": 0, "seed": 1234}).json()
+  for choice, prompt in zip(sorted(got["choices"], key=lambda c: c["index"]), prompts):
+    direct = _engine_prompt_logprobs(params, prompt)
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None
+    want = list(direct.prompt_logprobs.token[1:]) + [direct.output_logprobs[0].logprob]
+    np.testing.assert_allclose(lp["token_logprobs"][1:], want, rtol=0, atol=1e-6)
+    ref = _reference_logprobs(params, prompt + direct.output_token_ids)
+    np.testing.assert_allclose(
+        lp["token_logprobs"][1:],
+        [ref[j - 1, t] for j, t in enumerate(prompt + direct.output_token_ids) if j],
+        atol=1e-4)
+    assert lp["tokens"] == [TOK.decode([t]) for t in prompt + direct.output_token_ids]
+    for j, top in enumerate(lp["top_logprobs"][1:], start=1):
+      assert lp["tokens"][j] in top and max(top.values()) >= lp["token_logprobs"][j]
+    assert choice["text"] == (TOK.decode(prompt, skip_special_tokens=True) +
+                              TOK.decode(direct.output_token_ids, skip_special_tokens=True))
+  assert got["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_score_only_echo_and_echo_without_logprobs(served, params):
+  """``max_tokens: 0`` with echo returns the prompt alone (its logprobs, no
+  completion tokens); echo without logprobs prepends the prompt's string."""
+  prompt = TOK.encode("of it all")
+  direct = _engine_prompt_logprobs(params, prompt)
+  scored = served.http.post("/v1/completions", json={
+      "model": MODEL, "prompt": prompt, "max_tokens": 0, "logprobs": 0, "echo": True}).json()
+  choice = scored["choices"][0]
+  assert choice["text"] == "of it all" and choice["finish_reason"] == "length"
+  assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+      list(direct.prompt_logprobs.token[1:]), abs=1e-6)
+  assert len(choice["logprobs"]["tokens"]) == len(prompt)
+  assert (scored["usage"]["prompt_tokens"], scored["usage"]["completion_tokens"]) == (
+      len(prompt), 0)
+  echoed = served.http.post("/v1/completions", json={
+      "model": MODEL, "prompt": "of it all", "max_tokens": 3, "temperature": 0,
+      "ignore_eos": True, "echo": True}).json()["choices"][0]
+  _, text = _greedy_text(params, prompt, 3)
+  assert echoed["text"] == "of it all" + text and echoed["logprobs"] is None
+  # Streamed: the prompt comes first, and the chunks add up to the whole.
+  chunks = _stream(served, {"prompt": "of it all", "max_tokens": 3, "temperature": 0,
+                            "ignore_eos": True, "echo": True, "logprobs": 1,
+                            "stream": True})
+  texts = [c["choices"][0]["text"] for c in chunks]
+  assert texts[0] == "of it all" and "".join(texts) == "of it all" + text
+  first = chunks[0]["choices"][0]["logprobs"]
+  assert first["token_logprobs"][0] is None and len(first["tokens"]) == len(prompt)
+  bad = served.http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                  "max_tokens": 0})
+  assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+  assert "0 only with 'echo': true" in bad.json()["error"]["message"]
+
+
+def test_echo_with_logprobs_takes_no_prefix_hit_but_others_do(served):
+  """A cached prompt (13 tokens: 12 rows in 3 pages) is computed whole when
+  its logprobs are asked: no None past the first token, 0 cached tokens."""
+  prompt = [int(t) for t in np.random.default_rng(31).integers(3, 512, size=13)]
+  # max_tokens 2: a request that ends in the step of its last prompt chunk
+  # leaves that chunk's pages out of the cache (they join it after a step).
+  body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+  served.http.post("/v1/completions", json=body)
+  hit = served.http.post("/v1/completions", json=body).json()
+  assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
+  scored = served.http.post("/v1/completions", json={**body, "echo": True,
+                                                     "logprobs": 1}).json()
+  assert scored["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+  values = scored["choices"][0]["logprobs"]["token_logprobs"]
+  assert values[0] is None and all(v is not None and v < 0 for v in values[1:])
+  echo_only = served.http.post("/v1/completions", json={**body, "echo": True}).json()
+  assert echo_only["usage"]["prompt_tokens_details"]["cached_tokens"] == 12
