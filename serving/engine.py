@@ -179,6 +179,48 @@ class Arrival:
   prompt_logprobs: np.ndarray
 
 
+@flax.struct.dataclass
+class StepFacts:
+  """The small record the iteration program returns for the host to fetch
+  (``_fused_step``); per-slot arrays are over the R slots.
+
+  Attributes:
+    needs_host: bool[], the iteration needs host work (``_host_work``):
+      nothing was committed; the split path runs it.
+    committed: bool[], the plan ran and its result was published.
+    next_rows: i32[], an upper bound on the next plan's token rows
+      (``_rows_bound`` of the published state): the next bucket.
+    pages_low: bool[], free KV pages are short (``_pages_low_jnp``).
+    bad_result: bool[], a result rule was violated: the host raises
+      ``validate.validate_result``.
+    emitted, token, finished, finish_reason, failed: per slot (i32/bool[R]),
+      the result's emissions and endings, drained into ``RequestOutput``s.
+    num_tokens, num_seqs, decodes: i32[], the plan's token rows, sequences
+      and decode rows.
+    bucket: i32[], index of the token bucket the plan needs.
+    features: f32[3 + 2 W], ``cost_model.plan_stats`` of the plan.
+    prefix: with prefix caching, (computed i32[R], pages_held i32[R],
+      page_table i32[R, P]) for registering computed prompt pages; else None.
+  """
+
+  needs_host: jax.Array
+  committed: jax.Array
+  next_rows: jax.Array
+  pages_low: jax.Array
+  bad_result: jax.Array
+  emitted: jax.Array
+  token: jax.Array
+  finished: jax.Array
+  finish_reason: jax.Array
+  failed: jax.Array
+  num_tokens: jax.Array
+  num_seqs: jax.Array
+  decodes: jax.Array
+  bucket: jax.Array
+  features: jax.Array
+  prefix: Optional[tuple] = None
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
   """One output token's raw logprobs (float32).
@@ -886,11 +928,11 @@ class Engine:
           hits, realized, launch, fix_emitted, fix_stamp, fix_actual, idle,
           np.bool_(False), no_preserved, num_rows=bucket)
       facts = self._fetch(facts)
-      if facts["needs_host"]:
+      if facts.needs_host:
         return None
-      if facts["committed"]:
+      if facts.committed:
         break
-      bucket = c.token_buckets[int(facts["bucket"])]
+      bucket = c.token_buckets[int(facts.bucket)]
       self.bucket_retries += 1
     else:
       return None
@@ -913,19 +955,19 @@ class Engine:
     clock, counters, the one-step-late emission correction, the drain."""
     ticked, plan, result, logprobs = aux
     c = self.config
-    if facts["bad_result"]:
+    if facts.bad_result:
       validate.validate_result(plan, ticked, self.manifest, result)
     self.state = state
     self._stamp = None
-    self._rows_ahead = int(facts["next_rows"])
-    self.bucket_oversized += int(c.token_buckets[int(facts["bucket"])] < bucket)
-    self._pages_low = bool(facts["pages_low"])
+    self._rows_ahead = int(facts.next_rows)
+    self.bucket_oversized += int(c.token_buckets[int(facts.bucket)] < bucket)
+    self._pages_low = bool(facts.pages_low)
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
-    self.prefill_tokens_computed += int(facts["num_tokens"]) - int(facts["decodes"])
+    self.prefill_tokens_computed += int(facts.num_tokens) - int(facts.decodes)
     # Modelled time is a function of the plan: the bucket it needs, not the
     # (possibly larger) bucket the upper bound chose.
     self.last_step_features = cost_lib.step_features(
-        facts["features"], c.token_buckets[int(facts["bucket"])], self.model_costs)
+        facts.features, c.token_buckets[int(facts.bucket)], self.model_costs)
     if self._virtual:
       self._clock.advance(self.cost_model.predict_ms(self.last_step_features) / 1000.0)
     emit_ms = self.now_ms()
@@ -935,12 +977,12 @@ class Engine:
     self._stamp = (result.emitted, launch, self._device_ms(emit_ms))
     self.num_iterations += 1
     if self.prefix_cache is not None:
-      self._count_prefix_use(facts["prefix"][0])
-    token_logprobs = self._take_logprobs(logprobs, facts["emitted"])
-    outputs = self._drain(emit_ms, facts["emitted"], facts["token"], facts["finished"],
-                          facts["finish_reason"], facts["failed"], preempt, token_logprobs)
+      self._count_prefix_use(facts.prefix[0])
+    token_logprobs = self._take_logprobs(logprobs, facts.emitted)
+    outputs = self._drain(emit_ms, facts.emitted, facts.token, facts.finished,
+                          facts.finish_reason, facts.failed, preempt, token_logprobs)
     if self.prefix_cache is not None:
-      self._register_prefixes(facts.get("prefix"))
+      self._register_prefixes(facts.prefix)
     return outputs
 
   def _take_logprobs(self, logprobs, emitted) -> Dict[int, TokenLogprobs]:
@@ -1484,7 +1526,7 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   (``_rows_bound`` of the last published state plus the prompts placed
   since), so the plan fits; a plan of fewer rows runs in the larger bucket
   (every row's bits are independent of the bucket: ``llama.row_tiled``).
-  A plan larger than ``num_rows`` commits nothing and ``facts["bucket"]``
+  A plan larger than ``num_rows`` commits nothing and ``facts.bucket``
   says which to call (the same inputs give the same plan). Choosing the
   bucket inside with ``lax.switch`` was measured and rejected: XLA:CPU
   copies the whole KV cache in and out of the conditional every iteration.
@@ -1509,8 +1551,8 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   Returns ``(kv, pages, buffers, state, (ticked, plan, result, logprobs),
   facts)``; ``logprobs`` is the executor's ``StepLogprobs`` (None for the
   simulated executor), fetched only when a request asked for them.
-  When ``facts["needs_host"]`` (``_host_work``) or the plan does not fit,
-  nothing is committed (``facts["committed"]`` False; the model runs an
+  When ``facts.needs_host`` (``_host_work``) or the plan does not fit,
+  nothing is committed (``facts.committed`` False; the model runs an
   empty plan, so kv, pages and buffers come back unchanged); after
   ``needs_host`` the host runs the iteration program by program. Otherwise
   emissions are stamped with ``now_ms`` (the launch time) and corrected one
@@ -1551,17 +1593,17 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   published, bad_result = _publish(manifest, ticked, plan, result)
   state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
   decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
-  facts = dict(needs_host=needs_host, committed=commit,
-               next_rows=_rows_bound(manifest, state, plan.token_budget, plan.seq_budget),
-               pages_low=_pages_low_jnp(pages, published, buckets[-1],
-                                        plan.seq_budget),
-               bad_result=(bad_result != 0) & commit,
-               emitted=result.emitted, token=result.token, finished=result.finished,
-               finish_reason=result.finish_reason, failed=result.failed,
-               num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
-               bucket=index, features=cost_lib.plan_stats(plan, windows))
-  if prefix_caching:
-    facts["prefix"] = (published.computed, pages.pages_held, pages.page_table)
+  facts = StepFacts(
+      needs_host=needs_host, committed=commit,
+      next_rows=_rows_bound(manifest, state, plan.token_budget, plan.seq_budget),
+      pages_low=_pages_low_jnp(pages, published, buckets[-1], plan.seq_budget),
+      bad_result=(bad_result != 0) & commit,
+      emitted=result.emitted, token=result.token, finished=result.finished,
+      finish_reason=result.finish_reason, failed=result.failed,
+      num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
+      bucket=index, features=cost_lib.plan_stats(plan, windows),
+      prefix=((published.computed, pages.pages_held, pages.page_table)
+              if prefix_caching else None))
   return kv, pages, buffers, state, (ticked, plan, result, logprobs), facts
 
 
