@@ -5,21 +5,20 @@ HTTP), and a simulated ``scripts/replay.py`` that reads the config alone.
 
 The checkpoints are transformers' own (``tests/models/families.py``: random
 weights saved with ``save_pretrained``, a BPE tokenizer trained on the
-repository's text, a chat template), one dense family with Llama 3.1's
-RoPE, BOS and three EOS ids, and one mixture of experts (Qwen3-MoE, q/k
-norms, no BOS). The launchers' greedy text must equal transformers'
-``generate`` on the same directory, through each launcher's own path
-(tokenizer, BOS, chat template, EOS ids). Each test runs in well under a
-minute on 2 cores (one 16-row bucket, ``--engine=tiny``).
+repository's text, a chat template), one for each family the engine runs.
+The launchers' greedy text must equal transformers' ``generate`` on the same
+directory, through each launcher's own path (tokenizer, BOS, chat template,
+EOS ids). The default profile runs two of them: a dense family with Llama
+3.1's RoPE, BOS and three EOS ids, and a mixture of experts (Qwen3-MoE, q/k
+norms, no BOS); the other eight are ``extended``. A checkpoint is written
+when a test first asks for it. Each test runs in well under a minute on 2
+cores (one 16-row bucket, ``--engine=tiny``).
 """
 
-import functools
 import importlib.util
 import json
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -28,14 +27,22 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 
 from attention import native  # pylint: disable=wrong-import-position
-from tests.serving.engine_testing import free_port  # pylint: disable=wrong-import-position
+from tests.e2e.launcher_testing import (  # pylint: disable=wrong-import-position
+    family_checkpoints, get_json, post_json, serving)
 
 pytestmark = pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("torch", "transformers")),
     reason="needs the reference extra (torch, transformers) to write the checkpoints")
 
-# family variant (tests/models/families.py) -> its ModelConfig.family
-FAMILIES = {"llama3.1": "llama", "qwen3-moe": "qwen3_moe"}
+# family variant (tests/models/families.py, those with ``engine=True``; named
+# here so that collecting this file imports no torch) -> its ModelConfig.family
+FAMILIES = {"llama3.1": "llama", "llama3.2": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3",
+            "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text",
+            "phi3": "phi3", "mixtral": "mixtral", "qwen3-moe": "qwen3_moe"}
+MIXTURES = ("mixtral", "qwen3-moe")
+DEFAULT_PROFILE = ("llama3.1", "qwen3-moe")
+VARIANTS = [v if v in DEFAULT_PROFILE else pytest.param(v, marks=pytest.mark.extended)
+            for v in FAMILIES]
 PROMPT = "The scheduler admits requests"
 CHAT = "Which request runs first?"
 MAX_TOKENS = 5
@@ -43,12 +50,9 @@ MAX_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-  """variant -> a saved random float32 checkpoint directory."""
-  import families  # pylint: disable=import-outside-toplevel
-  tok = functools.lru_cache(maxsize=None)(families.train_tokenizer)
-  root = tmp_path_factory.mktemp("family-launchers")
-  return {name: families.build_checkpoint(families.FAMILIES[name], root / name, tok)
-          for name in FAMILIES}
+  """variant -> a saved random float32 checkpoint directory, written on
+  first use (``families.build_checkpoint``) and kept for the module."""
+  return family_checkpoints(tmp_path_factory.mktemp("family-launchers"), FAMILIES)
 
 
 def _hf_text(directory: Path, text: str, *, chat: bool, stop: bool) -> str:
@@ -72,12 +76,12 @@ def _loaded_line(stdout: str) -> str:
   return next(line for line in stdout.splitlines() if line.startswith("model: "))
 
 
-@pytest.mark.parametrize("variant", list(FAMILIES))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_generate_streams_transformers_greedy_text(variant, checkpoints, tmp_path):
   """generate.py --model=DIR: the loaded line names the family; a raw
   prompt and a chat message (the directory's template) in one batch give
   transformers' greedy text."""
-  directory = checkpoints[variant]
+  directory = checkpoints(variant)
   proc = subprocess.run(
       [sys.executable, str(ROOT / "scripts" / "generate.py"), f"--model={directory}",
        "--engine=tiny", f"--cache_dir={tmp_path / 'cache'}", f"--prompt={PROMPT}",
@@ -86,7 +90,7 @@ def test_generate_streams_transformers_greedy_text(variant, checkpoints, tmp_pat
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = _loaded_line(proc.stdout)
   assert line.startswith(f"model: {variant} ({FAMILIES[variant]}, 2 layers, d_model 64"), line
-  assert ("experts (top 2)" in line) == (variant == "qwen3-moe"), line
+  assert ("experts (top 2)" in line) == (variant in MIXTURES), line
   for rid, text, chat in (("prompt-0", PROMPT, False), ("chat-0", CHAT, True)):
     head, _, answer = proc.stdout.partition(f"\n=== {rid} (completed, ")
     assert answer, proc.stdout[-2000:]
@@ -94,67 +98,40 @@ def test_generate_streams_transformers_greedy_text(variant, checkpoints, tmp_pat
     assert got.rstrip("\n") == _hf_text(directory, text, chat=chat, stop=True), rid
 
 
-def _post(port: int, path: str, body: dict) -> dict:
-  req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                               data=json.dumps(body).encode(),
-                               headers={"Content-Type": "application/json"})
-  with urllib.request.urlopen(req, timeout=90) as resp:
-    return json.loads(resp.read())
-
-
-@pytest.mark.parametrize("variant", list(FAMILIES))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_serve_lists_the_family_and_answers_as_transformers(variant, checkpoints, tmp_path):
   """serve.py --model=DIR: /v1/models shows the family and both contexts;
   a completion and a chat completion (greedy, ignore_eos) are transformers'
   greedy text."""
-  directory, port, log = checkpoints[variant], free_port(), tmp_path / "serve.log"
-  with open(log, "w") as out:
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "serve.py"), f"--model={directory}",
-         "--engine=tiny", f"--port={port}", f"--cache_dir={tmp_path / 'cache'}",
-         "--nowarmup"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-  try:
-    deadline = time.monotonic() + 90
-    while True:
-      assert proc.poll() is None, log.read_text()[-3000:]
-      try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-          models = json.loads(r.read())
-        break
-      except OSError:
-        assert time.monotonic() < deadline, "serve.py not ready in 90 s"
-        time.sleep(0.3)
-    card, = models["data"]
+  directory, log = checkpoints(variant), tmp_path / "serve.log"
+  with serving([f"--model={directory}", "--engine=tiny", f"--cache_dir={tmp_path / 'cache'}",
+                "--nowarmup"], log) as port:
+    card, = get_json(port, "/v1/models")["data"]
     assert (card["id"], card["family"], card["max_position"], card["max_model_len"],
             card["vocab_size"]) == (str(directory), FAMILIES[variant], 256, 64, 384)
     common = {"model": str(directory), "max_tokens": MAX_TOKENS, "temperature": 0,
               "ignore_eos": True}
-    done = _post(port, "/v1/completions", {**common, "prompt": PROMPT})
+    done = post_json(port, "/v1/completions", {**common, "prompt": PROMPT})
     assert done["usage"]["completion_tokens"] == MAX_TOKENS, done
     assert done["choices"][0]["text"] == _hf_text(directory, PROMPT, chat=False, stop=False)
-    chat = _post(port, "/v1/chat/completions",
-                 {**common, "messages": [{"role": "user", "content": CHAT}]})
+    chat = post_json(port, "/v1/chat/completions",
+                     {**common, "messages": [{"role": "user", "content": CHAT}]})
     assert chat["usage"]["completion_tokens"] == MAX_TOKENS, chat
     assert chat["choices"][0]["message"]["content"] == _hf_text(directory, CHAT, chat=True,
                                                                 stop=False)
     assert f"model: {variant} ({FAMILIES[variant]}, " in log.read_text()
-  finally:
-    proc.terminate()
-    try:
-      proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-      proc.kill()
 
 
 def test_simulated_replay_reports_the_family_and_its_costs(checkpoints, tmp_path):
   """replay.py --executor=simulated on the MoE checkpoint: the engine holds
-  no weights; the report names the family and its ``model_costs``."""
+  no weights; the report names the family and its ``model_costs`` (which
+  come from the config alone, whatever the step-time profile)."""
   out = tmp_path / "report.json"
   proc = subprocess.run(
       [sys.executable, str(ROOT / "scripts" / "replay.py"),
-       f"--model={checkpoints['qwen3-moe']}", "--engine=tiny", "--executor=simulated",
+       f"--model={checkpoints('qwen3-moe')}", "--engine=tiny", "--executor=simulated",
        "--cache_dir=", "--num_requests=4", "--rate_scale=4", "--max_prompt_len=24",
-       "--max_output_len=6", f"--out={out}"],
+       "--max_output_len=6", "--cost_model=profile:h200", f"--out={out}"],
       cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())

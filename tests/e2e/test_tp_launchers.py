@@ -21,11 +21,8 @@ import dataclasses
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import jax
@@ -38,6 +35,8 @@ from gguf_testing import bpe_vocab, write_hf_dir  # pylint: disable=wrong-import
 from models import llama  # pylint: disable=wrong-import-position
 from models.config import get_config  # pylint: disable=wrong-import-position
 from models.tokenizer import build_bpe_tokenizer  # pylint: disable=wrong-import-position
+from tests.e2e.launcher_testing import (  # pylint: disable=wrong-import-position
+    family_checkpoints, post_json, serving)
 
 MESHES = ("", "model:2", "model:4")
 # The tiny model (2 KV heads: attention split at model:2, replicated at
@@ -89,50 +88,21 @@ def test_replay_on_a_mesh_emits_the_one_device_tokens(hf_tiny, tmp_path):
     assert tokens[mesh] == tokens[""], mesh
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _serve_completions(model_dir: Path, mesh: str, prompts, log: Path) -> list:
   """``scripts/serve.py`` under ``mesh`` (its output in ``log``): the greedy
   completion of each prompt (token ids) as text, over HTTP."""
-  port = _free_port()
-  args = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"--model={model_dir}",
-          "--engine=tiny", f"--port={port}", "--cache_dir=",
-          "--served_model_name=tiny"]
+  args = [f"--model={model_dir}", "--engine=tiny", "--cache_dir=", "--served_model_name=tiny"]
   if mesh:
     args.append(f"--mesh={mesh}")
-  with open(log, "w") as out:
-    proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
-  try:
-    deadline = time.monotonic() + 240
-    while True:
-      assert proc.poll() is None, log.read_text()[-3000:]
-      try:
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-        break
-      except OSError:
-        assert time.monotonic() < deadline, "serve.py not ready in 240 s"
-        time.sleep(0.5)
-    texts = []
+  texts = []
+  with serving(args, log, ready_timeout_s=240, env=_env()) as port:
     for prompt in prompts:
-      body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 6,
-                         "temperature": 0, "ignore_eos": True}).encode()
-      req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                   headers={"Content-Type": "application/json"})
-      with urllib.request.urlopen(req, timeout=60) as resp:
-        answer = json.loads(resp.read())
+      answer = post_json(port, "/v1/completions",
+                         {"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                          "temperature": 0, "ignore_eos": True}, timeout_s=60)
       assert answer["usage"]["completion_tokens"] == 6, answer
       texts.append(answer["choices"][0]["text"])
-    return texts
-  finally:
-    proc.terminate()
-    try:
-      proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-      proc.kill()
+  return texts
 
 
 @pytest.mark.extended
@@ -156,7 +126,7 @@ _FAMILY_PROMPTS = ("--prompt=The scheduler admits requests in order",
 
 
 # The families.FAMILIES variants with ``engine=True`` (named here so that
-# collecting this file imports no torch; ``family_dirs`` checks the list).
+# collecting this file imports no torch; ``family_checkpoints`` checks the list).
 ENGINE_FAMILIES = ("llama3.1", "llama3.2", "qwen2.5", "qwen3", "mistral", "gemma2", "gemma3",
                    "phi3", "mixtral", "qwen3-moe")
 
@@ -165,22 +135,7 @@ ENGINE_FAMILIES = ("llama3.1", "llama3.2", "qwen2.5", "qwen3", "mistral", "gemma
 def family_dirs(tmp_path_factory):
   """name -> a saved random checkpoint of that family (float32), written on
   first use (``families.build_checkpoint``)."""
-  import families  # pylint: disable=import-outside-toplevel
-  assert ENGINE_FAMILIES == tuple(n for n, f in families.FAMILIES.items() if f.engine)
-  root = tmp_path_factory.mktemp("families")
-  trained, built = {}, {}
-
-  def tokenizer(kind):
-    if kind not in trained:
-      trained[kind] = families.train_tokenizer(kind)
-    return trained[kind]
-
-  def get(name):
-    if name not in built:
-      built[name] = families.build_checkpoint(families.FAMILIES[name], root / name,
-                                              tokenizer)
-    return built[name]
-  return get
+  return family_checkpoints(tmp_path_factory.mktemp("families"), ENGINE_FAMILIES)
 
 
 @pytest.mark.slow
