@@ -688,7 +688,7 @@ def _smaller(w: Workload):
 
 
 def shrink(w: Workload, fault_of: Callable[[Workload], Optional[str]], fault: str,
-           max_trials: int = 60):
+           max_trials: int = 30):
   """(workload, fault): the smallest variant of ``w`` found that still
   faults, by greedy one-step simplification (drop a request, then simplify
   one field), at most ``max_trials`` runs."""

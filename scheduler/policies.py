@@ -611,8 +611,32 @@ POLICIES: Dict[str, Callable[[Budgets], object]] = {
 }
 
 
+def check_policy_name(owner: str, name: str) -> None:
+  """Raises ValueError naming ``owner``'s field unless ``name`` is a
+  registered policy or a loadable user policy (``module:Class`` or
+  ``path/to/file.py:Class``, ``scheduler.policy_loader``; the conformance
+  kit runs when the policy is made, not here)."""
+  from scheduler import policy_loader
+  if isinstance(name, str) and name in POLICIES:
+    return
+  if not policy_loader.is_spec(name):
+    raise ValueError(f"{owner}.policy must be one of {sorted(POLICIES)} or "
+                     f"{policy_loader.FORMS}, got {name!r}")
+  try:
+    policy_loader.load_factory(name)
+  except policy_loader.SpecError as e:
+    raise ValueError(f"{owner}.policy {e.reason}, got {name!r}") from None
+
+
 def make_policy(name: str, budgets: Budgets):
-  """Policy by registered name; ValueError lists the known names."""
-  if name not in POLICIES:
-    raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
-  return POLICIES[name](budgets)
+  """Policy by registered name, or a user's policy by ``module:Class`` /
+  ``path/to/file.py:Class`` once the conformance kit's fast profile passed
+  (``scheduler.policy_loader``). ValueError lists the known names, or
+  names the rule a user's policy breaks."""
+  from scheduler import policy_loader
+  if name in POLICIES:
+    return POLICIES[name](budgets)
+  if policy_loader.is_spec(name):
+    return policy_loader.make_checked(name, budgets)
+  raise ValueError(f"policy must be one of {sorted(POLICIES)} or "
+                   f"{policy_loader.FORMS}, got {name!r}")

@@ -15,7 +15,7 @@ from attention.ragged import IMPLS
 from models.amx import GEMMS as INT8_GEMMS
 from models.rowgemm import GEMMS as DECODE_GEMMS
 from models.sharding import parse_mesh
-from scheduler.policies import POLICIES, check_reservation
+from scheduler.policies import check_policy_name, check_reservation
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
@@ -102,7 +102,10 @@ class EngineConfig:
       the reserved frontier is an extension; when pages are short the
       victim rule preempts.
     reservation_quantile: q of "quantile" / "watermark", in (0, 1].
-    policy: registered policy name.
+    policy: registered policy name, or a user's policy as
+      ``module:Class`` or ``path/to/file.py:Class`` (``scheduler.policy_loader``;
+      the conformance kit's fast profile runs on it when the engine is
+      built, and a broken rule refuses it; docs/writing-a-policy.md).
     attention_impl: "auto", or an implementation name of attention.ragged.
     dtype: "float32" or "bfloat16" for weights and activations.
     weights: "dense" (weights in ``dtype``) or "int8" (``models.quant``:
@@ -243,8 +246,7 @@ class EngineConfig:
              f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "
              f"{self.watermark_pages + 1} or lower watermark_pages)", self.watermark_pages)
     check_reservation(c, self.reservation, self.reservation_quantile, self.watermark_pages)
-    _require(self.policy in POLICIES, c, "policy", f"must be one of {sorted(POLICIES)}",
-             self.policy)
+    check_policy_name(c, self.policy)
     _require(self.attention_impl in IMPLS, c, "attention_impl",
              f"must be one of {IMPLS}", self.attention_impl)
     _require(self.preemption_mode in PREEMPTION_MODES, c, "preemption_mode",

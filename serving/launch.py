@@ -44,7 +44,10 @@ def define_engine_flags() -> None:
                     "runs); they round differently.")
   flags.DEFINE_string("kv_dtype", None, "Override the preset's KV cache dtype: auto "
                       "(the dtype), float32 or bfloat16.")
-  flags.DEFINE_string("policy", None, "Override the preset's scheduling policy.")
+  flags.DEFINE_string("policy", None, "Override the preset's scheduling policy: a "
+                      "registered name, or your own as module:Class or "
+                      "path/to/file.py:Class (checked by the conformance kit at load; "
+                      "docs/writing-a-policy.md).")
   flags.DEFINE_integer("max_num_seqs", None, "Override: sequence budget per iteration.")
   flags.DEFINE_integer("max_num_batched_tokens", None, "Override: token budget per iteration.")
   flags.DEFINE_integer("long_prefill_token_threshold", None, "Override: prefill chunk cap.")

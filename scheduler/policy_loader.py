@@ -1,0 +1,111 @@
+"""A policy from the user's own code: ``module:Class`` or ``file.py:Class``.
+
+``--policy`` (``EngineConfig.policy``) takes a registered name
+(``scheduler.policies.POLICIES``) or a spec naming a policy class (or any
+``Budgets -> policy`` factory) in an importable module (``mypkg.mine:Fifo``)
+or a Python file (``path/to/mine.py:Fifo``; relative to the working
+directory). ``make_checked`` loads it, runs the conformance kit's fast
+profile on it once per process (``scheduler.conformance``: seconds, one
+compiled program) and refuses it with the broken rule named; only then is
+it built with the engine's budgets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+FORMS = "'module:Class' or 'path/to/file.py:Class'"
+
+# spec -> the conformance failure (None: passed), once per process.
+_CHECKED: Dict[str, Optional[str]] = {}
+
+
+class SpecError(ValueError):
+  """A spec that names no loadable policy; ``.reason`` says why."""
+
+  def __init__(self, spec: str, reason: str):
+    super().__init__(f"policy {spec!r}: {reason}")
+    self.reason = reason
+
+
+def is_spec(name: str) -> bool:
+  """True when ``name`` names a user's policy rather than a registered one."""
+  return isinstance(name, str) and ":" in name
+
+
+def _module_of(where: str, spec: str):
+  if where.endswith(".py"):
+    path = Path(where).resolve()
+    if not path.is_file():
+      raise SpecError(spec, f"no such file {str(path)!r}")
+    name = "iterserve_policy_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    if name not in sys.modules:
+      loader_spec = importlib.util.spec_from_file_location(name, path)
+      module = importlib.util.module_from_spec(loader_spec)
+      sys.modules[name] = module
+      try:
+        loader_spec.loader.exec_module(module)
+      except Exception as e:                  # the user's code: report, do not crash
+        del sys.modules[name]
+        raise SpecError(spec, f"{str(path)!r} failed to load "
+                              f"({type(e).__name__}: {e})") from e
+    return sys.modules[name]
+  try:
+    return importlib.import_module(where)
+  except ModuleNotFoundError as e:
+    raise SpecError(spec, f"cannot import module {where!r} ({e})") from None
+  except Exception as e:                      # the user's code: report, do not crash
+    raise SpecError(spec, f"module {where!r} failed to import "
+                          f"({type(e).__name__}: {e})") from e
+
+
+def load_factory(spec: str) -> Callable:
+  """The ``Budgets -> policy`` factory ``spec`` names.
+
+  Raises:
+    SpecError (a ValueError): the spec is not of the form ``FORMS``, the
+      module or file cannot be found, or it has no such attribute.
+  """
+  where, _, attr = spec.rpartition(":")
+  if not where or not attr or not attr.replace(".", "_").isidentifier():
+    raise SpecError(spec, f"must be a registered name or {FORMS}")
+  obj = _module_of(where, spec)
+  for part in attr.split("."):
+    if not hasattr(obj, part):
+      raise SpecError(spec, f"{where!r} has no attribute {attr!r}")
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise SpecError(spec, f"{attr!r} is not a class or factory")
+  return obj
+
+
+def check(spec: str) -> None:
+  """Runs the kit's fast profile on ``spec`` once per process.
+
+  Raises:
+    ValueError: ``load_factory``'s errors, or the kit's verdict: "policy
+      SPEC is refused: ... breaks rule 'RULE' ... minimal example: ...".
+  """
+  if spec not in _CHECKED:
+    from scheduler import conformance
+    factory = load_factory(spec)
+    try:
+      conformance.check_policy(factory)
+      _CHECKED[spec] = None
+    except conformance.ConformanceError as e:
+      _CHECKED[spec] = str(e)
+  if _CHECKED[spec] is not None:
+    raise ValueError(f"policy {spec!r} is refused by the conformance kit "
+                     f"(scheduler.conformance): {_CHECKED[spec]}")
+
+
+def make_checked(spec: str, budgets):
+  """The policy ``spec`` names, built with ``budgets``, once it passed the
+  kit (``check``)."""
+  check(spec)
+  return load_factory(spec)(budgets)
