@@ -23,7 +23,11 @@ def pytest_configure(config):
     os.environ[_ENV] = tempfile.mkdtemp(prefix="iterserve-xla-")
     config._iterserve_xla_cache = os.environ[_ENV]
   jax.config.update("jax_compilation_cache_dir", os.environ[_ENV])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  # Only programs that take a second to compile are written: they are the
+  # ones worth sharing, and each write serializes an executable (XLA:CPU's
+  # serialization has crashed a worker twice in this suite, at random, in
+  # ``put_executable_and_time``; fewer writes, fewer chances).
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
