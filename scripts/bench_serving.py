@@ -15,7 +15,9 @@ chunk's time; the token count is the response's ``usage``). The report is
 rejected, any other error as failed. Against a router front
 (``serve.py --replicas=N``) the report adds a ``router`` section: the
 policy, prefix-cache hit rates per replica and overall, and every request's
-route record (its decisions and the facts they used).
+route record (its decisions and the facts they used), all of this run's
+own: ``GET /router`` is read before and after the run, and only the requests
+and counter increases between the two are counted.
 """
 
 import asyncio
@@ -137,6 +139,12 @@ def server_model(root: str, name: Optional[str]) -> dict:
   return {"vocab_size": workloads.DEFAULT_VOCAB_SIZE, **card}
 
 
+def _router_report(root: str) -> Optional[dict]:
+  """A router front's ``GET /router``; None from a server that is not one."""
+  reply = httpx.get(f"{root}/router", timeout=60)
+  return reply.json() if reply.status_code == 200 else None
+
+
 async def _run(workload, model, root, max_model_len):
   limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
   async with httpx.AsyncClient(base_url=root, timeout=FLAGS.timeout_s,
@@ -158,15 +166,16 @@ def main(argv):
   workload = launch.load_workload(info["vocab_size"], info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}) against {root} ({model})")
+  routed_before = _router_report(root)
   records, duration_s = asyncio.run(_run(workload, model, root, info["max_model_len"]))
   config = {"model": model, "server": root, "client": "HTTP streaming (SSE), "
             "client-side timestamps", "max_model_len": info["max_model_len"],
             "workload": workload.describe()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   print(metrics.format_table(report))
-  routed = httpx.get(f"{root}/router", timeout=60)
-  if routed.status_code == 200:                    # a router front
-    report["router"] = summary = replicas.route_summary(routed.json())
+  routed = _router_report(root)
+  if routed is not None and routed_before is not None:     # a router front
+    report["router"] = summary = replicas.route_summary(routed, routed_before)
     rates = ", ".join(f"replica {r['replica']}: {r['prefix_cache_hit_rate']:.3f} "
                       f"({r['placed']} placed)" for r in summary["replicas"])
     print(f"router {summary['policy']}: prefix-cache hit rate "

@@ -4,12 +4,15 @@
   python scripts/serve.py --port=8001 --max_waiting=128 --engine=cpu_small
   python scripts/serve.py --engine=cpu_small --replicas=2 --router=prefix_aware \
       --route_log=runs/routes.jsonl      # 2 replica processes on :8001, :8002
+  python scripts/serve.py --replica_urls=http://10.0.0.2:8000,http://10.0.0.3:8000
+      # a router front over servers already running elsewhere
 
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
 /v1/models, /v1/models/{id}, /health, /metrics. See serving/server.py; with
 --replicas=N the process is a router front over N replica processes
 (serving/replicas.py, serving/router.py; GET /router has each request's
-route record). Flags are checked, and the port bound, before any model
+route record); with --replica_urls it fronts running servers instead (no
+model loads here; they are health-checked and rejoin when they come back). Flags are checked, and the port bound, before any model
 loads: a bad one is one line, exit status 2.
 """
 
@@ -34,6 +37,10 @@ flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for an engine sl
 flags.DEFINE_bool("warmup", True, "Compile every token bucket before listening.")
 flags.DEFINE_integer("replicas", 0, "Engine replicas, each its own server process on "
                      "--port+1.., behind a router on --port (0: one engine, this process).")
+flags.DEFINE_list("replica_urls", None, "A router front over replica servers that already "
+                  "run (http://HOST:PORT,...): nothing is spawned, no model loads here.")
+flags.DEFINE_float("replica_ready_timeout_s", 60.0, "With --replica_urls: seconds to wait "
+                   "at startup for every replica to answer /health.")
 flags.DEFINE_enum("router", "prefix_aware", router.POLICIES, "Replica placement: estimated "
                   "finish time with prefix-cache facts, or the round_robin baseline.")
 flags.DEFINE_string("route_log", None, "With --replicas: a JSON line per request (its "
@@ -45,9 +52,11 @@ flags.DEFINE_float("route_decode_ms_per_token_per_seq", 0.5, "Router cost: ms on
 flags.DEFINE_float("route_aging", 1.0, "Router: ms of estimated finish time forgiven "
                    "per ms a request waits.")
 launch.define_engine_flags()
+_ENGINE_FLAGS = tuple(f.name for f in FLAGS.get_flags_for_module(launch))
 # Flags of the front only: a replica gets every other flag given.
 _FRONT_FLAGS = ("replicas", "router", "route_log", "route_prefill_ms_per_token",
-                "route_decode_ms_per_token_per_seq", "route_aging", "port", "host")
+                "route_decode_ms_per_token_per_seq", "route_aging", "port", "host",
+                "replica_urls", "replica_ready_timeout_s")
 
 
 def _check_flags() -> socket.socket:
@@ -65,12 +74,24 @@ def _check_flags() -> socket.socket:
   if FLAGS.replicas < 0:
     raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
                      f"got {FLAGS.replicas}")
+  if FLAGS.replica_urls is not None:
+    if FLAGS.replicas:
+      raise ValueError("--replica_urls and --replicas exclude each other (front running "
+                       "servers, or spawn replicas here)")
+    replicas.parse_replica_urls(",".join(FLAGS.replica_urls))
+    engine = [name for name in _ENGINE_FLAGS if FLAGS[name].present]
+    if engine:
+      raise ValueError(f"--replica_urls: the engine flags {engine} belong to the replica "
+                       f"servers, which already run; give them there")
+    if not FLAGS.replica_ready_timeout_s > 0:
+      raise ValueError(f"--replica_ready_timeout_s must be > 0, got "
+                       f"{FLAGS.replica_ready_timeout_s}")
   if FLAGS.served_model_name is not None and not FLAGS.served_model_name:
     raise ValueError("--served_model_name must be non-empty (unset: the --model name)")
   if FLAGS.route_log is not None:
-    if not FLAGS.replicas:
-      raise ValueError("--route_log applies only with --replicas >= 1 (it logs the "
-                       "router front's placements)")
+    if not FLAGS.replicas and FLAGS.replica_urls is None:
+      raise ValueError("--route_log applies only with --replicas >= 1 or --replica_urls "
+                       "(it logs the router front's placements)")
     if not FLAGS.route_log:
       raise ValueError("--route_log must be a file path (unset: no route log)")
     folder = os.path.dirname(os.path.abspath(FLAGS.route_log))
@@ -101,11 +122,22 @@ def _check_flags() -> socket.socket:
 def main(argv):
   del argv
   sock = _check_flags()
+  cost = router.RouteCost(FLAGS.route_prefill_ms_per_token,
+                          FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
+  if FLAGS.replica_urls is not None:
+    try:
+      replicas.run_remote_front(replicas.parse_replica_urls(",".join(FLAGS.replica_urls)),
+                                host=FLAGS.host, port=FLAGS.port, policy=FLAGS.router,
+                                cost=cost, route_log=FLAGS.route_log,
+                                max_waiting=FLAGS.max_waiting,
+                                ready_timeout_s=FLAGS.replica_ready_timeout_s, sock=sock)
+    except (RuntimeError, ValueError) as e:      # not ready in time, or they disagree
+      print(f"error: --replica_urls: {e}", file=sys.stderr)
+      sys.exit(1)
+    return
   if FLAGS.replicas:
     given = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present
              and name not in _FRONT_FLAGS]
-    cost = router.RouteCost(FLAGS.route_prefill_ms_per_token,
-                            FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
     try:
       replicas.run_front([sys.executable, os.path.abspath(__file__), *given, "--replicas=0"],
                          FLAGS.replicas, host=FLAGS.host, port=FLAGS.port,

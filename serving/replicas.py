@@ -45,9 +45,33 @@ leaves the router's queue estimate at its first streamed chunk (a whole,
 non-streamed response only tells the front at its end, so its prefill
 counts as queued until then).
 
-Clocks: the router's clock is ``time.monotonic()`` in ms; replicas run on the
-same host (the front spawns them), so the arrival they receive is on their
-engine's clock too.
+Clocks: the router's clock is ``time.monotonic()`` in ms. Replicas the front
+spawns run on its host, so the arrival they receive is on their engine's
+clock too. Replicas that already run elsewhere (``serve.py --replica_urls``,
+``run_remote_front``) share no clock with the front: they get no arrival
+header, so their TTFT and queue time count from the forward, not from the
+front's arrival (the time a request waited at the front is in its route
+record, ``waited_ms``).
+
+Replicas the front does not own (given by URL) are health-checked: every
+``_HEALTH_S`` the front asks each one's ``/health``; one that fails
+``_HEALTH_FAILS`` checks in a row (or a request's transport error and one
+failed check) is marked down, its requests re-routed or failed as above.
+One that is down and answers again rejoins once its ``/engine`` facts agree
+with the front's (model, page size, vocabulary, context): it is placed on
+again, its router cache model starting empty (a restarted replica's prefix
+cache is). ``iterserve:router_replica_up{replica}`` is 1 while a replica is
+up.
+
+Request ids: the client's ``x-request-id`` goes to the replica (which names
+the request by it and echoes it) and comes back on the front's response; the
+route record keeps it as ``client_request_id``. Batched prompts (a list of
+strings or of token-id lists) go whole to one replica, which runs one engine
+request per prompt and returns one choice each, ``index`` in prompt order
+(its own batch rule, unchanged): the front tokenizes each prompt and places
+the batch as one request whose prompt is the prompts one after another (the
+estimate's prefill counts every prompt's tokens; its cache facts match the
+first prompt's leading pages), holding one router place.
 """
 
 from __future__ import annotations
@@ -82,6 +106,41 @@ _WATCH_S = 0.5                  # seconds between checks of the replica processe
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
 MAX_RECORDS = 10_000            # route records GET /router keeps (bounded memory)
 _PROBE_TIMEOUT_S = 2.0
+_HEALTH_S = 1.0                 # seconds between health checks of replicas given by URL
+_HEALTH_FAILS = 2               # failed checks in a row that mark such a replica down
+_AGREE = ("model", "page_size", "vocab_size", "max_model_len")   # a rejoining replica's
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def parse_replica_urls(text: str) -> List[str]:
+  """``--replica_urls``: comma-separated ``http://HOST:PORT`` base URLs.
+
+  Returns:
+    The URLs, a trailing '/' dropped, in the order given.
+
+  Raises:
+    ValueError: empty, an entry that is not http(s)://HOST:PORT (no path,
+      query or credentials), or the same URL twice; the message names the
+      flag and the entry.
+  """
+  entries = [e.strip() for e in text.split(",")] if text else []
+  if not entries or not all(entries):
+    raise ValueError(f"--replica_urls must be comma-separated http://HOST:PORT URLs, "
+                     f"got {text!r}")
+  urls = []
+  for entry in entries:
+    try:
+      url = httpx.URL(entry) if "://" in entry else None
+    except httpx.InvalidURL:
+      url = None
+    if (url is None or url.scheme not in ("http", "https") or not url.host
+        or url.port is None or url.path not in ("", "/") or url.query or url.userinfo):
+      raise ValueError(f"--replica_urls: {entry!r} must be http://HOST:PORT (a replica "
+                       f"server's root: scheme, host and port, no path)")
+    urls.append(entry.rstrip("/"))
+  if len(set(urls)) != len(urls):
+    raise ValueError(f"--replica_urls names a replica twice: {urls}")
+  return urls
 
 
 class ReplicaExited(RuntimeError):
@@ -206,6 +265,8 @@ class ReplicaFront:
     cost: the router's ``RouteCost``.
     route_log: JSON-lines path for the per-request route records (None: off).
     max_waiting: requests that may wait at the front (>= 0).
+    shared_clock: the replicas read the front's ``time.monotonic()`` (same
+      host): each forward carries the request's arrival (ARRIVAL_HEADER).
 
   Raises:
     ValueError: replicas that serve different models or page sizes, or a
@@ -215,7 +276,7 @@ class ReplicaFront:
   def __init__(self, urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
                facts: Sequence[dict], *, policy: str = "prefix_aware",
                cost: RouteCost = RouteCost(), route_log: Optional[str] = None,
-               max_waiting: int = 64):
+               max_waiting: int = 64, shared_clock: bool = True):
     if not urls or not len(urls) == len(processes) == len(facts):
       raise ValueError("urls, processes and facts must be one entry per replica (>= 1)")
     for key in ("model", "page_size", "vocab_size"):
@@ -231,6 +292,8 @@ class ReplicaFront:
     self.router = router_for(facts, policy, cost)
     self.max_waiting = max_waiting
     self.route_log = route_log
+    self.shared_clock = shared_clock
+    self._failed_checks = [0] * len(urls)
     # The last MAX_RECORDS route records (the route log keeps them all).
     self.records: "collections.deque[dict]" = collections.deque(maxlen=MAX_RECORDS)
     self._futures: Dict[str, asyncio.Future] = {}
@@ -245,6 +308,10 @@ class ReplicaFront:
                                   "replica died.", registry=r)
     self._alive = prom.Gauge("iterserve:router_replicas_alive", "Replicas up.", registry=r)
     self._alive.set(len(urls))
+    self._up = prom.Gauge("iterserve:router_replica_up", "1 while the replica is up (placed "
+                          "on), 0 while down.", ["replica"], registry=r)
+    for i in range(len(urls)):
+      self._up.labels(str(i)).set(1)
     self.app = self._build_app()
 
   # ---------------------------------------------------------- replicas
@@ -262,7 +329,48 @@ class ReplicaFront:
     if self.router.replicas[replica].alive:
       self.router.replica_down(replica)
       self._alive.set(len(self.router.alive()))
+      self._up.labels(str(replica)).set(0)
+      if self.processes[replica] is None:
+        print(f"replica {replica} ({self.urls[replica]}) stopped answering; it is down, "
+              f"its requests are re-routed or failed", file=sys.stderr, flush=True)
     self._dispatch()
+
+  async def _rejoin(self, replica: int) -> None:
+    """A down replica given by URL answers /health again: it rejoins when
+    its ``/engine`` facts agree with the front's (``_AGREE``), with its
+    capacity and cache size as it now reports them and an empty cache model."""
+    try:
+      facts = (await self.http.get(f"{self.urls[replica]}/engine", timeout=10)).json()
+      differ = [k for k in _AGREE if facts.get(k) != self.facts[replica][k]]
+    except (httpx.HTTPError, ValueError) as e:
+      differ = [f"/engine unreadable ({type(e).__name__})"]
+    if differ:
+      print(f"replica {replica} ({self.urls[replica]}) answers again but is kept down: "
+            f"its {differ} differ from the front's", file=sys.stderr, flush=True)
+      return
+    self.facts[replica] = facts
+    self.router.replica_up(replica, facts["max_request_slots"],
+                           facts["num_pages"] - 1 if facts["enable_prefix_caching"] else 0)
+    self._alive.set(len(self.router.alive()))
+    self._up.labels(str(replica)).set(1)
+    print(f"replica {replica} ({self.urls[replica]}) rejoined", file=sys.stderr, flush=True)
+    self._dispatch()
+
+  async def _health(self) -> None:
+    """Every _HEALTH_S: checks each replica given by URL (no process of
+    ours); marks one down after _HEALTH_FAILS failed checks in a row, has a
+    down one that answers rejoin (``_rejoin``)."""
+    while True:
+      await asyncio.sleep(_HEALTH_S)
+      remote = [i for i, p in enumerate(self.processes) if p is None]
+      answers = await asyncio.gather(*(self._probe(i) for i in remote))
+      for i, ok in zip(remote, answers):
+        alive = self.router.replicas[i].alive
+        self._failed_checks[i] = 0 if ok else self._failed_checks[i] + 1
+        if alive and self._failed_checks[i] >= _HEALTH_FAILS:
+          self._down(i)
+        elif ok and not alive:
+          await self._rejoin(i)
 
   async def _lost(self, replica: int) -> bool:
     """After a transport error: True (and marked down) if the replica is gone."""
@@ -339,7 +447,26 @@ class ReplicaFront:
         self._futures.pop(rid, None)
         self.router.withdraw(rid)
 
-  async def _tokenize(self, raw: bytes):
+  async def _tokenize(self, body: dict, raw: bytes):
+    """(prompt ids, None): every prompt's token ids one after another (a
+    batched prompt tokenized prompt by prompt), and the longest prompt's
+    length; or (None, the refusal to return)."""
+    batch = body.get("prompt") if "messages" not in body else None
+    if not (isinstance(batch, list) and len(batch) > 1
+            and (all(isinstance(p, str) for p in batch)
+                 or all(isinstance(p, list) for p in batch))):
+      ids, refusal = await self._tokenize_one(raw)
+      return (None, refusal) if refusal is not None else ((ids, len(ids)), None)
+    ids, longest = [], 0
+    for prompt in batch:
+      one, refusal = await self._tokenize_one(json.dumps({**body, "prompt": prompt}).encode())
+      if refusal is not None:
+        return None, refusal
+      ids += one
+      longest = max(longest, len(one))
+    return (ids, longest), None
+
+  async def _tokenize_one(self, raw: bytes):
     """(ids, None) from a live replica's /tokenize, or (None, its Response)."""
     for _ in range(len(self.urls)):
       alive = self.router.alive()
@@ -372,8 +499,12 @@ class ReplicaFront:
       with open(self.route_log, "a") as f:
         f.write(json.dumps(record) + "\n")
 
-  def _headers(self, record: dict) -> dict:
+  def _headers(self, record: dict, upstream: httpx.Response) -> dict:
+    """The front's response headers: the replica that served, what it was
+    re-routed from, and the replica's ``x-request-id`` echo."""
     headers = {"x-iterserve-replica": str(record["replica"])}
+    if REQUEST_ID_HEADER in upstream.headers:
+      headers[REQUEST_ID_HEADER] = upstream.headers[REQUEST_ID_HEADER]
     if record["rerouted_from"]:
       headers["x-iterserve-rerouted-from"] = ",".join(map(str, record["rerouted_from"]))
     return headers
@@ -393,15 +524,17 @@ class ReplicaFront:
                          f"bound (--max_waiting = {self.max_waiting}); retry later")
     except Exception as e:
       return _error_response(e)
-    ids, refusal = await self._tokenize(raw)
+    tokenized, refusal = await self._tokenize(body, raw)
     if refusal is not None:
       return refusal
+    ids, longest = tokenized
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-      max_tokens = max(1, self.max_model_len - len(ids))    # the replica checks the body
+      max_tokens = max(1, self.max_model_len - longest)     # the replica checks the body
     stream = body.get("stream") is True
     rid = f"route-{next(self._ids)}"
-    record = dict(request_id=rid, path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
+    record = dict(request_id=rid, client_request_id=request.headers.get(REQUEST_ID_HEADER),
+                  path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
                   max_tokens=max_tokens, stream=stream, replica=None, rerouted_from=[],
                   decisions=[], outcome=None)
     route = asyncio.ensure_future(self._route(record, raw, ids))
@@ -423,7 +556,11 @@ class ReplicaFront:
     connection makes the replica cancel the request."""
     rid, path, stream = record["request_id"], record["path"], record["stream"]
     arrival_s, max_tokens = record["arrival_s"], record["max_tokens"]
-    headers = {ARRIVAL_HEADER: repr(arrival_s), "content-type": "application/json"}
+    headers = {"content-type": "application/json"}
+    if self.shared_clock:
+      headers[ARRIVAL_HEADER] = repr(arrival_s)
+    if record["client_request_id"] is not None:
+      headers[REQUEST_ID_HEADER] = record["client_request_id"]
     while True:
       decision = await self._place(rid, ids, max_tokens, arrival_s, record["rerouted_from"])
       if decision is None:
@@ -443,10 +580,10 @@ class ReplicaFront:
           self._end(record, outcome, f"HTTP {upstream.status_code}")
           if upstream.status_code != 200:
             return relayed_error(replica, upstream.status_code, content,
-                                 self._headers(record))
+                                 self._headers(record, upstream))
           return Response(content, status_code=upstream.status_code,
                           media_type=upstream.headers.get("content-type"),
-                          headers=self._headers(record))
+                          headers=self._headers(record, upstream))
         chunks = upstream.aiter_raw()
         first = await chunks.__anext__()
       except (httpx.TransportError, StopAsyncIteration) as e:
@@ -465,7 +602,8 @@ class ReplicaFront:
       self.router.first_token(rid)
       self._dispatch()
       return StreamingResponse(self._relay(record, upstream, chunks, first),
-                               media_type="text/event-stream", headers=self._headers(record))
+                               media_type="text/event-stream",
+                               headers=self._headers(record, upstream))
 
   async def _relay(self, record: dict, upstream: httpx.Response, chunks, first: bytes):
     replica, tail = record["replica"], first[-4096:]
@@ -544,8 +682,10 @@ class ReplicaFront:
       self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
       self._watch_exits()
       watch = asyncio.create_task(self._watch())
+      health = asyncio.create_task(self._health())
       yield
       watch.cancel()
+      health.cancel()
       for replica in list(self._pidfds):
         self._close_pidfd(replica)
       await self.http.aclose()
@@ -592,14 +732,32 @@ class ReplicaFront:
     return app
 
 
-def route_summary(router_report: dict) -> dict:
+def route_summary(router_report: dict, before: Optional[dict] = None) -> dict:
   """The replay report's ``router`` section from a front's ``GET /router``:
   policy, overall and per-replica prefix-cache hit rates (token units, the
   replicas' own counters), placements per replica, re-routes, and every
-  request's route record."""
+  request's route record.
+
+  Args:
+    router_report: ``GET /router`` after the run.
+    before: ``GET /router`` before it (None: count everything): then only
+      the run's own requests (route records not in ``before``) and the
+      counters' increase since ``before`` are counted. A replica's counter
+      that went down (it restarted) counts from zero.
+  """
+  if before is not None:
+    seen = {q["request_id"] for q in before["requests"]}
+    then = {r["replica"]: r for r in before["replicas"]}
+    router_report = dict(router_report, requests=[
+        q for q in router_report["requests"] if q["request_id"] not in seen])
   replicas = []
   for r in router_report["replicas"]:
     queries, hits = r.get("prefix_cache_queries", 0.0), r.get("prefix_cache_hits", 0.0)
+    if before is not None:
+      old = then.get(r["replica"], {})
+      old_q, old_h = old.get("prefix_cache_queries", 0.0), old.get("prefix_cache_hits", 0.0)
+      if queries >= old_q and hits >= old_h:
+        queries, hits = queries - old_q, hits - old_h
     placed = sum(1 for q in router_report["requests"] if q["replica"] == r["replica"])
     replicas.append(dict(replica=r["replica"], alive=r["alive"], placed=placed,
                          prefix_cache_queries=queries, prefix_cache_hits=hits,
@@ -650,4 +808,28 @@ def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port
                        route_log=route_log, max_waiting=max_waiting)
   print(f"routing {front.model_name!r} over {num_replicas} replicas ({policy}) on "
         f"http://{host}:{port}/v1", flush=True)
+  serve_forever(front.app, sock if sock is not None else bind_socket(host, port))
+
+
+def run_remote_front(urls: Sequence[str], *, host: str, port: int, policy: str,
+                     cost: RouteCost, route_log: Optional[str], max_waiting: int,
+                     ready_timeout_s: float = 60.0,
+                     sock: Optional[socket.socket] = None) -> None:
+  """Serves the front on ``host:port`` over replica servers that already run
+  (``serve.py --replica_urls``): nothing is spawned or stopped; each
+  replica's facts come from its ``/engine`` once it answers ``/health``;
+  they are health-checked and rejoin when they come back (module docstring).
+
+  Raises:
+    RuntimeError: a replica did not answer within ready_timeout_s (names it).
+    ValueError: the replicas serve different models or page sizes.
+  """
+  import logging
+
+  logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
+  facts = wait_ready(urls, [None] * len(urls), ready_timeout_s)
+  front = ReplicaFront(urls, [None] * len(urls), facts, policy=policy, cost=cost,
+                       route_log=route_log, max_waiting=max_waiting, shared_clock=False)
+  print(f"routing {front.model_name!r} over {len(urls)} replicas at {', '.join(urls)} "
+        f"({policy}) on http://{host}:{port}/v1", flush=True)
   serve_forever(front.app, sock if sock is not None else bind_socket(host, port))

@@ -204,6 +204,22 @@ class Router:
     model.keys.clear()
     return lost
 
+  def replica_up(self, replica: int, capacity: int, cache_pages: int) -> None:
+    """Marks a replica that was down alive again (it came back, e.g.
+    restarted): no live requests, an empty cache model, ``capacity``
+    requests and ``cache_pages`` KV pages as it now reports them.
+
+    Raises:
+      ValueError: capacity < 1 or cache_pages < 0.
+    """
+    if capacity < 1 or cache_pages < 0:
+      raise ValueError(f"replica {replica}: capacity must be >= 1 and cache_pages >= 0, "
+                       f"got {capacity} and {cache_pages}")
+    model = self.replicas[replica]
+    model.capacity, model.cache_pages, model.alive = capacity, cache_pages, True
+    model.live.clear()
+    model.keys.clear()
+
   def num_waiting(self) -> int:
     return len(self._waiting)
 

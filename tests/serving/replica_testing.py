@@ -1,12 +1,14 @@
 """A replica server process on the tiny model, for the router tests.
 
-  python -m tests.serving.replica_testing --port=8001 [--step_delay_ms=20]
+  python -m tests.serving.replica_testing --port=8001 [--step_delay_ms=20] [--cache_dir=D]
 
 Serves ``serving.server.OpenAIServer`` over the tiny random model (the
 ``params`` fixture's weights, so its greedy tokens equal an in-process
 engine's) and the tiny tokenizer, as model "tiny". ``--step_delay_ms`` sleeps
 before each engine step, so that requests stay in flight long enough for a
-test to kill the process mid-run.
+test to kill the process mid-run. ``--cache_dir`` keeps XLA's compiled
+programs there, so that a replica restarted on the same directory compiles
+nothing.
 """
 
 import argparse
@@ -27,7 +29,11 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--port", type=int, required=True)
   parser.add_argument("--step_delay_ms", type=float, default=0.0)
+  parser.add_argument("--cache_dir", default=None)
   args = parser.parse_args()
+  if args.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   params = llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8)
   engine = Engine(CFG, params, EngineConfig.preset("tiny"))
   launch.warmup(engine)

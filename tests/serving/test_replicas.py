@@ -1,6 +1,8 @@
 """Data-parallel replicas behind the router front: two real replica server
 processes (tests/serving/replica_testing.py, the tiny model), real HTTP, the
-official ``openai`` client, and a replica killed mid-run."""
+official ``openai`` client, a replica killed mid-run, a front over replicas
+given by URL (``serve.py --replica_urls``) and ``bench_serving.py`` against a
+front."""
 
 import json
 import os
@@ -8,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -130,6 +133,21 @@ def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
       assert sum(1 for name, labels in relayed if ("replica", str(i)) in labels
                  and name.startswith("vllm:")) == sum(1 for n, _ in own if n.startswith("vllm:"))
     assert sum(v for (n, _), v in relayed.items() if n == "iterserve:router_requests_total") == 6
+    # A batch goes whole to one replica: one choice per prompt, index in
+    # prompt order, each the text the replica gives that prompt alone; the
+    # client's x-request-id reaches the replica and comes back.
+    for k, batch in enumerate((["the heart", "of it all"], [[40, 41, 42], [50, 51]])):
+      one = dict(model="tiny", max_tokens=3, temperature=0, ignore_eos=True)
+      got = served.http.post("/v1/completions", json={**one, "prompt": batch},
+                             headers={"x-request-id": f"batch-{k}"})
+      assert got.status_code == 200, got.text
+      assert got.headers["x-request-id"] == f"batch-{k}"
+      assert got.json()["id"] == f"cmpl-batch-{k}"
+      assert [c["index"] for c in got.json()["choices"]] == [0, 1]
+      for choice, prompt in zip(got.json()["choices"], batch):
+        assert choice["text"] == _direct(urls[0], {**one, "prompt": prompt})["choices"][0]["text"]
+      (record,) = [r for r in front.records if r["client_request_id"] == f"batch-{k}"]
+      assert record["prompt_tokens"] == got.json()["usage"]["prompt_tokens"]
     bad = served.http.post("/v1/completions", json={"model": "tiny", "prompt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
     lone = served.http.post(
@@ -161,6 +179,55 @@ def test_a_replica_error_reaches_the_client_in_the_openai_shape():
           b'"code": null}}')
   same = replicas_module.relayed_error(0, 400, body, {"x-iterserve-replica": "0"})
   assert (same.status_code, same.body, same.headers["x-iterserve-replica"]) == (400, body, "0")
+
+
+def test_bench_serving_against_a_front_reports_only_its_own_requests(replicas, tmp_path):
+  """Two requests before the run, three in it: the report's router section
+  counts the three (placements, records and prefix-cache counters since the
+  run began), not the earlier two."""
+  urls, _, facts = replicas
+  served = _Front(urls, [None, None], facts, "round_robin", tmp_path / "routes.jsonl")
+  try:
+    for prompt in ("before one", "before two"):
+      assert served.http.post("/v1/completions", json={
+          "model": "tiny", "prompt": prompt, "max_tokens": 2}).status_code == 200
+    before = served.http.get("/router").json()
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_serving.py"), f"--url={served.url}",
+         "--num_requests=3", "--rate_scale=20", "--max_prompt_len=12",
+         "--max_output_len=3", f"--out={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    router = json.loads(out.read_text())["router"]
+    assert [r["placed"] for r in router["replicas"]] == [2, 1]     # round robin from 0
+    assert len(router["requests"]) == 3
+    assert "(2 placed), replica 1: " in proc.stdout and "(1 placed));" in proc.stdout
+    after = served.http.get("/router").json()
+    assert len(after["requests"]) == 5
+    for r, then, now in zip(router["replicas"], before["replicas"], after["replicas"]):
+      assert r["prefix_cache_queries"] == (now.get("prefix_cache_queries", 0)
+                                           - then.get("prefix_cache_queries", 0))
+  finally:
+    served.close()
+
+
+def test_route_summary_counts_a_run_from_its_before_report():
+  """Hand-worked: a replica restarted between the reports (its counters went
+  down) counts from zero; requests already in ``before`` are left out."""
+  rec = lambda rid, replica: dict(request_id=rid, replica=replica, rerouted_from=[])
+  stats = lambda i, q, h: dict(replica=i, alive=True, prefix_cache_queries=q,
+                               prefix_cache_hits=h)
+  before = dict(policy="round_robin", cost={}, replicas=[stats(0, 10, 4), stats(1, 8, 8)],
+                requests=[rec("route-0", 0), rec("route-1", 1)])
+  after = dict(before, replicas=[stats(0, 30, 14), stats(1, 6, 2)],
+               requests=[rec("route-0", 0), rec("route-1", 1), rec("route-2", 1)])
+  summary = replicas_module.route_summary(after, before)
+  assert [(r["placed"], r["prefix_cache_queries"], r["prefix_cache_hits"])
+          for r in summary["replicas"]] == [(0, 20, 10), (1, 6, 2)]
+  assert summary["prefix_cache_hit_rate"] == pytest.approx(12 / 26)
+  assert [q["request_id"] for q in summary["requests"]] == ["route-2"]
+  assert [r["placed"] for r in replicas_module.route_summary(after)["replicas"]] == [1, 2]
 
 
 def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_path):
@@ -248,3 +315,78 @@ def test_a_killed_replica_is_reaped_and_marked_down_at_once(monkeypatch, tmp_pat
     served.close()
     if sleeper.poll() is None:
       sleeper.kill()
+
+
+def _front_over(urls, tmp_path, *extra):
+  """``scripts/serve.py --replica_urls`` on a free port (stderr in a file)."""
+  port = _free_port()
+  log = open(tmp_path / f"front-{port}.log", "w")
+  process = subprocess.Popen(
+      [sys.executable, str(ROOT / "scripts" / "serve.py"), f"--port={port}",
+       f"--replica_urls={','.join(urls)}", *extra], cwd=ROOT, stdout=log,
+      stderr=subprocess.STDOUT)
+  return process, f"http://127.0.0.1:{port}"
+
+
+def test_a_front_refuses_bad_or_unreachable_replica_urls(tmp_path):
+  for text, message in (
+      ("http://127.0.0.1:8001/v1", "'http://127.0.0.1:8001/v1' must be http://HOST:PORT"),
+      ("127.0.0.1:8001", "'127.0.0.1:8001' must be http://HOST:PORT"),
+      ("http://127.0.0.1:8001,", "must be comma-separated http://HOST:PORT URLs"),
+      ("http://a:1,http://a:1/", "names a replica twice")):
+    with pytest.raises(ValueError, match="--replica_urls") as e:
+      replicas_module.parse_replica_urls(text)
+    assert message in str(e.value)
+  url = f"http://127.0.0.1:{_free_port()}"                # nothing listens there
+  process, _ = _front_over([url], tmp_path, "--replica_ready_timeout_s=0.5")
+  assert process.wait(timeout=60) == 1
+  (log,) = tmp_path.glob("front-*.log")
+  assert f"error: --replica_urls: replicas ['{url}'] not ready within 0.5 s" in log.read_text()
+
+
+@pytest.mark.extended
+def test_a_front_over_replica_urls_marks_one_down_and_takes_it_back(tmp_path):
+  """Two replica servers started on their own, a front given their URLs:
+  one is killed (requests go on on the other; /metrics shows it down),
+  restarted on the same port, and rejoins (a request lands on it again)."""
+  argv = [sys.executable, "-m", "tests.serving.replica_testing",
+          f"--cache_dir={tmp_path / 'xla'}"]     # the restarted replica compiles nothing
+  ports = [_free_port(), _free_port()]
+  urls = [f"http://127.0.0.1:{port}" for port in ports]
+  processes = [spawn_replica(argv, port, cwd=str(ROOT)) for port in ports]
+  front = None
+  try:
+    wait_ready(urls, processes, timeout_s=180)
+    front, front_url = _front_over(urls, tmp_path, "--router=round_robin",
+                                   f"--route_log={tmp_path / 'routes.jsonl'}")
+    _wait(lambda: _answers(front_url), timeout_s=60)
+    body = {"model": "tiny", "prompt": "the heart", "max_tokens": 3, "temperature": 0}
+    post = lambda: httpx.post(f"{front_url}/v1/completions", json=body, timeout=60)
+    assert sorted(post().headers["x-iterserve-replica"] for _ in range(2)) == ["0", "1"]
+    processes[1].kill()
+    processes[1].wait(timeout=30)
+    up = ("iterserve:router_replica_up", (("replica", "1"),))
+    _wait(lambda: _samples(httpx.get(f"{front_url}/metrics").text)[up] == 0, timeout_s=30)
+    served = [post() for _ in range(3)]
+    assert [(r.status_code, r.headers["x-iterserve-replica"]) for r in served] == [
+        (200, "0")] * 3
+    processes[1] = spawn_replica(argv, ports[1], cwd=str(ROOT))
+    wait_ready(urls[1:], processes[1:], timeout_s=180)
+    _wait(lambda: _samples(httpx.get(f"{front_url}/metrics").text)[up] == 1, timeout_s=30)
+    assert sorted(post().headers["x-iterserve-replica"] for _ in range(2)) == ["0", "1"]
+    logged = [json.loads(l) for l in (tmp_path / "routes.jsonl").read_text().splitlines()]
+    assert [r["replica"] for r in logged] == [0, 1, 0, 0, 0, 1, 0]     # round robin
+    assert all(r["outcome"] == "completed" for r in logged)
+  finally:
+    for process in [front, *processes]:
+      if process is not None and process.poll() is None:
+        process.kill()
+      if process is not None:
+        process.wait(timeout=30)
+
+
+def _answers(url):
+  try:
+    return httpx.get(f"{url}/health", timeout=2).status_code == 200
+  except httpx.HTTPError:
+    return False
