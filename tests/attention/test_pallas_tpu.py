@@ -133,6 +133,7 @@ def test_random_ragged_batches_match_reference(seqs, seed):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_wide_batch_with_races_checked():
   """A wider launch: 40 sequences, T=256, head_dim 128, bf16, long
   histories (up to 12 key blocks of 32), all under the race detector."""

@@ -192,6 +192,7 @@ def test_a_shape_that_disagrees_with_its_rule_or_the_config_is_refused():
     sharding.param_specs(odd, TP_CFG, 2)
 
 
+@pytest.mark.extended
 def test_tp_meshes_match_one_device_logits_and_greedy_tokens(tmp_path):
   """Model axes 2, 3, 4 against one device (tp 1) through the Engine: split
   attention at 2, replicated attention with split MLP and vocabulary at 3

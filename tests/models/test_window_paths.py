@@ -43,7 +43,7 @@ def reference(params, prompts):
   return greedy(params, CFG, prompts, 6, impl="gather")
 
 
-IMPLS = ["blocked", "blocked_dot", "pallas", "pallas_tpu",
+IMPLS = ["blocked", "blocked_dot", "pallas", pytest.param("pallas_tpu", marks=pytest.mark.extended),
          pytest.param("native", marks=pytest.mark.skipif(
              native.unavailable_reason() is not None,
              reason=f"native kernel: {native.unavailable_reason()}"))]

@@ -170,6 +170,7 @@ def test_preemption_recomputes_and_keeps_tokens(params):
 FEW_PAGES_SWAP = dataclasses.replace(FEW_PAGES, preemption_mode="swap")
 
 
+@pytest.mark.extended
 def test_bfloat16_kv_cache_is_stored_as_bits_and_swaps_them_back(params):
   """``kv_dtype="bfloat16"`` with float32 weights: the cache is stored as
   bfloat16 bits (uint16, ``attention.ragged.KV_BITS``; the attention and

@@ -28,6 +28,7 @@ def test_pallas_kernel_path_gives_the_same_greedy_tokens(params):
   assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
 
 
+@pytest.mark.extended
 def test_tpu_kernel_path_gives_the_same_greedy_tokens(params):
   # The Mosaic TPU kernel (TPU interpret mode on CPU: simulated DMAs of the
   # K/V pages) against the default CPU path, through the whole engine.
@@ -38,6 +39,7 @@ def test_tpu_kernel_path_gives_the_same_greedy_tokens(params):
   assert [r.output_token_ids for r in kernel] == [r.output_token_ids for r in default]
 
 
+@pytest.mark.extended
 def test_small_decode_buckets_keep_tokens_batch_invariant(params):
   """Buckets 2, 4, ..., 32 and a tiled 48 (``row_tiled``'s tiles of 32, the
   last one padded): a request alone decodes in the 2-row bucket, mixed in
