@@ -72,7 +72,7 @@ def router_for(facts: Sequence[dict], policy: str = "prefix_aware",
                cost: "RouteCost" = None) -> "Router":
   """The router over replicas described by their engine facts (dicts with
   ``max_request_slots``, ``num_pages``, ``enable_prefix_caching`` and
-  ``page_size``, as a replica's ``/v1/models`` card or its ``EngineConfig``
+  ``page_size``, as a replica's ``/engine`` facts or its ``EngineConfig``
   gives them): each replica's request slots as its capacity, its KV pages
   less the null page as its prefix-cache model when caching is on. The one
   construction ``serve.py --replicas`` and ``serving.cluster_sim`` share."""
