@@ -52,7 +52,9 @@ def rows_of(path: str):
                    {"g_star": run["g_star"][p]["g_star"],
                     "g_star_interpolated": run["g_star"][p]["g_star_interpolated"]}))
     return runs
-  led = run.get("ledger", {}).get("goodput", {})
+  # Goodput keys: the ledger's (one SLO pair for all), else those of the
+  # report's per-request goodput (--slo_class: each request its own SLOs).
+  led = run.get("ledger", {}).get("goodput") or run.get("goodput", {})
   return [(path, run["config"]["policy_id"], run, {**run, **led})]
 
 
