@@ -7,9 +7,13 @@ clock, plan on the online projection, check the plan
 emits outputs until each request's hidden realized length, check the result
 (``validate.result_violations``) and publish it with ``apply.apply``, while
 a page ledger follows every page a plan takes and every page a preemption or
-a finish returns. These are the programs the engine's fused step runs; only
-the model and the physical page table are left out, so one policy compiles
-one program (seconds) and a workload runs in a fraction of a second.
+a finish returns. Tick, policy, checks and ``apply`` are the functions the
+engine's fused step runs; the executor is the scheduler's fixture executor
+(``fixtures.fixture_execute``) and the page table a count, so one policy
+compiles one program (seconds) and a workload runs in a fraction of a
+second. (``tests/scheduler/test_conformance.py`` also drives every
+registered policy through ``serving.engine.Engine`` on the simulated
+executor, in the extended profile.)
 
     from scheduler import conformance
     conformance.check_policy(MyPolicy)                 # fast profile
