@@ -1690,7 +1690,9 @@ def _forget_client(state, index):
   return state.replace(
       service_rows=zero(state.service_rows), recompute_rows=zero(state.recompute_rows),
       client_counter=zero(state.client_counter), client_done=zero(state.client_done),
-      client_active=zero(state.client_active))
+      client_active=zero(state.client_active),
+      client_completed_requests=zero(state.client_completed_requests),
+      client_completed_outputs=zero(state.client_completed_outputs))
 
 
 @functools.lru_cache(maxsize=16)

@@ -55,9 +55,13 @@ def test_evicted_requests_and_idle_clients_leave_the_host_tables(params):
   engine.run()
   index_a = engine._clients["a"]
   assert int(np.asarray(engine.state.service_rows)[index_a]) > 0
+  # The client's ended requests are its output-length history (2 tokens).
+  assert int(np.asarray(engine.state.client_completed_requests)[index_a]) == 1
+  assert int(np.asarray(engine.state.client_completed_outputs)[index_a]) == 2
   assert engine.evict("a0").outcome == "completed"
   assert "a0" not in engine.requests and "a" not in engine._clients
-  assert int(np.asarray(engine.state.service_rows)[index_a]) == 0   # counters restart
+  for counter in ("service_rows", "client_completed_requests", "client_completed_outputs"):
+    assert int(np.asarray(getattr(engine.state, counter))[index_a]) == 0   # counters restart
   # Many clients over time, never more than num_clients at once, tables bounded.
   for rid in ("x0", "y0"):
     engine.evict(rid)
