@@ -1,0 +1,204 @@
+"""Builds the tables, plots and results.json of docs/ablations.md from the run JSONs.
+
+  .venv/bin/python docs/ablations/make_tables.py --runs=runs/abl
+
+Reads ``RUNS/repro_{sarathi512_300s,sarathi512,nochunk,orca}/sweep.json`` (Sarathi-Serve
+capacity), ``RUNS/vtc_two_clients/sweep.json`` (VTC overload) and
+``RUNS/long{,_hi}/*.json`` (replay reports of the long-prompt mix); prints the
+Markdown tables, writes the PNGs beside this file and ``results.json`` (the
+numbers of every table with the load average each run recorded: wall-time
+figures depend on it, the virtual-time results do not).
+
+Capacity follows Sarathi-Serve's capacity search (microsoft/sarathi-serve,
+``sarathi/benchmark/capacity_search``): the largest offered rate whose P99
+TBT over every decode gap is <= the SLO and whose median scheduling delay is
+<= 2 s; iterserve records no scheduling delay, so the median TTFT (delay plus
+the prompt's prefill, a slightly stricter bound) stands in for it.
+"""
+
+import argparse
+import glob
+import json
+import os
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TBT_SLO_MS = 100.0
+MEDIAN_DELAY_MS = 2000.0
+REPRO = (("sarathi512_300s", "sarathi_serve, budget = chunk 512, 300 s window"),
+         ("sarathi512", "sarathi_serve, budget = chunk 512, 60 s window"),
+         ("nochunk", "vllm_v1, budget = chunk 8,192 (no chunking), 60 s window"),
+         ("orca", "orca, whole prompts, budget 16,384, 60 s window"))
+
+
+def _load(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def capacity(sweep):
+  """Rows per rate and the capacity bracket (last passing, first failing rate)."""
+  rows = []
+  for t in sorted(sweep["trials"], key=lambda t: t["rate_scale"]):
+    rep = t["report"]
+    ok = rep["p99_itl_ms"] <= TBT_SLO_MS and rep["median_ttft_ms"] <= MEDIAN_DELAY_MS
+    rows.append(dict(rate_scale=t["rate_scale"], rate_req_s=t["offered_rate_req_s"],
+                     requests=t["num_requests"], p99_tbt_ms=rep["p99_itl_ms"],
+                     median_ttft_ms=rep["median_ttft_ms"], p99_ttft_ms=rep["p99_ttft_ms"],
+                     tbt_miss_fraction=t["tbt"]["miss_fraction"],
+                     attainment=t["attainment"], meets_slo=ok,
+                     wall_s=t["wall_s"], iterations=t["iterations"]))
+  passing = [r["rate_req_s"] for r in rows if r["meets_slo"]]
+  failing = [r["rate_req_s"] for r in rows if not r["meets_slo"]
+             and (not passing or r["rate_req_s"] > max(passing))]
+  return rows, (max(passing) if passing else 0.0), (min(failing) if failing else None)
+
+
+def repro(runs, out):
+  result, fig_rows = {}, []
+  for key, label in REPRO:
+    path = f"{runs}/repro_{key}/sweep.json"
+    if not os.path.exists(path):
+      continue
+    sweep = _load(path)
+    rows, cap, over = capacity(sweep)
+    result[key] = dict(label=label, rows=rows, capacity_req_s=cap, first_failing_req_s=over,
+                       load_avg_start=sweep["load_avg_start"], load_avg_end=sweep["load_avg_end"])
+    fig_rows.append((label, rows))
+    print(f"\n{label}: meets the SLO up to {cap:.2f} req/s; "
+          + (f"first failing rate {over:.2f} req/s" if over else "no rate tried failed"))
+    print("| x trace rate | offered req/s | requests | P99 TBT (ms) | median TTFT (ms) | "
+          "gaps > 100 ms | meets SLO |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+      print(f"| {r['rate_scale']:g} | {r['rate_req_s']:.2f} | {r['requests']} | "
+            f"{r['p99_tbt_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
+            f"{100 * r['tbt_miss_fraction']:.2f}% | {'yes' if r['meets_slo'] else 'no'} |")
+  ours = "sarathi512_300s" if "sarathi512_300s" in result else "sarathi512"
+  if ours in result and "nochunk" in result and result["nochunk"]["capacity_req_s"]:
+    ratio = result[ours]["capacity_req_s"] / result["nochunk"]["capacity_req_s"]
+    result["capacity_ratio_sarathi_over_nochunk"] = ratio
+    print(f"\ncapacity ratio sarathi_serve / vllm_v1 without chunking: {ratio:.2f}x")
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  for label, rows in fig_rows:
+    x = [r["rate_req_s"] for r in rows]
+    ax[0].plot(x, [r["p99_tbt_ms"] for r in rows], "o-", label=label)
+    ax[1].plot(x, [r["median_ttft_ms"] / 1e3 for r in rows], "o-", label=label)
+  ax[0].axhline(TBT_SLO_MS, ls="--", c="gray")
+  ax[1].axhline(MEDIAN_DELAY_MS / 1e3, ls="--", c="gray")
+  ax[0].set(xlabel="offered rate (req/s)", ylabel="P99 TBT (ms)", yscale="log",
+            title="Mistral-7B, A100 profile, Azure conv")
+  ax[1].set(xlabel="offered rate (req/s)", ylabel="median TTFT (s)", yscale="log")
+  ax[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(f"{out}/capacity_p99_tbt.png", dpi=90)
+  plt.close(fig)
+  return result
+
+
+def _on_grid(curve, grid):
+  t = np.array([p[0] for p in curve])
+  w = np.array([p[1] for p in curve])
+  return np.interp(grid, np.concatenate([[0.0], t]), np.concatenate([[0.0], w]))
+
+
+def vtc(runs, out):
+  path = f"{runs}/vtc_two_clients/sweep.json"
+  if not os.path.exists(path):
+    return {}
+  sweep = _load(path)
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  result = dict(load_avg_start=sweep["load_avg_start"], load_avg_end=sweep["load_avg_end"],
+                policies={})
+  print("\n| policy | service gap at 10 s | at 20 s | at 30 s (arrivals end) | "
+        "ledger client_service_gap | starved | median / p90 TTFT (s) | makespan (s) |")
+  print("|---|---|---|---|---|---|---|---|")
+  for t in sweep["trials"]:
+    cs = t["client_service"]
+    end = max(p[0] for c in cs.values() for p in c)
+    grid = np.linspace(0.0, end, 200)
+    a, b = _on_grid(cs["client-a"], grid), _on_grid(cs["client-b"], grid)
+    diff = b - a
+    line, = ax[0].plot(grid, diff, label=t["policy"])
+    ax[1].plot(grid, a, c=line.get_color(), ls="--", label=f"{t['policy']} client-a")
+    ax[1].plot(grid, b, c=line.get_color(), label=f"{t['policy']} client-b")
+    at = {s: float(np.interp(s, grid, diff)) for s in (10.0, 20.0, 30.0)}
+    rep = t["report"]
+    result["policies"][t["policy"]] = dict(
+        service_gap_b_minus_a=at, ledger_gap=t["fairness"]["client_service_gap"],
+        starved=t["fairness"]["starved"], median_ttft_ms=rep["median_ttft_ms"],
+        p90_ttft_ms=rep["p90_ttft_ms"], duration_s=t["duration_s"], wall_s=t["wall_s"],
+        requests=t["num_requests"], offered_rate_req_s=t["offered_rate_req_s"])
+    print(f"| {t['policy']} | {at[10.0]:,.0f} | {at[20.0]:,.0f} | {at[30.0]:,.0f} | "
+          f"{t['fairness']['client_service_gap']['gap']:,.0f} | {t['fairness']['starved']} | "
+          f"{rep['median_ttft_ms'] / 1e3:.1f} / {rep['p90_ttft_ms'] / 1e3:.1f} | "
+          f"{t['duration_s']:.1f} |")
+  ax[0].axvline(30.0, ls=":", c="gray")
+  ax[0].set(xlabel="time (s)", ylabel="service(client-b) - service(client-a)\n"
+            "(weighted tokens: 1 per prompt, 2 per output)", title="VTC overload, two clients")
+  ax[1].set(xlabel="time (s)", ylabel="cumulative weighted service (tokens)")
+  ax[0].legend(fontsize=7)
+  ax[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(f"{out}/vtc_service_difference.png", dpi=90)
+  plt.close(fig)
+  return result
+
+
+def long_mix(runs, folder):
+  result = {}
+  order = ["sarathi_serve", "vllm_v1", "orca", "sjf", "srpt", "spf"]
+  paths = {os.path.splitext(os.path.basename(p))[0]: p
+           for p in glob.glob(f"{runs}/{folder}/*.json")}
+  if not paths:
+    return result
+  print(f"\n{folder}:")
+  print("| policy | engine | P99 TBT (ms) | TTFT mean / p90 (s) | E2E mean / p90 (s) | "
+        "goodput valid / offered | req/s | starved | preempted | rejected |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for name in [p for p in order if p in paths] + sorted(set(paths) - set(order)):
+    r = _load(paths[name])
+    c = r["config"]
+    g = r["goodput"]
+    fair = r["ledger"]["fairness"]
+    engine = f"budget {c['max_num_batched_tokens']}, chunk {c['long_prefill_token_threshold']}"
+    row = dict(engine=engine, p99_tbt_ms=r["p99_itl_ms"], mean_ttft_ms=r["mean_ttft_ms"],
+               p90_ttft_ms=r["p90_ttft_ms"], mean_e2el_ms=r["mean_e2el_ms"],
+               p90_e2el_ms=r["p90_e2el_ms"], valid=g["valid"], offered=g["offered"],
+               request_goodput=g["request_goodput"], starved=fair["starved"],
+               preemptions=r["num_preemptions"], rejected=r["rejected"],
+               duration_s=r["duration_s"], offered_rate_req_s=g["offered"] / (
+                   r["config"]["workload"]["last_arrival_s"] or 1.0))
+    result[name] = row
+    print(f"| {name} | {engine} | {row['p99_tbt_ms']:.0f} | "
+          f"{row['mean_ttft_ms'] / 1e3:.1f} / {row['p90_ttft_ms'] / 1e3:.1f} | "
+          f"{row['mean_e2el_ms'] / 1e3:.1f} / {row['p90_e2el_ms'] / 1e3:.1f} | "
+          f"{row['valid']} / {row['offered']} | {row['request_goodput']:.2f} | "
+          f"{row['starved']} | {row['preemptions']} | {row['rejected']} |")
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--runs", default="runs/abl", help="Folder the runs wrote into.")
+  parser.add_argument("--long_load_avg", default=None,
+                      help="Load averages seen around the long-mix replays (their "
+                           "reports record none), e.g. '8.9-10.5'.")
+  args = parser.parse_args()
+  results = {"repro": repro(args.runs, HERE), "vtc": vtc(args.runs, HERE),
+             "long_mix": {f: long_mix(args.runs, f) for f in ("long", "long_hi")},
+             "long_mix_load_avg": args.long_load_avg}
+  with open(f"{HERE}/results.json", "w") as f:
+    json.dump(results, f, indent=1)
+  print(f"\nwrote {HERE}/results.json and PNGs")
+
+
+if __name__ == "__main__":
+  main()
