@@ -59,7 +59,8 @@ flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted
 flags.DEFINE_integer("max_output_len", None, "Cap output lengths (default: none).")
 flags.DEFINE_enum("executor", "simulated", ["simulated", "model"], "Executor.")
 flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simulated.")
-flags.DEFINE_string("cost_model", "", "Cost model JSON (default configs/ calibration).")
+flags.DEFINE_string("cost_model", None, "Cost model: a calibration JSON or profile:NAME "
+                    "(default: the engine preset's cost_model, else the shipped calibration).")
 flags.DEFINE_integer("sample_every", 8, "Ledger time series: every N steps.")
 flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs).")
 flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
