@@ -96,6 +96,9 @@ def main(argv):
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   report["engine_outcomes"] = run_outcomes(engine)
+  # What the requests were judged by: a comparison coordinate (serving.ablation).
+  report["slo"] = {"ttft_ms": FLAGS.slo_ttft_ms, "tpot_ms": FLAGS.slo_tpot_ms,
+                   "tbt_ms": FLAGS.ledger_tbt_ms, "classes": FLAGS.slo_class}
   if launch.slo_flags_given():           # each request judged by its own SLOs
     report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
   report["ledger"] = ledger.build_ledger(

@@ -95,3 +95,11 @@ def test_replays_differing_only_in_policy_compare(trace, tmp_path):
   refusal = _run("compare.py", str(reports[0]), str(changed), expect_rc=2).stderr.strip()
   assert refusal.splitlines()[-1].endswith(
       "coordinate 'engine_config' differs in max_num_seqs (4 vs 2)"), refusal
+  # The SLOs the requests were judged by are a coordinate too (--slo_class here).
+  other = json.loads(reports[1].read_text())
+  assert other["slo"] == {"ttft_ms": 600000.0, "tpot_ms": 600000.0, "tbt_ms": None,
+                          "classes": None}
+  other["slo"]["classes"] = "interactive:500:100"
+  changed.write_text(json.dumps(other))
+  refusal = _run("compare.py", str(reports[0]), str(changed), expect_rc=2).stderr.strip()
+  assert "coordinate 'slo' differs" in refusal.splitlines()[-1], refusal
