@@ -217,7 +217,8 @@ def test_batch_invariance_is_bitwise(impl):
                                     alone, err_msg=f"{seq} at {pos}")
 
 
-@pytest.mark.parametrize("impl", ["native", "blocked_dot"])
+@pytest.mark.parametrize("impl", ["native", pytest.param("blocked_dot",
+                                                         marks=pytest.mark.extended)])
 @pytest.mark.parametrize("variant", [
     dict(), dict(heads=(4, 4), head_dim=128, dtype=jnp.bfloat16,
                  page_size=8)], ids=["gqa9to3", "mha4to4_head128_bf16"])
@@ -249,7 +250,8 @@ def test_invariance_across_buckets_and_slot_counts(variant, impl):
           err_msg=f"{seq} at {pos} of {len(mix)}, T={num_rows}")
 
 
-@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot"])
+@pytest.mark.parametrize("impl", ["native"] + [pytest.param(i, marks=pytest.mark.extended)
+                                               for i in ("blocked", "blocked_dot")])
 def test_decode_row_bits_do_not_depend_on_small_buckets(impl):
   """A lone decode row is bitwise the same in the engine's small decode
   buckets (4, 8, 16, 32 rows), in the tiny model's shapes (4 / 2 heads,

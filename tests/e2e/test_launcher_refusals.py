@@ -58,8 +58,8 @@ def test_a_port_in_use_is_refused_before_loading():
      "error: flag --weights=int4: value should be one of <dense|int8> "
      "(--helpfull lists the flags)"),
     ("serve.py", ["--route_log=routes.jsonl"],
-     "error: --route_log applies only with --replicas >= 1 (it logs the router front's "
-     "placements)"),
+     "error: --route_log applies only with --replicas >= 1 or --replica_urls (it logs the "
+     "router front's placements)"),
     ("serve.py", ["--replicas=2", "--route_log=no/such/folder/routes.jsonl"],
      f"error: --route_log=no/such/folder/routes.jsonl: the folder {ROOT}/no/such/folder "
      f"does not exist"),
