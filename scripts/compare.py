@@ -26,8 +26,9 @@ from absl import flags
 from serving import ablation, cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("metric", "request_goodput", "Metric to rank by (higher is better): "
-                    "a report key, a ledger goodput key, or g_star for a sweep.")
+flags.DEFINE_string("metric", "request_goodput", "Metric to rank by: a report key, a "
+                    "ledger goodput key, or g_star for a sweep; latencies (*_ms, *_s) and "
+                    "rejected/failed counts rank lower first, the rest higher first.")
 
 
 def rows_of(path: str):
@@ -68,8 +69,10 @@ def main(argv):
     raise ValueError(f"--metric={FLAGS.metric!r} is not a number in {missing[:4]} "
                      f"(a report key, a ledger goodput key, or g_star for a sweep)")
   ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
-  print(ablation.table([{"name": n, "policy": p, FLAGS.metric: m.get(FLAGS.metric)}
-                        for n, p, _, m in rows], FLAGS.metric))
+  columns = [c for c in ("completed", "rejected", "failed") if all(c in m for *_, m in rows)]
+  print(ablation.table([{"name": n, "policy": p, FLAGS.metric: m.get(FLAGS.metric),
+                         **{c: m[c] for c in columns}} for n, p, _, m in rows],
+                       FLAGS.metric, columns))
   print("coordinates (equal for every run):")
   for k, v in ablation.coordinates(rows[0][2]).items():
     print(f"  {k}: {v[:160]}")

@@ -132,10 +132,27 @@ def g_star(rates: Sequence[float], attainment: Sequence[float], alpha: float) ->
   return {"alpha": alpha, "g_star": rates[best], "g_star_interpolated": interp}
 
 
-def table(rows: List[dict], metric: str) -> str:
-  """A text table of runs ranked by ``metric`` (higher first)."""
-  rows = sorted(rows, key=lambda r: -(r.get(metric) or 0.0))
+# Metrics where less is better: latencies (``*_ms``, ``*_s``) and counts of
+# requests or events that went wrong.
+LOWER_IS_BETTER = ("rejected", "failed", "cancelled", "num_preemptions", "num_clipped")
+
+
+def lower_is_better(metric: str) -> bool:
+  """Whether ``table`` ranks ``metric`` ascending (see ``LOWER_IS_BETTER``)."""
+  return metric.endswith(("_ms", "_s")) or metric in LOWER_IS_BETTER
+
+
+def table(rows: List[dict], metric: str, columns: Sequence[str] = ()) -> str:
+  """A text table of runs ranked by ``metric``, best first (ascending for a
+  ``lower_is_better`` metric, else descending), with ``columns`` beside it
+  (e.g. completed / rejected, so a run that refused its load is seen)."""
+  sign = 1.0 if lower_is_better(metric) else -1.0
+  rows = sorted(rows, key=lambda r: sign * (r.get(metric) or 0.0))
   width = max(len(r["name"]) for r in rows)
-  lines = [f"{'run':<{width}}  {'policy':<22} {metric:>14}"]
-  lines += [f"{r['name']:<{width}}  {r['policy']:<22} {r.get(metric)!s:>14}" for r in rows]
+  order = "lower is better" if sign > 0 else "higher is better"
+  head = f"{'run':<{width}}  {'policy':<22} {metric:>14}" + "".join(
+      f" {c:>10}" for c in columns)
+  lines = [head + f"   ({order})"]
+  lines += [f"{r['name']:<{width}}  {r['policy']:<22} {r.get(metric)!s:>14}"
+            + "".join(f" {r.get(c, '')!s:>10}" for c in columns) for r in rows]
   return "\n".join(lines)

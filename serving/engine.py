@@ -339,7 +339,7 @@ class Engine:
       raise ValueError(
           f"EngineConfig.max_model_len ({config.max_model_len}) must not exceed the "
           f"model's context, ModelConfig.max_position ({model_cfg.max_position}) of "
-          f"{model_cfg.name!r}")
+          f"{model_cfg.name!r} (the launchers take --max_model_len={model_cfg.max_position})")
     # Tensor parallelism (``models.sharding``): weights and the KV cache
     # split over the mesh's model axis, every other table replicated.
     self.mesh = sharding.make_mesh(config.mesh)
@@ -1063,10 +1063,14 @@ class Engine:
     if bad:
       validate.validate_plan(self.manifest.online(), self.state, plan, view)
     if never.any():
+      names = [self._slots[s] for s in np.flatnonzero(never)]
       self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
                          f"(token budget {self.config.max_num_batched_tokens}, "
                          f"{self.config.num_pages - 1} KV pages)")
-      return self.step()
+      # The news of the rejected requests, then the iteration without them.
+      ended = [RequestOutput(r.request_id, [], True, r.outcome, r.finish_reason)
+               for r in names]
+      return ended + (self.step() if self.has_unfinished() else [])
     if num_seqs == 0 and not any_preempt:
       if any(r is not None for r in self._slots) and not self._pending:
         # Nothing selectable and nothing that could change the next plan:

@@ -31,6 +31,8 @@ def define_engine_flags() -> None:
   flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
   flags.DEFINE_string("engine", "cpu_default", "Engine preset in configs/ (or a JSON path).")
   flags.DEFINE_string("dtype", None, "Override the preset's dtype: float32 or bfloat16.")
+  flags.DEFINE_integer("max_model_len", None, "Override the preset's context (prompt + "
+                       "output tokens per request); at most the model's own.")
   flags.DEFINE_enum("weights", None, ["dense", "int8"], "Override the preset's weights: "
                     "dense (in --dtype) or int8 (int8 projection and LM-head weights, "
                     "per-row int8 activations, int32 sums: a quarter of the weight bytes; "
@@ -211,7 +213,8 @@ def engine_config(**overrides) -> EngineConfig:
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
-  fields = dict(dtype=FLAGS.dtype, weights=FLAGS.weights, int8_gemm=FLAGS.int8_gemm,
+  fields = dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
+                weights=FLAGS.weights, int8_gemm=FLAGS.int8_gemm,
                 decode_gemm=FLAGS.decode_gemm,
                 kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,

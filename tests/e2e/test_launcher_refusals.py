@@ -45,6 +45,8 @@ def test_a_port_in_use_is_refused_before_loading():
     ("generate.py", [], "error: give at least one --prompt, --chat or --mt_bench"),
     ("generate.py", ["--prompt=hi", "--prefill_chunk_rows=12"],
      "error: --prefill_chunk_rows must be 0 (off) or a positive multiple of 8, got 12"),
+    ("generate.py", ["--prompt=hi", "--max_model_len=0"],
+     "error: --max_model_len must be >= 1, got 0"),
     ("generate.py", ["--prompt=hi", "--max_tokens=0"],
      "error: --max_tokens must be in [1, 2**31), got 0"),
     ("generate.py", ["--prompt=hi", "--num_pages=2"],

@@ -475,8 +475,15 @@ def test_policy_that_can_never_schedule_a_request_rejects_it(params):
   engine = Engine(CFG, params, dataclasses.replace(BASE, policy="orca", executor="simulated"))
   wide = engine.add_request("wide", _prompts([20])[0], GREEDY)
   ok = engine.add_request("ok", _prompts([5])[0], GREEDY)
-  engine.run(max_iterations=50)
+  news = []
+  for _ in range(50):
+    if not engine.has_unfinished():
+      break
+    news += engine.step()
   assert wide.outcome == "rejected" and "can never schedule" in wide.finish_reason
+  # The step that rejects it says so (the server answers from this news).
+  ends = [(o.request_id, o.outcome) for o in news if o.finished]
+  assert ends == [("wide", "rejected"), ("ok", "completed")]
   assert ok.outcome == "completed" and len(ok.output_token_ids) == GREEDY.max_tokens
   _assert_all_pages_free(engine)
 

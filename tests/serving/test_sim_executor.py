@@ -217,3 +217,16 @@ def test_engine_checks_the_calibration_it_is_given(params, tmp_path, capfd):
                             cost_model=str(tmp_path / "wrong_model.json"))
   with pytest.raises(ValueError, match="fitted on one model only \\(wrong_model"):
     Engine(CFG, None, cfg, clock=VirtualClock())
+
+
+def test_table_ranks_latencies_lower_first_and_shows_rejections():
+  from serving import ablation
+  rows = [{"name": "a", "policy": "orca", "median_ttft_ms": 900.0, "rejected": 20},
+          {"name": "b", "policy": "sarathi_serve", "median_ttft_ms": 300.0, "rejected": 0}]
+  lines = ablation.table(rows, "median_ttft_ms", ["rejected"]).splitlines()
+  assert "(lower is better)" in lines[0] and lines[0].split()[3] == "rejected"
+  assert [line.split()[0] for line in lines[1:]] == ["b", "a"]
+  assert lines[2].split()[-1] == "20"
+  goodput = [dict(r, request_goodput=g) for r, g in zip(rows, (0.18, 0.0))]
+  assert ablation.table(goodput, "request_goodput").splitlines()[1].split()[0] == "a"
+  assert not ablation.lower_is_better("request_goodput") and ablation.lower_is_better("rejected")
