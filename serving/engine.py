@@ -369,10 +369,11 @@ class Engine:
       raise ValueError("EngineConfig.executor='simulated' charges modelled step times "
                        "and needs a sim_executor.VirtualClock clock")
     # The model's cost features (``serving.cost_model``): every committed
-    # step records its ``step_features`` (what calibrate.py fits); on a
-    # virtual clock the cost model charges them.
+    # step keeps its plan statistics, from which ``last_step_features`` is
+    # computed when read (what calibrate.py fits); on a virtual clock the
+    # cost model charges them each step.
     self.model_costs = cost_lib.engine_model_costs(model_cfg, config)
-    self.last_step_features = None
+    self._last_plan_stats = None
     self.cost_model = None
     if self._virtual:
       self.cost_model = cost_lib.resolve(cost_lib.load(config.cost_model), self.model_costs,
@@ -643,6 +644,16 @@ class Engine:
     for slot in np.flatnonzero(mask):
       self._end(self._slots[slot], outcome, reason)
       self._slots[slot] = None
+
+  @property
+  def last_step_features(self):
+    """f64[len(cost_model.FEATURES)] of the last committed step (None before
+    one), computed when read: ``cost_model.step_features`` of its plan
+    statistics and the bucket its plan needed."""
+    if self._last_plan_stats is None:
+      return None
+    stats, bucket = self._last_plan_stats
+    return cost_lib.step_features(stats, bucket, self.model_costs)
 
   def has_unfinished(self) -> bool:
     return bool(self._pending) or any(r is not None for r in self._slots)
@@ -966,8 +977,7 @@ class Engine:
     self.prefill_tokens_computed += int(facts.num_tokens) - int(facts.decodes)
     # Modelled time is a function of the plan: the bucket it needs, not the
     # (possibly larger) bucket the upper bound chose.
-    self.last_step_features = cost_lib.step_features(
-        facts.features, c.token_buckets[int(facts.bucket)], self.model_costs)
+    self._last_plan_stats = (facts.features, c.token_buckets[int(facts.bucket)])
     if self._virtual:
       self._clock.advance(self.cost_model.predict_ms(self.last_step_features) / 1000.0)
     emit_ms = self.now_ms()
