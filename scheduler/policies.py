@@ -139,7 +139,13 @@ def _sarathi_serve_plan(manifest, state, alloc, policy):
   # rows first, then ongoing partial prefills, then FCFS admissions with
   # ``break`` (a waiting head that does not fit blocks younger ones); the
   # shared ledger keeps tokens, sequences, pages and victims.
-  keys = sort_keys(manifest, state)
+  return greedy_plan(policy, manifest, state, alloc, sort_keys(manifest, state))
+
+
+def greedy_plan(policy, manifest, state, alloc, keys):
+  """The plan of one greedy walk in ``keys`` order (i32[R, K], the policy's
+  recorded tie-break key) over the shared ledger under ``policy.budgets``,
+  an FCFS break at the first waiting request that does not fit."""
   order = key_order(keys)
   x, c = ledger(manifest, state, alloc, policy.budgets, order)
   c = greedy_scan(x, c, order, fcfs_break=True)

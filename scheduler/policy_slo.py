@@ -61,11 +61,7 @@ class PriorityAging(base.PolicyBase):
                               self.effective_priority(manifest, state))
 
   def plan(self, manifest, state, alloc):
-    keys = self.sort_keys(manifest, state)
-    order = base.key_order(keys)
-    x, c = base.ledger(manifest, state, alloc, self.budgets, order)
-    c = base.greedy_scan(x, c, order, fcfs_break=True)
-    return base.finish_plan(manifest, state, x, c, keys, order, self)
+    return base.greedy_plan(self, manifest, state, alloc, self.sort_keys(manifest, state))
 
 
 @dataclasses.dataclass(frozen=True)
