@@ -112,7 +112,7 @@ from serving import kv_swap
 from serving import sim_executor
 from serving import prefix_cache as pc
 from serving.config import EngineConfig, SamplingParams
-from serving.executor import ModelRunner, execute, init_buffers
+from serving.executor import ModelRunner, allocate_for_plan, execute, init_buffers
 from serving.sampling import MAX_LOGPROBS
 
 OUTCOMES = ("completed", "rejected", "cancelled", "failed")
@@ -864,28 +864,31 @@ class Engine:
         self.prefix_cache.count_use(len(req.prompt_token_ids), req.prefix_hit_tokens)
         del self._uncounted[request_id]
 
-  def _register_prefixes(self, fetched=None) -> None:
-    """Adds the computed full prompt pages of every live slot to the cache.
+  def _register_prefixes(self, fetched, skip) -> None:
+    """Adds the computed full prompt pages of every slot live before the
+    step's releases to the cache, and publishes the table when it changed
+    or when the step program held pages for it (``_hold_last_prompt_pages``:
+    those the table did not take return to the free stack).
 
     Args:
-      fetched: (computed i32[R], pages_held i32[R], page_table
-        i32[R, pages_per_seq]) already on the host, or None to fetch them.
+      fetched: the step's ``StepFacts.prefix`` on the host: (computed
+        i32[R], pages_held i32[R], page_table i32[R, pages_per_seq] before
+        the step released any slot, marked bool[]: whether the step held
+        pages for the host).
+      skip: bool[R] slots whose pages are not to be added (failed logits).
     """
     c, cache = self.config, self.prefix_cache
-    if fetched is None:
-      fetched = self._fetch((self.state.computed, self.pages.pages_held,
-                             self.pages.page_table))
-    computed, held, table = fetched
+    computed, held, table, marked = fetched
     added = 0
     for slot, req in enumerate(self._slots):
-      if req is None:
+      if req is None or (skip is not None and skip[slot]):
         continue
       full = min(int(computed[slot]), len(req.prompt_token_ids), int(held[slot]) *
                  c.page_size) // c.page_size
       if full:
         keys = self._prefix_keys[req.request_id]
         added += cache.register(keys[:full], table[slot, :full])
-    if added:
+    if added or marked:
       self.pages = self._programs.sync_cached(self.pages, cache.cached_mask())
 
   def step(self) -> List[RequestOutput]:
@@ -988,12 +991,13 @@ class Engine:
     self.num_iterations += 1
     if self.prefix_cache is not None:
       self._count_prefix_use(facts.prefix[0])
+      # Before the drain releases the requests that ended in this step: a
+      # request whose last prompt chunk emitted its last token still leaves
+      # its computed pages in the cache (not one whose logits failed).
+      self._register_prefixes(facts.prefix, skip=facts.failed)
     token_logprobs = self._take_logprobs(logprobs, facts.emitted)
-    outputs = self._drain(emit_ms, facts.emitted, facts.token, facts.finished,
-                          facts.finish_reason, facts.failed, preempt, token_logprobs)
-    if self.prefix_cache is not None:
-      self._register_prefixes(facts.prefix)
-    return outputs
+    return self._drain(emit_ms, facts.emitted, facts.token, facts.finished,
+                       facts.finish_reason, facts.failed, preempt, token_logprobs)
 
   def _take_logprobs(self, logprobs, emitted) -> Dict[int, TokenLogprobs]:
     """Fetches this step's ``StepLogprobs`` when a request that asked used
@@ -1577,7 +1581,8 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
   emitted / token / finished / finish_reason / failed, num_tokens,
   num_seqs, decodes, the index of the bucket the plan needs, the
   cost-model features and, with prefix caching, (computed, pages_held,
-  page_table) for registering computed prompt pages.
+  page_table, marked) for registering computed prompt pages
+  (``_hold_last_prompt_pages``).
   """
   ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
   own, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
@@ -1599,6 +1604,9 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
                      preempt=off(view.preempt),
                      num_tokens=jnp.where(commit, view.num_tokens, 0),
                      num_seqs=jnp.where(commit, view.num_seqs, 0))
+  held = None
+  if prefix_caching:
+    pages, held = _hold_last_prompt_pages(pages, manifest, run)
   kv, pages, buffers, result, logprobs = model_step(params, kv, pages, buffers,
                                                     exec_manifest, ticked, run,
                                                     num_rows=num_rows)
@@ -1616,9 +1624,31 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
       finish_reason=result.finish_reason, failed=result.failed,
       num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
       bucket=index, features=cost_lib.plan_stats(plan, windows),
-      prefix=((published.computed, pages.pages_held, pages.page_table)
-              if prefix_caching else None))
+      prefix=(published.computed,) + held if prefix_caching else None)
   return kv, pages, buffers, state, (ticked, plan, result, logprobs), facts
+
+
+def _hold_last_prompt_pages(pages, manifest, plan):
+  """Keeps the full prompt pages of every slot whose last prompt chunk runs
+  in ``plan`` resident should the request end in this step (its only or
+  last token: the executor releases a finished slot's pages at once): the
+  plan's pages are allocated here (the executor's own allocation then finds
+  them held) and those pages marked cached, so a release leaves them
+  evictable instead of free. The host registers them after the step and
+  publishes its table (``sync_cached``), which frees any it did not add.
+
+  Returns ``(pages, (pages_held i32[R], page_table i32[R, pages_per_seq],
+  marked bool[]))``: the tables before any release, what the host registers
+  from, and whether any page was marked.
+  """
+  pages = allocate_for_plan(pages, plan)
+  last = plan.selected & (plan.kind == rec.PREFILL_CHUNK) & (plan.end == manifest.prompt_len)
+  full = jnp.where(last, jnp.minimum(manifest.prompt_len // pages.page_size,
+                                     pages.pages_held), 0)
+  j = jnp.arange(pages.page_table.shape[1], dtype=jnp.int32)
+  ids = jnp.where(j[None, :] < full[:, None], pages.page_table, pages.num_pages)
+  cached = pages.cached.at[ids.reshape(-1)].set(True, mode="drop")
+  return pages.replace(cached=cached), (pages.pages_held, pages.page_table, jnp.any(full > 0))
 
 
 def _publish(manifest, state, plan, result):

@@ -339,3 +339,24 @@ def test_synthetic_shared_system_prompts_replay_with_hits_and_the_same_tokens(pa
   # A hit is whole pages of a system prompt (12 tokens = 3 pages), at most.
   assert all(h in (0, 4, 8, 12) for h in hits) and sum(hits) > 0
   assert not any(r.prefix_hit_tokens for r in runs[False])
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_request_that_ends_with_its_last_prompt_chunk_still_caches_its_pages(
+    params, max_tokens):
+  """A prompt whose last chunk emits its only output token (max_tokens 1)
+  ends in the step that computed its last pages; those pages join the cache
+  before they are released, so the same prompt afterwards hits every full
+  page (and gets the same tokens as with caching off)."""
+  prompt = _prompts([13], seed=5)[0]            # 3 full pages and 1 token
+  sampling = dataclasses.replace(GREEDY, max_tokens=max_tokens)
+  engine = _engine(params)
+  first = engine.add_request("first", prompt, sampling)
+  engine.run()
+  assert first.finished and len(first.output_token_ids) == max_tokens
+  again = engine.add_request("again", prompt, sampling)
+  engine.run()
+  assert again.prefix_hit_tokens == 12
+  assert engine.prefill_tokens_computed == 13 + 1
+  ref = _engine(params, dataclasses.replace(BASE, enable_prefix_caching=False))
+  assert again.output_token_ids == ref.generate([prompt], sampling)[0].output_token_ids
