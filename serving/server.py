@@ -16,9 +16,25 @@ then one last chunk with no choices and the usage (OpenAI). Usage gives
 ``prompt_tokens_details.cached_tokens``, the prompt tokens the request took
 from the prefix cache. A batched prompt (a list of strings or of token-id
 lists) is one engine request per prompt and one choice each, ``index`` in
-prompt order. The ``x-request-id`` header, when sent, names the request
-(its ``id`` is "cmpl-"/"chatcmpl-" + it) and comes back on the response.
-A body field the endpoint does not read is a 400 naming it, never ignored.
+prompt order.
+
+Parallel sampling: ``n`` > 1 gives each prompt n choices, each its own
+engine request, prompt-major (choice ``index`` = prompt_i * n + j);
+``best_of`` is accepted only equal to ``n`` (every copy is returned, none
+ranked). Copy j samples with seed ``(seed + j) mod 2**32`` (``seed``
+absent: 0, as for one choice), so the copies differ and each is the same
+request sent alone with n 1 and that seed. The prompt is prefilled once:
+with prefix caching on, copies 1..n-1 wait in the server until copy 0 has
+computed its prompt (its first output token, or its end), then enter the
+engine and take every full prompt page from the prefix cache
+(``EngineLoop``); a request that asks for prompt logprobs (echo with
+logprobs) takes no prefix hit, so each of its copies prefills. Usage counts
+each prompt once (its tokens, and as ``cached_tokens`` the most any of its
+copies took from the cache) and the completion tokens of every copy.
+
+The ``x-request-id`` header, when sent, names the request (its ``id`` is
+"cmpl-"/"chatcmpl-" + it) and comes back on the response. A body field the
+endpoint does not read is a 400 naming it, never ignored.
 
 Logprobs (completions ``logprobs`` k, chat ``logprobs`` + ``top_logprobs``;
 k <= ``MAX_LOGPROBS``) are the engine's: the raw model logits'
@@ -96,7 +112,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 # mean "off" (accepted); any other value is a 400 naming the field, never
 # silently ignored.
 UNSUPPORTED_FIELDS = {
-    "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {}),
+    "suffix": (None,), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"),
@@ -106,7 +122,7 @@ MAX_STOP_STRING_CHARS = 256
 # Body fields each endpoint reads; with UNSUPPORTED_FIELDS (at their off
 # values) they are all a body may hold: any other field is a 400 naming it.
 _COMMON_FIELDS = frozenset({
-    "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    "model", "n", "best_of", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "stream", "stream_options",
     "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms"})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
@@ -114,7 +130,7 @@ CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # A client's id for its request (vLLM, ``vllm bench serve``): the response's
 # ``id`` is "cmpl-"/"chatcmpl-" + it, the engine's request id the same
-# (choice i of a batched prompt: + "-i"), and the response carries it back.
+# (choice i of a batched prompt or of n > 1: + "-i"), and the response carries it back.
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID_CHARS = 256
 # Seconds between disconnect checks of a non-streaming request.
@@ -218,11 +234,12 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
 
 @dataclasses.dataclass
 class ParsedRequest:
-  """A validated request: its prompts (one choice each), sampling, stop
-  strings, streaming and routing."""
+  """A validated request: its choices' prompts and sampling, stop strings,
+  streaming and routing. With ``n`` copies per prompt, choice i is copy
+  ``i % n`` of prompt ``i // n``."""
 
   prompts: List[List[int]]   # prompt token ids, one list per choice (``index`` order)
-  samplings: List[SamplingParams]       # one per prompt (max_tokens may differ)
+  samplings: List[SamplingParams]       # one per choice (max_tokens, seed may differ)
   stop: List[str]
   stream: bool
   include_usage: bool
@@ -239,6 +256,15 @@ class ParsedRequest:
   # choice's text starts with (and, with logprobs, its tokens' logprobs).
   echo_texts: Optional[List[str]] = None
   score_only: bool = False   # max_tokens 0 with echo: the prompt alone is returned
+  n: int = 1                 # copies of each prompt (choices = prompts * n)
+
+  @property
+  def num_prompts(self) -> int:
+    return len(self.prompts) // self.n
+
+  def prompt_tokens(self) -> int:
+    """Prompt tokens of the request, each prompt counted once."""
+    return sum(len(p) for p in self.prompts[::self.n])
 
 
 # ------------------------------------------------------------- per request
@@ -270,6 +296,9 @@ class _Live:
     self.queued_ms: Optional[float] = None
     # Original arrival (``time.monotonic()`` s) when a front forwarded it.
     self.arrival_s: Optional[float] = None
+    # Copy j > 0 of a prompt: the id of copy 0, which computes the prompt
+    # first (``EngineLoop`` holds this copy back until then); else None.
+    self.leader: Optional[str] = None
 
   def push(self, event: dict) -> None:
     event["index"] = self.index
@@ -278,6 +307,14 @@ class _Live:
 
 class EngineLoop:
   """The thread that owns the engine (see the module docstring).
+
+  Parallel sampling's prompt sharing lives here: a copy whose ``leader``
+  (copy 0 of its prompt) is live and whose prompt can hit the prefix cache
+  is accepted but held on the host; when the leader emits its first token
+  (its prompt is computed and its full pages cached) or ends, the held
+  copies enter the engine, which maps those pages into their tables. A
+  held copy that is aborted enters the engine and is cancelled there, so
+  every copy ends with an engine outcome and is counted once.
 
   Args:
     engine: the Engine (used from this thread only once ``start`` ran).
@@ -291,6 +328,8 @@ class EngineLoop:
     self.metrics = metrics
     self._commands: "queue.Queue[tuple]" = queue.Queue()
     self._live: Dict[str, _Live] = {}
+    self._held: Dict[str, _Live] = {}             # held copies by id
+    self._waiting: Dict[str, List[_Live]] = {}    # leader id -> its held copies
     self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
     self._stopping = False
     self.error: Optional[BaseException] = None
@@ -332,21 +371,24 @@ class EngineLoop:
           self.metrics.observe_engine(self.engine, self._unslotted())
           if self._deliver(outputs):           # stop strings freed slots
             self.metrics.observe_engine(self.engine, self._unslotted())
-      for rid in list(self._live):          # shutting down: end what is live
-        self._abort(rid)
+      while self._live or self._held:     # shutting down: end what is live
+        self._abort(next(iter(self._held or self._live)))
     except BaseException as e:          # the engine broke: fail every live request
       self.error = e
-      for live in list(self._live.values()):
+      for live in list(self._live.values()) + list(self._held.values()):
         live.push({"type": "error", "status": 500,
                    "error": f"engine failed: {type(e).__name__}: {e}"})
         self.metrics.outcome("failed", "engine error")
         self.metrics.release()
       self._live.clear()
+      self._held.clear()
+      self._waiting.clear()
       raise
 
   def _unslotted(self) -> int:
-    """Live requests the engine holds that have no slot yet."""
-    return sum(1 for rid in self._live if self.engine.requests[rid].slot < 0)
+    """Live requests with no engine slot yet (held copies included)."""
+    return (sum(1 for rid in self._live if self.engine.requests[rid].slot < 0)
+            + len(self._held))
 
   def _drain_commands(self, block: bool) -> int:
     """Runs queued commands (blocking for the first when ``block``); returns
@@ -371,8 +413,12 @@ class EngineLoop:
     """Adds one HTTP request's choices; each pushes its first event
     (accepted, refused, or the end of a request rejected at once). After a
     refusal the choices before it are cancelled and those after it are
-    never added (the handler answers with the refusal)."""
+    never added (the handler answers with the refusal). A copy whose
+    leader is live is held (``_hold``)."""
     for i, live in enumerate(lives):
+      if live.leader in self._live and self._shares_prompt(live):
+        self._hold(live)
+        continue
       if not self._add(live):
         for done in lives[:i]:
           self._abort(done.rid)
@@ -380,8 +426,37 @@ class EngineLoop:
           self.metrics.release()
         return
 
-  def _add(self, live: _Live) -> bool:
-    """Adds one engine request; False when the engine refused it."""
+  def _shares_prompt(self, live: _Live) -> bool:
+    """Whether ``live`` can take its prompt's full pages from the prefix
+    cache once its leader computed them: caching on, no prompt logprobs
+    (such a request takes no hit), and at least one full page before the
+    prompt's last token."""
+    c = self.engine.config
+    return (c.enable_prefix_caching and not live.parsed.extra.get("prompt_logprobs")
+            and len(live.prompt_token_ids) > c.page_size)
+
+  def _hold(self, live: _Live) -> None:
+    """Accepts a copy without adding it to the engine yet."""
+    self._held[live.rid] = live
+    self._waiting.setdefault(live.leader, []).append(live)
+    live.push({"type": "accepted"})
+
+  def _release(self, leader: str) -> None:
+    """Adds the copies held for ``leader`` to the engine."""
+    for live in self._waiting.pop(leader, []):
+      del self._held[live.rid]
+      self._add(live, accepted=True)
+
+  def _release_one(self, live: _Live) -> None:
+    """Adds one held copy to the engine ahead of its leader's signal."""
+    del self._held[live.rid]
+    self._waiting[live.leader].remove(live)
+    self._add(live, accepted=True)
+
+  def _add(self, live: _Live, accepted: bool = False) -> bool:
+    """Adds one engine request; False when the engine refused it. A held
+    copy (``accepted``: its client already saw it accepted) that the
+    engine refuses ends with that refusal as its "end" event."""
     p = live.parsed
     arrival_ms = None
     if live.arrival_s is not None and self.engine.clock is time.monotonic:
@@ -395,7 +470,11 @@ class EngineLoop:
                                     arrival_ms=arrival_ms, priority=p.priority,
                                     client=p.client, **p.extra)
     except Exception as e:          # refused by the engine: never accepted
-      live.push({"type": "refused", "exc": e})
+      if accepted:
+        live.push({"type": "end", "outcome": "rejected", "reason": str(e), "exc": e,
+                   "finish_reason": None})
+      else:
+        live.push({"type": "refused", "exc": e})
       self.metrics.refused("overloaded" if isinstance(e, OVERLOAD_ERRORS) else "bad_request")
       self.metrics.release()
       return False
@@ -404,7 +483,8 @@ class EngineLoop:
     if req.finished:          # rejected at once (can never fit the KV cache): its
       self._end(live, req)    # "end" is the first event, a 400 before any stream
       return True
-    live.push({"type": "accepted"})
+    if not accepted:
+      live.push({"type": "accepted"})
     return True
 
   def _stamp_queue_time(self, start_ms: float, outputs) -> None:
@@ -421,6 +501,8 @@ class EngineLoop:
         self.metrics.queue_time.observe(max(live.queued_ms, 0.0) / 1e3)
 
   def _abort(self, rid: str) -> None:
+    if rid in self._held:                 # into the engine, to be cancelled there
+      self._release_one(self._held[rid])
     live = self._live.get(rid)
     if live is None:                      # already ended
       return
@@ -457,6 +539,7 @@ class EngineLoop:
         self._end(live, req, stop_string=stopped)
       else:
         self._push_text(live, len(req.output_token_ids), final=False)
+      self._release(out.request_id)   # its prompt is computed: the copies start
     return finished_here
 
   def _echo(self, live: _Live, req) -> None:
@@ -523,6 +606,7 @@ class EngineLoop:
     del self._live[live.rid]
     self.engine.evict(live.rid)
     self.metrics.release()
+    self._release(live.rid)         # a leader that ended: its copies start
 
 
 # ---------------------------------------------------------------- metrics
@@ -568,9 +652,17 @@ class ServerMetrics:
                                 "Prompt tokens looked up in the prefix cache.")
     self.prefix_hits = count("vllm:prefix_cache_hits",
                              "Prompt tokens served from the prefix cache.")
+    self.prefill_computed = count("iterserve:prefill_tokens_computed",
+                                  "Prompt rows computed (prefill and rebuild; prefix-cache "
+                                  "hits are not computed).")
+    self.kv_pages_peak = gauge("iterserve:kv_pages_used_peak",
+                               "Most KV pages requests held at the end of an iteration, "
+                               "since the engine last went from idle to busy.")
     self._model = model_name
     self._preemptions_seen = 0
     self._prefix_seen = (0, 0)
+    self._prefill_seen = 0
+    self._peak, self._idle = 0, True
 
   def admit(self, count: int = 1) -> None:
     """Reserves ``count`` live places (one per choice), all or none."""
@@ -634,6 +726,12 @@ class ServerMetrics:
     self.waiting.set(int(np.sum(waiting & (generation == 0))) + unslotted)
     # Cached pages no request holds are reclaimable: free, as in vLLM.
     self.kv_usage.set(1.0 - int(free + evictable) / (engine.config.num_pages - 1))
+    used = engine.config.num_pages - 1 - int(free + evictable)
+    self._peak = used if self._idle else max(self._peak, used)
+    self._idle = not engine.has_unfinished()
+    self.kv_pages_peak.set(self._peak)
+    self.prefill_computed.inc(engine.prefill_tokens_computed - self._prefill_seen)
+    self._prefill_seen = engine.prefill_tokens_computed
     if engine.num_preemptions > self._preemptions_seen:
       self.preemptions.inc(engine.num_preemptions - self._preemptions_seen)
       self._preemptions_seen = engine.num_preemptions
@@ -815,8 +913,13 @@ class OpenAIServer:
       raise UnknownModel(f"model {model!r} does not exist; this server serves "
                          f"{self.model_name!r}", "model")
     n = _get(body, "n", int, 1)
-    if n != 1:
-      raise BadRequest(f"'n' must be 1 (one choice per prompt), got {n}", "n")
+    if n < 1:
+      raise BadRequest(f"'n' must be >= 1 (choices per prompt), got {n}", "n")
+    best_of = _get(body, "best_of", int, None)
+    if best_of is not None and best_of != n:
+      raise BadRequest(f"'best_of' must equal 'n' (got best_of={best_of}, n={n}): this "
+                       f"server returns every sampled copy and does not rank copies",
+                       "best_of")
     for field, neutral in UNSUPPORTED_FIELDS.items():
       if field in body and body[field] not in neutral:
         raise BadRequest(f"'{field}' is not supported by this server (accepted only as "
@@ -929,11 +1032,21 @@ class OpenAIServer:
       echo_texts = [t if t is not None else
                     self.tokenizer.decode(ids, skip_special_tokens=True)
                     for t, ids in zip(texts, prompts)]
+    if len(prompts) * n > self.metrics.capacity:
+      raise BadRequest(f"{len(prompts)} prompt(s) x n={n} is {len(prompts) * n} choices; "
+                       f"a request holds at most {self.metrics.capacity} (the server's "
+                       f"live bound)", "n")
+    # Choice i = copy i % n of prompt i // n, copy j seeded (seed + j) mod 2**32.
+    prompts = [ids for ids in prompts for _ in range(n)]
+    samplings = [dataclasses.replace(sp, seed=(seed + j) % 2**32)
+                 for sp in samplings for j in range(n)]
+    if echo_texts is not None:
+      echo_texts = [t for t in echo_texts for _ in range(n)]
     return ParsedRequest(prompts, samplings, stop, stream, include_usage, priority, client,
                          extra, prompt_field=prompt_field,
                          max_tokens_field=max_tokens_field,
                          continuous_usage=include_usage and continuous, logprobs=logprobs,
-                         echo_texts=echo_texts, score_only=score_only)
+                         echo_texts=echo_texts, score_only=score_only, n=n)
 
   @staticmethod
   def _logprobs_field(body: dict, chat: bool) -> Optional[int]:
@@ -1182,8 +1295,10 @@ class OpenAIServer:
     lives = [_Live(rid if n == 1 else f"{rid}-{i}", i, parsed,
                    self.tokenizer.detokenizer(skip_special_tokens=True), events, loop)
              for i in range(n)]
-    for live in lives:
+    for i, live in enumerate(lives):
       live.arrival_s = arrival_s
+      if i % parsed.n:                 # a copy: copy 0 of its prompt computes it first
+        live.leader = lives[i - i % parsed.n].rid
     self.loop.add(lives)
     for _ in range(n):          # first events come in index order, all before any delta
       first = await events.get()
@@ -1228,20 +1343,23 @@ class OpenAIServer:
     prompt alone (one output token) needs more pages than the cache has, or
     when the whole request fits the cache and the prompt is wider than the
     token budget; else max_tokens. ``failed`` or ``cancelled``: a server
-    error (500)."""
+    error (500). A held copy that the engine refused: that refusal."""
+    if "exc" in end:
+      return end["exc"]
     message = f"request {end['outcome']}: {end['reason']}"
     if end["outcome"] != "rejected":
       return RuntimeError(message)
     c = self.engine.config
     index = end.get("index", 0)
     prompt_len = len(parsed.prompts[index])
+    prompt_i = index // parsed.n
     fits = lambda max_tokens: kv_pages.pages_for(
         min(rec.kv_rows(prompt_len, max_tokens), c.max_model_len - 1),
         c.page_size) <= c.num_pages - 1
     too_long = not fits(1) or (fits(parsed.samplings[index].max_tokens)
                                and prompt_len > c.max_num_batched_tokens)
-    prompt_field = (parsed.prompt_field if len(parsed.prompts) == 1 else
-                    f"{parsed.prompt_field}[{index}]")
+    prompt_field = (parsed.prompt_field if parsed.num_prompts == 1 else
+                    f"{parsed.prompt_field}[{prompt_i}]")
     return BadRequest(message, prompt_field if too_long else parsed.max_tokens_field)
 
   def _head(self, rid: str, chat: bool, chunk: bool) -> dict:
@@ -1264,10 +1382,15 @@ class OpenAIServer:
 
   @staticmethod
   def _final_usage(parsed: ParsedRequest, ends: Dict[int, dict]) -> dict:
-    """Usage summed over the choices of a request that completed."""
-    return OpenAIServer._usage(sum(e["prompt_tokens"] for e in ends.values()),
+    """Usage of a request that completed: each prompt's tokens once (and,
+    as cached, the most any of its copies took from the prefix cache),
+    completion tokens summed over every choice."""
+    cached = {}
+    for i, e in ends.items():
+      cached[i // parsed.n] = max(cached.get(i // parsed.n, 0), e["cached_tokens"])
+    return OpenAIServer._usage(parsed.prompt_tokens(),
                                sum(e["completion_tokens"] for e in ends.values()),
-                               sum(e["cached_tokens"] for e in ends.values()))
+                               sum(cached.values()))
 
   def _token_text(self, token_id: int) -> str:
     """A token's own text as logprobs name it (special tokens kept; a piece
@@ -1378,7 +1501,7 @@ class OpenAIServer:
     ends: Dict[int, dict] = {}
     counts = [0] * len(lives)
     offsets = [0] * len(lives)         # text_offset of each choice's next token
-    prompt_tokens = sum(len(p) for p in parsed.prompts)
+    prompt_tokens = parsed.prompt_tokens()
     done = False
     try:
       head = self._head(rid, chat, True)
