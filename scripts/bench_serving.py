@@ -18,6 +18,17 @@ policy, prefix-cache hit rates per replica and overall, and every request's
 route record (its decisions and the facts they used), all of this run's
 own: ``GET /router`` is read before and after the run, and only the requests
 and counter increases between the two are counted.
+
+  python scripts/bench_serving.py --n=8 --n_prompt_len=256 --n_max_tokens=32 \
+      --out=runs/bench_parallel_sampling.json
+
+``--n`` compares parallel sampling with independent requests instead, in
+counts read from the server's ``/metrics`` (no timings): one request with
+``n`` choices of a random prompt, then ``n`` independent requests of
+another random prompt of the same length sent as one batched body (they
+arrive together, so none can take another's pages from the prefix cache).
+Per run: prefill tokens computed, prefix-cache hit tokens and the peak KV
+pages held (``iterserve:kv_pages_used_peak``); run it on an idle server.
 """
 
 import asyncio
@@ -31,7 +42,9 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx
+import numpy as np
 from absl import flags
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving import cli, launch, metrics, replicas, workloads
 
@@ -41,6 +54,10 @@ flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL, with or wi
 flags.DEFINE_string("model", None, "Model name to send (default: the server's only model).")
 flags.DEFINE_string("out", "runs/bench_serving.json", "Report JSON path.")
 flags.DEFINE_float("timeout_s", 1800.0, "Per-request HTTP timeout (s).")
+flags.DEFINE_integer("n", 0, "> 1: compare n parallel samples of one prompt with n "
+                     "independent requests (counts only) instead of the workload.")
+flags.DEFINE_integer("n_prompt_len", 256, "--n: prompt tokens (random ids).")
+flags.DEFINE_integer("n_max_tokens", 32, "--n: output tokens of every choice.")
 launch.define_workload_flags()
 
 
@@ -155,6 +172,50 @@ async def _run(workload, model, root, max_model_len):
     return list(records), time.perf_counter() - origin
 
 
+# Server counters the --n comparison reads: report name -> /metrics sample.
+_N_COUNTS = {"prefill_tokens_computed": "iterserve:prefill_tokens_computed_total",
+             "prefix_hit_tokens": "vllm:prefix_cache_hits_total",
+             "kv_pages_used_peak": "iterserve:kv_pages_used_peak"}
+
+
+def _server_counts(root: str) -> dict:
+  """The ``_N_COUNTS`` samples of ``GET {root}/metrics``."""
+  text = httpx.get(f"{root}/metrics", timeout=60).raise_for_status().text
+  samples = {s.name: s.value for f in text_string_to_metric_families(text)
+             for s in f.samples}
+  return {key: samples[name] for key, name in _N_COUNTS.items()}
+
+
+def _count_run(root: str, body: dict) -> dict:
+  """Sends one completion ``body``; returns its choices, usage and the
+  server counts it moved (the peak is the run's own: the server was idle
+  before it)."""
+  before = _server_counts(root)
+  reply = httpx.post(f"{root}/v1/completions", json=body, timeout=FLAGS.timeout_s)
+  if reply.status_code != 200:
+    raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
+  after = _server_counts(root)
+  out = {key: int(after[key] - before[key]) for key in ("prefill_tokens_computed",
+                                                        "prefix_hit_tokens")}
+  out["kv_pages_used_peak"] = int(after["kv_pages_used_peak"])
+  out["choices"] = len(reply.json()["choices"])
+  out["usage"] = reply.json()["usage"]
+  return out
+
+
+def parallel_sampling(root: str, model: str, vocab_size: int) -> dict:
+  """The --n comparison (see the module docstring)."""
+  n, length = FLAGS.n, FLAGS.n_prompt_len
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, vocab_size, size=length).tolist() for _ in range(2)]
+  common = {"model": model, "max_tokens": FLAGS.n_max_tokens, "temperature": 1.0,
+            "seed": 0, "ignore_eos": True}
+  runs = {"parallel": _count_run(root, {**common, "prompt": prompts[0], "n": n}),
+          "independent": _count_run(root, {**common, "prompt": [prompts[1]] * n})}
+  return {"n": n, "prompt_len": length, "max_tokens": FLAGS.n_max_tokens,
+          "server": root, "model": model, "argv": sys.argv[1:], "runs": runs}
+
+
 def main(argv):
   del argv
   logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
@@ -163,6 +224,19 @@ def main(argv):
   root = base_url(FLAGS.url)
   info = server_model(root, FLAGS.model)
   model = info["id"]
+  if FLAGS.n:
+    if FLAGS.n < 2 or FLAGS.n_prompt_len < 1 or FLAGS.n_max_tokens < 1:
+      raise ValueError(f"--n must be >= 2 and --n_prompt_len, --n_max_tokens >= 1, got "
+                       f"{FLAGS.n}, {FLAGS.n_prompt_len}, {FLAGS.n_max_tokens}")
+    report = parallel_sampling(root, model, info["vocab_size"])
+    print("| run | choices | prefill tokens computed | prefix-hit tokens | "
+          "KV pages used (peak) |\n|---|---|---|---|---|")
+    for name, run in report["runs"].items():
+      print(f"| {name} | {run['choices']} | {run['prefill_tokens_computed']} | "
+            f"{run['prefix_hit_tokens']} | {run['kv_pages_used_peak']} |")
+    metrics.write_report(FLAGS.out, report)
+    print(f"report: {FLAGS.out}")
+    return
   workload = launch.load_workload(info["vocab_size"], info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}) against {root} ({model})")
