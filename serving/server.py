@@ -114,7 +114,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 UNSUPPORTED_FIELDS = {
     "suffix": (None,), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "tools": (None, []), "tool_choice": (None, "none"),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, False),
 }
@@ -126,7 +127,7 @@ _COMMON_FIELDS = frozenset({
     "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "stream", "stream_options",
     "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms"})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # A client's id for its request (vLLM, ``vllm bench serve``): the response's
 # ``id`` is "cmpl-"/"chatcmpl-" + it, the engine's request id the same
@@ -1133,8 +1134,14 @@ class OpenAIServer:
         raise BadRequest(f"'messages[{i}].content' must be a string (text content is "
                          f"required)", f"messages[{i}].content")
       clean.append({"role": m["role"], "content": content})
+    # vLLM's extra variables for the template (e.g. {"enable_thinking": false}).
+    variables = _get(body, "chat_template_kwargs", dict, {}, "an object")
+    if "messages" in variables:
+      raise BadRequest("'chat_template_kwargs' may not set 'messages' (the body's field)",
+                       "chat_template_kwargs.messages")
     try:
-      text = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True)
+      text = self.tokenizer.apply_chat_template(
+          clean, **{"add_generation_prompt": True, **variables})
     except Exception as e:          # jinja2 raise_exception in the template
       raise BadRequest(f"'messages' rejected by the chat template: {e}", "messages") from None
     return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -26,7 +26,9 @@ import json
 
 import pytest
 
-from tests.serving.test_server import MODEL, TOK, _Served
+from models.tokenizer import Tokenizer
+from tests.serving.engine_testing import CHAT_TEMPLATE
+from tests.serving.test_server import MODEL, TOK, _greedy_text, _Served
 
 PROMPT = "the heart of it is here"
 MESSAGES_TEXT = "say it again"
@@ -137,6 +139,53 @@ def test_vllm_bench_serve_openai_chat_backend_streams_chat(served):
   whole = served.http.post("/v1/chat/completions", json={
       **body, "stream": False, "stream_options": None}).json()
   assert got["text"] == whole["choices"][0]["message"]["content"]
+
+
+def test_vllm_bench_serve_sampling_flags_at_their_off_values(served, params):
+  """``--temperature 0 --top-p 1 --top-k -1 --min-p 0`` go in every body:
+  greedy text; a ``--min-p`` this server cannot apply is refused, named."""
+  body = {"model": MODEL, "prompt": PROMPT, "repetition_penalty": 1.0, "max_tokens": 6,
+          "logprobs": None, "stream": True, "stream_options": {"include_usage": True},
+          "ignore_eos": True, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "temperature": 0.0}
+  got = _vllm_bench_read(served, "/v1/completions", body, {}, chat=False)
+  assert got["success"] and got["output_tokens"] == 6, got
+  assert got["text"] == _greedy_text(params, TOK.encode(PROMPT), 6)[1]
+  refused = served.http.post("/v1/completions", json={**body, "min_p": 0.1})
+  assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_p"
+
+
+def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
+  """``--extra-body '{"chat_template_kwargs": {"enable_thinking": false}}'``
+  (vLLM's help example): the variables render in the model's template;
+  ``messages`` is the body's own and may not be set there."""
+  messages = [{"role": "user", "content": MESSAGES_TEXT}]
+  base = TOK.apply_chat_template(messages)
+  monkeypatch.setattr(served.server, "tokenizer", Tokenizer(
+      TOK.backend, eos_token_id=1, chat_template=CHAT_TEMPLATE +
+      "{% if enable_thinking is defined and not enable_thinking %}ab{% endif %}"))
+
+  def tokens(**fields):
+    r = served.http.post("/tokenize", json={"model": MODEL, "messages": messages, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+  assert tokens() == TOK.encode(base, add_special_tokens=False)
+  assert tokens(chat_template_kwargs={"enable_thinking": False}) == TOK.encode(
+      base + "ab", add_special_tokens=False)
+  no_prompt = TOK.apply_chat_template(messages, add_generation_prompt=False)
+  assert no_prompt != base
+  assert tokens(chat_template_kwargs={"add_generation_prompt": False}) == TOK.encode(
+      no_prompt, add_special_tokens=False)
+  monkeypatch.undo()
+  ok = served.http.post("/v1/chat/completions", json={
+      "model": MODEL, "messages": messages, "max_completion_tokens": 2, "ignore_eos": True,
+      "chat_template_kwargs": {"enable_thinking": False}})
+  assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text
+  for value, param in [({"messages": []}, "chat_template_kwargs.messages"),
+                       ([1], "chat_template_kwargs")]:
+    r = served.http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "chat_template_kwargs": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_vllm_bench_serve_aligns_random_prompts_with_the_server_tokenizer(served):
