@@ -19,6 +19,18 @@ and a target, and the scheduler assigns rows so the former catches up:
 Running-queue order is modelled by arrival order, and a preempted request
 returns to the waiting queue at its arrival position (the source prepends
 it, which coincides when it is the oldest waiting request).
+
+One deliberate departure from the source, the readmission guard: a
+recompute victim (``num_preemptions > 0``) waiting to rebuild is readmitted
+only when the pages for its whole rebuild and next row (less the full
+pages of its cached prefix) fit, plus one page
+for each request scheduled in this step whose next row starts a page. The
+source readmits it as soon as its next chunk fits, and the peer's next page
+pushes it out again: two requests that cannot both finish in a 12-page
+cache preempted one of them 4 times, and a 17-page cache 10 times, where
+the guard gives 1 (``scheduler.conformance.HARD_CASES[0]``,
+``preemption_thrash``). Requests never preempted are admitted exactly as
+in the source.
 """
 
 from __future__ import annotations
@@ -49,7 +61,7 @@ class VllmV1(base.PolicyBase):
   budgets: base.Budgets
   mode: str = "fcfs"
   policy_id: str = "vllm_v1"
-  version: str = "v0.23.0-shape-1"
+  version: str = "v0.23.0-shape-2"
   tie_break: tuple = ("queue_rank", "waiting_priority", "arrival_seq",
                       "request_id", "generation")
 
@@ -161,17 +173,30 @@ class VllmV1(base.PolicyBase):
       s = waiting[i]
       num_new = base.admission_width(x, s, b.token_budget - c["tok"])
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
+      # A recompute victim comes back only when its whole rebuild fits
+      # beside the running requests' next rows (not in vLLM; see the module
+      # docstring).
+      forecast = jnp.where(rebuild[s], jnp.maximum(rebuild_pages[s], x["need_total"][s])
+                           + growth, x["need_total"][s])
       watermark = jnp.where(c["live"], b.watermark_pages, 0)
       # §0x06: R + A_hat <= C_soft in pages (A_hat = the rows now on demand,
       # or the reservation kind's forecast when larger).
       fits = ((c["seq"] < b.seq_budget) & (num_new > 0)
-              & adm.admits(c["reserved"], jnp.maximum(need, x["need_total"][s]),
+              & adm.admits(c["reserved"], jnp.maximum(need, forecast),
                            adm.soft_ceiling(c["free"], watermark)))
       c = dict(c)
       c["wstop"] = ~fits
       return i + 1, jax.lax.cond(fits, lambda c: base.admit(x, c, s, num_new),
                                  lambda c: c, c)
 
+    # The readmission guard's facts, read after the running pass: the pages
+    # a recompute victim's rebuild (and its next row) needs beyond its cached
+    # prefix, and one page for
+    # each request scheduled now whose next row starts a page.
+    rebuild = (state.num_preemptions > 0) & x["waiting"]
+    cached = rec.prefix_hits(alloc) // ps            # full pages proven resident
+    rebuild_pages = jnp.maximum(base.pages_for(x["target"] + 1, ps) - held - cached, 0)
+    growth = jnp.sum(c["selected"] & (c["end"] % ps == 0)).astype(jnp.int32)
     # Waiting and resumed slots in queue order, up to the first that does
     # not fit (the others change nothing).
     waiting, num_waiting = base.stable_partition(order, x["waiting"] | x["resume"])

@@ -3,9 +3,9 @@ break a rule on purpose (``scheduler.conformance``).
 
 The default profile runs, for each registered policy, the kit's hard cases,
 a few hypothesis workloads (derandomized) and the starvation probe; each
-policy compiles its plan program once (seconds). Three registered policies
-break a rule today; each is pinned to the rule it breaks (``KNOWN_BREAKS``)
-and checked against every other rule. ``pytest -m extended`` runs the
+policy compiles its plan program once (seconds). Registered policies that
+break a rule today are pinned to the rule they break (``KNOWN_BREAKS``,
+empty now) and checked against every other rule. ``pytest -m extended`` runs the
 extended profile (more and larger workloads, two compiled table sizes).
 """
 
@@ -23,23 +23,10 @@ from scheduler.policies import POLICIES, Budgets
 from scheduler.policy_length import ShortestJobFirst
 
 # Registered policies that break a rule today, and the rule. Remove an
-# entry once its policy is fixed (the test then fails until it is).
-KNOWN_BREAKS = {
-    # SARATHI's one prefill slot goes to the earliest request with prefill
-    # or rebuild rows left, but its recompute victim is the latest by
-    # (priority, arrival): an early low-priority request preempted for a
-    # later high-priority one's pages rebuilds, is short of a page at its
-    # first decode, preempts itself and rebuilds again, while the other's
-    # prefill never gets the slot (HARD_CASES[1]: 37 preemptions, neither
-    # request ends).
-    "sarathi": ("progress", "preemption_thrash"),
-    # vLLM V1 readmits a recompute victim as soon as its next chunk fits;
-    # the peer's next page pushes it out again (HARD_CASES[0]: 3 to 4
-    # preemptions of one request where the shared ledger gives 1; 16 in a
-    # 16-page cache with 20-token prompts).
-    "vllm_v1": ("preemption_thrash",),
-    "vllm_v1_priority": ("preemption_thrash",),
-}
+# entry once its policy is fixed (the test then fails until it is). None
+# today: SARATHI's livelock (HARD_CASES[1]) and vLLM V1's readmission
+# thrash (HARD_CASES[0]) are fixed and pinned below.
+KNOWN_BREAKS = {}
 
 # Rules that take one workload (the hypothesis examples); the interface
 # and the starvation probe run once per policy.

@@ -86,6 +86,27 @@ def test_an_earlier_equal_priority_arrival_is_never_evicted_for_a_later_one(
   assert preemptions == sum(r.num_preemptions for r in reqs) > 0
 
 
+@pytest.mark.parametrize("policy,victim", [("vllm_v1_priority", 0), ("vllm_v1", 1)])
+def test_a_recompute_victim_is_not_pushed_out_over_and_over(params, policy, victim):
+  """num_pages=17, page_size=4: R0 (priority 1) and R1 (priority 0), 20-token
+  prompts and 30 outputs each, need 13 pages each at their largest, so they
+  cannot both finish together; the victim (R0 by priority, R1 as the tail of
+  vLLM's FCFS running queue) is preempted and rebuilds. Readmitted as soon
+  as its next chunk fit, vllm_v1_priority's victim was pushed out by its
+  peer's next page 10 times; now at most once per other request plus one
+  (``conformance.thrash_bound``: 2)."""
+  config = EngineConfig.preset("tiny", num_pages=17, page_size=4, max_num_seqs=4,
+                               policy=policy, executor="simulated")
+  engine = Engine(CFG, params, config)
+  reqs = [engine.add_request(f"R{i}", p, SamplingParams(max_tokens=30, ignore_eos=True),
+                             priority=1 - i)
+          for i, p in enumerate(_prompts([20] * 2))]
+  engine.run(max_iterations=400)
+  assert [r.outcome for r in reqs] == ["completed"] * 2
+  assert 1 <= reqs[victim].num_preemptions <= 2
+  assert reqs[1 - victim].num_preemptions == 0
+
+
 # --------------------------------------------------- the whole queue is visible
 def _fake_clock():
   t = [0.0]
