@@ -123,6 +123,53 @@ def tick(state: rec.SchedulerState, now_ms) -> rec.SchedulerState:
   return state.replace(now_ms=jnp.maximum(state.now_ms, jnp.float32(now_ms)))
 
 
+def restamp_emissions(state: rec.SchedulerState, emitted, stamp_ms, actual_ms
+                      ) -> rec.SchedulerState:
+  """Moves one iteration's emission times from the stamp written when it
+  was launched to the time its outputs were published.
+
+  Args:
+    emitted: bool[R] slots that emitted in that iteration.
+    stamp_ms, actual_ms: f32[] the stamp written and the publication time
+      (ms, engine clock).
+  A slot is moved only while its clocks still hold the stamp (a slot
+  refilled since holds -1), so a policy reads the times an iteration run
+  program by program would have written; the clock moves to ``actual_ms``
+  (monotonic) when any slot moved.
+  """
+  hit = emitted & (state.last_token_ms == stamp_ms)
+  first = hit & (state.emitted == 1) & (state.first_token_ms == stamp_ms)
+  return state.replace(
+      first_token_ms=jnp.where(first, actual_ms, state.first_token_ms),
+      last_token_ms=jnp.where(hit, actual_ms, state.last_token_ms),
+      now_ms=jnp.maximum(state.now_ms, jnp.where(jnp.any(hit), actual_ms,
+                                                  state.now_ms)))
+
+
+def shift_clock(manifest: rec.WorkloadManifest, state: rec.SchedulerState, shift_ms):
+  """(manifest, state) with every device time minus ``shift_ms`` (f32[], ms):
+  arrivals, the clock, and the emission clocks that are set (-1 = none
+  stays -1). Differences between times are unchanged; the engine rebases
+  its clock with it so f32 milliseconds keep their resolution."""
+  shift = lambda t: jnp.where(t >= 0, t - shift_ms, t)
+  return (manifest.replace(arrival_ms=manifest.arrival_ms - shift_ms),
+          state.replace(now_ms=state.now_ms - shift_ms,
+                        first_token_ms=shift(state.first_token_ms),
+                        last_token_ms=shift(state.last_token_ms)))
+
+
+def forget_client(state: rec.SchedulerState, index) -> rec.SchedulerState:
+  """Zeroes client ``index``'s counters (i32[] index into the C tables), so
+  the table row can be given to a new client."""
+  zero = lambda a: None if a is None else a.at[index].set(jnp.zeros((), a.dtype))
+  return state.replace(
+      service_rows=zero(state.service_rows), recompute_rows=zero(state.recompute_rows),
+      client_counter=zero(state.client_counter), client_done=zero(state.client_done),
+      client_active=zero(state.client_active),
+      client_completed_requests=zero(state.client_completed_requests),
+      client_completed_outputs=zero(state.client_completed_outputs))
+
+
 def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
            request_id, arrival_ms, arrival_seq, prompt_len, max_tokens,
            priority, client, ttft_ms=float("inf"), tbt_ms=float("inf"),

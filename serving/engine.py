@@ -1453,25 +1453,10 @@ def _plan(policy, manifest, state, pages, prefix_hits):
 
 def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
   """Publishes the clock (``apply.tick``) after moving the last fused
-  iteration's emission times from its launch stamp to its publication time.
-
-  Args:
-    now_ms: f32[] device clock (ms).
-    fix_emitted: bool[R] slots that emitted in that iteration (all False
-      when no correction is pending).
-    fix_stamp, fix_actual: f32[] the stamp it wrote and the time the host
-      saw its outputs (ms, device clock).
-  A slot is corrected only while its clocks still hold the stamp (a slot
-  refilled since holds -1), so the policy reads exactly the times the
-  program-by-program iteration would have written.
-  """
-  hit = fix_emitted & (state.last_token_ms == fix_stamp)
-  first = hit & (state.emitted == 1) & (state.first_token_ms == fix_stamp)
-  state = state.replace(
-      first_token_ms=jnp.where(first, fix_actual, state.first_token_ms),
-      last_token_ms=jnp.where(hit, fix_actual, state.last_token_ms),
-      now_ms=jnp.maximum(state.now_ms, jnp.where(jnp.any(hit), fix_actual,
-                                                  state.now_ms)))
+  iteration's emission times from its launch stamp to its publication time
+  (``apply.restamp_emissions``; ``fix_emitted`` all False when no correction
+  is pending)."""
+  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
   return apply_lib.tick(state, now_ms)
 
 
@@ -1718,27 +1703,6 @@ def _release(state, pages, cancel_mask, release_mask):
   return apply_lib.release(state, release_mask), pages
 
 
-def _shift_clock(manifest, state, shift_ms):
-  """Device times minus ``shift_ms`` (f32[]): arrivals, the clock, and the
-  emission clocks that are set (-1 = none stays -1)."""
-  shift = lambda t: jnp.where(t >= 0, t - shift_ms, t)
-  return (manifest.replace(arrival_ms=manifest.arrival_ms - shift_ms),
-          state.replace(now_ms=state.now_ms - shift_ms,
-                        first_token_ms=shift(state.first_token_ms),
-                        last_token_ms=shift(state.last_token_ms)))
-
-
-def _forget_client(state, index):
-  """Zeroes client ``index``'s counters (i32[] index into the C tables)."""
-  zero = lambda a: None if a is None else a.at[index].set(jnp.zeros((), a.dtype))
-  return state.replace(
-      service_rows=zero(state.service_rows), recompute_rows=zero(state.recompute_rows),
-      client_counter=zero(state.client_counter), client_done=zero(state.client_done),
-      client_active=zero(state.client_active),
-      client_completed_requests=zero(state.client_completed_requests),
-      client_completed_outputs=zero(state.client_completed_outputs))
-
-
 @functools.lru_cache(maxsize=16)
 def _programs(model_cfg, config: EngineConfig) -> _Programs:
   """Builds (once per config pair) the jitted plan/execute/publish programs."""
@@ -1764,8 +1728,8 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
       plan=jit("plan", functools.partial(_plan, policy)),
       arrive=executor.arrive, release=executor.release,
       gather=executor.gather, restore=executor.restore,
-      shift_clock=jit("shift_clock", _shift_clock),
-      forget_client=jit("forget_client", _forget_client),
+      shift_clock=jit("shift_clock", apply_lib.shift_clock),
+      forget_client=jit("forget_client", apply_lib.forget_client),
       map_prefix=jit("map_prefix", kv_pages.map_prefix),
       sync_cached=jit("sync_cached", kv_pages.sync_cached),
       resume_prefix=jit("resume_prefix", apply_lib.resume_from_prefix),
