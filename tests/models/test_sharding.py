@@ -226,6 +226,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.extended        # two JAX processes (~70 s); one-process meshes run by default
 def test_two_processes_serve_one_replay_on_one_mesh():
   """jax.distributed on 127.0.0.1: two processes with 4 fake CPU devices each
   run one engine over a model:8 mesh spanning both (collectives over gloo)

@@ -66,6 +66,7 @@ def test_batch_invariance_alone_mixed_and_across_chunk_sizes(params):
   assert all(len(t) == GREEDY.max_tokens for t in alone)
 
 
+@pytest.mark.extended        # ~60 s; the int8 weights run by default
 def test_bfloat16_weights_keep_tokens_batch_invariant(params):
   """bfloat16 weights (native bfloat16 GEMMs, ``llama.linear``, padded to
   their 4-row class): each request's tokens alone (1-row decode buckets)
@@ -188,7 +189,8 @@ def test_bfloat16_kv_cache_is_stored_as_bits_and_swaps_them_back(params):
   assert [r.output_token_ids for r in swapped] == [r.output_token_ids for r in mixed]
 
 
-@pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1"])
+@pytest.mark.parametrize("policy", [
+    "sarathi_serve", pytest.param("vllm_v1", marks=pytest.mark.extended)])
 def test_swap_preemption_preserves_kv_exactly_and_keeps_tokens(params, policy):
   """§0x0C exact preservation: the victim's pages go to host memory and come
   back, so it resumes at its frontier with no REBUILD rows, and every request

