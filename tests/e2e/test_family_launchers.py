@@ -86,7 +86,10 @@ def test_generate_streams_transformers_greedy_text(variant, checkpoints, tmp_pat
       [sys.executable, str(ROOT / "scripts" / "generate.py"), f"--model={directory}",
        "--engine=tiny", f"--cache_dir={tmp_path / 'cache'}", f"--prompt={PROMPT}",
        f"--chat={CHAT}", f"--max_tokens={MAX_TOKENS}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=120)
+      cwd=ROOT, capture_output=True, timeout=120)
+  # Bytes, decoded without newline translation: a random model may well emit
+  # "\r", which text mode would read as "\n".
+  proc.stdout, proc.stderr = proc.stdout.decode(), proc.stderr.decode()
   assert proc.returncode == 0, proc.stderr[-3000:]
   line = _loaded_line(proc.stdout)
   assert line.startswith(f"model: {variant} ({FAMILIES[variant]}, 2 layers, d_model 64"), line
