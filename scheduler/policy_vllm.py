@@ -22,8 +22,7 @@ it, which coincides when it is the oldest waiting request).
 
 One deliberate departure from the source, the readmission guard: a
 recompute victim (``num_preemptions > 0``) waiting to rebuild is readmitted
-only when the pages for its whole rebuild and next row (less the full
-pages of its cached prefix) fit, plus one page
+only when the pages for its whole rebuild and next row fit, plus one page
 for each request scheduled in this step whose next row starts a page. The
 source readmits it as soon as its next chunk fits, and the peer's next page
 pushes it out again: two requests that cannot both finish in a 12-page
@@ -190,12 +189,11 @@ class VllmV1(base.PolicyBase):
                                  lambda c: c, c)
 
     # The readmission guard's facts, read after the running pass: the pages
-    # a recompute victim's rebuild (and its next row) needs beyond its cached
-    # prefix, and one page for
+    # a recompute victim's rebuild (and its next row) needs, and one page for
     # each request scheduled now whose next row starts a page.
     rebuild = (state.num_preemptions > 0) & x["waiting"]
-    cached = rec.prefix_hits(alloc) // ps            # full pages proven resident
-    rebuild_pages = jnp.maximum(base.pages_for(x["target"] + 1, ps) - held - cached, 0)
+    # (A cached prefix is no discount: its pages count among the free ones.)
+    rebuild_pages = jnp.maximum(base.pages_for(x["target"] + 1, ps) - held, 0)
     growth = jnp.sum(c["selected"] & (c["end"] % ps == 0)).astype(jnp.int32)
     # Waiting and resumed slots in queue order, up to the first that does
     # not fit (the others change nothing).
