@@ -1609,7 +1609,7 @@ def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, 
       finish_reason=result.finish_reason, failed=result.failed,
       num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
       bucket=index, features=cost_lib.plan_stats(plan, windows),
-      prefix=(published.computed,) + held if prefix_caching else None)
+      prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None)
   return kv, pages, buffers, state, (ticked, plan, result, logprobs), facts
 
 
@@ -1623,8 +1623,9 @@ def _hold_last_prompt_pages(pages, manifest, plan):
   publishes its table (``sync_cached``), which frees any it did not add.
 
   Returns ``(pages, (pages_held i32[R], page_table i32[R, pages_per_seq],
-  marked bool[]))``: the tables before any release, what the host registers
-  from, and whether any page was marked.
+  marked i32[R]))``: the tables before any release and the full prompt
+  pages marked per slot (``_registrable`` turns them into what the host
+  registers from).
   """
   pages = allocate_for_plan(pages, plan)
   last = plan.selected & (plan.kind == rec.PREFILL_CHUNK) & (plan.end == manifest.prompt_len)
@@ -1633,7 +1634,18 @@ def _hold_last_prompt_pages(pages, manifest, plan):
   j = jnp.arange(pages.page_table.shape[1], dtype=jnp.int32)
   ids = jnp.where(j[None, :] < full[:, None], pages.page_table, pages.num_pages)
   cached = pages.cached.at[ids.reshape(-1)].set(True, mode="drop")
-  return pages.replace(cached=cached), (pages.pages_held, pages.page_table, jnp.any(full > 0))
+  return pages.replace(cached=cached), (pages.pages_held, pages.page_table, full)
+
+
+def _registrable(held, pages):
+  """(pages_held i32[R], page_table, marked bool[]) the host may register
+  from after the step: a slot that still holds its pages, all of them; a
+  slot the step released (finished, failed, preempted), only the pages
+  ``_hold_last_prompt_pages`` marked cached before the release (the others
+  went back to the free stack and are not the cache's to take)."""
+  held_before, table, marked_full = held
+  kept = jnp.where(pages.pages_held > 0, held_before, marked_full)
+  return kept, table, jnp.any(marked_full > 0)
 
 
 def _publish(manifest, state, plan, result):
