@@ -8,9 +8,10 @@ weights saved with ``save_pretrained``, a BPE tokenizer trained on the
 repository's text, a chat template), one for each family the engine runs.
 The launchers' greedy text must equal transformers' ``generate`` on the same
 directory, through each launcher's own path (tokenizer, BOS, chat template,
-EOS ids). The default profile runs two of them: a dense family with Llama
-3.1's RoPE, BOS and three EOS ids, and a mixture of experts (Qwen3-MoE, q/k
-norms, no BOS); the other eight are ``extended``. A checkpoint is written
+EOS ids). The default profile runs one of them: a dense family with Llama
+3.1's RoPE, BOS and three EOS ids (the engine's greedy tokens of every
+family, Qwen3-MoE included, are checked against transformers by
+tests/models/test_families.py); the other nine are ``extended``. A checkpoint is written
 when a test first asks for it. Each test runs in well under a minute on 2
 cores (one 16-row bucket, ``--engine=tiny``).
 """
@@ -40,7 +41,7 @@ FAMILIES = {"llama3.1": "llama", "llama3.2": "llama", "qwen2.5": "qwen2", "qwen3
             "mistral": "mistral", "gemma2": "gemma2", "gemma3": "gemma3_text",
             "phi3": "phi3", "mixtral": "mixtral", "qwen3-moe": "qwen3_moe"}
 MIXTURES = ("mixtral", "qwen3-moe")
-DEFAULT_PROFILE = ("llama3.1", "qwen3-moe")
+DEFAULT_PROFILE = ("llama3.1",)
 VARIANTS = [v if v in DEFAULT_PROFILE else pytest.param(v, marks=pytest.mark.extended)
             for v in FAMILIES]
 PROMPT = "The scheduler admits requests"

@@ -23,6 +23,7 @@ def _run(script, *args, timeout=600):
   return proc.stdout
 
 
+@pytest.mark.extended        # the real model compiled cold in a subprocess (~2 min)
 def test_replay_completes_every_request_with_its_output_length(tmp_path):
   out = tmp_path / "report.json"
   stdout = _run("replay.py", "--num_requests=4", "--rate_scale=1.0", "--max_prompt_len=48",

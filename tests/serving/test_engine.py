@@ -124,6 +124,7 @@ def test_int8_gemm_amx_and_xla_give_the_same_tokens(params):
   assert all(r.outcome == "completed" for r in tiled)
 
 
+@pytest.mark.extended
 def test_decode_gemm_xla_keeps_tokens_batch_invariant_and_native_resolves(params):
   """``decode_gemm``: with "xla" (the path of CPUs without the kernel) each
   request's tokens alone equal its tokens beside the others, as with the

@@ -232,7 +232,7 @@ SLOT_TABLE_POLICIES = ["fastserve", "least_slack", "priority_aging", "vtc"]
 @pytest.mark.parametrize("policy, executor", [pytest.param(p, "simulated",
                                                            marks=pytest.mark.extended)
                                               for p in SLOT_TABLE_POLICIES]
-                         + [("vtc", "model")])
+                         + [pytest.param("vtc", "model", marks=pytest.mark.extended)])
 def test_decisions_do_not_depend_on_the_slot_table_size(params, cost_file, policy, executor):
   """Metamorphic: a random workload (priorities, three clients, arrivals
   over four steps, KV pressure) gives the same admission order, the same
@@ -328,8 +328,9 @@ def _warm_up(engine, lengths):
     ("policy", ["Z", "A", "B", "C"], "simulated"),  # on demand: 8 + 4 + 4 + 4 = 20 <= 28
     ("max", ["Z"], "simulated"),                     # 8 + (4 + 17) = 29 > 28: A waits
     ("point", ["Z", "A", "B", "C"], "simulated"),    # 8 + 3 * (4 + 2) = 26 <= 28
-    ("point", ["Z", "A", "B", "C"], "model"),
-    ("quantile", ["Z", "A", "B"], "simulated"),      # 8 + 2 * (4 + 6) = 28; C: 38 > 28
+    pytest.param("point", ["Z", "A", "B", "C"], "model", marks=pytest.mark.extended),
+    pytest.param("quantile", ["Z", "A", "B"], "simulated",  # 8 + 2 * (4 + 6) = 28; C: 38 > 28
+                 marks=pytest.mark.extended),
     ("watermark", ["Z", "A"], "simulated"),          # 8 + 10 = 18 <= 24; B: 28 > 24 = 28 - 4
 ])
 def test_reservation_kind_decides_the_first_admissions(params, kind, admitted, executor):

@@ -79,7 +79,8 @@ def test_a_used_hit_counts_once_and_a_resume_hit_of_its_own_pages_not_at_all(par
 
 
 @pytest.mark.parametrize("caching, prompt_len", [
-    pytest.param(True, 40, marks=pytest.mark.extended), (False, 40), (False, 20)])
+    pytest.param(True, 40, marks=pytest.mark.extended),
+    pytest.param(False, 40, marks=pytest.mark.extended), (False, 20)])
 def test_forced_preemption_always_makes_progress_and_keeps_the_tokens(
     params, caching, prompt_len):
   """Preempting every 3rd decision, one 40-token prompt resumes from its 2
