@@ -93,8 +93,8 @@ def test_a_recompute_victim_is_not_pushed_out_over_and_over(params, policy, vict
   cannot both finish together; the victim (R0 by priority, R1 as the tail of
   vLLM's FCFS running queue) is preempted and rebuilds. Readmitted as soon
   as its next chunk fit, vllm_v1_priority's victim was pushed out by its
-  peer's next page 10 times; now at most once per other request plus one
-  (``conformance.thrash_bound``: 2)."""
+  peer's next page 10 times; now once (``conformance.thrash_bound`` allows
+  2)."""
   config = EngineConfig.preset("tiny", num_pages=17, page_size=4, max_num_seqs=4,
                                policy=policy, executor="simulated")
   engine = Engine(CFG, params, config)
@@ -103,7 +103,7 @@ def test_a_recompute_victim_is_not_pushed_out_over_and_over(params, policy, vict
           for i, p in enumerate(_prompts([20] * 2))]
   engine.run(max_iterations=400)
   assert [r.outcome for r in reqs] == ["completed"] * 2
-  assert 1 <= reqs[victim].num_preemptions <= 2
+  assert reqs[victim].num_preemptions == 1
   assert reqs[1 - victim].num_preemptions == 0
 
 
