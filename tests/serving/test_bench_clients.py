@@ -28,17 +28,10 @@ import pytest
 
 from models.tokenizer import Tokenizer
 from tests.serving.engine_testing import CHAT_TEMPLATE
-from tests.serving.test_server import MODEL, TOK, _greedy_text, _Served
+from tests.serving.test_server import MODEL, TOK, _greedy_text
 
 PROMPT = "the heart of it is here"
 MESSAGES_TEXT = "say it again"
-
-
-@pytest.fixture(scope="module")
-def served(params):
-  s = _Served(params, max_waiting=64)
-  yield s
-  s.close()
 
 
 def _chat_prompt_tokens(text):

@@ -43,11 +43,9 @@ class _Served(HttpApp):
     return (free + evictable, in_use) == (engine.config.num_pages - 1, 0)
 
 
-@pytest.fixture(scope="module")
-def served(params):
-  s = _Served(params, max_waiting=64)
-  yield s
-  s.close()
+def openai_client(served):
+  """The official ``openai`` client on ``served``'s /v1 (no retries)."""
+  return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
 
 
 def _greedy_text(params, prompt_ids, max_tokens):
@@ -57,7 +55,7 @@ def _greedy_text(params, prompt_ids, max_tokens):
 
 
 def test_openai_client_completion_and_streamed_chat(served, params):
-  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  client = openai_client(served)
   assert [m.id for m in client.models.list().data] == [MODEL]
   prompt = "the heart of it"
   ids, text = _greedy_text(params, TOK.encode(prompt), 7)
@@ -452,7 +450,7 @@ def test_forwarded_arrival_header_sets_the_request_clock(served):
 
 
 def test_model_is_served_at_its_own_path_and_others_are_404(served):
-  client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+  client = openai_client(served)
   (listed,) = client.models.list().data
   got = client.models.retrieve(MODEL)
   assert got.model_dump() == listed.model_dump()

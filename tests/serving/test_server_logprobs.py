@@ -5,25 +5,13 @@ float64 numpy model's raw ``log_softmax``; the openai client reads them."""
 import json
 
 import numpy as np
-import openai
 import pytest
 
 from tests.models.llama_reference import dense_forward
 from tests.serving.engine_testing import CFG
 from serving.config import SamplingParams
 from serving.engine import Engine
-from tests.serving.test_server import BASE, MODEL, TOK, _greedy_text, _Served
-
-
-@pytest.fixture(scope="module")
-def served(params):
-  s = _Served(params, max_waiting=64)
-  yield s
-  s.close()
-
-
-def _client(served):
-  return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+from tests.serving.test_server import BASE, MODEL, TOK, _greedy_text, openai_client
 
 
 def _reference_logprobs(params, tokens):
@@ -46,7 +34,7 @@ def test_completion_logprobs_are_raw_and_match_the_float64_model(served, params,
   """At temperature 0.8 the sampled tokens' logprobs are still the raw
   logits' (vLLM's default), not the tempered distribution's."""
   prompt = TOK.encode("the heart of it")
-  got = _client(served).completions.create(
+  got = openai_client(served).completions.create(
       model=MODEL, prompt=prompt, max_tokens=5, temperature=temperature, seed=3,
       logprobs=3, extra_body={"ignore_eos": True})
   choice = got.choices[0]
@@ -76,7 +64,7 @@ def test_completion_logprobs_are_raw_and_match_the_float64_model(served, params,
 def test_chat_logprobs_with_top_logprobs(served, params):
   messages = [{"role": "user", "content": "hi there"}]
   prompt = TOK.encode(TOK.apply_chat_template(messages), add_special_tokens=False)
-  got = _client(served).chat.completions.create(
+  got = openai_client(served).chat.completions.create(
       model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
       top_logprobs=2, extra_body={"ignore_eos": True})
   content = got.choices[0].logprobs.content
@@ -91,7 +79,7 @@ def test_chat_logprobs_with_top_logprobs(served, params):
     assert [t.token for t in c.top_logprobs] == [TOK.decode([int(b)]) for b in best]
     np.testing.assert_allclose([t.logprob for t in c.top_logprobs], ref[p - 1 + i, best],
                                atol=1e-4)
-  plain = _client(served).chat.completions.create(
+  plain = openai_client(served).chat.completions.create(
       model=MODEL, messages=messages, max_tokens=2, temperature=0)
   assert plain.choices[0].logprobs is None
 

@@ -6,26 +6,14 @@ cache)."""
 
 import json
 
-import openai
 import pytest
 
 from tests.serving.engine_testing import wait_until
-from tests.serving.test_server import MODEL, TOK, _Served
+from tests.serving.test_server import MODEL, TOK, openai_client
 
 SEED = 7
 PROMPT = "the heart of it all, and the rest of the story"
 MESSAGES = [{"role": "user", "content": "tell me about the heart of it"}]
-
-
-@pytest.fixture(scope="module")
-def served(params):
-  s = _Served(params, max_waiting=64)
-  yield s
-  s.close()
-
-
-def _client(served):
-  return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
 
 
 def _texts(response, chat=False):
@@ -37,14 +25,14 @@ def _completion(served, **fields):
   body = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
               extra_body={"ignore_eos": True})
   body.update(fields)
-  return _client(served).completions.create(**body)
+  return openai_client(served).completions.create(**body)
 
 
 def _chat(served, **fields):
   body = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0,
               extra_body={"ignore_eos": True})
   body.update(fields)
-  return _client(served).chat.completions.create(**body)
+  return openai_client(served).chat.completions.create(**body)
 
 
 def test_completion_copies_differ_repeat_and_equal_single_requests_seeded_seed_plus_j(

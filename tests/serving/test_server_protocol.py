@@ -8,23 +8,10 @@ import json
 import time
 
 import numpy as np
-import openai
-import pytest
 
 from tests.serving.engine_testing import CHAT_TEMPLATE
 from tests.serving.engine_testing import wait_until as _wait
-from tests.serving.test_server import MODEL, TOK, _greedy_text, _Served
-
-
-@pytest.fixture(scope="module")
-def served(params):
-  s = _Served(params, max_waiting=64)
-  yield s
-  s.close()
-
-
-def _client(served):
-  return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+from tests.serving.test_server import MODEL, TOK, _greedy_text, openai_client
 
 
 def _sse(served, body, path="/v1/completions", headers=None):
@@ -66,7 +53,7 @@ def test_tokenizer_endpoints_as_lm_eval_reads_them(served):
 
 
 def test_batched_prompts_one_choice_each_in_index_order(served, params):
-  client = _client(served)
+  client = openai_client(served)
   texts = ["the heart", "of it all", "ab"]
   expected = [_greedy_text(params, TOK.encode(t), 5)[1] for t in texts]
   got = client.completions.create(model=MODEL, prompt=texts, max_tokens=5, temperature=0,
@@ -96,7 +83,7 @@ def test_batched_prompts_one_choice_each_in_index_order(served, params):
 
 
 def test_object_fields_and_max_completion_tokens(served, params):
-  client = _client(served)
+  client = openai_client(served)
   got = client.completions.create(model=MODEL, prompt="the end", max_tokens=2)
   assert got.object == "text_completion"
   messages = [{"role": "user", "content": "hi"}]
