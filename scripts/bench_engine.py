@@ -25,11 +25,11 @@ dynamic int8 quantization, each beside the same iterserve run):
   them) and, for comparison, in 32-row tiles (the rule for generated rows).
 
 Every decode run also records a per-iteration breakdown (``steps``): the
-``step`` program (the split path adds its tick and plan before it), arrive
-and release, each timed with ``block_until_ready``;
-host time (everything else in ``Engine.step``) and its fraction; round
-trips (blocking fetches) and programs per iteration; the fraction of
-iterations the fused program committed; plus the programs compiled during the run (XLA backend
+``plan`` program (tick, plan, checks) and the ``step`` program (execute,
+apply) of each iteration, arrive and release, each timed with
+``block_until_ready``; host time (everything else in ``Engine.step``) and
+its fraction; round trips (blocking fetches) and programs per iteration;
+plus the programs compiled during the run (XLA backend
 compiles; none are expected after warm-up) and per function
 (``Engine.compiled_programs``). ``--profile=DIR`` writes a JAX profiler
 trace (TensorBoard and Perfetto ``.trace.json.gz``) of a few decode steps.
@@ -116,8 +116,6 @@ flags.DEFINE_integer("profile_steps", 4, "Steps in the --profile trace.")
 flags.DEFINE_enum("profile_phase", "decode", ["decode", "prefill"],
                   "--profile traces 32 requests' decode steps (after their prompts) "
                   "or their first steps (prompt chunks, then prompt chunks with decode rows).")
-flags.DEFINE_bool("fused", True, "Run iterations as one fused device program "
-                  "(False: program by program, Engine.fused).")
 flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch sizes.")
 flags.DEFINE_integer("breakdown_context", 320, "Breakdown section KV rows per sequence.")
 
@@ -137,17 +135,16 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 class StepTimer:
   """Times an engine's iterations by phase (installs wrappers on one engine).
 
-  Each jitted program the engine calls (the fused ``step`` program, and on
-  the split path tick and plan; arrive and release) is timed
-  with ``block_until_ready``; ``step`` is timed as a whole, and host time is
-  the step minus its programs (bookkeeping, device_get round trips, the
-  drain). Blocking adds no round trip: every iteration already fetches its
-  facts. Per iteration it also counts the programs called and the blocking
-  fetches (``Engine.host_fetches``), and whether the fused program committed
-  the iteration (``fused_fraction``).
+  Each jitted program the engine calls (``plan`` and ``step``; arrive and
+  release) is timed with ``block_until_ready``; ``Engine.step`` is timed as
+  a whole, and host time is the iteration minus its programs (bookkeeping,
+  device_get round trips, the drain). Blocking adds no round trip: every
+  iteration already fetches the facts of both programs. Per iteration it
+  also counts the programs called and the blocking fetches
+  (``Engine.host_fetches``).
   """
 
-  PHASES = ("step", "tick", "plan", "arrive", "release")
+  PHASES = ("plan", "step", "arrive", "release")
 
   def __init__(self, engine):
     self.samples = collections.defaultdict(list)   # phase -> [ms]
@@ -172,7 +169,6 @@ class StepTimer:
         self.samples[f"host[{b[0]}]"].append(ms - sum(self._inside.values()))
         self.counts["round_trips"].append(engine.host_fetches - fetches)
         self.counts["programs"].append(sum(self._calls.values()))
-        self.counts["fused"].append(self._calls["step"] == 1 and self._calls["plan"] == 0)
       return out
 
     engine.step = timed_step
@@ -191,7 +187,7 @@ class StepTimer:
 
   def summary(self):
     """{phase: {n, median_ms, total_ms}}, the host fraction per bucket and
-    overall, and per iteration: round trips, programs, fused fraction."""
+    overall, and per iteration: round trips and programs."""
     out = {k: {"n": len(v), "median_ms": round(float(np.median(v)), 3),
                "total_ms": round(float(np.sum(v)), 1)}
            for k, v in sorted(self.samples.items())}
@@ -206,7 +202,6 @@ class StepTimer:
                                          sum(map(np.sum, steps))), 4)
       out["round_trips_per_iteration"] = round(float(np.mean(self.counts["round_trips"])), 3)
       out["programs_per_iteration"] = round(float(np.mean(self.counts["programs"])), 3)
-      out["fused_fraction"] = round(float(np.mean(self.counts["fused"])), 4)
     return out
 
 
@@ -239,7 +234,6 @@ def iterserve_run(cfg, params, prompts, outputs, timer=False, **overrides):
   and the XLA compiles during the run in ``engine.compiles_during_run``.
   """
   engine = _engine(cfg, params, **overrides)
-  engine.fused = FLAGS.fused
   if timer:
     engine.step_timer = StepTimer(engine)
   compiles = _COMPILES[0]
@@ -501,7 +495,7 @@ def main(argv):
          "int8_gemm": int8_gemm, "decode_gemm": decode_gemm,
          "kv_dtype": FLAGS.kv_dtype, "keep_freed_pages": kept,
          "attention_impl": resolve_impl(scratch.config.attention_impl, head_dim=cfg.head_dim),
-         "token_buckets": list(scratch.config.token_buckets), "fused": FLAGS.fused,
+         "token_buckets": list(scratch.config.token_buckets),
          "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),
          "xla_compiles_during_warmup": _COMPILES[0]}

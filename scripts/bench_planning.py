@@ -3,7 +3,7 @@
   python scripts/bench_planning.py --waiting=1024,4096   # every registered policy
 
 Every accepted request holds a slot of the scheduler's table, so a policy's
-plan reads all of them: this times one ``plan`` program (policy + plan
+plan reads all of them: this times one ``plan`` program (tick, policy, plan
 validation, device-synchronised) on a tiny-model engine whose slot table
 holds exactly ``N`` waiting requests (8-token prompts, one client per 16
 requests), after one warm-up (compile) call. Writes a JSON of per-policy,
@@ -20,6 +20,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
+import numpy as np
 from absl import flags
 
 from models import llama
@@ -50,8 +51,10 @@ def time_plan(model_cfg, params, policy: str, num_waiting: int):
     engine.add_request(f"r{i}", [3 + (i + j) % 200 for j in range(8)], sampling,
                        priority=i % 3, client=f"c{i // 16}")
   engine._fill_slots()        # every request into its slot, as a step begins
-  run = lambda: jax.block_until_ready(engine._programs.plan(
-      engine.manifest, engine.state, engine.pages, engine._prefix_hits()))
+  no_stamp = engine._no_stamp()
+  run = lambda: jax.block_until_ready(engine._programs.plan(   # tick, plan, checks
+      engine.manifest, engine.state, engine.pages, engine._prefix_hits(), np.float32(0),
+      no_stamp, np.float32(0), np.float32(0)))
   t = time.perf_counter()
   run()
   compile_s = time.perf_counter() - t

@@ -17,6 +17,10 @@ from models.rowgemm import GEMMS as DECODE_GEMMS
 from models.sharding import parse_mesh
 from scheduler.policies import check_policy_name, check_reservation
 
+# How every accepted request ends, exactly one of these (the engine's
+# ``Request.outcome``; reports count them in this order).
+OUTCOMES = ("completed", "failed", "rejected", "cancelled")
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")

@@ -7,31 +7,38 @@ decision and every state transition is a pure, jitted function of pytrees:
 * ``execute`` (one program per token-row bucket) -> IterationResult
 * ``apply(manifest, state, plan, result)`` -> next SchedulerState
 
-An iteration is one device program (``step``: tick -> plan -> validate ->
-execute -> validate -> apply, compiled per token bucket, the policy called
-once) and one blocking fetch of a small pytree of facts. The host calls the
-bucket of an upper bound on the plan's rows (``_rows_bound``: the last
-published state's widths under the plan rules and budgets, plus the prompts
-placed since), so the plan fits; a plan larger than that bound (none is
-expected) commits nothing and is called again in its bucket
-(``Engine.bucket_retries``). Fast (one program, one fetch): every iteration
-without preemption, without a policy rejection, with something scheduled
-and, with prefix caching, without cached pages to evict or waiting hits to
-unpin. The rest, and every iteration while a preempted request waits for
-re-admission or while ``record_plans`` is set, take the split path: the
-fused program detects the case and commits nothing (its model call runs an
-empty plan: the cost of one wasted model step); the host then ticks and
-plans with their own programs, settles preemption, eviction and resumption,
-and runs the settled plan in the same ``step`` program of its bucket. Arrivals
-are written ``ARRIVAL_BATCH`` at a time in one program call.
+An iteration is one path, read top-down in ``Engine.step``:
+
+1. fill slots: requests accepted since the last step enter free slots (their
+   prefix hits mapped), ``ARRIVAL_BATCH`` at a time in one program call;
+   with prefix caching, a preempted request looks its prompt up again and,
+   when pages are short, waiting requests' hits are unpinned;
+2. ``plan`` program (``_plan_step``): tick, the policy's one plan of this
+   iteration, its rule check, and the facts the host settles it by
+   (``PlanFacts``: rule violated, never-schedulable slots, admissions,
+   preemptions, rows, bucket, cached pages to evict);
+3. settle (``Engine._settle``), host work with one rule each, only where
+   the facts call for it: a rule violation raises, a request the policy can
+   never schedule is rejected (the iteration ends there), an empty plan
+   ends the iteration, cached pages are evicted, preemptions are settled
+   (§0x0C records; a swap copies the victim's pages out), a swapped request
+   admitted is written back;
+4. ``step`` program (``_execute_step``), compiled per token bucket: the
+   settled plan runs in the bucket its rows need, its result is checked and
+   ``apply`` publishes the next state; one fetch of its ``StepFacts``;
+5. drain: new tokens and outcomes become ``RequestOutput`` news, finished
+   slots are released.
+
+The policy is evaluated once per iteration (``Engine.policy_evaluations``
+counts the plan programs run), and the model runs only a settled plan.
 
 The set of compiled programs is fixed by the config and the slot-table
-size: per size, one ``step`` per token bucket in ``EngineConfig.token_buckets``
-(each bucket's model is compiled once, for both paths), one tick and one
-planner (split path), one arrival writer, one release/cancel writer, and,
-where used, the prefix-cache, clock and swap writers (``compiled_programs()``
-reports what was actually compiled; ``serving.launch.warmup`` compiles both
-paths, after which a run compiles nothing more).
+size: per size, one ``plan`` program, one ``step`` per token bucket in
+``EngineConfig.token_buckets``, one arrival writer, one release/cancel
+writer, and, where used, the prefix-cache, clock and swap writers
+(``compiled_programs()`` reports what was actually compiled;
+``serving.launch.warmup`` compiles them, after which a run compiles nothing
+more).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
@@ -111,11 +118,9 @@ from serving import kv_pages
 from serving import kv_swap
 from serving import sim_executor
 from serving import prefix_cache as pc
-from serving.config import EngineConfig, SamplingParams
+from serving.config import OUTCOMES, EngineConfig, SamplingParams
 from serving.executor import ModelRunner, allocate_for_plan, execute, init_buffers
 from serving.sampling import MAX_LOGPROBS
-
-OUTCOMES = ("completed", "rejected", "cancelled", "failed")
 
 # Device times are float32 ms since the device epoch; once the host clock is
 # this far past the epoch (float32 resolution 2**-3 ms here), ``step`` moves
@@ -180,32 +185,52 @@ class Arrival:
 
 
 @flax.struct.dataclass
-class StepFacts:
-  """The small record the iteration program returns for the host to fetch
-  (``_fused_step``); per-slot arrays are over the R slots.
+class PlanFacts:
+  """The small record the ``plan`` program returns for the host to settle
+  the iteration's plan by (``_plan_step``); per-slot arrays are over the R
+  slots.
 
   Attributes:
-    needs_host: bool[], the iteration needs host work (``_host_work``):
-      nothing was committed; the split path runs it.
-    committed: bool[], the plan ran and its result was published.
-    next_rows: i32[], an upper bound on the next plan's token rows
-      (``_rows_bound`` of the published state): the next bucket.
-    pages_low: bool[], free KV pages are short (``_pages_low_jnp``).
+    bad_plan: bool[], a plan rule was violated: the host raises
+      ``validate.validate_plan``.
+    never: bool[R], live slots the policy can never schedule (rejected).
+    admit, preempt: bool[R], the plan's queue intents (a swapped request
+      admitted is written back; a preemption is settled, §0x0C).
+    num_tokens, num_seqs: i32[], the plan's token rows and sequences (the
+      host runs the smallest token bucket holding ``num_tokens``).
+    evict: i32[], cached pages to evict before the plan runs: the pages it
+      allocates beyond those free once its preemptions released theirs (0
+      without prefix caching).
+  """
+
+  bad_plan: jax.Array
+  never: jax.Array
+  admit: jax.Array
+  preempt: jax.Array
+  num_tokens: jax.Array
+  num_seqs: jax.Array
+  evict: jax.Array
+
+
+@flax.struct.dataclass
+class StepFacts:
+  """The small record the ``step`` program returns for the host to fetch
+  (``_execute_step``); per-slot arrays are over the R slots.
+
+  Attributes:
+    pages_low: bool[], free KV pages are short (``_pages_low``): with prefix
+      caching the next iteration first checks for waiting hits to unpin.
     bad_result: bool[], a result rule was violated: the host raises
       ``validate.validate_result``.
     emitted, token, finished, finish_reason, failed: per slot (i32/bool[R]),
       the result's emissions and endings, drained into ``RequestOutput``s.
-    num_tokens, num_seqs, decodes: i32[], the plan's token rows, sequences
-      and decode rows.
-    bucket: i32[], index of the token bucket the plan needs.
+    num_tokens, decodes: i32[], the plan's token rows and decode rows.
     features: f32[3 + 2 W], ``cost_model.plan_stats`` of the plan.
     prefix: with prefix caching, (computed i32[R], pages_held i32[R],
-      page_table i32[R, P]) for registering computed prompt pages; else None.
+      page_table i32[R, P], marked bool[]) for registering computed prompt
+      pages (``_registrable``); else None.
   """
 
-  needs_host: jax.Array
-  committed: jax.Array
-  next_rows: jax.Array
   pages_low: jax.Array
   bad_result: jax.Array
   emitted: jax.Array
@@ -214,9 +239,7 @@ class StepFacts:
   finish_reason: jax.Array
   failed: jax.Array
   num_tokens: jax.Array
-  num_seqs: jax.Array
   decodes: jax.Array
-  bucket: jax.Array
   features: jax.Array
   prefix: Optional[tuple] = None
 
@@ -410,9 +433,6 @@ class Engine:
     # Set ``record_plans = True`` to keep, per iteration, the plan as host
     # data in ``plan_log`` (request ids, intervals, kinds, intents).
     self.record_plans = False
-    # Set ``fused = False`` to run every iteration program by program (the
-    # split path; same tokens), e.g. to measure what the fused program saves.
-    self.fused = True
     self.plan_log: List[dict] = []
     self._page_bytes = kv_swap.page_bytes(self.kv)
     # Recorded output length per request id (the simulated executor's hidden
@@ -427,19 +447,16 @@ class Engine:
     self._rehit_tokens: Dict[str, int] = {}  # its hit, not recomputed on resume
     self._uncounted: Dict[str, Request] = {}  # placed, first chunk not yet run
 
-    # Blocking device -> host fetches (``_fetch``); the fused iteration makes one.
+    # Blocking device -> host fetches (``_fetch``); an iteration makes two
+    # (its ``PlanFacts`` and its ``StepFacts``).
     self.host_fetches = 0
-    # The last fused iteration's (emitted mask, launch stamp, publication
-    # time), corrected on the device by the next program (``_tick``).
+    # Plan programs run: the policy is evaluated once per iteration.
+    self.policy_evaluations = 0
+    # The last iteration's (emitted mask, launch stamp, publication time),
+    # corrected on the device by the next plan program (``_tick``).
     self._stamp = None
     self._no_stamp_mask = None
-    # An upper bound on the token rows of the next plan (``_rows_bound`` of
-    # the last published state plus the prompts placed since): the fused
-    # program runs in its bucket, so the plan always fits.
-    self._rows_ahead = 0
-    self.bucket_retries = 0             # fused calls repeated for another bucket
-    self.bucket_oversized = 0           # fused iterations in a larger bucket than needed
-    self._pages_low = False             # last seen by an iteration (_pages_low)
+    self._pages_low = False             # the last step's ``StepFacts.pages_low``
     self._programs = _programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
 
@@ -699,7 +716,6 @@ class Engine:
     for slot, req in placed:
       req.slot = slot
       self._slots[slot] = req
-      self._rows_ahead += len(req.prompt_token_ids)
       if self.prefix_cache is not None:
         self._uncounted[req.request_id] = req
     self._pending = []
@@ -829,25 +845,6 @@ class Engine:
     return np.array([0 if r is None else r.prefix_hit_tokens for r in self._slots],
                     np.int32)
 
-  def _evict_for(self, plan, preempt) -> None:
-    """Evicts unreferenced cached pages (LRU) so that the free stack covers
-    the pages ``plan`` allocates after its preemptions release theirs."""
-    c = self.config
-    selected, end, held, table, refcount, cached, num_free = self._fetch((
-        plan.selected, plan.end, self.pages.pages_held, self.pages.page_table,
-        self.pages.refcount, self.pages.cached, self.pages.num_free))
-    after = refcount.copy()
-    for slot in np.flatnonzero(preempt):
-      np.subtract.at(after, table[slot, :held[slot]], 1)
-    freed = int(((refcount > 0) & (after == 0) & ~cached).sum())
-    held = np.where(preempt, 0, held)
-    target = np.minimum(kv_pages.pages_for(end, c.page_size), c.pages_per_seq)
-    need = int(np.maximum(np.where(selected, target - held, 0), 0).sum())
-    short = need - int(num_free) - freed
-    if short > 0:
-      self.prefix_cache.evict(short, after)
-      self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
-
   def _count_prefix_use(self, computed) -> None:
     """Counts the prompt of every request whose first chunk just ran, with
     the hit it ran from (``PrefixCache.count_use``), once per request.
@@ -894,99 +891,122 @@ class Engine:
   def step(self) -> List[RequestOutput]:
     """Runs one iteration; returns the news for every request it touched.
 
-    The common iteration is one device program (``_fused_step``: tick,
-    plan, validate, execute in the chosen token bucket, publish) and one
-    fetch of its small facts. The iterations that need host work (``_FAST``
-    says which are not) run the split path instead: the fused program
-    detects them, commits nothing, and the same iteration is planned again
-    program by program (``_split_step``).
+    Read top-down (the module docstring numbers the same steps): fill slots
+    -> the ``plan`` program (tick, the policy's one plan, its rule check)
+    -> settle the plan where its facts call for it, one rule per step ->
+    the ``step`` program in the bucket of the plan's rows (execute, check,
+    apply) -> drain. An iteration that rejects a request the policy can
+    never schedule, or whose plan is empty, ends at the settle step without
+    running the model; the next call plans again.
+
+    Raises:
+      validate.PlanValidationError / ResultValidationError: the policy's
+        plan or the executor's result broke a rule (``scheduler.validate``).
+      RuntimeError: the policy selected nothing while requests are live and
+        no arrival is pending (no progress is possible).
     """
     self._fill_slots()
-    if self.prefix_cache is not None and self.num_preemptions:
-      self._rehit_preempted()
+    if self.prefix_cache is not None:
+      if self.num_preemptions:
+        self._rehit_preempted()
+      if self._pages_low:
+        self._unpin_waiting_hits()
     now_ms = self.now_ms()
     self._rebase_device_clock(now_ms)
-    if self._fast_path_allowed():
-      outputs = self._fused_iteration(now_ms)
-      if outputs is not None:
-        return outputs
-    return self._split_step(now_ms)
-
-  def _fast_path_allowed(self) -> bool:
-    """The host-side conditions of the fused iteration: no preempted request
-    waits for re-admission (its resume is settled on the host, a swapped
-    copy written back, before the model runs; and under KV pressure the next
-    iteration is likely to preempt again, which the fused program would
-    detect only after running the model on an empty plan) and no plan log
-    is kept (it reads the whole plan)."""
-    if not self.fused or self.record_plans:
-      return False
-    if self.prefix_cache is not None and self._pages_low:
-      return False             # eviction or unpinning likely: see _pages_low
-    return not any(r is not None and r.num_preemptions
-                   and self.swap.get(r.request_id) is not None for r in self._slots)
-
-  def _fused_iteration(self, now_ms: float) -> Optional[List[RequestOutput]]:
-    """One iteration as one device program; None (nothing committed) when
-    the program reports that this iteration needs the host."""
-    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
-    realized = self._realized() if self.config.executor == "simulated" else None
     launch = self._device_ms(now_ms)
-    hits = self._prefix_hits()
-    c = self.config
-    bucket = c.bucket_for(min(max(self._rows_ahead, 1), c.max_num_batched_tokens))
-    idle, no_preserved = self._idle_plan(hits), np.zeros(self.num_slots, np.int32)
-    for _ in range(2):     # the bound's bucket; another only if the plan is larger
-      (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
-          self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
-          hits, realized, launch, fix_emitted, fix_stamp, fix_actual, idle,
-          np.bool_(False), no_preserved, num_rows=bucket)
-      facts = self._fetch(facts)
-      if facts.needs_host:
-        return None
-      if facts.committed:
-        break
-      bucket = c.token_buckets[int(facts.bucket)]
-      self.bucket_retries += 1
-    else:
-      return None
-    return self._commit(state, aux, facts, bucket, launch, np.zeros(self.num_slots, bool))
+    plan, facts, refcount = self._plan_iteration(launch)
+    if facts.bad_plan:
+      validate.validate_plan(self.manifest.online(), self.state, plan,
+                             kv_pages.view(self.pages, self._prefix_hits()))
+    if facts.never.any():
+      return self._reject_never(facts.never)
+    if facts.num_seqs == 0 and not facts.preempt.any():
+      return self._idle()
+    if self.record_plans:
+      self._log_plan(plan)
+    if facts.evict:
+      self._evict(int(facts.evict), refcount)
+    preserved = self._suspend(facts.preempt, plan.decision_id)
+    self._resume_admitted(facts.admit, facts.preempt)
+    return self._execute(plan, facts, preserved, launch)
 
-  def _idle_plan(self, hits):
-    """A zero ``IterationPlan`` of this policy and slot-table size, the
-    step program's ``given_plan`` when the policy plans (made once per
-    program set, on the device like the policy's own plans)."""
-    programs = self._programs
-    if not programs.idle_plan:
-      shapes = jax.eval_shape(functools.partial(_plan, programs.policy), self.manifest,
-                              self.state, self.pages, hits)[0]
-      programs.idle_plan.append(self._placement.tables(
-          jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)))
-    return programs.idle_plan[0]
+  def _plan_iteration(self, launch):
+    """The ``plan`` program: publishes the ticked state (the last
+    iteration's emission stamps corrected, ``_tick``) and returns this
+    iteration's plan (on the device), its ``PlanFacts`` (fetched) and the
+    page refcounts once its preemptions released theirs (on the device;
+    read only to evict)."""
+    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
+    self.state, plan, facts, refcount = self._programs.plan(
+        self.manifest, self.state, self.pages, self._prefix_hits(), launch,
+        fix_emitted, fix_stamp, fix_actual)
+    self._stamp = None
+    self.policy_evaluations += 1
+    return plan, self._fetch(facts), refcount
+
+  def _reject_never(self, never) -> List[RequestOutput]:
+    """Rejects the slots (bool[R]) the policy says it can never schedule;
+    their news ends the iteration."""
+    names = [self._slots[s] for s in np.flatnonzero(never)]
+    self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
+                       f"(token budget {self.config.max_num_batched_tokens}, "
+                       f"{self.config.num_pages - 1} KV pages)")
+    return [RequestOutput(r.request_id, [], True, r.outcome, r.finish_reason)
+            for r in names]
+
+  def _idle(self) -> List[RequestOutput]:
+    """An empty plan: no news, unless requests are live and nothing can
+    change the next plan (stepping again would spin: a policy that leaves
+    live work unscheduled forever is a scheduler bug; say so)."""
+    if any(r is not None for r in self._slots) and not self._pending:
+      live = [r.request_id for r in self._slots if r is not None]
+      raise RuntimeError(f"policy {self.policy.policy_id} selected no work while "
+                         f"requests {live[:8]} are live; no progress is possible")
+    return []
+
+  def _evict(self, count: int, refcount) -> None:
+    """Evicts ``count`` unreferenced cached pages, least recently used
+    first, so that the free stack covers the pages the plan allocates
+    (``PlanFacts.evict``); ``refcount`` is i32[num_pages] once the plan's
+    preemptions released their pages."""
+    self.prefix_cache.evict(count, self._fetch(refcount))
+    self.pages = self._programs.sync_cached(self.pages, self.prefix_cache.cached_mask())
+
+  def _resume_admitted(self, admit, preempt) -> None:
+    """Settles the re-admission of every admitted slot (bool[R]) whose
+    request was preempted and suspended (``_resume``)."""
+    for slot in np.flatnonzero(admit):
+      if self.swap.get(self._slots[slot].request_id) is not None:
+        self._resume(slot, preempt)
+
+  def _execute(self, plan, facts, preserved, launch) -> List[RequestOutput]:
+    """The ``step`` program in the smallest token bucket holding the plan's
+    rows, then the commit and the drain."""
+    c = self.config
+    bucket = c.bucket_for(max(int(facts.num_tokens), 1))
+    realized = self._realized() if c.executor == "simulated" else None
+    (self.kv, self.pages, self.buffers, state, aux, step_facts) = self._programs.step(
+        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+        plan, realized, preserved, num_rows=bucket)
+    return self._commit(state, aux, self._fetch(step_facts), bucket, launch, facts.preempt)
 
   def _commit(self, state, aux, facts, bucket: int, launch, preempt) -> List[RequestOutput]:
-    """Takes a committed step program's outputs: the published state, the
-    clock, counters, the one-step-late emission correction, the drain."""
-    ticked, plan, result, logprobs = aux
-    c = self.config
+    """Takes a step program's outputs: the published state, the clock,
+    counters, the one-step-late emission correction, the drain."""
+    plan, result, logprobs = aux
     if facts.bad_result:
-      validate.validate_result(plan, ticked, self.manifest, result)
+      validate.validate_result(plan, self.state, self.manifest, result)
     self.state = state
-    self._stamp = None
-    self._rows_ahead = int(facts.next_rows)
-    self.bucket_oversized += int(c.token_buckets[int(facts.bucket)] < bucket)
     self._pages_low = bool(facts.pages_low)
     self.buckets_used[bucket] = self.buckets_used.get(bucket, 0) + 1
     self.prefill_tokens_computed += int(facts.num_tokens) - int(facts.decodes)
-    # Modelled time is a function of the plan: the bucket it needs, not the
-    # (possibly larger) bucket the upper bound chose.
-    self._last_plan_stats = (facts.features, c.token_buckets[int(facts.bucket)])
+    self._last_plan_stats = (facts.features, bucket)
     if self._virtual:
       self._clock.advance(self.cost_model.predict_ms(self.last_step_features) / 1000.0)
     emit_ms = self.now_ms()
     # The program stamped this iteration's emissions with its launch time;
-    # the next program (fused or split) moves them to ``emit_ms``, before
-    # any policy reads them (``_tick``).
+    # the next plan program moves them to ``emit_ms``, before any policy
+    # reads them (``_tick``).
     self._stamp = (result.emitted, launch, self._device_ms(emit_ms))
     self.num_iterations += 1
     if self.prefix_cache is not None:
@@ -1039,7 +1059,7 @@ class Engine:
 
   def _pending_stamp(self):
     """(bool[R] emitted, f32[] launch stamp, f32[] publication time) of the
-    last fused iteration, still to be corrected on the device; a no-op
+    last iteration, still to be corrected on the device; a no-op
     triple when none is pending."""
     if self._stamp is None or self._stamp[0].shape[0] != self.num_slots:
       return self._no_stamp(), np.float32(0), np.float32(0)
@@ -1055,65 +1075,33 @@ class Engine:
     self.host_fetches += 1
     return jax.device_get(tree)
 
-  def _split_step(self, now_ms: float) -> List[RequestOutput]:
-    """The iteration program by program, with host work between them:
-    preemption (recompute or swap), resumption from a host copy, prefix
-    cache eviction and unpinning, policy rejections, validation errors, an
-    empty plan, the plan log. Tick and plan run as their own programs; the
-    settled plan then runs in the fused step program of its bucket
-    (``use_given``), so the split path compiles no model program of its own."""
-    if self.prefix_cache is not None:
-      self._unpin_waiting_hits()
-    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
-    self.state = self._programs.tick(self.state, self._device_ms(now_ms), fix_emitted,
-                                     fix_stamp, fix_actual)
-    self._stamp = None
-    plan, bad, view = self._programs.plan(self.manifest, self.state, self.pages,
-                                          self._prefix_hits())
-    never = plan.unschedulable if plan.unschedulable is not None else jnp.zeros((), bool)
-    bad, num_tokens, num_seqs, preempt, admit, never = self._fetch(
-        (bad, plan.num_tokens, plan.num_seqs, plan.preempt, plan.admit, never))
-    any_preempt = preempt.any()
-    if bad:
-      validate.validate_plan(self.manifest.online(), self.state, plan, view)
-    if never.any():
-      names = [self._slots[s] for s in np.flatnonzero(never)]
-      self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
-                         f"(token budget {self.config.max_num_batched_tokens}, "
-                         f"{self.config.num_pages - 1} KV pages)")
-      # The news of the rejected requests, then the iteration without them.
-      ended = [RequestOutput(r.request_id, [], True, r.outcome, r.finish_reason)
-               for r in names]
-      return ended + (self.step() if self.has_unfinished() else [])
-    if num_seqs == 0 and not any_preempt:
-      if any(r is not None for r in self._slots) and not self._pending:
-        # Nothing selectable and nothing that could change the next plan:
-        # stepping again would spin. A policy that leaves live work
-        # unscheduled forever is a scheduler bug; say so.
-        live = [r.request_id for r in self._slots if r is not None]
-        raise RuntimeError(f"policy {self.policy.policy_id} selected no work while "
-                           f"requests {live[:8]} are live; no progress is possible")
-      return []
-    if self.record_plans:
-      self._log_plan(plan)
-    if self.prefix_cache is not None:
-      self._evict_for(plan, preempt)
-    preserved = np.zeros(self.num_slots, np.int32)
-    if any_preempt:
-      preserved = self._suspend(preempt, plan.decision_id)
-    for slot in np.flatnonzero(admit):
-      if self.swap.get(self._slots[slot].request_id) is not None:
-        self._resume(slot, preempt)
-    bucket = self.config.bucket_for(max(int(num_tokens), 1))
+  def compile_buckets(self) -> Dict[int, float]:
+    """Compiles this slot-table size's ``plan`` program and the ``step``
+    program of every token bucket, so that no compile lands in a later
+    measurement: each runs once, the step programs on a plan that selects
+    nothing (every row padding: no page allocated, no K/V written, nothing
+    emitted; the state they publish is dropped). Returns {bucket: seconds}
+    (compile and one run; near zero when XLA's persistent compilation
+    cache holds them)."""
+    launch = self._device_ms(self.now_ms())
+    _, plan, facts, _ = self._programs.plan(
+        self.manifest, self.state, self.pages, self._prefix_hits(), launch,
+        self._no_stamp(), np.float32(0), np.float32(0))
+    jax.block_until_ready(facts)
+    none = lambda m: m & False       # on the plan's devices, as it is placed
+    nothing = plan.replace(selected=none(plan.selected), admit=none(plan.admit),
+                           preempt=none(plan.preempt), num_tokens=plan.num_tokens * 0,
+                           num_seqs=plan.num_seqs * 0)
     realized = self._realized() if self.config.executor == "simulated" else None
-    launch = self._device_ms(now_ms)
-    # The fused iteration's program with this plan given: the same compiled
-    # model step per bucket (the state is ticked already: no correction).
-    (self.kv, self.pages, self.buffers, state, aux, facts) = self._programs.step(
-        self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
-        self._prefix_hits(), realized, launch, self._no_stamp(), np.float32(0),
-        np.float32(0), plan, np.bool_(True), preserved, num_rows=bucket)
-    return self._commit(state, aux, self._fetch(facts), bucket, launch, preempt)
+    seconds = {}
+    for bucket in self.config.token_buckets:
+      t = time.perf_counter()
+      (self.kv, self.pages, self.buffers, _, _, step_facts) = self._programs.step(
+          self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
+          nothing, realized, np.zeros(self.num_slots, np.int32), num_rows=bucket)
+      jax.block_until_ready(step_facts)
+      seconds[bucket] = time.perf_counter() - t
+    return seconds
 
   def _realized(self) -> np.ndarray:
     """i32[R] recorded output length of each slot's request (declared
@@ -1144,10 +1132,12 @@ class Engine:
     in "swap" mode copies its committed KV pages to host memory. Returns
     i32[R] preserved prefix tokens (the result's ``preserved_end``)."""
     c = self.config
+    preserved = np.zeros(self.num_slots, np.int32)
+    if not preempt.any():
+      return preserved
     computed, generation, held, table, decision_id = self._fetch((
         self.state.computed, self.state.generation, self.pages.pages_held,
         self.pages.page_table, decision_id))
-    preserved = np.zeros(self.num_slots, np.int32)
     for slot in np.flatnonzero(preempt):
       req = self._slots[slot]
       target = int(computed[slot])
@@ -1315,9 +1305,8 @@ class _Programs:
   """The engine's jitted functions for one (model config, engine config)."""
 
   policy: object
-  step: Callable
-  tick: Callable
   plan: Callable
+  step: Callable
   arrive: Callable
   release: Callable
   gather: Callable
@@ -1331,8 +1320,6 @@ class _Programs:
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
-  # The policy's zero plan for this slot-table size (``Engine._idle_plan``).
-  idle_plan: list = dataclasses.field(default_factory=list)
 
   def cache_sizes(self) -> Dict[str, int]:
     return {**self.executor_traces, **self.traces}
@@ -1366,7 +1353,7 @@ def _shape_config(config: EngineConfig) -> EngineConfig:
 @functools.lru_cache(maxsize=16)
 def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
   """The policy-free slot and swap programs for one engine shape (shared by
-  every policy; the model step lives in the fused ``step`` program)."""
+  every policy; the model step lives in the ``step`` program)."""
   traces: Dict[str, int] = {}
   c = shape_config
   placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
@@ -1452,7 +1439,7 @@ def _plan(policy, manifest, state, pages, prefix_hits):
 
 
 def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
-  """Publishes the clock (``apply.tick``) after moving the last fused
+  """Publishes the clock (``apply.tick``) after moving the last
   iteration's emission times from its launch stamp to its publication time
   (``apply.restamp_emissions``; ``fix_emitted`` all False when no correction
   is pending)."""
@@ -1460,157 +1447,111 @@ def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
   return apply_lib.tick(state, now_ms)
 
 
+def _plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_ms,
+               fix_emitted, fix_stamp, fix_actual):
+  """The ``plan`` program: tick, then the iteration's one plan and the facts
+  the host settles it by; compiled once per slot-table size, it runs no
+  model.
+
+  Args:
+    policy, prefix_caching: static.
+    manifest, state, pages: the slot tables (``state`` as last published).
+    prefix_hits: i32[R] or None (``AllocatorView.prefix_hit_tokens``).
+    now_ms: f32[] this iteration's launch time (device ms).
+    fix_emitted, fix_stamp, fix_actual: the last iteration's emission
+      correction (``_tick``; ``fix_emitted`` all False when none is pending).
+
+  Returns ``(ticked state, plan, PlanFacts, refcount)``: ``refcount`` is
+  i32[num_pages] once the plan's preemptions released their pages (None
+  without prefix caching), what eviction reads.
+  """
+  ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
+  plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
+  never = (plan.unschedulable if plan.unschedulable is not None
+           else jnp.zeros(plan.selected.shape, bool))
+  evict, refcount = jnp.zeros((), jnp.int32), None
+  if prefix_caching:
+    evict, refcount = _pages_to_evict(plan, pages)
+  facts = PlanFacts(bad_plan=bad_plan != 0, never=never, admit=plan.admit,
+                    preempt=plan.preempt, num_tokens=plan.num_tokens,
+                    num_seqs=plan.num_seqs, evict=evict)
+  return ticked, plan, facts, refcount
+
+
+def _pages_to_evict(plan, pages):
+  """(i32[] count, i32[num_pages] refcount): the cached pages to evict so
+  that the free stack covers the pages ``plan`` allocates (up to its
+  intervals' ends) once its preemptions released theirs, and the refcounts
+  after those releases (``kv_pages.deallocate``: the one release rule)."""
+  released = kv_pages.deallocate(pages, plan.preempt)
+  target = jnp.minimum(kv_pages.pages_for(plan.end, pages.page_size),
+                       pages.page_table.shape[1])
+  need = jnp.sum(jnp.maximum(jnp.where(plan.selected, target - released.pages_held, 0), 0))
+  return jnp.maximum(need - released.num_free, 0).astype(jnp.int32), released.refcount
+
+
 def _pages_low_jnp(pages, state, token_budget, seq_budget):
   """bool[]: fewer free pages than the next iteration could need without
   evicting cached pages or unpinning waiting hits: its new pages are at most
   ceil(token budget / page size) + one per sequence, and unpinning needs more
-  running requests growing a page than pages free. With prefix caching, the
-  host then runs that iteration program by program at once, instead of
-  letting the fused program find out after an empty model step (arrivals
-  map cached pages, finishes free pages: neither makes it too optimistic)."""
+  running requests growing a page than pages free. With prefix caching the
+  next iteration then checks for waiting hits to unpin before it plans
+  (``Engine._unpin_waiting_hits``); otherwise none can be needed (arrivals
+  map cached pages, finishes free pages: neither makes this too optimistic)."""
   bound = -(-token_budget // pages.page_size) + seq_budget
   running = jnp.sum(state.status == rec.RUNNING)
   return pages.num_free < jnp.maximum(bound, running)
 
 
-def _host_work(plan, never, bad_plan, pages, state, prefix_caching: bool):
-  """bool[]: the iteration needs the host (the split path): a rule
-  violation to report, a preemption (host-settled, §0x0C), a request the
-  policy can never schedule, nothing scheduled, or, with prefix caching,
-  cached pages to evict for this plan or waiting prefix hits to unpin for
-  the running requests (``Engine._evict_for``, ``_unpin_waiting_hits``)."""
-  needs = ((bad_plan != 0) | jnp.any(plan.preempt) | jnp.any(never)
-           | (plan.num_seqs == 0))
-  if prefix_caching:
-    c = pages.page_size
-    pages_per_seq = pages.page_table.shape[1]
-    target = jnp.minimum(kv_pages.pages_for(plan.end, c), pages_per_seq)
-    need = jnp.sum(jnp.maximum(jnp.where(plan.selected, target - pages.pages_held, 0), 0))
-    running = state.status == rec.RUNNING
-    grow = jnp.sum(running & (kv_pages.pages_for(state.computed + 1, c) > pages.pages_held))
-    free, evictable, _ = kv_pages.page_census(pages)
-    pinned = jnp.any((state.status == rec.WAITING) & (pages.pages_held > 0))
-    needs = needs | (need > pages.num_free) | (pinned & (grow > free + evictable))
-  return needs
+def _execute_step(model_step, token_budget, prefix_caching, params, kv, pages, buffers,
+                  manifest, state, plan, realized, preserved_end, *, num_rows: int,
+                  windows: tuple = (0,)):
+  """The ``step`` program: execute the settled plan in the token bucket
+  ``num_rows`` -> check the result -> ``apply``; compiled per bucket.
 
-
-def _rows_bound(manifest, state, token_budget, seq_budget):
-  """i32[]: the most token rows a valid plan on ``state`` can schedule.
-
-  The plan rules (``validate.plan_violations``) allow a live slot one row
-  in decode state and at most ``prefill_target - computed`` rows otherwise,
-  at most ``seq_budget`` slots and ``token_budget`` rows in all; so the
-  bound is the sum of the ``seq_budget`` largest per-slot widths, capped
-  by the token budget, whatever the policy. Requests that enter slots
-  later add at most their prompt length (``Engine._fill_slots``).
+  Every row's bits are independent of the bucket (``llama.row_tiled``), so
+  the host runs the smallest bucket holding the plan's rows. The executor
+  reads the plan without the policy's identity (``_execution_view``);
+  ``apply`` reads the whole plan (a policy's ``update`` hook).
 
   Args:
-    token_budget, seq_budget: i32[] (or ints) of the plan's budgets.
+    model_step, token_budget, prefix_caching: static; num_rows: static
+      token bucket of this program; windows: static attention window kinds.
+    kv, pages, buffers: donated; manifest: the slot table; state: the
+      ticked state the plan was made on; plan: its ``IterationPlan``.
+    realized: i32[R] recorded output lengths (simulated executor) or None.
+    preserved_end: i32[R] the result's preserved prefixes (swap
+      preemption; zeros otherwise).
+
+  Returns ``(kv, pages, buffers, state, (plan, result, logprobs), facts)``:
+  the published state, ``logprobs`` the executor's ``StepLogprobs`` (None
+  for the simulated executor; fetched only when a request asked) and
+  ``StepFacts``, the one small pytree the host fetches. Emissions are
+  stamped with the ticked clock (the launch time) and corrected one
+  iteration late to the time the host saw them.
   """
-  p, e, c = manifest.prompt_len, state.emitted, state.computed
-  live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
-  decode = (e >= 1) & (c == p + e - 1)
-  width = jnp.where(live, jnp.where(decode, 1, jnp.maximum(
-      rec.prefill_target(manifest, state) - c, 0)), 0)
-  widest = -jnp.sort(-width)
-  top = jnp.sum(jnp.where(jnp.arange(width.shape[0]) < seq_budget, widest, 0))
-  return jnp.minimum(top, token_budget).astype(jnp.int32)
-
-
-def _fused_step(policy, model_step, buckets, prefix_caching, params, kv, pages, buffers,
-                manifest, state, prefix_hits, realized, now_ms, fix_emitted, fix_stamp,
-                fix_actual, given_plan, use_given, preserved_end, *, num_rows: int,
-                windows: tuple = (0,)):
-  """One whole iteration as one program: tick -> plan -> validate -> execute
-  -> validate -> apply, compiled per token bucket ``num_rows``; the policy
-  runs once.
-
-  The host passes the bucket of an upper bound on the plan's rows
-  (``_rows_bound`` of the last published state plus the prompts placed
-  since), so the plan fits; a plan of fewer rows runs in the larger bucket
-  (every row's bits are independent of the bucket: ``llama.row_tiled``).
-  A plan larger than ``num_rows`` commits nothing and ``facts.bucket``
-  says which to call (the same inputs give the same plan). Choosing the
-  bucket inside with ``lax.switch`` was measured and rejected: XLA:CPU
-  copies the whole KV cache in and out of the conditional every iteration.
-
-  The split path (``Engine._split_step``) calls this same program with
-  ``use_given``: the plan it made and settled on the host (``given_plan``,
-  preemptions with their ``preserved_end``) is executed and published as
-  it is, and always committed; so each bucket's model is compiled once.
-
-  Args:
-    policy, model_step, buckets (token-row sizes), prefix_caching: static;
-    num_rows: static token bucket of this program.
-    kv, pages, buffers: donated; manifest, state: the slot tables.
-    prefix_hits: i32[R] or None; realized: i32[R] recorded output lengths
-      (simulated executor) or None; now_ms: f32[] launch time (device ms);
-      fix_*: the last fused iteration's emission correction (``_tick``).
-    given_plan: an ``IterationPlan`` of this policy (an idle one when not
-      used); use_given: bool[], run ``given_plan`` instead of the policy's;
-    preserved_end: i32[R] the result's preserved prefixes (zeros unless a
-      given plan preempts).
-
-  Returns ``(kv, pages, buffers, state, (ticked, plan, result, logprobs),
-  facts)``; ``logprobs`` is the executor's ``StepLogprobs`` (None for the
-  simulated executor), fetched only when a request asked for them.
-  When ``facts.needs_host`` (``_host_work``) or the plan does not fit,
-  nothing is committed (``facts.committed`` False; the model runs an
-  empty plan, so kv, pages and buffers come back unchanged); after
-  ``needs_host`` the host runs the iteration program by program. Otherwise
-  emissions are stamped with ``now_ms`` (the launch time) and corrected one
-  step late to the time the host saw them. ``facts`` is the one small
-  pytree the host fetches: needs_host, committed, next_rows (``_rows_bound``
-  of the published state), pages_low, bad_result (a result rule violated:
-  the host raises ``validate.validate_result`` from ``aux``), per-slot
-  emitted / token / finished / finish_reason / failed, num_tokens,
-  num_seqs, decodes, the index of the bucket the plan needs, the
-  cost-model features and, with prefix caching, (computed, pages_held,
-  page_table, marked) for registering computed prompt pages
-  (``_hold_last_prompt_pages``).
-  """
-  ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
-  own, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
-  never = own.unschedulable if own.unschedulable is not None else jnp.zeros((), bool)
-  needs_host = ~use_given & _host_work(own, never, bad_plan, pages, ticked,
-                                       prefix_caching)
-  plan = jax.tree.map(lambda g, o: jnp.where(use_given, g, o), given_plan, own)
-  sizes = jnp.asarray(buckets, jnp.int32)
-  index = jnp.minimum(jnp.searchsorted(sizes, jnp.maximum(plan.num_tokens, 1)),
-                      len(buckets) - 1)
   exec_manifest = manifest if realized is None else manifest.replace(
       hidden_realized_output_tokens=realized)
-  view = _execution_view(plan)
-  commit = use_given | (~needs_host & (plan.num_tokens <= num_rows))
-  # Not committed: the model runs an empty plan (every row padding: no page
-  # allocated, no K/V or token written, nothing emitted).
-  off = lambda m: m & commit
-  run = view.replace(selected=off(view.selected), admit=off(view.admit),
-                     preempt=off(view.preempt),
-                     num_tokens=jnp.where(commit, view.num_tokens, 0),
-                     num_seqs=jnp.where(commit, view.num_seqs, 0))
+  run = _execution_view(plan)
   held = None
   if prefix_caching:
     pages, held = _hold_last_prompt_pages(pages, manifest, run)
   kv, pages, buffers, result, logprobs = model_step(params, kv, pages, buffers,
-                                                    exec_manifest, ticked, run,
+                                                    exec_manifest, state, run,
                                                     num_rows=num_rows)
-  result = result.replace(emit_ms=ticked.now_ms,
+  result = result.replace(emit_ms=state.now_ms,
                           preserved_end=jnp.asarray(preserved_end, jnp.int32))
-  published, bad_result = _publish(manifest, ticked, plan, result)
-  state = jax.tree.map(lambda old, new: jnp.where(commit, new, old), state, published)
-  decodes = jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW))
+  published, bad_result = _publish(manifest, state, plan, result)
   facts = StepFacts(
-      needs_host=needs_host, committed=commit,
-      next_rows=_rows_bound(manifest, state, plan.token_budget, plan.seq_budget),
-      pages_low=_pages_low_jnp(pages, published, buckets[-1], plan.seq_budget),
-      bad_result=(bad_result != 0) & commit,
+      pages_low=_pages_low_jnp(pages, published, token_budget, plan.seq_budget),
+      bad_result=bad_result != 0,
       emitted=result.emitted, token=result.token, finished=result.finished,
       finish_reason=result.finish_reason, failed=result.failed,
-      num_tokens=plan.num_tokens, num_seqs=plan.num_seqs, decodes=decodes,
-      bucket=index, features=cost_lib.plan_stats(plan, windows),
+      num_tokens=plan.num_tokens,
+      decodes=jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW)),
+      features=cost_lib.plan_stats(plan, windows),
       prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None)
-  return kv, pages, buffers, state, (ticked, plan, result, logprobs), facts
+  return kv, pages, buffers, published, (plan, result, logprobs), facts
 
 
 def _hold_last_prompt_pages(pages, manifest, plan):
@@ -1731,13 +1672,13 @@ def _programs(model_cfg, config: EngineConfig) -> _Programs:
   executor = _executor(model_cfg, _shape_config(config))
   return _Programs(
       policy=policy,
+      plan=jit("plan", functools.partial(_plan_step, policy,
+                                         config.enable_prefix_caching)),
       step=jit("step", functools.partial(
-          _fused_step, policy, _model_step(model_cfg, config), config.token_buckets,
+          _execute_step, _model_step(model_cfg, config), config.token_buckets[-1],
           config.enable_prefix_caching, windows=model_cfg.window_kinds),
           static_argnames=("num_rows",),
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
-      tick=jit("tick", _tick),
-      plan=jit("plan", functools.partial(_plan, policy)),
       arrive=executor.arrive, release=executor.release,
       gather=executor.gather, restore=executor.restore,
       shift_clock=jit("shift_clock", apply_lib.shift_clock),

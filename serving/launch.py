@@ -444,17 +444,16 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
   every slot-table size the engine can grow to while ``num_requests``
   requests queue (so that no compile lands inside a measurement).
 
-  Per size it compiles the iteration program of every bucket (a prompt of
-  the bucket's length: the engine picks the bucket of an upper bound on the
-  plan's rows, and a new prompt counts whole), the split path's tick and
-  planner (the split path runs the same iteration programs), the arrival,
-  release and prefix-cache writers (a repeated prompt hits the cache) and
-  the client eviction. After it a run compiles nothing unless it preempts
-  (``resume_prefix`` / ``unpin`` with prefix caching, ``swap_out`` /
-  ``swap_in`` in swap mode) or runs past ``DEVICE_REBASE_MS``
-  (``shift_clock``): small programs without the model, compiled on first use.
+  Per size it compiles the ``plan`` program and the ``step`` program of
+  every bucket (``Engine.compile_buckets``: each runs once on a plan that
+  selects nothing), the arrival, release and prefix-cache writers (a
+  repeated prompt hits the cache) and the client eviction. After it a run
+  compiles nothing unless it preempts (``resume_prefix`` / ``unpin`` with
+  prefix caching, ``swap_out`` / ``swap_in`` in swap mode) or runs past
+  ``DEVICE_REBASE_MS`` (``shift_clock``): small programs without the model,
+  compiled on first use.
 
-  Returns {bucket: seconds} summed over the sizes (compile + one tiny run;
+  Returns {bucket: seconds} summed over the sizes (compile + one empty run;
   near zero when XLA's persistent compilation cache already holds them).
   """
   c = engine.config
@@ -465,23 +464,16 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
   rng = np.random.default_rng(0)
   seconds = {}
   greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+  n = max(1, min(c.token_buckets[-1], c.max_model_len - 2))
+  ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
   for size in sizes:
     scratch = Engine(engine.model_cfg, engine.params,
                      dataclasses.replace(c, max_request_slots=size))
-    longest = []
-    for fused in (True, False):    # the split path adds only its tick and planner
-      scratch.fused = fused
-      for bucket in c.token_buckets if fused else c.token_buckets[:1]:
-        t = time.perf_counter()
-        n = max(1, min(bucket, c.max_model_len - 2))
-        ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
-        longest = max(longest, ids, key=len)
-        scratch.add_request(f"warmup-{size}-{bucket}-{fused}", ids, greedy)
-        scratch.run()
-        seconds[bucket] = round(seconds.get(bucket, 0.0) + time.perf_counter() - t, 2)
-    scratch.fused = True
-    scratch.add_request(f"warmup-{size}-hit", longest, greedy)   # a prefix hit
-    scratch.run()
+    for bucket, s in scratch.compile_buckets().items():
+      seconds[bucket] = round(seconds.get(bucket, 0.0) + s, 2)
+    for name in ("warmup", "warmup-hit"):    # the second one hits the cache
+      scratch.add_request(f"{name}-{size}", ids, greedy)
+      scratch.run()
     for request_id in list(scratch.requests):
       scratch.evict(request_id)
   print(f"compiled token buckets (s): {seconds} for slot tables {sizes}")

@@ -36,8 +36,8 @@ from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 
 # Per-program bound on compiled programs for one engine (one slot-table size).
-_SINGLE = ("arrive", "release", "tick", "plan", "sync_cached")
-# Compiled once per token bucket: the iteration program (both paths).
+_SINGLE = ("arrive", "release", "plan", "sync_cached")
+# Compiled once per token bucket: the step program.
 _PER_BUCKET = ("step",)
 
 

@@ -1,7 +1,7 @@
 """Every registered policy runs the tiny-model engine to completion.
 
 One engine per policy, on the simulated executor (``serving.sim_executor``:
-the engine's own fused step with only the model call replaced, so the
+the engine's own plan and step programs with only the model call replaced, so the
 policy, validation and publication programs are the ones the model path
 runs): which tokens a policy's plans produce is the model's business and is
 checked elsewhere; what this checks is that every policy's decisions carry

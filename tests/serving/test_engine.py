@@ -387,60 +387,58 @@ def test_compiled_programs_are_bounded_by_the_buckets(params):
   assert sum(programs.values()) <= 16
 
 
-def test_an_iteration_is_one_program_and_one_fetch(params):
-  """Without preemption every iteration runs the fused program (the split
-  path's planner never compiles) and fetches once: the bucket comes from
-  an upper bound on the plan's rows, so no call is repeated, late arrivals
-  included; a second engine of the same config compiles nothing and gives
-  the same tokens."""
+def test_an_iteration_plans_once_and_runs_the_bucket_its_plan_needs(params):
+  """Without preemption every iteration is one plan program, one step
+  program in the smallest bucket holding the plan's rows, and two fetches
+  (the plan's facts, the step's); a second engine of the same config
+  compiles nothing and gives the same tokens, and a late arrival changes
+  nothing of the early request's tokens."""
   prompts = _prompts([3, 25, 7, 16, 2, 11], seed=21)
   sampling = SamplingParams(max_tokens=9, ignore_eos=True)
   first, reqs = _run(params, BASE, prompts, sampling)
   assert first.num_iterations > 10
   assert set(first.buckets_used) == set(BASE.token_buckets)
-  assert first.bucket_retries == 0
-  assert first.host_fetches == first.num_iterations
-  # The bound ran some iterations in the larger bucket (a prompt waiting
-  # behind the sequence budget): the same bits, counted.
-  assert 0 < first.bucket_oversized < first.num_iterations
-  assert first.compiled_programs()["plan"] == 0
+  assert first.policy_evaluations == first.num_iterations
+  assert first.host_fetches == 2 * first.num_iterations
+  # Every decode-only iteration (at most 4 rows) ran in the 8-row bucket:
+  # the bucket is the plan's, not an upper bound's.
+  assert first.buckets_used[8] >= sampling.max_tokens - 1
+  assert first.compiled_programs()["plan"] == 1
   before = first.compiled_programs()
   again, reqs2 = _run(params, BASE, prompts, sampling)
   assert again.compiled_programs() == before
   assert again.host_fetches == first.host_fetches
   assert [r.output_token_ids for r in reqs2] == [r.output_token_ids for r in reqs]
-  # A late arrival makes a decode-only iteration prefill: its prompt is
-  # added to the bound before the call, so nothing is repeated.
   late = Engine(CFG, params, BASE)
   early = late.add_request("early", prompts[0], sampling)
   while len(early.output_token_ids) < 3:
     late.step()
   late.add_request("late", prompts[1], sampling)
   late.run()
-  assert late.bucket_retries == 0 and late.buckets_used[16] >= 1
-  assert late.host_fetches == late.num_iterations
+  assert late.buckets_used[16] >= 1
+  assert late.policy_evaluations == late.num_iterations
   assert late.requests["late"].output_token_ids == reqs[1].output_token_ids
   assert early.output_token_ids == reqs[0].output_token_ids
 
 
-def test_fused_and_split_iterations_give_the_same_tokens_and_clocks(params):
-  """The plan log forces the program-by-program path. On a clock that
-  ticks 1 ms per reading, both paths read it equally often, so the device's
-  emission clocks (the fused path's launch stamps corrected one step late)
-  and every token must match, and each finished slot's device clocks equal
-  the host's emission times of its request."""
+def test_the_plan_log_changes_no_token_and_no_clock(params):
+  """Keeping the plan log adds one fetch per iteration and nothing else: on
+  a clock that ticks 1 ms per reading, every token and every emission time
+  match a run without it, and each finished slot's device clocks equal the
+  host's emission times of its request (the launch stamps corrected one
+  iteration late)."""
   prompts = _prompts([3, 12, 7, 5], seed=22)
   runs = []
-  for split in (False, True):
+  for log in (False, True):
     ticks = iter(range(10**6))
     engine = Engine(CFG, params, BASE, clock=lambda: next(ticks) / 1000.0)
-    engine.record_plans = split
+    engine.record_plans = log
     reqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=2 + 3 * i,
                                                           ignore_eos=True))
             for i, p in enumerate(prompts)]
     engine.run()
-    assert engine.host_fetches > 2 * engine.num_iterations if split else (
-        engine.host_fetches == engine.num_iterations + engine.bucket_retries)
+    assert engine.host_fetches == (3 if log else 2) * engine.num_iterations
+    assert len(engine.plan_log) == (engine.num_iterations if log else 0)
     engine.step()          # nothing left: the pending correction is applied
     state = jax.device_get(engine.state)
     runs.append(([r.output_token_ids for r in reqs], [r.token_times_ms for r in reqs],
@@ -448,16 +446,79 @@ def test_fused_and_split_iterations_give_the_same_tokens_and_clocks(params):
     for r in reqs[:-1]:
       assert state.first_token_ms[r.slot] == np.float32(r.token_times_ms[0])
       assert state.last_token_ms[r.slot] == np.float32(r.token_times_ms[-1])
-  (tok_f, times_f, first_f, last_f), (tok_s, times_s, first_s, last_s) = runs
-  assert tok_f == tok_s and times_f == times_s
-  np.testing.assert_array_equal(first_f, first_s)
-  np.testing.assert_array_equal(last_f, last_s)
+  (tok_a, times_a, first_a, last_a), (tok_b, times_b, first_b, last_b) = runs
+  assert tok_a == tok_b and times_a == times_b
+  np.testing.assert_array_equal(first_a, first_b)
+  np.testing.assert_array_equal(last_a, last_b)
 
 
-def test_split_iterations_run_the_fused_programs(params):
-  """Preemption, swap and forced preemptions take the split path every few
-  iterations: it adds its tick and planner but runs each plan in the step
-  program of its bucket (no second model program per bucket); the slot
+@dataclasses.dataclass(frozen=True)
+class _CountingPolicy:
+  """A registered policy whose every evaluation on the device appends to
+  ``calls`` (a ``jax.debug.callback``, so a plan computed and thrown away
+  counts too); everything else is the inner policy's."""
+
+  inner: object
+  calls: list = dataclasses.field(compare=False, hash=False)
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def __call__(self, manifest, state, alloc):
+    jax.debug.callback(lambda: self.calls.append(1))
+    return self.inner(manifest, state, alloc)
+
+
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
+def test_the_policy_is_evaluated_once_per_iteration(params, monkeypatch, mode):
+  """Counted on the device, under forced preemptions (recompute, or swap:
+  pages copied out and written back), KV pressure that preempts, a prefix
+  cache that evicts, and a request the policy can never schedule: each
+  ``step()`` evaluates the policy exactly once, and the plan program and
+  each bucket's step program are traced once."""
+  from serving import engine as engine_lib
+  calls = []
+  real = engine_lib.make_policy
+  monkeypatch.setattr(engine_lib, "make_policy",
+                      lambda name, budgets: _CountingPolicy(real(name, budgets), calls))
+  # A config no other test builds: its programs hold the counting policy.
+  config = dataclasses.replace(BASE, policy="orca", num_pages=14, force_preempt_every=4,
+                               preemption_mode=mode, num_clients=7)
+  engine = Engine(CFG, params, config)
+  shared = _prompts([12], seed=50)[0]
+  # Two waves: the second's prompts need the pages the first left cached.
+  waves = [[shared + p for p in _prompts([3, 1, 2], seed=51)] + _prompts([9, 10], seed=52),
+           [shared + _prompts([2], seed=55)[0]] + _prompts([12, 13], seed=54)]
+  sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+  reqs, steps = [], 0
+  wide = engine.add_request("wide", _prompts([20], seed=53)[0], GREEDY)   # > budget 16
+  for wave in waves:
+    reqs += [engine.add_request(f"r{len(reqs) + i}", p, sampling) for i, p in enumerate(wave)]
+    while engine.has_unfinished():
+      before = len(calls)
+      engine.step()
+      steps += 1
+      assert len(calls) == before + 1
+  assert wide.outcome == "rejected" and all(r.outcome == "completed" for r in reqs)
+  assert engine.policy_evaluations == steps == engine.num_iterations + 1
+  assert engine.num_preemptions > 0
+  assert engine.prefix_cache.evictions > 0
+  if mode == "swap":
+    assert engine.swap.swapped_in > 0
+  else:      # (under swap, KV pressure evicts the shared pages before wave 2)
+    assert engine.prefix_cache.hits > 0
+  programs = engine.compiled_programs()
+  assert programs["plan"] == 1 and programs["step"] <= len(BASE.token_buckets)
+  _assert_all_pages_free(engine)
+  # The same tokens as without forced preemption and KV pressure.
+  _, plain = _run(params, dataclasses.replace(BASE, policy="orca"), waves[0] + waves[1],
+                  sampling)
+  assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
+
+
+def test_preempting_iterations_share_the_step_programs(params):
+  """Preemption, swap and forced preemptions add no model program: each
+  settled plan runs in the step program of its bucket, and the slot
   writers read no policy and are shared with every other policy."""
   prompts = _prompts([3, 25, 7, 16], seed=14)
   first, _ = _run(params, BASE, prompts)
@@ -513,9 +574,9 @@ def test_fresh_engine_reuses_compiled_programs(params):
 
 
 def test_nothing_compiles_after_warmup(params):
-  """``launch.warmup`` compiles each bucket's iteration program once (both
-  paths run it) and the split path's tick and planner: a later run that
-  uses every bucket, hits the prefix cache and evicts compiles nothing."""
+  """``launch.warmup`` compiles the plan program and each bucket's step
+  program once: a later run that uses every bucket, hits the prefix cache,
+  keeps the plan log and evicts compiles nothing."""
   config = BASE
   engine = Engine(CFG, params, config)
   launch.warmup(engine)
@@ -528,7 +589,7 @@ def test_nothing_compiles_after_warmup(params):
     prompts = _prompts([9, 14, 3], seed=40)
     reqs = engine.generate(prompts, GREEDY)
     reqs += engine.generate(prompts[:1], GREEDY)   # a prefix hit
-    engine.record_plans = True               # the split path
+    engine.record_plans = True               # the plan log
     reqs += engine.generate(prompts[1:2], GREEDY)
     for r in reqs:
       engine.evict(r.request_id)

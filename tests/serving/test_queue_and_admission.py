@@ -2,7 +2,7 @@
 
 Every case drives ``Engine`` with the tiny random-weight model. Facts about
 scheduling and KV accounting alone (KV rows, victims, the visible queue, its
-bound) run on the simulated executor: the engine's own fused step, policy,
+bound) run on the simulated executor: the engine's own plan and step programs, policy,
 validation and publication programs, with only the model call replaced, at
 about half the compile cost; the cases that compare tokens run the model.
 """
