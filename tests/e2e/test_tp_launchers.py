@@ -78,6 +78,8 @@ def _replay(model_dir: Path, mesh: str, out: Path, *extra: str) -> dict:
   return {r["request_id"]: r["output_token_ids"] for r in report["requests"]}
 
 
+# ~2 min on 2 cores; tests/models/test_sharding.py checks the mesh engine by default.
+@pytest.mark.extended
 def test_replay_on_a_mesh_emits_the_one_device_tokens(hf_tiny, tmp_path):
   """model:2 (attention, MLP, vocabulary split) and model:4 (attention
   replicated: 2 KV heads) against one device, greedy, through replay.py."""

@@ -39,6 +39,8 @@ def test_config_and_shapes(smollm):
   assert tok.encode("<|im_start|>user")[:1] == [1]
 
 
+# tests/e2e/test_launchers.py answers Paris through the engine by default.
+@pytest.mark.extended
 def test_greedy_capital_of_france(smollm):
   cfg, params, tok = smollm
   prompts = [tok.encode("The capital of France is"), tok.encode("1, 2, 3, 4,")]

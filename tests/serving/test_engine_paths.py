@@ -133,6 +133,8 @@ def test_prompt_rows_are_bitwise_equal_alone_in_a_big_bucket_and_chunked_beside_
                   "the bitwise comparison is not discriminating here")
 
 
+# ~1 min; tests/serving/test_chunked_prefill.py checks scanned chunks' bits by default.
+@pytest.mark.extended
 def test_a_long_prompt_prefills_in_one_scanned_iteration_with_the_same_bits(params):
   """With a 32-token budget and ``prefill_chunk_rows=8`` a 30-token prompt
   is one iteration: one program call scanning four 8-row chunks. Its K/V

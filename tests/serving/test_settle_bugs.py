@@ -55,6 +55,7 @@ def test_a_dropped_resume_hit_is_not_counted_where_nothing_is_shared(params):
   assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in off]
 
 
+@pytest.mark.extended    # ~1 min; tests/serving/test_prefix_cache.py counts shared hits by default
 def test_a_used_hit_counts_once_and_a_resume_hit_of_its_own_pages_not_at_all(params):
   """A prompt sharing 2 pages with an earlier one counts its 32 hit tokens
   once; the earlier request, forced out and resuming from its own cached
@@ -80,7 +81,8 @@ def test_a_used_hit_counts_once_and_a_resume_hit_of_its_own_pages_not_at_all(par
 
 @pytest.mark.parametrize("caching, prompt_len", [
     pytest.param(True, 40, marks=pytest.mark.extended),
-    pytest.param(False, 40, marks=pytest.mark.extended), (False, 20)])
+    pytest.param(False, 40, marks=pytest.mark.extended),
+    pytest.param(False, 20, marks=pytest.mark.extended)])
 def test_forced_preemption_always_makes_progress_and_keeps_the_tokens(
     params, caching, prompt_len):
   """Preempting every 3rd decision, one 40-token prompt resumes from its 2
