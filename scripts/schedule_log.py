@@ -31,11 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from models import llama
 from models.config import get_config
 from scheduler.policies import POLICIES
+from serving import cli
 from serving.config import EngineConfig, SamplingParams
 from serving.engine import Engine
 from serving.sim_executor import VirtualClock
@@ -124,4 +125,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
