@@ -115,8 +115,8 @@ class FastServe(base.PolicyBase):
   def next_cost(self, manifest, state):
     """i32[R]: rows of the next legal interval (1 for a decode row)."""
     f = base.work_facts(manifest, state)
-    rows = jnp.minimum(f["target"] - state.computed, self.budgets.chunk_cap)
-    return jnp.where(f["decode"], 1, jnp.maximum(rows, 1))
+    rows = jnp.minimum(f.target - state.computed, self.budgets.chunk_cap)
+    return jnp.where(f.decode, 1, jnp.maximum(rows, 1))
 
   def join_level(self, cost):
     """i32[R]: first queue whose quantum covers ``cost`` (skip-join)."""
@@ -224,10 +224,11 @@ class Vtc(base.PolicyBase):
     c = base.greedy_scan(x, c, order, admit=False)
     num_clients = state.client_counter.shape[0]
     num_slots = manifest.num_slots
-    c["prov"] = lifted_counters(manifest, state) + self.running_charges(
+    # i32[C]: each client's provisional counter.
+    prov = lifted_counters(manifest, state) + self.running_charges(
         manifest, state, x, c)
     # Each client's candidates, in key order: queue[first[k]:last[k]].
-    cand = (x["waiting"] | x["resume"]) & ~c["selected"]
+    cand = (x.waiting | x.resume) & ~c.selected
     client = manifest.client
     own = cand & (client >= 0) & (client < num_clients)
     queue = jnp.lexsort((base.inverse_permutation(order),
@@ -235,28 +236,27 @@ class Vtc(base.PolicyBase):
     count = jnp.zeros((num_clients,), jnp.int32).at[client].add(
         own.astype(jnp.int32), mode="drop")
     last = jnp.cumsum(count, dtype=jnp.int32)
-    c["head"] = last - count
-    c["done"] = jnp.bool_(False)
+    head = last - count                  # i32[C]: each client's next candidate
 
-    def admit_step(c):
-      has = c["head"] < last
-      k = jnp.argmin(jnp.where(has, c["prov"], base.INT32_MAX))
-      s = queue[jnp.minimum(c["head"][k], num_slots - 1)]
+    def admit_step(carry):
+      c, prov, head, _ = carry
+      has = head < last
+      k = jnp.argmin(jnp.where(has, prov, base.INT32_MAX))
+      s = queue[jnp.minimum(head[k], num_slots - 1)]
       fits, width = base.admission_fits(x, c, s)
       go = jnp.any(has) & fits
-      c = dict(c)
-      c["done"] = ~go
 
-      def take(c):
-        c = base.admit(x, c, s, width)
-        c["prov"] = c["prov"].at[k].add(
-            self.admission_charge(manifest, state, s, width))
-        c["head"] = c["head"].at[k].add(1)
-        return c
+      def take(books):
+        c, prov, head = books
+        return (base.admit(x, c, s, width),
+                prov.at[k].add(self.admission_charge(manifest, state, s, width)),
+                head.at[k].add(1))
 
-      return jax.lax.cond(go, take, lambda c: c, c)
+      c, prov, head = jax.lax.cond(go, take, lambda books: books, (c, prov, head))
+      return c, prov, head, ~go
 
-    c = jax.lax.while_loop(lambda c: ~c["done"], admit_step, c)
+    c = jax.lax.while_loop(lambda carry: ~carry[3], admit_step,
+                           (c, prov, head, jnp.bool_(False)))[0]
     return base.finish_plan(manifest, state, x, c, keys, order, self)
 
   def actual_charges(self, manifest, state, plan, result):
@@ -310,10 +310,10 @@ class VtcCompletionReconciled(Vtc):
     return _per_client(manifest, w, num_clients, mask)
 
   def running_charges(self, manifest, state, x, c):
-    rows = c["end"] - state.computed
-    kind = jnp.where(x["decode"], rec.DECODE_ROW,
+    rows = c.end - state.computed
+    kind = jnp.where(x.decode, rec.DECODE_ROW,
                      jnp.where(state.emitted == 0, rec.PREFILL_CHUNK, rec.REBUILD))
-    return self._interval_charges(manifest, state, kind, rows, c["selected"])
+    return self._interval_charges(manifest, state, kind, rows, c.selected)
 
   def provisional_counters(self, manifest, state, plan):
     """i32[C]: C_select as the plan leaves it (lifted + predicted charges)."""

@@ -54,10 +54,10 @@ class Orca(base.PolicyBase):
   def unschedulable(self, manifest, state, alloc):
     """bool[R]: live requests this policy can never select."""
     f = base.work_facts(manifest, state)
-    wide = f["waiting"] & (f["target"] - state.computed > self.budgets.token_budget)
+    wide = f.waiting & (f.target - state.computed > self.budgets.token_budget)
     total_pages = alloc.free_pages + jnp.sum(alloc.pages_held)
-    big = f["waiting"] & (base.pages_for(self.reserve_rows(manifest, state),
-                                         alloc.page_size) > total_pages)
+    big = f.waiting & (base.pages_for(self.reserve_rows(manifest, state),
+                                      alloc.page_size) > total_pages)
     return wide | big
 
   def plan(self, manifest, state, alloc):

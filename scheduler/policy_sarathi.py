@@ -48,7 +48,7 @@ class Sarathi(base.PolicyBase):
     """i32[R, 5]: anchor_rank (0 prefill-like work, 1 decode, 2 none),
     priority, then the identity keys (arrival, id, generation)."""
     f = base.work_facts(manifest, state)
-    anchor = jnp.select([f["partial"] | f["waiting"], f["decode"] | f["resume"]],
+    anchor = jnp.select([f.partial | f.waiting, f.decode | f.resume],
                         [0, 1], 2)
     return base.identity_keys(manifest, state, anchor, manifest.priority)
 

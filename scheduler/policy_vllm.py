@@ -98,108 +98,103 @@ class VllmV1(base.PolicyBase):
                        reserve_rows=state.computed)      # demand paging
     # Each preemption takes the running, unpreempted slot of largest victim
     # rank; only this pass preempts, so the preempted slots are always the
-    # first ``c["victims"]`` of the running slots in victim order.
+    # first ``num_preempted`` of the running slots in victim order.
     victims, num_running = base.stable_partition(
-        self.victim_order(manifest, state, order), x["running"])
-    comp, held, ps = x["computed"], x["held"], x["ps"]
-    catchup = jnp.where(x["decode"], 1, x["target"] - comp)
-    c["stop"] = jnp.bool_(False)
-    c["victims"] = jnp.int32(0)
+        self.victim_order(manifest, state, order), x.running)
+    comp, held, ps = x.computed, x.held, x.ps
+    catchup = jnp.where(x.decode, 1, x.target - comp)
 
     def unschedule(c, v):
-      c = dict(c)
-      was = c["selected"][v]
-      c["tok"] = c["tok"] - jnp.where(was, c["end"][v] - comp[v], 0)
-      c["seq"] = c["seq"] - was.astype(jnp.int32)
-      c["free"] = c["free"] + jnp.where(was, c["alloc_now"][v], 0)
-      c["reserved"] = c["reserved"] + jnp.where(
-          was, jnp.minimum(c["alloc_now"][v], x["own"][v]), 0)
-      c["extend"] = c["extend"].at[v].set(False)
-      c["selected"] = c["selected"].at[v].set(False)
-      c["end"] = c["end"].at[v].set(comp[v])
-      c["alloc_now"] = c["alloc_now"].at[v].set(0)
-      return c
+      was = c.selected[v]
+      return c.replace(
+          tok=c.tok - jnp.where(was, c.end[v] - comp[v], 0),
+          seq=c.seq - was.astype(jnp.int32),
+          free=c.free + jnp.where(was, c.alloc_now[v], 0),
+          reserved=c.reserved + jnp.where(
+              was, jnp.minimum(c.alloc_now[v], x.own[v]), 0),
+          extend=c.extend.at[v].set(False),
+          selected=c.selected.at[v].set(False),
+          end=c.end.at[v].set(comp[v]),
+          alloc_now=c.alloc_now.at[v].set(0))
 
     def running_step(carry):
-      i, c = carry
+      # stop: bool[], the pass preempted its own request; num_preempted: i32[].
+      i, c, stop, num_preempted = carry
       s = running[i]
-      active = ~c["preempt"][s]
+      active = ~c.preempt[s]
       num_new = jnp.minimum(jnp.minimum(catchup[s], b.chunk_cap),
-                            b.token_budget - c["tok"])
-      go = active & (num_new > 0) & (c["seq"] < b.seq_budget)
+                            b.token_budget - c.tok)
+      go = active & (num_new > 0) & (c.seq < b.seq_budget)
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
 
-      def allocate(c):
+      def allocate(books):
         # Pages other requests reserved (§0x06 reservation kinds; none on
         # demand) are not this request's to take.
-        def cond(c):
-          return ((need > c["free"] - (c["reserved"] - x["own"][s])) & ~c["preempt"][s]
-                  & (c["victims"] < num_running))
+        def cond(books):
+          c, num_preempted = books
+          return ((need > c.free - (c.reserved - x.own[s])) & ~c.preempt[s]
+                  & (num_preempted < num_running))
 
-        def body(c):
-          v = victims[c["victims"]]
+        def body(books):
+          c, num_preempted = books
+          v = victims[num_preempted]
           c = unschedule(c, v)
-          c = base.preempt_slot(x, c, v)
-          c["victims"] = c["victims"] + 1
-          return c
+          return base.preempt_slot(x, c, v), num_preempted + 1
 
-        c = jax.lax.while_loop(cond, body, c)
-        self_preempted = c["preempt"][s]
+        c, num_preempted = jax.lax.while_loop(cond, body, books)
+        self_preempted = c.preempt[s]
 
         def take(c):
           return base.take_running(x, c, s, comp[s] + num_new, need)
 
-        def stop(c):
-          c = dict(c)
-          c["stop"] = jnp.bool_(True)
-          return c
+        c = jax.lax.cond(self_preempted, lambda c: c, take, c)
+        return c, stop | self_preempted, num_preempted
 
-        return jax.lax.cond(self_preempted, stop, take, c)
-
-      return i + 1, jax.lax.cond(go, allocate, lambda c: c, c)
+      c, stop, num_preempted = jax.lax.cond(
+          go, allocate, lambda books: (books[0], stop, books[1]), (c, num_preempted))
+      return i + 1, c, stop, num_preempted
 
     # A slot not running and ready changes nothing; nor does any once the
     # pass stopped or a sequence or token row is no longer left (``unschedule``
     # gives rows back only inside a step that could take its own).
-    running, num_walk = base.stable_partition(order, x["running"] & state.ready)
+    running, num_walk = base.stable_partition(order, x.running & state.ready)
     c = jax.lax.while_loop(
-        lambda ic: (ic[0] < num_walk) & ~ic[1]["stop"] & base.budgets_left(x, ic[1]),
-        running_step, (jnp.int32(0), c))[1]
-    c["wstop"] = jnp.bool_(False)
+        lambda carry: (carry[0] < num_walk) & ~carry[2] & base.budgets_left(x, carry[1]),
+        running_step, (jnp.int32(0), c, jnp.bool_(False), jnp.int32(0)))[1]
 
     def waiting_step(carry):
-      i, c = carry
+      # stop: bool[], the request offered last did not fit.
+      i, c, _ = carry
       s = waiting[i]
-      num_new = base.admission_width(x, s, b.token_budget - c["tok"])
+      num_new = base.admission_width(x, s, b.token_budget - c.tok)
       need = jnp.maximum(base.pages_for(comp[s] + num_new, ps) - held[s], 0)
       # A recompute victim comes back only when its whole rebuild fits
       # beside the running requests' next rows (not in vLLM; see the module
       # docstring).
-      forecast = jnp.where(rebuild[s], jnp.maximum(rebuild_pages[s], x["need_total"][s])
-                           + growth, x["need_total"][s])
-      watermark = jnp.where(c["live"], b.watermark_pages, 0)
+      forecast = jnp.where(rebuild[s], jnp.maximum(rebuild_pages[s], x.need_total[s])
+                           + growth, x.need_total[s])
+      watermark = jnp.where(c.live, b.watermark_pages, 0)
       # §0x06: R + A_hat <= C_soft in pages (A_hat = the rows now on demand,
       # or the reservation kind's forecast when larger).
-      fits = ((c["seq"] < b.seq_budget) & (num_new > 0)
-              & adm.admits(c["reserved"], jnp.maximum(need, forecast),
-                           adm.soft_ceiling(c["free"], watermark)))
-      c = dict(c)
-      c["wstop"] = ~fits
-      return i + 1, jax.lax.cond(fits, lambda c: base.admit(x, c, s, num_new),
-                                 lambda c: c, c)
+      fits = ((c.seq < b.seq_budget) & (num_new > 0)
+              & adm.admits(c.reserved, jnp.maximum(need, forecast),
+                           adm.soft_ceiling(c.free, watermark)))
+      c = jax.lax.cond(fits, lambda c: base.admit(x, c, s, num_new), lambda c: c, c)
+      return i + 1, c, ~fits
 
     # The readmission guard's facts, read after the running pass: the pages
     # a recompute victim's rebuild (and its next row) needs, and one page for
     # each request scheduled now whose next row starts a page.
-    rebuild = (state.num_preemptions > 0) & x["waiting"]
+    rebuild = (state.num_preemptions > 0) & x.waiting
     # (A cached prefix is no discount: its pages count among the free ones.)
-    rebuild_pages = jnp.maximum(base.pages_for(x["target"] + 1, ps) - held, 0)
-    growth = jnp.sum(c["selected"] & (c["end"] % ps == 0)).astype(jnp.int32)
+    rebuild_pages = jnp.maximum(base.pages_for(x.target + 1, ps) - held, 0)
+    growth = jnp.sum(c.selected & (c.end % ps == 0)).astype(jnp.int32)
     # Waiting and resumed slots in queue order, up to the first that does
     # not fit (the others change nothing).
-    waiting, num_waiting = base.stable_partition(order, x["waiting"] | x["resume"])
+    waiting, num_waiting = base.stable_partition(order, x.waiting | x.resume)
     c = jax.lax.cond(
-        jnp.any(c["preempt"]), lambda c: c,
-        lambda c: jax.lax.while_loop(lambda ic: (ic[0] < num_waiting) & ~ic[1]["wstop"],
-                                     waiting_step, (jnp.int32(0), c))[1], c)
+        jnp.any(c.preempt), lambda c: c,
+        lambda c: jax.lax.while_loop(lambda carry: (carry[0] < num_waiting) & ~carry[2],
+                                     waiting_step, (jnp.int32(0), c, jnp.bool_(False)))[1],
+        c)
     return base.finish_plan(manifest, state, x, c, keys, order, self)
