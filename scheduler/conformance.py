@@ -8,7 +8,7 @@ emits outputs until each request's hidden realized length, check the result
 (``validate.result_violations``) and publish it with ``apply.apply``, while
 a page ledger follows every page a plan takes and every page a preemption or
 a finish returns. Tick, policy, checks and ``apply`` are the functions the
-engine's fused step runs; the executor is the scheduler's fixture executor
+engine's plan and step programs run; the executor is the scheduler's fixture executor
 (``fixtures.fixture_execute``) and the page table a count, so one policy
 compiles one program (seconds) and a workload runs in a fraction of a
 second. (``tests/scheduler/test_conformance.py`` also drives every

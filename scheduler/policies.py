@@ -608,7 +608,7 @@ def greedy_scan(x: LedgerContext, c: LedgerCarry, order, fcfs_break=True,
   take any more (waiting prompts behind an FCFS ``break``, prefill work once
   ``max_prefills`` is spent), and stops once the sequence or token budget
   is spent (``budgets_left``): each trip is several small
-  XLA:CPU thunks, and the two calls of a fused step took 27 ms at R = 128
+  XLA:CPU thunks, and the policy's two calls in an iteration then took 27 ms at R = 128
   with one live request on a loaded 2-core machine (docs/benchmarks-log.md "The
   one-request decode step"). Each trip is O(1), so the pass is O(R).
   """

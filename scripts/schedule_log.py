@@ -106,6 +106,9 @@ def main(argv):
       print(f"{policy}/{mode}: {logged['iterations']} iterations, "
             f"{logged['preemptions']} preemptions, {logged['evictions']} evictions, "
             f"{sum(v > 0 for v in logged['prefix_hits'].values())} prefix hits", flush=True)
+  # As JSON reads it back (tuples become lists), so that runs compare equal
+  # to an earlier file's.
+  runs = json.loads(json.dumps(runs))
   out = {"meta": {"argv": sys.argv[1:], "jax": jax.__version__}, "runs": runs}
   with open(FLAGS.out, "w") as f:
     json.dump(out, f, indent=1)
