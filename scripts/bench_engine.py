@@ -575,11 +575,14 @@ def main(argv):
     prompts = [list(s.prompt_token_ids) for s in wl]
     outputs = [s.max_tokens for s in wl]
     useful = sum(outputs)
-    s, engine = iterserve_run(cfg, params, prompts, outputs)
+    s, engine = iterserve_run(cfg, params, prompts, outputs, timer=True)
     row = {"source": source, "requests": n, "prompt_tokens": sum(map(len, prompts)),
            "output_tokens": useful, "iterserve_seconds": s,
            "iterserve_output_tokens_per_s": useful / s,
-           "iterserve_preemptions": engine.num_preemptions}
+           "iterserve_preemptions": engine.num_preemptions,
+           "iterserve_iterations": engine.num_iterations,
+           "buckets_used": dict(sorted(engine.buckets_used.items())),
+           "steps": engine.step_timer.summary()}
     for name, hf in peers.items():
       h = sum(hf_run(*hf, prompts[i:i + 32], max(outputs[i:i + 32]))
               for i in range(0, n, 32))

@@ -24,7 +24,8 @@ An iteration is one path, read top-down in ``Engine.step``:
    (§0x0C records; a swap copies the victim's pages out), a swapped request
    admitted is written back;
 4. ``step`` program (``_execute_step``), compiled per token bucket: the
-   settled plan runs in the bucket its rows need, its result is checked and
+   settled plan runs in the token bucket of ``PlanFacts.rows_bound``, its
+   result is checked and
    ``apply`` publishes the next state; one fetch of its ``StepFacts``;
 5. drain: new tokens and outcomes become ``RequestOutput`` news, finished
    slots are released.
@@ -196,8 +197,10 @@ class PlanFacts:
     never: bool[R], live slots the policy can never schedule (rejected).
     admit, preempt: bool[R], the plan's queue intents (a swapped request
       admitted is written back; a preemption is settled, §0x0C).
-    num_tokens, num_seqs: i32[], the plan's token rows and sequences (the
-      host runs the smallest token bucket holding ``num_tokens``).
+    num_tokens, num_seqs: i32[], the plan's token rows and sequences.
+    rows_bound: i32[], the most rows any valid plan on this state could
+      schedule (``_rows_bound``): the host runs the plan in this bound's
+      token bucket (see ``Engine._execute``).
     evict: i32[], cached pages to evict before the plan runs: the pages it
       allocates beyond those free once its preemptions released theirs (0
       without prefix caching).
@@ -209,6 +212,7 @@ class PlanFacts:
   preempt: jax.Array
   num_tokens: jax.Array
   num_seqs: jax.Array
+  rows_bound: jax.Array
   evict: jax.Array
 
 
@@ -894,7 +898,7 @@ class Engine:
     Read top-down (the module docstring numbers the same steps): fill slots
     -> the ``plan`` program (tick, the policy's one plan, its rule check)
     -> settle the plan where its facts call for it, one rule per step ->
-    the ``step`` program in the bucket of the plan's rows (execute, check,
+    the ``step`` program in the bucket of the rows bound (execute, check,
     apply) -> drain. An iteration that rejects a request the policy can
     never schedule, or whose plan is empty, ends at the settle step without
     running the model; the next call plans again.
@@ -980,10 +984,17 @@ class Engine:
         self._resume(slot, preempt)
 
   def _execute(self, plan, facts, preserved, launch) -> List[RequestOutput]:
-    """The ``step`` program in the smallest token bucket holding the plan's
-    rows, then the commit and the drain."""
+    """The ``step`` program, then the commit and the drain.
+
+    The bucket is that of ``PlanFacts.rows_bound`` (the most rows any valid
+    plan on this state could take), not the smallest holding the plan: the
+    same plans with prompt rows ran faster there on this CPU (the Azure-conv
+    trace of ``scripts/bench_engine.py``: 175 s against 209 s;
+    docs/benchmarks.md "One path per iteration"). A row's bits do not
+    depend on the bucket (``llama.row_tiled``)."""
     c = self.config
-    bucket = c.bucket_for(max(int(facts.num_tokens), 1))
+    bucket = c.bucket_for(min(max(int(facts.rows_bound), int(facts.num_tokens), 1),
+                              c.max_num_batched_tokens))
     realized = self._realized() if c.executor == "simulated" else None
     (self.kv, self.pages, self.buffers, state, aux, step_facts) = self._programs.step(
         self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
@@ -1474,7 +1485,10 @@ def _plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_
     evict, refcount = _pages_to_evict(plan, pages)
   facts = PlanFacts(bad_plan=bad_plan != 0, never=never, admit=plan.admit,
                     preempt=plan.preempt, num_tokens=plan.num_tokens,
-                    num_seqs=plan.num_seqs, evict=evict)
+                    num_seqs=plan.num_seqs,
+                    rows_bound=_rows_bound(manifest, ticked, plan.token_budget,
+                                           plan.seq_budget),
+                    evict=evict)
   return ticked, plan, facts, refcount
 
 
@@ -1488,6 +1502,29 @@ def _pages_to_evict(plan, pages):
                        pages.page_table.shape[1])
   need = jnp.sum(jnp.maximum(jnp.where(plan.selected, target - released.pages_held, 0), 0))
   return jnp.maximum(need - released.num_free, 0).astype(jnp.int32), released.refcount
+
+
+def _rows_bound(manifest, state, token_budget, seq_budget):
+  """i32[]: the most token rows a valid plan on ``state`` can schedule: the
+  token bucket an iteration runs in (``PlanFacts.rows_bound``).
+
+  The plan rules (``validate.plan_violations``) allow a live slot one row
+  in decode state and at most ``prefill_target - computed`` rows otherwise,
+  at most ``seq_budget`` slots and ``token_budget`` rows in all; so the
+  bound is the sum of the ``seq_budget`` largest per-slot widths, capped
+  by the token budget, whatever the policy.
+
+  Args:
+    token_budget, seq_budget: i32[] (or ints) of the plan's budgets.
+  """
+  p, e, c = manifest.prompt_len, state.emitted, state.computed
+  live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
+  decode = (e >= 1) & (c == p + e - 1)
+  width = jnp.where(live, jnp.where(decode, 1, jnp.maximum(
+      rec.prefill_target(manifest, state) - c, 0)), 0)
+  widest = -jnp.sort(-width)
+  top = jnp.sum(jnp.where(jnp.arange(width.shape[0]) < seq_budget, widest, 0))
+  return jnp.minimum(top, token_budget).astype(jnp.int32)
 
 
 def _pages_low_jnp(pages, state, token_budget, seq_budget):
@@ -1510,7 +1547,7 @@ def _execute_step(model_step, token_budget, prefix_caching, params, kv, pages, b
   ``num_rows`` -> check the result -> ``apply``; compiled per bucket.
 
   Every row's bits are independent of the bucket (``llama.row_tiled``), so
-  the host runs the smallest bucket holding the plan's rows. The executor
+  the host may run a plan in any bucket holding its rows. The executor
   reads the plan without the policy's identity (``_execution_view``);
   ``apply`` reads the whole plan (a policy's ``update`` hook).
 

@@ -387,9 +387,9 @@ def test_compiled_programs_are_bounded_by_the_buckets(params):
   assert sum(programs.values()) <= 16
 
 
-def test_an_iteration_plans_once_and_runs_the_bucket_its_plan_needs(params):
+def test_an_iteration_plans_once_and_runs_one_step_program(params):
   """Without preemption every iteration is one plan program, one step
-  program in the smallest bucket holding the plan's rows, and two fetches
+  program in the bucket of the rows bound (``PlanFacts.rows_bound``), and two fetches
   (the plan's facts, the step's); a second engine of the same config
   compiles nothing and gives the same tokens, and a late arrival changes
   nothing of the early request's tokens."""
@@ -400,8 +400,8 @@ def test_an_iteration_plans_once_and_runs_the_bucket_its_plan_needs(params):
   assert set(first.buckets_used) == set(BASE.token_buckets)
   assert first.policy_evaluations == first.num_iterations
   assert first.host_fetches == 2 * first.num_iterations
-  # Every decode-only iteration (at most 4 rows) ran in the 8-row bucket:
-  # the bucket is the plan's, not an upper bound's.
+  # Every decode-only iteration (at most 4 rows, bound included) ran in the
+  # 8-row bucket.
   assert first.buckets_used[8] >= sampling.max_tokens - 1
   assert first.compiled_programs()["plan"] == 1
   before = first.compiled_programs()
