@@ -255,12 +255,11 @@ def reservation_rows(manifest, state, budgets: Budgets, target, policy_rows):
 
 
 @flax.struct.dataclass
-class LedgerContext:
-  """What a policy's walk reads and never writes (``ledger``).
+class LedgerContext(WorkFacts):
+  """What a policy's walk reads and never writes (``ledger``): the slots'
+  ``WorkFacts`` fields, and
 
   Attributes:
-    target, running, decode, partial, waiting, resume, work: the slot's
-      ``WorkFacts`` (i32[R] ``target``, the others bool[R]).
     held: i32[R], pages each slot holds (``alloc.pages_held``).
     reclaim: i32[R], pages a preemption of the slot returns to the free
       pool (``alloc.reclaimable_pages``, else ``held``).
@@ -288,13 +287,6 @@ class LedgerContext:
     max_prefills: static, cap on prefill-like intervals per plan, or None.
   """
 
-  target: jax.Array
-  running: jax.Array
-  decode: jax.Array
-  partial: jax.Array
-  waiting: jax.Array
-  resume: jax.Array
-  work: jax.Array
   held: jax.Array
   reclaim: jax.Array
   own: jax.Array
@@ -399,8 +391,7 @@ def ledger(manifest, state, alloc, budgets: Budgets, order, *,
   reclaim = (held if alloc.reclaimable_pages is None
              else alloc.reclaimable_pages.astype(jnp.int32))
   x = LedgerContext(
-      target=f.target, running=f.running, decode=f.decode, partial=f.partial,
-      waiting=f.waiting, resume=f.resume, work=f.work,
+      **{k.name: getattr(f, k.name) for k in dataclasses.fields(WorkFacts)},
       held=held, reclaim=reclaim, own=own, need_total=need_total,
       reserved_pages=pages_for(reserve_rows, ps), decode_need=decode_need,
       computed=state.computed, victim_order=victim_order,
