@@ -180,7 +180,7 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
   they are recorded when the manifest carries SLO fields. Per-slot policy
   counters (MLFQ level, quantum used, wait) restart for the new request.
   ``cached_prefix_tokens`` is the prefix hit the allocator mapped into the
-  slot's page table (``serving.prefix_cache``; < prompt_len): the request's
+  slot's page table (``serving.kv.prefix_cache``; < prompt_len): the request's
   computed and committed frontiers start there.
   Returns ``(manifest, state)``; the state version is bumped.
   """
@@ -225,7 +225,7 @@ def resume_from_prefix(state: rec.SchedulerState, slot, cached_prefix_tokens
                        ) -> rec.SchedulerState:
   """A recompute-preempted request, waiting with nothing computed, resumes
   from the cached prefix the allocator mapped back into its page table
-  (``serving.prefix_cache``): computed and committed start there. Rows
+  (``serving.kv.prefix_cache``): computed and committed start there. Rows
   below its ``rebuild_target`` stay recompute, as before."""
   set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
   return state.replace(

@@ -9,10 +9,10 @@ emits outputs until each request's hidden realized length, check the result
 a page ledger follows every page a plan takes and every page a preemption or
 a finish returns. Tick, policy, checks and ``apply`` are the functions the
 engine's plan and step programs run; the executor is the scheduler's fixture executor
-(``fixtures.fixture_execute``) and the page table a count, so one policy
+(``fixture_execute``, below) and the page table a count, so one policy
 compiles one program (seconds) and a workload runs in a fraction of a
 second. (``tests/scheduler/test_conformance.py`` also drives every
-registered policy through ``serving.engine.Engine`` on the simulated
+registered policy through ``serving.engine.engine.Engine`` on the simulated
 executor, in the extended profile.)
 
     from scheduler import conformance
@@ -81,7 +81,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import apply as apply_lib
-from scheduler import fixtures
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import POLICIES, Budgets, pages_for
@@ -371,6 +370,41 @@ def _plan(policy, manifest, state, held, num_pages, now_ms, *, page_size):
   return state, plan.replace(policy=None, policy_id="", policy_version=""), keys, hidden_bad
 
 
+def fixture_execute(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+                    plan: rec.IterationPlan, emit_ms, fail=None) -> rec.IterationResult:
+  """Simulated execution of a plan (pure, jit-able).
+
+  Args:
+    manifest: the full manifest; execution discovers the stop at
+      ``hidden_realized_output_tokens`` (EOS) or ``max_tokens`` (length).
+    state, plan: the plan's input state and the plan.
+    emit_ms: f32[], publication time of this iteration's outputs (ms).
+    fail: optional bool[R], slots whose execution fails (complete nothing).
+  Returns:
+    IterationResult; token ids are ``(request_id * 31 + e) % 1000`` >= 0.
+  """
+  fail = jnp.zeros_like(plan.selected) if fail is None else fail & plan.selected
+  done = plan.selected & ~fail
+  p = manifest.prompt_len
+  emits = done & ((plan.kind == rec.DECODE_ROW)
+                  | ((plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
+  new_e = state.emitted + 1
+  truth = manifest.hidden_realized_output_tokens
+  eos = emits & (new_e >= truth) if truth is not None else jnp.zeros_like(emits)
+  length = emits & (new_e >= manifest.max_tokens)
+  finished = eos | length
+  reason = jnp.where(eos, rec.FINISH_EOS, jnp.where(length, rec.FINISH_LENGTH,
+                                                      rec.NOT_FINISHED))
+  return rec.IterationResult(
+      decision_id=plan.decision_id, input_state_version=plan.input_state_version,
+      completed=done, completed_end=jnp.where(done, plan.end, state.computed),
+      emitted=emits,
+      token=jnp.where(emits, (manifest.request_id * 31 + new_e) % 1000, -1),
+      emit_ms=jnp.asarray(emit_ms, jnp.float32), finished=finished,
+      finish_reason=reason.astype(jnp.int32), failed=fail,
+      service_rows=jnp.where(done, plan.end - plan.start, 0))
+
+
 @functools.partial(jax.jit, static_argnames=("updater", "page_size"),
                    compiler_options=_QUICK_COMPILE)
 def _publish(updater, manifest, state, plan, keys, held, num_pages, emit_ms, *,
@@ -390,7 +424,7 @@ def _publish(updater, manifest, state, plan, keys, held, num_pages, emit_ms, *,
   plan_bad = {k: jnp.any(b) for k, b in validate.plan_violations(
       online, state, plan.replace(policy=_Replayed(), policy_id="replayed"),
       _Keys(keys)).items()}
-  result = fixtures.fixture_execute(manifest, state, plan, emit_ms)
+  result = fixture_execute(manifest, state, plan, emit_ms)
   result_bad = {k: jnp.any(b) for k, b in validate.result_violations(
       plan, state, online, result).items()}
   successor = apply_lib.apply(online, state, plan.replace(policy=updater), result)

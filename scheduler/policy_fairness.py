@@ -32,7 +32,7 @@ after a recompute preemption are never charged as service (§0x0C).
   cold one, an eligible cold request goes first (``quota_hot = 0``: reuse
   greedy, which can starve cold prompts). Eligible: a cold prompt not yet
   fully computed, waiting or part-way through a chunked prefill. The hit is
-  the engine's real prefix-cache fact (``serving.prefix_cache``).
+  the engine's real prefix-cache fact (``serving.kv.prefix_cache``).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Queue states and the only legal transitions (anything else raises
 Rebuild rows ``[T_ready, T_target)`` consume token budget but publish no
 output and no fairness service (the engine's recompute path marks them
 ``records.REBUILD``). Physical pages, host addresses and copy streams never
-appear here: the engine's exact-preservation path (``serving.kv_swap``: KV
+appear here: the engine's exact-preservation path (``serving.kv.swap``: KV
 pages copied to host memory and back, ``preemption_mode="swap"``) publishes
 ``ReleaseResult`` / ``PreservationResult`` / ``ReadinessReceipt`` facts for
 the same binding, and the state's frontier falls back to the preserved

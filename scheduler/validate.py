@@ -474,7 +474,7 @@ def result_violations(plan: rec.IterationPlan, state: rec.SchedulerState,
 def packed_violations(plan: rec.IterationPlan, packed) -> Dict[str, jax.Array]:
   """Rule name -> bool[T] over packed rows (§0x04).
 
-  ``packed`` is a ``serving.pack.PackedIteration`` (duck-typed: positions,
+  ``packed`` is a ``serving.engine.pack.PackedIteration`` (duck-typed: positions,
   slot_of_row, valid_row, seq_slots, valid_seq, cu_q_lens). Request-local
   positions must equal ``range(start, end)`` of the row's interval.
   """

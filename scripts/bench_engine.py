@@ -59,15 +59,18 @@ from absl import flags, logging
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
 from models import amx, llama, quant, rowgemm
 from models.loaders import load_model, resolve_model_path
-from serving import cli, hostmem, workloads
-from serving import cost_model as cost_lib
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine, resolve_decode_gemm
-from serving.launch import (check_attention_impl, check_model_attention, describe_model,
+from serving import cli
+from serving.cli import hostmem
+from serving.harness import workloads
+from serving.engine import cost_model as cost_lib
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.programs import resolve_decode_gemm
+from serving.cli.launch import (check_attention_impl, check_model_attention, describe_model,
                             model_costs, warmup)
-from serving.launch import decode_gemm as launch_decode_gemm
-from serving.launch import int8_gemm as launch_int8_gemm
-from serving.sampling import sample
+from serving.cli.launch import decode_gemm as launch_decode_gemm
+from serving.cli.launch import int8_gemm as launch_int8_gemm
+from serving.engine.sampling import sample
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_engine.json", "Result JSON path.")
@@ -82,7 +85,7 @@ flags.DEFINE_integer("trace_requests", 64, "Trace section request count.")
 flags.DEFINE_string("trace", str(Path(__file__).resolve().parents[2] / "shared/data/traces/"
                                  "azure2023/AzureLLMInferenceTrace_conv.csv"),
                     "Azure conv CSV for the trace section (synthetic lengths if absent).")
-flags.DEFINE_bool("keep_freed_pages", True, "serving.hostmem.keep_freed_pages before "
+flags.DEFINE_bool("keep_freed_pages", True, "serving.cli.hostmem.keep_freed_pages before "
                   "anything loads (the launchers' default; both engines in the process share it).")
 flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference extra).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
@@ -294,7 +297,7 @@ def gemm_flops_per_s():
 
 def flops_per_token(cfg):
   """FLOPs (2 per multiply-add) of one row's projections, MLP (MoE: router
-  and its top-k experts) and LM head (``serving.cost_model.model_costs``)."""
+  and its top-k experts) and LM head (``serving.engine.cost_model.model_costs``)."""
   costs = cost_lib.model_costs(cfg)
   return costs.gemm_flops_per_row + costs.lm_head_flops_per_row
 

@@ -26,9 +26,10 @@ from absl import flags
 from models import llama
 from models.config import get_config
 from scheduler.policies import POLICIES
-from serving import cli, metrics
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving import cli
+from serving.harness import metrics
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("waiting", ["1024", "4096"], "Waiting-queue sizes.")

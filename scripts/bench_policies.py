@@ -23,9 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 
 from scheduler.policies import POLICIES
-from serving import cli, launch, metrics, workloads
-from serving.engine import Engine
-from serving.replay import replay, run_config, run_outcomes
+from serving import cli
+from serving.cli import launch
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.engine.engine import Engine
+from serving.harness.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("policies", sorted(POLICIES), "Registered policy names to compare.")

@@ -20,9 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from serving import cli, launch, metrics
-from serving.engine import Engine
-from serving.replay import replay, run_config, run_outcomes
+from serving import cli
+from serving.cli import launch
+from serving.harness import metrics
+from serving.engine.engine import Engine
+from serving.harness.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_prefix_cache.json", "Result JSON path.")

@@ -11,7 +11,7 @@ taken on the client: arrival = the intended send time, a token's time = the
 arrival of the SSE chunk that carried its text (a token whose text arrives
 with a later chunk, e.g. the first bytes of a split character, gets that
 chunk's time; the token count is the response's ``usage``). The report is
-``replay.py``'s (``serving.metrics.build_report``); a 429 is recorded as
+``replay.py``'s (``serving.harness.metrics.build_report``); a 429 is recorded as
 rejected, any other error as failed. Against a router front
 (``serve.py --replicas=N``) the report adds a ``router`` section: the
 policy, prefix-cache hit rates per replica and overall, and every request's
@@ -46,7 +46,11 @@ import numpy as np
 from absl import flags
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import cli, launch, metrics, replicas, workloads
+from serving import cli
+from serving.cli import launch
+from serving.harness import metrics
+from serving.http import replicas
+from serving.harness import workloads
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL, with or without "

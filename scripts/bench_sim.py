@@ -4,7 +4,7 @@
       --policy=sarathi_serve --out=runs/bench_sim.json
 
 Replays every request (outputs uncapped; prompt and output fitted into the
-context by ``serving.workloads.FIT_RULE``, with a note when that cuts) with
+context by ``serving.harness.workloads.FIT_RULE``, with a note when that cuts) with
 the simulated executor, which holds no weights (``--model`` is a preset, or
 a GGUF file or HF directory of which only the config is read), and logs,
 every ``--log_every``
@@ -30,9 +30,11 @@ from absl import flags
 from models.config import PRESETS
 from models.loaders import load_config
 from scheduler import records as rec
-from serving import cli, workloads
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine, QueueFull
+from serving import cli
+from serving.harness import workloads
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.requests import QueueFull
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
@@ -42,7 +44,7 @@ flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF dire
                     "(its config only).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
-                     "(serving.workloads.FIT_RULE).")
+                     "(serving.harness.workloads.FIT_RULE).")
 flags.DEFINE_string("cost_model", "", "Cost model JSON.")
 flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows.")
 flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time.")

@@ -4,7 +4,7 @@
   python scripts/calibrate.py --second_model=random:smollm2-135m,d_model=960,n_heads=15,n_kv_heads=5,ffn_dim=2560
   python scripts/calibrate.py --holdout_only --out=PATH
 
-The protocol (``serving.cost_model`` holds the model it fits):
+The protocol (``serving.engine.cost_model`` holds the model it fits):
 
 1. Refuses to start when the machine is busy: the 1-minute load average
    above ``--max_load`` (default 1.5 on this 2-core kind of machine: a
@@ -54,12 +54,14 @@ import numpy as np
 from absl import flags
 
 from models.loaders import load_model
-from serving import cost_model as cost_lib
-from serving import cli, launch, workloads
-from serving.config import SamplingParams
-from serving.engine import Engine
-from serving.replay import fidelity, replay
-from serving.sim_executor import VirtualClock
+from serving.engine import cost_model as cost_lib
+from serving import cli
+from serving.cli import launch
+from serving.harness import workloads
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
+from serving.harness.replay import fidelity, replay
+from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "", "Calibration JSON; default <cache_dir>/calibration/"

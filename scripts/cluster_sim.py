@@ -5,8 +5,8 @@
       --model=DIR --cost_model=profile:h100 --out=runs/cluster.json
 
 Each replica is an engine on the simulated executor (the --engine preset and
-overrides, the cost model of --cost_model); ``serving.cluster_sim`` runs
-them on one virtual timeline behind ``serving.router.Router``, the router
+overrides, the cost model of --cost_model); ``serving.harness.cluster_sim`` runs
+them on one virtual timeline behind ``serving.http.router.Router``, the router
 ``serve.py --replicas`` uses (``--route``: prefix_aware or round_robin).
 ``--time_scale`` < 1 compresses the trace's gaps (0.1 = ten times its rate).
 For each ``--replicas`` entry the JSON holds the global report (vLLM
@@ -24,12 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from serving import cli, launch, metrics, workloads
-from serving.cluster_sim import replay_cluster, router_for
-from serving.engine import Engine
-from serving.replay import run_config, run_outcomes
-from serving.router import POLICIES
-from serving.sim_executor import VirtualClock
+from serving import cli
+from serving.cli import launch
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.harness.cluster_sim import replay_cluster, router_for
+from serving.engine.engine import Engine
+from serving.harness.replay import run_config, run_outcomes
+from serving.http.router import POLICIES
+from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("replicas", ["1", "4"], "Replica counts to replay (one run each).")

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from serving import ablation, cli
+from serving.harness import ablation
+from serving import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("metric", "request_goodput", "Metric to rank by: a report key, a "

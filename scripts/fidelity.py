@@ -9,7 +9,7 @@ multiplied by it: larger is lighter load), replays the same workload twice:
 with the model executor on the wall clock (what really happens) and with the
 simulated executor on the virtual clock under the engine's cost model
 (``--cost_model``, or the calibration ``launch.engine_config`` finds), and
-writes ``serving.replay.fidelity`` per case: per-request median and p90
+writes ``serving.harness.replay.fidelity`` per case: per-request median and p90
 relative error of TTFT, TPOT and E2EL, and the replay durations. Each case
 records the load average before and after its real replay (which count this
 process's own threads); the run refuses to start above ``--max_load``: a
@@ -26,10 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from serving import cli, launch, workloads
-from serving.engine import Engine
-from serving.replay import fidelity, replay
-from serving.sim_executor import VirtualClock
+from serving import cli
+from serving.cli import launch
+from serving.harness import workloads
+from serving.engine.engine import Engine
+from serving.harness.replay import fidelity, replay
+from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("traces", None, "KIND:PATH traces (azure, mooncake, vtc).")

@@ -16,8 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from serving import cli, launch
-from serving.config import SamplingParams
+from serving import cli
+from serving.cli import launch
+from serving.engine.config import SamplingParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "Raw text prompt (no chat template).")

@@ -21,9 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 import jax
 
-from serving import cli, launch
-from serving.config import SamplingParams
-from serving.engine import Engine
+from serving import cli
+from serving.cli import launch
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("impls", ["auto", "pallas_tpu"], "attention_impl values to run.")

@@ -33,8 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 from tqdm import tqdm
 
-from serving import cli, launch, ledger, metrics, workloads
-from serving.replay import replay, run_config, run_outcomes
+from serving import cli
+from serving.cli import launch
+from serving.harness import ledger
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.harness.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/replay.json", "Report JSON path.")
@@ -96,7 +100,7 @@ def main(argv):
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   report["engine_outcomes"] = run_outcomes(engine)
-  # What the requests were judged by: a comparison coordinate (serving.ablation).
+  # What the requests were judged by: a comparison coordinate (serving.harness.ablation).
   report["slo"] = {"ttft_ms": FLAGS.slo_ttft_ms, "tpot_ms": FLAGS.slo_tpot_ms,
                    "tbt_ms": FLAGS.ledger_tbt_ms, "classes": FLAGS.slo_class}
   if launch.slo_flags_given():           # each request judged by its own SLOs

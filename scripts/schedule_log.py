@@ -37,9 +37,9 @@ from models import llama
 from models.config import get_config
 from scheduler.policies import POLICIES
 from serving import cli
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.sim_executor import VirtualClock
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("policies", sorted(POLICIES), "Registered policies to run.")

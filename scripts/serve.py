@@ -8,9 +8,9 @@
       # a router front over servers already running elsewhere
 
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
-/v1/models, /v1/models/{id}, /health, /metrics. See serving/server.py; with
+/v1/models, /v1/models/{id}, /health, /metrics. See serving/http/server.py; with
 --replicas=N the process is a router front over N replica processes
-(serving/replicas.py, serving/router.py; GET /router has each request's
+(serving/http/replicas.py, serving/http/router.py; GET /router has each request's
 route record); with --replica_urls it fronts running servers instead (no
 model loads here; they are health-checked and rejoin when they come back). Flags are checked, and the port bound, before any model
 loads: a bad one is one line, exit status 2.
@@ -25,8 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from serving import cli, launch, replicas, router
-from serving.server import OpenAIServer, bind_socket, serve_forever
+from serving import cli
+from serving.cli import launch
+from serving.http import replicas
+from serving.http import router
+from serving.http.server import OpenAIServer, bind_socket, serve_forever
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")

@@ -9,11 +9,11 @@ by the rate scale, through the real scheduler code: the simulated executor
 on a virtual clock by default (``--executor=model`` runs the model, on the
 wall clock unless ``--clock=virtual``). Per (policy, rate) the mean offered
 attainment (valid/offered, SLO ``--ttft_ms`` and ``--tpot_ms``) gives G* at
-``--alpha`` (DistServe's definition, ``serving.ablation.g_star``). Every
+``--alpha`` (DistServe's definition, ``serving.harness.ablation.g_star``). Every
 trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
 
 Prompt and output lengths are fitted into ``--max_model_len`` together
-(``serving.workloads.FIT_RULE``: the output keeps min(requested,
+(``serving.harness.workloads.FIT_RULE``: the output keeps min(requested,
 max_model_len // 2) tokens, the prompt is cut to the rest), and a note says
 so when it cuts. The simulated executor reads only the model's config
 (``--model``: a preset, or a GGUF file or HF directory whose weights are not
@@ -34,11 +34,15 @@ import numpy as np
 from absl import flags
 
 from models.config import PRESETS
-from serving import ablation, cli, ledger, metrics, workloads
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.replay import replay, run_config, run_outcomes
-from serving.sim_executor import VirtualClock
+from serving.harness import ablation
+from serving import cli
+from serving.harness import ledger
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.harness.replay import replay, run_config, run_outcomes
+from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
@@ -55,7 +59,7 @@ flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF dire
                     "--executor=model).")
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
-                     "(serving.workloads.FIT_RULE).")
+                     "(serving.harness.workloads.FIT_RULE).")
 flags.DEFINE_integer("max_output_len", None, "Cap output lengths (default: none).")
 flags.DEFINE_enum("executor", "simulated", ["simulated", "model"], "Executor.")
 flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simulated.")

@@ -5,7 +5,7 @@
   python scripts/tp_equality.py --model=path/to/hf_dir --tps=2,4 --devices=4
 
 Runs the same prompts through an ``Engine`` on one device and on meshes
-``model:M`` for each ``--tps`` entry (``serving.tp_check``), built as the
+``model:M`` for each ``--tps`` entry (``serving.harness.tp_check``), built as the
 launchers build theirs (``--model`` loaded straight into each mesh's
 shardings, ``launch.warmup`` before generating; ``--nowarmup`` skips it), and
 prints the table of docs/scale-out.md; ``--out`` writes the rows as JSON. On CPU the
@@ -38,7 +38,9 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 from models import llama  # pylint: disable=wrong-import-position
 from models.config import get_config  # pylint: disable=wrong-import-position
-from serving import cli, launch, tp_check  # pylint: disable=wrong-import-position
+from serving import cli
+from serving.cli import launch
+from serving.harness import tp_check  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 8, "Fake CPU devices (set before jax starts).")

@@ -5,20 +5,20 @@ level or inside a function, read from the source with ``ast``).
   from ``scheduler/`` or ``serving/``.
 * ``scheduler/`` (policies, plans, validation) imports nothing from
   ``serving/``, except the conformance kit, which drives the engine.
-* The engine core in ``serving/`` (``CORE``: the engine, its step program's
-  executors, the KV cache's pages, swap and prefix cache, sampling, packing,
-  the config and the cost model of its virtual clock) imports only the core:
-  never the HTTP front (server, replicas, router), the research harness
-  (workloads, replay, metrics, ledger, ablation, cluster_sim) or the CLI
-  (launch, cli).
+* The engine core (``serving/engine/`` and ``serving/kv/``: the engine,
+  its config, executors, packing, sampling and virtual-clock cost model, the
+  KV cache's pages, swap and prefix cache) imports only the core: never the
+  HTTP front (``serving/http/``), the research harness
+  (``serving/harness/``) or the CLI (``serving/cli/``).
+* Every module under ``serving/`` lives in one of those five subpackages.
 """
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CORE = {"config", "cost_model", "engine", "executor", "kv_pages", "kv_swap", "pack",
-        "prefix_cache", "sampling", "sim_executor", "hostmem", "__init__"}
+CORE = ("engine", "kv")
+SUBPACKAGES = {"engine", "kv", "http", "harness", "cli"}
 SCHEDULER_MAY_DRIVE_THE_ENGINE = {"conformance"}
 
 
@@ -53,22 +53,24 @@ def test_scheduler_imports_no_serving():
 
 
 def test_engine_core_imports_only_the_core():
-  known = {p.stem for p in _modules("serving")}
-  assert CORE <= known, CORE - known
-  bad = []
-  for p in _modules("serving"):
-    if p.stem not in CORE:
-      continue
-    for name in imports(p):
-      parts = name.split(".")
-      if parts[0] == "serving" and len(parts) > 1 and parts[1] in known:
-        if parts[1] not in CORE:
-          bad.append((p.stem, parts[1]))
+  core = [p for package in CORE for p in _modules(f"serving/{package}")]
+  assert len(core) >= 10, core
+  bad = [(p.relative_to(ROOT), name) for p in core for name in imports(p)
+         if name.split(".")[0] == "serving" and len(name.split(".")) > 1
+         and name.split(".")[1] not in CORE]
   assert bad == []
+
+
+def test_every_serving_module_lives_in_a_subpackage():
+  loose = sorted(p.name for p in _modules("serving") if p.name != "__init__.py")
+  assert loose == []
+  packages = {p.name for p in (ROOT / "serving").iterdir()
+              if p.is_dir() and (p / "__init__.py").exists()}
+  assert packages == SUBPACKAGES
 
 
 def test_the_rule_catches_a_violation(tmp_path):
   """The checker sees an import inside a function too."""
   src = tmp_path / "x.py"
-  src.write_text("def f():\n  from serving import server\n  import serving.replay\n")
-  assert {"serving", "serving.server", "serving.replay"} <= imports(src)
+  src.write_text("def f():\n  from serving.http import server\n  import serving.harness.replay\n")
+  assert {"serving.http", "serving.http.server", "serving.harness.replay"} <= imports(src)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from models.loaders import load_config
-from serving import cost_model as cost_lib
+from serving.engine import cost_model as cost_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 

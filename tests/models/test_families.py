@@ -40,8 +40,8 @@ import pytest
 from models import llama
 from models.config import RopeConfig
 from models.loaders import load_model
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
 
 torch = pytest.importorskip("torch", reason="reference extra: pip install torch==2.13.0")
 transformers = pytest.importorskip("transformers",

@@ -277,7 +277,7 @@ def test_int8_decode_row_does_not_depend_on_the_bucket(tiny_cfg, quantized, seqs
   hidden, logits = {}, {}
   for rows, parts in [(1, [decode]), (num_rows, [decode] + others)]:
     batch = pack(parts, num_rows=rows)
-    if classes:     # serving.executor's classes: the chunk and the prompt are prompt rows
+    if classes:     # serving.engine.executor's classes: the chunk and the prompt are prompt rows
       batch["prompt_rows"] = jnp.arange(rows) > 0
     got, _ = llama.forward_jit(quantized, tiny_cfg, jax.tree_util.tree_map(jnp.copy, kv),
                                **batch, attention_impl="blocked_dot")

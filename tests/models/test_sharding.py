@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from models import llama, quant, sharding
 from models.config import ModelConfig, RopeConfig, get_config
-from serving.config import EngineConfig
+from serving.engine.config import EngineConfig
 from tests.serving import multiprocess_replay
 
 ROOT = Path(__file__).resolve().parents[2]

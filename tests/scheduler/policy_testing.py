@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import apply as apply_lib
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
 

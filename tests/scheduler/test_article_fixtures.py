@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 
 from attention.ragged import ragged_paged_attention, reference_attention
-from scheduler import accounting as acc
 from scheduler import admission as adm
+from tests.scheduler import article_accounting as acc
+from tests.scheduler import article_admission as art
 from scheduler import apply as apply_lib
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
 from scheduler.policies import Budgets, SarathiServe
-from serving.metrics import percentile_nearest_rank
-from serving.pack import pack
+from serving.harness.metrics import percentile_nearest_rank
+from serving.engine.pack import pack
 
 KIB, MIB = acc.KIB, acc.MIB
 
@@ -259,12 +260,12 @@ BASE_ROWS, HARD_ROWS, WATERMARK_ROWS = 8, 28, 4
 
 
 def _admission(estimates, ceiling, realized=REALIZED):
-  admitted = adm.admit_fifo_rows(BASE_ROWS, estimates, ceiling)
+  admitted = art.admit_fifo_rows(BASE_ROWS, estimates, ceiling)
   return acc.score_admission(BASE_ROWS, estimates, realized, admitted, HARD_ROWS)
 
 
 def test_0x06_admission_replay():
-  soft = adm.soft_ceiling_rows(HARD_ROWS, WATERMARK_ROWS)
+  soft = art.soft_ceiling_rows(HARD_ROWS, WATERMARK_ROWS)
   assert soft == 24
   assert acc.rows_to_bytes(HARD_ROWS) == 3.5 * MIB
   assert acc.rows_to_bytes(WATERMARK_ROWS) == 0.5 * MIB
@@ -302,7 +303,7 @@ def test_0x06_admission_replay():
     other = _admission(estimates, ceiling, realized=[1, 30, 2])
     assert other.admitted == _admission(estimates, ceiling).admitted
   with pytest.raises(ValueError, match="watermark"):
-    adm.soft_ceiling_rows(HARD_ROWS, 29)
+    art.soft_ceiling_rows(HARD_ROWS, 29)
 
 
 # ------------------------------------------------------------------ §0x07

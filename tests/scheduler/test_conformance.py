@@ -187,10 +187,10 @@ def _engine_run(name, workloads, num_slots, params):
   """Each workload through ``Engine`` (tiny model, simulated executor, the
   kit's budgets, a 12-page cache + the null page) with ``num_slots``
   initial slots. Returns per workload (plan log, outputs, censuses)."""
-  from serving import kv_pages
-  from serving.config import EngineConfig, SamplingParams
-  from serving.engine import Engine
-  from serving.sim_executor import VirtualClock
+  from serving.kv import pages as kv_pages
+  from serving.engine.config import EngineConfig, SamplingParams
+  from serving.engine.engine import Engine
+  from serving.engine.sim_executor import VirtualClock
   from tests.serving.engine_testing import CFG, prompts
 
   config = EngineConfig.preset(

@@ -1,6 +1,6 @@
 """Every registered policy runs the tiny-model engine to completion.
 
-One engine per policy, on the simulated executor (``serving.sim_executor``:
+One engine per policy, on the simulated executor (``serving.engine.sim_executor``:
 the engine's own plan and step programs with only the model call replaced, so the
 policy, validation and publication programs are the ones the model path
 runs): which tokens a policy's plans produce is the model's business and is
@@ -16,8 +16,8 @@ import pytest
 from models import llama
 from models.config import get_config
 from scheduler.policies import POLICIES
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

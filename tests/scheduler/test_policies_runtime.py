@@ -8,7 +8,7 @@ max(priority, arrival) victim).
 
 import numpy as np
 
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
 from scheduler.policies import Budgets

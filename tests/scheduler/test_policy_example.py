@@ -21,9 +21,9 @@ from models.config import get_config
 from scheduler import conformance
 from scheduler.policies import Budgets, make_policy
 from scheduler.policy_example import EarliestDeadlineFirst
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.sim_executor import VirtualClock
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.sim_executor import VirtualClock
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "writing-a-policy.md"

@@ -9,7 +9,7 @@ computed by hand in the test's docstring (aging_ms = 20, now = 100 or
 import numpy as np
 import pytest
 
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
 from scheduler.policies import Budgets, make_policy

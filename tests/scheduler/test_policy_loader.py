@@ -14,8 +14,8 @@ import pytest
 from models import llama
 from models.config import get_config
 from scheduler.policies import Budgets, make_policy
-from serving.config import EngineConfig
-from serving.engine import Engine
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
 
 BUDGETS = Budgets(token_budget=8, seq_budget=3, chunk_cap=4)
 

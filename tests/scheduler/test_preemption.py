@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import preemption as pre
 from scheduler import records as rec
 from scheduler import validate as v

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from scheduler import apply as apply_lib
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
 from scheduler.policies import Budgets, SarathiServe

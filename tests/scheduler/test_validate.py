@@ -1,7 +1,7 @@
 """One test per validation rule (§0x01A negative fixtures).
 
 The valid fixture is the §0x01A iteration-5 cut planned by the real
-SarathiServe policy (``scheduler.fixtures.iteration5_fixture``); every test
+SarathiServe policy (``tests.scheduler.fixtures.iteration5_fixture``); every test
 mutates one field of the state, manifest, plan, result or packed rows and
 asserts the rule's own error type.
 """
@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scheduler import fixtures as fx
+from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
 from scheduler.policies import Budgets, SarathiServe
-from serving.pack import pack
+from serving.engine.pack import pack
 
 POLICY = SarathiServe(Budgets(token_budget=4, seq_budget=3, chunk_cap=4))
 A, B, C, D, E = range(5)

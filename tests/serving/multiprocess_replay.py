@@ -11,11 +11,11 @@ import jax
 
 from models import llama, sharding
 from models.config import get_config
-from serving import workloads
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.replay import replay
-from serving.sim_executor import VirtualClock
+from serving.harness import workloads
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.harness.replay import replay
+from serving.engine.sim_executor import VirtualClock
 
 # The tiny model with an MLP width and vocabulary that 2, 3, 4 and 8 divide.
 CFG = dataclasses.replace(get_config("tiny"), ffn_dim=192, vocab_size=768)

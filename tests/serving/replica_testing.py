@@ -2,7 +2,7 @@
 
   python -m tests.serving.replica_testing --port=8001 [--step_delay_ms=20] [--cache_dir=D]
 
-Serves ``serving.server.OpenAIServer`` over the tiny random model (the
+Serves ``serving.http.server.OpenAIServer`` over the tiny random model (the
 ``params`` fixture's weights, so its greedy tokens equal an in-process
 engine's) and the tiny tokenizer, as model "tiny". ``--step_delay_ms`` sleeps
 before each engine step, so that requests stay in flight long enough for a
@@ -18,10 +18,10 @@ import jax
 import uvicorn
 
 from models import llama
-from serving import launch
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.server import OpenAIServer
+from serving.cli import launch
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.http.server import OpenAIServer
 from tests.serving.engine_testing import CFG, tiny_tokenizer
 
 

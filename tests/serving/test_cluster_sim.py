@@ -1,16 +1,16 @@
 """Simulated replicas behind the router on one virtual timeline
-(``serving.cluster_sim``), on the tiny model's config (no weights)."""
+(``serving.harness.cluster_sim``), on the tiny model's config (no weights)."""
 
 import numpy as np
 import pytest
 
-from serving import cost_model as cost_lib
-from serving import workloads
-from serving.cluster_sim import replay_cluster, router_for
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.replay import replay
-from serving.sim_executor import VirtualClock
+from serving.engine import cost_model as cost_lib
+from serving.harness import workloads
+from serving.harness.cluster_sim import replay_cluster, router_for
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.harness.replay import replay
+from serving.engine.sim_executor import VirtualClock
 from tests.serving.engine_testing import CFG
 
 

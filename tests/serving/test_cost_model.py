@@ -1,4 +1,4 @@
-"""``serving.cost_model.model_costs``: cost features from a ModelConfig,
+"""``serving.engine.cost_model.model_costs``: cost features from a ModelConfig,
 checked against numbers computed by hand for two published shapes."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig, get_config
-from serving import cost_model as cost_lib
+from serving.engine import cost_model as cost_lib
 
 # Llama-3.1-8B: d 4096, 32 blocks, 32 query / 8 KV heads of 128, MLP 14336,
 # vocabulary 128256, untied head.

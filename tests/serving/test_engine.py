@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from models import llama, quant
-from serving import launch
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.kv_pages import NULL_PAGE
+from serving.cli import launch
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.kv.pages import NULL_PAGE
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 BASE = EngineConfig.preset("tiny", min_bucket=8)   # 4 seqs, 16-token budget, chunk cap 8,
@@ -476,10 +476,10 @@ def test_the_policy_is_evaluated_once_per_iteration(params, monkeypatch, mode):
   cache that evicts, and a request the policy can never schedule: each
   ``step()`` evaluates the policy exactly once, and the plan program and
   each bucket's step program are traced once."""
-  from serving import engine as engine_lib
+  from serving.engine import programs as programs_lib
   calls = []
-  real = engine_lib.make_policy
-  monkeypatch.setattr(engine_lib, "make_policy",
+  real = programs_lib.make_policy
+  monkeypatch.setattr(programs_lib, "make_policy",
                       lambda name, budgets: _CountingPolicy(real(name, budgets), calls))
   # A config no other test builds: its programs hold the counting policy.
   config = dataclasses.replace(BASE, policy="orca", num_pages=14, force_preempt_every=4,

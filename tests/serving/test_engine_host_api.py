@@ -5,9 +5,9 @@ and the float64 host / rebased float32 device clocks."""
 import numpy as np
 import pytest
 
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import DEVICE_REBASE_MS, Engine
-from serving import kv_pages
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import DEVICE_REBASE_MS, Engine
+from serving.kv import pages as kv_pages
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 BASE = EngineConfig.preset("tiny")

@@ -4,9 +4,9 @@ chunking; no change to tokens; no prefix hit for a prompt-logprob request."""
 
 import numpy as np
 
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.sampling import MAX_LOGPROBS
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.sampling import MAX_LOGPROBS
 from tests.models.llama_reference import dense_forward
 from tests.serving.engine_testing import CFG, prompts
 

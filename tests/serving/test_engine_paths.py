@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from models import llama
-from serving.config import SamplingParams
-from serving.engine import Engine
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
 from tests.serving.engine_testing import CFG, prompts as _prompts
 from tests.serving.test_engine import BASE, GREEDY, ONE_BUCKET, _run
 

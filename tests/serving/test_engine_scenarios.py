@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from serving import kv_pages
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.kv import pages as kv_pages
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, chunk cap 8

@@ -1,4 +1,4 @@
-"""serving.hostmem: after ``keep_freed_pages`` a large allocation comes from
+"""serving.cli.hostmem: after ``keep_freed_pages`` a large allocation comes from
 glibc's heap (no fresh mmap) and stays mapped after ``free``; checked in
 fresh processes, since the setting is process-wide."""
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _PROBE = """
 import ctypes, json, sys
 import numpy as np
-from serving import hostmem
+from serving.cli import hostmem
 kept = hostmem.keep_freed_pages() if sys.argv[1] == "keep" else None
 class Info(ctypes.Structure):
   _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from serving import kv_pages
-from serving.kv_pages import NULL_PAGE
+from serving.kv import pages as kv_pages
+from serving.kv.pages import NULL_PAGE
 
 SLOTS, PAGES_PER_SEQ, NUM_PAGES, PAGE_SIZE = 4, 6, 16, 4
 allocate = jax.jit(kv_pages.allocate, static_argnames=("max_new_per_slot",))

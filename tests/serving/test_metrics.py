@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import fairness
-from serving.metrics import (
+from serving.harness.metrics import (
     RequestRecord,
     ServiceGap,
     build_report,

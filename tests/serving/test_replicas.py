@@ -18,8 +18,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import replicas as replicas_module
-from serving.replicas import ReplicaFront, route_summary, spawn_replica, wait_ready
+from serving.http import replicas as replicas_module
+from serving.http.replicas import ReplicaFront, route_summary, spawn_replica, wait_ready
 from tests.serving.engine_testing import HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import free_port as _free_port, wait_until as _wait
 

@@ -8,12 +8,15 @@ import json
 
 import pytest
 
-from serving import ablation, ledger, metrics, workloads
-from serving import cost_model as cost_lib
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.replay import OUTCOME_KEYS, replay, run_config, run_outcomes
-from serving.sim_executor import VirtualClock
+from serving.harness import ablation
+from serving.harness import ledger
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.engine import cost_model as cost_lib
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.harness.replay import OUTCOME_KEYS, replay, run_config, run_outcomes
+from serving.engine.sim_executor import VirtualClock
 from tests.serving.engine_testing import CFG
 
 

@@ -1,4 +1,4 @@
-"""Routing decisions on hand-worked facts (serving/router.py).
+"""Routing decisions on hand-worked facts (serving/http/router.py).
 
 Cost model in every case: 1 ms per uncached prompt token, 0.5 ms per decode
 token per live sequence on the replica, aging 1 ms per ms waited; page size 4.
@@ -6,7 +6,7 @@ token per live sequence on the replica, aging 1 ms per ms waited; page size 4.
 
 import pytest
 
-from serving.router import RouteCost, Router
+from serving.http.router import RouteCost, Router
 
 COST = RouteCost(prefill_ms_per_token=1.0, decode_ms_per_token_per_seq=0.5, aging=1.0)
 SHARED = list(range(100, 116))                 # 16 tokens: four full pages

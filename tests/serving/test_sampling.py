@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serving.sampling import _filtered_logits, greedy_argmax, sample
+from serving.engine.sampling import _filtered_logits, greedy_argmax, sample
 
 sample_jit = jax.jit(sample)
 

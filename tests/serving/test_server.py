@@ -15,10 +15,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving import kv_pages
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.server import ARRIVAL_HEADER, OpenAIServer, _error_body
+from serving.kv import pages as kv_pages
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.http.server import ARRIVAL_HEADER, OpenAIServer, _error_body
 from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import wait_until as _wait
 
@@ -379,8 +379,8 @@ def test_smollm2_greedy_over_http_equals_generate_py():
 
 
 def test_engine_queue_full_is_a_429_and_slo_fields_reach_add_request(served):
-  from serving.engine import QueueFull
-  from serving.server import _error_response
+  from serving.engine.requests import QueueFull
+  from serving.http.server import _error_response
   response = _error_response(QueueFull("r7", 4096))
   body = json.loads(response.body)
   assert response.status_code == 429 and body["error"]["code"] == "server_overloaded"

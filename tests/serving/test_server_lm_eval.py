@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from serving.config import SamplingParams
-from serving.engine import Engine
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
 from tests.serving.engine_testing import CFG
 from tests.serving.test_server import BASE, MODEL, TOK, _Served
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from models.loaders import load_model, resolve_model_path
-from serving.config import EngineConfig
-from serving.engine import Engine
-from serving.server import OpenAIServer
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.http.server import OpenAIServer
 from tests.serving.engine_testing import HttpApp
 
 torch = pytest.importorskip("torch", reason="reference extra: bash scripts/setup.sh --reference")

@@ -9,8 +9,8 @@ import pytest
 
 from tests.models.llama_reference import dense_forward
 from tests.serving.engine_testing import CFG
-from serving.config import SamplingParams
-from serving.engine import Engine
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
 from tests.serving.test_server import BASE, MODEL, TOK, _greedy_text, openai_client
 
 

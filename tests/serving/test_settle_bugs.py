@@ -16,8 +16,8 @@ import dataclasses
 
 import pytest
 
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
 from tests.serving.engine_testing import CFG, prompts as _prompts
 
 CONFIG = EngineConfig.preset("tiny", page_size=16, max_model_len=128,

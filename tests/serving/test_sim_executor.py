@@ -5,12 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from serving import cost_model as cost_lib
-from serving import ledger, metrics, workloads
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
-from serving.replay import replay, run_config
-from serving.sim_executor import VirtualClock
+from serving.engine import cost_model as cost_lib
+from serving.harness import ledger
+from serving.harness import metrics
+from serving.harness import workloads
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.harness.replay import replay, run_config
+from serving.engine.sim_executor import VirtualClock
 from tests.serving.engine_testing import CFG, prompts
 
 # The test cost model (ms per step, per row, per attention GFLOP, per GB of
@@ -145,7 +147,7 @@ def test_ledger_partition_closes_on_random_workloads_with_aborts(params, cost_fi
 
 
 def test_comparison_refuses_runs_whose_coordinates_differ(params, cost_file, tmp_path):
-  from serving import ablation
+  from serving.harness import ablation
   raw, _, _ = _report_bytes(params, cost_file, tmp_path / "r.json")
   base = json.loads(raw)
   other = json.loads(raw)
@@ -167,7 +169,7 @@ def test_comparison_refuses_runs_whose_coordinates_differ(params, cost_file, tmp
 
 
 def test_g_star_follows_distserve_definition():
-  from serving import ablation
+  from serving.harness import ablation
   g = ablation.g_star([1.0, 2.0, 4.0, 8.0], [1.0, 0.95, 0.85, 0.2], 0.9)
   assert g["g_star"] == 2.0
   assert g["g_star_interpolated"] == pytest.approx(2.0 + 2.0 * 0.05 / 0.10)
@@ -220,7 +222,7 @@ def test_engine_checks_the_calibration_it_is_given(params, tmp_path, capfd):
 
 
 def test_table_ranks_latencies_lower_first_and_shows_rejections():
-  from serving import ablation
+  from serving.harness import ablation
   rows = [{"name": "a", "policy": "orca", "median_ttft_ms": 900.0, "rejected": 20},
           {"name": "b", "policy": "sarathi_serve", "median_ttft_ms": 300.0, "rejected": 0}]
   lines = ablation.table(rows, "median_ttft_ms", ["rejected"]).splitlines()

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.workloads import (
+from serving.harness.workloads import (
     AZURE_CONV_2023_SUMMARY,
     DEFAULT_RESERVED_TOKEN_IDS,
     MOONCAKE_BLOCK_TOKENS,

@@ -8,7 +8,7 @@ one exists), the tokenizer endpoints in vLLM's shapes (``POST /tokenize``: a
 body's prompt token ids, with ``add_special_tokens``; ``POST /detokenize``:
 ``{tokens}`` -> ``{prompt}``; ``GET /tokenizer_info``: special tokens and
 chat template, what lm-evaluation-harness's remote tokenizer reads) and, for
-a router front (``serving.replicas``), ``GET /engine`` (page size, pages,
+a router front (``serving.http.replicas``), ``GET /engine`` (page size, pages,
 slots). Every response and chunk has OpenAI's ``object`` field. A stream
 carries ``usage`` only when ``stream_options.include_usage`` is true: null
 on every chunk (or, with ``continuous_usage_stats``, the counts so far),
@@ -40,7 +40,7 @@ Logprobs (completions ``logprobs`` k, chat ``logprobs`` + ``top_logprobs``;
 k <= ``MAX_LOGPROBS``) are the engine's: the raw model logits'
 ``log_softmax`` (vLLM's default "raw_logprobs": before temperature,
 top-k/top-p and the min_tokens stop mask), float32, computed on the device
-from the logits the sampler read (``serving.executor.StepLogprobs``), one
+from the logits the sampler read (``serving.engine.executor.StepLogprobs``), one
 entry per generated token (``completion_tokens``; a stop string's tokens
 too), streamed with the chunks. ``echo`` puts the prompt first: its text,
 and with logprobs its tokens' (from the prefill rows; the first token has
@@ -99,10 +99,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from scheduler import records as rec
-from serving.config import SamplingParams
-from serving import kv_pages
-from serving.engine import Engine, QueueFull, TokenLogprobs
-from serving.sampling import MAX_LOGPROBS
+from serving.engine.config import SamplingParams
+from serving.kv import pages as kv_pages
+from serving.engine.engine import Engine
+from serving.engine.requests import QueueFull, TokenLogprobs
+from serving.engine.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 8
 # Chat roles the OpenAI API defines for text messages ("developer" is its
@@ -744,7 +745,7 @@ class ServerMetrics:
 
 
 # -------------------------------------------------------------------- app
-# A request forwarded by ``serving.replicas`` carries its original arrival as
+# A request forwarded by ``serving.http.replicas`` carries its original arrival as
 # ``time.monotonic()`` seconds of the same host, so TTFT, queue time and the
 # engine's SLO clocks count from the front's arrival, not the forward.
 ARRIVAL_HEADER = "x-iterserve-arrival-s"

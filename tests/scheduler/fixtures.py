@@ -3,9 +3,10 @@
 * ``build`` turns a list of request declarations into a (manifest, state)
   pair; ``hidden`` (realized total output tokens) goes only into the
   manifest's fixture-only field.
-* ``fixture_execute`` is a simulated executor: it completes every planned
-  interval, emits outputs on the §0x01A token clock and stops a request when
-  it reaches its hidden realized length (EOS) or its declared cap (length).
+* ``fixture_execute`` (the conformance kit's, ``scheduler.conformance``)
+  is a simulated executor: it completes every planned interval, emits
+  outputs on the §0x01A token clock and stops a request when it reaches its
+  hidden realized length (EOS) or its declared cap (length).
 * ``replay_step`` is one whole iteration as one pure function: policy on the
   online projection -> plan predicates -> fixture executor -> result
   predicates -> ``apply``; jit it with the policy static.
@@ -27,6 +28,7 @@ import numpy as np
 from scheduler import apply as apply_lib
 from scheduler import records as rec
 from scheduler import validate
+from scheduler.conformance import fixture_execute
 
 
 # ---------------------------------------------------------------- builders
@@ -94,41 +96,6 @@ def alloc_view(state: rec.SchedulerState, *, num_pages: int,
 
 
 # ---------------------------------------------------------------- executor
-
-
-def fixture_execute(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
-                    plan: rec.IterationPlan, emit_ms, fail=None) -> rec.IterationResult:
-  """Simulated execution of a plan (pure, jit-able).
-
-  Args:
-    manifest: the full manifest; execution discovers the stop at
-      ``hidden_realized_output_tokens`` (EOS) or ``max_tokens`` (length).
-    state, plan: the plan's input state and the plan.
-    emit_ms: f32[], publication time of this iteration's outputs (ms).
-    fail: optional bool[R], slots whose execution fails (complete nothing).
-  Returns:
-    IterationResult; token ids are ``(request_id * 31 + e) % 1000`` >= 0.
-  """
-  fail = jnp.zeros_like(plan.selected) if fail is None else fail & plan.selected
-  done = plan.selected & ~fail
-  p = manifest.prompt_len
-  emits = done & ((plan.kind == rec.DECODE_ROW)
-                  | ((plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
-  new_e = state.emitted + 1
-  truth = manifest.hidden_realized_output_tokens
-  eos = emits & (new_e >= truth) if truth is not None else jnp.zeros_like(emits)
-  length = emits & (new_e >= manifest.max_tokens)
-  finished = eos | length
-  reason = jnp.where(eos, rec.FINISH_EOS, jnp.where(length, rec.FINISH_LENGTH,
-                                                      rec.NOT_FINISHED))
-  return rec.IterationResult(
-      decision_id=plan.decision_id, input_state_version=plan.input_state_version,
-      completed=done, completed_end=jnp.where(done, plan.end, state.computed),
-      emitted=emits,
-      token=jnp.where(emits, (manifest.request_id * 31 + new_e) % 1000, -1),
-      emit_ms=jnp.asarray(emit_ms, jnp.float32), finished=finished,
-      finish_reason=reason.astype(jnp.int32), failed=fail,
-      service_rows=jnp.where(done, plan.end - plan.start, 0))
 
 
 def replay_step(policy, manifest, state, emit_ms, *, num_pages: int, page_size: int):

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 
 from models import llama
 from scheduler import records as rec
-from serving import kv_pages
-from serving.pack import pack
-from serving.sampling import MAX_LOGPROBS, raw_logprobs, sample
+from serving.kv import pages as kv_pages
+from serving.engine.pack import pack
+from serving.engine.sampling import MAX_LOGPROBS, raw_logprobs, sample
 
 
 @flax.struct.dataclass

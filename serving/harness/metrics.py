@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from serving.config import OUTCOMES
+from serving.engine.config import OUTCOMES
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
 

@@ -1,7 +1,7 @@
 """A cluster in the simulator: N simulated replicas behind the router, one
 virtual timeline.
 
-The same ``serving.router.Router`` that ``serve.py --replicas`` runs behind
+The same ``serving.http.router.Router`` that ``serve.py --replicas`` runs behind
 its HTTP front places each request; each replica is an ``Engine`` on the
 simulated executor with its own ``VirtualClock`` (every step advances it by
 the cost model's time). The replicas share one timeline by discrete events,
@@ -30,18 +30,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
-from serving.config import SamplingParams
-from serving.engine import Engine, QueueFull
-from serving.metrics import RequestRecord
-from serving.replay import _record, _refused
-from serving import router as router_lib
-from serving.router import Router
-from serving.sim_executor import VirtualClock
-from serving.workloads import Workload
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.requests import QueueFull
+from serving.harness.metrics import RequestRecord
+from serving.harness.replay import _record, _refused
+from serving.http import router as router_lib
+from serving.http.router import Router
+from serving.engine.sim_executor import VirtualClock
+from serving.harness.workloads import Workload
 
 
 def router_for(engines: Sequence[Engine], policy: str, cost=None) -> Router:
-  """The router ``serve.py --replicas`` builds (``serving.router.router_for``)
+  """The router ``serve.py --replicas`` builds (``serving.http.router.router_for``)
   over these engines' configs."""
   return router_lib.router_for([dataclasses.asdict(e.config) for e in engines], policy, cost)
 

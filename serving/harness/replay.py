@@ -21,11 +21,12 @@ from typing import Callable, List, Optional, Tuple
 import jax
 
 from scheduler.admission import estimator_name
-from serving.config import SamplingParams
-from serving.engine import Engine, QueueFull
-from serving.metrics import RequestRecord
-from serving.sim_executor import VirtualClock
-from serving.workloads import Workload
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.requests import QueueFull
+from serving.harness.metrics import RequestRecord
+from serving.engine.sim_executor import VirtualClock
+from serving.harness.workloads import Workload
 
 
 def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
@@ -123,7 +124,7 @@ OUTCOME_KEYS = ("iterations", "bucket_histogram", "compiled_programs", "num_slot
 def run_config(engine: Engine, model_name: str) -> dict:
   """The configuration block of a report: what the user set (model, engine
   preset and overrides, policy, executor and cost model) and where it ran
-  (versions, device). Two runs are compared on these (``serving.ablation``);
+  (versions, device). Two runs are compared on these (``serving.harness.ablation``);
   what the run measured is in ``run_outcomes``, never here."""
   c = engine.config
   return {

@@ -16,7 +16,7 @@ vLLM does: the device keeps ownership, the host keeps content.
   in which case it stays resident and evictable. ``map_prefix`` puts cached
   pages into a slot's table (+1 reference each); ``sync_cached`` publishes
   the host table's page set and frees the pages it evicted.
-* Host (``serving.prefix_cache.PrefixCache``): chained content keys, the
+* Host (``serving.kv.prefix_cache.PrefixCache``): chained content keys, the
   key -> page table and the LRU order. It only ever evicts pages with
   refcount 0 and only registers pages a live table holds.
 

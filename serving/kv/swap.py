@@ -26,7 +26,7 @@ import numpy as np
 
 from models import llama
 from scheduler import preemption as pre
-from serving import kv_pages
+from serving.kv import pages as kv_pages
 
 
 def page_bucket(num_pages: int, pages_per_seq: int) -> int:

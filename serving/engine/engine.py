@@ -38,12 +38,12 @@ size: per size, one ``plan`` program, one ``step`` per token bucket in
 ``EngineConfig.token_buckets``, one arrival writer, one release/cancel
 writer, and, where used, the prefix-cache, clock and swap writers
 (``compiled_programs()`` reports what was actually compiled;
-``serving.launch.warmup`` compiles them, after which a run compiles nothing
+``serving.cli.launch.warmup`` compiles them, after which a run compiles nothing
 more).
 
 Preemption (§0x0C) follows ``EngineConfig.preemption_mode``: "recompute"
 frees the victim's pages and later rebuilds its prefix; "swap" copies the
-pages to host memory first (``serving.kv_swap``) and writes them back when
+pages to host memory first (``serving.kv.swap``) and writes them back when
 the request is re-admitted, so it resumes exactly where it stopped. Either
 way the host keeps the request's §0x0C QueueRecord / PreemptionIntent /
 ReleaseResult / PreservationResult / ResumeTicket chain, bound by
@@ -56,7 +56,7 @@ when full (one compiled program set per size) up to
 ``QueueFull``.
 
 Automatic prefix caching (``EngineConfig.enable_prefix_caching``,
-``serving.prefix_cache``): when a request enters a slot, the longest cached
+``serving.kv.prefix_cache``): when a request enters a slot, the longest cached
 prefix of its prompt (whole pages, at least one prompt token left) is mapped
 into its page table and its prefill starts there; the policy reads the hit
 as ``AllocatorView.prefix_hit_tokens`` and the plan is validated against the
@@ -69,7 +69,7 @@ its raw logprob and the ``MAX_LOGPROBS`` most likely tokens
 (``TokenLogprobs``, ``RequestOutput.new_logprobs``); one added with
 ``prompt_logprobs`` gets each prompt token's (``Request.prompt_logprobs``,
 complete when its first output token is out), computed from the prefill
-rows it runs (``serving.executor.StepLogprobs``). Both are the raw model
+rows it runs (``serving.engine.executor.StepLogprobs``). Both are the raw model
 logits' ``log_softmax`` (vLLM's default "raw_logprobs": before the stop
 mask, temperature and top-k/top-p), float32. A request that wants prompt
 logprobs takes no prefix hit (its whole prompt is computed, so every row
@@ -94,11 +94,9 @@ sub-ms resolution however long the engine runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,22 +104,20 @@ import numpy as np
 from models import amx
 from models import llama
 from models import quant
-from models import rowgemm
 from models import sharding
-from scheduler import apply as apply_lib
 from scheduler import preemption as pre
 from scheduler import records as rec
 from scheduler import validate
-from scheduler.policies import Budgets, make_policy
-from scheduler.policy_forced import ForcedPreemption
-from serving import cost_model as cost_lib
-from serving import kv_pages
-from serving import kv_swap
-from serving import sim_executor
-from serving import prefix_cache as pc
-from serving.config import OUTCOMES, EngineConfig, SamplingParams
-from serving.executor import ModelRunner, allocate_for_plan, execute, init_buffers
-from serving.sampling import MAX_LOGPROBS
+from serving.engine import cost_model as cost_lib
+from serving.engine import programs as programs_lib
+from serving.engine import sim_executor
+from serving.engine.config import OUTCOMES, EngineConfig, SamplingParams
+from serving.engine.requests import (Arrival, PromptLogprobs, QueueFull, Request,
+                                     RequestOutput, TokenLogprobs)
+from serving.engine.sampling import MAX_LOGPROBS
+from serving.kv import pages as kv_pages
+from serving.kv import prefix_cache as pc
+from serving.kv import swap as kv_swap
 
 # Device times are float32 ms since the device epoch; once the host clock is
 # this far past the epoch (float32 resolution 2**-3 ms here), ``step`` moves
@@ -132,204 +128,6 @@ DEVICE_REBASE_MS = float(2**20)
 # (padded with empty entries): one compiled program, and one call per
 # iteration unless more than this many requests arrived since the last.
 ARRIVAL_BATCH = 8
-
-
-class QueueFull(Exception):
-  """``add_request`` refused: ``EngineConfig.max_queued_requests`` accepted
-  requests are unfinished. Nothing was recorded; the caller may retry once
-  requests finish (a server answers HTTP 429)."""
-
-  def __init__(self, request_id: str, limit: int):
-    super().__init__(f"request {request_id!r} refused: {limit} accepted requests are "
-                     f"unfinished (EngineConfig.max_queued_requests={limit}); retry "
-                     f"after some finish")
-    self.request_id, self.limit = request_id, limit
-
-
-@flax.struct.dataclass
-class Arrival:
-  """One request's declaration as the ``arrive`` program writes it into a
-  slot: the manifest fields (``scheduler.apply.arrive``) and the executor's
-  per-slot sampling buffers (``serving.executor.RequestBuffers``).
-
-  Attributes:
-    request_id, arrival_seq: i32[], engine uid (both; arrival order = uid).
-    arrival_ms: f32[], original arrival on the engine clock (ms).
-    prompt_len, max_tokens, priority, client: i32[].
-    ttft_ms, tbt_ms: f32[], declared SLO limits (ms; +inf = none).
-    temperature, top_p: f32[]; top_k, min_tokens: i32[]; seed: u32[];
-    ignore_eos: bool[] (``SamplingParams``).
-    prompt: i32[max_model_len], prompt tokens, zero-padded.
-    stop_ids: i32[max_stop_ids], stop token ids, -1-padded (unused entries).
-    logprobs, prompt_logprobs: bool[], the request's logprob flags.
-  """
-
-  request_id: np.ndarray
-  arrival_seq: np.ndarray
-  arrival_ms: np.ndarray
-  prompt_len: np.ndarray
-  max_tokens: np.ndarray
-  priority: np.ndarray
-  client: np.ndarray
-  ttft_ms: np.ndarray
-  tbt_ms: np.ndarray
-  temperature: np.ndarray
-  top_k: np.ndarray
-  top_p: np.ndarray
-  seed: np.ndarray
-  min_tokens: np.ndarray
-  ignore_eos: np.ndarray
-  prompt: np.ndarray
-  stop_ids: np.ndarray
-  logprobs: np.ndarray
-  prompt_logprobs: np.ndarray
-
-
-@flax.struct.dataclass
-class PlanFacts:
-  """The small record the ``plan`` program returns for the host to settle
-  the iteration's plan by (``_plan_step``); per-slot arrays are over the R
-  slots.
-
-  Attributes:
-    bad_plan: bool[], a plan rule was violated: the host raises
-      ``validate.validate_plan``.
-    never: bool[R], live slots the policy can never schedule (rejected).
-    admit, preempt: bool[R], the plan's queue intents (a swapped request
-      admitted is written back; a preemption is settled, §0x0C).
-    num_tokens, num_seqs: i32[], the plan's token rows and sequences.
-    rows_bound: i32[], the most rows any valid plan on this state could
-      schedule (``_rows_bound``): the host runs the plan in this bound's
-      token bucket (see ``Engine._execute``).
-    evict: i32[], cached pages to evict before the plan runs: the pages it
-      allocates beyond those free once its preemptions released theirs (0
-      without prefix caching).
-  """
-
-  bad_plan: jax.Array
-  never: jax.Array
-  admit: jax.Array
-  preempt: jax.Array
-  num_tokens: jax.Array
-  num_seqs: jax.Array
-  rows_bound: jax.Array
-  evict: jax.Array
-
-
-@flax.struct.dataclass
-class StepFacts:
-  """The small record the ``step`` program returns for the host to fetch
-  (``_execute_step``); per-slot arrays are over the R slots.
-
-  Attributes:
-    pages_low: bool[], free KV pages are short (``_pages_low``): with prefix
-      caching the next iteration first checks for waiting hits to unpin.
-    bad_result: bool[], a result rule was violated: the host raises
-      ``validate.validate_result``.
-    emitted, token, finished, finish_reason, failed: per slot (i32/bool[R]),
-      the result's emissions and endings, drained into ``RequestOutput``s.
-    num_tokens, decodes: i32[], the plan's token rows and decode rows.
-    features: f32[3 + 2 W], ``cost_model.plan_stats`` of the plan.
-    prefix: with prefix caching, (computed i32[R], pages_held i32[R],
-      page_table i32[R, P], marked bool[]) for registering computed prompt
-      pages (``_registrable``); else None.
-  """
-
-  pages_low: jax.Array
-  bad_result: jax.Array
-  emitted: jax.Array
-  token: jax.Array
-  finished: jax.Array
-  finish_reason: jax.Array
-  failed: jax.Array
-  num_tokens: jax.Array
-  decodes: jax.Array
-  features: jax.Array
-  prefix: Optional[tuple] = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprobs:
-  """One output token's raw logprobs (float32).
-
-  Attributes:
-    logprob: the token's logprob.
-    top_ids: i32[K] the K = ``MAX_LOGPROBS`` (or vocabulary) most likely
-      tokens, descending (lower id first on ties); top: f32[K] theirs.
-  """
-
-  logprob: float
-  top_ids: np.ndarray
-  top: np.ndarray
-
-
-@dataclasses.dataclass
-class PromptLogprobs:
-  """A prompt's raw logprobs, filled as its prefill rows run.
-
-  Attributes:
-    token: f32[p] each prompt token's logprob given the tokens before it
-      (NaN at position 0: the first token has none).
-    top_ids: i32[p, K], top: f32[p, K]: each position's K most likely
-      tokens, descending (-1 / NaN at position 0).
-  """
-
-  token: np.ndarray
-  top_ids: np.ndarray
-  top: np.ndarray
-
-  @classmethod
-  def empty(cls, prompt_len: int, k: int) -> "PromptLogprobs":
-    return cls(np.full(prompt_len, np.nan, np.float32),
-               np.full((prompt_len, k), -1, np.int32),
-               np.full((prompt_len, k), np.nan, np.float32))
-
-
-@dataclasses.dataclass
-class Request:
-  """Host-side record of one request (ids, clocks in ms, SLO limits in ms
-  with +inf for none, outputs)."""
-
-  request_id: str
-  uid: int
-  prompt_token_ids: List[int]
-  sampling: SamplingParams
-  arrival_ms: float
-  priority: int = 0
-  client: str = "default"
-  output_token_ids: List[int] = dataclasses.field(default_factory=list)
-  token_times_ms: List[float] = dataclasses.field(default_factory=list)
-  outcome: Optional[str] = None
-  finish_reason: str = ""
-  slo_ttft_ms: float = float("inf")
-  slo_tpot_ms: float = float("inf")
-  num_preemptions: int = 0
-  num_extensions: int = 0
-  recompute_tokens: int = 0
-  prefix_hit_tokens: int = 0
-  slot: int = -1
-  queue_record: Optional[pre.QueueRecord] = dataclasses.field(default=None, repr=False)
-  want_logprobs: bool = False      # output tokens' logprobs asked (``add_request``)
-  output_logprobs: List[TokenLogprobs] = dataclasses.field(default_factory=list, repr=False)
-  # Asked for prompt logprobs: filled as its prefill rows run (else None).
-  prompt_logprobs: Optional[PromptLogprobs] = dataclasses.field(default=None, repr=False)
-
-  @property
-  def finished(self) -> bool:
-    return self.outcome is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-  """One step's news for a request: new tokens and, at the end, the outcome."""
-
-  request_id: str
-  new_token_ids: List[int]
-  finished: bool
-  outcome: Optional[str]
-  finish_reason: str
-  # Each new token's logprobs, for a request added with ``logprobs``.
-  new_logprobs: Optional[List[TokenLogprobs]] = None
 
 
 class Engine:
@@ -375,7 +173,7 @@ class Engine:
     self.int8_gemm = amx.resolve(config.int8_gemm) if config.weights == "int8" else None
     # The GEMM of generated rows' float32 projections ("native" or "xla";
     # None for the simulated executor).
-    self.decode_gemm = resolve_decode_gemm(config)
+    self.decode_gemm = programs_lib.resolve_decode_gemm(config)
     simulated = config.executor == "simulated"
     if simulated:             # no model runs: the weights are neither needed nor kept
       params = {}
@@ -395,7 +193,7 @@ class Engine:
     if simulated and not self._virtual:
       raise ValueError("EngineConfig.executor='simulated' charges modelled step times "
                        "and needs a sim_executor.VirtualClock clock")
-    # The model's cost features (``serving.cost_model``): every committed
+    # The model's cost features (``serving.engine.cost_model``): every committed
     # step keeps its plan statistics, from which ``last_step_features`` is
     # computed when read (what calibrate.py fits); on a virtual clock the
     # cost model charges them each step.
@@ -416,7 +214,7 @@ class Engine:
     # an engine with equal configs compiled, instead of compiling again for
     # uncommitted inputs.
     self.kv = self._placement.kv(self.kv)
-    (self.pages, self.buffers, self.manifest, self.state) = _slot_tables(
+    (self.pages, self.buffers, self.manifest, self.state) = programs_lib.slot_tables(
         c, c.max_request_slots, self._placement)
     self._slots: List[Optional[Request]] = [None] * c.max_request_slots
     # Accepted since the last step; the next step moves every one of them
@@ -461,7 +259,7 @@ class Engine:
     self._stamp = None
     self._no_stamp_mask = None
     self._pages_low = False             # the last step's ``StepFacts.pages_low``
-    self._programs = _programs(model_cfg, config)
+    self._programs = programs_lib.programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
 
   @property
@@ -753,12 +551,12 @@ class Engine:
     while size < num_requests:
       size = min(2 * size, c.max_queued_requests)
     old = (self.pages, self.buffers, self.manifest, self.state)
-    new = _slot_tables(c, size, self._placement)
+    new = programs_lib.slot_tables(c, size, self._placement)
     self.pages, self.buffers, self.manifest, self.state = jax.tree.map(
-        _keep_rows, new, old)
+        programs_lib.keep_rows, new, old)
     self._slots += [None] * (size - self.num_slots)
-    self._programs = _programs(self.model_cfg,
-                               dataclasses.replace(c, max_request_slots=size))
+    self._programs = programs_lib.programs(self.model_cfg,
+                                           dataclasses.replace(c, max_request_slots=size))
     self._program_sets.append(self._programs)
 
   # ------------------------------------------------------- prefix caching
@@ -1309,419 +1107,3 @@ class Engine:
       for name, n in programs.cache_sizes().items():
         total[name] = total.get(name, 0) + n
     return total
-
-
-@dataclasses.dataclass(frozen=True)
-class _Programs:
-  """The engine's jitted functions for one (model config, engine config)."""
-
-  policy: object
-  plan: Callable
-  step: Callable
-  arrive: Callable
-  release: Callable
-  gather: Callable
-  restore: Callable
-  shift_clock: Callable
-  forget_client: Callable
-  map_prefix: Callable
-  sync_cached: Callable
-  resume_prefix: Callable
-  unpin: Callable
-
-  traces: Dict[str, int]
-  executor_traces: Dict[str, int]
-
-  def cache_sizes(self) -> Dict[str, int]:
-    return {**self.executor_traces, **self.traces}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Executor:
-  """The programs that read no policy: slot writers, swap."""
-
-  arrive: Callable
-  release: Callable
-  gather: Callable
-  restore: Callable
-  traces: Dict[str, int]
-
-
-# Config fields that only the policy (or the host) reads: engines differing
-# in these alone share one compiled executor and slot writers.
-_POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
-                    watermark_pages=0, reservation="policy", reservation_quantile=0.9,
-                    preemption_mode="recompute", swap_space_mb=0.0,
-                    force_preempt_every=0, max_preemptions_per_request=0,
-                    max_queued_requests=1 << 30, cost_model="",
-                    enable_prefix_caching=True)
-
-
-def _shape_config(config: EngineConfig) -> EngineConfig:
-  return dataclasses.replace(config, **_POLICY_ONLY)
-
-
-@functools.lru_cache(maxsize=16)
-def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
-  """The policy-free slot and swap programs for one engine shape (shared by
-  every policy; the model step lives in the ``step`` program)."""
-  traces: Dict[str, int] = {}
-  c = shape_config
-  placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
-  # Over a mesh every output keeps the sharding its input had (the cache
-  # split, the tables replicated), so each program compiles once per shape.
-  jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
-  return _Executor(
-      arrive=jit("arrive", _arrive_batch, donate_argnums=(2,)),
-      release=jit("release", _release),
-      gather=jit("swap_out", kv_swap.gather_pages),
-      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
-              **placement.pinned(cache_then=1)),
-      traces=traces)
-
-
-def resolve_decode_gemm(config: EngineConfig) -> str | None:
-  """``config.decode_gemm`` resolved: "native" (``models.rowgemm``) or
-  "xla"; None for the simulated executor, which runs no GEMM. "auto" is
-  "native" where the kernel runs and the weights are float32, dense, on one
-  device.
-
-  Raises:
-    ValueError: "native" where the kernel cannot run (why).
-  """
-  if config.executor == "simulated":
-    return None
-  if config.decode_gemm == "xla":
-    return "xla"
-  if config.decode_gemm == "auto" and (config.dtype != "float32" or config.weights != "dense"
-                                       or config.mesh):
-    return "xla"
-  return rowgemm.resolve(config.decode_gemm)
-
-
-def _model_step(model_cfg, config: EngineConfig) -> Callable:
-  """``execute`` (or the simulated executor, ``config.executor``, whose
-  logprobs are None) bound to the engine shape; ``num_rows`` (the token
-  bucket) is left to the caller."""
-  step = _simulated_step if config.executor == "simulated" else execute
-  mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
-  return functools.partial(
-      step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
-                              config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
-      num_seqs=config.max_num_seqs,
-      max_model_len=config.max_model_len)
-
-
-def _simulated_step(*args, **kwargs):
-  """``sim_executor.simulated_execute`` with ``execute``'s outputs: no
-  logits, so no logprobs (None)."""
-  return (*sim_executor.simulated_execute(*args, **kwargs), None)
-
-
-def _counting_jit(name, fn, traces, **jit_kwargs):
-  """jax.jit whose traces (one per compiled program) are counted by name."""
-  traces[name] = 0
-
-  @functools.wraps(fn)
-  def traced(*args, **kwargs):
-    traces[name] += 1          # runs only while tracing, never per call
-    return fn(*args, **kwargs)
-
-  return jax.jit(traced, **jit_kwargs)
-
-
-def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
-  """The plan as the executor reads it: intervals, kinds, ranks, intents and
-  budgets, without the policy's identity, keys or unschedulable mask, so
-  that one compiled executor serves every policy of an engine shape."""
-  num_slots = plan.selected.shape[0]
-  return plan.replace(sort_key=jnp.zeros((num_slots, 1), jnp.int32), policy_id="",
-                      policy_version="", unschedulable=None, policy=None)
-
-
-def _plan(policy, manifest, state, pages, prefix_hits):
-  """The policy's plan, whether it violates a rule, and the allocator view it
-  read (the one validation replays). A victim's credit is its reclaimable
-  pages, not the shared ones (``kv_pages.reclaimable``)."""
-  view = kv_pages.view(pages, prefix_hits)
-  plan = policy(manifest.online(), state, view)
-  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan,
-                                                               view)), view
-
-
-def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
-  """Publishes the clock (``apply.tick``) after moving the last
-  iteration's emission times from its launch stamp to its publication time
-  (``apply.restamp_emissions``; ``fix_emitted`` all False when no correction
-  is pending)."""
-  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
-  return apply_lib.tick(state, now_ms)
-
-
-def _plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_ms,
-               fix_emitted, fix_stamp, fix_actual):
-  """The ``plan`` program: tick, then the iteration's one plan and the facts
-  the host settles it by; compiled once per slot-table size, it runs no
-  model.
-
-  Args:
-    policy, prefix_caching: static.
-    manifest, state, pages: the slot tables (``state`` as last published).
-    prefix_hits: i32[R] or None (``AllocatorView.prefix_hit_tokens``).
-    now_ms: f32[] this iteration's launch time (device ms).
-    fix_emitted, fix_stamp, fix_actual: the last iteration's emission
-      correction (``_tick``; ``fix_emitted`` all False when none is pending).
-
-  Returns ``(ticked state, plan, PlanFacts, refcount)``: ``refcount`` is
-  i32[num_pages] once the plan's preemptions released their pages (None
-  without prefix caching), what eviction reads.
-  """
-  ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
-  plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
-  never = (plan.unschedulable if plan.unschedulable is not None
-           else jnp.zeros(plan.selected.shape, bool))
-  evict, refcount = jnp.zeros((), jnp.int32), None
-  if prefix_caching:
-    evict, refcount = _pages_to_evict(plan, pages)
-  facts = PlanFacts(bad_plan=bad_plan != 0, never=never, admit=plan.admit,
-                    preempt=plan.preempt, num_tokens=plan.num_tokens,
-                    num_seqs=plan.num_seqs,
-                    rows_bound=_rows_bound(manifest, ticked, plan.token_budget,
-                                           plan.seq_budget),
-                    evict=evict)
-  return ticked, plan, facts, refcount
-
-
-def _pages_to_evict(plan, pages):
-  """(i32[] count, i32[num_pages] refcount): the cached pages to evict so
-  that the free stack covers the pages ``plan`` allocates (up to its
-  intervals' ends) once its preemptions released theirs, and the refcounts
-  after those releases (``kv_pages.deallocate``: the one release rule)."""
-  released = kv_pages.deallocate(pages, plan.preempt)
-  target = jnp.minimum(kv_pages.pages_for(plan.end, pages.page_size),
-                       pages.page_table.shape[1])
-  need = jnp.sum(jnp.maximum(jnp.where(plan.selected, target - released.pages_held, 0), 0))
-  return jnp.maximum(need - released.num_free, 0).astype(jnp.int32), released.refcount
-
-
-def _rows_bound(manifest, state, token_budget, seq_budget):
-  """i32[]: the most token rows a valid plan on ``state`` can schedule: the
-  token bucket an iteration runs in (``PlanFacts.rows_bound``).
-
-  The plan rules (``validate.plan_violations``) allow a live slot one row
-  in decode state and at most ``prefill_target - computed`` rows otherwise,
-  at most ``seq_budget`` slots and ``token_budget`` rows in all; so the
-  bound is the sum of the ``seq_budget`` largest per-slot widths, capped
-  by the token budget, whatever the policy.
-
-  Args:
-    token_budget, seq_budget: i32[] (or ints) of the plan's budgets.
-  """
-  p, e, c = manifest.prompt_len, state.emitted, state.computed
-  live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
-  decode = (e >= 1) & (c == p + e - 1)
-  width = jnp.where(live, jnp.where(decode, 1, jnp.maximum(
-      rec.prefill_target(manifest, state) - c, 0)), 0)
-  widest = -jnp.sort(-width)
-  top = jnp.sum(jnp.where(jnp.arange(width.shape[0]) < seq_budget, widest, 0))
-  return jnp.minimum(top, token_budget).astype(jnp.int32)
-
-
-def _pages_low_jnp(pages, state, token_budget, seq_budget):
-  """bool[]: fewer free pages than the next iteration could need without
-  evicting cached pages or unpinning waiting hits: its new pages are at most
-  ceil(token budget / page size) + one per sequence, and unpinning needs more
-  running requests growing a page than pages free. With prefix caching the
-  next iteration then checks for waiting hits to unpin before it plans
-  (``Engine._unpin_waiting_hits``); otherwise none can be needed (arrivals
-  map cached pages, finishes free pages: neither makes this too optimistic)."""
-  bound = -(-token_budget // pages.page_size) + seq_budget
-  running = jnp.sum(state.status == rec.RUNNING)
-  return pages.num_free < jnp.maximum(bound, running)
-
-
-def _execute_step(model_step, token_budget, prefix_caching, params, kv, pages, buffers,
-                  manifest, state, plan, realized, preserved_end, *, num_rows: int,
-                  windows: tuple = (0,)):
-  """The ``step`` program: execute the settled plan in the token bucket
-  ``num_rows`` -> check the result -> ``apply``; compiled per bucket.
-
-  Every row's bits are independent of the bucket (``llama.row_tiled``), so
-  the host may run a plan in any bucket holding its rows. The executor
-  reads the plan without the policy's identity (``_execution_view``);
-  ``apply`` reads the whole plan (a policy's ``update`` hook).
-
-  Args:
-    model_step, token_budget, prefix_caching: static; num_rows: static
-      token bucket of this program; windows: static attention window kinds.
-    kv, pages, buffers: donated; manifest: the slot table; state: the
-      ticked state the plan was made on; plan: its ``IterationPlan``.
-    realized: i32[R] recorded output lengths (simulated executor) or None.
-    preserved_end: i32[R] the result's preserved prefixes (swap
-      preemption; zeros otherwise).
-
-  Returns ``(kv, pages, buffers, state, (plan, result, logprobs), facts)``:
-  the published state, ``logprobs`` the executor's ``StepLogprobs`` (None
-  for the simulated executor; fetched only when a request asked) and
-  ``StepFacts``, the one small pytree the host fetches. Emissions are
-  stamped with the ticked clock (the launch time) and corrected one
-  iteration late to the time the host saw them.
-  """
-  exec_manifest = manifest if realized is None else manifest.replace(
-      hidden_realized_output_tokens=realized)
-  run = _execution_view(plan)
-  held = None
-  if prefix_caching:
-    pages, held = _hold_last_prompt_pages(pages, manifest, run)
-  kv, pages, buffers, result, logprobs = model_step(params, kv, pages, buffers,
-                                                    exec_manifest, state, run,
-                                                    num_rows=num_rows)
-  result = result.replace(emit_ms=state.now_ms,
-                          preserved_end=jnp.asarray(preserved_end, jnp.int32))
-  published, bad_result = _publish(manifest, state, plan, result)
-  facts = StepFacts(
-      pages_low=_pages_low_jnp(pages, published, token_budget, plan.seq_budget),
-      bad_result=bad_result != 0,
-      emitted=result.emitted, token=result.token, finished=result.finished,
-      finish_reason=result.finish_reason, failed=result.failed,
-      num_tokens=plan.num_tokens,
-      decodes=jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW)),
-      features=cost_lib.plan_stats(plan, windows),
-      prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None)
-  return kv, pages, buffers, published, (plan, result, logprobs), facts
-
-
-def _hold_last_prompt_pages(pages, manifest, plan):
-  """Keeps the full prompt pages of every slot whose last prompt chunk runs
-  in ``plan`` resident should the request end in this step (its only or
-  last token: the executor releases a finished slot's pages at once): the
-  plan's pages are allocated here (the executor's own allocation then finds
-  them held) and those pages marked cached, so a release leaves them
-  evictable instead of free. The host registers them after the step and
-  publishes its table (``sync_cached``), which frees any it did not add.
-
-  Returns ``(pages, (pages_held i32[R], page_table i32[R, pages_per_seq],
-  marked i32[R]))``: the tables before any release and the full prompt
-  pages marked per slot (``_registrable`` turns them into what the host
-  registers from).
-  """
-  pages = allocate_for_plan(pages, plan)
-  last = plan.selected & (plan.kind == rec.PREFILL_CHUNK) & (plan.end == manifest.prompt_len)
-  full = jnp.where(last, jnp.minimum(manifest.prompt_len // pages.page_size,
-                                     pages.pages_held), 0)
-  j = jnp.arange(pages.page_table.shape[1], dtype=jnp.int32)
-  ids = jnp.where(j[None, :] < full[:, None], pages.page_table, pages.num_pages)
-  cached = pages.cached.at[ids.reshape(-1)].set(True, mode="drop")
-  return pages.replace(cached=cached), (pages.pages_held, pages.page_table, full)
-
-
-def _registrable(held, pages):
-  """(pages_held i32[R], page_table, marked bool[]) the host may register
-  from after the step: a slot that still holds its pages, all of them; a
-  slot the step released (finished, failed, preempted), only the pages
-  ``_hold_last_prompt_pages`` marked cached before the release (the others
-  went back to the free stack and are not the cache's to take)."""
-  held_before, table, marked_full = held
-  kept = jnp.where(pages.pages_held > 0, held_before, marked_full)
-  return kept, table, jnp.any(marked_full > 0)
-
-
-def _publish(manifest, state, plan, result):
-  bad = validate.any_violation(validate.result_violations(plan, state, manifest, result))
-  return apply_lib.apply(manifest, state, plan, result), bad
-
-
-def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
-  a = arrival
-  manifest, state = apply_lib.arrive(
-      manifest, state, slot, request_id=a.request_id, arrival_ms=a.arrival_ms,
-      arrival_seq=a.arrival_seq, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
-      priority=a.priority, client=a.client, ttft_ms=a.ttft_ms, tbt_ms=a.tbt_ms,
-      cached_prefix_tokens=prefix_hit)
-  set_ = lambda buf, v: buf.at[slot].set(jnp.asarray(v).astype(buf.dtype))
-  buffers = buffers.replace(
-      tokens=buffers.tokens.at[slot].set(a.prompt),
-      temperature=set_(buffers.temperature, a.temperature),
-      top_k=set_(buffers.top_k, a.top_k), top_p=set_(buffers.top_p, a.top_p),
-      seed=set_(buffers.seed, a.seed), min_tokens=set_(buffers.min_tokens, a.min_tokens),
-      ignore_eos=set_(buffers.ignore_eos, a.ignore_eos),
-      stop_ids=buffers.stop_ids.at[slot].set(a.stop_ids),
-      logprobs=set_(buffers.logprobs, a.logprobs),
-      prompt_logprobs=set_(buffers.prompt_logprobs, a.prompt_logprobs))
-  return manifest, state, buffers
-
-
-def _arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hits):
-  """Writes up to ``ARRIVAL_BATCH`` arrivals, in order, in one program.
-
-  Args:
-    slots: i32[B] target slots, -1 for an empty entry (skipped).
-    arrivals: ``Arrival`` with a leading axis B; prefix_hits: i32[B].
-  """
-  def one(tables, entry):
-    slot, arrival, hit = entry
-    tables = jax.lax.cond(slot >= 0, lambda t: _arrive(*t, slot, arrival, hit),
-                          lambda t: t, tables)
-    return tables, None
-
-  tables, _ = jax.lax.scan(one, (manifest, state, buffers), (slots, arrivals, prefix_hits))
-  return tables
-
-
-def _slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placement):
-  """Fresh (pages, buffers, manifest, state) for ``num_slots`` slots, on
-  the device (replicated over a mesh)."""
-  c = config
-  tables = (kv_pages.init_pages(num_slots, c.pages_per_seq, c.num_pages, c.page_size),
-            init_buffers(num_slots, c.max_model_len, c.max_stop_ids),
-            rec.empty_manifest(num_slots),
-            rec.initial_state(num_slots, c.num_clients, c.max_model_len))
-  return placement.tables(tables)
-
-
-def _keep_rows(new, old):
-  """A leaf of the grown slot table: ``old``'s rows over ``new``'s free ones
-  for per-slot arrays (leading axis R -> R'), ``old`` for the rest."""
-  if new.shape == old.shape:
-    return old
-  return new.at[:old.shape[0]].set(old)
-
-
-def _release(state, pages, cancel_mask, release_mask):
-  state = apply_lib.cancel(state, cancel_mask)
-  pages = kv_pages.deallocate(pages, cancel_mask)
-  return apply_lib.release(state, release_mask), pages
-
-
-@functools.lru_cache(maxsize=16)
-def _programs(model_cfg, config: EngineConfig) -> _Programs:
-  """Builds (once per config pair) the jitted plan/execute/publish programs."""
-  policy = make_policy(config.policy, Budgets(
-      token_budget=config.max_num_batched_tokens, seq_budget=config.max_num_seqs,
-      chunk_cap=config.long_prefill_token_threshold,
-      watermark_pages=config.watermark_pages, reservation=config.reservation,
-      reservation_quantile=config.reservation_quantile))
-  if config.force_preempt_every:
-    policy = ForcedPreemption(policy, config.force_preempt_every)
-  traces: Dict[str, int] = {}
-  placement = sharding.Placement(model_cfg, sharding.make_mesh(config.mesh))
-  jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
-  executor = _executor(model_cfg, _shape_config(config))
-  return _Programs(
-      policy=policy,
-      plan=jit("plan", functools.partial(_plan_step, policy,
-                                         config.enable_prefix_caching)),
-      step=jit("step", functools.partial(
-          _execute_step, _model_step(model_cfg, config), config.token_buckets[-1],
-          config.enable_prefix_caching, windows=model_cfg.window_kinds),
-          static_argnames=("num_rows",),
-          donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
-      arrive=executor.arrive, release=executor.release,
-      gather=executor.gather, restore=executor.restore,
-      shift_clock=jit("shift_clock", apply_lib.shift_clock),
-      forget_client=jit("forget_client", apply_lib.forget_client),
-      map_prefix=jit("map_prefix", kv_pages.map_prefix),
-      sync_cached=jit("sync_cached", kv_pages.sync_cached),
-      resume_prefix=jit("resume_prefix", apply_lib.resume_from_prefix),
-      unpin=jit("unpin", kv_pages.deallocate),
-      traces=traces, executor_traces=executor.traces)

@@ -9,7 +9,7 @@ facts) into the report's ``ledger`` block:
   ``cancelled``, ``failed`` and ``open_at_horizon`` (no outcome by the
   horizon: a request whose last token comes after ``horizon_s``). Every
   cohort asserts N_off = sum of its parts.
-* ``goodput``: ``serving.metrics.goodput`` (request and token goodput, the
+* ``goodput``: ``serving.harness.metrics.goodput`` (request and token goodput, the
   three attainment denominators kept apart) and TBT deadline misses per
   emission gap (every gap between consecutive output tokens over ``tbt_ms``).
 * ``fairness``: completed weighted service per client (w_p * prompt +
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from scheduler import records as rec
-from serving import metrics
+from serving.harness import metrics
 
 PARTS = ("valid", "completed_miss", "rejected", "cancelled", "failed", "open_at_horizon")
 

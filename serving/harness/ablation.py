@@ -6,7 +6,7 @@ the trace, its window and rate scale, the SLOs, the metric definitions and
 the engine configuration apart from the policy being compared.
 ``check_comparable`` refuses otherwise and names, in one line, every key
 in which they differ. Coordinates are what the user set; what a run
-measured (``serving.replay.run_outcomes``: iterations, preemptions,
+measured (``serving.harness.replay.run_outcomes``: iterations, preemptions,
 extensions, prompt rows computed, prefix-cache counters) never is one.
 """
 

@@ -1,7 +1,7 @@
 """Tensor-parallel equality: logits and greedy tokens per mesh against one device.
 
 For each model-axis size M, ``tp_equality`` builds an ``Engine`` with
-``mesh="model:M"`` the way the launchers do (``serving.launch``: the
+``mesh="model:M"`` the way the launchers do (``serving.cli.launch``: the
 parameters loaded straight into their shardings when a loader is given, the
 engine's per-layer weights, then ``launch.warmup``'s scratch engines built
 from the engine's stored parameters) and
@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import llama, sharding
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
 
 # Per-program bound on compiled programs for one engine (one slot-table size).
 _SINGLE = ("arrive", "release", "plan", "sync_cached")

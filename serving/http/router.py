@@ -1,7 +1,7 @@
 """Placing requests on data-parallel engine replicas: the routing decision.
 
 Host-side and pure (no HTTP, no clock of its own: every call takes the time),
-so a decision can be worked by hand and replayed. ``serving.replicas`` runs it
+so a decision can be worked by hand and replayed. ``serving.http.replicas`` runs it
 behind the OpenAI endpoint.
 
 Estimated finish time (Preble-style: cache facts plus load, per replica r)::
@@ -13,7 +13,7 @@ Estimated finish time (Preble-style: cache facts plus load, per replica r)::
   load_ms(r)    = decode_ms_per_token_per_seq * live(r) * max_tokens
 
 ``cached_tokens(r)`` comes from the router's own model of what r's prefix
-cache holds: the chained page keys of ``serving.prefix_cache.chain_keys`` for
+cache holds: the chained page keys of ``serving.kv.prefix_cache.chain_keys`` for
 every full prompt page placed on r, least recently placed dropped first once
 more than r's KV pages are modelled; the longest run of leading keys present,
 capped as the engine caps a hit (at least one prompt token left to compute).
@@ -41,7 +41,7 @@ import collections
 import dataclasses
 from typing import Dict, List, Optional, Sequence
 
-from serving.prefix_cache import chain_keys, root_key
+from serving.kv.prefix_cache import chain_keys, root_key
 
 POLICIES = ("prefix_aware", "round_robin")
 
@@ -75,7 +75,7 @@ def router_for(facts: Sequence[dict], policy: str = "prefix_aware",
   ``page_size``, as a replica's ``/engine`` facts or its ``EngineConfig``
   gives them): each replica's request slots as its capacity, its KV pages
   less the null page as its prefix-cache model when caching is on. The one
-  construction ``serve.py --replicas`` and ``serving.cluster_sim`` share."""
+  construction ``serve.py --replicas`` and ``serving.harness.cluster_sim`` share."""
   return Router([f["max_request_slots"] for f in facts],
                 [f["num_pages"] - 1 if f["enable_prefix_caching"] else 0 for f in facts],
                 facts[0]["page_size"], policy, cost if cost is not None else RouteCost())

@@ -1,6 +1,6 @@
 """The simulated executor and the virtual clock.
 
-``simulated_execute`` has the signature of ``serving.executor.execute`` and
+``simulated_execute`` has the signature of ``serving.engine.executor.execute`` and
 runs the same allocator steps (release preempted pages, allocate the planned
 intervals, free finished requests); only the model call is replaced. Each
 emitting sequence gets a deterministic non-EOS token id until its recorded
@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from scheduler import records as rec
-from serving import executor, kv_pages
+from serving.engine import executor
+from serving.kv import pages as kv_pages
 
 
 class VirtualClock:
@@ -44,7 +45,7 @@ def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: 
                       num_rows: int, num_seqs: int, max_model_len: int):
   """Runs one plan without the model. Returns ``(kv, pages, buffers, result)``.
 
-  Args: as ``serving.executor.execute``; ``params`` is unused, ``kv`` is
+  Args: as ``serving.engine.executor.execute``; ``params`` is unused, ``kv`` is
   passed through, ``num_rows``/``num_seqs`` only key the
   compiled program. The truth ``manifest.hidden_realized_output_tokens``
   (i32[R]) may be None: the declared ``max_tokens`` is then the length.

@@ -11,7 +11,7 @@ bytes. Only full prompt pages are keyed; a request's last partial page and
 its output pages stay private.
 
 This module owns the key -> page table and the LRU order; ownership
-(refcounts, the free stack) lives on the device in ``serving.kv_pages``
+(refcounts, the free stack) lives on the device in ``serving.kv.pages``
 (see its docstring for the split and the page census). The engine drives it:
 
 * ``match`` at slot admission: the longest run of leading keys present,

@@ -1,10 +1,10 @@
 """Data-parallel engine replicas behind one OpenAI endpoint (FastAPI + httpx).
 
-Each replica is a whole ``serving.server`` process (its own engine, its own
+Each replica is a whole ``serving.http.server`` process (its own engine, its own
 devices later), so request handling has one home: the replica parses and
 validates the body, runs it, detokenizes and streams. The front only places
 and relays: it asks a live replica for the prompt's token ids
-(``POST /tokenize``), queues the request in ``serving.router.Router``, sends
+(``POST /tokenize``), queues the request in ``serving.http.router.Router``, sends
 the body unchanged to the chosen replica with the original arrival
 (``ARRIVAL_HEADER``) and passes the response through byte for byte (SSE
 streams included); a replica's error that is not an OpenAI error body (a
@@ -97,8 +97,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.router import RouteCost, router_for
-from serving.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
+from serving.http.router import RouteCost, router_for
+from serving.http.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
                             _error_response, _sse, bind_socket, json_body, model_card,
                             model_routes, openai_errors, serve_forever)
 
@@ -261,7 +261,7 @@ class ReplicaFront:
     processes: each replica's process (None: not owned, e.g. remote);
       owned processes are terminated when the app shuts down.
     facts: each replica's ``GET /engine`` (``wait_ready``).
-    policy: a ``serving.router.POLICIES`` name.
+    policy: a ``serving.http.router.POLICIES`` name.
     cost: the router's ``RouteCost``.
     route_log: JSON-lines path for the per-request route records (None: off).
     max_waiting: requests that may wait at the front (>= 0).
@@ -775,7 +775,7 @@ def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port
               ready_timeout_s: float = 1800.0, sock: Optional[socket.socket] = None) -> None:
   """Spawns ``num_replicas`` replica servers on ``port + 1 ...`` and serves the
   front on ``host:port`` (on ``sock`` when given: bound before anything
-  loads, ``serving.server.bind_socket``) until interrupted (the replicas
+  loads, ``serving.http.server.bind_socket``) until interrupted (the replicas
   stop with it).
 
   Raises:

@@ -17,11 +17,14 @@ from models import amx, rowgemm
 from models.config import ModelConfig
 from models.loaders import load_config, load_model
 from models.sharding import initialize_processes, make_mesh
-from serving import cli, hostmem, workloads
-from serving import cost_model as cost_lib
-from serving.config import EngineConfig, SamplingParams
-from serving.engine import Engine, resolve_decode_gemm
-from serving.sim_executor import VirtualClock
+from serving import cli
+from serving.cli import hostmem
+from serving.harness import workloads
+from serving.engine import cost_model as cost_lib
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.programs import resolve_decode_gemm
+from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 
@@ -98,7 +101,7 @@ def define_engine_flags() -> None:
   flags.DEFINE_integer("process_id", 0, "Multi-process JAX: this process's index.")
   flags.DEFINE_boolean("keep_freed_pages", True, "Serve every malloc from glibc's heap and "
                        "never trim it, so each step's XLA buffers reuse mapped pages "
-                       "(serving.hostmem; the process keeps its peak heap).")
+                       "(serving.cli.hostmem; the process keeps its peak heap).")
   flags.DEFINE_string("cache_dir", ".cache/iterserve",
                       "Converted-weight cache (orbax) and XLA compilation cache.")
 
@@ -309,7 +312,7 @@ def load_flags_model(engine_cfg: EngineConfig):
 
 
 def model_costs(cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
-  """``serving.cost_model.model_costs`` of ``cfg`` in the engine's weight and
+  """``serving.engine.cost_model.model_costs`` of ``cfg`` in the engine's weight and
   KV dtypes, as JSON (the calibration's meta and replay reports record it)."""
   return cost_lib.engine_model_costs(cfg, engine_cfg).to_json()
 

@@ -21,7 +21,7 @@ from scheduler.policies import check_policy_name, check_reservation
 # ``Request.outcome``; reports count them in this order).
 OUTCOMES = ("completed", "failed", "rejected", "cancelled")
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")
 WEIGHTS = ("dense", "int8")
@@ -149,13 +149,13 @@ class EngineConfig:
     max_preemptions_per_request: a request preempted more often ends
       ``failed`` with that reason (no preemption livelock); 0 = no bound.
     executor: "model" runs the model; "simulated" replaces only the model
-      call (``serving.sim_executor``: tokens up to each request's recorded
+      call (``serving.engine.sim_executor``: tokens up to each request's recorded
       output length, step time from the cost model on a virtual clock).
-    cost_model: the step-time model of a virtual clock (``serving.cost_model``):
+    cost_model: the step-time model of a virtual clock (``serving.engine.cost_model``):
       a calibration JSON, "profile:NAME" for an accelerator profile
       (``configs/accelerators``: a100, h100, h200, tpu_v5e, tpu_v6e), or "" for
       ``configs/calibration/cost_model_cpu.json``.
-    enable_prefix_caching: automatic prefix caching (``serving.prefix_cache``):
+    enable_prefix_caching: automatic prefix caching (``serving.kv.prefix_cache``):
       full prompt pages are keyed by content and shared; a request starts
       its prefill after the longest cached prefix. On by default, as in
       vLLM; off for ablations.
