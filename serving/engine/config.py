@@ -72,8 +72,9 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Engine shape: slots, budgets, KV pages, buckets, policy.
+class SchedulerConfig:
+  """What the policy and the host's settling read: budgets, the slot table,
+  KV reservation (§0x06), preemption (§0x0C), prefix caching.
 
   Attributes:
     max_num_seqs: sequence budget per iteration (S).
@@ -85,14 +86,6 @@ class EngineConfig:
       set per size) up to ``max_queued_requests``.
     max_queued_requests: bound on accepted, unfinished requests; past it
       ``Engine.add_request`` raises ``QueueFull`` (a server's HTTP 429).
-    page_size: token rows per KV page.
-    num_pages: physical KV pages, including the reserved null page.
-    max_model_len: longest prompt + output (tokens).
-    min_bucket: smallest token-row bucket (>= 2); buckets double up to the
-      budget. Generated-token rows run their GEMMs in tiles of 2..32 rows
-      and prompt rows in GEMMs of >= 64 rows (``models.llama.rowwise``), so
-      small decode buckets keep a row's bits; 1 row would be a GEMM class
-      of its own on CPU.
     watermark_pages: pages kept free at admission while anything runs (W of
       the §0x06 soft ceiling).
     reservation: how admission reserves KV for the unknown output length
@@ -110,6 +103,86 @@ class EngineConfig:
       ``module:Class`` or ``path/to/file.py:Class`` (``scheduler.policy_loader``;
       the conformance kit's fast profile runs on it when the engine is
       built, and a broken rule refuses it; docs/writing-a-policy.md).
+    num_clients: size of the completed-service counter table.
+    preemption_mode: how a preempted request's KV cache is recovered
+      (§0x0C): "recompute" frees its pages and rebuilds the prefix later
+      (REBUILD rows); "swap" copies the pages to host memory and back
+      (exact preservation, no rebuild), falling back to recompute when the
+      host swap space is full.
+    swap_space_mb: host memory for preserved KV pages (MiB, "swap" only).
+    force_preempt_every: 0, or N >= 2: every N-th decision preempts one
+      decoding request (``scheduler.policy_forced``), a control for
+      preemption/resume ablations and exactness checks.
+    max_preemptions_per_request: a request preempted more often ends
+      ``failed`` with that reason (no preemption livelock); 0 = no bound.
+    enable_prefix_caching: automatic prefix caching (``serving.kv.prefix_cache``):
+      full prompt pages are keyed by content and shared; a request starts
+      its prefill after the longest cached prefix. On by default, as in
+      vLLM; off for ablations.
+  """
+
+  max_num_seqs: int = 32
+  max_num_batched_tokens: int = 256
+  long_prefill_token_threshold: int = 256
+  max_request_slots: int = 64
+  max_queued_requests: int = 4096
+  watermark_pages: int = 0
+  reservation: str = "policy"
+  reservation_quantile: float = 0.9
+  policy: str = "sarathi_serve"
+  num_clients: int = 64
+  preemption_mode: str = "recompute"
+  swap_space_mb: float = 1024.0
+  force_preempt_every: int = 0
+  max_preemptions_per_request: int = 64
+  enable_prefix_caching: bool = True
+
+  def __post_init__(self):
+    self._check_scheduler(type(self).__name__)
+
+  def _check_scheduler(self, c: str) -> None:
+    for f in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+              "num_clients"):
+      _require(getattr(self, f) >= 1, c, f, "must be >= 1", getattr(self, f))
+    _require(self.max_request_slots >= self.max_num_seqs, c, "max_request_slots",
+             f"must be >= max_num_seqs ({self.max_num_seqs})", self.max_request_slots)
+    _require(self.max_queued_requests >= self.max_request_slots, c,
+             "max_queued_requests",
+             f"must be >= max_request_slots ({self.max_request_slots})",
+             self.max_queued_requests)
+    _require(self.max_num_batched_tokens >= self.max_num_seqs, c,
+             "max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})",
+             self.max_num_batched_tokens)
+    _require(self.watermark_pages >= 0, c, "watermark_pages", "must be >= 0",
+             self.watermark_pages)
+    check_reservation(c, self.reservation, self.reservation_quantile, self.watermark_pages)
+    check_policy_name(c, self.policy)
+    _require(self.preemption_mode in PREEMPTION_MODES, c, "preemption_mode",
+             f"must be one of {PREEMPTION_MODES}", self.preemption_mode)
+    _require(self.swap_space_mb >= 0, c, "swap_space_mb", "must be >= 0",
+             self.swap_space_mb)
+    _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
+             "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
+    _require(self.max_preemptions_per_request >= 0, c, "max_preemptions_per_request",
+             "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
+    _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
+             "must be a bool", self.enable_prefix_caching)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorConfig:
+  """What shapes the compiled model step and the KV cache: pages, context,
+  buckets, numerics, kernels, the device mesh.
+
+  Attributes:
+    page_size: token rows per KV page.
+    num_pages: physical KV pages, including the reserved null page.
+    max_model_len: longest prompt + output (tokens).
+    min_bucket: smallest token-row bucket (>= 2); buckets double up to the
+      budget. Generated-token rows run their GEMMs in tiles of 2..32 rows
+      and prompt rows in GEMMs of >= 64 rows (``models.llama.rowwise``), so
+      small decode buckets keep a row's bits; 1 row would be a GEMM class
+      of its own on CPU.
     attention_impl: "auto", or an implementation name of attention.ragged.
     dtype: "float32" or "bfloat16" for weights and activations.
     weights: "dense" (weights in ``dtype``) or "int8" (``models.quant``:
@@ -135,30 +208,7 @@ class EngineConfig:
       "bfloat16" (on CPU stored as its bits, ``attention.ragged.KV_BITS``:
       half the bytes each decode step gathers; its own numerics, not
       float32's).
-    num_clients: size of the completed-service counter table.
     max_stop_ids: stop token ids per request.
-    preemption_mode: how a preempted request's KV cache is recovered
-      (§0x0C): "recompute" frees its pages and rebuilds the prefix later
-      (REBUILD rows); "swap" copies the pages to host memory and back
-      (exact preservation, no rebuild), falling back to recompute when the
-      host swap space is full.
-    swap_space_mb: host memory for preserved KV pages (MiB, "swap" only).
-    force_preempt_every: 0, or N >= 2: every N-th decision preempts one
-      decoding request (``scheduler.policy_forced``), a control for
-      preemption/resume ablations and exactness checks.
-    max_preemptions_per_request: a request preempted more often ends
-      ``failed`` with that reason (no preemption livelock); 0 = no bound.
-    executor: "model" runs the model; "simulated" replaces only the model
-      call (``serving.engine.sim_executor``: tokens up to each request's recorded
-      output length, step time from the cost model on a virtual clock).
-    cost_model: the step-time model of a virtual clock (``serving.engine.cost_model``):
-      a calibration JSON, "profile:NAME" for an accelerator profile
-      (``configs/accelerators``: a100, h100, h200, tpu_v5e, tpu_v6e), or "" for
-      ``configs/calibration/cost_model_cpu.json``.
-    enable_prefix_caching: automatic prefix caching (``serving.kv.prefix_cache``):
-      full prompt pages are keyed by content and shared; a request starts
-      its prefill after the longest cached prefix. On by default, as in
-      vLLM; off for ablations.
     prefill_chunk_rows: a token bucket of more rows runs its model step as a
       ``lax.scan`` over chunks of this many rows (``models.llama.forward``'s
       ``chunk_rows``): one program call with activations bounded by the
@@ -172,53 +222,28 @@ class EngineConfig:
       scheduler records replicated). ``""`` = one device.
   """
 
-  max_num_seqs: int = 32
-  max_num_batched_tokens: int = 256
-  long_prefill_token_threshold: int = 256
-  max_request_slots: int = 64
-  max_queued_requests: int = 4096
   page_size: int = 16
   num_pages: int = 2048
   max_model_len: int = 2048
   min_bucket: int = 64
-  watermark_pages: int = 0
-  reservation: str = "policy"
-  reservation_quantile: float = 0.9
-  policy: str = "sarathi_serve"
   attention_impl: str = "auto"
   dtype: str = "float32"
   weights: str = "dense"
   int8_gemm: str = "auto"
   decode_gemm: str = "auto"
   kv_dtype: str = "auto"
-  num_clients: int = 64
   max_stop_ids: int = 8
-  preemption_mode: str = "recompute"
-  swap_space_mb: float = 1024.0
-  force_preempt_every: int = 0
-  max_preemptions_per_request: int = 64
-  executor: str = "model"
-  cost_model: str = ""
-  enable_prefix_caching: bool = True
   prefill_chunk_rows: int = 256
   mesh: str = ""
 
   def __post_init__(self):
-    c = "EngineConfig"
-    for f in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-              "page_size", "num_pages", "max_model_len", "min_bucket", "num_clients"):
+    self._check_executor(type(self).__name__)
+
+  def _check_executor(self, c: str) -> None:
+    for f in ("page_size", "num_pages", "max_model_len", "min_bucket"):
       _require(getattr(self, f) >= 1, c, f, "must be >= 1", getattr(self, f))
     _require(self.min_bucket >= 2, c, "min_bucket",
              "must be >= 2 (a 1-row GEMM rounds differently on CPU)", self.min_bucket)
-    _require(self.max_request_slots >= self.max_num_seqs, c, "max_request_slots",
-             f"must be >= max_num_seqs ({self.max_num_seqs})", self.max_request_slots)
-    _require(self.max_queued_requests >= self.max_request_slots, c,
-             "max_queued_requests",
-             f"must be >= max_request_slots ({self.max_request_slots})",
-             self.max_queued_requests)
-    _require(self.max_num_batched_tokens >= self.max_num_seqs, c,
-             "max_num_batched_tokens", f"must be >= max_num_seqs ({self.max_num_seqs})",
-             self.max_num_batched_tokens)
     _require(self.num_pages >= 2, c, "num_pages", "must be >= 2 (one is the null page)",
              self.num_pages)
     _require(self.dtype in ("float32", "bfloat16"), c, "dtype",
@@ -245,32 +270,82 @@ class EngineConfig:
              f"device)", self.decode_gemm)
     _require(self.kv_dtype in ("auto", "float32", "bfloat16"), c, "kv_dtype",
              "must be 'auto', 'float32' or 'bfloat16'", self.kv_dtype)
-    _require(0 <= self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
-             f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
-             f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "
-             f"{self.watermark_pages + 1} or lower watermark_pages)", self.watermark_pages)
-    check_reservation(c, self.reservation, self.reservation_quantile, self.watermark_pages)
-    check_policy_name(c, self.policy)
     _require(self.attention_impl in IMPLS, c, "attention_impl",
              f"must be one of {IMPLS}", self.attention_impl)
-    _require(self.preemption_mode in PREEMPTION_MODES, c, "preemption_mode",
-             f"must be one of {PREEMPTION_MODES}", self.preemption_mode)
-    _require(self.swap_space_mb >= 0, c, "swap_space_mb", "must be >= 0",
-             self.swap_space_mb)
-    _require(self.max_preemptions_per_request >= 0, c, "max_preemptions_per_request",
-             "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
-    _require(self.executor in EXECUTORS, c, "executor", f"must be one of {EXECUTORS}",
-             self.executor)
-    _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
-             "must be a bool", self.enable_prefix_caching)
     _require(self.prefill_chunk_rows >= 0 and self.prefill_chunk_rows % 8 == 0, c,
              "prefill_chunk_rows", "must be 0 (off) or a positive multiple of 8",
              self.prefill_chunk_rows)
     _require(isinstance(self.mesh, str), c, "mesh", "must be a str like 'model:2'",
              self.mesh)
     parse_mesh(self.mesh)
-    _require(self.force_preempt_every == 0 or self.force_preempt_every >= 2, c,
-             "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
+
+
+@dataclasses.dataclass(frozen=True)
+class HarnessConfig:
+  """What the research harness swaps in: the executor kind and the virtual
+  clock's cost model.
+
+  Attributes:
+    executor: "model" runs the model; "simulated" replaces only the model
+      call (``serving.engine.sim_executor``: tokens up to each request's recorded
+      output length, step time from the cost model on a virtual clock).
+    cost_model: the step-time model of a virtual clock (``serving.engine.cost_model``):
+      a calibration JSON, "profile:NAME" for an accelerator profile
+      (``configs/accelerators``: a100, h100, h200, tpu_v5e, tpu_v6e), or "" for
+      ``configs/calibration/cost_model_cpu.json``.
+  """
+
+  executor: str = "model"
+  cost_model: str = ""
+
+  def __post_init__(self):
+    self._check_harness(type(self).__name__)
+
+  def _check_harness(self, c: str) -> None:
+    _require(self.executor in EXECUTORS, c, "executor", f"must be one of {EXECUTORS}",
+             self.executor)
+    _require(isinstance(self.cost_model, str), c, "cost_model",
+             "must be a str (a calibration JSON path, 'profile:NAME' or '')", self.cost_model)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
+  """An engine's whole configuration: its scheduler, executor and harness
+  parts (``SchedulerConfig``, ``ExecutorConfig``, ``HarnessConfig``; each
+  field is documented there) as one flat record, so presets, flags and
+  reports name fields directly. ``scheduler_config``, ``executor_config``
+  and ``harness_config`` give the parts.
+
+  Raises:
+    ValueError: ``EngineConfig.<field> <rule>, got <value>`` for the first
+      field that breaks its part's rule or a rule across parts (the
+      watermark within the KV cache).
+  """
+
+  def __post_init__(self):
+    c = type(self).__name__
+    self._check_scheduler(c)
+    self._check_executor(c)
+    self._check_harness(c)
+    _require(self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
+             f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
+             f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "
+             f"{self.watermark_pages + 1} or lower watermark_pages)", self.watermark_pages)
+
+  def _part(self, cls):
+    return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+  @property
+  def scheduler_config(self) -> SchedulerConfig:
+    return self._part(SchedulerConfig)
+
+  @property
+  def executor_config(self) -> ExecutorConfig:
+    return self._part(ExecutorConfig)
+
+  @property
+  def harness_config(self) -> HarnessConfig:
+    return self._part(HarnessConfig)
 
   @property
   def kv_cache_dtype(self) -> str:

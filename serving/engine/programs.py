@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from scheduler.policies import Budgets, make_policy
 from scheduler.policy_forced import ForcedPreemption
 from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, ExecutorConfig
 from serving.engine.executor import ModelRunner, allocate_for_plan, execute, init_buffers
 from serving.engine.requests import Arrival, PlanFacts, StepFacts
 from serving.kv import pages as kv_pages
@@ -65,27 +65,24 @@ class _Executor:
   traces: Dict[str, int]
 
 
-# Config fields that only the policy (or the host) reads: engines differing
-# in these alone share one compiled executor and slot writers.
-_POLICY_ONLY = dict(policy="sarathi_serve", long_prefill_token_threshold=1,
-                    watermark_pages=0, reservation="policy", reservation_quantile=0.9,
-                    preemption_mode="recompute", swap_space_mb=0.0,
-                    force_preempt_every=0, max_preemptions_per_request=0,
-                    max_queued_requests=1 << 30, cost_model="",
-                    enable_prefix_caching=True)
-
-
-def _shape_config(config: EngineConfig) -> EngineConfig:
-  return dataclasses.replace(config, **_POLICY_ONLY)
+def _table_sizes(config: EngineConfig) -> Tuple[int, ...]:
+  """The scheduler settings that size the slot tables and the token bucket
+  the slot programs see: slots, sequence and token budgets, clients."""
+  return (config.max_request_slots, config.max_num_seqs, config.max_num_batched_tokens,
+          config.num_clients)
 
 
 @functools.lru_cache(maxsize=16)
-def _executor(model_cfg, shape_config: EngineConfig) -> _Executor:
-  """The policy-free slot and swap programs for one engine shape (shared by
-  every policy; the model step lives in the ``step`` program)."""
+def _executor(model_cfg, executor_config: ExecutorConfig, executor: str,
+              tables: Tuple[int, ...]) -> _Executor:
+  """The policy-free slot and swap programs for one engine shape: the
+  executor part of the config, the executor kind and the table sizes
+  (``_table_sizes``). Engines differing only in scheduler settings (policy,
+  reservation, preemption, prefix caching) share them; the model step lives
+  in the ``step`` program."""
+  del executor, tables   # cache keys: one trace count per engine shape
   traces: Dict[str, int] = {}
-  c = shape_config
-  placement = sharding.Placement(model_cfg, sharding.make_mesh(c.mesh))
+  placement = sharding.Placement(model_cfg, sharding.make_mesh(executor_config.mesh))
   # Over a mesh every output keeps the sharding its input had (the cache
   # split, the tables replicated), so each program compiles once per shape.
   jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
@@ -424,7 +421,8 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
   traces: Dict[str, int] = {}
   placement = sharding.Placement(model_cfg, sharding.make_mesh(config.mesh))
   jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
-  executor = _executor(model_cfg, _shape_config(config))
+  executor = _executor(model_cfg, config.executor_config, config.executor,
+                       _table_sizes(config))
   return _Programs(
       policy=policy,
       plan=jit("plan", functools.partial(_plan_step, policy,
