@@ -61,6 +61,10 @@ scores, running max, running sum and accumulator. The order depends only on
 the query's position, so a row's output does not depend on how its prompt was
 chunked or which sequences share the launch; on CPU ``"blocked"`` makes that
 bitwise (see ``_block_update``).
+
+One file: every implementation of the one layout above (the reference, the
+blocked jnp paths, the dispatch to the native and Pallas kernels) sits
+beside the others, so their shared contract is stated and read once.
 """
 
 from __future__ import annotations

@@ -72,6 +72,11 @@ embeddings included (the float32 embedding stays for the lookup). The int8
 stacks are not sliced by the blocks' scan: ``forward`` passes them whole
 (``_Batch.weights``) and each block's GEMM selects its layer
 (``quant.LayerWeight``); the AMX kernel reads it in place.
+
+One file: the decoder is one definition for every family, and its blocks,
+the row-wise GEMM tiling and the paged KV writes are read together when a
+row's bits are checked, so they stay side by side (the configs, the MoE
+layer and the loaders live apart).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ Converted params can be cached with orbax under ``cache_dir``, keyed by the
 source files' path, size and mtime, so a second load skips parsing and
 dequantization. Every malformed input raises ``ModelLoadError`` naming the
 file and the field or tensor at fault.
+
+One file: the three sources share one error type, one parameter layout and
+one orbax cache, each a few hundred lines; the HF config mapping lives
+apart (``models.hf_config``).
 """
 
 from __future__ import annotations

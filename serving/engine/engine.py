@@ -89,6 +89,11 @@ since construction (``now_ms``); the device holds float32 ms since a device
 epoch that ``step`` moves forward (``DEVICE_REBASE_MS``), shifting every
 live device time with it, so device times stay below ~2**21 ms and keep
 sub-ms resolution however long the engine runs.
+
+One file: ``Engine``'s methods read and write the same host tables (slots,
+requests, the prefix cache's table, preemption records) in the order
+``step`` calls them; the pure parts live apart (``programs``: the jitted
+programs; ``requests``: the records; ``config``).
 """
 
 from __future__ import annotations
