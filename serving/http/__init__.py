@@ -1,2 +1,4 @@
-"""The HTTP front: the OpenAI-compatible server (``server``), data-parallel
-replicas behind one front (``replicas``) and its router (``router``)."""
+"""The HTTP front: the OpenAI-compatible server (``server``: the app and its
+routes, over ``protocol``, ``parsing``, ``engine_loop``, ``responses`` and
+``metrics``), data-parallel replicas behind one front (``replicas``) and its
+router (``router``)."""

@@ -97,10 +97,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, BadRequest, Overloaded,
+                                   Unavailable, _error_response, _sse, json_body, model_card,
+                                   model_routes, openai_errors)
 from serving.http.router import RouteCost, router_for
-from serving.http.server import (ARRIVAL_HEADER, BadRequest, Overloaded, Unavailable,
-                            _error_response, _sse, bind_socket, json_body, model_card,
-                            model_routes, openai_errors, serve_forever)
+from serving.http.server import bind_socket, serve_forever
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
@@ -109,7 +110,6 @@ _PROBE_TIMEOUT_S = 2.0
 _HEALTH_S = 1.0                 # seconds between health checks of replicas given by URL
 _HEALTH_FAILS = 2               # failed checks in a row that mark such a replica down
 _AGREE = ("model", "page_size", "vocab_size", "max_model_len")   # a rejoining replica's
-REQUEST_ID_HEADER = "x-request-id"
 
 
 def parse_replica_urls(text: str) -> List[str]:

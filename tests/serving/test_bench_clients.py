@@ -153,7 +153,7 @@ def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
   ``messages`` is the body's own and may not be set there."""
   messages = [{"role": "user", "content": MESSAGES_TEXT}]
   base = TOK.apply_chat_template(messages)
-  monkeypatch.setattr(served.server, "tokenizer", Tokenizer(
+  monkeypatch.setattr(served.server.parser, "tokenizer", Tokenizer(
       TOK.backend, eos_token_id=1, chat_template=CHAT_TEMPLATE +
       "{% if enable_thinking is defined and not enable_thinking %}ab{% endif %}"))
 

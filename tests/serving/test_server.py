@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.kv import pages as kv_pages
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
-from serving.http.server import ARRIVAL_HEADER, OpenAIServer, _error_body
+from serving.http.protocol import ARRIVAL_HEADER, _error_body
+from serving.http.server import OpenAIServer
 from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import wait_until as _wait
 
@@ -380,16 +381,16 @@ def test_smollm2_greedy_over_http_equals_generate_py():
 
 def test_engine_queue_full_is_a_429_and_slo_fields_reach_add_request(served):
   from serving.engine.requests import QueueFull
-  from serving.http.server import _error_response
+  from serving.http.protocol import _error_response
   response = _error_response(QueueFull("r7", 4096))
   body = json.loads(response.body)
   assert response.status_code == 429 and body["error"]["code"] == "server_overloaded"
   assert "max_queued_requests=4096" in body["error"]["message"]
-  parsed = served.server.parse({"model": MODEL, "prompt": "the heart", "max_tokens": 4,
-                                "slo_ttft_ms": 500, "slo_tbt_ms": 80}, chat=False)
+  parsed = served.server.parser.parse({"model": MODEL, "prompt": "the heart", "max_tokens": 4,
+                                       "slo_ttft_ms": 500, "slo_tbt_ms": 80}, chat=False)
   assert parsed.extra == {"slo_ttft_ms": 500.0, "slo_tpot_ms": 80.0}
   with pytest.raises(Exception, match="slo_tbt_ms"):
-    served.server.parse({"model": MODEL, "prompt": "x", "slo_tbt_ms": 0}, chat=False)
+    served.server.parser.parse({"model": MODEL, "prompt": "x", "slo_tbt_ms": 0}, chat=False)
 
 
 def _sse_chunks(served, body):
@@ -510,7 +511,7 @@ def test_a_policy_rejection_is_400_naming_the_field_to_shorten(served):
       ({"prompt": list(range(10, 30)), "max_tokens": 2}, "failed", 500, None),
   ]
   for body, outcome, status, param in cases:
-    parsed = server.parse({"model": MODEL, **body}, chat="messages" in body)
+    parsed = server.parser.parse({"model": MODEL, **body}, chat="messages" in body)
     got_status, error = _error_body(server._unfinished(parsed, end(outcome)))
     assert (got_status, error["error"]["param"]) == (status, param), body
     assert error["error"]["message"] == f"request {outcome}: {end(outcome)['reason']}"
