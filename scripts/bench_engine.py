@@ -61,7 +61,8 @@ from models import amx, llama, quant, rowgemm
 from models.loaders import load_model, resolve_model_path
 from serving import cli
 from serving.cli import hostmem
-from serving.harness import workloads
+from serving.harness import synthetic
+from serving.harness import traces
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -568,11 +569,11 @@ def main(argv):
   if "trace" in FLAGS.sections:
     n = FLAGS.trace_requests
     if Path(FLAGS.trace).exists():
-      wl = workloads.load_azure_trace(FLAGS.trace, max_requests=n, max_prompt_len=1024,
-                                      max_output_len=512, vocab_size=cfg.vocab_size)
+      wl = traces.load_azure_trace(FLAGS.trace, max_requests=n, max_prompt_len=1024,
+                                   max_output_len=512, vocab_size=cfg.vocab_size)
       source = FLAGS.trace
     else:
-      wl = workloads.synthetic_azure_conv(n, 1.0, max_prompt_len=1024, max_output_len=512,
+      wl = synthetic.synthetic_azure_conv(n, 1.0, max_prompt_len=1024, max_output_len=512,
                                           vocab_size=cfg.vocab_size)
       source = "synthetic_azure_conv"
     prompts = [list(s.prompt_token_ids) for s in wl]

@@ -31,6 +31,7 @@ from models.config import PRESETS
 from models.loaders import load_config
 from scheduler import records as rec
 from serving import cli
+from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -54,8 +55,8 @@ flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON.")
 def main(argv):
   del argv
   kind, _, path = FLAGS.trace.partition(":")
-  loaders = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
-             "mooncake": workloads.load_mooncake_trace}
+  loaders = {"azure": traces.load_azure_trace, "vtc": traces.load_vtc_trace,
+             "mooncake": traces.load_mooncake_trace}
   if kind not in loaders or not path:
     raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
                      f"got {FLAGS.trace!r}")

@@ -57,7 +57,7 @@ from models.loaders import load_model
 from serving.engine import cost_model as cost_lib
 from serving import cli
 from serving.cli import launch
-from serving.harness import workloads
+from serving.harness import synthetic
 from serving.engine.config import SamplingParams
 from serving.engine.engine import Engine
 from serving.harness.replay import fidelity, replay
@@ -176,7 +176,7 @@ def holdout(engine_cfg, cfg, params, vocab, cost_path):
   """``replay.fidelity`` of the simulated replay of a short workload against
   its real replay (model executor, wall clock)."""
   output_len = min(32, engine_cfg.max_model_len // 4)
-  wl = workloads.synthetic_azure_conv(FLAGS.holdout_requests, FLAGS.holdout_rate_scale,
+  wl = synthetic.synthetic_azure_conv(FLAGS.holdout_requests, FLAGS.holdout_rate_scale,
                                       max_prompt_len=min(512, engine_cfg.max_model_len
                                                          - output_len),
                                       max_output_len=output_len, seed=7, vocab_size=vocab)

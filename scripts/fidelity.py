@@ -28,6 +28,7 @@ from absl import flags
 
 from serving import cli
 from serving.cli import launch
+from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.engine import Engine
 from serving.harness.replay import fidelity, replay
@@ -47,8 +48,8 @@ launch.define_engine_flags()
 
 def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
   kind, _, path = trace.partition(":")
-  loaders = {"azure": workloads.load_azure_trace, "mooncake": workloads.load_mooncake_trace,
-             "vtc": workloads.load_vtc_trace}
+  loaders = {"azure": traces.load_azure_trace, "mooncake": traces.load_mooncake_trace,
+             "vtc": traces.load_vtc_trace}
   if kind not in loaders or not path:
     raise ValueError(f"--traces entries must be KIND:PATH with KIND in {sorted(loaders)}, "
                      f"got {trace!r}")

@@ -38,6 +38,7 @@ from serving.harness import ablation
 from serving import cli
 from serving.harness import ledger
 from serving.harness import metrics
+from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -72,8 +73,8 @@ flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these 
                   "different rate grids) into --out, recomputing G* and plots.")
 
 
-LOADERS = {"azure": workloads.load_azure_trace, "vtc": workloads.load_vtc_trace,
-           "mooncake": workloads.load_mooncake_trace}
+LOADERS = {"azure": traces.load_azure_trace, "vtc": traces.load_vtc_trace,
+           "mooncake": traces.load_mooncake_trace}
 
 
 def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):

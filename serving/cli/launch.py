@@ -19,7 +19,9 @@ from models.loaders import load_config, load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import cli
 from serving.cli import hostmem
+from serving.harness import traces
 from serving.harness import workloads
+from serving.harness.synthetic import synthetic_azure_conv
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -182,10 +184,10 @@ def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
 
 def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
   if synthetic:
-    return workloads.synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
+    return synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
   kind, _, path = FLAGS.trace.partition(":")
-  loaders = {"azure": workloads.load_azure_trace, "mooncake": workloads.load_mooncake_trace,
-             "vtc": workloads.load_vtc_trace}
+  loaders = {"azure": traces.load_azure_trace, "mooncake": traces.load_mooncake_trace,
+             "vtc": traces.load_vtc_trace}
   if kind not in loaders or not path:
     raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
                      f"got {FLAGS.trace!r}")

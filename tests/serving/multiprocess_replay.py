@@ -11,7 +11,7 @@ import jax
 
 from models import llama, sharding
 from models.config import get_config
-from serving.harness import workloads
+from serving.harness import synthetic
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from serving.harness.replay import replay
@@ -27,7 +27,7 @@ def replay_tokens(mesh: str) -> dict:
   params = jax.device_get(llama.init_params(CFG, jax.random.PRNGKey(1), layer_scale=8))
   engine = Engine(CFG, params, EngineConfig.preset("tiny", mesh=mesh, min_bucket=16),
                   clock=VirtualClock())
-  workload = workloads.synthetic_azure_conv(6, rate_scale=1.0, seed=3, max_prompt_len=30,
+  workload = synthetic.synthetic_azure_conv(6, rate_scale=1.0, seed=3, max_prompt_len=30,
                                             max_output_len=4, vocab_size=CFG.vocab_size)
   records, _ = replay(engine, workload)
   assert all(r.outcome == "completed" for r in records), [r.outcome for r in records]

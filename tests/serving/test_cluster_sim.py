@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from serving.engine import cost_model as cost_lib
-from serving.harness import workloads
+from serving.harness import synthetic
 from serving.harness.cluster_sim import replay_cluster, router_for
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -27,7 +27,7 @@ def _engines(n, cost_file):
 
 
 def _workload(n=12, rate_scale=1.0, seed=3):
-  return workloads.synthetic_azure_conv(
+  return synthetic.synthetic_azure_conv(
       n, rate_scale=rate_scale, seed=seed, max_prompt_len=30, max_output_len=10,
       vocab_size=CFG.vocab_size, reserved_token_ids=frozenset({0, 1}))
 

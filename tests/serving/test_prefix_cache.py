@@ -331,9 +331,9 @@ def test_prefix_aware_quota_bounds_the_wait_that_reuse_greedy_makes_unbounded(
 
 
 def test_synthetic_shared_system_prompts_replay_with_hits_and_the_same_tokens(params):
-  from serving.harness import workloads
+  from serving.harness import synthetic
   from serving.harness.replay import replay
-  w = workloads.synthetic_shared_prefix(
+  w = synthetic.synthetic_shared_prefix(
       num_requests=8, system_prompt_len=12, num_system_prompts=2, user_len=(1, 8),
       max_output_len=3, rate_per_s=50.0, seed=3, vocab_size=CFG.vocab_size,
       reserved_token_ids=())

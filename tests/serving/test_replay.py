@@ -5,7 +5,7 @@ import jax
 from models import llama
 from models.config import get_config
 from serving.harness import metrics
-from serving.harness import workloads
+from serving.harness import synthetic
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from serving.harness.replay import replay, run_config
@@ -19,7 +19,7 @@ WALL_CLOCK = ("duration_s", "request_throughput", "output_throughput",
 
 
 def _workload():
-  return workloads.synthetic_azure_conv(
+  return synthetic.synthetic_azure_conv(
       10, rate_scale=1.0, seed=4, max_prompt_len=24, max_output_len=6,
       vocab_size=CFG.vocab_size, reserved_token_ids=frozenset({0, 1}))
 

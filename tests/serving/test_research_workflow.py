@@ -11,6 +11,8 @@ import pytest
 from serving.harness import ablation
 from serving.harness import ledger
 from serving.harness import metrics
+from serving.harness import synthetic
+from serving.harness import traces
 from serving.harness import workloads
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig
@@ -67,7 +69,7 @@ def test_fit_context_on_a_trace_window_leaves_outputs_of_their_requested_length(
   rows = [(900, 20), (1500, 200), (40, 10), (63, 1)]
   trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
       f"2023-11-16 18:15:{46 + i:02d}.0000000,{p},{o}\n" for i, (p, o) in enumerate(rows)))
-  wl = workloads.fit_context(workloads.load_azure_trace(str(trace), vocab_size=CFG.vocab_size),
+  wl = workloads.fit_context(traces.load_azure_trace(str(trace), vocab_size=CFG.vocab_size),
                              64)
   assert [(r.prompt_len, r.max_tokens) for r in wl] == [(44, 20), (32, 32), (40, 10), (63, 1)]
 
@@ -86,7 +88,7 @@ def cost_file(tmp_path_factory):
 
 
 def _shared_prefix_workload(n=16):
-  return workloads.synthetic_shared_prefix(
+  return synthetic.synthetic_shared_prefix(
       n, system_prompt_len=24, num_system_prompts=2, user_len=(4, 12), max_output_len=12,
       rate_per_s=40.0, seed=1, vocab_size=CFG.vocab_size, reserved_token_ids=frozenset({0, 1}))
 

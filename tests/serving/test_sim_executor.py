@@ -8,7 +8,7 @@ import pytest
 from serving.engine import cost_model as cost_lib
 from serving.harness import ledger
 from serving.harness import metrics
-from serving.harness import workloads
+from serving.harness import synthetic
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.harness.replay import replay, run_config
@@ -42,7 +42,7 @@ def _sim_engine(params, cost_file, **overrides):
 
 
 def _workload(seed, n=16):
-  return workloads.synthetic_azure_conv(
+  return synthetic.synthetic_azure_conv(
       n, rate_scale=2.0, seed=seed, max_prompt_len=30, max_output_len=12,
       vocab_size=CFG.vocab_size, reserved_token_ids=frozenset({0, 1}))
 

@@ -9,17 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.harness.workloads import (
-    AZURE_CONV_2023_SUMMARY,
-    DEFAULT_RESERVED_TOKEN_IDS,
+from serving.harness.synthetic import AZURE_CONV_2023_SUMMARY, synthetic_azure_conv
+from serving.harness.traces import (
     MOONCAKE_BLOCK_TOKENS,
-    WorkloadError,
     load_azure_trace,
     load_mooncake_trace,
     load_vtc_trace,
     parse_azure_timestamp_ns,
-    synthetic_azure_conv,
 )
+from serving.harness.workloads import DEFAULT_RESERVED_TOKEN_IDS, WorkloadError
 
 
 def _shared_dir() -> Path:
