@@ -10,10 +10,12 @@
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
 /v1/models, /v1/models/{id}, /health, /metrics. See serving/http/server.py; with
 --replicas=N the process is a router front over N replica processes
-(serving/http/replicas.py, serving/http/router.py; GET /router has each request's
-route record); with --replica_urls it fronts running servers instead (no
-model loads here; they are health-checked and rejoin when they come back). Flags are checked, and the port bound, before any model
-loads: a bad one is one line, exit status 2.
+(serving/http/replica_launch.py starts them, serving/http/replicas.py and
+serving/http/router.py place and relay; GET /router has each request's route
+record); with --replica_urls it fronts running servers instead (no model loads
+here; they are health-checked and rejoin when they come back). Flags are
+checked, and the port bound, before any model loads: a bad one is one line,
+exit status 2.
 """
 
 import errno
@@ -27,7 +29,7 @@ from absl import flags
 
 from serving import cli
 from serving.cli import launch
-from serving.http import replicas
+from serving.http import replica_launch
 from serving.http import router
 from serving.http.server import OpenAIServer, bind_socket, serve_forever
 
@@ -81,7 +83,7 @@ def _check_flags() -> socket.socket:
     if FLAGS.replicas:
       raise ValueError("--replica_urls and --replicas exclude each other (front running "
                        "servers, or spawn replicas here)")
-    replicas.parse_replica_urls(",".join(FLAGS.replica_urls))
+    replica_launch.parse_replica_urls(",".join(FLAGS.replica_urls))
     engine = [name for name in _ENGINE_FLAGS if FLAGS[name].present]
     if engine:
       raise ValueError(f"--replica_urls: the engine flags {engine} belong to the replica "
@@ -129,11 +131,11 @@ def main(argv):
                           FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
   if FLAGS.replica_urls is not None:
     try:
-      replicas.run_remote_front(replicas.parse_replica_urls(",".join(FLAGS.replica_urls)),
-                                host=FLAGS.host, port=FLAGS.port, policy=FLAGS.router,
-                                cost=cost, route_log=FLAGS.route_log,
-                                max_waiting=FLAGS.max_waiting,
-                                ready_timeout_s=FLAGS.replica_ready_timeout_s, sock=sock)
+      urls = replica_launch.parse_replica_urls(",".join(FLAGS.replica_urls))
+      replica_launch.run_remote_front(urls, host=FLAGS.host, port=FLAGS.port,
+                                      policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
+                                      max_waiting=FLAGS.max_waiting,
+                                      ready_timeout_s=FLAGS.replica_ready_timeout_s, sock=sock)
     except (RuntimeError, ValueError) as e:      # not ready in time, or they disagree
       print(f"error: --replica_urls: {e}", file=sys.stderr)
       sys.exit(1)
@@ -142,11 +144,12 @@ def main(argv):
     given = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present
              and name not in _FRONT_FLAGS]
     try:
-      replicas.run_front([sys.executable, os.path.abspath(__file__), *given, "--replicas=0"],
-                         FLAGS.replicas, host=FLAGS.host, port=FLAGS.port,
-                         policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
-                         max_waiting=FLAGS.max_waiting, sock=sock)
-    except replicas.ReplicaExited as e:          # e.g. an engine flag it refused
+      replica_launch.run_front([sys.executable, os.path.abspath(__file__), *given,
+                                "--replicas=0"],
+                               FLAGS.replicas, host=FLAGS.host, port=FLAGS.port,
+                               policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
+                               max_waiting=FLAGS.max_waiting, sock=sock)
+    except replica_launch.ReplicaExited as e:          # e.g. an engine flag it refused
       print(f"error: {e}", file=sys.stderr)
       sys.exit(cli.USAGE_ERROR if e.status == cli.USAGE_ERROR else 1)
     except RuntimeError as e:                    # not ready in time

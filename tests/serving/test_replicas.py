@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.http import replicas as replicas_module
-from serving.http.replicas import ReplicaFront, route_summary, spawn_replica, wait_ready
+from serving.http.replica_launch import parse_replica_urls, spawn_replica, wait_ready
+from serving.http.replicas import ReplicaFront, route_summary
 from tests.serving.engine_testing import HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import free_port as _free_port, wait_until as _wait
 
@@ -335,7 +336,7 @@ def test_a_front_refuses_bad_or_unreachable_replica_urls(tmp_path):
       ("http://127.0.0.1:8001,", "must be comma-separated http://HOST:PORT URLs"),
       ("http://a:1,http://a:1/", "names a replica twice")):
     with pytest.raises(ValueError, match="--replica_urls") as e:
-      replicas_module.parse_replica_urls(text)
+      parse_replica_urls(text)
     assert message in str(e.value)
   url = f"http://127.0.0.1:{_free_port()}"                # nothing listens there
   process, _ = _front_over([url], tmp_path, "--replica_ready_timeout_s=0.5")
