@@ -61,9 +61,6 @@ def _check_report_flags() -> None:
       raise ValueError(f"--{name} must be > 0 (or unset), got {value}")
   if FLAGS.sample_every < 1:
     raise ValueError(f"--sample_every must be >= 1, got {FLAGS.sample_every}")
-  if (FLAGS.cost_model and not FLAGS.cost_model.startswith("profile:")
-      and not os.path.isfile(FLAGS.cost_model)):
-    raise ValueError(f"--cost_model {FLAGS.cost_model!r}: no such calibration JSON")
 
 
 def main(argv):

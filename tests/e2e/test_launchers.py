@@ -91,7 +91,11 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
     (["--out=README.md/report.json"],
      "error: --out 'README.md/report.json' cannot be created: "),
     (["--ledger_tbt_ms=-1"], "error: --ledger_tbt_ms must be > 0 (or unset), got -1.0"),
-    (["--cost_model=no/such.json"], "error: --cost_model 'no/such.json': no such calibration"),
+    (["--cost_model=no/such.json"],
+     "error: --cost_model must be an existing calibration JSON file, 'profile:NAME' or '', "
+     "got 'no/such.json'"),
+    (["--cost_model=profile:h300"],
+     "error: --cost_model must name a shipped accelerator profile, one of ['profile:a100', "),
     (["--mesh=model:2"], "error: EngineConfig.mesh 'model:2' needs 2 devices, JAX has 1"),
     (["--num_processes=2", "--coordinator=127.0.0.1:1"],
      "error: --num_processes > 1 needs --clock=virtual"),
