@@ -479,6 +479,16 @@ class Engine:
     stats, bucket = self._last_plan_stats
     return cost_lib.step_features(stats, bucket, self.model_costs)
 
+  @property
+  def last_step_rows(self):
+    """(prefill rows, decode rows) of the last committed step (None before
+    one): prompt and rebuild rows, and one row per decoding sequence, from
+    its plan statistics (``cost_model.plan_stats``)."""
+    if self._last_plan_stats is None:
+      return None
+    stats = np.asarray(self._last_plan_stats[0])
+    return int(stats[0]), int(stats[1])
+
   def has_unfinished(self) -> bool:
     return bool(self._pending) or any(r is not None for r in self._slots)
 

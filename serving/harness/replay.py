@@ -30,8 +30,8 @@ from serving.harness.workloads import Workload
 
 
 def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
-           sampling: Callable = None, on_step: Optional[Callable] = None
-           ) -> Tuple[List[RequestRecord], float]:
+           sampling: Callable = None, on_step: Optional[Callable] = None,
+           step_ms: Optional[List[float]] = None) -> Tuple[List[RequestRecord], float]:
   """Runs the workload to completion.
 
   Args:
@@ -42,6 +42,9 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
     sampling: ``spec -> SamplingParams``; default greedy with the spec's
       ``max_tokens`` and ``ignore_eos``.
     on_step: called after every engine step with its RequestOutputs.
+    step_ms: when given, the wall time (ms, ``time.perf_counter``) of every
+      ``engine.step()`` call is appended to it, before ``on_step`` runs (on a
+      virtual clock too: the host's time, not the modelled one).
 
   Returns:
     ``(records, duration_s)``: one RequestRecord per workload request, and
@@ -81,7 +84,12 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
         else:
           shift_ms += max(wait_ms, 0.0)
       continue
-    outputs = engine.step()
+    if step_ms is None:
+      outputs = engine.step()
+    else:
+      t = time.perf_counter()
+      outputs = engine.step()
+      step_ms.append((time.perf_counter() - t) * 1000.0)
     if on_step is not None:
       on_step(outputs)
   duration_s = (engine.now_ms() - start_ms) / 1000.0
