@@ -1,0 +1,243 @@
+"""The steps of a real replay, logged for the simulator's calibration.
+
+A real replay (model executor, wall clock) is the schedule the simulator
+tries to reproduce. ``StepLog`` records one row per committed engine step:
+the step's cost features (``Engine.last_step_features``), the wall time of
+its ``engine.step()`` call, the cost model's prediction for those features,
+and its class (prefill-only, mixed or decode-only, from its prefill and
+decode rows). Two questions read off it:
+
+* per-step error: predicted against measured time of the very steps the
+  machine ran (``StepLog.summary``), apart from any difference between the
+  simulated schedule and the real one;
+* a fit on steps shaped like a loaded replay (``fit_steps``): the same
+  features and the same NNLS fit as the calibration grid
+  (``cost_model.fit``), on the logged steps instead.
+
+The log is an .npz (``StepLog.save``): ``features`` f64[N, F] with
+``feature_names``, ``measured_ms`` and ``predicted_ms`` f64[N],
+``step_class`` i8[N] (an index into ``class_names``), ``prefill_rows`` and
+``decode_rows`` i64[N], ``case`` i32[N], ``load_avg`` (the machine's
+1-minute load average before the recording process loaded anything) and
+``meta`` (JSON: model, dtype, engine preset, device fingerprint, the model's
+``ModelCosts``, the predicting cost model, the cases).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from serving.engine import cost_model as cost_lib
+from serving.harness.replay import replay
+
+STEP_CLASSES = ("prefill", "mixed", "decode")
+
+
+def step_class(prefill_rows: int, decode_rows: int) -> int:
+  """Index into ``STEP_CLASSES``: decode rows only -> "decode", prompt rows
+  beside decode rows -> "mixed", else "prefill"."""
+  if decode_rows > 0:
+    return STEP_CLASSES.index("mixed" if prefill_rows > 0 else "decode")
+  return STEP_CLASSES.index("prefill")
+
+
+def _rel_err(predicted, measured) -> Optional[float]:
+  """Median of predicted / measured - 1 (None when there are no steps)."""
+  if len(measured) == 0:
+    return None
+  return float(np.median(np.asarray(predicted) / np.asarray(measured) - 1.0))
+
+
+class StepLog:
+  """Rows of the committed steps of one or more replays (cases).
+
+  Args:
+    cost: the cost model whose prediction each row carries.
+  """
+
+  def __init__(self, cost: cost_lib.CostModel):
+    self.cost = cost
+    self.cases: List[dict] = []
+    self._features: List[np.ndarray] = []
+    self._measured: List[float] = []
+    self._predicted: List[float] = []
+    self._rows: List[tuple] = []
+    self._case: List[int] = []
+
+  def __len__(self) -> int:
+    return len(self._measured)
+
+  def replay(self, engine, workload, info: Optional[dict] = None,
+             on_step: Optional[Callable] = None, **kwargs):
+    """``replay.replay`` of ``workload`` on ``engine``, logging each
+    committed step as a row of a new case (``info`` is kept as its entry in
+    ``cases``). A ``step()`` call that commits nothing (an idle or a
+    rejecting plan) adds no row; ``cases[-1]["uncommitted_calls"]`` counts
+    them. Returns what ``replay`` returns."""
+    case = len(self.cases)
+    self.cases.append(dict(info or {}, uncommitted_calls=0))
+    times: List[float] = []
+    seen = [engine.num_iterations]
+
+    def logging(outputs):
+      if engine.num_iterations > seen[0]:
+        seen[0] = engine.num_iterations
+        self.add(engine.last_step_features, engine.last_step_rows, times[-1], case)
+      else:
+        self.cases[case]["uncommitted_calls"] += 1
+      if on_step is not None:
+        on_step(outputs)
+
+    return replay(engine, workload, on_step=logging, step_ms=times, **kwargs)
+
+  def add(self, features: Sequence[float], rows: tuple, measured_ms: float,
+          case: int) -> None:
+    """One step: its ``FEATURES`` values f64[F], (prefill rows, decode
+    rows), its wall time (ms) and its case index."""
+    features = np.asarray(features, np.float64)
+    self._features.append(features)
+    self._measured.append(float(measured_ms))
+    self._predicted.append(self.cost.predict_ms(features))
+    self._rows.append((int(rows[0]), int(rows[1])))
+    self._case.append(int(case))
+
+  def arrays(self) -> Dict[str, np.ndarray]:
+    """The rows as arrays (the .npz's fields but ``load_avg`` and ``meta``)."""
+    rows = np.array(self._rows, np.int64).reshape(-1, 2)
+    return {
+        "features": np.array(self._features, np.float64).reshape(-1, len(cost_lib.FEATURES)),
+        "feature_names": np.array(cost_lib.FEATURES),
+        "measured_ms": np.array(self._measured, np.float64),
+        "predicted_ms": np.array(self._predicted, np.float64),
+        "step_class": np.array([step_class(p, d) for p, d in rows], np.int8),
+        "class_names": np.array(STEP_CLASSES),
+        "prefill_rows": rows[:, 0],
+        "decode_rows": rows[:, 1],
+        "case": np.array(self._case, np.int32),
+    }
+
+  def summary(self, case: int) -> dict:
+    """One case's steps: their count, the sums of measured and predicted
+    ms, and per step class the count, the sums and the median of
+    predicted / measured - 1 (positive: the model is slower)."""
+    a = self.arrays()
+    mine = a["case"] == case
+    out = {"count": int(mine.sum()),
+           "measured_ms_sum": float(a["measured_ms"][mine].sum()),
+           "predicted_ms_sum": float(a["predicted_ms"][mine].sum()),
+           "uncommitted_calls": self.cases[case]["uncommitted_calls"], "by_class": {}}
+    for i, name in enumerate(STEP_CLASSES):
+      sel = mine & (a["step_class"] == i)
+      out["by_class"][name] = {
+          "count": int(sel.sum()),
+          "measured_ms_sum": float(a["measured_ms"][sel].sum()),
+          "predicted_ms_sum": float(a["predicted_ms"][sel].sum()),
+          "median_pred_over_measured_minus_1": _rel_err(a["predicted_ms"][sel],
+                                                         a["measured_ms"][sel])}
+    return out
+
+  def schedule(self, case: int) -> dict:
+    """One case's schedule without its times: the step count and the
+    predicted ms sum, in all and per step class (for a simulated replay,
+    whose wall times are the host's, not the machine's)."""
+    a = self.arrays()
+    mine = a["case"] == case
+    out = {"count": int(mine.sum()), "predicted_ms_sum": float(a["predicted_ms"][mine].sum()),
+           "by_class": {}}
+    for i, name in enumerate(STEP_CLASSES):
+      sel = mine & (a["step_class"] == i)
+      out["by_class"][name] = {"count": int(sel.sum()),
+                               "predicted_ms_sum": float(a["predicted_ms"][sel].sum())}
+    return out
+
+  def save(self, path: str, load_avg: float, meta: dict) -> None:
+    """Writes the .npz: the rows, ``load_avg`` (the load average the
+    measurement was taken at) and ``meta`` with ``cases`` and the cost
+    model's JSON added."""
+    meta = dict(meta, cases=self.cases, cost_model=self.cost.to_json(),
+                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "wb") as f:        # the path as given (savez would add .npz)
+      np.savez(f, **self.arrays(), load_avg=np.float64(load_avg), meta=json.dumps(meta))
+
+
+def load(path: str) -> dict:
+  """A step log's fields (``meta`` parsed, ``load_avg`` a float).
+
+  Raises:
+    ValueError: its features are not ``cost_model.FEATURES``.
+  """
+  with np.load(path) as z:
+    log = {k: z[k] for k in z.files}
+  names = tuple(str(n) for n in log["feature_names"])
+  if names != cost_lib.FEATURES:
+    raise ValueError(f"step log {path!r} has features {list(names)}, not "
+                     f"{list(cost_lib.FEATURES)} (recorded by another version)")
+  log["meta"] = json.loads(str(log["meta"]))
+  log["load_avg"] = float(log["load_avg"])
+  return log
+
+
+def fit_steps(paths: Sequence[str], max_load: float) -> cost_lib.CostModel:
+  """Fits the "sum" cost model (``cost_model.fit``, NNLS) on the steps of
+  the step logs at ``paths``.
+
+  As on the calibration grid, ``weight_read_gb`` is fitted only when the
+  logs hold two or more models (on one it cannot be told from ``step``),
+  and predictions are floored at half the fastest step. The meta says the
+  source ("replay steps"), the files, the step count, the load averages,
+  the models, and the new fit's median of predicted / measured - 1 per step
+  class.
+
+  Raises:
+    ValueError: a log recorded at a load average above ``max_load`` (naming
+      --max_load), logs of different dtypes, engine presets or devices, or
+      no steps.
+  """
+  logs = [load(p) for p in paths]
+  for path, log in zip(paths, logs):
+    if log["load_avg"] > max_load:
+      raise ValueError(f"step log {path!r} was recorded at a 1-minute load average of "
+                       f"{log['load_avg']:.2f} > --max_load={max_load}: its step times are "
+                       f"not this machine's alone (record it again on an idle machine)")
+  first = logs[0]["meta"]
+  for path, log in zip(paths[1:], logs[1:]):
+    for key in ("dtype", "engine"):
+      if log["meta"][key] != first[key]:
+        raise ValueError(f"step logs differ in {key}: {paths[0]!r} has {first[key]!r}, "
+                         f"{path!r} has {log['meta'][key]!r}")
+    if log["meta"]["device"]["id"] != first["device"]["id"]:
+      raise ValueError(f"step logs were recorded on different devices: {paths[0]!r} on "
+                       f"{first['device']['id']}, {path!r} on {log['meta']['device']['id']}")
+  x = np.concatenate([log["features"] for log in logs])
+  y = np.concatenate([log["measured_ms"] for log in logs])
+  if len(y) == 0:
+    raise ValueError(f"step logs {list(paths)} hold no steps")
+  classes = np.concatenate([log["step_class"] for log in logs])
+  models, names = [], []
+  for log in logs:
+    for costs in log["meta"]["models"]:
+      if costs not in models:
+        models.append(costs)
+        names.append(log["meta"]["model"])
+  free = [f for f in cost_lib.FEATURES if f != "weight_read_gb" or len(models) > 1]
+  meta = dict(source="replay steps", files=list(paths), steps=int(len(y)),
+              model=first["model"], family=first.get("family"), dtype=first["dtype"],
+              engine=first["engine"], device=first["device"], models=models,
+              model_names=names, load_avg=[log["load_avg"] for log in logs],
+              max_load=max_load,
+              cases=[c for log in logs for c in log["meta"]["cases"]],
+              created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+  model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
+  predicted = np.array([model.predict_ms(r) for r in x])
+  model.meta["by_class"] = {
+      name: {"count": int((classes == i).sum()),
+             "median_pred_over_measured_minus_1": _rel_err(predicted[classes == i],
+                                                            y[classes == i])}
+      for i, name in enumerate(STEP_CLASSES)}
+  return model
