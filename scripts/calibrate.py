@@ -37,6 +37,15 @@ The protocol (``serving.engine.cost_model`` holds the model it fits):
    executor and again on the simulated executor with the new calibration,
    and reports per-request relative errors (median and p90) of TTFT, TPOT
    and E2EL and the replay durations.
+
+``--refit_steps=PATH[,PATH...]`` fits the same features by the same NNLS
+on the steps of real replays instead of the grid: the step logs of
+``scripts/fidelity.py --step_log`` (``serving.harness.step_log.fit_steps``).
+The measurement happened there, so no grid runs, no model loads and there is
+no spread or held-out check here (``scripts/fidelity.py`` with the new
+calibration on another window is that check); a log recorded at a load
+average above ``--max_load`` is refused. The calibration's meta says its
+source ("replay steps"), files and step count.
 """
 
 import dataclasses
@@ -57,6 +66,7 @@ from models.loaders import load_model
 from serving.engine import cost_model as cost_lib
 from serving import cli
 from serving.cli import launch
+from serving.harness import step_log
 from serving.harness import synthetic
 from serving.engine.config import SamplingParams
 from serving.engine.engine import Engine
@@ -80,6 +90,8 @@ flags.DEFINE_float("max_spread", 0.15, "Refuse when the median spread of a step'
                    "across repeats (max/min - 1) is above this.")
 flags.DEFINE_string("refit", None, "Fit from a saved grid (.npz of a previous run) "
                     "instead of measuring; keeps the calibration's meta.")
+flags.DEFINE_list("refit_steps", None, "Fit on the steps of real replays (.npz step logs "
+                  "of scripts/fidelity.py --step_log) instead of measuring a grid.")
 flags.DEFINE_bool("holdout_only", False, "Skip the grid; check the calibration in "
                   "--out on the held-out replay.")
 flags.DEFINE_integer("holdout_requests", 24, "Held-out replay: synthetic Azure-conv "
@@ -186,10 +198,25 @@ def holdout(engine_cfg, cfg, params, vocab, cost_path):
   return {**fidelity(real_recs, sim_recs, real_s, sim_s), "load_avg": os.getloadavg()}
 
 
-def default_out(engine_cfg, model_name: str, fingerprint: dict) -> str:
+def default_out(dtype: str, engine: str, model_name: str, fingerprint: dict) -> str:
   safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
   return os.path.join(FLAGS.cache_dir or ".", "calibration",
-                      f"{safe}_{engine_cfg.dtype}_{FLAGS.engine}_{fingerprint['id']}.json")
+                      f"{safe}_{dtype}_{engine}_{fingerprint['id']}.json")
+
+
+def refit_steps(paths) -> None:
+  """Fits and writes a calibration from real replays' step logs."""
+  if FLAGS.refit or FLAGS.holdout_only:
+    raise ValueError("--refit_steps fits on its own; leave out --refit and --holdout_only")
+  for path in paths:
+    if not os.path.isfile(path):
+      raise ValueError(f"--refit_steps: {path!r} is not a file")
+  model = step_log.fit_steps(paths, FLAGS.max_load)
+  meta = model.meta
+  out = FLAGS.out or default_out(meta["dtype"], meta["engine"], meta["model"], meta["device"])
+  model.save(out)
+  print(json.dumps({**model.to_json(), "efficiencies": model.efficiencies()}, indent=1))
+  print(f"calibration: {out}")
 
 
 def _check_grid(engine_cfg) -> None:
@@ -206,6 +233,8 @@ def _check_grid(engine_cfg) -> None:
 
 def main(argv):
   del argv
+  if FLAGS.refit_steps:
+    return refit_steps(FLAGS.refit_steps)
   engine_cfg = launch.engine_config()
   fingerprint = cost_lib.device_fingerprint()
   measuring = not FLAGS.holdout_only and not FLAGS.refit
@@ -213,7 +242,7 @@ def main(argv):
     _check_grid(engine_cfg)
     load_before = check_load("before measuring", FLAGS.max_load)
   cfg, params, _ = launch.load_flags_model(engine_cfg)
-  out = FLAGS.out or default_out(engine_cfg, cfg.name, fingerprint)
+  out = FLAGS.out or default_out(engine_cfg.dtype, FLAGS.engine, cfg.name, fingerprint)
   if not FLAGS.holdout_only:
     models = [(cfg, params)]
     if FLAGS.second_model:

@@ -14,6 +14,16 @@ relative error of TTFT, TPOT and E2EL, and the replay durations. Each case
 records the load average before and after its real replay (which count this
 process's own threads); the run refuses to start above ``--max_load``: a
 fidelity figure taken on a busy machine says nothing about the simulator.
+
+``--step_log=PATH`` also logs every committed step of each real replay
+(``serving.harness.step_log``): its cost features, the wall time of its
+``engine.step()`` call, the cost model's prediction and its class
+(prefill-only, mixed, decode-only), all cases in one .npz;
+each case's ``steps`` in the JSON sums them and gives per class the median
+of predicted / measured - 1, and ``simulated_steps`` counts the simulated
+replay's steps per class (with both replays' iteration counts: where the
+schedules differ).
+``scripts/calibrate.py --refit_steps=PATH`` fits the cost model on them.
 """
 
 import dataclasses
@@ -26,8 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
+import jax
+
 from serving import cli
 from serving.cli import launch
+from serving.engine import cost_model as cost_lib
+from serving.harness import step_log
 from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.engine import Engine
@@ -43,6 +57,9 @@ flags.DEFINE_integer("max_output_len", 256, "Cap output lengths.")
 flags.DEFINE_integer("max_requests", None, "Keep at most this many requests per case.")
 flags.DEFINE_float("max_load", 1.5, "Refuse a case measured above this load average.")
 flags.DEFINE_string("out", "runs/fidelity.json", "Result JSON.")
+flags.DEFINE_string("step_log", None, "Also log every step of the real replays (features, "
+                    "measured and predicted ms, class) to this .npz "
+                    "(scripts/calibrate.py --refit_steps fits on it).")
 launch.define_engine_flags()
 
 
@@ -65,6 +82,8 @@ def main(argv):
   if not FLAGS.traces:
     raise ValueError("--traces is required (KIND:PATH,...)")
   cli.check_creatable("out", FLAGS.out)
+  if FLAGS.step_log:
+    cli.check_creatable("step_log", FLAGS.step_log)
   # Checked before this process loads or compiles anything: afterwards the
   # load average counts its own threads (recorded per case, not checked).
   load_at_start = os.getloadavg()[0]
@@ -75,6 +94,16 @@ def main(argv):
   sim_cfg = launch.engine_config(executor="simulated")
   cfg, params, _ = launch.load_flags_model(engine_cfg)
   launch.warmup(Engine(cfg, params, engine_cfg), 64)
+  model_costs = cost_lib.engine_model_costs(cfg, engine_cfg)
+  steps = None
+  if FLAGS.step_log:
+    cost = cost_lib.resolve(cost_lib.load(sim_cfg.cost_model), model_costs,
+                            say=cost_lib.say_once)
+    steps = step_log.StepLog(cost)
+    log_meta = dict(model=cfg.name, family=cfg.family, dtype=engine_cfg.dtype,
+                    engine=FLAGS.engine, device=cost_lib.device_fingerprint(),
+                    models=[model_costs.to_json()], max_load=FLAGS.max_load,
+                    platform=f"{jax.default_backend()} {jax.devices()[0].device_kind}")
   cases = []
   result = {"engine": FLAGS.engine, "model": FLAGS.model, "cost_model": None,
             "load_avg_at_start": load_at_start, "cases": cases}
@@ -82,17 +111,35 @@ def main(argv):
     for scale in (float(x) for x in FLAGS.time_scales):
       wl = _workload(trace, scale, cfg.vocab_size, engine_cfg.max_model_len)
       load_before = os.getloadavg()[0]
+      info = {"trace": trace, "window_s": FLAGS.window_s, "time_scale": scale,
+              "offered_req_s": len(wl) / max(wl.duration_s, 1e-9),
+              "load_avg_before": load_before}
+      real_engine = Engine(cfg, params, engine_cfg)
       t = time.perf_counter()
-      real, real_s = replay(Engine(cfg, params, engine_cfg), wl, realtime=True)
+      if steps is None:
+        real, real_s = replay(real_engine, wl, realtime=True)
+      else:
+        real, real_s = steps.replay(real_engine, wl, info, realtime=True)
       wall_s = time.perf_counter() - t
       load_after = os.getloadavg()[0]
+      real_iterations = real_engine.num_iterations
+      del real_engine          # one KV cache alive at a time
       sim_engine = Engine(cfg, None, sim_cfg, clock=VirtualClock())
       result["cost_model"] = sim_engine.cost_model.to_json()
-      sim, sim_s = replay(sim_engine, wl)
-      case = {"trace": trace, "window_s": FLAGS.window_s, "time_scale": scale,
-              "offered_req_s": len(wl) / max(wl.duration_s, 1e-9),
-              "load_avg_before": load_before, "load_avg_after": load_after,
-              "real_wall_s": wall_s, **fidelity(real, sim, real_s, sim_s)}
+      if steps is None:
+        sim, sim_s = replay(sim_engine, wl)
+      else:
+        sim_steps = step_log.StepLog(steps.cost)
+        sim, sim_s = sim_steps.replay(sim_engine, wl)
+      case = {**info, "load_avg_after": load_after, "real_wall_s": wall_s,
+              "iterations": {"measured": real_iterations,
+                             "simulated": sim_engine.num_iterations},
+              **fidelity(real, sim, real_s, sim_s)}
+      if steps is not None:
+        steps.cases[-1]["load_avg_after"] = load_after
+        case["steps"] = steps.summary(len(steps.cases) - 1)
+        case["simulated_steps"] = sim_steps.schedule(0)
+        steps.save(FLAGS.step_log, load_at_start, log_meta)
       cases.append(case)
       os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
       with open(FLAGS.out, "w") as f:
@@ -101,7 +148,8 @@ def main(argv):
                  for k in ("ttft", "tpot", "e2el")}
       print(f"{trace.rsplit('/', 1)[-1]} x{scale}: {len(wl)} requests, measured "
             f"{real_s:.1f} s vs simulated {sim_s:.1f} s; median rel err {summary}; "
-            f"load {load_before:.2f} -> {load_after:.2f}")
+            f"load {load_before:.2f} -> {load_after:.2f}; iterations "
+            f"{real_iterations} measured, {sim_engine.num_iterations} simulated")
 
 
 if __name__ == "__main__":
