@@ -67,6 +67,11 @@ requests, on the first half and on the whole of one 16-slot table; what
 most 12 requests, two compiled table sizes, 12 and 32 slots). Hypothesis is
 not needed; ``workload_strategy()`` gives a hypothesis strategy over the
 same workloads for property tests.
+
+One file: the kit is one procedure (the rules, the workloads, the driver and
+its fixture executor, the page ledger, the shrinker) that a policy author
+reads top to bottom; a rule's check and the workload that breaks it stay
+side by side.
 """
 
 from __future__ import annotations

@@ -23,6 +23,11 @@ The rest of the library lives in ``policy_orca`` (``orca``),
 built on the shared helpers below and registered by name in ``POLICIES``.
 Each records its own tie-break key (``policy.sort_keys``), which
 ``validate`` replays through ``IterationPlan.policy``.
+
+One file: ``sarathi_serve`` and the shared ledger every policy of the library
+plans on (budgets, reservation, the victim rule, the typed ledger records),
+which the other policies' modules import; the registry and the loader of a
+user's policy sit with them so a name resolves in one place.
 """
 
 from __future__ import annotations

@@ -74,3 +74,16 @@ def test_the_rule_catches_a_violation(tmp_path):
   src = tmp_path / "x.py"
   src.write_text("def f():\n  from serving.http import server\n  import serving.harness.replay\n")
   assert {"serving.http", "serving.http.server", "serving.harness.replay"} <= imports(src)
+
+
+LONG_FILE_LINES = 650
+
+
+def test_a_long_module_states_why_it_is_one_file():
+  """No module above ~600 lines without a reason: its docstring says
+  "One file:" and why."""
+  roots = [ROOT / d for d in ("models", "attention", "scheduler", "serving")]
+  long = [p for root in roots for p in sorted(root.rglob("*.py"))
+          if len(p.read_text().splitlines()) > LONG_FILE_LINES
+          and "One file:" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+  assert [str(p.relative_to(ROOT)) for p in long] == []
