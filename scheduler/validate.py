@@ -322,6 +322,16 @@ def _equal_key_sums(order, group, weight):
   return jnp.zeros((num_slots,), jnp.int32).at[order].set(totals[group])
 
 
+def _shares_an_id(rid, member):
+  """bool[]: two slots in ``member`` (bool[R]) hold the same ``rid``
+  (i32[R]). One sort of one array: XLA:CPU sorts it with ``std::sort`` on its
+  values, where a sort of several arrays (keys and an index) calls a
+  compiled comparator per comparison and moves every element per array."""
+  ids = jnp.sort(jnp.where(member, rid, _INT32_MAX))
+  adjacent = (ids[1:] == ids[:-1]) & (ids[1:] != _INT32_MAX)
+  return jnp.any(adjacent) | (jnp.sum(member & (rid == _INT32_MAX)) >= 2)
+
+
 def _rank_inverted(keys, sel, rank):
   """bool[R]: selected slots ranked after a selected slot with a strictly
   larger key (lexicographic over the columns of i32[R, K] ``keys``).
@@ -384,13 +394,23 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
 
   # Identity checks over slots, by counting equal keys along one sort by
-  # (request id, generation), not over R x R pairs.
+  # (request id, generation), not over R x R pairs; only when two of the
+  # slots they read (live, selected or admitted) share a request id, which
+  # one sort of the ids alone tells (both rules are all False otherwise).
   rid = manifest.request_id
-  by_id = jnp.lexsort((plan.generation, rid))
-  dup_gen = sel & (_equal_key_sums(by_id, _groups(by_id, [rid, plan.generation]),
-                                   sel) >= 2)
-  dup_member = (sel | plan.admit) & (
-      _equal_key_sums(by_id, _groups(by_id, [rid]), live) - live >= 1)
+
+  def duplicates(_):
+    by_id = jnp.lexsort((plan.generation, rid))
+    dup_gen = sel & (_equal_key_sums(by_id, _groups(by_id, [rid, plan.generation]),
+                                     sel) >= 2)
+    dup_member = (sel | plan.admit) & (
+        _equal_key_sums(by_id, _groups(by_id, [rid]), live) - live >= 1)
+    return dup_gen, dup_member
+
+  no_slots = jnp.zeros((num_slots,), bool)
+  dup_gen, dup_member = jax.lax.cond(
+      _shares_an_id(rid, live | sel | plan.admit), duplicates,
+      lambda _: (no_slots, no_slots), None)
 
   ranks_sorted = jnp.sort(jnp.where(sel, plan.rank, num_slots + 1))
   rank_ok = jnp.all(jnp.where(jnp.arange(num_slots) < jnp.sum(sel),
