@@ -6,9 +6,11 @@ environment whose only other path is this environment's site-packages (so
 jax, pip and setuptools come offline, and the editable install's import hook is
 not run). A process started there, outside the repository, imports the
 installed packages and reports for each native kernel where its source
-resolved and why it cannot run (None when it runs): every ``.cc`` of the
-repository is installed, each kernel's source lies inside the installed
-package, and each kernel runs exactly where it runs from the repository.
+resolved and why it cannot run (None when it runs): every ``.cc`` and every
+module (each ``serving`` subpackage's) of the repository is installed, the
+installed config reads its presets and accelerator profiles, each kernel's
+source lies inside the installed package, and each kernel runs exactly
+where it runs from the repository.
 """
 
 import json
@@ -42,6 +44,11 @@ _PROBE = textwrap.dedent("""
       mod = importlib.import_module(name)
       report[name] = {"file": mod.__file__, "source": str(mod.KERNEL.source),
                       "reason": mod.unavailable_reason()}
+    report["py"] = sorted(str(p.relative_to(site)) for pkg in sys.argv[1].split(",")
+                          for p in (site / pkg).rglob("*.py"))
+    from serving.engine import config, cost_model
+    report["preset"] = [config.__file__, config.EngineConfig.preset("tiny").policy,
+                        cost_model.profile_names()]
     print(json.dumps(report))
 """)
 
@@ -74,6 +81,13 @@ def test_a_non_editable_install_resolves_every_native_kernel(tmp_path):
   installed = Path(report["site"])
   repo_cc = sorted(str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.cc"))
   assert repo_cc and report["cc"] == repo_cc
+  # Every module of every package (the serving subpackages among them), and
+  # the presets and accelerator profiles the installed config reads.
+  repo_py = sorted(str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
+  assert "serving/engine/programs.py" in repo_py and report["py"] == repo_py
+  config_file, policy, profiles = report["preset"]
+  assert Path(config_file).is_relative_to(installed) and policy == "sarathi_serve"
+  assert "h100" in profiles
   for name, mod in KERNELS.items():
     got = report[name]
     assert Path(got["file"]).is_relative_to(installed), got
