@@ -188,7 +188,11 @@ def _prompt_logprobs(model: ModelRunner, params, hidden, want, target, *, k: int
   out = (jnp.zeros((size,), jnp.float32), jnp.zeros((size, k), jnp.int32),
          jnp.zeros((size, k), jnp.float32))
   trips = (count + tile - 1) // tile
-  chosen, top_ids, top = jax.lax.fori_loop(0, trips, one_tile, out)
+  # The loop under a cond: with one tile (buckets of <= ``tile`` rows) XLA:CPU
+  # otherwise runs the loop body's LM head, log_softmax and top-k (a full
+  # two-array sort of [tile, V]) in every step, wanted or not.
+  chosen, top_ids, top = jax.lax.cond(
+      count > 0, lambda: jax.lax.fori_loop(0, trips, one_tile, out), lambda: out)
   return order, count, chosen[:num_rows], top_ids[:num_rows], top[:num_rows]
 
 
