@@ -54,15 +54,10 @@ flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON.")
 
 def main(argv):
   del argv
-  kind, _, path = FLAGS.trace.partition(":")
-  loaders = {"azure": traces.load_azure_trace, "vtc": traces.load_vtc_trace,
-             "mooncake": traces.load_mooncake_trace}
-  if kind not in loaders or not path:
-    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
-                     f"got {FLAGS.trace!r}")
+  loader, path = traces.trace_loader(FLAGS.trace)
   cfg = PRESETS[FLAGS.model] if FLAGS.model in PRESETS else load_config(FLAGS.model)[0]
   t = time.perf_counter()
-  wl = workloads.fit_context(loaders[kind](path, vocab_size=cfg.vocab_size),
+  wl = workloads.fit_context(loader(path, vocab_size=cfg.vocab_size),
                              FLAGS.max_model_len)
   load_s = time.perf_counter() - t
   if workloads.fit_note(wl):

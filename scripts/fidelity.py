@@ -64,16 +64,11 @@ launch.define_engine_flags()
 
 
 def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
-  kind, _, path = trace.partition(":")
-  loaders = {"azure": traces.load_azure_trace, "mooncake": traces.load_mooncake_trace,
-             "vtc": traces.load_vtc_trace}
-  if kind not in loaders or not path:
-    raise ValueError(f"--traces entries must be KIND:PATH with KIND in {sorted(loaders)}, "
-                     f"got {trace!r}")
+  loader, path = traces.trace_loader(trace, "--traces entries")
   a, b = (float(x) for x in FLAGS.window_s)
-  wl = loaders[kind](path, time_scale=time_scale, window_s=(a, b),
-                     max_requests=FLAGS.max_requests, max_prompt_len=FLAGS.max_prompt_len,
-                     max_output_len=FLAGS.max_output_len, seed=0, vocab_size=vocab)
+  wl = loader(path, time_scale=time_scale, window_s=(a, b),
+            max_requests=FLAGS.max_requests, max_prompt_len=FLAGS.max_prompt_len,
+            max_output_len=FLAGS.max_output_len, seed=0, vocab_size=vocab)
   return workloads.fit_context(wl, max_model_len)
 
 

@@ -73,17 +73,13 @@ flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these 
                   "different rate grids) into --out, recomputing G* and plots.")
 
 
-LOADERS = {"azure": traces.load_azure_trace, "vtc": traces.load_vtc_trace,
-           "mooncake": traces.load_mooncake_trace}
-
-
 def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
   """Trial ``trial``'s window of --trace at ``rate_scale``, fitted into the
   context (``workloads.fit_context``)."""
-  kind, _, path = FLAGS.trace.partition(":")
+  loader, path = traces.trace_loader(FLAGS.trace)
   w = FLAGS.window_s
-  wl = LOADERS[kind](path, time_scale=1.0 / rate_scale, window_s=(trial * w, (trial + 1) * w),
-                     max_output_len=FLAGS.max_output_len, seed=trial, vocab_size=vocab)
+  wl = loader(path, time_scale=1.0 / rate_scale, window_s=(trial * w, (trial + 1) * w),
+              max_output_len=FLAGS.max_output_len, seed=trial, vocab_size=vocab)
   return workloads.fit_context(wl, max_model_len)
 
 
@@ -213,10 +209,7 @@ def _check_flags():
   if not rates or any(not r > 0 for r in rates):
     raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
                      f"{FLAGS.rate_scales}")
-  kind, _, path = FLAGS.trace.partition(":")
-  if kind not in LOADERS or not path:
-    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(LOADERS)}, "
-                     f"got {FLAGS.trace!r}")
+  traces.trace_loader(FLAGS.trace)        # refused here, before any model loads
   if FLAGS.max_model_len < 2:
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
                      f"got {FLAGS.max_model_len}")

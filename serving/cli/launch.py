@@ -10,7 +10,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from attention import native, ragged
 from models import amx, rowgemm
@@ -185,12 +185,7 @@ def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
 def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
   if synthetic:
     return synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
-  kind, _, path = FLAGS.trace.partition(":")
-  loaders = {"azure": traces.load_azure_trace, "mooncake": traces.load_mooncake_trace,
-             "vtc": traces.load_vtc_trace}
-  if kind not in loaders or not path:
-    raise ValueError(f"--trace must be KIND:PATH with KIND in {sorted(loaders)}, "
-                     f"got {FLAGS.trace!r}")
+  loader, path = traces.trace_loader(FLAGS.trace)
   window = None
   if FLAGS.window_s:
     try:
@@ -200,12 +195,12 @@ def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
                        f"{','.join(FLAGS.window_s)!r}") from None
     window = (a, b)
   if FLAGS.mooncake_block_tokens is not None:
-    if kind != "mooncake":
+    if loader is not traces.load_mooncake_trace:
       raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
                        f"got --trace={FLAGS.trace}")
     common = dict(common, block_tokens=FLAGS.mooncake_block_tokens)
-  return loaders[kind](path, time_scale=FLAGS.time_scale, window_s=window,
-                      max_requests=FLAGS.max_requests, **common)
+  return loader(path, time_scale=FLAGS.time_scale, window_s=window,
+                max_requests=FLAGS.max_requests, **common)
 
 
 def engine_config(**overrides) -> EngineConfig:
@@ -284,7 +279,6 @@ def load_flags_model(engine_cfg: EngineConfig):
   """Loads --model in the engine's dtype (and turns on the caches under
   --cache_dir). Returns (cfg, params, tokenizer); params is None for the
   simulated executor, which reads only the config and tokenizer (``load_config``)."""
-  logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   if FLAGS.keep_freed_pages:
     hostmem.keep_freed_pages()
   init_processes(engine_cfg)

@@ -458,10 +458,25 @@ def load_mooncake_trace(
     )
 
 
+def trace_loader(spec: str, flag: str = "--trace"):
+  """``(loader, path)`` of a ``KIND:PATH`` trace spec (KIND azure, mooncake
+  or vtc).
+
+  Raises:
+    ValueError: naming ``flag``, when KIND is unknown or PATH empty.
+  """
+  loaders = {"azure": load_azure_trace, "mooncake": load_mooncake_trace, "vtc": load_vtc_trace}
+  kind, _, path = spec.partition(":")
+  if kind not in loaders or not path:
+    raise ValueError(f"{flag} must be KIND:PATH with KIND in {sorted(loaders)}, got {spec!r}")
+  return loaders[kind], path
+
+
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "load_azure_trace",
     "load_mooncake_trace",
     "load_vtc_trace",
     "parse_azure_timestamp_ns",
+    "trace_loader",
 ]
