@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags, logging
+from absl import flags
 
 from attention.ragged import IMPLS, KV_BITS, kv_float_dtype, ragged_paged_attention, resolve_impl
 from models import amx, llama, quant, rowgemm
@@ -476,7 +476,6 @@ def main(argv):
   int8_gemm = launch_int8_gemm(probe)
   decode_gemm = launch_decode_gemm(probe)
   kept = hostmem.keep_freed_pages() if FLAGS.keep_freed_pages else False
-  logging.set_verbosity(logging.WARNING)  # checkpoint libraries log per file
   hf_weights = (FLAGS.hf_weights or [FLAGS.weights]) if FLAGS.hf else []
   cfg, params, _ = load_model(FLAGS.model, dtype=jnp.dtype(FLAGS.dtype),
                               cache_dir=".cache/iterserve/weights")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, List, NoReturn
 
-from absl import app, flags
+from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2
@@ -92,6 +92,8 @@ def run(main: Callable[[List[str]], Any]) -> None:
 
   @functools.wraps(main)
   def refusing(argv):
+    if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
+      logging.set_verbosity(logging.WARNING)
     try:
       return main(argv)
     except (ValueError, app.UsageError) as e:
