@@ -88,8 +88,12 @@ flags.DEFINE_integer("max_case_tokens", 9000, "Grid: skip cases whose N x L prom
 flags.DEFINE_float("max_load", 1.5, "Refuse when the 1-minute load average is above this.")
 flags.DEFINE_float("max_spread", 0.15, "Refuse when the median spread of a step's time "
                    "across repeats (max/min - 1) is above this.")
-flags.DEFINE_string("refit", None, "Fit from a saved grid (.npz of a previous run) "
-                    "instead of measuring; keeps the calibration's meta.")
+flags.DEFINE_list("refit", None, "Fit from saved grids (.npz of previous runs, e.g. one "
+                  "per model, each measured in its own process) instead of measuring; "
+                  "keeps their meta (models, loads and spreads of each).")
+flags.DEFINE_list("features", None, "Fit only these of cost_model.FEATURES (the others stay "
+                  "0), e.g. the terms a validation on replay steps kept; default: all (the "
+                  "weight-read term only with two or more models).")
 flags.DEFINE_list("refit_steps", None, "Fit on the steps of real replays (.npz step logs "
                   "of scripts/fidelity.py --step_log) instead of measuring a grid.")
 flags.DEFINE_bool("holdout_only", False, "Skip the grid; check the calibration in "
@@ -192,7 +196,11 @@ def holdout(engine_cfg, cfg, params, vocab, cost_path):
                                       max_prompt_len=min(512, engine_cfg.max_model_len
                                                          - output_len),
                                       max_output_len=output_len, seed=7, vocab_size=vocab)
-  real_recs, real_s = replay(Engine(cfg, params, engine_cfg), wl, realtime=True)
+  engine = Engine(cfg, params, engine_cfg)
+  # Every program compiled before the clock starts (after --refit or
+  # --holdout_only nothing is yet): a compile inside the replay is not a step.
+  launch.warmup(engine)
+  real_recs, real_s = replay(engine, wl, realtime=True)
   sim_cfg = dataclasses.replace(engine_cfg, executor="simulated", cost_model=cost_path)
   sim_recs, sim_s = replay(Engine(cfg, None, sim_cfg, clock=VirtualClock()), wl)
   return {**fidelity(real_recs, sim_recs, real_s, sim_s), "load_avg": os.getloadavg()}
@@ -211,7 +219,7 @@ def refit_steps(paths) -> None:
   for path in paths:
     if not os.path.isfile(path):
       raise ValueError(f"--refit_steps: {path!r} is not a file")
-  model = step_log.fit_steps(paths, FLAGS.max_load)
+  model = step_log.fit_steps(paths, FLAGS.max_load, features=FLAGS.features)
   meta = model.meta
   out = FLAGS.out or default_out(meta["dtype"], meta["engine"], meta["model"], meta["device"])
   model.save(out)
@@ -249,9 +257,7 @@ def main(argv):
       dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
       models.append(second_model(FLAGS.second_model, dtype))
     if FLAGS.refit:
-      grid = np.load(FLAGS.refit)
-      x, y = grid["features"], grid["step_ms"]
-      meta = json.loads(str(grid["meta"]))
+      x, y, meta = step_log.load_grids(FLAGS.refit)
     else:
       xs, ys, spreads = [], [], []
       for model_cfg, model_params in models:
@@ -281,7 +287,7 @@ def main(argv):
                   step_time_spread=spreads, max_load=FLAGS.max_load,
                   max_spread=FLAGS.max_spread,
                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    free = [f for f in cost_lib.FEATURES
+    free = [f for f in FLAGS.features or cost_lib.FEATURES
             if f != "weight_read_gb" or len(meta["models"]) > 1]
     model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
     model.save(out)

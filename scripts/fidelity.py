@@ -24,6 +24,13 @@ of predicted / measured - 1, and ``simulated_steps`` counts the simulated
 replay's steps per class (with both replays' iteration counts: where the
 schedules differ).
 ``scripts/calibrate.py --refit_steps=PATH`` fits the cost model on them.
+
+``--measured=PATH`` writes each case's real replay (its per-request
+records, duration, iterations, load averages) to one JSON; with
+``--reuse_measured`` the cases are read back from it instead of replayed, so
+another cost model is checked against the same measurement (no real replay
+runs, no model weights load, and the load check is skipped: only simulated
+replays run).
 """
 
 import dataclasses
@@ -45,6 +52,7 @@ from serving.harness import step_log
 from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.engine import Engine
+from serving.harness.metrics import RequestRecord
 from serving.harness.replay import fidelity, replay
 from serving.engine.sim_executor import VirtualClock
 
@@ -60,7 +68,23 @@ flags.DEFINE_string("out", "runs/fidelity.json", "Result JSON.")
 flags.DEFINE_string("step_log", None, "Also log every step of the real replays (features, "
                     "measured and predicted ms, class) to this .npz "
                     "(scripts/calibrate.py --refit_steps fits on it).")
+flags.DEFINE_string("measured", None, "Write the real replays' per-request records to this "
+                    "JSON (or, with --reuse_measured, read them from it).")
+flags.DEFINE_bool("reuse_measured", False, "Check the cost model against the real replays in "
+                  "--measured instead of replaying (simulated replays only).")
 launch.define_engine_flags()
+
+
+def _case_key(trace: str, scale: float) -> str:
+  return f"{trace}@x{scale:g}"
+
+
+def _load_measured(path: str) -> dict:
+  with open(path) as f:
+    data = json.load(f)
+  for case in data["cases"].values():
+    case["records"] = [RequestRecord(**r) for r in case["records"]]
+  return data
 
 
 def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
@@ -77,18 +101,31 @@ def main(argv):
   if not FLAGS.traces:
     raise ValueError("--traces is required (KIND:PATH,...)")
   cli.check_creatable("out", FLAGS.out)
+  if FLAGS.reuse_measured and not FLAGS.measured:
+    raise ValueError("--reuse_measured needs --measured=PATH (the real replays to read)")
+  if FLAGS.reuse_measured and FLAGS.step_log:
+    raise ValueError("--step_log logs real replays; --reuse_measured runs none")
   if FLAGS.step_log:
     cli.check_creatable("step_log", FLAGS.step_log)
+  if FLAGS.measured and not FLAGS.reuse_measured:
+    cli.check_creatable("measured", FLAGS.measured)
   # Checked before this process loads or compiles anything: afterwards the
   # load average counts its own threads (recorded per case, not checked).
   load_at_start = os.getloadavg()[0]
-  if load_at_start > FLAGS.max_load:
+  if load_at_start > FLAGS.max_load and not FLAGS.reuse_measured:
     raise ValueError(f"machine busy: load average {load_at_start:.2f} > "
                      f"--max_load={FLAGS.max_load} (stop other jobs first)")
   engine_cfg = launch.engine_config()
   sim_cfg = launch.engine_config(executor="simulated")
-  cfg, params, _ = launch.load_flags_model(engine_cfg)
-  launch.warmup(Engine(cfg, params, engine_cfg), 64)
+  measured = _load_measured(FLAGS.measured) if FLAGS.reuse_measured else None
+  if measured is None:
+    cfg, params, _ = launch.load_flags_model(engine_cfg)
+    launch.warmup(Engine(cfg, params, engine_cfg), 64)
+  else:
+    cfg, params, _ = launch.load_flags_model(sim_cfg)     # the config only
+    if measured["model"] != cfg.name:
+      raise ValueError(f"--measured holds replays of {measured['model']!r}, not {cfg.name!r}")
+  saved = {"model": cfg.name, "engine": FLAGS.engine, "cases": {}}
   model_costs = cost_lib.engine_model_costs(cfg, engine_cfg)
   steps = None
   if FLAGS.step_log:
@@ -101,24 +138,47 @@ def main(argv):
                     platform=f"{jax.default_backend()} {jax.devices()[0].device_kind}")
   cases = []
   result = {"engine": FLAGS.engine, "model": FLAGS.model, "cost_model": None,
-            "load_avg_at_start": load_at_start, "cases": cases}
+            "load_avg_at_start": load_at_start, "cases": cases,
+            "measured": FLAGS.measured, "reused_measured": FLAGS.reuse_measured}
   for trace in FLAGS.traces:
     for scale in (float(x) for x in FLAGS.time_scales):
       wl = _workload(trace, scale, cfg.vocab_size, engine_cfg.max_model_len)
-      load_before = os.getloadavg()[0]
+      key = _case_key(trace, scale)
+      if measured is not None:
+        if key not in measured["cases"]:
+          raise ValueError(f"--measured has no case {key!r} (it has "
+                           f"{sorted(measured['cases'])})")
+        m = measured["cases"][key]
+        if m["requests"] != len(wl):
+          raise ValueError(f"--measured case {key!r} has {m['requests']} requests, the "
+                           f"workload {len(wl)}: another window or clipping")
+        real, real_s, wall_s = m["records"], m["duration_s"], m["wall_s"]
+        load_before, load_after = m["load_avg_before"], m["load_avg_after"]
+        real_iterations = m["iterations"]
+      else:
+        load_before = os.getloadavg()[0]
       info = {"trace": trace, "window_s": FLAGS.window_s, "time_scale": scale,
               "offered_req_s": len(wl) / max(wl.duration_s, 1e-9),
               "load_avg_before": load_before}
-      real_engine = Engine(cfg, params, engine_cfg)
-      t = time.perf_counter()
-      if steps is None:
-        real, real_s = replay(real_engine, wl, realtime=True)
-      else:
-        real, real_s = steps.replay(real_engine, wl, info, realtime=True)
-      wall_s = time.perf_counter() - t
-      load_after = os.getloadavg()[0]
-      real_iterations = real_engine.num_iterations
-      del real_engine          # one KV cache alive at a time
+      if measured is None:
+        real_engine = Engine(cfg, params, engine_cfg)
+        t = time.perf_counter()
+        if steps is None:
+          real, real_s = replay(real_engine, wl, realtime=True)
+        else:
+          real, real_s = steps.replay(real_engine, wl, info, realtime=True)
+        wall_s = time.perf_counter() - t
+        load_after = os.getloadavg()[0]
+        real_iterations = real_engine.num_iterations
+        del real_engine          # one KV cache alive at a time
+      if FLAGS.measured and measured is None:
+        saved["cases"][key] = {
+            "requests": len(wl), "duration_s": real_s, "wall_s": wall_s,
+            "iterations": real_iterations, "load_avg_before": load_before,
+            "load_avg_after": load_after,
+            "records": [dataclasses.asdict(r) for r in real]}
+        with open(FLAGS.measured, "w") as f:
+          json.dump(saved, f)
       sim_engine = Engine(cfg, None, sim_cfg, clock=VirtualClock())
       result["cost_model"] = sim_engine.cost_model.to_json()
       if steps is None:

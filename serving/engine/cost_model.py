@@ -20,7 +20,21 @@ published peaks give a first estimate without the accelerator:
                           once per block per step
   weight_read_gb          the weights a step reads (MoE: every expert,   GB
                           an upper bound)
+  prompt_gemm_gflop       the prompt rows' GEMM class: one GEMM over     GFLOP
+                          the whole bucket, at least LARGE_GEMM_ROWS
+                          rows, in a step with a prompt row
+  extra_weight_read_gb    the weights read again by each GEMM pass past  GB
+                          the first: a step with prompt rows and
+                          generated rows (decode rows, recomputed
+                          outputs) runs both classes, the generated rows
+                          in tiles of ROW_TILE
   ======================  =============================================  =========
+
+The last two say how this engine's row-wise projections run
+(``models.llama.rowwise``: a row's bits depend only on its row class, so a
+mixed step runs two GEMM passes); a calibration fits them beside the first
+seven, and an accelerator profile leaves them at zero (one fused weight
+pass per step, as a paper's engine would run).
 
 ``CostModel.coef_ms`` holds ms per unit of each feature (``step``'s is the
 per-step term), so ``1000 / coef`` of a GFLOP or GB feature is the
@@ -63,12 +77,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.llama import LARGE_GEMM_ROWS, ROW_TILE
 from scheduler import records as rec
 
 FEATURES = ("step", "rows", "gemm_gflop", "lm_head_gflop", "attention_gflop",
-            "kv_read_gb", "weight_read_gb")
-COMPUTE = ("gemm_gflop", "lm_head_gflop", "attention_gflop")
-MEMORY = ("kv_read_gb", "weight_read_gb")
+            "kv_read_gb", "weight_read_gb", "prompt_gemm_gflop", "extra_weight_read_gb")
+COMPUTE = ("gemm_gflop", "lm_head_gflop", "attention_gflop", "prompt_gemm_gflop")
+MEMORY = ("kv_read_gb", "weight_read_gb", "extra_weight_read_gb")
+# Features a calibration written before the row-class features lacks: read
+# as 0 (what that calibration's predictions already assumed).
+ADDED_FEATURES = ("prompt_gemm_gflop", "extra_weight_read_gb")
 COMBINES = ("sum", "roofline")
 _CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CALIBRATION = _CONFIGS / "calibration" / "cost_model_cpu.json"
@@ -192,7 +210,7 @@ def engine_model_costs(cfg: ModelConfig, engine_config) -> ModelCosts:
   return model_costs(cfg, weights, engine_config.kv_cache_dtype)
 
 
-def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,)):
+def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
   """The plan's side of the step features, on device (``step_features``
   combines them with the model's ``ModelCosts`` on the host).
 
@@ -200,9 +218,13 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,)):
     plan: the iteration's plan (selected intervals [start, end) per slot).
     windows: static, the model's distinct attention windows
       (``ModelConfig.window_kinds``; 0 = global), ascending.
+    prompt_len: i32[R] each slot's prompt length (the manifest's), which
+      splits rows into the prompt and generated GEMM classes; None: every
+      non-decode row counts as a prompt row.
   Returns:
-    f32[3 + 2 * len(windows)]: prefill rows (prompt and rebuild rows),
-    decode rows, scheduled sequences; then per window w the query-key pairs
+    f32[4 + 2 * len(windows)]: prefill rows (prompt and rebuild rows),
+    decode rows, scheduled sequences, rows at prompt positions (below the
+    request's prompt length); then per window w the query-key pairs
     one block of that window computes (a row at position j sees
     ``min(j + 1, w)`` keys, all ``j + 1`` for w = 0); then per window the
     cached keys one block reads (``min(end, w)`` per sequence).
@@ -212,8 +234,14 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,)):
   end = plan.end.astype(jnp.float32)
   rows = jnp.where(sel, end - start, 0.0)
   decode = sel & (plan.kind == rec.DECODE_ROW)
-  out = [jnp.sum(jnp.where(decode, 0.0, rows)), jnp.sum(decode).astype(jnp.float32),
-         jnp.sum(sel).astype(jnp.float32)]
+  prefill = jnp.sum(jnp.where(decode, 0.0, rows))
+  if prompt_len is None:
+    prompt_rows = prefill
+  else:
+    below = jnp.maximum(jnp.minimum(end, prompt_len.astype(jnp.float32)) - start, 0.0)
+    prompt_rows = jnp.sum(jnp.where(sel, below, 0.0))
+  out = [prefill, jnp.sum(decode).astype(jnp.float32), jnp.sum(sel).astype(jnp.float32),
+         prompt_rows]
   pairs, keys = [], []
   for w in windows:
     if w == 0:
@@ -229,36 +257,50 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,)):
   return jnp.stack(out + pairs + keys)
 
 
-def step_features(stats, bucket: int, costs: ModelCosts) -> np.ndarray:
-  """f64[len(FEATURES)]: one step's ``FEATURES`` values.
+def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
+  """f64[len(FEATURES)]: one step's ``FEATURES`` values; with ``xp``
+  ``jax.numpy``, of traced ``stats`` and ``bucket`` in JAX's default float
+  (float64 in a ``jax.enable_x64`` scope, where the simulated loop charges
+  its steps on the device by this same definition).
 
   Args:
     stats: ``plan_stats`` of the step's plan (for ``costs``' windows).
     bucket: the token-row bucket the step needs (its GEMMs run every row).
     costs: the model's ``ModelCosts`` (in the engine's dtypes).
+    xp: ``numpy`` (host) or ``jax.numpy`` (device).
   Raises:
     ValueError: ``stats`` is not for ``costs``' windows.
   """
   kinds = tuple(sorted(set(costs.windows)))
-  stats = np.asarray(stats, np.float64)
-  if stats.shape != (3 + 2 * len(kinds),):
+  dtype = xp.result_type(float)
+  stats = xp.asarray(stats, dtype)
+  bucket = xp.asarray(bucket, dtype)
+  if stats.shape != (4 + 2 * len(kinds),):
     raise ValueError(f"step_features: stats of shape {stats.shape} do not match the model's "
                      f"{len(kinds)} window kind(s) {kinds}")
-  prefill, decode, seqs = stats[:3]
-  pairs, keys = stats[3:3 + len(kinds)], stats[3 + len(kinds):]
+  prefill, decode, seqs, prompt = stats[:4]
+  pairs, keys = stats[4:4 + len(kinds)], stats[4 + len(kinds):]
+  generated = prefill + decode - prompt        # decode rows, recomputed outputs
+  if costs.weight_dtype == "int8":      # one GEMM over every row (rowwise(exact=True))
+    prompt_rows, passes = bucket, 1.0
+  else:
+    prompt_rows = xp.where(prompt > 0, xp.maximum(bucket, LARGE_GEMM_ROWS), 0.0)
+    passes = (prompt > 0) + xp.ceil(generated / ROW_TILE)
   blocks = np.array([sum(1 for w in costs.windows if w == k) for k in kinds], np.float64)
   layers = len(costs.windows)
-  pair_flops = blocks * (costs.attention_flops_per_pair / layers)
-  key_bytes = blocks * (costs.kv_bytes_per_token / layers)
-  return np.array([
+  pair_flops = xp.asarray(blocks * (costs.attention_flops_per_pair / layers), dtype)
+  key_bytes = xp.asarray(blocks * (costs.kv_bytes_per_token / layers), dtype)
+  return xp.stack([xp.asarray(v, dtype) for v in (
       1.0,
       prefill + decode,
       bucket * costs.gemm_flops_per_row / 1e9,
       seqs * costs.lm_head_flops_per_row / 1e9,
-      float(pairs @ pair_flops) / 1e9,
-      float(keys @ key_bytes) / 1e9,
+      (pairs @ pair_flops) / 1e9,
+      (keys @ key_bytes) / 1e9,
       costs.weight_bytes_per_step / 1e9,
-  ])
+      prompt_rows * costs.gemm_flops_per_row / 1e9,
+      xp.maximum(passes - 1.0, 0.0) * costs.weight_bytes_per_step / 1e9,
+  )])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,19 +351,25 @@ class CostModel:
     return cls(tuple(float(coef_ms.get(f, 0.0)) for f in FEATURES), combine, min_step_ms,
                dict(meta or {}))
 
-  def terms_ms(self, features: Sequence[float]) -> Dict[str, float]:
-    """Each feature's term (ms) of one step's ``FEATURES`` values."""
-    return {f: c * float(x) for f, c, x in zip(FEATURES, self.coef_ms, features)}
+  def terms_ms(self, features: Sequence[float], xp=np) -> Dict[str, float]:
+    """Each feature's term (ms) of one step's ``FEATURES`` values (floats;
+    with ``xp`` ``jax.numpy``, traced scalars)."""
+    value = float if xp is np else (lambda x: x)
+    return {f: c * value(x) for f, c, x in zip(FEATURES, self.coef_ms, features)}
 
-  def predict_ms(self, features: Sequence[float]) -> float:
-    """Modelled step time (ms) of one step's ``FEATURES`` values."""
-    t = self.terms_ms(features)
+  def predict_ms(self, features: Sequence[float], xp=np) -> float:
+    """Modelled step time (ms) of one step's ``FEATURES`` values: a float
+    on the host; with ``xp`` ``jax.numpy``, a traced scalar (the simulated
+    loop's step time on the device, float64 in its ``jax.enable_x64``
+    scope, by the same definition)."""
+    t = self.terms_ms(features, xp)
     if self.combine == "sum":
       total = sum(t.values())
     else:
-      total = (t["step"] + t["rows"] + max(sum(t[f] for f in COMPUTE),
-                                           sum(t[f] for f in MEMORY)))
-    return max(self.min_step_ms, total)
+      total = (t["step"] + t["rows"] + xp.maximum(sum(t[f] for f in COMPUTE),
+                                                  sum(t[f] for f in MEMORY)))
+    total = xp.maximum(self.min_step_ms, total)
+    return float(total) if xp is np else total
 
   def efficiencies(self) -> Dict[str, float]:
     """Throughput each GFLOP / GB term stands for (GFLOP/s or GB/s:
@@ -350,7 +398,9 @@ def from_json(d: dict, where: str) -> CostModel:
     ValueError: naming ``where`` and the missing feature, e.g. a calibration
       of the old row-count form (re-run ``scripts/calibrate.py``).
   """
-  coef = d.get("coef_ms", {})
+  coef = dict(d.get("coef_ms", {}))
+  if all(f in coef for f in FEATURES if f not in ADDED_FEATURES):
+    coef = {f: 0.0 for f in ADDED_FEATURES} | coef    # written before the row classes
   missing = [f for f in FEATURES if f not in coef]
   if missing:
     raise ValueError(f"{where}: cost model needs coef_ms for every feature {list(FEATURES)}; "

@@ -183,7 +183,8 @@ def load(path: str) -> dict:
   return log
 
 
-def fit_steps(paths: Sequence[str], max_load: float) -> cost_lib.CostModel:
+def fit_steps(paths: Sequence[str], max_load: float,
+              features: Optional[Sequence[str]] = None) -> cost_lib.CostModel:
   """Fits the "sum" cost model (``cost_model.fit``, NNLS) on the steps of
   the step logs at ``paths``.
 
@@ -192,7 +193,7 @@ def fit_steps(paths: Sequence[str], max_load: float) -> cost_lib.CostModel:
   and predictions are floored at half the fastest step. The meta says the
   source ("replay steps"), the files, the step count, the load averages,
   the models, and the new fit's median of predicted / measured - 1 per step
-  class.
+  class. ``features`` (None: all) names the terms fitted; the others stay 0.
 
   Raises:
     ValueError: a log recorded at a load average above ``max_load`` (naming
@@ -225,7 +226,8 @@ def fit_steps(paths: Sequence[str], max_load: float) -> cost_lib.CostModel:
       if costs not in models:
         models.append(costs)
         names.append(log["meta"]["model"])
-  free = [f for f in cost_lib.FEATURES if f != "weight_read_gb" or len(models) > 1]
+  free = [f for f in features or cost_lib.FEATURES
+          if f != "weight_read_gb" or len(models) > 1]
   meta = dict(source="replay steps", files=list(paths), steps=int(len(y)),
               model=first["model"], family=first.get("family"), dtype=first["dtype"],
               engine=first["engine"], device=first["device"], models=models,
@@ -241,3 +243,40 @@ def fit_steps(paths: Sequence[str], max_load: float) -> cost_lib.CostModel:
                                                             y[classes == i])}
       for i, name in enumerate(STEP_CLASSES)}
   return model
+
+
+def load_grids(paths):
+  """(features, step_ms, meta) of saved grids, merged: the rows of all, and
+  one meta whose ``models``/``model_names`` list every grid's models and
+  whose load averages and spreads are every grid's (``grids`` names the
+  files). The first grid's dtype, engine and device must be every grid's.
+
+  Raises:
+    ValueError: a grid of another dtype, engine preset, device or feature
+      set than the first.
+  """
+  xs, ys, metas = [], [], []
+  for path in paths:
+    grid = np.load(path)
+    xs.append(grid["features"])
+    ys.append(grid["step_ms"])
+    metas.append(json.loads(str(grid["meta"])))
+    if xs[-1].shape[1] != len(cost_lib.FEATURES):
+      raise ValueError(f"{path!r} has {xs[-1].shape[1]} features, not the "
+                       f"{len(cost_lib.FEATURES)} of {list(cost_lib.FEATURES)} (measured by "
+                       f"another version: measure it again)")
+    for key in ("dtype", "engine"):
+      if metas[-1][key] != metas[0][key]:
+        raise ValueError(f"grids differ in {key}: {paths[0]!r} has "
+                         f"{metas[0][key]!r}, {path!r} has {metas[-1][key]!r}")
+    if metas[-1]["device"]["id"] != metas[0]["device"]["id"]:
+      raise ValueError(f"{path!r} was measured on another device than {paths[0]!r}")
+  if len(metas) == 1:
+    return xs[0], ys[0], metas[0]
+  meta = dict(metas[0], grids=list(paths),
+              models=[m for meta in metas for m in meta["models"]],
+              model_names=[n for meta in metas for n in meta["model_names"]],
+              load_avg_before=[meta["load_avg_before"] for meta in metas],
+              load_avg_after=[meta["load_avg_after"] for meta in metas],
+              step_time_spread=[s for meta in metas for s in meta["step_time_spread"]])
+  return np.concatenate(xs), np.concatenate(ys), meta

@@ -1,5 +1,6 @@
 """Step logs of real replays and the cost model fitted on them."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COST = cost_lib.CostModel.of(step=5.0, rows=0.5, attention_gflop=2000.0)
 # Known coefficients of a one-model fit (weight reads fold into ``step``).
 TRUE = dict(step=2.0, rows=0.01, gemm_gflop=2.5, lm_head_gflop=3.3, attention_gflop=6.7,
-            kv_read_gb=16.7)
+            kv_read_gb=16.7, prompt_gemm_gflop=1.1, extra_weight_read_gb=25.0)
 
 
 def _meta(costs):
@@ -84,7 +85,7 @@ def _synthetic_log(path, load_avg, n=200, seed=0):
     decode = decode if prefill or decode else 1
     bucket = int(2 ** np.ceil(np.log2(max(prefill + decode, 16))))
     ctx = int(rng.integers(1, 8192))
-    stats = [prefill, decode, decode + chunks,
+    stats = [prefill, decode, decode + chunks, prefill,
              prefill * (prefill / max(chunks, 1) + 1) / 2 + decode * ctx,
              (decode + chunks) * ctx]
     features = cost_lib.step_features(stats, bucket, costs)
@@ -125,3 +126,68 @@ def test_refit_steps_writes_a_calibration_and_refuses_a_busy_log(tmp_path):
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert "load average of 3.00 > --max_load=1.5" in proc.stderr
   assert json.loads(out.read_text())["meta"]["files"] == [quiet]
+
+
+def _grid(path, costs, rows, dtype="float32", device="abc"):
+  """A saved calibration grid (``scripts/calibrate.py``'s ``*_grid.npz``) of
+  ``rows`` steps of ``costs`` whose times are the features times ``TRUE``."""
+  rng = np.random.default_rng(rows)
+  true = cost_lib.CostModel.of(**TRUE)
+  x = []
+  for _ in range(rows):
+    decode, prefill = int(rng.integers(0, 32)), int(rng.integers(0, 256))
+    bucket = int(2 ** np.ceil(np.log2(max(prefill + decode, 16))))
+    stats = [prefill, decode, decode + (prefill > 0), prefill, prefill * (prefill + 1) / 2,
+             decode + (prefill > 0)]
+    x.append(cost_lib.step_features(stats, bucket, costs))
+  meta = dict(model="m", dtype=dtype, engine="cpu_default", device={"id": device},
+              models=[costs.to_json()], model_names=[f"m{rows}"], load_avg_before=0.2,
+              load_avg_after=1.9, step_time_spread=[0.05])
+  np.savez(path, features=np.array(x), step_ms=np.array([true.predict_ms(r) for r in x]),
+           meta=json.dumps(meta))
+  return str(path)
+
+
+def test_grids_of_two_models_measured_apart_merge_into_one_fit(tmp_path):
+  small = cost_lib.model_costs(CFG)
+  wide = cost_lib.model_costs(dataclasses.replace(CFG, d_model=2 * CFG.d_model,
+                                                  ffn_dim=3 * CFG.ffn_dim))
+  a, b = _grid(tmp_path / "a.npz", small, 40), _grid(tmp_path / "b.npz", wide, 50)
+  x, y, meta = step_log.load_grids([a, b])
+  assert x.shape == (90, len(cost_lib.FEATURES)) and y.shape == (90,)
+  assert meta["model_names"] == ["m40", "m50"] and len(meta["models"]) == 2
+  assert meta["grids"] == [a, b] and meta["load_avg_before"] == [0.2, 0.2]
+  with pytest.raises(ValueError, match="grids differ in dtype"):
+    step_log.load_grids([a, _grid(tmp_path / "c.npz", wide, 30, dtype="bfloat16")])
+  with pytest.raises(ValueError, match="measured on another device"):
+    step_log.load_grids([a, _grid(tmp_path / "d.npz", wide, 30, device="xyz")])
+
+
+def test_fidelity_checks_a_second_cost_model_against_the_same_measured_replay(tmp_path):
+  """scripts/fidelity.py --measured keeps each real replay's records;
+  --reuse_measured checks another cost model against them without replaying
+  (same measured side, another simulated side), and refuses a case it lacks."""
+  trace = tmp_path / "trace.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:17:03.00,20,4\n2023-11-16 18:17:03.40,9,6\n"
+                   "2023-11-16 18:17:03.90,31,3\n")
+  measured, slow = tmp_path / "measured.json", tmp_path / "slow.json"
+  slow.write_text(json.dumps({"coef_ms": {f: (500.0 if f == "step" else 0.0)
+                                          for f in cost_lib.FEATURES}}))
+  script = [sys.executable, str(ROOT / "scripts" / "fidelity.py"),
+            "--model=random:smollm2-135m,d_model=64,n_heads=4,n_kv_heads=2,ffn_dim=128,n_layers=2",
+            "--engine=tiny", f"--traces=azure:{trace}", "--window_s=0,5", "--time_scales=1",
+            "--max_load=1000", "--cache_dir=", f"--measured={measured}"]
+  run = lambda *args: subprocess.run(script + list(args), cwd=ROOT, capture_output=True,
+                                     text=True, timeout=300)
+  first = run(f"--out={tmp_path / 'a.json'}")
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = run(f"--out={tmp_path / 'b.json'}", "--reuse_measured", f"--cost_model={slow}")
+  assert second.returncode == 0, second.stderr[-2000:]
+  a, b = (json.loads((tmp_path / n).read_text())["cases"][0] for n in ("a.json", "b.json"))
+  assert a["measured_duration_s"] == b["measured_duration_s"] and a["requests"] == 3
+  assert a["ttft"]["measured_median_ms"] == b["ttft"]["measured_median_ms"]
+  # 500 ms a step and at least 6 steps (the longest output): over 3 s.
+  assert b["simulated_duration_s"] > 6 * 0.5 > a["simulated_duration_s"]
+  other = run(f"--out={tmp_path / 'c.json'}", "--reuse_measured", "--time_scales=2")
+  assert other.returncode != 0 and "--measured has no case" in other.stderr
