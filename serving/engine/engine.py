@@ -569,6 +569,10 @@ class Engine:
     new = programs_lib.slot_tables(c, size, self._placement)
     self.pages, self.buffers, self.manifest, self.state = jax.tree.map(
         programs_lib.keep_rows, new, old)
+    if self._stamp is not None:        # the pending emission correction keeps its slots
+      emitted, stamp, actual = self._stamp
+      self._stamp = (programs_lib.keep_rows(self._placement.tables(np.zeros(size, bool)),
+                                            emitted), stamp, actual)
     self._slots += [None] * (size - self.num_slots)
     self._programs = programs_lib.programs(self.model_cfg,
                                            dataclasses.replace(c, max_request_slots=size))

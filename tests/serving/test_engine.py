@@ -533,6 +533,24 @@ def test_preempting_iterations_share_the_step_programs(params):
   assert "execute" not in programs
 
 
+def test_a_growing_slot_table_keeps_the_pending_emission_correction():
+  """The emissions of the iteration before the slot table grows move from
+  their launch stamp to their publication time, as any iteration's do."""
+  engine = Engine(CFG, None, dataclasses.replace(BASE, executor="simulated",
+                                                 max_request_slots=4,
+                                                 enable_prefix_caching=False))
+  first = [engine.add_request(f"a{i}", p, GREEDY)
+           for i, p in enumerate(_prompts([3] * 4, seed=40))]
+  engine.step()                    # every prompt in one step: first tokens
+  assert all(len(r.output_token_ids) == 1 for r in first) and engine.num_slots == 4
+  for i, p in enumerate(_prompts([3] * 4, seed=41)):
+    engine.add_request(f"b{i}", p, GREEDY)
+  engine.step()                    # grows to 8 slots, then plans
+  assert engine.num_slots == 8
+  first_ms = np.asarray(jax.device_get(engine.state.first_token_ms))
+  assert [first_ms[r.slot] for r in first] == [np.float32(r.token_times_ms[0]) for r in first]
+
+
 def test_policy_that_can_never_schedule_a_request_rejects_it(params):
   # ORCA runs a whole prompt in one iteration: a 20-token prompt can never
   # fit the 16-token budget, so it is rejected and the rest keep running.
