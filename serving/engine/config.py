@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Tuple
 
+import numpy as np
+
 from attention.ragged import IMPLS
 from models.amx import GEMMS as INT8_GEMMS
 from models.rowgemm import GEMMS as DECODE_GEMMS
@@ -26,6 +28,13 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")
 WEIGHTS = ("dense", "int8")
+
+
+def bucket_index(buckets, num_rows, xp=np):
+  """Index of the smallest of ``buckets`` (ascending) holding ``num_rows``
+  rows, ``len(buckets)`` when none does; numpy on the host, ``jax.numpy``
+  (i32[]) on the device."""
+  return xp.sum(xp.asarray(buckets) < num_rows)
 
 
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
@@ -377,11 +386,29 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     return tuple(buckets)
 
   def bucket_for(self, num_tokens: int) -> int:
-    for b in self.token_buckets:
-      if num_tokens <= b:
-        return b
-    raise ValueError(f"num_tokens {num_tokens} exceeds the token budget "
-                     f"{self.max_num_batched_tokens}")
+    """The smallest token bucket holding ``num_tokens`` rows.
+
+    Raises:
+      ValueError: ``num_tokens`` exceeds the token budget.
+    """
+    i = int(bucket_index(self.token_buckets, num_tokens))
+    if i == len(self.token_buckets):
+      raise ValueError(f"num_tokens {num_tokens} exceeds the token budget "
+                       f"{self.max_num_batched_tokens}")
+    return self.token_buckets[i]
+
+  def iteration_bucket(self, rows_bound, num_tokens, xp=np):
+    """The token bucket an iteration runs in: that of its plan's
+    ``PlanFacts.rows_bound`` (at least its rows and 1; at most the token
+    budget), on the host (numpy: an int) or the device (``jax.numpy``:
+    i32[] of traced i32[] facts); see ``Engine._execute`` for why the bound's
+    bucket and not the plan's."""
+    rows = xp.minimum(xp.maximum(xp.maximum(rows_bound, num_tokens), 1),
+                      self.max_num_batched_tokens)
+    if xp is np:
+      return self.bucket_for(int(rows))
+    buckets = xp.asarray(self.token_buckets, xp.int32)
+    return buckets[xp.minimum(bucket_index(self.token_buckets, rows, xp), len(buckets) - 1)]
 
   @classmethod
   def preset(cls, name: str, **overrides) -> "EngineConfig":

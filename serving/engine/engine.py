@@ -810,8 +810,7 @@ class Engine:
     docs/benchmarks.md "One path per iteration"). A row's bits do not
     depend on the bucket (``llama.row_tiled``)."""
     c = self.config
-    bucket = c.bucket_for(min(max(int(facts.rows_bound), int(facts.num_tokens), 1),
-                              c.max_num_batched_tokens))
+    bucket = c.iteration_bucket(int(facts.rows_bound), int(facts.num_tokens))
     realized = self._realized() if c.executor == "simulated" else None
     (self.kv, self.pages, self.buffers, state, aux, step_facts) = self._programs.step(
         self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
