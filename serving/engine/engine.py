@@ -33,6 +33,12 @@ An iteration is one path, read top-down in ``Engine.step``:
 The policy is evaluated once per iteration (``Engine.policy_evaluations``
 counts the plan programs run), and the model runs only a settled plan.
 
+``Engine.simulate`` runs the same iterations, many per program call, for
+the simulated executor on a virtual clock (``serving.engine.sim_loop``):
+requests added ahead of their arrival (``add_future_request``) enter their
+slots on the device when the modelled clock reaches them, and an iteration
+that needs the host is run by ``step``.
+
 The set of compiled programs is fixed by the config and the slot-table
 size: per size, one ``plan`` program, one ``step`` per token bucket in
 ``EngineConfig.token_buckets``, one arrival writer, one release/cancel
@@ -99,6 +105,7 @@ programs; ``requests``: the records; ``config``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -116,6 +123,7 @@ from scheduler import validate
 from serving.engine import cost_model as cost_lib
 from serving.engine import programs as programs_lib
 from serving.engine import sim_executor
+from serving.engine import sim_loop
 from serving.engine.config import OUTCOMES, EngineConfig, SamplingParams
 from serving.engine.requests import (Arrival, PromptLogprobs, QueueFull, Request,
                                      RequestOutput, TokenLogprobs)
@@ -226,6 +234,8 @@ class Engine:
     # into a slot (the slot table grows as needed), so the policy sees the
     # whole queue: this list never decides an order.
     self._pending: List[Request] = []
+    # Accepted for ``simulate`` ahead of their arrival, in arrival order.
+    self._future: List[Request] = []
     self._requests: Dict[str, Request] = {}
     self._clients: Dict[str, int] = {}
     self._client_refs: Dict[str, int] = {}   # requests per client in _requests
@@ -266,6 +276,7 @@ class Engine:
     self._pages_low = False             # the last step's ``StepFacts.pages_low``
     self._programs = programs_lib.programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
+    self._loop_sets = []                      # ``simulate``'s programs used
 
   @property
   def num_slots(self) -> int:
@@ -330,6 +341,52 @@ class Engine:
     prefill rows (the request takes no prefix hit). Both need the model
     executor (ValueError with the simulated one).
     """
+    req = self._accept(request_id, prompt_token_ids, sampling, arrival_ms, priority, client,
+                       slo_ttft_ms, slo_tpot_ms, logprobs, prompt_logprobs,
+                       self._num_unfinished())
+    if not req.finished:
+      self._pending.append(req)
+    return req
+
+  def add_future_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                         sampling: SamplingParams = SamplingParams(), *, arrival_ms: float,
+                         priority: int = 0, client: str = "default",
+                         slo_ttft_ms: Optional[float] = None,
+                         slo_tpot_ms: Optional[float] = None) -> Request:
+    """Accepts, for ``simulate``, a request that arrives at ``arrival_ms``
+    (engine clock, ms; not before now nor before the last such request):
+    checked and recorded now by ``add_request``'s rules, it enters a slot
+    only once the simulated clock reaches its arrival, so no policy sees it
+    earlier.
+
+    Raises:
+      ValueError: ``add_request``'s; an engine ``simulate`` cannot run
+        (``loop_refusal``); an arrival out of order.
+      QueueFull: the unfinished requests, those still to arrive included,
+        fill ``max_queued_requests``; whether the request is refused is then
+        known only at its arrival (``add_request`` it then).
+    """
+    reason = self.loop_refusal()
+    if reason is not None:
+      raise ValueError(f"add_future_request: {reason}")
+    last = self._future[-1].arrival_ms if self._future else self.now_ms()
+    if not arrival_ms >= last:
+      raise ValueError(f"request {request_id!r}: arrival_ms {arrival_ms!r} is before "
+                       f"{last!r} (now or the last future arrival); future requests "
+                       f"come in arrival order")
+    req = self._accept(request_id, prompt_token_ids, sampling, arrival_ms, priority, client,
+                       slo_ttft_ms, slo_tpot_ms, False, False,
+                       self._num_unfinished() + len(self._future))
+    if not req.finished:
+      self._future.append(req)
+    return req
+
+  def _accept(self, request_id, prompt_token_ids, sampling, arrival_ms, priority, client,
+              slo_ttft_ms, slo_tpot_ms, logprobs, prompt_logprobs,
+              num_unfinished: int) -> Request:
+    """``add_request``'s checks and records, ``num_unfinished`` counting
+    against ``max_queued_requests``; a request that can never fit the KV
+    cache is returned ended (``rejected``)."""
     c = self.config
     ids = [int(t) for t in prompt_token_ids]
     if request_id in self._requests:
@@ -360,7 +417,7 @@ class Engine:
     if (logprobs or prompt_logprobs) and c.executor == "simulated":
       raise ValueError(f"request {request_id!r}: logprobs need the model executor "
                        f"(EngineConfig.executor='simulated' computes no logits)")
-    if self._num_unfinished() >= c.max_queued_requests:
+    if num_unfinished >= c.max_queued_requests:
       raise QueueFull(request_id, c.max_queued_requests)
     if client not in self._clients:
       if len(self._clients) >= c.num_clients:
@@ -388,8 +445,6 @@ class Engine:
     if need > c.num_pages - 1:
       self._end(req, "rejected", f"needs {need} KV pages for {rows} KV rows "
                 f"(prompt + max_tokens - 1); the cache has {c.num_pages - 1}")
-    else:
-      self._pending.append(req)
     return req
 
   def abort(self, request_id: str) -> None:
@@ -399,10 +454,11 @@ class Engine:
       raise ValueError(f"unknown request_id {request_id!r}")
     if req.finished:
       return
-    if req in self._pending:
-      self._pending.remove(req)
-      self._end(req, "cancelled", "abort")
-      return
+    for waiting in (self._pending, self._future):
+      if req in waiting:
+        waiting.remove(req)
+        self._end(req, "cancelled", "abort")
+        return
     mask = np.zeros(self.num_slots, bool)
     mask[req.slot] = True
     self.state, self.pages = self._programs.release(self.state, self.pages, mask, mask)
@@ -490,7 +546,9 @@ class Engine:
     return int(stats[0]), int(stats[1])
 
   def has_unfinished(self) -> bool:
-    return bool(self._pending) or any(r is not None for r in self._slots)
+    """Whether an accepted request, one still to arrive included, has no
+    outcome yet."""
+    return bool(self._pending or self._future) or any(r is not None for r in self._slots)
 
   def _num_unfinished(self) -> int:
     return len(self._pending) + sum(r is not None for r in self._slots)
@@ -1082,6 +1140,134 @@ class Engine:
                   for r in names]
     return outputs
 
+  # ------------------------------------------------- many iterations per call
+  def loop_refusal(self) -> Optional[str]:
+    """Why ``simulate`` cannot run this engine, None when it can: it needs
+    the simulated executor on a virtual clock, prefix caching off, recompute
+    preemption, one device and ``record_plans`` off (``sim_loop.refusal``)."""
+    return sim_loop.refusal(self.config, self._virtual, self.record_plans)
+
+  def simulate(self, stop_ms: float = math.inf, *, max_iterations: Optional[int] = None,
+               iterations_per_call: int = sim_loop.LOOP_ITERATIONS) -> None:
+    """Runs iterations, many per program call (``sim_loop``), until no
+    request is live, pending or still to arrive (``add_future_request``),
+    or the clock reaches ``stop_ms`` (engine ms; the requests that have
+    arrived by then are pending), or ``max_iterations`` ran in this call
+    (checked between program calls). The iterations are those ``step``
+    runs: the same plans, outputs and counters, and the same times (the
+    device repeats the host's float64 clock arithmetic; XLA may round a
+    step time's last bit otherwise: ``sim_loop``); an iteration that needs
+    the host (a rule violation, a never-schedulable request, a preemption
+    or a preempted request's re-admission, an empty plan, the device epoch
+    to move) is run by ``step``. Outputs are not returned: the requests'
+    records hold them.
+
+    Raises:
+      ValueError: an engine the loop does not cover (``loop_refusal``).
+      validate.PlanValidationError / ResultValidationError, RuntimeError:
+        as ``step``.
+    """
+    reason = self.loop_refusal()
+    if reason is not None:
+      raise ValueError(f"Engine.simulate: {reason}; use Engine.step()")
+    start = self.num_iterations
+    while max_iterations is None or self.num_iterations - start < max_iterations:
+      now_ms = self.now_ms()
+      self._take_arrived(now_ms)
+      if now_ms >= stop_ms:
+        return
+      if not self._pending and all(r is None for r in self._slots):
+        if not self._future:
+          return
+        self._advance_to(self._future[0].arrival_ms)
+        self._take_arrived(self._future[0].arrival_ms)
+        continue
+      self._fill_slots()
+      self._rebase_device_clock(self.now_ms())
+      if self._simulate_call(stop_ms, iterations_per_call) in (sim_loop.HOST, sim_loop.REBASE):
+        self._take_arrived(self.now_ms())
+        self.step()
+
+  def _take_arrived(self, now_ms: float) -> None:
+    """Future requests that arrived by ``now_ms`` become pending."""
+    n = 0
+    while n < len(self._future) and self._future[n].arrival_ms <= now_ms:
+      n += 1
+    self._pending += self._future[:n]
+    del self._future[:n]
+
+  def _advance_to(self, ms: float) -> None:
+    """Moves the virtual clock forward until ``now_ms() >= ms``."""
+    while self.now_ms() < ms:
+      self._clock.advance(max((ms - self.now_ms()) / 1000.0, math.ulp(self._clock())))
+
+  def _simulate_call(self, stop_ms: float, iterations: int) -> int:
+    """One ``loop`` program call from the host tables; takes its log.
+    Returns its exit code (``sim_loop.EXITS``)."""
+    c = self.config
+    loop = sim_loop.loop_program(self.model_cfg, c, self.cost_model, self.model_costs,
+                                 iterations)
+    if loop not in self._loop_sets:
+      self._loop_sets.append(loop)
+    epoch = self._device_epoch_ms
+    free = sum(r is None for r in self._slots)
+    queued = self._future[:min(sim_loop.QUEUE_SIZE, free)]
+    if len(queued) < len(self._future):      # the next one waits for a free slot
+      stop_ms = min(stop_ms, self._future[len(queued)].arrival_ms)
+    queue = sim_loop.make_queue(
+        [self._arrival(r) for r in queued], [r.arrival_ms for r in queued],
+        [self.realized_output_tokens.get(r.request_id, r.sampling.max_tokens) for r in queued],
+        [r.arrival_ms == epoch for r in queued],
+        Arrival.empty(c.max_model_len, c.max_stop_ids))
+    at_epoch = np.array([r is not None and r.arrival_ms == epoch for r in self._slots])
+    bits = sim_loop.to_bits
+    self.manifest, self.state, self.pages, self.buffers, log = loop.run(
+        self.params, self.kv, self.manifest, self.state, self.pages, self.buffers,
+        self._realized(), at_epoch, queue, *self._pending_stamp(), bits(self._clock()),
+        bits(self._t0), bits(epoch), bits(stop_ms), bits(DEVICE_REBASE_MS))
+    log = self._fetch(log)
+    self._take_log(log, queued)
+    self._clock.advance_to(float(sim_loop.from_bits(log.clock)))
+    return int(log.code)
+
+  def _take_log(self, log: sim_loop.SimLog, queued: List[Request]) -> None:
+    """The host's side of a ``loop`` call's iterations, as ``_commit`` and
+    ``_drain`` keep them for ``step``: the admitted requests' slots, tokens
+    and their times, outcomes, released slots, counters."""
+    live = [r for r in self._slots if r is not None]
+    admitted = queued[:int(log.num_admitted)]
+    for req, slot in zip(admitted, log.admitted_slot):
+      req.slot = int(slot)
+    del self._future[:len(admitted)]
+    by_uid = {r.uid: r for r in live + admitted}
+    n = int(log.num_iterations)
+    emit_ms = sim_loop.from_bits(log.emit[:n]).tolist()
+    for e in range(int(log.num_events)):
+      req = by_uid[int(log.event_request[e])]
+      if log.event_failed[e]:
+        self._end(req, "failed", "non-finite logits")
+      else:
+        req.output_token_ids.append(int(log.event_token[e]))
+        req.token_times_ms.append(emit_ms[int(log.event_iteration[e])])
+        if log.event_finished[e]:
+          self._end(req, "completed", rec.FINISH_NAMES[int(log.event_reason[e])])
+      if req.finished:
+        req.num_extensions = int(log.event_extensions[e])
+    for req in live:              # before the admitted: a slot may be taken again
+      if req.finished:
+        self._slots[req.slot] = None
+    for req in admitted:
+      if not req.finished:
+        self._slots[req.slot] = req
+    self.num_iterations += n
+    self.policy_evaluations += n
+    for bucket in log.bucket[:n]:
+      self.buckets_used[int(bucket)] = self.buckets_used.get(int(bucket), 0) + 1
+    self.prefill_tokens_computed += int(np.sum(log.prefill_rows[:n]))
+    if n:
+      self._last_plan_stats = (log.stats[n - 1], int(log.bucket[n - 1]))
+    self._stamp = None          # the loop applied the pending correction and its own
+
   def run(self, max_iterations: Optional[int] = None) -> None:
     """Steps until every accepted request has an outcome."""
     n = 0
@@ -1119,9 +1305,9 @@ class Engine:
     both paths, the only one holding the model) is bounded by
     ``len(config.token_buckets)``; ``swap_out`` / ``swap_in`` (swap mode
     only) by the power-of-two page counts up to ``pages_per_seq``; the
-    others by 1."""
+    others, ``simulate``'s ``loop`` among them (per iterations per call), by 1."""
     total: Dict[str, int] = {}
-    for programs in self._program_sets:
+    for programs in self._program_sets + self._loop_sets:
       for name, n in programs.cache_sizes().items():
         total[name] = total.get(name, 0) + n
     return total

@@ -66,6 +66,17 @@ class Arrival:
   logprobs: np.ndarray
   prompt_logprobs: np.ndarray
 
+  @classmethod
+  def empty(cls, max_model_len: int, max_stop_ids: int) -> "Arrival":
+    """An arrival of nothing (host arrays, the dtypes above): the padding
+    of a batch or queue of arrivals."""
+    i32, f32, no = np.int32(0), np.float32(0), np.bool_(False)
+    return cls(request_id=i32, arrival_seq=i32, arrival_ms=f32, prompt_len=i32,
+               max_tokens=i32, priority=i32, client=i32, ttft_ms=f32, tbt_ms=f32,
+               temperature=f32, top_k=i32, top_p=f32, seed=np.uint32(0), min_tokens=i32,
+               ignore_eos=no, prompt=np.zeros(max_model_len, np.int32),
+               stop_ids=np.full(max_stop_ids, -1, np.int32), logprobs=no, prompt_logprobs=no)
+
 
 @flax.struct.dataclass
 class PlanFacts:

@@ -39,6 +39,14 @@ class VirtualClock:
       raise ValueError(f"VirtualClock.advance needs seconds >= 0, got {seconds!r}")
     self._now_s += float(seconds)
 
+  def advance_to(self, seconds: float) -> None:
+    """Moves the clock to ``seconds`` (not back): where a simulation that
+    advanced a copy of it elsewhere (``Engine.simulate``) left it."""
+    if not seconds >= self._now_s:
+      raise ValueError(f"VirtualClock.advance_to needs seconds >= now ({self._now_s!r}), "
+                       f"got {seconds!r}")
+    self._now_s = float(seconds)
+
 
 def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: rec.WorkloadManifest,
                       state: rec.SchedulerState, plan: rec.IterationPlan, *, model,

@@ -14,6 +14,7 @@ schedule, token times and report repeat bit for bit (``realtime`` is moot).
 
 from __future__ import annotations
 
+import math
 import platform
 import time
 from typing import Callable, List, Optional, Tuple
@@ -31,8 +32,15 @@ from serving.harness.workloads import Workload
 
 def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
            sampling: Callable = None, on_step: Optional[Callable] = None,
-           step_ms: Optional[List[float]] = None) -> Tuple[List[RequestRecord], float]:
+           step_ms: Optional[List[float]] = None,
+           loop: bool = True) -> Tuple[List[RequestRecord], float]:
   """Runs the workload to completion.
+
+  A simulated engine on a virtual clock whose config the device loop
+  covers (``Engine.loop_refusal``) runs many iterations per program call
+  (``Engine.simulate``) unless ``loop`` is False or ``on_step`` or
+  ``step_ms`` asks for every step: the same schedule and records (times
+  to the last bit of a float64 step time, ``serving.engine.sim_loop``).
 
   Args:
     engine: a fresh Engine.
@@ -45,6 +53,8 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
     step_ms: when given, the wall time (ms, ``time.perf_counter``) of every
       ``engine.step()`` call is appended to it, before ``on_step`` runs (on a
       virtual clock too: the host's time, not the modelled one).
+    loop: allow ``Engine.simulate`` (False: one ``engine.step()`` per
+      iteration).
 
   Returns:
     ``(records, duration_s)``: one RequestRecord per workload request, and
@@ -62,6 +72,10 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
   shift_ms = 0.0       # non-realtime: idle gaps are skipped
   refused = {}
   i = 0
+  if (loop and virtual and on_step is None and step_ms is None
+      and engine.loop_refusal() is None):
+    i = len(specs)
+    refused = _simulate(engine, specs, sampling, start_ms)
   while i < len(specs) or engine.has_unfinished():
     now_ms = engine.now_ms() - start_ms + shift_ms
     while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
@@ -96,6 +110,39 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
   origin_ms = start_ms - shift_ms
   return [_refused(spec, refused[spec.request_id]) if spec.request_id in refused
           else _record(engine, spec, origin_ms) for spec in specs], duration_s
+
+
+def _simulate(engine: Engine, specs, sampling: Callable, start_ms: float) -> dict:
+  """``replay`` on ``Engine.simulate``: every request is added ahead of its
+  arrival (``Engine.add_future_request``) while the queue bound cannot
+  refuse it at its arrival; one that it might is added when its time has
+  come, as ``replay`` adds every request. Returns {request id: reason} of
+  the requests the engine refused."""
+  refused, i = {}, 0
+  arrival_ms = lambda spec: start_ms + spec.arrival_s * 1000.0
+
+  def add(spec, method):
+    method(spec.request_id, spec.prompt_token_ids, sampling(spec), arrival_ms=arrival_ms(spec),
+           priority=spec.priority, client=spec.client, slo_ttft_ms=spec.slo_ttft_ms,
+           slo_tpot_ms=spec.slo_tpot_ms)
+
+  while i < len(specs) or engine.has_unfinished():
+    while i < len(specs) and arrival_ms(specs[i]) <= engine.now_ms():
+      try:
+        add(specs[i], engine.add_request)
+      except (ValueError, QueueFull) as e:
+        refused[specs[i].request_id] = str(e)
+      i += 1
+    while i < len(specs):
+      try:
+        add(specs[i], engine.add_future_request)
+      except QueueFull:
+        break
+      except ValueError as e:
+        refused[specs[i].request_id] = str(e)
+      i += 1
+    engine.simulate(arrival_ms(specs[i]) if i < len(specs) else math.inf)
+  return refused
 
 
 def _refused(spec, reason: str) -> RequestRecord:

@@ -1,0 +1,395 @@
+"""Many simulated iterations per program call (``Engine.simulate``).
+
+For an engine with the simulated executor on a virtual clock, the ``loop``
+program runs the engine's iteration in one jitted ``lax.while_loop``, each
+pass built from the step path's own pieces (``serving.engine.programs``):
+
+1. admit every queued arrival whose time has come into the first FREE slot
+   (``programs._arrive``, the writer ``Engine._fill_slots`` uses);
+2. nothing live: jump the clock to the next queued arrival, or stop;
+3. the ``plan`` program's body (``programs._plan_step``: tick, the policy's
+   plan, its rule check, ``PlanFacts``);
+4. the token bucket of its rows bound (``EngineConfig.iteration_bucket``);
+5. the ``step`` program's body (``programs._execute_step``: the simulated
+   executor, the result check, ``apply``);
+6. the step time: ``cost_model.step_features`` and ``CostModel.predict_ms``
+   on the device (one definition with the host's);
+7. the clock moves by it, and the iteration's emission times move from the
+   launch to it (``apply.restamp_emissions``, what the next plan program
+   does on the step path);
+8. the iteration and its emitting or ending slots are logged (``SimLog``);
+9. finished slots are released (``programs._release``).
+
+It returns to the host (``SimLog.code``) when the log is full, the clock
+reaches the stop time (the first arrival not queued), nothing is live or
+queued, or an iteration needs the host: a rule violation, a request the
+policy can never schedule, a preemption or the re-admission of a preempted
+request (§0x0C records), an empty plan, or the device epoch to move
+(``engine.DEVICE_REBASE_MS``). Such an iteration is not committed: the
+tables are those it started from (after its arrivals), and the host runs it
+again as an ordinary ``Engine.step``.
+
+Clocks: the loop keeps the host's clock, the ``VirtualClock``'s float64
+seconds, on the device (carried as its bits, u32[2], computed in a
+``jax.enable_x64`` scope) and repeats the host's float64 arithmetic on it
+(``Engine.now_ms``, ``_device_ms``, ``VirtualClock.advance`` of the cost
+model's float64 prediction), so its times, and every float32 time the
+policy reads, are the step path's. XLA may round a step time's last bit
+otherwise than numpy (seen: token times within 6e-11 ms after a thousand
+steps); a float32 clock drifted by ~1e-6 ms a step, enough to move a time
+the policy reads by one float32 step and change a plan. A device without
+float64 cannot run the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable, Dict, List, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scheduler import apply as apply_lib
+from scheduler import records as rec
+from serving.engine import cost_model as cost_lib
+from serving.engine import programs as programs_lib
+from serving.engine.config import EngineConfig
+from serving.engine.requests import Arrival
+
+# SimLog.code: why a loop call returned (EXITS[code]).
+RUNNING, FULL, STOP, IDLE, HOST, REBASE = range(6)
+EXITS = ("running", "full", "stop", "idle", "host", "rebase")
+
+# Iterations one call runs at most (K: the log's capacity).
+LOOP_ITERATIONS = 512
+# Arrivals one call may admit (A: the queue's capacity).
+QUEUE_SIZE = 64
+
+
+def refusal(config: EngineConfig, virtual: bool, record_plans: bool) -> Optional[str]:
+  """Why the loop cannot run an engine with ``config`` (None: it can); the
+  step path (``Engine.step``) runs every configuration."""
+  if config.executor != "simulated":
+    return (f"EngineConfig.executor must be 'simulated' for the loop (it runs no model), "
+            f"got {config.executor!r}")
+  if not virtual:
+    return "the loop needs the engine on a sim_executor.VirtualClock"
+  if config.enable_prefix_caching:
+    return ("EngineConfig.enable_prefix_caching must be False for the loop (it maps no "
+            "prefix hits and registers no pages), got True")
+  if config.preemption_mode != "recompute":
+    return (f"EngineConfig.preemption_mode must be 'recompute' for the loop (a swap copies "
+            f"pages on the host), got {config.preemption_mode!r}")
+  if config.mesh:
+    return f"EngineConfig.mesh must be '' for the loop (one device), got {config.mesh!r}"
+  if record_plans:
+    return "Engine.record_plans must be False for the loop (its plans stay on the device)"
+  return None
+
+
+def to_bits(x: float) -> np.ndarray:
+  """u32[2]: the bits of ``x`` as a float64 (how the loop's inputs carry
+  host times)."""
+  return np.array([x], np.float64).view(np.uint32)
+
+
+def from_bits(bits) -> np.ndarray:
+  """f64[...]: the float64 values of u32[..., 2] bits (``to_bits``)."""
+  return np.ascontiguousarray(bits, np.uint32).view(np.float64)[..., 0]
+
+
+_X64 = functools.partial(jax.enable_x64, True)   # the scope of the loop's float64 clock
+
+
+def _f64(bits):
+  return jax.lax.bitcast_convert_type(bits, jnp.float64)
+
+
+def _bits(x):
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _engine_ms(clock, t0):
+  """f64[]: ``Engine.now_ms`` of the clock's seconds (bits; inside ``_X64``)."""
+  return (_f64(clock) - _f64(t0)) * 1000.0
+
+
+@flax.struct.dataclass
+class SimQueue:
+  """The arrivals one loop call may admit, in arrival order (leading axis
+  A = ``QUEUE_SIZE``; entries from ``count`` on are padding).
+
+  Attributes:
+    arrival: ``Arrival`` with leading axis A, as ``Engine._arrival`` makes it.
+    due: u32[A, 2], its arrival time (engine ms, float64 bits: ``to_bits``).
+    realized: i32[A], its recorded output length (the simulated executor's
+      truth).
+    at_epoch: bool[A], it arrived at the device epoch itself.
+    count: i32[], entries in use.
+  """
+
+  arrival: Arrival
+  due: jax.Array
+  realized: jax.Array
+  at_epoch: jax.Array
+  count: jax.Array
+
+
+@flax.struct.dataclass
+class SimLog:
+  """What one loop call did, fetched once by the host. K iterations at
+  most; E = K * max_num_seqs events (an iteration emits or ends at most
+  ``max_num_seqs`` slots: the plan rules bound its sequences).
+
+  Attributes:
+    code: i32[], why it returned (``EXITS``).
+    num_iterations: i32[], iterations committed (k <= K).
+    num_admitted: i32[], queue entries admitted (the first ones).
+    admitted_slot: i32[A], the slot each admitted entry took.
+    clock: u32[2], the ``VirtualClock``'s seconds at return (float64 bits).
+    emit: u32[K, 2], each iteration's publication time (engine ms, float64
+      bits): its launch plus its modelled step time.
+    bucket: i32[K], its token bucket; prefill_rows: i32[K], its prompt and
+      rebuild rows; stats: f32[K, S], its ``cost_model.plan_stats``.
+    num_events: i32[], events logged.
+    event_iteration, event_request (engine uid), event_token (-1: none),
+    event_reason (``FINISH_NAMES`` index), event_extensions (§0x06, once
+      ended): i32[E]; event_finished, event_failed: bool[E].
+  """
+
+  code: jax.Array
+  num_iterations: jax.Array
+  num_admitted: jax.Array
+  admitted_slot: jax.Array
+  clock: jax.Array
+  emit: jax.Array
+  bucket: jax.Array
+  prefill_rows: jax.Array
+  stats: jax.Array
+  num_events: jax.Array
+  event_iteration: jax.Array
+  event_request: jax.Array
+  event_token: jax.Array
+  event_finished: jax.Array
+  event_reason: jax.Array
+  event_failed: jax.Array
+  event_extensions: jax.Array
+
+
+@flax.struct.dataclass
+class _Carry:
+  """The ``loop`` program's state between iterations."""
+
+  manifest: rec.WorkloadManifest
+  state: rec.SchedulerState
+  pages: object
+  buffers: object
+  realized: jax.Array      # i32[R] each slot's recorded output length
+  at_epoch: jax.Array      # bool[R] each slot's request arrived at the epoch
+  log: SimLog
+
+
+def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, windows,
+                   num_iterations: int, params, kv, manifest, state, pages, buffers, realized,
+                   at_epoch, queue: SimQueue, fix_emitted, fix_stamp, fix_actual, clock, t0,
+                   epoch, stop, rebase):
+  """The ``loop`` program: up to ``num_iterations`` engine iterations.
+
+  Args:
+    policy, model_step, config, cost_model (``CostModel``), costs
+      (``ModelCosts``), windows, num_iterations: static.
+    params, kv: the simulated executor's (passed through).
+    manifest, state, pages, buffers: the slot tables (donated).
+    realized: i32[R] recorded output lengths; at_epoch: bool[R] live slots
+      whose request arrived at the device epoch (a rebase cannot move it).
+    queue: ``SimQueue``.
+    fix_emitted, fix_stamp, fix_actual: the emission correction a host
+      step left pending (``programs._tick``; ``fix_emitted`` all False
+      when none is).
+    clock, t0: u32[2] the ``VirtualClock``'s seconds now and at the
+      engine's construction; epoch: u32[2] the device epoch (engine ms);
+      stop: u32[2] return once the engine clock reaches it (ms), before that
+      iteration; rebase: u32[2] ``DEVICE_REBASE_MS`` (all float64 bits).
+
+  Returns ``(manifest, state, pages, buffers, SimLog)``.
+  """
+  num_slots = state.status.shape[0]
+  buckets = config.token_buckets
+  token_budget = buckets[-1]
+  size = queue.due.shape[0]
+  capacity = num_iterations * config.max_num_seqs
+  no_slots = jnp.zeros((num_slots,), bool)
+
+  def plan_and_run(c: _Carry):
+    """One iteration on ``c``'s tables, nothing committed: its launch time
+    (f32 device ms), ``PlanFacts``, bucket, the step program's pages,
+    buffers and published state, its ``IterationResult`` and ``StepFacts``."""
+    with _X64():
+      launch = (_engine_ms(c.log.clock, t0) - _f64(epoch)).astype(jnp.float32)
+    ticked, plan, facts, _ = programs_lib._plan_step(
+        policy, False, c.manifest, c.state, c.pages, None, launch, no_slots,
+        jnp.float32(0), jnp.float32(0))
+    bucket = config.iteration_bucket(facts.rows_bound, facts.num_tokens, xp=jnp)
+    _, pages, buffers, published, (_, result, _), step = programs_lib._execute_step(
+        model_step, token_budget, False, params, kv, c.pages, c.buffers, c.manifest, ticked,
+        plan, c.realized, jnp.zeros((num_slots,), jnp.int32), num_rows=token_budget,
+        windows=windows)
+    return launch, facts, bucket, pages, buffers, published, result, step
+
+  def admit(c: _Carry) -> _Carry:
+    def due(c):
+      i = jnp.minimum(c.log.num_admitted, size - 1)
+      with _X64():
+        arrived = _f64(queue.due[i]) <= _engine_ms(c.log.clock, t0)
+      return (c.log.num_admitted < queue.count) & arrived
+
+    def one(c):
+      i = c.log.num_admitted
+      slot = jnp.argmax(c.state.status == rec.FREE).astype(jnp.int32)
+      arrival = jax.tree.map(lambda a: a[i], queue.arrival)
+      manifest, state, buffers = programs_lib._arrive(c.manifest, c.state, c.buffers, slot,
+                                                      arrival, jnp.int32(0))
+      return c.replace(
+          manifest=manifest, state=state, buffers=buffers,
+          realized=c.realized.at[slot].set(queue.realized[i]),
+          at_epoch=c.at_epoch.at[slot].set(queue.at_epoch[i]),
+          log=c.log.replace(admitted_slot=c.log.admitted_slot.at[i].set(slot),
+                            num_admitted=i + 1))
+
+    return jax.lax.while_loop(due, one, c)
+
+  def iterate(c: _Carry) -> _Carry:
+    launch, facts, bucket, pages, buffers, published, result, step = plan_and_run(c)
+    # The host settles §0x0C records: a preemption, and the re-admission of
+    # a preempted request (``Engine._resume_admitted``).
+    resume = facts.admit & (c.state.num_preemptions > 0)
+    host = (facts.bad_plan | jnp.any(facts.never) | jnp.any(facts.preempt) | jnp.any(resume)
+            | (facts.num_seqs == 0) | step.bad_result)
+
+    def commit(c: _Carry) -> _Carry:
+      log, k = c.log, c.log.num_iterations
+      with _X64():     # Engine._commit: the clock advances by the prediction, in float64
+        features = cost_lib.step_features(step.features, bucket, costs, xp=jnp)
+        seconds = _f64(log.clock) + cost_model.predict_ms(features, xp=jnp) / 1000.0
+        emit_ms = (seconds - _f64(t0)) * 1000.0
+        actual = (emit_ms - _f64(epoch)).astype(jnp.float32)
+        clock, emit = _bits(seconds), _bits(emit_ms)
+      state = apply_lib.restamp_emissions(published, result.emitted, launch, actual)
+      ended = step.finished | step.failed
+      state, pages_ = jax.lax.cond(
+          jnp.any(ended), lambda t: programs_lib._release(*t, no_slots, ended),
+          lambda t: t, (state, pages))
+      event = step.emitted | ended
+      at = jnp.where(event, log.num_events + jnp.cumsum(event) - 1, capacity)
+      put = lambda a, v: a.at[at].set(v, mode="drop")
+      log = log.replace(
+          num_iterations=k + 1, clock=clock,
+          code=jnp.where(k + 1 == num_iterations, FULL, RUNNING).astype(jnp.int32),
+          emit=log.emit.at[k].set(emit), bucket=log.bucket.at[k].set(bucket),
+          prefill_rows=log.prefill_rows.at[k].set(step.num_tokens - step.decodes),
+          stats=log.stats.at[k].set(step.features),
+          num_events=log.num_events + jnp.sum(event, dtype=jnp.int32),
+          event_iteration=put(log.event_iteration, k),
+          event_request=put(log.event_request, c.manifest.request_id),
+          event_token=put(log.event_token, step.token),
+          event_finished=put(log.event_finished, step.finished),
+          event_reason=put(log.event_reason, step.finish_reason),
+          event_failed=put(log.event_failed, step.failed),
+          event_extensions=put(log.event_extensions, state.num_extensions))
+      return c.replace(state=state, pages=pages_, buffers=buffers, log=log)
+
+    return jax.lax.cond(host, lambda c: c.replace(log=c.log.replace(code=jnp.int32(HOST))),
+                        commit, c)
+
+  def live_iteration(c: _Carry) -> _Carry:
+    c = admit(c)
+    live = (c.state.status == rec.WAITING) | (c.state.status == rec.RUNNING)
+    queued = c.log.num_admitted < queue.count
+    i = jnp.minimum(c.log.num_admitted, size - 1)
+    with _X64():
+      seconds, now_ms = _f64(c.log.clock), _engine_ms(c.log.clock, t0)
+      # Engine._rebase_device_clock: the epoch moves at an iteration's start
+      # once the clock is DEVICE_REBASE_MS past it (and no live request
+      # arrived at it, below).
+      rebase_due = ~(now_ms - _f64(epoch) < _f64(rebase))
+      # Engine._advance_to the next arrival, one step of it.
+      jumped = _bits(seconds + jnp.maximum((_f64(queue.due[i]) - now_ms) / 1000.0,
+                                           jnp.nextafter(seconds, jnp.inf) - seconds))
+    rebase_now = rebase_due & ~jnp.any(live & c.at_epoch)
+    jump = lambda c: c.replace(log=c.log.replace(clock=jumped))
+    code = lambda k: lambda c: c.replace(log=c.log.replace(code=jnp.int32(k)))
+    branch = jnp.where(jnp.any(live), jnp.where(rebase_now, 2, 3), jnp.where(queued, 0, 1))
+    return jax.lax.switch(branch, [jump, code(IDLE), code(REBASE), iterate], c)
+
+  def body(c: _Carry) -> _Carry:
+    with _X64():
+      reached = _engine_ms(c.log.clock, t0) >= _f64(stop)
+    return jax.lax.cond(reached, lambda c: c.replace(log=c.log.replace(code=jnp.int32(STOP))),
+                        live_iteration, c)
+
+  i32 = lambda n, v=0: jnp.full((n,), v, jnp.int32)
+  log = SimLog(
+      code=jnp.int32(RUNNING), num_iterations=jnp.int32(0), num_admitted=jnp.int32(0),
+      admitted_slot=i32(size, -1), clock=jnp.asarray(clock, jnp.uint32),
+      emit=jnp.zeros((num_iterations, 2), jnp.uint32), bucket=i32(num_iterations),
+      prefill_rows=i32(num_iterations), stats=None, num_events=jnp.int32(0),
+      event_iteration=i32(capacity), event_request=i32(capacity), event_token=i32(capacity, -1),
+      event_finished=jnp.zeros((capacity,), bool), event_reason=i32(capacity),
+      event_failed=jnp.zeros((capacity,), bool), event_extensions=i32(capacity))
+  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
+  carry = _Carry(manifest, state, pages, buffers, jnp.asarray(realized, jnp.int32),
+                 jnp.asarray(at_epoch, bool), log)
+  stats = jax.eval_shape(lambda c: plan_and_run(c)[-1].features, carry)
+  carry = carry.replace(log=log.replace(
+      stats=jnp.zeros((num_iterations,) + stats.shape, stats.dtype)))
+  carry = jax.lax.while_loop(lambda c: c.log.code == RUNNING, body, carry)
+  return carry.manifest, carry.state, carry.pages, carry.buffers, carry.log
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+  """The jitted ``loop`` program of one engine configuration."""
+
+  run: Callable
+  traces: Dict[str, int]
+
+  def cache_sizes(self) -> Dict[str, int]:
+    return dict(self.traces)
+
+
+@functools.lru_cache(maxsize=16)
+def loop_program(model_cfg, config: EngineConfig, cost_model, costs,
+                 num_iterations: int) -> _Loop:
+  """The ``loop`` program (``simulate_steps``) for one (model config, engine
+  config, ``CostModel``, ``ModelCosts``, iterations per call); compiled once
+  per slot-table size."""
+  traces: Dict[str, int] = {}
+  fn = functools.partial(simulate_steps, programs_lib.programs(model_cfg, config).policy,
+                         programs_lib._model_step(model_cfg, config), config, cost_model,
+                         costs, model_cfg.window_kinds, num_iterations)
+  return _Loop(programs_lib._counting_jit("loop", fn, traces, donate_argnums=(2, 3, 4, 5)),
+               traces)
+
+
+def make_queue(arrivals: List[Arrival], due_ms: List[float], realized: List[int],
+               at_epoch: List[bool], empty: Arrival, size: int = QUEUE_SIZE) -> SimQueue:
+  """A ``SimQueue`` of at most ``size`` arrivals (host arrays).
+
+  Args:
+    arrivals: their ``Arrival`` records, in arrival order; empty: the
+      padding record (``Arrival.empty``).
+    due_ms: their arrival times (engine ms).
+    realized, at_epoch: as ``SimQueue``'s.
+  """
+  n = len(arrivals)
+  assert n <= size, (n, size)
+  pad = lambda xs, v, dtype: np.array(list(xs) + [v] * (size - n), dtype)
+  return SimQueue(
+      arrival=jax.tree.map(lambda *x: np.stack(x), *(list(arrivals) + [empty] * (size - n))),
+      due=np.stack([to_bits(t) for t in list(due_ms) + [math.inf] * (size - n)]),
+      realized=pad(realized, 0, np.int32), at_epoch=pad(at_epoch, False, bool),
+      count=np.int32(n))

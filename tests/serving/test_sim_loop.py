@@ -1,0 +1,171 @@
+"""Many simulated iterations per program call (``Engine.simulate``,
+``serving.engine.sim_loop``) against one ``Engine.step`` per iteration."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from serving.engine import cost_model as cost_lib
+from serving.engine import engine as engine_lib
+from serving.engine import sim_loop
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.requests import QueueFull
+from serving.harness import synthetic
+from serving.harness import workloads
+from serving.harness.replay import replay, run_outcomes
+from tests.serving.engine_testing import CFG, prompts
+
+# Token times of the two paths agree to this (ms): both run the host's
+# float64 clock arithmetic, the loop on the device, where XLA may round a
+# step time's last bit otherwise (seen: <= 5e-13 ms on these replays of
+# about a second).
+TIME_TOL_MS = 1e-9
+
+
+@pytest.fixture(scope="module")
+def cost_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("cost") / "cost.json"
+  cost_lib.CostModel.of(step=5.0, rows=0.5, gemm_gflop=3000.0, attention_gflop=2000.0,
+                        kv_read_gb=400.0).save(path)
+  return str(path)
+
+
+def _engine(cost_file, policy="sarathi_serve", **overrides):
+  """A simulated tiny engine, prefix caching off, token buckets 4, 8, 16."""
+  config = EngineConfig.preset("tiny", executor="simulated", cost_model=cost_file,
+                               enable_prefix_caching=False, min_bucket=4, policy=policy,
+                               **overrides)
+  return Engine(CFG, None, config)
+
+
+def _workload(n=16, rate_scale=2.0, seed=0, clients=1, slo=False, max_output_len=12):
+  wl = synthetic.synthetic_azure_conv(
+      n, rate_scale=rate_scale, seed=seed, max_prompt_len=30, max_output_len=max_output_len,
+      vocab_size=CFG.vocab_size, reserved_token_ids=frozenset({0, 1}))
+  wl = dataclasses.replace(wl, requests=tuple(
+      dataclasses.replace(s, client=f"c{i % clients}") for i, s in enumerate(wl.requests)))
+  return workloads.with_slos(wl, ttft_ms=150.0, tpot_ms=40.0) if slo else wl
+
+
+def _same(step, loop):
+  """The records of the two paths agree: outcomes and tokens exactly,
+  times within ``TIME_TOL_MS``."""
+  assert [r.request_id for r in step] == [r.request_id for r in loop]
+  for a, b in zip(step, loop):
+    assert (a.outcome, a.finish_reason, a.output_token_ids, a.num_preemptions,
+            a.recompute_tokens, a.num_extensions) == (
+                b.outcome, b.finish_reason, b.output_token_ids, b.num_preemptions,
+                b.recompute_tokens, b.num_extensions), a.request_id
+    assert a.arrival_s == b.arrival_s
+    np.testing.assert_allclose(b.token_times_s, a.token_times_s, rtol=0,
+                               atol=TIME_TOL_MS / 1000.0)
+
+
+def _counters(engine):
+  out = run_outcomes(engine)
+  out.pop("compiled_programs")
+  return out, engine.policy_evaluations
+
+
+# A short KV cache (19 usable pages of 4 rows) under a steady load and a
+# burst: preemptions (the host settles them and their re-admissions) and a
+# slot table that grows past its 8 slots (programs of two sizes).
+WORKLOADS = {"steady": dict(n=12, seed=1, rate_scale=3.0, clients=3, slo=True),
+             "burst": dict(n=12, seed=4, rate_scale=40.0, clients=3, slo=True,
+                           max_output_len=30)}
+
+
+@pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1", "vtc", "least_slack"])
+def test_the_loop_runs_the_step_paths_iterations(cost_file, policy):
+  for name, args in WORKLOADS.items():
+    wl = _workload(**args)
+    step_engine = _engine(cost_file, policy, num_pages=20)
+    step, step_s = replay(step_engine, wl, loop=False)
+    loop_engine = _engine(cost_file, policy, num_pages=20)
+    loop, loop_s = replay(loop_engine, wl)
+    assert "loop" not in step_engine.compiled_programs(), name
+    assert loop_engine.compiled_programs()["loop"] >= 1, name
+    _same(step, loop)
+    assert loop_s == pytest.approx(step_s, abs=TIME_TOL_MS / 1000.0), name
+    assert _counters(loop_engine) == _counters(step_engine), name
+    assert sum(r.outcome == "completed" for r in loop) >= len(wl) - 1, name
+    if name == "burst":
+      assert loop_engine.num_preemptions > 0 and loop_engine.num_slots > 8
+
+
+def test_short_calls_and_a_moving_epoch_run_the_same_iterations(cost_file, monkeypatch):
+  """Calls of 5 iterations (the log fills: ``FULL``) and a device epoch
+  that moves every 300 ms (``REBASE``: the host steps) change nothing."""
+  monkeypatch.setattr(engine_lib, "DEVICE_REBASE_MS", 300.0)
+  wl = _workload(n=12, seed=6, rate_scale=3.0)
+  step_engine = _engine(cost_file)
+  step, _ = replay(step_engine, wl, loop=False)
+  assert step_engine._device_epoch_ms > 0
+  engine = _engine(cost_file)
+  specs = sorted(wl.requests, key=lambda s: s.arrival_s)
+  for s in specs:
+    engine.realized_output_tokens[s.request_id] = s.max_tokens
+    engine.add_future_request(s.request_id, s.prompt_token_ids,
+                              SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
+                              arrival_ms=s.arrival_s * 1000.0, client=s.client)
+  engine.simulate(iterations_per_call=5)
+  assert not engine.has_unfinished()
+  for s, a in zip(specs, step):
+    req = engine.requests[s.request_id]
+    assert tuple(req.output_token_ids) == tuple(a.output_token_ids)
+    np.testing.assert_allclose(np.array(req.token_times_ms) / 1000.0, a.token_times_s, rtol=0,
+                               atol=TIME_TOL_MS / 1000.0)
+  assert _counters(engine) == _counters(step_engine)
+
+
+def test_two_loop_replays_are_byte_identical(cost_file):
+  wl = _workload(**WORKLOADS["burst"])
+  runs = []
+  for _ in range(2):
+    engine = _engine(cost_file, "vllm_v1", num_pages=20)
+    records, duration_s = replay(engine, wl)
+    runs.append(repr(([dataclasses.asdict(r) for r in records], duration_s,
+                      _counters(engine))))
+  assert runs[0] == runs[1]
+
+
+def test_the_loop_refuses_what_it_does_not_cover(cost_file, params):
+  caching = Engine(CFG, None, EngineConfig.preset("tiny", executor="simulated",
+                                                   cost_model=cost_file))
+  swap = _engine(cost_file, preemption_mode="swap")
+  model = Engine(CFG, params, EngineConfig.preset("tiny", enable_prefix_caching=False))
+  plans = _engine(cost_file)
+  plans.record_plans = True
+  for engine, setting in ((caching, "enable_prefix_caching"), (swap, "preemption_mode"),
+                          (model, "executor"), (plans, "record_plans")):
+    assert setting in engine.loop_refusal()
+    with pytest.raises(ValueError, match=setting):
+      engine.simulate()
+    with pytest.raises(ValueError, match=setting):
+      engine.add_future_request("r", prompts([4])[0], arrival_ms=1.0)
+  simulated = EngineConfig.preset("tiny", executor="simulated", enable_prefix_caching=False)
+  assert "VirtualClock" in sim_loop.refusal(simulated, virtual=False, record_plans=False)
+  assert sim_loop.refusal(simulated, virtual=True, record_plans=False) is None
+  # replay falls back to one step per iteration, as before.
+  records, _ = replay(caching, _workload(n=4))
+  assert all(r.outcome == "completed" for r in records)
+  assert "loop" not in caching.compiled_programs()
+
+
+def test_future_requests_keep_their_order_and_the_queue_bound(cost_file):
+  engine = _engine(cost_file, max_request_slots=4, max_queued_requests=4)
+  p, sampling = prompts([4, 4, 4, 4, 4]), SamplingParams(max_tokens=4)
+  engine.add_future_request("a", p[0], sampling, arrival_ms=10.0)
+  with pytest.raises(ValueError, match="arrival order"):
+    engine.add_future_request("b", p[1], sampling, arrival_ms=5.0)
+  for i in range(3):
+    engine.add_future_request(f"c{i}", p[2 + i], sampling, arrival_ms=20.0)
+  with pytest.raises(QueueFull):
+    engine.add_future_request("d", p[0], sampling, arrival_ms=30.0)
+  engine.simulate(stop_ms=15.0)
+  assert engine.now_ms() >= 15.0 and engine.requests["a"].output_token_ids
+  assert not engine.requests["c0"].output_token_ids
+  engine.simulate()
+  assert [engine.requests[r].outcome for r in ("a", "c0", "c1", "c2")] == ["completed"] * 4
