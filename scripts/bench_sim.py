@@ -14,9 +14,18 @@ step rate scales with the queue. ``--max_wall_s`` stops the replay early
 (the JSON then says how far it got). An arrival while the engine holds
 ``max_queued_requests`` unfinished requests is refused, as in a replay, and
 counted (``refused_queue_full``).
+
+With ``--loop`` (default) the engine runs many iterations per program call
+(``Engine.simulate``), which needs prefix caching off: ``--enable_prefix_caching``
+defaults to False here (the trace loaders' prompts are random ids, so hits
+are rare); an engine the loop does not cover runs ``Engine.step`` and the
+JSON says why (``path``, ``loop_refusal``). Progress rows then come every
+program call past ``--log_every`` iterations.
 """
 
+import bisect
 import json
+import math
 import os
 import sys
 import time
@@ -50,6 +59,10 @@ flags.DEFINE_string("cost_model", "", "Cost model JSON.")
 flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows.")
 flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time.")
 flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON.")
+flags.DEFINE_bool("loop", True, "Many iterations per program call (Engine.simulate); "
+                  "False: one Engine.step per iteration.")
+flags.DEFINE_bool("enable_prefix_caching", False, "Automatic prefix caching (the loop "
+                  "needs it off).")
 
 
 def main(argv):
@@ -64,36 +77,56 @@ def main(argv):
     print(workloads.fit_note(wl))
   engine = Engine(cfg, None, EngineConfig.preset(
       FLAGS.engine, max_model_len=FLAGS.max_model_len, policy=FLAGS.policy,
-      executor="simulated", cost_model=FLAGS.cost_model))
+      executor="simulated", cost_model=FLAGS.cost_model,
+      enable_prefix_caching=FLAGS.enable_prefix_caching))
+  refusal = engine.loop_refusal() if FLAGS.loop else "--noloop"
+  if FLAGS.loop and refusal:
+    print(f"Engine.step per iteration: {refusal}")
   specs = sorted(wl.requests, key=lambda s: s.arrival_s)
+  arrivals_ms = [s.arrival_s * 1000.0 for s in specs]
   rows, i, start = [], 0, time.perf_counter()
   last = (start, 0)
   print(f"{len(specs)} requests over {wl.duration_s:.0f} s (loaded in {load_s:.1f} s)")
   stopped, queue_full = False, 0
+
+  def add(s, method):
+    engine.realized_output_tokens[s.request_id] = s.max_tokens
+    method(s.request_id, s.prompt_token_ids,
+           SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
+           arrival_ms=s.arrival_s * 1000.0, client=s.client)
+
   while i < len(specs) or engine.has_unfinished():
     now_ms = engine.now_ms()
-    while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
-      s = specs[i]
-      engine.realized_output_tokens[s.request_id] = s.max_tokens
+    while i < len(specs) and arrivals_ms[i] <= now_ms:
       try:
-        engine.add_request(s.request_id, s.prompt_token_ids,
-                           SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
-                           arrival_ms=s.arrival_s * 1000.0, client=s.client)
+        add(specs[i], engine.add_request)
       except QueueFull:      # max_queued_requests unfinished: refused, as in a replay
         queue_full += 1
       i += 1
-    if not engine.has_unfinished():
-      engine.clock.advance(max(specs[i].arrival_s * 1000.0 - now_ms, 0.0) / 1000.0)
-      continue
-    engine.step()
     n = engine.num_iterations
-    if n % FLAGS.log_every == 0:
+    if refusal is None:
+      while i < len(specs):  # ahead of their arrival while the bound cannot refuse them
+        try:
+          add(specs[i], engine.add_future_request)
+        except QueueFull:
+          break
+        i += 1
+      engine.simulate(arrivals_ms[i] if i < len(specs) else math.inf,
+                      max_iterations=FLAGS.log_every - n % FLAGS.log_every)
+    elif not engine.has_unfinished():
+      engine.clock.advance(max(arrivals_ms[i] - now_ms, 0.0) / 1000.0)
+      continue
+    else:
+      engine.step()
+    if engine.num_iterations // FLAGS.log_every > n // FLAGS.log_every:
+      n = engine.num_iterations
       wall = time.perf_counter()
       status = jax.device_get(engine.state.status)
       row = {"iterations": n, "wall_s": round(wall - start, 1),
-             "virtual_s": round(engine.now_ms() / 1000.0, 1), "admitted": i - queue_full,
-             "finished": sum(r.finished for r in engine.requests.values()) if n % (
-                 FLAGS.log_every * 10) == 0 else None,
+             "virtual_s": round(engine.now_ms() / 1000.0, 1),
+             "admitted": bisect.bisect_right(arrivals_ms, engine.now_ms()) - queue_full,
+             "finished": sum(r.finished for r in engine.requests.values()) if (
+                 n // FLAGS.log_every) % 10 == 0 else None,
              "waiting": len(engine._pending) + int(np.sum(status == rec.WAITING)),
              "it_per_s": round((n - last[1]) / (wall - last[0]), 1)}
       last = (wall, n)
@@ -107,7 +140,10 @@ def main(argv):
          "workload": wl.describe(),
          "policy": FLAGS.policy, "completed": sum(r.outcome == "completed"
                                                   for r in engine.requests.values()),
-         "admitted": i - queue_full, "refused_queue_full": queue_full,
+         "admitted": bisect.bisect_right(arrivals_ms, engine.now_ms()) - queue_full,
+         "refused_queue_full": queue_full,
+         "path": "loop" if refusal is None else "step", "loop_refusal": refusal,
+         "enable_prefix_caching": FLAGS.enable_prefix_caching,
          "stopped_early": stopped, "wall_s": wall_s,
          "virtual_s": engine.now_ms() / 1000.0, "iterations": engine.num_iterations,
          "iterations_per_s": engine.num_iterations / wall_s,
