@@ -301,7 +301,7 @@ def _execute_step(model_step, token_budget, prefix_caching, params, kv, pages, b
       finish_reason=result.finish_reason, failed=result.failed,
       num_tokens=plan.num_tokens,
       decodes=jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW)),
-      features=cost_lib.plan_stats(plan, windows),
+      features=cost_lib.plan_stats(plan, windows, manifest.prompt_len),
       prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None)
   return kv, pages, buffers, published, (plan, result, logprobs), facts
 
