@@ -241,6 +241,10 @@ def _check_grid(engine_cfg) -> None:
 
 def main(argv):
   del argv
+  unknown = sorted(set(FLAGS.features or ()) - set(cost_lib.FEATURES))
+  if unknown:
+    raise ValueError(f"--features: unknown term(s) {unknown}; the terms are "
+                     f"{list(cost_lib.FEATURES)}")
   if FLAGS.refit_steps:
     return refit_steps(FLAGS.refit_steps)
   engine_cfg = launch.engine_config()
