@@ -95,6 +95,28 @@ def test_the_loop_runs_the_step_paths_iterations(cost_file, policy):
       assert loop_engine.num_preemptions > 0 and loop_engine.num_slots > 8
 
 
+def test_the_queue_bound_refuses_the_same_arrivals_on_both_paths(cost_file):
+  """A burst past ``max_queued_requests``: the loop adds requests ahead of
+  their arrival only while the bound cannot refuse them, so it refuses
+  exactly the arrivals the step path refuses, at the same times."""
+  wl = _workload(n=24, seed=4, rate_scale=3.0, max_output_len=30)
+  runs = []
+  for loop in (False, True):
+    engine = _engine(cost_file, max_queued_requests=8)
+    runs.append((replay(engine, wl, loop=loop), engine))
+  (step, step_s), step_engine = runs[0]
+  (loop, loop_s), loop_engine = runs[1]
+  refused = [r.request_id for r in step if "max_queued_requests" in (r.finish_reason or "")]
+  # Refusals interleave with later admissions (the queue drains between).
+  first = [r.request_id for r in step].index(refused[0])
+  assert refused and any(r.outcome == "completed" for r in step[first:])
+  assert refused == [r.request_id for r in loop
+                     if "max_queued_requests" in (r.finish_reason or "")]
+  assert loop_engine.compiled_programs()["loop"] >= 1
+  _same(step, loop)
+  assert loop_s == pytest.approx(step_s, abs=TIME_TOL_MS / 1000.0)
+
+
 def test_short_calls_and_a_moving_epoch_run_the_same_iterations(cost_file, monkeypatch):
   """Calls of 5 iterations (the log fills: ``FULL``) and a device epoch
   that moves every 300 ms (``REBASE``: the host steps) change nothing."""
