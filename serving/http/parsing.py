@@ -147,12 +147,13 @@ class RequestParser:
       prompts, texts = self._completion_prompts(body)
     logprobs = self._logprobs_field(body, chat)
     echo = not chat and _get(body, "echo", bool, False)
-    max_tokens = _get(body, "max_tokens", int, None)
+    # OpenAI deprecates max_tokens for max_completion_tokens: with both, the
+    # latter wins (as vLLM's `max_completion_tokens or max_tokens`).
+    legacy = _get(body, "max_tokens", int, None)
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    field = "max_completion_tokens"
     if max_tokens is None:
-      max_tokens = _get(body, "max_completion_tokens", int, None)
-      field = "max_completion_tokens"
-    else:
-      field = "max_tokens"
+      max_tokens, field = legacy, "max_tokens"
     # The field a "too long" refusal names: the one the body gave (default max_tokens).
     max_tokens_field = field if field in body else "max_tokens"
     score_only = echo and max_tokens == 0

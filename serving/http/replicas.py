@@ -420,7 +420,7 @@ class ReplicaFront:
     if refusal is not None:
       return refusal
     ids, longest = tokenized
-    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
       max_tokens = max(1, self.max_model_len - longest)     # the replica checks the body
     stream = body.get("stream") is True

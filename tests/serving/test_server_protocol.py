@@ -2,14 +2,18 @@
 ``vllm bench serve``, guidellm, AIPerf, the openai client) rely on: the
 tokenizer endpoints, batched prompts, ``object`` fields, stream options,
 cached-token usage, ``x-request-id``, unknown fields refused and the abort
-counter. Real HTTP on 127.0.0.1, the real engine on the tiny model."""
+counter. Real HTTP on 127.0.0.1, the real engine on the tiny model; the
+body rules of ``max_completion_tokens`` on the parser alone."""
 
 import json
 import time
 
 import numpy as np
+import pytest
 
-from tests.serving.engine_testing import CHAT_TEMPLATE
+from serving.http.parsing import RequestParser
+from serving.http.protocol import BadRequest
+from tests.serving.engine_testing import CFG, CHAT_TEMPLATE
 from tests.serving.engine_testing import wait_until as _wait
 from tests.serving.test_server import MODEL, TOK, _greedy_text, openai_client
 
@@ -96,6 +100,31 @@ def test_object_fields_and_max_completion_tokens(served, params):
   assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
   _, chunks = _sse(served, {"prompt": "the end", "max_tokens": 3, "stream": True})
   assert {c["object"] for c in chunks} == {"text_completion"}
+
+
+def _parser():
+  """The server's parser for the tiny model's 64-token context (no engine)."""
+  return RequestParser(TOK, MODEL, max_model_len=64, vocab_size=CFG.vocab_size,
+                       max_stop_ids=8, capacity=16)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+  """OpenAI deprecates max_tokens for max_completion_tokens; with both the
+  latter is the bound (vLLM's ``max_completion_tokens or max_tokens``), and
+  a too-long request names it."""
+  messages = [{"role": "user", "content": "hi"}]
+  for chat, body in [(True, {"messages": messages}), (False, {"prompt": [5, 6]})]:
+    both = _parser().parse({**body, "max_completion_tokens": 2, "max_tokens": 3}, chat)
+    assert [s.max_tokens for s in both.samplings] == [2]
+    assert both.max_tokens_field == "max_completion_tokens"
+    legacy = _parser().parse({**body, "max_completion_tokens": None, "max_tokens": 3}, chat)
+    assert [s.max_tokens for s in legacy.samplings] == [3]
+    assert legacy.max_tokens_field == "max_tokens"
+    with pytest.raises(BadRequest, match="maximum context length is 64") as e:
+      _parser().parse({**body, "max_completion_tokens": 70, "max_tokens": 3}, chat)
+    assert e.value.param == "max_completion_tokens"
+    with pytest.raises(BadRequest, match="'max_tokens' must be int"):
+      _parser().parse({**body, "max_completion_tokens": 2, "max_tokens": "3"}, chat)
 
 
 def test_stream_options_usage_only_when_asked_and_continuous(served):
