@@ -183,6 +183,9 @@ class RequestParser:
     temperature = float(_get(body, "temperature", (int, float), 1.0, "a number"))
     top_p = float(_get(body, "top_p", (int, float), 1.0, "a number"))
     top_k = _get(body, "top_k", int, 0)
+    if not -1 <= top_k < 2**31:
+      raise BadRequest(f"'top_k' must be in [-1, 2**31) (-1 or 0 = off), got {top_k}",
+                       "top_k")
     top_k = 0 if top_k == -1 else top_k            # vLLM spells "off" as -1
     seed = _get(body, "seed", int, 0)
     min_tokens = _get(body, "min_tokens", int, 0)

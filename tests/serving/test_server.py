@@ -184,7 +184,7 @@ BAD = [
     ("priority beyond int32", {"prompt": "hi", "priority": 2**40}, "priority",
      "must be in [-2**31, 2**31)"),
     ("top_k beyond int32", {"prompt": "hi", "top_k": 2**40}, "top_k",
-     "must be in [0, 2**31)"),
+     "must be in [-1, 2**31) (-1 or 0 = off)"),
     ("lone surrogate", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 2}'
      % MODEL.encode(), "prompt", "'prompt' must be valid Unicode text without lone "
      "surrogates"),

@@ -3,7 +3,7 @@
 tokenizer endpoints, batched prompts, ``object`` fields, stream options,
 cached-token usage, ``x-request-id``, unknown fields refused and the abort
 counter. Real HTTP on 127.0.0.1, the real engine on the tiny model; the
-body rules of ``max_completion_tokens`` on the parser alone."""
+body rules of ``max_completion_tokens`` and ``top_k`` on the parser alone."""
 
 import json
 import time
@@ -125,6 +125,17 @@ def test_max_completion_tokens_wins_over_max_tokens():
     assert e.value.param == "max_completion_tokens"
     with pytest.raises(BadRequest, match="'max_tokens' must be int"):
       _parser().parse({**body, "max_completion_tokens": 2, "max_tokens": "3"}, chat)
+
+
+def test_top_k_minus_one_is_off_and_the_refusal_says_so():
+  for top_k, expected in [(-1, 0), (0, 0), (5, 5)]:
+    parsed = _parser().parse({"prompt": [5, 6], "top_k": top_k}, chat=False)
+    assert parsed.samplings[0].top_k == expected
+  for top_k in (-2, 2**31):
+    with pytest.raises(BadRequest) as e:
+      _parser().parse({"prompt": [5, 6], "top_k": top_k}, chat=False)
+    assert str(e.value) == f"'top_k' must be in [-1, 2**31) (-1 or 0 = off), got {top_k}"
+    assert e.value.param == "top_k"
 
 
 def test_stream_options_usage_only_when_asked_and_continuous(served):
