@@ -5,9 +5,12 @@
   python scripts/generate.py --mt_bench=../shared/data/prompts/mt_bench_questions.jsonl --num=3
 
 Requests run together through the engine (iteration-level batching); each
-answer is printed as its tokens arrive, prefixed by its request id.
+answer is printed as its tokens arrive, prefixed by its request id. A
+--max_tokens past what the engine's context (max_model_len) leaves after a
+prompt is clipped to that, with one line saying so.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -85,6 +88,20 @@ def _token_ids(tokenizer, text: str, chat: bool):
   return tokenizer.encode(text, add_special_tokens=not chat)
 
 
+def fit_context(rid: str, prompt_len: int, sampling: SamplingParams,
+                max_model_len: int) -> SamplingParams:
+  """``sampling`` with max_tokens clipped to what the context leaves after a
+  ``prompt_len``-token prompt, printing one line when it is (a prompt that
+  fills the context is the engine's refusal)."""
+  room = max_model_len - prompt_len
+  if not 0 < room < sampling.max_tokens:
+    return sampling
+  print(f"[{rid}] --max_tokens={sampling.max_tokens} clipped to {room}: the engine's "
+        f"max_model_len={max_model_len} leaves {room} tokens after the {prompt_len}-token "
+        f"prompt")
+  return dataclasses.replace(sampling, max_tokens=room)
+
+
 def main(argv):
   del argv
   # Checked before the model loads: a bad sampling flag or a missing prompt
@@ -92,11 +109,14 @@ def main(argv):
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                             top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
   texts = prompt_texts()
-  engine, _, tokenizer = launch.build_engine()
+  engine, cfg, tokenizer = launch.build_engine()
+  max_model_len = engine.config.max_model_len
+  print(f"context: {max_model_len} tokens (engine max_model_len; model {cfg.max_position})")
   detok = {}
   for rid, text, chat in texts:
     print(f"[{rid}] >>> {text}")
-    engine.add_request(rid, _token_ids(tokenizer, text, chat), sampling)
+    ids = _token_ids(tokenizer, text, chat)
+    engine.add_request(rid, ids, fit_context(rid, len(ids), sampling, max_model_len))
     detok[rid] = tokenizer.detokenizer(skip_special_tokens=True)
   single = len(detok) == 1
   pending = {rid: "" for rid in detok}   # several answers: streamed by line

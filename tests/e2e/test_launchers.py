@@ -51,6 +51,21 @@ def test_generate_answers_paris(tmp_path):
   assert "Paris" in answer
 
 
+def test_generate_clips_max_tokens_to_the_engine_context_with_one_line():
+  """Simulated (the config and tokenizer alone): cpu_small's 512-token
+  context, not SmolLM2's 8192, bounds the answer, and the cut is said."""
+  stdout = _run("generate.py", "--executor=simulated", "--cache_dir=", "--prompt=hi",
+                "--max_tokens=100000")
+  assert "context: 512 tokens (engine max_model_len; model 8192)" in stdout.splitlines()
+  notes = [line for line in stdout.splitlines() if "--max_tokens" in line]
+  prompt_len = int(notes[0].split("after the ")[1].split("-token")[0]) if notes else 0
+  room = 512 - prompt_len
+  assert notes == [f"[prompt-0] --max_tokens=100000 clipped to {room}: the engine's "
+                   f"max_model_len=512 leaves {room} tokens after the {prompt_len}-token "
+                   f"prompt"]
+  assert f"=== prompt-0 (completed, {room} tokens)" in stdout
+
+
 def test_replay_rejects_a_malformed_trace(tmp_path):
   bad = tmp_path / "bad.csv"
   bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,12,x\n")
