@@ -528,27 +528,77 @@ def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float
 def device_fingerprint() -> dict:
   """What a calibration holds for: the JAX backend and device kind and
   count, and on a CPU its model name, logical CPU count and a hash of its
-  feature flags (``/proc/cpuinfo``; empty where there is none). ``id`` is a
-  short hash of the rest: equal ids, the same kind of machine."""
+  feature flags (``/proc/cpuinfo``; empty where there is none), with the
+  sorted flags themselves (``flags``: what ``device_difference`` names).
+  ``id`` is a short hash of the rest but ``flags`` (calibrations made before
+  the list was stored keep their ids): equal ids, the same kind of machine."""
   import jax    # pylint: disable=import-outside-toplevel
   devices = jax.devices()
   fp = {"backend": jax.default_backend(), "kind": devices[0].device_kind,
         "count": len(devices)}
   if fp["backend"] == "cpu":
-    name, flags = platform.processor(), ""
+    name, flags = platform.processor(), []
     try:
       for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "model name":
           name = value.strip()
         elif key.strip() == "flags" and not flags:
-          flags = " ".join(sorted(value.split()))
+          flags = sorted(value.split())
     except OSError:
       pass
     fp.update(cpu=name, cpus=os.cpu_count(),
-              flags_sha=hashlib.sha256(flags.encode()).hexdigest()[:12])
+              flags_sha=hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12])
   fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+  if fp["backend"] == "cpu":
+    fp["flags"] = flags
   return fp
+
+
+# Fingerprint fields device_difference compares (``id`` hashes them).
+_DEVICE_FIELDS = ("backend", "kind", "count", "cpu", "cpus", "flags_sha")
+_MAX_FLAGS_NAMED = 5
+
+
+def device_difference(made: dict, here: dict) -> str:
+  """In words, how the device a calibration was ``made`` on differs from
+  ``here`` (two ``device_fingerprint`` dicts), e.g. ``same CPU model (AMD
+  EPYC, 2 CPUs) but other CPU feature flags (this one lacks avx512f)`` or
+  ``another CPU model (AMD EPYC vs Intel Xeon)``. The flags that differ are
+  named (at most 5) where both fingerprints hold the list; '' when no
+  compared field differs."""
+  differ = [k for k in _DEVICE_FIELDS if made.get(k) != here.get(k)]
+  if not differ:
+    return ""
+  if {"backend", "kind"} & set(differ):
+    return f"another kind of device ({made.get('kind', '?')} vs {here.get('kind', '?')})"
+  if "cpu" in differ:
+    return f"another CPU model ({made.get('cpu', '?')} vs {here.get('cpu', '?')})"
+  parts = []
+  if "count" in differ:
+    parts.append(f"another device count ({made.get('count')} vs {here.get('count')})")
+  if "cpus" in differ:
+    parts.append(f"another CPU count ({made.get('cpus')} vs {here.get('cpus')})")
+  if "flags_sha" in differ:
+    parts.append("other CPU feature flags")
+    if isinstance(made.get("flags"), list) and isinstance(here.get("flags"), list):
+      lacks = sorted(set(made["flags"]) - set(here["flags"]))
+      has = sorted(set(here["flags"]) - set(made["flags"]))
+      shown_lacks = lacks[:_MAX_FLAGS_NAMED]
+      shown_has = has[:_MAX_FLAGS_NAMED - len(shown_lacks)]
+      words = [f"{verb} {', '.join(names)}" for verb, names in
+               (("lacks", shown_lacks), ("has", shown_has)) if names]
+      hidden = len(lacks) + len(has) - len(shown_lacks) - len(shown_has)
+      if hidden:
+        words.append(f"{hidden} more")
+      if words:
+        parts[-1] += f" (this one {'; '.join(words)})"
+  if made.get("cpu"):
+    cpus = "" if "cpus" in differ else f", {made.get('cpus')} CPUs"
+    same = f"same CPU model ({made['cpu']}{cpus})"
+  else:
+    same = f"same kind of device ({made.get('kind', '?')})"
+  return f"{same} but {' and '.join(parts)}"
 
 
 def find_calibration(directory, fingerprint: dict, dtype: str,
@@ -595,7 +645,8 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     profile, a hand-written model), predicts any model through its
     features; a model it did not see gets a one-line note.
   * A calibration made on another device (``device_fingerprint`` id) gets
-    a one-line warning; a profile (``uncalibrated``) a one-line note.
+    a one-line warning naming what differs (``device_difference``); a
+    profile (``uncalibrated``) a one-line note.
 
   Args:
     model: the loaded cost model.
@@ -629,7 +680,7 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     fp = fingerprint or device_fingerprint()
     made = model.meta["device"]
     if made.get("id") != fp["id"]:
-      say(f"cost model: {where} was calibrated on another device "
-          f"({made.get('cpu') or made.get('kind')}, {made.get('id')}) than this one "
-          f"({fp.get('cpu') or fp.get('kind')}, {fp['id']}): its times may not hold here")
+      how = device_difference(made, fp) or "another fingerprint"
+      say(f"cost model: {where} was calibrated on another device than this one: {how} "
+          f"(id {made.get('id')} vs {fp['id']}): its times may not hold here")
   return model

@@ -2,6 +2,7 @@
 checked against numbers computed by hand for two published shapes."""
 
 import dataclasses
+import hashlib
 import json
 
 import jax.numpy as jnp
@@ -255,7 +256,9 @@ def test_resolve_refuses_another_model_and_warns_on_another_device(tmp_path):
                                                "device": {"id": "bbb", "cpu": "that cpu"}})
   cost_lib.resolve(two, other, fingerprint=here, say=lines.append)
   assert len(lines) == 2 and "predicting this one from its cost features" in lines[0]
-  assert "calibrated on another device (that cpu, bbb)" in lines[1]
+  assert lines[1] == ("cost model: the cost model was calibrated on another device than "
+                      "this one: another CPU model (that cpu vs this cpu) (id bbb vs aaa): "
+                      "its times may not hold here")
   lines.clear()
   cost_lib.resolve(cost_lib.load("profile:tpu_v5e"), other, fingerprint=here,
                    say=lines.append)
@@ -294,19 +297,76 @@ def test_old_form_and_bad_models_are_refused(tmp_path):
 def test_device_fingerprint_is_stable():
   a, b = cost_lib.device_fingerprint(), cost_lib.device_fingerprint()
   assert a == b and a["backend"] == "cpu" and len(a["id"]) == 12
+  # The flag list is stored but kept out of the id (older calibrations,
+  # made without it, keep matching their machine).
+  assert a["flags"] == sorted(a["flags"])
+  rest = {k: v for k, v in a.items() if k not in ("id", "flags")}
+  assert a["id"] == hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def test_calibrate_refuses_a_busy_machine():
-  """scripts/calibrate.py stops before measuring when the load average is
-  above --max_load (here below any load), exit status 2, one line."""
+def _fingerprint(**fields):
+  """A CPU fingerprint as device_fingerprint makes one (its id over the
+  fields but ``flags``)."""
+  fp = {**dict(backend="cpu", kind="cpu", count=1, cpu="AMD EPYC", cpus=2), **fields}
+  flags = fp.pop("flags", None)
+  fp.setdefault("flags_sha", hashlib.sha256(" ".join(flags or []).encode()).hexdigest()[:12])
+  fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+  return fp if flags is None else dict(fp, flags=flags)
+
+
+def test_the_another_device_warning_names_what_differs():
+  base = ["avx", "avx2", "fma", "sse4_2"]
+  made = _fingerprint(flags=base + ["avx512f"])          # a calibration with the list
+  old = {k: v for k, v in made.items() if k != "flags"}  # one made before it was stored
+  assert cost_lib.device_difference(made, made) == ""
+  assert cost_lib.device_difference(old, _fingerprint(flags=base)) == (
+      "same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags")
+  assert cost_lib.device_difference(made, _fingerprint(flags=base + ["amx_tile"])) == (
+      "same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags (this one lacks "
+      "avx512f; has amx_tile)")
+  many = _fingerprint(flags=["avx", "amx_bf16", "amx_int8", "amx_tile", "gfni", "vaes"])
+  assert cost_lib.device_difference(made, many) == (
+      "same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags (this one lacks "
+      "avx2, avx512f, fma, sse4_2; has amx_bf16; 4 more)")
+  assert cost_lib.device_difference(made, _fingerprint(flags=base, cpus=4)) == (
+      "same CPU model (AMD EPYC) but another CPU count (2 vs 4) and other CPU feature "
+      "flags (this one lacks avx512f)")
+  assert cost_lib.device_difference(made, _fingerprint(flags=base + ["avx512f"],
+                                                       cpu="Intel Xeon")) == (
+      "another CPU model (AMD EPYC vs Intel Xeon)")
+  gpu = {"backend": "gpu", "kind": "NVIDIA H200", "count": 1, "id": "g1"}
+  assert cost_lib.device_difference(made, gpu) == "another kind of device (cpu vs NVIDIA H200)"
+  assert cost_lib.device_difference(dict(gpu, count=8), gpu) == (
+      "same kind of device (NVIDIA H200) but another device count (8 vs 1)")
+  # resolve's warning: one line with the difference and both ids.
+  tiny = cost_lib.model_costs(get_config("tiny"))
+  lines = []
+  model = cost_lib.CostModel.of(step=1.0, meta={"path": "cost_model_cpu.json",
+                                                 "device": old, "models": []})
+  here = _fingerprint(flags=base)
+  cost_lib.resolve(model, tiny, fingerprint=here, say=lines.append)
+  assert lines == [f"cost model: cost_model_cpu.json was calibrated on another device than "
+                   f"this one: same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags "
+                   f"(id {old['id']} vs {here['id']}): its times may not hold here"]
+
+
+def test_calibrate_refuses_a_busy_machine(tmp_path):
+  """scripts/calibrate.py stops before measuring when the load average (here
+  faked at 9.0) is above --max_load, exit status 2, one line."""
   import subprocess
   import sys
   from pathlib import Path
   root = Path(__file__).resolve().parents[2]
-  proc = subprocess.run([sys.executable, str(root / "scripts" / "calibrate.py"), "--model=tiny",
-                         "--engine=tiny", "--prompt_lens=8", "--batch_sizes=1",
-                         "--max_load=-1", "--cache_dir="],
+  model = tmp_path / "m.gguf"                   # a model path; refused before it is read
+  model.write_bytes(b"")
+  busy = ("import os, runpy, sys; os.getloadavg = lambda: (9.0, 9.0, 9.0); "
+          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+  proc = subprocess.run([sys.executable, "-c", busy, str(root / "scripts" / "calibrate.py"),
+                         f"--model={model}", "--engine=tiny", "--prompt_lens=8",
+                         "--batch_sizes=1", "--max_load=1.5", "--cache_dir=",
+                         f"--holdout_out={tmp_path / 'holdout.json'}"],
                         cwd=root, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr[-2000:]
-  assert "error: machine busy before measuring: 1-minute load average" in proc.stderr
-  assert "> --max_load=-1.0" in proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: machine busy before measuring: 1-minute load average 9.00 > --max_load=1.5 "
+      "(stop other jobs; a calibration taken beside them is wrong)")
