@@ -4,7 +4,8 @@ A launcher refuses bad input with one line, ``error: ...`` naming the flag
 (or file, model, request) and its rule, and exit status 2 (the usual status
 of a usage error), whether absl refuses it while parsing (an unknown flag, an
 enum value outside its choices, a bound, a value of the wrong type) or
-``main`` does (a ValueError). Every launcher starts through ``run``:
+``main`` does (a ValueError). ``--help`` and ``--helpfull`` exit with
+status 0. Every launcher starts through ``run``:
 
   if __name__ == "__main__":
     cli.run(main)
@@ -13,6 +14,7 @@ enum value outside its choices, a bound, a value of the wrong type) or
 import functools
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, List, NoReturn
 
@@ -53,16 +55,44 @@ def check_creatable(flag: str, path: str, *, directory: bool = False) -> None:
                      f"writable directory")
 
 
+def make_dir(flag: str, path: str) -> None:
+  """Creates the directory ``path`` (where absent) and writes and removes a
+  file in it, so that a directory the process cannot use (a read-only file
+  system, ``/proc``; ``os.access`` says yes to root there) is refused by
+  name before anything runs.
+
+  Raises:
+    ValueError: naming ``--flag``: ``check_creatable``'s refusals, or the
+      creation or the write failing (the system's reason).
+  """
+  check_creatable(flag, path, directory=True)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"--{flag} {path!r} cannot be created: {e.strerror or e}") from None
+  try:
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise ValueError(f"--{flag} {path!r} cannot be written: {e.strerror or e}") from None
+
+
 def parse_flags(argv: List[str]) -> List[str]:
   """absl's flag parsing (``app.run``'s ``flags_parser``): the arguments left
   after the flags; on a flag absl refuses, prints one line naming it (absl's
   own message) and exits with status 2. absl raises a plain ValueError for a
-  boolean's negation given a value (``--nofoo=1``), so that is refused too."""
+  boolean's negation given a value (``--nofoo=1``), so that is refused too.
+  ``--help``, ``--helpshort``, ``--helpfull`` and ``--helpxml`` print their
+  text and exit with status 0 (absl's own exit status for them is 1)."""
   try:
     return FLAGS(argv)
   except (flags.Error, ValueError) as e:
     message = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
     refuse(f"{message} (--helpfull lists the flags)")
+  except SystemExit as e:
+    if e.code == 1:                   # absl's help flags exit 1 once their text is out
+      sys.exit(0)
+    raise
 
 
 def flag_named(message: str) -> str:

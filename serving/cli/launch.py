@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import sys
 import time
 import warnings
@@ -15,7 +17,7 @@ from absl import flags
 from attention import native, ragged
 from models import amx, rowgemm
 from models.config import ModelConfig
-from models.loaders import load_config, load_model
+from models.loaders import load_config, load_model, resolve_model_path
 from models.sharding import initialize_processes, make_mesh
 from serving import cli
 from serving.cli import hostmem
@@ -143,8 +145,13 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
   Raises:
     ValueError: a flag of the other workload kind is set (--window_s,
       --time_scale, --max_requests apply to --trace only; --num_requests,
-      --rate_scale to the synthetic workload only), or a malformed trace flag.
+      --rate_scale to the synthetic workload only), a malformed trace flag,
+      or an SLO flag not > 0.
   """
+  for name in ("slo_ttft_ms", "slo_tpot_ms"):
+    value = FLAGS[name].value
+    if value is not None and not (math.isfinite(value) and value > 0):
+      raise ValueError(f"--{name} must be finite and > 0 (ms), got {value}")
   synthetic = FLAGS.trace is None
   given = lambda name: FLAGS[name].present
   wrong = [n for n in (("window_s", "time_scale", "max_requests", "mooncake_block_tokens")
@@ -207,8 +214,9 @@ def engine_config(**overrides) -> EngineConfig:
   """The --engine preset with the flags' overrides.
 
   Raises:
-    ValueError: an unknown preset, or a value the config refuses (``cli.run``
-      names an override's flag: ``--prefill_chunk_rows must be ...``).
+    ValueError: an unknown preset, a value the config refuses (``cli.run``
+      names an override's flag: ``--prefill_chunk_rows must be ...``), or a
+      ``--cost_model`` that does not read (``check_cost_model``).
   """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
@@ -230,6 +238,7 @@ def engine_config(**overrides) -> EngineConfig:
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)
   config = EngineConfig.preset(FLAGS.engine, **fields)
+  check_cost_model()
   virtual = config.executor == "simulated" or FLAGS.clock == "virtual"
   if virtual and not config.cost_model and FLAGS.cache_dir:
     # A calibration scripts/calibrate.py made on this kind of device wins
@@ -242,10 +251,30 @@ def engine_config(**overrides) -> EngineConfig:
   return config
 
 
+def check_cost_model() -> None:
+  """Reads ``--cost_model`` (where given) before any model loads.
+
+  Raises:
+    ValueError: naming --cost_model: no such file or profile, a file that is
+      not JSON (or not a file), or JSON that is not a cost model.
+  """
+  path = FLAGS.cost_model
+  if not path:
+    return
+  try:
+    cost_lib.load(path)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError) as e:
+    raise ValueError(f"--cost_model {path!r} is not a cost model JSON (a calibration of "
+                     f"scripts/calibrate.py, or profile:NAME): {e}") from None
+  except ValueError as e:
+    raise ValueError(f"--cost_model={path}: {e}") from None
+
+
 RANDOM_PREFIX = "random:"
 
 
-def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True):
+def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True,
+                 flag: str = "--model"):
   """``random:PRESET[,key=value...]``: a named model's config with overridden
   shape fields and random weights (``llama.init_params``, seed 0; None when
   ``weights`` is False), its tokenizer the named model's. For timing runs
@@ -253,26 +282,70 @@ def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True):
   step's time does not depend on the weights' values; the text is noise.
 
   Raises:
-    ValueError: an unknown preset or field, a malformed pair, a value the
-      config refuses, or a ``vocab_size`` override (the tokenizer is fixed).
+    ValueError: naming ``flag`` (the flag that gave ``spec``): an unknown
+      preset or field, a malformed pair, a value not of the field's type, a
+      value the config refuses, or a ``vocab_size`` override (the tokenizer
+      is fixed).
   """
   from models import llama              # pylint: disable=import-outside-toplevel
   preset, *pairs = spec[len(RANDOM_PREFIX):].split(",")
-  base, tokenizer = load_config(preset)
+  try:
+    base, tokenizer = load_config(preset)
+  except ValueError as e:
+    raise ValueError(f"{flag}={spec}: {e}") from None
   fields = {f.name for f in dataclasses.fields(base)}
   overrides = {}
   for pair in pairs:
     key, eq, value = pair.partition("=")
     if not eq or key not in fields:
-      raise ValueError(f"--model={spec}: {pair!r} must be FIELD=VALUE with FIELD a "
+      raise ValueError(f"{flag}={spec}: {pair!r} must be FIELD=VALUE with FIELD a "
                        f"ModelConfig field")
     if key == "vocab_size":
-      raise ValueError(f"--model={spec}: vocab_size cannot change (the tokenizer is "
+      raise ValueError(f"{flag}={spec}: vocab_size cannot change (the tokenizer is "
                        f"{preset}'s)")
-    overrides[key] = type(getattr(base, key))(value)
-  cfg = dataclasses.replace(base, name=spec[len(RANDOM_PREFIX):], **overrides)
+    kind = type(getattr(base, key))
+    try:
+      overrides[key] = kind(value)
+    except ValueError:
+      article = "an" if kind.__name__[0] in "aeiou" else "a"
+      raise ValueError(f"{flag}={spec}: {key} must be {article} {kind.__name__}, got "
+                       f"{value!r}") from None
+  try:
+    cfg = dataclasses.replace(base, name=spec[len(RANDOM_PREFIX):], **overrides)
+  except ValueError as e:
+    raise ValueError(f"{flag}={spec}: {e}") from None
   params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype) if weights else None
   return cfg, params, tokenizer
+
+
+def check_model_spec(flag: str, spec: str) -> None:
+  """Checks a model flag's value before any model loads: a ``random:`` spec
+  parses and its config takes the overrides (``random_model`` without
+  weights: the preset's config and tokenizer are read), any other names a
+  preset, a ``*.gguf`` file or an HF directory (``resolve_model_path``).
+
+  Raises:
+    ValueError: naming ``flag`` and what is wrong with ``spec``.
+  """
+  if spec.startswith(RANDOM_PREFIX):
+    random_model(spec, weights=False, flag=flag)
+    return
+  try:
+    resolve_model_path(spec)
+  except ValueError as e:
+    raise ValueError(f"{flag}={spec}: {e}") from None
+
+
+def check_cache_dir() -> None:
+  """Creates ``--cache_dir`` (where absent) and checks that it takes a file
+  (``cli.make_dir``), before any model loads: JAX would only warn, on every
+  compile, about a compilation cache it cannot write.
+
+  Raises:
+    ValueError: naming --cache_dir, when it cannot be created or written.
+  """
+  if FLAGS.cache_dir:
+    cli.make_dir("cache_dir", FLAGS.cache_dir)
 
 
 def load_flags_model(engine_cfg: EngineConfig):
@@ -285,8 +358,8 @@ def load_flags_model(engine_cfg: EngineConfig):
   check_attention_impl(engine_cfg)
   gemm = int8_gemm(engine_cfg)
   rows = decode_gemm(engine_cfg)
+  check_cache_dir()
   if FLAGS.cache_dir:
-    cli.check_creatable("cache_dir", FLAGS.cache_dir, directory=True)
     jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
@@ -301,8 +374,11 @@ def load_flags_model(engine_cfg: EngineConfig):
         FLAGS.model, dtype=dtype, cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir
         else None, mesh=make_mesh(engine_cfg.mesh))
   check_model_attention(engine_cfg, cfg)
-  print(f"model: {cfg.name} ({describe_model(cfg)}) loaded in "
-        f"{time.perf_counter() - t:.1f} s; attention: {attention_impl(engine_cfg, cfg.head_dim)}"
+  seconds = time.perf_counter() - t
+  read = (f"loaded in {seconds:.1f} s" if params is not None else
+          f"config and tokenizer read in {seconds:.1f} s (simulated executor: no weights)")
+  print(f"model: {cfg.name} ({describe_model(cfg)}) {read}; "
+        f"attention: {attention_impl(engine_cfg, cfg.head_dim)}"
         + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
   return cfg, params, tokenizer
 

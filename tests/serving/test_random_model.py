@@ -25,6 +25,14 @@ def test_overrides_shape_keeps_the_tokenizer_and_refuses_bad_fields():
     launch.random_model("random:smollm2-135m,width=3")
   with pytest.raises(ValueError, match="n_heads"):
     launch.random_model("random:smollm2-135m,n_heads=7", weights=False)
+  with pytest.raises(ValueError, match=r"^--second_model=random:smollm2-135m,d_model=abc: "
+                                       r"d_model must be an int, got 'abc'$"):
+    launch.random_model("random:smollm2-135m,d_model=abc", flag="--second_model")
+  with pytest.raises(ValueError, match=r"^--model=random:nope: unknown model 'nope'"):
+    launch.check_model_spec("--model", "random:nope")
+  with pytest.raises(ValueError, match=r"^--second_model=nope: unknown model 'nope'"):
+    launch.check_model_spec("--second_model", "nope")
+  launch.check_model_spec("--model", "smollm2-135m")
 
 
 def test_random_weights_have_the_shape():
