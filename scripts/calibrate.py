@@ -130,7 +130,7 @@ def second_model(spec: str, dtype):
   (``launch.random_model``: random weights of that shape) or any model the
   loader reads."""
   if spec.startswith(launch.RANDOM_PREFIX):
-    cfg, params, _ = launch.random_model(spec, dtype)
+    cfg, params, _ = launch.random_model(spec, dtype, flag="--second_model")
   else:
     cfg, params, _ = load_model(spec, dtype=dtype)
   return cfg, params
@@ -214,11 +214,6 @@ def default_out(dtype: str, engine: str, model_name: str, fingerprint: dict) -> 
 
 def refit_steps(paths) -> None:
   """Fits and writes a calibration from real replays' step logs."""
-  if FLAGS.refit or FLAGS.holdout_only:
-    raise ValueError("--refit_steps fits on its own; leave out --refit and --holdout_only")
-  for path in paths:
-    if not os.path.isfile(path):
-      raise ValueError(f"--refit_steps: {path!r} is not a file")
   model = step_log.fit_steps(paths, FLAGS.max_load, features=FLAGS.features)
   meta = model.meta
   out = FLAGS.out or default_out(meta["dtype"], meta["engine"], meta["model"], meta["device"])
@@ -239,12 +234,48 @@ def _check_grid(engine_cfg) -> None:
     raise ValueError(f"--repeats must be >= 2 (the spread check), got {FLAGS.repeats}")
 
 
-def main(argv):
-  del argv
+def _check_flags() -> None:
+  """Every flag's value, checked before the load check and before any model
+  loads (ValueError naming the flag and the rule): bounds, the grid's
+  numbers, the files read (--refit, --refit_steps) and the models
+  (--model, --second_model: a ``random:`` spec parses)."""
   unknown = sorted(set(FLAGS.features or ()) - set(cost_lib.FEATURES))
   if unknown:
     raise ValueError(f"--features: unknown term(s) {unknown}; the terms are "
                      f"{list(cost_lib.FEATURES)}")
+  for name in ("max_load", "max_spread"):
+    if not FLAGS[name].value > 0:
+      raise ValueError(f"--{name} must be > 0, got {FLAGS[name].value}")
+  if FLAGS.refit_steps and (FLAGS.refit or FLAGS.holdout_only):
+    raise ValueError("--refit_steps fits on its own; leave out --refit and --holdout_only")
+  for name in ("refit", "refit_steps"):
+    for path in FLAGS[name].value or ():
+      if not os.path.isfile(path):
+        raise ValueError(f"--{name}: {path!r} is not a file")
+  if FLAGS.holdout_only and FLAGS.out and not os.path.isfile(FLAGS.out):
+    raise ValueError(f"--holdout_only checks the calibration in --out: {FLAGS.out!r} is "
+                     f"not a file")
+  if FLAGS.out and not FLAGS.holdout_only:
+    cli.check_creatable("out", FLAGS.out)
+  if FLAGS.refit_steps:
+    return                             # no grid runs and no model loads
+  for name in ("batch_sizes", "prompt_lens"):
+    for x in FLAGS[name].value:
+      if not (x.isdigit() and int(x) >= 1):
+        raise ValueError(f"--{name} must be integers >= 1, got {x!r}")
+  for name in ("decode_tokens", "max_case_tokens", "holdout_requests"):
+    if FLAGS[name].value < 1:
+      raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+  cli.check_creatable("holdout_out", FLAGS.holdout_out)
+  launch.check_model_spec("--model", FLAGS.model)
+  if FLAGS.second_model:
+    launch.check_model_spec("--second_model", FLAGS.second_model)
+  launch.check_cache_dir()
+
+
+def main(argv):
+  del argv
+  _check_flags()
   if FLAGS.refit_steps:
     return refit_steps(FLAGS.refit_steps)
   engine_cfg = launch.engine_config()

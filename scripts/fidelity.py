@@ -35,6 +35,7 @@ replays run).
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -80,10 +81,21 @@ def _case_key(trace: str, scale: float) -> str:
 
 
 def _load_measured(path: str) -> dict:
-  with open(path) as f:
-    data = json.load(f)
-  for case in data["cases"].values():
-    case["records"] = [RequestRecord(**r) for r in case["records"]]
+  """The real replays a ``--measured`` run wrote.
+
+  Raises:
+    ValueError: naming --measured, when the file is not such a JSON.
+  """
+  try:
+    with open(path) as f:
+      data = json.load(f)
+    if "model" not in data:
+      raise KeyError("model")
+    for case in data["cases"].values():
+      case["records"] = [RequestRecord(**r) for r in case["records"]]
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"--measured {path!r} is not a JSON of measured replays (written by "
+                     f"--measured without --reuse_measured): {type(e).__name__}: {e}") from None
   return data
 
 
@@ -96,28 +108,65 @@ def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
   return workloads.fit_context(wl, max_model_len)
 
 
-def main(argv):
-  del argv
+def _check_flags() -> None:
+  """Every flag's value, checked before the load check and before any model
+  loads (ValueError naming the flag and the rule): the traces' specs and
+  files, the window, time scales and bounds, the files written and read,
+  and --model (a ``random:`` spec parses)."""
   if not FLAGS.traces:
     raise ValueError("--traces is required (KIND:PATH,...)")
+  for trace in FLAGS.traces:
+    _, path = traces.trace_loader(trace, "--traces entries")
+    if not os.path.isfile(path):
+      raise ValueError(f"--traces: {path!r} (of {trace!r}) is not a file")
+  try:
+    a, b = (float(x) for x in FLAGS.window_s)
+  except ValueError:
+    raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
+                     f"{','.join(FLAGS.window_s)!r}") from None
+  if not 0 <= a < b:
+    raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
+  for x in FLAGS.time_scales:
+    try:
+      ok = float(x) > 0 and math.isfinite(float(x))
+    except ValueError:
+      ok = False
+    if not ok:
+      raise ValueError(f"--time_scales must be numbers > 0, got {x!r}")
+  if not FLAGS.max_load > 0:
+    raise ValueError(f"--max_load must be > 0, got {FLAGS.max_load}")
+  for name in ("max_prompt_len", "max_output_len", "max_requests"):
+    value = FLAGS[name].value
+    if value is not None and value < 1:
+      raise ValueError(f"--{name} must be >= 1, got {value}")
   cli.check_creatable("out", FLAGS.out)
   if FLAGS.reuse_measured and not FLAGS.measured:
     raise ValueError("--reuse_measured needs --measured=PATH (the real replays to read)")
   if FLAGS.reuse_measured and FLAGS.step_log:
     raise ValueError("--step_log logs real replays; --reuse_measured runs none")
+  if FLAGS.reuse_measured and not os.path.isfile(FLAGS.measured):
+    raise ValueError(f"--measured: {FLAGS.measured!r} is not a file (--reuse_measured "
+                     f"reads it)")
   if FLAGS.step_log:
     cli.check_creatable("step_log", FLAGS.step_log)
   if FLAGS.measured and not FLAGS.reuse_measured:
     cli.check_creatable("measured", FLAGS.measured)
+  launch.check_model_spec("--model", FLAGS.model)
+  launch.check_cache_dir()
+
+
+def main(argv):
+  del argv
+  _check_flags()
+  engine_cfg = launch.engine_config()
+  sim_cfg = launch.engine_config(executor="simulated")
+  measured = _load_measured(FLAGS.measured) if FLAGS.reuse_measured else None
   # Checked before this process loads or compiles anything: afterwards the
   # load average counts its own threads (recorded per case, not checked).
   load_at_start = os.getloadavg()[0]
   if load_at_start > FLAGS.max_load and not FLAGS.reuse_measured:
     raise ValueError(f"machine busy: load average {load_at_start:.2f} > "
                      f"--max_load={FLAGS.max_load} (stop other jobs first)")
-  engine_cfg = launch.engine_config()
-  sim_cfg = launch.engine_config(executor="simulated")
-  measured = _load_measured(FLAGS.measured) if FLAGS.reuse_measured else None
   if measured is None:
     cfg, params, _ = launch.load_flags_model(engine_cfg)
     launch.warmup(Engine(cfg, params, engine_cfg), 64)

