@@ -9,8 +9,11 @@ by the rate scale, through the real scheduler code: the simulated executor
 on a virtual clock by default (``--executor=model`` runs the model, on the
 wall clock unless ``--clock=virtual``). Per (policy, rate) the mean offered
 attainment (valid/offered, SLO ``--ttft_ms`` and ``--tpot_ms``) gives G* at
-``--alpha`` (DistServe's definition, ``serving.harness.ablation.g_star``). Every
-trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
+``--alpha`` (DistServe's definition, ``serving.harness.ablation.g_star``). G*
+is measured only when the grid brackets it (a rate meets alpha, the next
+misses); when every rate meets alpha it is a lower bound, printed ``>= R``
+(raise --rate_scales), and when the lowest misses it is ``< R`` (lower them).
+Every trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
 
 Prompt and output lengths are fitted into ``--max_model_len`` together
 (``serving.harness.workloads.FIT_RULE``: the output keeps min(requested,
@@ -148,11 +151,16 @@ def plots(result, out):
   pols = result["policies"]
   fig, ax = plt.subplots(1, 2, figsize=(10, 4))
   for p in pols:
-    pts = result["points"][p]
-    ax[0].plot([x["rate_req_s"] for x in pts], [x["attainment"] for x in pts], "o-", label=p)
+    pts, g = result["points"][p], result["g_star"][p]
+    ax[0].plot([x["rate_req_s"] for x in pts], [x["attainment"] for x in pts], "o-",
+               label=f"{p}: G* {ablation.g_star_text(g, digits=3)} req/s")
     ax[1].plot([x["rate_req_s"] for x in pts], [x["request_goodput"] for x in pts], "o-", label=p)
   ax[0].axhline(result["alpha"], ls="--", c="gray")
   ax[0].set(xlabel="offered rate (req/s)", ylabel="SLO attainment (valid/offered)")
+  loose = [p for p in pols if not result["g_star"][p].get("bracketed", True)]
+  if loose:         # '>=': every rate met alpha; '<': the lowest missed
+    ax[0].set_title(f"G* not bracketed by the rates tried for {', '.join(loose)}",
+                    fontsize=9)
   ax[1].set(xlabel="offered rate (req/s)", ylabel="request goodput (req/s)")
   ax[0].legend()
   fig.tight_layout(); fig.savefig(f"{out}/attainment_goodput.png", dpi=90); plt.close(fig)
@@ -306,8 +314,8 @@ def finish(result):
     json.dump(result, f, indent=1)
   plots(result, FLAGS.out)
   for p, g in result["g_star"].items():
-    print(f"G*({p}) at alpha={result['alpha']}: {g['g_star']} req/s "
-          f"(interpolated {g['g_star_interpolated']})")
+    print(f"G*({p}) at alpha={result['alpha']}: {ablation.g_star_text(g)} req/s "
+          f"({ablation.g_star_note(g)})")
   print(f"wrote {FLAGS.out}/sweep.json and PNGs")
 
 

@@ -101,16 +101,29 @@ def check_comparable(runs: Sequence[dict], names: Optional[Sequence[str]] = None
 
 def g_star(rates: Sequence[float], attainment: Sequence[float], alpha: float) -> dict:
   """Goodput capacity at attainment ``alpha`` (DistServe, Zhong et al. OSDI
-  2024: the highest request rate whose SLO attainment is >= alpha).
+  2024: the highest request rate whose SLO attainment is >= alpha), and
+  whether the rates tried bracket it.
+
+  A capacity is measured only when the grid brackets it: some rate meets
+  alpha and a higher one misses. When every rate tried meets alpha the
+  capacity is at or above the highest rate (``g_star`` is that rate, a
+  lower bound); when the lowest rate misses it is below the lowest rate
+  (``g_star`` is None). Neither ranks against another policy's G*.
 
   Args:
     rates: ascending request rates (req/s); attainment: mean attainment at
       each (fraction in [0, 1]).
   Returns:
-    ``{"g_star": largest grid rate such that it and every lower rate meet
-    alpha (None if the lowest misses), "g_star_interpolated": the linear
-    crossing between that rate and the next one (equal to g_star when no
-    higher rate was run), "alpha"}``.
+    ``{"alpha",
+    "g_star": largest grid rate such that it and every lower rate meet
+    alpha (None if the lowest misses),
+    "g_star_interpolated": the linear crossing between that rate and the
+    next one (equal to g_star when no higher rate was run),
+    "bracketed": True when a rate meets alpha and the next higher misses,
+    "g_star_is_lower_bound": True when every rate tried meets alpha,
+    "g_star_below_lowest_rate": True when the lowest rate tried misses,
+    "bracket": [last rate meeting alpha or None, first rate missing it or
+    None] (req/s)}``.
   Raises:
     ValueError: unsorted or mismatched inputs, alpha outside (0, 1].
   """
@@ -124,12 +137,47 @@ def g_star(rates: Sequence[float], attainment: Sequence[float], alpha: float) ->
       break
     best = i
   if best is None:
-    return {"alpha": alpha, "g_star": None, "g_star_interpolated": None}
-  interp = rates[best]
-  if best + 1 < len(rates):
-    r0, r1, a0, a1 = rates[best], rates[best + 1], attainment[best], attainment[best + 1]
-    interp = r0 + (r1 - r0) * (a0 - alpha) / (a0 - a1) if a0 != a1 else r0
-  return {"alpha": alpha, "g_star": rates[best], "g_star_interpolated": interp}
+    return {"alpha": alpha, "g_star": None, "g_star_interpolated": None,
+            "bracketed": False, "g_star_is_lower_bound": False,
+            "g_star_below_lowest_rate": True, "bracket": [None, rates[0]]}
+  if best + 1 == len(rates):
+    return {"alpha": alpha, "g_star": rates[best], "g_star_interpolated": rates[best],
+            "bracketed": False, "g_star_is_lower_bound": True,
+            "g_star_below_lowest_rate": False, "bracket": [rates[best], None]}
+  r0, r1, a0, a1 = rates[best], rates[best + 1], attainment[best], attainment[best + 1]
+  interp = r0 + (r1 - r0) * (a0 - alpha) / (a0 - a1) if a0 != a1 else r0
+  return {"alpha": alpha, "g_star": r0, "g_star_interpolated": interp, "bracketed": True,
+          "g_star_is_lower_bound": False, "g_star_below_lowest_rate": False,
+          "bracket": [r0, r1]}
+
+
+def g_star_text(g: dict, key: str = "g_star", digits: int = 4) -> str:
+  """``g[key]`` (``g_star`` or ``g_star_interpolated`` of a ``g_star``
+  result) as text in req/s: the number when bracketed, ``">= R"`` when
+  every rate tried met alpha (R the highest rate), ``"< R"`` when the
+  lowest rate R missed. A result without the bracketing keys (a sweep.json
+  written before they existed) shows its number."""
+  if g.get("g_star_below_lowest_rate"):
+    return f"< {g['bracket'][1]:.{digits}g}"
+  value = g.get(key)
+  if value is None:
+    return "None"
+  return (">= " if g.get("g_star_is_lower_bound") else "") + f"{value:.{digits}g}"
+
+
+def g_star_note(g: dict) -> str:
+  """What the rates tried say about the capacity, for a summary line, e.g.
+  ``"every rate tried met the SLOs: raise --rate_scales"`` (met: mean
+  attainment >= alpha)."""
+  if g.get("g_star_is_lower_bound"):
+    return "every rate tried met the SLOs: raise --rate_scales"
+  if g.get("g_star_below_lowest_rate"):
+    return "the lowest rate tried missed the SLOs: lower --rate_scales"
+  lo, hi = g.get("bracket") or (None, None)
+  if lo is None:
+    return f"interpolated {g.get('g_star_interpolated')}"
+  return (f"bracketed: {lo:.4g} req/s meets alpha={g['alpha']:g}, {hi:.4g} misses; "
+          f"interpolated {g['g_star_interpolated']:.4g}")
 
 
 # Metrics where less is better: latencies (``*_ms``, ``*_s``) and counts of
@@ -145,7 +193,9 @@ def lower_is_better(metric: str) -> bool:
 def table(rows: List[dict], metric: str, columns: Sequence[str] = ()) -> str:
   """A text table of runs ranked by ``metric``, best first (ascending for a
   ``lower_is_better`` metric, else descending), with ``columns`` beside it
-  (e.g. completed / rejected, so a run that refused its load is seen)."""
+  (e.g. completed / rejected, so a run that refused its load is seen). A
+  row's optional ``"text"`` is shown in place of its value (e.g. ``">= 0.032"``
+  for a G* that is a lower bound, ``g_star_text``); the order is the value's."""
   sign = 1.0 if lower_is_better(metric) else -1.0
   rows = sorted(rows, key=lambda r: sign * (r.get(metric) or 0.0))
   width = max(len(r["name"]) for r in rows)
@@ -153,6 +203,6 @@ def table(rows: List[dict], metric: str, columns: Sequence[str] = ()) -> str:
   head = f"{'run':<{width}}  {'policy':<22} {metric:>14}" + "".join(
       f" {c:>10}" for c in columns)
   lines = [head + f"   ({order})"]
-  lines += [f"{r['name']:<{width}}  {r['policy']:<22} {r.get(metric)!s:>14}"
+  lines += [f"{r['name']:<{width}}  {r['policy']:<22} {r.get('text', r.get(metric))!s:>14}"
             + "".join(f" {r.get(c, '')!s:>10}" for c in columns) for r in rows]
   return "\n".join(lines)

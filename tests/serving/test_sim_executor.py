@@ -176,6 +176,36 @@ def test_g_star_follows_distserve_definition():
   assert ablation.g_star([1.0, 2.0], [0.5, 0.99], 0.9)["g_star"] is None
 
 
+def test_g_star_says_whether_the_rates_tried_bracket_it():
+  """Worked by hand at alpha = 0.9: a grid the attainment crosses brackets
+  G*; one where every rate meets alpha gives only a lower bound (the highest
+  rate); one whose lowest rate misses gives only '< lowest rate'."""
+  from serving.harness import ablation
+  # Crossing between 2 (0.95) and 4 (0.85): 2 + (4 - 2) * (0.95 - 0.9) / (0.95 - 0.85) = 3.
+  g = ablation.g_star([1.0, 2.0, 4.0, 8.0], [1.0, 0.95, 0.85, 0.2], 0.9)
+  assert g == {"alpha": 0.9, "g_star": 2.0, "g_star_interpolated": pytest.approx(3.0),
+               "bracketed": True, "g_star_is_lower_bound": False,
+               "g_star_below_lowest_rate": False, "bracket": [2.0, 4.0]}
+  assert ablation.g_star_text(g) == "2" and ablation.g_star_text(g, "g_star_interpolated") == "3"
+  assert ablation.g_star_note(g) == "bracketed: 2 req/s meets alpha=0.9, 4 misses; interpolated 3"
+  # Every rate meets (0.9 exactly counts): G* >= the highest rate, 2.
+  g = ablation.g_star([0.5, 1.0, 2.0], [1.0, 0.97, 0.9], 0.9)
+  assert g == {"alpha": 0.9, "g_star": 2.0, "g_star_interpolated": 2.0, "bracketed": False,
+               "g_star_is_lower_bound": True, "g_star_below_lowest_rate": False,
+               "bracket": [2.0, None]}
+  assert ablation.g_star_text(g) == ">= 2"
+  assert ablation.g_star_note(g) == "every rate tried met the SLOs: raise --rate_scales"
+  # The lowest rate misses (a higher one meeting does not count): G* < 0.5.
+  g = ablation.g_star([0.5, 1.0], [0.8, 0.95], 0.9)
+  assert g == {"alpha": 0.9, "g_star": None, "g_star_interpolated": None, "bracketed": False,
+               "g_star_is_lower_bound": False, "g_star_below_lowest_rate": True,
+               "bracket": [None, 0.5]}
+  assert ablation.g_star_text(g) == "< 0.5"
+  assert ablation.g_star_note(g) == "the lowest rate tried missed the SLOs: lower --rate_scales"
+  # One rate that meets: a lower bound, not a measurement.
+  assert ablation.g_star([3.0], [1.0], 0.9)["g_star_is_lower_bound"]
+
+
 def test_model_executor_on_a_virtual_clock_repeats_schedule_and_report(
     params, cost_file, tmp_path):
   """--clock=virtual with the real model: time is the cost model's, so the
