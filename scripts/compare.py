@@ -3,8 +3,13 @@
   python scripts/compare.py runs/a.json runs/b.json [--metric=request_goodput]
   python scripts/compare.py runs/sweep/sweep.json --metric=g_star
 
-Inputs are replay reports (scripts/replay.py) or a sweep (scripts/sweep.py,
-ranked by G*). Runs are ranked only when every comparison coordinate
+Inputs are replay reports (scripts/replay.py) or sweeps (scripts/sweep.py,
+ranked by G*), not both: a mix is refused in one line naming which file is
+which kind. A G* that the sweep's rate grid does not bracket is shown as
+``>= R`` (every rate tried met alpha: a lower bound at the highest rate R)
+or ``< R`` (the lowest rate R missed), and one warning line names those
+policies, which cannot be ranked on it (two lower bounds are not a tie).
+Runs are ranked only when every comparison coordinate
 (model, executor + cost model, trace + window + rate scale, SLOs, metric
 definitions, engine config apart from the policy) is equal; otherwise the
 script prints one line naming every key that differs (e.g. ``coordinate
@@ -32,15 +37,50 @@ flags.DEFINE_string("metric", "request_goodput", "Metric to rank by: a report ke
                     "rejected/failed counts rank lower first, the rest higher first.")
 
 
-def rows_of(path: str):
+def _load(path: str) -> dict:
   try:
     with open(path) as f:
-      run = json.load(f)
+      return json.load(f)
   except FileNotFoundError:
     raise ValueError(f"{path}: no such run JSON") from None
   except json.JSONDecodeError as e:
     raise ValueError(f"{path}: not a run JSON ({e})") from None
-  if "trials" in run:       # a sweep: one row per policy, coordinates per trial
+
+
+def kind_of(run: dict) -> str:
+  """``"sweep"`` (scripts/sweep.py's sweep.json) or ``"replay report"``."""
+  return "sweep" if "trials" in run else "replay report"
+
+
+def check_one_kind(paths, runs) -> None:
+  """Raises ValueError, in one line, when ``runs`` mix replay reports and
+  sweeps (a replay is one rate, ranked by its report or ledger keys; a sweep
+  is a rate grid, ranked by G*: neither has the other's numbers)."""
+  kinds = [kind_of(r) for r in runs]
+  if len(set(kinds)) > 1:
+    named = "; ".join(f"{k}: " + ", ".join(p for p, k2 in zip(paths, kinds) if k2 == k)
+                      for k in ("replay report", "sweep") if k in kinds)
+    raise ValueError(f"refusing to mix replay reports and sweeps ({named}): compare "
+                     f"replay reports with replay reports, or sweeps with sweeps "
+                     f"(--metric=g_star)")
+
+
+def _g_star(run: dict, policy: str) -> dict:
+  """The sweep's G* of ``policy``; recomputed from its points when the
+  sweep.json was written before G* said whether the grid brackets it."""
+  g = run["g_star"][policy]
+  if "bracketed" not in g and run.get("points", {}).get(policy):
+    pts = run["points"][policy]
+    g = ablation.g_star([p["rate_req_s"] for p in pts], [p["attainment"] for p in pts],
+                        run["alpha"])
+  return g
+
+
+def rows_of(path: str, run: dict):
+  """(name, policy, coordinates run, metrics) per run in ``run``: one for a
+  replay report, one per policy for a sweep (its metrics ``g_star`` and
+  ``g_star_interpolated``, and ``g`` the whole ``ablation.g_star`` result)."""
+  if kind_of(run) == "sweep":   # one row per policy, coordinates per trial
     runs = []
     for p in run["policies"]:
       t = next(t for t in run["trials"] if t["policy"] == p)
@@ -50,9 +90,10 @@ def rows_of(path: str):
       coords_run["config"] = dict(t["config"], workload={
           "trace": run["trace"], "window_s": run["window_s"],
           "trials": run["trials_per_point"]})
+      g = _g_star(run, p)
       runs.append((f"{os.path.basename(path)}:{p}", p, coords_run,
-                   {"g_star": run["g_star"][p]["g_star"],
-                    "g_star_interpolated": run["g_star"][p]["g_star_interpolated"]}))
+                   {"g_star": g["g_star"], "g_star_interpolated": g["g_star_interpolated"],
+                    "g": g}))
     return runs
   # Goodput keys: the ledger's (one SLO pair for all), else those of the
   # report's per-request goodput (--slo_class: each request its own SLOs).
@@ -60,20 +101,50 @@ def rows_of(path: str):
   return [(path, run["config"]["policy_id"], run, {**run, **led})]
 
 
+G_STAR_METRICS = ("g_star", "g_star_interpolated")
+
+
+def unbracketed_warning(rows, metric: str):
+  """One line naming the sweep rows whose G* the rate grid does not
+  bracket (a lower bound, or below the lowest rate), which cannot be ranked
+  on it; None when every G* is bracketed or ``metric`` is not a G*."""
+  if metric not in G_STAR_METRICS:
+    return None
+  gs = [(n, m["g"]) for n, _, _, m in rows if not m["g"].get("bracketed", True)]
+  if not gs:
+    return None
+  why = [w for w, kind in (("'>=': every rate tried met alpha, a lower bound; raise "
+                            "--rate_scales", "g_star_is_lower_bound"),
+                           ("'<': the lowest rate tried missed alpha; lower --rate_scales",
+                            "g_star_below_lowest_rate")) if any(g.get(kind) for _, g in gs)]
+  named = ", ".join(f"{n} ({ablation.g_star_text(g, metric)})" for n, g in gs)
+  return (f"warning: the rate grid does not bracket G* of {named}: these cannot be "
+          f"ranked on {metric} (two bounds are not a tie) ({'; '.join(why)})")
+
+
 def main(argv):
   paths = argv[1:]
   if not paths:
     raise ValueError("compare.py needs at least one run JSON")
-  rows = [r for p in paths for r in rows_of(p)]
-  missing = [n for n, _, _, m in rows if m.get(FLAGS.metric) is None]
+  runs = [_load(p) for p in paths]
+  check_one_kind(paths, runs)
+  rows = [r for p, run in zip(paths, runs) for r in rows_of(p, run)]
+  g_metric = FLAGS.metric in G_STAR_METRICS and all("g" in m for *_, m in rows)
+  missing = [n for n, _, _, m in rows if m.get(FLAGS.metric) is None
+             and not (g_metric and m["g"].get("g_star_below_lowest_rate"))]
   if missing:
     raise ValueError(f"--metric={FLAGS.metric!r} is not a number in {missing[:4]} "
                      f"(a report key, a ledger goodput key, or g_star for a sweep)")
   ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
   columns = [c for c in ("completed", "rejected", "failed") if all(c in m for *_, m in rows)]
   print(ablation.table([{"name": n, "policy": p, FLAGS.metric: m.get(FLAGS.metric),
+                         **({"text": ablation.g_star_text(m["g"], FLAGS.metric)}
+                            if g_metric else {}),
                          **{c: m[c] for c in columns}} for n, p, _, m in rows],
                        FLAGS.metric, columns))
+  warning = unbracketed_warning(rows, FLAGS.metric) if g_metric else None
+  if warning:
+    print(warning)
   print("coordinates (equal for every run):")
   for k, v in ablation.coordinates(rows[0][2]).items():
     print(f"  {k}: {v[:160]}")

@@ -58,10 +58,82 @@ def test_sweep_then_compare_then_plots(trace, tmp_path):
                                                            "kv_pages_cached"]
   for name in ("attainment_goodput", "ttft_tbt_cdf", "kv_queue", "client_service"):
     assert (out / f"{name}.png").stat().st_size > 1000
-  assert result["g_star"]["sarathi_serve"]["g_star"] == max(
-      p["rate_req_s"] for p in result["points"]["sarathi_serve"])   # generous SLOs
+  top = max(p["rate_req_s"] for p in result["points"]["sarathi_serve"])
+  g = result["g_star"]["sarathi_serve"]     # generous SLOs: every rate meets them
+  assert g["g_star"] == top and g["g_star_is_lower_bound"] and not g["bracketed"]
+  assert f"G*(sarathi_serve) at alpha=0.9: >= {top:.4g} req/s (every rate tried met the " \
+         f"SLOs: raise --rate_scales)" in proc.stdout
   table = _run("compare.py", str(out / "sweep.json"), "--metric=g_star").stdout
   assert "sweep.json:sarathi_serve" in table and "sweep.json:vllm_v1" in table
+  assert f">= {top:.4g}" in table and "cannot be ranked on g_star" in table
+
+
+def _sweep_json(path, attainment, alpha=0.9, rates=(0.01, 0.02, 0.04), legacy=False):
+  """A sweep.json as sweep.py writes it, reduced to what compare.py reads:
+  ``attainment`` maps each policy to its mean attainment per rate (req/s).
+  ``legacy``: G* without the bracketing keys (a sweep written before them)."""
+  from serving.harness import ablation
+  g_star, points = {}, {}
+  for p, att in attainment.items():
+    points[p] = [{"rate_scale": r, "rate_req_s": r, "attainment": a, "request_goodput": r * a}
+                 for r, a in zip(rates, att)]
+    g_star[p] = ablation.g_star(list(rates), list(att), alpha)
+    if legacy:
+      g_star[p] = {k: g_star[p][k] for k in ("alpha", "g_star", "g_star_interpolated")}
+  path.write_text(json.dumps({
+      "trace": "azure:t.csv", "window_s": 10.0, "trials_per_point": 1, "alpha": alpha,
+      "slo": {"ttft_ms": 2000.0, "tpot_ms": 100.0}, "policies": list(attainment),
+      "rate_scales": list(rates), "metric_definitions": "m", "points": points,
+      "g_star": g_star, "trials": [{"policy": p, "rate_scale": r, "config": {
+          "policy_id": p, "model": "tiny", "executor": "simulated", "clock": "virtual"}}
+          for p in attainment for r in rates]}))
+  return str(path)
+
+
+def test_compare_marks_g_star_the_rate_grid_does_not_bracket(tmp_path):
+  """Two lower bounds are not a tie: each shows '>= highest rate', and one
+  line warns that they cannot be ranked; a G* below the lowest rate shows
+  '< lowest rate' (not refused as missing); a bracketed pair ranks with no
+  warning. A sweep.json without the bracketing keys gets them from its
+  points."""
+  for legacy in (False, True):
+    both_meet = _sweep_json(tmp_path / f"meet{legacy}.json",
+                            {"sarathi_serve": [1.0, 1.0, 0.95], "vllm_v1": [1.0, 0.99, 0.91]},
+                            legacy=legacy)
+    out = _run("compare.py", both_meet, "--metric=g_star").stdout.splitlines()
+    rows = [line.split() for line in out[1:3]]
+    assert [r[2:4] for r in rows] == [[">=", "0.04"], [">=", "0.04"]], out
+    warning = [line for line in out if line.startswith("warning:")]
+    assert len(warning) == 1 and "cannot be ranked on g_star" in warning[0], out
+    assert "meet%s.json:sarathi_serve (>= 0.04)" % legacy in warning[0]
+    assert "meet%s.json:vllm_v1 (>= 0.04)" % legacy in warning[0]
+  below = _sweep_json(tmp_path / "below.json",
+                      {"sarathi_serve": [0.95, 0.92, 0.5], "vllm_v1": [0.6, 0.3, 0.1]})
+  out = _run("compare.py", below, "--metric=g_star").stdout.splitlines()
+  assert [line.split() for line in out[1:3]] == [
+      ["below.json:sarathi_serve", "sarathi_serve", "0.02"],
+      ["below.json:vllm_v1", "vllm_v1", "<", "0.01"]], out
+  assert "below.json:vllm_v1 (< 0.01)" in out[3] and "sarathi_serve (" not in out[3], out
+  # Both cross inside the grid: ranked, no warning; interpolated 0.02 + 0.02 * 0.05 / 0.1
+  # = 0.03 and 0.01 + 0.01 * 0.05 / 0.45 = 0.01111.
+  crossed = _sweep_json(tmp_path / "crossed.json",
+                        {"sarathi_serve": [1.0, 0.95, 0.85], "vllm_v1": [0.95, 0.5, 0.1]})
+  out = _run("compare.py", crossed, "--metric=g_star_interpolated").stdout
+  assert "warning" not in out
+  assert [line.split()[2] for line in out.splitlines()[1:3]] == ["0.03", "0.01111"], out
+
+
+def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
+  """A replay report is one rate ranked by its report keys, a sweep a rate
+  grid ranked by G*: one line names which file is which and the rule."""
+  sweep = _sweep_json(tmp_path / "sweep.json", {"sarathi_serve": [1.0, 0.9, 0.5]})
+  replay = tmp_path / "replay.json"
+  replay.write_text(json.dumps({"config": {"policy_id": "vllm_v1"}, "request_goodput": 1.0}))
+  for args in ((str(replay), sweep), (sweep, str(replay), "--metric=g_star")):
+    last = _run("compare.py", *args, expect_rc=2).stderr.strip().splitlines()[-1]
+    assert last == (f"error: refusing to mix replay reports and sweeps (replay report: "
+                    f"{replay}; sweep: {sweep}): compare replay reports with replay "
+                    f"reports, or sweeps with sweeps (--metric=g_star)"), last
 
 
 # ~1 min; tests/serving/test_research_workflow.py compares policies by default.
