@@ -603,7 +603,8 @@ class Engine:
     stop[:len(s.stop_token_ids)] = s.stop_token_ids
     i32, f32 = np.int32, np.float32
     return Arrival(
-        request_id=i32(req.uid), arrival_seq=i32(req.uid), arrival_ms=f32(self._device_ms(req.arrival_ms)),
+        request_id=i32(req.uid), arrival_seq=i32(req.uid),
+        arrival_ms=f32(self._device_ms(req.arrival_ms)),
         prompt_len=i32(len(req.prompt_token_ids)), max_tokens=i32(s.max_tokens),
         priority=i32(req.priority), client=i32(self._clients[req.client]),
         ttft_ms=f32(req.slo_ttft_ms), tbt_ms=f32(req.slo_tpot_ms),
@@ -1221,10 +1222,15 @@ class Engine:
         Arrival.empty(c.max_model_len, c.max_stop_ids))
     at_epoch = np.array([r is not None and r.arrival_ms == epoch for r in self._slots])
     bits = sim_loop.to_bits
-    self.manifest, self.state, self.pages, self.buffers, log = loop.run(
-        self.params, self.kv, self.manifest, self.state, self.pages, self.buffers,
-        self._realized(), at_epoch, queue, *self._pending_stamp(), bits(self._clock()),
-        bits(self._t0), bits(epoch), bits(stop_ms), bits(DEVICE_REBASE_MS))
+    # The loop carries no token stream: the simulated executor reads none,
+    # and the host takes the tokens from the log (sim_loop.simulate_steps).
+    tokens = self.buffers.tokens
+    self.manifest, self.state, self.pages, buffers, log = loop.run(
+        self.params, self.kv, self.manifest, self.state, self.pages,
+        self.buffers.replace(tokens=None), self._realized(), at_epoch, queue,
+        *self._pending_stamp(), bits(self._clock()), bits(self._t0), bits(epoch), bits(stop_ms),
+        bits(DEVICE_REBASE_MS))
+    self.buffers = buffers.replace(tokens=tokens)
     log = self._fetch(log)
     self._take_log(log, queued)
     self._clock.advance_to(float(sim_loop.from_bits(log.clock)))
@@ -1240,19 +1246,30 @@ class Engine:
       req.slot = int(slot)
     del self._future[:len(admitted)]
     by_uid = {r.uid: r for r in live + admitted}
-    n = int(log.num_iterations)
-    emit_ms = sim_loop.from_bits(log.emit[:n]).tolist()
-    for e in range(int(log.num_events)):
-      req = by_uid[int(log.event_request[e])]
-      if log.event_failed[e]:
+    n, num_events = int(log.num_iterations), int(log.num_events)
+    emit_ms = sim_loop.from_bits(log.emit[:n])
+    # Events grouped by request, each request's in iteration order; an
+    # ending event (finished or failed) is its request's last.
+    uid = log.event_request[:num_events]
+    order = np.argsort(uid, kind="stable")
+    uids, starts = np.unique(uid[order], return_index=True)
+    ends = np.append(starts[1:], num_events).tolist()
+    take = lambda a: a[:num_events][order].tolist()
+    tokens, failed, finished = take(log.event_token), take(log.event_failed), take(
+        log.event_finished)
+    reason, extensions = take(log.event_reason), take(log.event_extensions)
+    times = emit_ms[log.event_iteration[:num_events][order]].tolist()
+    for u, a, b in zip(uids.tolist(), starts.tolist(), ends):
+      req, last = by_uid[u], b - 1
+      emitted = last if failed[last] else b      # a failed event emits nothing
+      req.output_token_ids.extend(tokens[a:emitted])
+      req.token_times_ms.extend(times[a:emitted])
+      if failed[last]:
         self._end(req, "failed", "non-finite logits")
-      else:
-        req.output_token_ids.append(int(log.event_token[e]))
-        req.token_times_ms.append(emit_ms[int(log.event_iteration[e])])
-        if log.event_finished[e]:
-          self._end(req, "completed", rec.FINISH_NAMES[int(log.event_reason[e])])
+      elif finished[last]:
+        self._end(req, "completed", rec.FINISH_NAMES[reason[last]])
       if req.finished:
-        req.num_extensions = int(log.event_extensions[e])
+        req.num_extensions = extensions[last]
     for req in live:              # before the admitted: a slot may be taken again
       if req.finished:
         self._slots[req.slot] = None

@@ -41,7 +41,9 @@ class RequestBuffers:
   """Per-slot token stream and sampling parameters (serving-owned).
 
   Attributes:
-    tokens: i32[R, max_model_len] prompt then output tokens.
+    tokens: i32[R, max_model_len] prompt then output tokens; None in
+      ``Engine.simulate``'s loop program, whose simulated executor reads
+      none (the host records the tokens from its log).
     temperature, top_p: f32[R]; top_k, min_tokens: i32[R].
     seed: u32[R]; ignore_eos: bool[R].
     stop_ids: i32[R, max_stop_ids] (-1 padded).
@@ -327,9 +329,10 @@ def settle(pages: kv_pages.PageState, buffers: RequestBuffers,
                       rec.NOT_FINISHED)
   finished = emitted & (reason != rec.NOT_FINISHED)
   num_slots = plan.selected.shape[0]
-  write_col = jnp.where(emitted, p + state.emitted, max_model_len)    # OOB -> drop
-  tokens = buffers.tokens.at[jnp.arange(num_slots), write_col].set(slot_token, mode="drop")
-  buffers = buffers.replace(tokens=tokens)
+  if buffers.tokens is not None:      # None: a stream nothing reads (``sim_loop``)
+    write_col = jnp.where(emitted, p + state.emitted, max_model_len)    # OOB -> drop
+    tokens = buffers.tokens.at[jnp.arange(num_slots), write_col].set(slot_token, mode="drop")
+    buffers = buffers.replace(tokens=tokens)
   pages = kv_pages.deallocate(pages, finished | failed)
   result = rec.IterationResult(
       decision_id=plan.decision_id,

@@ -355,7 +355,7 @@ def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
       cached_prefix_tokens=prefix_hit)
   set_ = lambda buf, v: buf.at[slot].set(jnp.asarray(v).astype(buf.dtype))
   buffers = buffers.replace(
-      tokens=buffers.tokens.at[slot].set(a.prompt),
+      tokens=None if buffers.tokens is None else buffers.tokens.at[slot].set(a.prompt),
       temperature=set_(buffers.temperature, a.temperature),
       top_k=set_(buffers.top_k, a.top_k), top_p=set_(buffers.top_p, a.top_p),
       seed=set_(buffers.seed, a.seed), min_tokens=set_(buffers.min_tokens, a.min_tokens),

@@ -108,11 +108,17 @@ def reclaimable(pages: PageState) -> jax.Array:
   that credits a victim with this (not ``pages_held``) never counts a page
   twice, and every plan made against ``view`` can be allocated (over any set
   of victims the credits sum to at most the pages their release frees)."""
-  pages_per_seq = pages.page_table.shape[1]
-  j = jnp.arange(pages_per_seq, dtype=jnp.int32)
-  held = j[None, :] < pages.pages_held[:, None]
-  alone = pages.refcount[pages.page_table] == 1
-  return jnp.sum(held & alone, axis=1).astype(jnp.int32)
+  def count(pages):
+    pages_per_seq = pages.page_table.shape[1]
+    j = jnp.arange(pages_per_seq, dtype=jnp.int32)
+    held = j[None, :] < pages.pages_held[:, None]
+    alone = pages.refcount[pages.page_table] == 1
+    return jnp.sum(held & alone, axis=1).astype(jnp.int32)
+
+  # With no page shared (no refcount above 1: always without prefix
+  # caching) every held page is the slot's alone; skip the gather.
+  return jax.lax.cond(jnp.any(pages.refcount > 1), count,
+                      lambda pages: pages.pages_held.astype(jnp.int32), pages)
 
 
 def view(pages: PageState, prefix_hit_tokens=None) -> AllocatorView:
@@ -197,17 +203,21 @@ def deallocate(pages: PageState, release) -> PageState:
   cached: then it stays resident and evictable (refcount 0). A page another
   table still holds is untouched.
   """
-  num_slots, pages_per_seq = pages.page_table.shape
-  count = jnp.where(release, pages.pages_held, 0)
-  j = jnp.arange(pages_per_seq, dtype=jnp.int32)
-  give = j[None, :] < count[:, None]
-  refcount = pages.refcount.at[jnp.where(give, pages.page_table, pages.num_pages)].add(
-      -1, mode="drop")
-  freed = (pages.refcount > 0) & (refcount == 0) & ~pages.cached
-  table = jnp.where(release[:, None], NULL_PAGE, pages.page_table)
-  pages = pages.replace(page_table=table, refcount=refcount,
-                        pages_held=jnp.where(release, 0, pages.pages_held))
-  return _push_free(pages, freed)
+  def drop(pages):
+    num_slots, pages_per_seq = pages.page_table.shape
+    count = jnp.where(release, pages.pages_held, 0)
+    j = jnp.arange(pages_per_seq, dtype=jnp.int32)
+    give = j[None, :] < count[:, None]
+    refcount = pages.refcount.at[jnp.where(give, pages.page_table, pages.num_pages)].add(
+        -1, mode="drop")
+    freed = (pages.refcount > 0) & (refcount == 0) & ~pages.cached
+    table = jnp.where(release[:, None], NULL_PAGE, pages.page_table)
+    pages = pages.replace(page_table=table, refcount=refcount,
+                          pages_held=jnp.where(release, 0, pages.pages_held))
+    return _push_free(pages, freed)
+
+  # Most iterations release no slot: skip the passes over every page.
+  return jax.lax.cond(jnp.any(release), drop, lambda pages: pages, pages)
 
 
 def map_prefix(pages: PageState, slot, page_ids, num_hit) -> PageState:
