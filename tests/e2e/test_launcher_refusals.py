@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import refusals
 from tests.serving.engine_testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(script, *args, env=None):
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, env=env)
-  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  assert "model:" not in proc.stdout             # refused before a model loaded
-  return proc.returncode, proc.stderr.strip().splitlines()[-1]
+@pytest.fixture(scope="module", autouse=True)
+def _stop_refusal_servers():
+  yield
+  refusals.stop_servers()
+
+
+_run = refusals.refused
 
 
 def test_a_flag_every_replica_refuses_is_one_line_from_the_front():
