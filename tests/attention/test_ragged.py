@@ -133,7 +133,10 @@ VARIANTS = {  # together they cover page_size 8/16/32, GQA 9:3/8:1/4:4,
 SMALL_MIX = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 9, 1)]
 
 
-@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "pallas"])
+# "blocked" (the portable XLA kernel blocked_dot refines) is checked on every
+# case by test_matches_reference; its repeats on variants, options, chunkings
+# and bfloat16 pages run in the extended profile.
+@pytest.mark.parametrize("impl", ["native", pytest.param("blocked", marks=pytest.mark.extended), "blocked_dot", "pallas"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_reference(variant, impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5,
@@ -142,11 +145,13 @@ def test_variants_match_reference(variant, impl):
 
 
 @pytest.mark.parametrize("impl, kw", [
-    ("blocked", dict(sliding_window=8, soft_cap=3.0)),
+    pytest.param("blocked", dict(sliding_window=8, soft_cap=3.0), marks=pytest.mark.extended,
+                 id="window_softcap-blocked"),
     ("gather", dict(sliding_window=8, soft_cap=3.0)),
     ("pallas", dict(sliding_window=8, soft_cap=3.0)),
     ("blocked_dot", dict(sliding_window=8, soft_cap=3.0)),
-    ("blocked", dict(block_q=4, block_kv=32)),
+    pytest.param("blocked", dict(block_q=4, block_kv=32), marks=pytest.mark.extended,
+                 id="small_blocks-blocked"),
     ("pallas", dict(block_q=4, block_kv=32)),
     ("blocked_dot", dict(block_q=4, block_kv=32)),
     ("blocked_dot", dict(block_q=1, block_kv=16)),
@@ -164,7 +169,9 @@ def test_options_match_reference(kw, impl):
 
 
 @pytest.mark.parametrize("impl, chunks", [
-    ("native", range(1, 25)), ("blocked", range(1, 25)), ("blocked_dot", range(1, 25)),
+    ("native", range(1, 25)),
+    pytest.param("blocked", range(1, 25), marks=pytest.mark.extended),
+    ("blocked_dot", range(1, 25)),
     ("pallas", (1, 5, 24))])
 def test_chunked_prefill_equals_full_prefill(impl, chunks):
   """§0x09: any chunking of a 24-token prompt gives bitwise the same rows."""
@@ -272,6 +279,7 @@ def test_decode_row_bits_do_not_depend_on_small_buckets(impl):
                                     err_msg=f"{seq}, T={num_rows}")
 
 
+@pytest.mark.extended
 def test_blocked_dot_slot_height_does_not_change_bits():
   """The default 64-row prefill slots give the rows of 16-, 32- and 1-row
   slots bitwise (block_q=32 also moves 5..8-row chunks to row slots):
@@ -316,7 +324,6 @@ def test_random_ragged_batches_match_reference(seqs, seed):
   seqs = [(seed * 10 + i, h, q) for i, (h, q) in enumerate(seqs)]
   args, cu, n = make_batch(seqs, num_rows=96, max_seqs=6, page_size=8,
                            seed=seed)
-  assert_matches_reference(args, cu, n, "blocked")
   assert_matches_reference(args, cu, n, "blocked_dot")
   assert_matches_reference(args, cu, n, "native")
 
@@ -325,7 +332,7 @@ def test_random_ragged_batches_match_reference(seqs, seed):
 # write_kv_pages
 
 
-@pytest.mark.parametrize("impl", ["native", "blocked", "blocked_dot", "gather"])
+@pytest.mark.parametrize("impl", ["native", pytest.param("blocked", marks=pytest.mark.extended), "blocked_dot", "gather"])
 def test_bfloat16_bit_pages_equal_bfloat16_pages(impl):
   # A bfloat16 cache stored as its bits (KV_BITS, the CPU storage) gives the
   # float bfloat16 pages' rows bitwise, and the reference's values.
