@@ -566,8 +566,10 @@ def device_difference(made: dict, here: dict) -> str:
   EPYC, 2 CPUs) but other CPU feature flags (this one lacks avx512f)`` or
   ``another CPU model (AMD EPYC vs Intel Xeon)``. The flags that differ are
   named (at most 5) where both fingerprints hold the list; '' when no
-  compared field differs."""
-  differ = [k for k in _DEVICE_FIELDS if made.get(k) != here.get(k)]
+  compared field differs. A field only one of them records (an older or
+  hand-written fingerprint) is not compared."""
+  differ = [k for k in _DEVICE_FIELDS
+            if k in made and k in here and made[k] != here[k]]
   if not differ:
     return ""
   if {"backend", "kind"} & set(differ):

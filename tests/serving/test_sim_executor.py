@@ -243,7 +243,8 @@ def test_engine_checks_the_calibration_it_is_given(params, tmp_path, capfd):
                             cost_model=str(tmp_path / "elsewhere.json"))
   Engine(CFG, None, cfg, clock=VirtualClock())
   err = capfd.readouterr().err
-  assert "was calibrated on another device (another cpu, 0123456789ab)" in err
+  assert "was calibrated on another device than this one: another CPU model (another cpu vs " in err
+  assert "(id 0123456789ab vs " in err
   assert len([line for line in err.splitlines() if line.startswith("cost model:")]) == 1
   cfg = EngineConfig.preset("tiny", executor="simulated",
                             cost_model=str(tmp_path / "wrong_model.json"))
