@@ -1,5 +1,10 @@
 """Step-time cost model of one iteration: features from the model and the plan.
 
+One file: the features, their fit, the accelerator profiles and the
+calibration's device fingerprint are one contract (a calibration JSON is
+read, checked against this device and evaluated by the same definitions
+on the host and inside the simulated loop).
+
 The modelled time of an iteration is a function of what the step computes
 and moves, derived from the ``ModelConfig`` (``model_costs``) and the plan
 (``plan_stats``), so that a fit holds across models and an accelerator's

@@ -1286,7 +1286,21 @@ class Engine:
     self._stamp = None          # the loop applied the pending correction and its own
 
   def run(self, max_iterations: Optional[int] = None) -> None:
-    """Steps until every accepted request has an outcome."""
+    """Steps until every accepted request has an outcome. Requests still to
+    arrive (``add_future_request``) are run by ``simulate``, which admits
+    them at their arrival (``step`` admits only requests already added).
+
+    Raises:
+      RuntimeError: requests are unfinished after ``max_iterations``
+        iterations (``simulate`` checks between program calls).
+    """
+    if self._future:
+      start = self.num_iterations
+      self.simulate(max_iterations=max_iterations)
+      if self.has_unfinished():
+        raise RuntimeError(f"engine did not finish within {self.num_iterations - start} "
+                           f"iterations (max_iterations={max_iterations})")
+      return
     n = 0
     while self.has_unfinished():
       self.step()

@@ -163,6 +163,8 @@ def test_grids_of_two_models_measured_apart_merge_into_one_fit(tmp_path):
     step_log.load_grids([a, _grid(tmp_path / "d.npz", wide, 30, device="xyz")])
 
 
+# Two script runs with the model executor (~2 min): the extended profile.
+@pytest.mark.extended
 def test_fidelity_checks_a_second_cost_model_against_the_same_measured_replay(tmp_path):
   """scripts/fidelity.py --measured keeps each real replay's records;
   --reuse_measured checks another cost model against them without replaying
