@@ -44,6 +44,7 @@ from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
+from serving.engine import sim_loop
 from serving.engine.requests import QueueFull
 
 FLAGS = flags.FLAGS
@@ -90,6 +91,8 @@ def main(argv):
   last = (start, 0)
   print(f"{len(specs)} requests over {wl.duration_s:.0f} s (loaded in {load_s:.1f} s)")
   stopped, queue_full = False, 0
+  # With --max_wall_s the wall clock is read after every program call.
+  per_call = sim_loop.LOOP_ITERATIONS if FLAGS.max_wall_s else FLAGS.log_every
 
   def add(s, method):
     engine.realized_output_tokens[s.request_id] = s.max_tokens
@@ -114,7 +117,8 @@ def main(argv):
           break
         i += 1
       engine.simulate(arrivals_ms[i] if i < len(specs) else math.inf,
-                      max_iterations=FLAGS.log_every - n % FLAGS.log_every)
+                      max_iterations=min(FLAGS.log_every - n % FLAGS.log_every,
+                                         per_call))
     elif not engine.has_unfinished():
       engine.clock.advance(max(arrivals_ms[i] - now_ms, 0.0) / 1000.0)
       continue
@@ -152,6 +156,7 @@ def main(argv):
          "cost_model": engine.cost_model.to_json(), "progress": rows}
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   json.dump(out, open(FLAGS.out, "w"), indent=1)
+  print(f"wrote {FLAGS.out}")
   print({k: v for k, v in out.items() if k not in ("progress", "cost_model", "workload")})
 
 
