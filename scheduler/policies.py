@@ -603,10 +603,14 @@ def greedy_scan(x: LedgerContext, c: LedgerCarry, order, fcfs_break=True,
   order (a stable partition of ``order``), skips the slots no offer can
   take any more (waiting prompts behind an FCFS ``break``, prefill work once
   ``max_prefills`` is spent), and stops once the sequence or token budget
-  is spent (``budgets_left``): each trip is several small
-  XLA:CPU thunks, and the policy's two calls in an iteration then took 27 ms at R = 128
+  is spent (``budgets_left``): each trip is several small XLA:CPU thunks,
+  and the policy's two calls in an iteration then took 27 ms at R = 128
   with one live request on a loaded 2-core machine (docs/benchmarks-log.md "The
-  one-request decode step"). Each trip is O(1), so the pass is O(R).
+  one-request decode step"). A trip that meets a decode row takes the run
+  of decode rows from there (``take_decode_run``, up to ``DECODE_RUN`` rows
+  at once, the same carry as offering them one by one), so a batch of 128
+  decoders costs four trips, not 128. Each trip is O(1) in R, so the pass
+  is O(R).
   """
   work = x.decode | x.partial
   if admit:
@@ -629,20 +633,81 @@ def greedy_scan(x: LedgerContext, c: LedgerCarry, order, fcfs_break=True,
     i, c = carry
     return (i < count) & budgets_left(x, c)
 
-  def step(carry):
+  def skip(nxt, c):
+    if admit and fcfs_break:
+      nxt = jnp.where(c.blocked, next_running[nxt], nxt)
+    if x.max_prefills is not None:
+      nxt = jnp.where(c.prefills >= x.max_prefills, next_decode[nxt], nxt)
+    return nxt
+
+  def one(carry):
     i, c = carry
     s = walk[i]
     c = try_running(x, c, s, preempt_victims)
     if admit:
       c = try_admit(x, c, s, fcfs_break)
-    nxt = i + 1
-    if admit and fcfs_break:
-      nxt = jnp.where(c.blocked, next_running[nxt], nxt)
-    if x.max_prefills is not None:
-      nxt = jnp.where(c.prefills >= x.max_prefills, next_decode[nxt], nxt)
-    return nxt, c
+    return skip(i + 1, c), c
+
+  def run(carry):
+    i, c = carry
+    k, c = take_decode_run(x, c, walk, i, count)
+    return jax.lax.cond(k > 0, lambda _: (skip(i + k, c), c), one, carry)
+
+  def step(carry):
+    i, _ = carry
+    return jax.lax.cond(x.decode[walk[i]], run, one, carry)
 
   return jax.lax.while_loop(cond, step, (jnp.int32(0), c))[1]
+
+
+# Decode rows ``take_decode_run`` takes in one step at most: a fixed window,
+# so a walk step stays O(1) in the slots (tests/scheduler/test_planning_cost).
+DECODE_RUN = 32
+
+
+def take_decode_run(x: LedgerContext, c: LedgerCarry, walk, i, count):
+  """(k, carry): the longest run of decode rows at ``walk[i:count]``, at
+  most ``DECODE_RUN`` of them, that
+  ``try_running`` would each take without a preemption, taken in one
+  vectorised step; the carry is the one ``k`` offers in turn would leave.
+
+  A decode row takes one token row, one sequence and its ``decode_need``
+  pages, first out of its own reservation; it is taken while the token and
+  sequence budgets have room and its pages fit what is free beyond the
+  other slots' reservations (``try_running``'s ``short`` test). The run
+  stops at the first row that is not a live decode row or does not fit,
+  where the walk offers that slot on its own (a preemption, a prefill, an
+  admission). One step of ``DECODE_RUN`` lanes instead of a few XLA:CPU
+  thunks per row.
+  """
+  b = x.budgets
+  n = walk.shape[0]
+  j = jnp.arange(min(DECODE_RUN, n), dtype=jnp.int32)
+  s = walk[jnp.minimum(i + j, n - 1)]
+  need = x.decode_need[s]
+  own = x.own[s]
+  from_own = jnp.minimum(need, own)
+  free = c.free - (jnp.cumsum(need) - need)
+  reserved = c.reserved - (jnp.cumsum(from_own) - from_own)
+  ok = ((i + j < count) & x.decode[s] & ~c.preempt[s] & ~c.selected[s]
+        & (c.tok + j < b.token_budget) & (c.seq + j < b.seq_budget)
+        & (need <= free - (reserved - own)))
+  take = jnp.cumprod(ok.astype(jnp.int32)).astype(bool)
+  k = jnp.sum(take, dtype=jnp.int32)
+  dest = jnp.where(take, s, n)
+  end = x.computed[s] + 1
+  need_taken = jnp.sum(jnp.where(take, need, 0))
+  return k, c.replace(
+      selected=c.selected.at[dest].set(True, mode="drop"),
+      end=c.end.at[dest].set(end, mode="drop"),
+      alloc_now=c.alloc_now.at[dest].set(need, mode="drop"),
+      extend=c.extend.at[dest].set(
+          (need > 0) & (pages_for(end, x.ps) > x.reserved_pages[s]), mode="drop"),
+      free=c.free - need_taken,
+      reserved=c.reserved - jnp.sum(jnp.where(take, from_own, 0)),
+      tok=c.tok + k,
+      seq=c.seq + k,
+      decode_need=c.decode_need - need_taken)
 
 
 def finish_plan(manifest, state, x: LedgerContext, c: LedgerCarry, keys, order, policy,

@@ -194,6 +194,72 @@ def test_every_policy_plans_as_recorded():
     assert got[key] == expected[key], key
 
 
+# ------------------------------------------------------ decode runs
+
+
+def _decoding_state(seed: int, num_slots: int = 160):
+  """``random_state`` with nine in ten running slots moved to their decode
+  frontier (pages held to match): long runs of decode rows, some of them
+  needing a page, scarce pages under even seeds."""
+  manifest, state, view = random_state(seed, num_slots, 0.9)
+  rng = np.random.RandomState(1000 + seed)
+  running = np.asarray(state.status) == rec.RUNNING
+  prompt = np.asarray(manifest.prompt_len)
+  emitted = np.where(running, np.maximum(np.asarray(state.emitted), 1),
+                     np.asarray(state.emitted)).astype(np.int32)
+  frontier = prompt + emitted - 1
+  computed = np.where(running & (rng.rand(num_slots) < 0.9), frontier,
+                      np.asarray(state.computed)).astype(np.int32)
+  held = np.where(np.asarray(view.pages_held) > 0,
+                  (computed + PAGE_SIZE - 1) // PAGE_SIZE, 0).astype(np.int32)
+  shared = np.asarray(view.pages_held) - np.asarray(view.reclaimable_pages)
+  manifest = manifest.replace(max_tokens=jnp.asarray(
+      np.maximum(np.asarray(manifest.max_tokens), emitted + 1), jnp.int32))
+  state = state.replace(
+      emitted=jnp.asarray(emitted), computed=jnp.asarray(computed),
+      committed=jnp.asarray(computed), ready=state.ready | jnp.asarray(running),
+      rebuild_target=jnp.asarray(np.where(emitted > 0, frontier, 0), jnp.int32))
+  view = view.replace(pages_held=jnp.asarray(held),
+                      reclaimable_pages=jnp.asarray(held - np.minimum(shared, held)))
+  return manifest, state, view
+
+
+@pytest.mark.parametrize("name", [
+    "sarathi_serve",
+    # ~25 s each on 2 cores (four plan programs at R = 160).
+    pytest.param("sarathi", marks=pytest.mark.extended),
+    pytest.param("fastserve", marks=pytest.mark.extended),
+    pytest.param("vtc", marks=pytest.mark.extended)])
+def test_decode_runs_plan_as_one_offer_per_row(name, monkeypatch):
+  """``take_decode_run`` (up to ``DECODE_RUN`` decode rows in one step)
+  leaves the plan that offering each row on its own leaves (``DECODE_RUN
+  = 0``), on wide budgets where runs span several windows and on scarce
+  pages where a run stops at a row that must preempt. The policies cover
+  FCFS break, one anchor chunk, running-only walks and no break."""
+  from scheduler import policies
+  wide = [Budgets(token_budget=256, seq_budget=96, chunk_cap=16),
+          Budgets(token_budget=256, seq_budget=96, chunk_cap=16, watermark_pages=2,
+                  reservation="quantile", reservation_quantile=0.75)]
+  states = [_decoding_state(seed) for seed in (21, 24, 28, 30)]   # 1-577 free pages
+
+  def plans(run):
+    monkeypatch.setattr(policies, "DECODE_RUN", run)
+    out = []
+    for budgets in wide:
+      policy = make_policy(name, budgets)
+      plan_fn = jax.jit(lambda m, s, a: policy(m, s, a))
+      out += [plan_summary(plan_fn(*state)) for state in states]
+    return out
+
+  window = policies.DECODE_RUN
+  one_by_one = plans(0)
+  assert plans(window) == one_by_one
+  decode_rows = [sum(1 for row in p["rows"] if row[3] == rec.DECODE_ROW)
+                 for p in one_by_one]
+  assert max(decode_rows) > 32                    # more than one window
+  assert sum(len(p["preempt"]) for p in one_by_one) > 0
+
+
 # ---------------------------------------------------- pairwise plan rules
 
 
