@@ -117,8 +117,53 @@ def sort_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
 
 
 def key_order(keys):
-  """i32[R]: slots in ascending lexicographic key order (stable)."""
-  return jnp.lexsort(tuple(keys[:, i] for i in reversed(range(keys.shape[1]))))
+  """i32[R]: slots in ascending lexicographic order of ``keys`` (i32[R, K],
+  first column primary), ties by slot: ``jnp.lexsort``'s stable order.
+
+  XLA:CPU sorts one array with ``std::sort`` on its values, but a sort of
+  several (K key columns and an index) calls a compiled comparator per
+  comparison: at R = 256, K = 5 ``jnp.lexsort`` took ~85 us a call on this
+  project's 2-core CPU, this function ~14 us (docs/benchmarks-log.md,
+  "Sorting the policy key"). So the key is packed
+  into u32 words: each column less its minimum takes the bits of its range
+  (0 for a constant column), the columns in order, the low digit word
+  sorted first, then the high one, each word's lowest bits holding the slot
+  (or its position after the first sort), so every sort key is unique and
+  the two passes give the lexicographic order (LSD radix by words). Keys
+  whose ranges need more than two words fall back to ``jnp.lexsort``; a
+  table's keys usually need ~34 bits (phase, priority, arrival, id,
+  generation over the live ranges).
+  """
+  num_slots, num_keys = keys.shape
+  slot_bits = max(1, (num_slots - 1).bit_length())
+  digit = 32 - slot_bits
+  values = (keys - jnp.min(keys, axis=0)).astype(jnp.uint32)   # unsigned range
+  bits = (32 - jax.lax.clz(jnp.max(values, axis=0))).astype(jnp.uint32)
+  shift = jnp.cumsum(bits[::-1])[::-1] - bits       # bits of the later columns
+
+  def packed(_):
+    low = jnp.zeros((num_slots,), jnp.uint32)
+    high = jnp.zeros((num_slots,), jnp.uint32)
+    for j in range(num_keys):
+      col, s = values[:, j], shift[j]
+      in_low = s < digit
+      low = low | jnp.where(in_low, (col << jnp.minimum(s, 31))
+                            & jnp.uint32((1 << digit) - 1), 0)
+      high = high | jnp.where(in_low, col >> jnp.minimum(digit - s, 31),
+                              col << jnp.minimum(s - digit, 31))
+    lane = jnp.arange(num_slots, dtype=jnp.uint32)
+    mask = jnp.uint32((1 << slot_bits) - 1)
+    first = jax.lax.sort((low << slot_bits) | lane) & mask
+    second = jax.lax.sort((high[first] << slot_bits) | lane) & mask
+    return first[second].astype(jnp.int32)
+
+  def lexsort(_):
+    return jnp.lexsort(tuple(keys[:, i] for i in reversed(range(num_keys)))).astype(
+        jnp.int32)
+
+  if num_keys == 0:
+    return jnp.arange(num_slots, dtype=jnp.int32)
+  return jax.lax.cond(jnp.sum(bits) <= 2 * digit, packed, lexsort, None)
 
 
 def _work_kind(manifest, state):

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import records as rec
-from scheduler.policies import sort_keys
+from scheduler.policies import key_order, sort_keys
 
 
 # ---------------------------------------------------------------- errors
@@ -308,7 +308,7 @@ def _groups(order, cols):
 def _sorted_groups(cols):
   """(order, group): slots sorted by the columns (first column primary) and
   ``_groups`` of that order."""
-  order = jnp.lexsort(tuple(reversed(cols)))
+  order = key_order(jnp.stack([jnp.asarray(col, jnp.int32) for col in cols], axis=1))
   return order, _groups(order, cols)
 
 
