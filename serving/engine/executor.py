@@ -294,8 +294,14 @@ def allocate_for_plan(pages: kv_pages.PageState, plan: rec.IterationPlan
   executor)."""
   pages = kv_pages.deallocate(pages, plan.preempt)
   rows_needed = jnp.where(plan.selected, plan.end, 0)
-  max_new = -(-(plan.token_budget + pages.page_size) // pages.page_size)
-  return kv_pages.allocate(pages, rows_needed, max_new_per_slot=max_new)
+  ps = pages.page_size
+  max_new = -(-(plan.token_budget + ps) // ps)
+  # A slot holds the pages of its computed rows, so its new rows [start,
+  # end) need at most ceil((end - start) / ps) pages; a valid plan (the
+  # only kind that runs) has at most token_budget rows in seq_budget slots.
+  max_total = plan.token_budget // ps + plan.seq_budget + 1
+  return kv_pages.allocate(pages, rows_needed, max_new_per_slot=max_new,
+                           max_new_total=max_total)
 
 
 def settle(pages: kv_pages.PageState, buffers: RequestBuffers,

@@ -38,6 +38,8 @@ writes the copy into fresh private pages.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -141,35 +143,52 @@ def can_allocate(pages: PageState, num_new_pages) -> jax.Array:
   return pages.num_free >= num_new_pages
 
 
-def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int) -> PageState:
+def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int,
+             max_new_total: Optional[int] = None) -> PageState:
   """Grows each slot's pages to cover ``rows_needed`` rows.
 
   Args:
     rows_needed: i32[R], rows each slot must be able to hold after this call
       (a slot never shrinks here).
     max_new_per_slot: static bound on new pages for one slot in one call.
+    max_new_total: static bound on new pages in all (default ``R *
+      max_new_per_slot``). The work is O(max_new_total): an iteration's plan
+      takes at most ``ceil(token_budget / page_size) + seq_budget`` pages
+      (``executor.allocate_for_plan``), far fewer than one lane per slot
+      and possible page.
 
-  New pages come from the free stack only (refcount 0 -> 1); the host evicts
-  cached pages onto it first when the plan needs them (``sync_cached``).
-  The caller guarantees enough free pages (the policy planned against
-  ``view``); a shortfall is reported by ``allocation_ok`` being False and
-  leaves the state unchanged.
+  New pages come from the free stack only (refcount 0 -> 1), the stack's
+  top to the lowest slot first; the host evicts cached pages onto it first
+  when the plan needs them (``sync_cached``). The caller guarantees enough
+  free pages (the policy planned against ``view``; ``allocation_ok`` checks
+  them beforehand) and at most ``max_new_total`` new pages; otherwise the
+  call leaves the state unchanged.
   """
   num_slots, pages_per_seq = pages.page_table.shape
   target = jnp.minimum(pages_for(rows_needed, pages.page_size), pages_per_seq)
-  need = jnp.maximum(target - pages.pages_held, 0)
+  need = jnp.minimum(jnp.maximum(target - pages.pages_held, 0), max_new_per_slot)
   total = jnp.sum(need)
-  ok = total <= pages.num_free
-  offset = jnp.cumsum(need) - need                     # [R]
-  j = jnp.arange(max_new_per_slot, dtype=jnp.int32)    # [J]
-  take = j[None, :] < need[:, None]                    # [R, J]
-  stack_pos = pages.num_free - 1 - (offset[:, None] + j[None, :])
-  new_ids = pages.free_stack[jnp.clip(stack_pos, 0, pages.num_pages - 1)]
-  col = pages.pages_held[:, None] + j[None, :]
-  rows = jnp.broadcast_to(jnp.arange(num_slots)[:, None], col.shape)
-  col = jnp.where(take & ok, col, pages_per_seq)       # OOB -> dropped
-  table = pages.page_table.at[rows, col].set(new_ids, mode="drop")
-  refcount = pages.refcount.at[jnp.where(take & ok, new_ids, pages.num_pages)].add(
+  lanes = num_slots * max_new_per_slot if max_new_total is None else max_new_total
+  ok = (total <= pages.num_free) & (total <= lanes)
+  offset = jnp.cumsum(need) - need                     # [R] first new page's lane
+  # Lane k (the k-th new page, popped from the stack's top) belongs to the
+  # slot whose [offset, offset + need) holds k: count the slots with pages
+  # that start at or before k.
+  k = jnp.arange(lanes, dtype=jnp.int32)
+  has = need > 0
+  starts = jnp.zeros((lanes,), jnp.int32).at[jnp.where(has, offset, lanes)].add(
+      1, mode="drop")
+  nth = jnp.cumsum(starts) - 1                         # among slots with pages
+  with_pages = jnp.zeros((num_slots,), jnp.int32).at[
+      jnp.where(has, jnp.cumsum(has) - 1, num_slots)].set(
+          jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+  slot = with_pages[jnp.clip(nth, 0, num_slots - 1)]
+  take = (k < total) & ok
+  new_ids = pages.free_stack[jnp.clip(pages.num_free - 1 - k, 0, pages.num_pages - 1)]
+  col = pages.pages_held[slot] + k - offset[slot]
+  table = pages.page_table.at[jnp.where(take, slot, num_slots), col].set(
+      new_ids, mode="drop")
+  refcount = pages.refcount.at[jnp.where(take, new_ids, pages.num_pages)].add(
       1, mode="drop")
   return pages.replace(
       page_table=table,

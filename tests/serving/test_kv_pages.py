@@ -9,7 +9,7 @@ from serving.kv import pages as kv_pages
 from serving.kv.pages import NULL_PAGE
 
 SLOTS, PAGES_PER_SEQ, NUM_PAGES, PAGE_SIZE = 4, 6, 16, 4
-allocate = jax.jit(kv_pages.allocate, static_argnames=("max_new_per_slot",))
+allocate = jax.jit(kv_pages.allocate, static_argnames=("max_new_per_slot", "max_new_total"))
 deallocate = jax.jit(kv_pages.deallocate)
 
 
@@ -40,16 +40,21 @@ def test_allocation_beyond_the_free_list_changes_nothing():
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 24), min_size=SLOTS,
                                                    max_size=SLOTS),
                           st.lists(st.booleans(), min_size=SLOTS, max_size=SLOTS)),
-                min_size=1, max_size=12))
-def test_random_grow_and_release_keeps_ownership_exclusive(ops):
-  """Against a plain-Python model: pages are owned once, counts conserve."""
+                min_size=1, max_size=12),
+       st.sampled_from([None, 3, 7]))
+def test_random_grow_and_release_keeps_ownership_exclusive(ops, lanes):
+  """Against a plain-Python model: pages are owned once, counts conserve;
+  a call that needs more than ``max_new_total`` (``lanes``) new pages, or
+  more than are free, changes nothing."""
   pages = kv_pages.init_pages(SLOTS, PAGES_PER_SEQ, NUM_PAGES, PAGE_SIZE)
   model = {s: 0 for s in range(SLOTS)}
   for grow, rows, release in ops:
     if grow:
       want = {s: max(model[s], -(-rows[s] // PAGE_SIZE)) for s in range(SLOTS)}
-      fits = sum(want[s] - model[s] for s in range(SLOTS)) <= NUM_PAGES - 1 - sum(model.values())
-      pages = allocate(pages, jnp.array(rows), max_new_per_slot=PAGES_PER_SEQ)
+      new = sum(want[s] - model[s] for s in range(SLOTS))
+      fits = new <= NUM_PAGES - 1 - sum(model.values()) and (lanes is None or new <= lanes)
+      pages = allocate(pages, jnp.array(rows), max_new_per_slot=PAGES_PER_SEQ,
+                       max_new_total=lanes)
       if fits:
         model = want
     else:
