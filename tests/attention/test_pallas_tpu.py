@@ -106,6 +106,7 @@ def test_chunked_prefill_equals_full_prefill():
                                   err_msg=f"chunk={chunk}")
 
 
+@pytest.mark.extended   # ~15 s (interpret mode); test_matches_reference covers every case
 def test_batch_invariance_is_bitwise():
   """A sequence's rows are identical alone and inside any mix."""
   others = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 200, 1)]
@@ -125,6 +126,7 @@ def test_batch_invariance_is_bitwise():
     seqs=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 16)),
                   min_size=1, max_size=6),
     seed=st.integers(0, 99))
+@pytest.mark.extended   # ~12 s (interpret mode); test_matches_reference covers every case
 def test_random_ragged_batches_match_reference(seqs, seed):
   seqs = [(seed * 10 + i, h, q) for i, (h, q) in enumerate(seqs)]
   args, cu, n = make_batch(seqs, num_rows=96, max_seqs=6, page_size=8,

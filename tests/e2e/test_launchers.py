@@ -53,12 +53,15 @@ def test_replay_completes_every_request_with_its_output_length(tmp_path):
              for r in report["requests"])
 
 
+# ~50 s with the real weights; test_family_launchers runs generate.py against transformers' greedy text
+@pytest.mark.extended
 def test_generate_answers_paris(tmp_path):
   stdout = _run("generate.py", "--prompt=The capital of France is", "--max_tokens=4")
   answer = stdout.split("=== prompt-0")[1]
   assert "Paris" in answer
 
 
+@pytest.mark.extended   # ~25 s: a generate.py process of its own for one clip line
 def test_generate_clips_max_tokens_to_the_engine_context_with_one_line():
   """Simulated (the config and tokenizer alone): cpu_small's 512-token
   context, not SmolLM2's 8192, bounds the answer, and the cut is said."""

@@ -80,6 +80,7 @@ def test_bfloat16_weights_keep_tokens_batch_invariant(params):
   assert len(set(map(tuple, alone))) == len(alone)
 
 
+@pytest.mark.extended   # ~25 s; test_quant checks int8 rows bitwise at every bucket
 def test_int8_weights_keep_tokens_batch_invariant(params):
   """``weights="int8"``: the engine quantizes the float32 parameters
   (``models.quant``; the caller's tree left float32) and each request's
@@ -516,6 +517,8 @@ def test_the_policy_is_evaluated_once_per_iteration(params, monkeypatch, mode):
   assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in plain]
 
 
+# ~30 s; test_the_policy_is_evaluated_once_per_iteration counts the programs under preemption
+@pytest.mark.extended
 def test_preempting_iterations_share_the_step_programs(params):
   """Preemption, swap and forced preemptions add no model program: each
   settled plan runs in the step program of its bucket, and the slot

@@ -322,6 +322,7 @@ def _cold_wait(params, quota_hot, monkeypatch, steps=6):
   return None
 
 
+@pytest.mark.extended   # ~17 s; prefix_aware conforms in the conformance kit
 def test_prefix_aware_quota_bounds_the_wait_that_reuse_greedy_makes_unbounded(
     params, monkeypatch):
   """Quota 2: hot x4 (streak 4), cold chunk 1 + hot x3, hot x4, cold chunk 2

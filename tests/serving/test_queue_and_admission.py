@@ -254,6 +254,8 @@ def test_decisions_do_not_depend_on_the_slot_table_size(params, cost_file, polic
 
 
 # ------------------------------------------------------------ SLOs end to end
+# ~25 s; least_slack's plans are in the conformance kit and test_planning_cost
+@pytest.mark.extended
 def test_least_slack_meets_more_deadlines_than_fcfs(params):
   """A 48-token prompt with a loose TTFT SLO (1 s) arrives with four 8-token
   prompts whose TTFT SLO is 10 ms; the prefill chunk cap (16) equals the

