@@ -58,6 +58,8 @@ def test_every_attention_path_gives_the_reference(params, prompts, reference, im
     np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+# ~21 s; test_families checks the windowed and soft-capped families against transformers
+@pytest.mark.extended
 def test_windows_and_caps_change_the_logits(params, prompts):
   # The switches are live: all-global attention or no caps give other logits.
   import dataclasses  # pylint: disable=import-outside-toplevel

@@ -100,6 +100,7 @@ def test_int8_weights_keep_tokens_batch_invariant(params):
     Engine(CFG, params16, config)
 
 
+@pytest.mark.extended   # ~18 s; test_quant checks the int8 GEMMs bitwise
 def test_int8_gemm_amx_and_xla_give_the_same_tokens(params):
   """``int8_gemm``: the AMX kernel (weights in the tile layout, each layer's
   stack indexed inside the kernel) and XLA's GEMM give every request the
@@ -536,6 +537,7 @@ def test_preempting_iterations_share_the_step_programs(params):
   assert "execute" not in programs
 
 
+@pytest.mark.extended   # ~17 s: a regression run of its own
 def test_a_growing_slot_table_keeps_the_pending_emission_correction():
   """The emissions of the iteration before the slot table grows move from
   their launch stamp to their publication time, as any iteration's do."""

@@ -102,6 +102,7 @@ def test_lowest_priority_running_request_is_the_victim_and_resumes(params):
   assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in reference]
 
 
+@pytest.mark.extended   # ~18 s; test_policies_runtime checks the 400/400/224 plan
 def test_long_prefill_threshold_400_three_800_token_prompts(params):
   """vLLM's long_prefill_token_threshold through the engine (§0x09): budget
   1024, threshold 400, three 800-token prompts: 400/400/224, then

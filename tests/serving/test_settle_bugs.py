@@ -32,6 +32,7 @@ def _run(params, config, prompts, sampling):
   return engine, reqs
 
 
+@pytest.mark.extended   # ~24 s; tests/serving/test_prefix_cache.py counts hits by default
 def test_a_dropped_resume_hit_is_not_counted_where_nothing_is_shared(params):
   """Two unrelated 40-token prompts on 8 pages: one is recompute-preempted,
   its resume lookup finds its own 2 prompt pages (32 tokens), the hit is

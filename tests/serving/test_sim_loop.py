@@ -122,6 +122,7 @@ def test_the_queue_bound_refuses_the_same_arrivals_on_both_paths(cost_file):
   assert loop_s == pytest.approx(step_s, abs=TIME_TOL_MS / 1000.0)
 
 
+@pytest.mark.extended   # ~18 s; the loop-vs-step test runs the same iterations over many calls
 def test_short_calls_and_a_moving_epoch_run_the_same_iterations(cost_file, monkeypatch):
   """Calls of 5 iterations (the log fills: ``FULL``) and a device epoch
   that moves every 300 ms (``REBASE``: the host steps) change nothing."""
