@@ -358,10 +358,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   check_attention_impl(engine_cfg)
   gemm = int8_gemm(engine_cfg)
   rows = decode_gemm(engine_cfg)
-  check_cache_dir()
-  if FLAGS.cache_dir:
-    jax.config.update("jax_compilation_cache_dir", f"{FLAGS.cache_dir}/xla")
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  cli.use_compile_cache("cache_dir", FLAGS.cache_dir)
   dtype = jnp.bfloat16 if engine_cfg.dtype == "bfloat16" else jnp.float32
   t = time.perf_counter()
   if FLAGS.model.startswith(RANDOM_PREFIX):

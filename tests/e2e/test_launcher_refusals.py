@@ -151,8 +151,10 @@ def test_an_existing_out_file_is_overwritten_not_refused(tmp_path):
     cli.check_creatable("cache_dir", str(out), directory=True)
 
 
-def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading():
-  status, last = _run("generate.py", "--prompt=hi", "--cache_dir=README.md/cache")
+@pytest.mark.parametrize("script,args", [("generate.py", ["--prompt=hi"]),
+                                         ("bench_sim.py", [])])
+def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading(script, args):
+  status, last = _run(script, *args, "--cache_dir=README.md/cache")
   assert status == 2 and last.startswith(
       "error: --cache_dir 'README.md/cache' cannot be created: "), last
 
