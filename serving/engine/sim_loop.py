@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import apply as apply_lib
+from scheduler.control import when
 from scheduler import records as rec
 from serving.engine import cost_model as cost_lib
 from serving.engine import programs as programs_lib
@@ -280,9 +281,8 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
         clock, emit = _bits(seconds), _bits(emit_ms)
       state = apply_lib.restamp_emissions(published, result.emitted, launch, actual)
       ended = step.finished | step.failed
-      state, pages_ = jax.lax.cond(
-          jnp.any(ended), lambda t: programs_lib._release(*t, no_slots, ended),
-          lambda t: t, (state, pages))
+      state, pages_ = when(jnp.any(ended),
+                           lambda t: programs_lib._release(*t, no_slots, ended), (state, pages))
       event = step.emitted | ended
       at = jnp.where(event, log.num_events + jnp.cumsum(event) - 1, capacity)
       put = lambda a, v: a.at[at].set(v, mode="drop")
@@ -302,8 +302,8 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
           event_extensions=put(log.event_extensions, state.num_extensions))
       return c.replace(state=state, pages=pages_, buffers=buffers, log=log)
 
-    return jax.lax.cond(host, lambda c: c.replace(log=c.log.replace(code=jnp.int32(HOST))),
-                        commit, c)
+    c = when(~host, commit, c)
+    return c.replace(log=c.log.replace(code=jnp.where(host, HOST, c.log.code).astype(jnp.int32)))
 
   def live_iteration(c: _Carry) -> _Carry:
     c = admit(c)
@@ -320,16 +320,20 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
       jumped = _bits(seconds + jnp.maximum((_f64(queue.due[i]) - now_ms) / 1000.0,
                                            jnp.nextafter(seconds, jnp.inf) - seconds))
     rebase_now = rebase_due & ~jnp.any(live & c.at_epoch)
-    jump = lambda c: c.replace(log=c.log.replace(clock=jumped))
-    code = lambda k: lambda c: c.replace(log=c.log.replace(code=jnp.int32(k)))
-    branch = jnp.where(jnp.any(live), jnp.where(rebase_now, 2, 3), jnp.where(queued, 0, 1))
-    return jax.lax.switch(branch, [jump, code(IDLE), code(REBASE), iterate], c)
+    # Nothing live: jump to the next arrival, or return idle; a rebase
+    # returns to the host; otherwise an iteration.
+    any_live = jnp.any(live)
+    c = c.replace(log=c.log.replace(
+        clock=jnp.where(~any_live & queued, jumped, c.log.clock),
+        code=jnp.where(any_live, jnp.where(rebase_now, REBASE, c.log.code),
+                       jnp.where(queued, c.log.code, IDLE)).astype(jnp.int32)))
+    return when(any_live & ~rebase_now, iterate, c)
 
   def body(c: _Carry) -> _Carry:
     with _X64():
       reached = _engine_ms(c.log.clock, t0) >= _f64(stop)
-    return jax.lax.cond(reached, lambda c: c.replace(log=c.log.replace(code=jnp.int32(STOP))),
-                        live_iteration, c)
+    c = when(~reached, live_iteration, c)
+    return c.replace(log=c.log.replace(code=jnp.where(reached, STOP, c.log.code).astype(jnp.int32)))
 
   i32 = lambda n, v=0: jnp.full((n,), v, jnp.int32)
   log = SimLog(

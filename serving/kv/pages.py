@@ -220,23 +220,34 @@ def deallocate(pages: PageState, release) -> PageState:
 
   A page whose last reference goes returns to the free stack, unless it is
   cached: then it stays resident and evictable (refcount 0). A page another
-  table still holds is untouched.
+  table still holds is untouched. The slots go one at a time in ascending
+  order, each pushing its freed pages in its table's order (its last page
+  ends on top). The work is O(released slots x pages_per_seq): none when no
+  slot is released, as in most iterations, and never a pass over every
+  page.
   """
-  def drop(pages):
-    num_slots, pages_per_seq = pages.page_table.shape
-    count = jnp.where(release, pages.pages_held, 0)
-    j = jnp.arange(pages_per_seq, dtype=jnp.int32)
-    give = j[None, :] < count[:, None]
-    refcount = pages.refcount.at[jnp.where(give, pages.page_table, pages.num_pages)].add(
-        -1, mode="drop")
-    freed = (pages.refcount > 0) & (refcount == 0) & ~pages.cached
-    table = jnp.where(release[:, None], NULL_PAGE, pages.page_table)
-    pages = pages.replace(page_table=table, refcount=refcount,
-                          pages_held=jnp.where(release, 0, pages.pages_held))
-    return _push_free(pages, freed)
+  pages_per_seq = pages.page_table.shape[1]
+  j = jnp.arange(pages_per_seq, dtype=jnp.int32)
 
-  # Most iterations release no slot: skip the passes over every page.
-  return jax.lax.cond(jnp.any(release), drop, lambda pages: pages, pages)
+  def drop_one(carry):
+    pages, left = carry
+    slot = jnp.argmax(left)
+    row = pages.page_table[slot]                       # i32[pages_per_seq]
+    held = j < pages.pages_held[slot]
+    refcount = pages.refcount.at[jnp.where(held, row, pages.num_pages)].add(-1, mode="drop")
+    freed = held & (refcount[row] == 0) & ~pages.cached[row]
+    count = jnp.sum(freed, dtype=jnp.int32)
+    pos = jnp.where(freed, pages.num_free + jnp.cumsum(freed, dtype=jnp.int32) - 1,
+                    pages.num_pages)
+    pages = pages.replace(
+        page_table=pages.page_table.at[slot].set(NULL_PAGE),
+        pages_held=pages.pages_held.at[slot].set(0), refcount=refcount,
+        free_stack=pages.free_stack.at[pos].set(row, mode="drop"),
+        num_free=pages.num_free + count)
+    return pages, left.at[slot].set(False)
+
+  return jax.lax.while_loop(lambda carry: jnp.any(carry[1]), drop_one,
+                            (pages, jnp.asarray(release, bool)))[0]
 
 
 def map_prefix(pages: PageState, slot, page_ids, num_hit) -> PageState:

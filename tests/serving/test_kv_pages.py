@@ -36,6 +36,28 @@ def test_allocation_beyond_the_free_list_changes_nothing():
   assert int(after.num_free) == NUM_PAGES - 1 and _owned(after) == _owned(pages)
 
 
+def test_release_pushes_each_slots_freed_pages_in_slot_then_table_order():
+  """Worked by hand: slots 0 and 2 hold [1, 2] and [4, 5, 6], and page 4
+  is mapped into slot 3 as well; releasing slots 0 and 2 pushes 1, 2 (slot
+  0's table order), then 5, 6 on top; page 4, still held by slot 3, stays
+  off the stack with its count lowered, and slot 1 keeps its page 3."""
+  pages = kv_pages.init_pages(SLOTS, PAGES_PER_SEQ, NUM_PAGES, PAGE_SIZE)
+  pages = allocate(pages, jnp.array([8, 4, 12, 0]), max_new_per_slot=PAGES_PER_SEQ)
+  assert _owned(pages) == {0: [1, 2], 1: [3], 2: [4, 5, 6], 3: []}
+  pages = kv_pages.map_prefix(pages, 3, jnp.array([4] + [0] * (PAGES_PER_SEQ - 1)), 1)
+  free_before = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
+  after = deallocate(pages, jnp.array([True, False, True, False]))
+  free = np.asarray(after.free_stack)[: int(after.num_free)].tolist()
+  assert free == free_before + [1, 2, 5, 6]
+  assert _owned(after) == {0: [], 1: [3], 2: [], 3: [4]}
+  refcount = np.asarray(after.refcount)
+  assert refcount[4] == 1 and refcount[3] == 1 and refcount[[1, 2, 5, 6]].tolist() == [0] * 4
+  assert np.asarray(after.page_table)[[0, 2]].tolist() == [[NULL_PAGE] * PAGES_PER_SEQ] * 2
+  # Nothing released: nothing changes.
+  same = deallocate(after, jnp.zeros((SLOTS,), bool))
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), same, after))
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 24), min_size=SLOTS,
                                                    max_size=SLOTS),
