@@ -329,7 +329,9 @@ class Engine:
     ends at once with outcome ``rejected`` (the rest keep running). Every
     other accepted request is visible to the policy from the next step on,
     however many wait. Raises ``QueueFull`` (and records nothing) while
-    ``EngineConfig.max_queued_requests`` accepted requests are unfinished.
+    ``EngineConfig.max_queued_requests`` accepted requests are unfinished:
+    pending, live, or added ahead of their arrival (``add_future_request``)
+    and not yet in a slot, arrived or not.
 
     ``slo_ttft_ms`` (first token, from original arrival) and ``slo_tpot_ms``
     (each later token, from the previous one: the TBT limit) are the
@@ -376,7 +378,7 @@ class Engine:
                        f"come in arrival order")
     req = self._accept(request_id, prompt_token_ids, sampling, arrival_ms, priority, client,
                        slo_ttft_ms, slo_tpot_ms, False, False,
-                       self._num_unfinished() + len(self._future))
+                       self._num_unfinished())
     if not req.finished:
       self._future.append(req)
     return req
@@ -526,6 +528,18 @@ class Engine:
       self._slots[slot] = None
 
   @property
+  def last_step_stats(self):
+    """(f64[4 + 2 * len(window kinds)] plan statistics, int bucket) of the
+    last committed step (None before one): ``cost_model.plan_stats`` of its
+    plan and the token bucket it ran in, from which ``last_step_features``
+    is computed (a step log keeps them, so the features can be computed
+    again under another definition)."""
+    if self._last_plan_stats is None:
+      return None
+    stats, bucket = self._last_plan_stats
+    return np.asarray(stats, np.float64), int(bucket)
+
+  @property
   def last_step_features(self):
     """f64[len(cost_model.FEATURES)] of the last committed step (None before
     one), computed when read: ``cost_model.step_features`` of its plan
@@ -551,7 +565,14 @@ class Engine:
     return bool(self._pending or self._future) or any(r is not None for r in self._slots)
 
   def _num_unfinished(self) -> int:
-    return len(self._pending) + sum(r is not None for r in self._slots)
+    """Accepted requests without an outcome, the count
+    ``max_queued_requests`` bounds: pending, live (in a slot) and still to
+    enter a slot from ``add_future_request`` (``simulate`` may return with
+    some whose arrival has passed, before it takes them)."""
+    return len(self._pending) + len(self._future) + self._num_live()
+
+  def _num_live(self) -> int:
+    return sum(r is not None for r in self._slots)
 
   @property
   def requests(self) -> Dict[str, Request]:
@@ -574,7 +595,7 @@ class Engine:
     request gets decides nothing: policies order by recorded keys."""
     free = [s for s, r in enumerate(self._slots) if r is None]
     if len(free) < len(self._pending):
-      self._grow(self._num_unfinished())
+      self._grow(len(self._pending) + self._num_live())
       free = [s for s, r in enumerate(self._slots) if r is None]
     placed = list(zip(free, self._pending))
     hits = [self._match_prefix(req, slot) for slot, req in placed]
@@ -616,11 +637,21 @@ class Engine:
 
   def _grow(self, num_requests: int) -> None:
     """Doubles the slot table until it holds ``num_requests`` (at most
-    ``max_queued_requests``, which ``add_request`` enforces). Live slots
-    keep their rows; the programs of the new size compile once per size,
-    so an engine compiles at most log2(max_queued_requests /
-    max_request_slots) + 1 sets."""
+    ``max_queued_requests``, which ``add_request`` and
+    ``add_future_request`` enforce). Live slots keep their rows; the
+    programs of the new size compile once per size, so an engine compiles
+    at most log2(max_queued_requests / max_request_slots) + 1 sets.
+
+    Raises:
+      RuntimeError: ``num_requests`` over ``max_queued_requests`` (a
+        request got past the bound: a bug in the count, not bad input).
+    """
     c = self.config
+    if num_requests > c.max_queued_requests:
+      raise RuntimeError(
+          f"slot table asked for {num_requests} slots, over "
+          f"EngineConfig.max_queued_requests={c.max_queued_requests} (every accepted, "
+          f"unfinished request counts against it; more than that got past the bound)")
     size = self.num_slots
     while size < num_requests:
       size = min(2 * size, c.max_queued_requests)

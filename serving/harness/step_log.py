@@ -17,15 +17,24 @@ decode rows). Two questions read off it:
 The log is an .npz (``StepLog.save``): ``features`` f64[N, F] with
 ``feature_names``, ``measured_ms`` and ``predicted_ms`` f64[N],
 ``step_class`` i8[N] (an index into ``class_names``), ``prefill_rows`` and
-``decode_rows`` i64[N], ``case`` i32[N], ``load_avg`` (the machine's
-1-minute load average before the recording process loaded anything) and
-``meta`` (JSON: model, dtype, engine preset, device fingerprint, the model's
-``ModelCosts``, the predicting cost model, the cases).
+``decode_rows`` i64[N], ``case`` i32[N], ``plan_stats`` f64[N, S] and
+``bucket`` i64[N] (the step's raw ``cost_model.plan_stats`` and token bucket:
+``cost_model.step_features`` of them is ``features``, and of them under a
+changed feature definition the new features, with no new measurement),
+``idle_before_ms`` f64[N] (wall ms from the end of the case's previous
+``engine.step()`` call to the start of this one: the engine idles between
+them when nothing is live; NaN for a case's first step), ``load_avg`` (the
+machine's 1-minute load average before the recording process loaded
+anything) and ``meta`` (JSON: model, dtype, engine preset, device
+fingerprint, the model's ``ModelCosts``, the predicting cost model, the
+cases). Logs written before ``plan_stats``, ``bucket`` and
+``idle_before_ms`` load without them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -68,6 +77,9 @@ class StepLog:
     self._predicted: List[float] = []
     self._rows: List[tuple] = []
     self._case: List[int] = []
+    self._stats: List[np.ndarray] = []
+    self._bucket: List[int] = []
+    self._idle: List[float] = []
 
   def __len__(self) -> int:
     return len(self._measured)
@@ -83,11 +95,18 @@ class StepLog:
     self.cases.append(dict(info or {}, uncommitted_calls=0))
     times: List[float] = []
     seen = [engine.num_iterations]
+    last_end = [None]      # perf_counter seconds at the end of the previous step() call
 
     def logging(outputs):
+      end = time.perf_counter()        # ``replay`` calls this as the step returns
+      start = end - times[-1] / 1000.0
+      idle = math.nan if last_end[0] is None else max(start - last_end[0], 0.0) * 1000.0
+      last_end[0] = end
       if engine.num_iterations > seen[0]:
         seen[0] = engine.num_iterations
-        self.add(engine.last_step_features, engine.last_step_rows, times[-1], case)
+        stats, bucket = engine.last_step_stats
+        self.add(engine.last_step_features, engine.last_step_rows, times[-1], case,
+                 stats=stats, bucket=bucket, idle_before_ms=idle)
       else:
         self.cases[case]["uncommitted_calls"] += 1
       if on_step is not None:
@@ -96,15 +115,33 @@ class StepLog:
     return replay(engine, workload, on_step=logging, step_ms=times, **kwargs)
 
   def add(self, features: Sequence[float], rows: tuple, measured_ms: float,
-          case: int) -> None:
+          case: int, *, stats: Optional[Sequence[float]] = None, bucket: int = -1,
+          idle_before_ms: float = math.nan) -> None:
     """One step: its ``FEATURES`` values f64[F], (prefill rows, decode
-    rows), its wall time (ms) and its case index."""
+    rows), its wall time (ms), its case index, and its raw plan statistics
+    (``Engine.last_step_stats``; None: unknown, NaN in the log), bucket
+    (-1: unknown) and the idle wall ms before it (NaN: unknown)."""
     features = np.asarray(features, np.float64)
     self._features.append(features)
     self._measured.append(float(measured_ms))
     self._predicted.append(self.cost.predict_ms(features))
     self._rows.append((int(rows[0]), int(rows[1])))
     self._case.append(int(case))
+    self._stats.append(None if stats is None else np.asarray(stats, np.float64))
+    self._bucket.append(int(bucket))
+    self._idle.append(float(idle_before_ms))
+
+  def _plan_stats(self) -> np.ndarray:
+    """f64[N, S] of the rows' plan statistics, NaN where not given."""
+    width = max((len(x) for x in self._stats if x is not None), default=0)
+    out = np.full((len(self._stats), width), np.nan)
+    for i, x in enumerate(self._stats):
+      if x is not None:
+        if len(x) != width:
+          raise ValueError(f"StepLog: plan statistics of {len(x)} values in row {i}, "
+                           f"{width} in another (one model per log)")
+        out[i] = x
+    return out
 
   def arrays(self) -> Dict[str, np.ndarray]:
     """The rows as arrays (the .npz's fields but ``load_avg`` and ``meta``)."""
@@ -119,6 +156,9 @@ class StepLog:
         "prefill_rows": rows[:, 0],
         "decode_rows": rows[:, 1],
         "case": np.array(self._case, np.int32),
+        "plan_stats": self._plan_stats(),
+        "bucket": np.array(self._bucket, np.int64),
+        "idle_before_ms": np.array(self._idle, np.float64),
     }
 
   def summary(self, case: int) -> dict:

@@ -58,11 +58,22 @@ def test_real_replay_logs_one_row_per_step_with_the_engines_features(params, tmp
   assert sum(c["count"] for c in summary["by_class"].values()) == len(log)
   assert summary["measured_ms_sum"] == pytest.approx(a["measured_ms"].sum())
   assert log.cases == [{"trace": "synthetic", "uncommitted_calls": 0}]
+  # The raw plan statistics and bucket give the features again (so a changed
+  # feature definition can be applied to a log without measuring again).
+  again = [cost_lib.step_features(st, b, engine.model_costs)
+           for st, b in zip(a["plan_stats"], a["bucket"])]
+  np.testing.assert_array_equal(np.array(again), a["features"])
+  assert set(a["bucket"].tolist()) <= set(engine.config.token_buckets)
+  np.testing.assert_array_equal(a["plan_stats"][:, 0], a["prefill_rows"])
+  idle = a["idle_before_ms"]
+  assert np.isnan(idle[0]) and (idle[1:] >= 0).all()
 
   path = tmp_path / "steps"
   log.save(str(path), 0.5, _meta(engine.model_costs))
   back = step_log.load(str(path))
   np.testing.assert_array_equal(back["features"], a["features"])
+  np.testing.assert_array_equal(back["plan_stats"], a["plan_stats"])
+  np.testing.assert_array_equal(back["idle_before_ms"], a["idle_before_ms"])
   assert back["load_avg"] == 0.5 and back["meta"]["cases"][0]["trace"] == "synthetic"
   assert back["meta"]["cost_model"]["coef_ms"]["step"] == 5.0
 
