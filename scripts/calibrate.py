@@ -260,12 +260,19 @@ def _check_flags() -> None:
   if FLAGS.refit_steps:
     return                             # no grid runs and no model loads
   for name in ("batch_sizes", "prompt_lens"):
+    if not FLAGS[name].value:
+      raise ValueError(f"--{name} must be a non-empty list of integers >= 1 (the grid's "
+                       f"axis), got ''")
     for x in FLAGS[name].value:
       if not (x.isdigit() and int(x) >= 1):
         raise ValueError(f"--{name} must be integers >= 1, got {x!r}")
   for name in ("decode_tokens", "max_case_tokens", "holdout_requests"):
     if FLAGS[name].value < 1:
       raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+  smallest = min(int(x) for x in FLAGS.batch_sizes) * min(int(x) for x in FLAGS.prompt_lens)
+  if smallest > FLAGS.max_case_tokens:
+    raise ValueError(f"--max_case_tokens={FLAGS.max_case_tokens} skips every grid case: the "
+                     f"smallest N x L of --batch_sizes and --prompt_lens is {smallest}")
   cli.check_creatable("holdout_out", FLAGS.holdout_out)
   launch.check_model_spec("--model", FLAGS.model)
   if FLAGS.second_model:

@@ -210,6 +210,15 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
     ("calibrate.py", ["--max_spread=0"], "error: --max_spread must be > 0, got 0.0"),
     ("calibrate.py", ["--prompt_lens=8,x"], "error: --prompt_lens must be integers >= 1, "
                                             "got 'x'"),
+    ("calibrate.py", ["--prompt_lens="],
+     "error: --prompt_lens must be a non-empty list of integers >= 1 (the grid's axis), "
+     "got ''"),
+    ("calibrate.py", ["--batch_sizes="],
+     "error: --batch_sizes must be a non-empty list of integers >= 1 (the grid's axis), "
+     "got ''"),
+    ("calibrate.py", ["--batch_sizes=64", "--prompt_lens=1024,2048"],
+     "error: --max_case_tokens=9000 skips every grid case: the smallest N x L of "
+     "--batch_sizes and --prompt_lens is 65536"),
     ("calibrate.py", ["--holdout_only", "--out=/nonexist.json"],
      "error: --holdout_only checks the calibration in --out: '/nonexist.json' is not a file"),
     pytest.param("calibrate.py", ["--second_model=random:nope"],
