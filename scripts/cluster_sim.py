@@ -12,6 +12,9 @@ them on one virtual timeline behind ``serving.http.router.Router``, the router
 For each ``--replicas`` entry the JSON holds the global report (vLLM
 benchmark keys, over every request) and one per replica (its requests, its
 iterations), plus the simulation's wall time; no model weights are loaded.
+A bad flag (an empty ``--replicas``, ``--executor=model``, a trace, window,
+policy or engine value) is refused in one line before the model's config or
+the trace loads.
 """
 
 import dataclasses
@@ -42,17 +45,37 @@ launch.define_workload_flags()
 launch.define_engine_flags()
 
 
-def main(argv):
-  del argv
+def _check_flags() -> list:
+  """Every flag's value, checked before the model's config or the trace
+  loads (ValueError naming the flag and the rule); returns the replica
+  counts."""
+  if not FLAGS.replicas:
+    raise ValueError("--replicas must be a non-empty list of integers >= 1 (a run each), "
+                     "got ''")
   counts = []
   for text in FLAGS.replicas:
     if not text.isdigit() or int(text) < 1:
       raise ValueError(f"--replicas entries must be integers >= 1, got {text!r}")
     counts.append(int(text))
+  if FLAGS.executor == "model":
+    raise ValueError("--executor=model: cluster_sim.py runs every replica on the simulated "
+                     "executor (leave --executor unset)")
   cli.check_creatable("out", FLAGS.out)
+  launch.check_workload_flags()
+  return counts
+
+
+def main(argv):
+  del argv
+  counts = _check_flags()
   engine_cfg = launch.engine_config(executor="simulated")
+  launch.engine_clock(engine_cfg)
+  # Read the workload before the model's config (fail fast); draw prompt ids
+  # again if the model's vocabulary differs from the default.
+  workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
   cfg, _, _ = launch.load_flags_model(engine_cfg)
-  workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+  if cfg.vocab_size != workloads.DEFAULT_VOCAB_SIZE:
+    workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})
   engine_cfg = dataclasses.replace(engine_cfg,
                                    num_clients=max(engine_cfg.num_clients, clients))

@@ -66,7 +66,9 @@ def _check_report_flags() -> None:
 def main(argv):
   del argv
   _check_report_flags()
+  launch.check_workload_flags()
   engine_cfg = launch.engine_config()
+  launch.engine_clock(engine_cfg)
   # Read and check the workload before loading the model (fail fast); draw
   # prompt ids again if the model's vocabulary differs from the default.
   workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)

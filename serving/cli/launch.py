@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 import warnings
@@ -136,22 +137,31 @@ def define_workload_flags() -> None:
                       "through the classes by arrival index.")
 
 
-def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
-  """The workload of define_workload_flags(), fitted into the context
-  (``workloads.fit_context``: prompt + output <= max_model_len, the output
-  keeping min(requested, max_model_len // 2) tokens), with a one-line note
-  when that cuts a request.
+def check_workload_flags() -> None:
+  """The values of define_workload_flags(), checked before any trace or
+  model loads, each refusal naming the flag and its rule (the loaders in
+  serving.harness, a Python API, name their arguments instead).
 
   Raises:
-    ValueError: a flag of the other workload kind is set (--window_s,
-      --time_scale, --max_requests apply to --trace only; --num_requests,
-      --rate_scale to the synthetic workload only), a malformed trace flag,
-      or an SLO flag not > 0.
+    ValueError: an SLO flag not finite and > 0, --slo_class malformed or
+      given with --slo_ttft_ms / --slo_tpot_ms, a flag of the other workload
+      kind (--window_s, --time_scale, --max_requests, --mooncake_block_tokens
+      apply to --trace only; --num_requests, --rate_scale to the synthetic
+      workload only), a malformed --trace or one whose file is missing, a
+      --window_s not A,B with 0 <= A < B, a --time_scale or --rate_scale not
+      finite and > 0, a count or length below 1.
   """
   for name in ("slo_ttft_ms", "slo_tpot_ms"):
     value = FLAGS[name].value
     if value is not None and not (math.isfinite(value) and value > 0):
       raise ValueError(f"--{name} must be finite and > 0 (ms), got {value}")
+  if FLAGS.slo_class is not None:
+    if FLAGS.slo_ttft_ms is not None or FLAGS.slo_tpot_ms is not None:
+      raise ValueError("give either --slo_ttft_ms / --slo_tpot_ms or --slo_class, not both")
+    try:
+      workloads.parse_slo_classes(FLAGS.slo_class)
+    except ValueError as e:               # its messages start with the field, slo_class
+      raise ValueError(f"--{e}") from None
   synthetic = FLAGS.trace is None
   given = lambda name: FLAGS[name].present
   wrong = [n for n in (("window_s", "time_scale", "max_requests", "mooncake_block_tokens")
@@ -162,6 +172,62 @@ def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
         f"--{wrong[0]} applies only {'with --trace' if synthetic else 'without --trace'}; "
         + ("the synthetic workload takes --num_requests and --rate_scale" if synthetic
            else "a trace takes --window_s, --time_scale and --max_requests"))
+  if synthetic:
+    if FLAGS.num_requests < 1:
+      raise ValueError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
+    if not (math.isfinite(FLAGS.rate_scale) and FLAGS.rate_scale > 0):
+      raise ValueError(f"--rate_scale must be finite and > 0, got {FLAGS.rate_scale}")
+  else:
+    loader, path = traces.trace_loader(FLAGS.trace)
+    blocks = FLAGS.mooncake_block_tokens
+    if blocks is not None and loader is not traces.load_mooncake_trace:
+      raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
+                       f"got --trace={FLAGS.trace}")
+    if blocks is not None and not 1 <= blocks <= traces.MOONCAKE_BLOCK_TOKENS:
+      raise ValueError(f"--mooncake_block_tokens must be in [1, "
+                       f"{traces.MOONCAKE_BLOCK_TOKENS}], got {blocks}")
+    _flag_window()
+    if not (math.isfinite(FLAGS.time_scale) and FLAGS.time_scale > 0):
+      raise ValueError(f"--time_scale must be finite and > 0 (a factor on the trace's "
+                       f"gaps), got {FLAGS.time_scale}")
+    if not os.path.isfile(path):
+      raise ValueError(f"--trace: {path!r} (of {FLAGS.trace!r}) is not a file")
+  for name in ("max_requests", "max_prompt_len", "max_output_len"):
+    value = FLAGS[name].value
+    if value is not None and value < 1:
+      raise ValueError(f"--{name} must be >= 1, got {value}")
+
+
+def _flag_window():
+  """--window_s as (A, B), or None when unset.
+
+  Raises:
+    ValueError: not two numbers, or not 0 <= A < B.
+  """
+  if not FLAGS.window_s:
+    return None
+  try:
+    a, b = (float(x) for x in FLAGS.window_s)
+  except ValueError:
+    raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
+                     f"{','.join(FLAGS.window_s)!r}") from None
+  if not 0 <= a < b:
+    raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
+  return a, b
+
+
+def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
+  """The workload of define_workload_flags(), fitted into the context
+  (``workloads.fit_context``: prompt + output <= max_model_len, the output
+  keeping min(requested, max_model_len // 2) tokens), with a one-line note
+  when that cuts a request.
+
+  Raises:
+    ValueError: a flag ``check_workload_flags`` refuses, or a trace file
+      that does not read.
+  """
+  check_workload_flags()
+  synthetic = FLAGS.trace is None
   pick = lambda value, default_synthetic, default_trace: value if value is not None else (
       default_synthetic if synthetic else default_trace)
   common = dict(max_prompt_len=pick(FLAGS.max_prompt_len, 512, 1024),
@@ -193,20 +259,9 @@ def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
   if synthetic:
     return synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common)
   loader, path = traces.trace_loader(FLAGS.trace)
-  window = None
-  if FLAGS.window_s:
-    try:
-      a, b = (float(x) for x in FLAGS.window_s)
-    except ValueError:
-      raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
-                       f"{','.join(FLAGS.window_s)!r}") from None
-    window = (a, b)
   if FLAGS.mooncake_block_tokens is not None:
-    if loader is not traces.load_mooncake_trace:
-      raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
-                       f"got --trace={FLAGS.trace}")
     common = dict(common, block_tokens=FLAGS.mooncake_block_tokens)
-  return loader(path, time_scale=FLAGS.time_scale, window_s=window,
+  return loader(path, time_scale=FLAGS.time_scale, window_s=_flag_window(),
                 max_requests=FLAGS.max_requests, **common)
 
 
@@ -490,10 +545,37 @@ def init_processes(engine_cfg: EngineConfig) -> None:
 
 
 def build_engine(**overrides):
-  """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer)."""
+  """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer).
+
+  Raises:
+    ValueError: ``engine_config``'s and ``engine_clock``'s refusals, before
+      the model loads.
+  """
   engine_cfg = engine_config(**overrides)
+  engine_clock(engine_cfg)
   cfg, params, tokenizer = load_flags_model(engine_cfg)
   return Engine(cfg, params, engine_cfg, clock=make_clock(engine_cfg)), cfg, tokenizer
+
+
+def engine_clock(engine_cfg: EngineConfig) -> str:
+  """The --clock flag resolved for ``engine_cfg``: ``"virtual"`` or
+  ``"wall"`` (unset: virtual for the simulated executor, wall otherwise).
+  Only a virtual clock reads a cost model (its step times advance it).
+
+  Raises:
+    ValueError: --clock=wall with the simulated executor; --cost_model on
+      the wall clock (the model executor's step times are measured there,
+      so the cost model would go unused).
+  """
+  clock = FLAGS.clock or ("virtual" if engine_cfg.executor == "simulated" else "wall")
+  if clock == "wall" and engine_cfg.executor == "simulated":
+    raise ValueError("--clock=wall: the simulated executor needs --clock=virtual "
+                     "(its step times are modelled)")
+  if clock == "wall" and FLAGS.cost_model:
+    raise ValueError(f"--cost_model={FLAGS.cost_model} applies only with "
+                     f"--executor=simulated (or --clock=virtual): the model executor on "
+                     f"the wall clock measures its step times and reads no cost model")
+  return clock
 
 
 def make_clock(engine_cfg: EngineConfig):
@@ -501,13 +583,9 @@ def make_clock(engine_cfg: EngineConfig):
   ``time.monotonic``.
 
   Raises:
-    ValueError: --clock=wall with the simulated executor.
+    ValueError: ``engine_clock``'s refusals.
   """
-  clock = FLAGS.clock or ("virtual" if engine_cfg.executor == "simulated" else "wall")
-  if clock == "wall" and engine_cfg.executor == "simulated":
-    raise ValueError("--clock=wall: the simulated executor needs --clock=virtual "
-                     "(its step times are modelled)")
-  return VirtualClock() if clock == "virtual" else time.monotonic
+  return VirtualClock() if engine_clock(engine_cfg) == "virtual" else time.monotonic
 
 
 def warmup(engine: Engine, num_requests: int = 0) -> dict:

@@ -251,6 +251,14 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
      "error: --cost_model 'README.md' is not a cost model JSON"),
     ("replay.py", ["--slo_ttft_ms=-5"], "error: --slo_ttft_ms must be finite and > 0 (ms), "
                                         "got -5.0"),
+    ("replay.py", ["--cost_model=profile:h100"],
+     "error: --cost_model=profile:h100 applies only with --executor=simulated (or "
+     "--clock=virtual): the model executor on the wall clock measures its step times and "
+     "reads no cost model"),
+    ("replay.py", ["--executor=model", "--cost_model=profile:h100"],
+     "error: --cost_model=profile:h100 applies only with --executor=simulated"),
+    ("generate.py", ["--prompt=hi", "--cost_model=profile:h100"],
+     "error: --cost_model=profile:h100 applies only with --executor=simulated"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
      "error: --cache_dir '/proc/nope' cannot be "),
 ])
@@ -261,6 +269,52 @@ def test_calibrate_fidelity_and_replay_refuse_a_bad_flag_before_anything_loads(s
   before any model loads."""
   status, last = _run(script, *args)
   assert status == 2 and last.startswith(line), last
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--num_requests=0"], "error: --num_requests must be >= 1, got 0"),
+    (["--rate_scale=0"], "error: --rate_scale must be finite and > 0, got 0.0"),
+    (["--max_output_len=0"], "error: --max_output_len must be >= 1, got 0"),
+    (["--trace=foo:bar"],
+     f"error: --trace must be KIND:PATH with KIND in {TRACE_KINDS}, got 'foo:bar'"),
+    (["--trace=azure:/nonexist.csv"],
+     "error: --trace: '/nonexist.csv' (of 'azure:/nonexist.csv') is not a file"),
+    (["--trace=azure:README.md", "--time_scale=0"],
+     "error: --time_scale must be finite and > 0 (a factor on the trace's gaps), got 0.0"),
+    (["--trace=azure:README.md", "--window_s=5,1"],
+     "error: --window_s must be A,B with 0 <= A < B, got 5,1"),
+    (["--trace=azure:README.md", "--max_requests=0"],
+     "error: --max_requests must be >= 1, got 0"),
+    (["--trace=mooncake:README.md", "--mooncake_block_tokens=0"],
+     "error: --mooncake_block_tokens must be in [1, 512], got 0"),
+    (["--policy=nope"], "error: --policy must be one of ['fastserve', "),
+    (["--max_num_seqs=0"], "error: --max_num_seqs must be >= 1, got 0"),
+])
+@pytest.mark.parametrize("script", ["replay.py", "cluster_sim.py"])
+def test_workload_and_engine_flags_are_refused_by_name_before_anything_loads(
+    tmp_path, script, args, line):
+  """The workload flags' values (the loaders, a Python API, name their
+  arguments without the ``--``) and the engine's, refused naming the flag
+  before the model's config or the trace loads."""
+  status, last = _run(script, f"--out={tmp_path / 'r.json'}", *args)
+  assert status == 2 and last.startswith(line), last
+  assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--replicas="],
+     "error: --replicas must be a non-empty list of integers >= 1 (a run each), got ''"),
+    (["--replicas=1,0"], "error: --replicas entries must be integers >= 1, got '0'"),
+    (["--executor=model"], "error: --executor=model: cluster_sim.py runs every replica on "
+                           "the simulated executor (leave --executor unset)"),
+    (["--clock=wall"], "error: --clock=wall: the simulated executor needs --clock=virtual"),
+])
+def test_cluster_sim_refuses_no_replica_count_and_the_model_executor(tmp_path, args, line):
+  """An empty --replicas ran nothing and wrote a report; --executor=model
+  and --clock=wall were silently replaced."""
+  status, last = _run("cluster_sim.py", f"--out={tmp_path / 'c.json'}", *args)
+  assert status == 2 and last.startswith(line), last
+  assert not (tmp_path / "c.json").exists()
 
 
 def test_a_cache_dir_that_takes_no_file_is_refused(tmp_path):
