@@ -1,7 +1,11 @@
 """Ablation table across runs, refused when their coordinates differ (§0x0E).
 
   python scripts/compare.py runs/a.json runs/b.json [--metric=request_goodput]
-  python scripts/compare.py runs/sweep/sweep.json --metric=g_star
+  python scripts/compare.py runs/sweep/sweep.json      # ranked by g_star
+
+Without --metric, replay reports rank by request_goodput, or by
+request_throughput (said in a note line) when no replay declared SLOs;
+sweeps rank by g_star. Values print to 4 significant digits.
 
 Inputs are replay reports (scripts/replay.py) or sweeps (scripts/sweep.py,
 ranked by G*), not both: a mix is refused in one line naming which file is
@@ -32,9 +36,13 @@ from serving.harness import ablation
 from serving import cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("metric", "request_goodput", "Metric to rank by: a report key, a "
-                    "ledger goodput key, or g_star for a sweep; latencies (*_ms, *_s) and "
-                    "rejected/failed counts rank lower first, the rest higher first.")
+flags.DEFINE_string("metric", None, "Metric to rank by: a report key, a ledger goodput "
+                    "key, or g_star for a sweep; latencies (*_ms, *_s) and rejected/failed "
+                    "counts rank lower first, the rest higher first. Default: g_star for "
+                    "sweeps; request_goodput for replay reports, or request_throughput "
+                    "(said in a note) when no replay declared SLOs (replay.py without "
+                    "--slo_ttft_ms/--slo_tpot_ms/--slo_class): every completed request then "
+                    "counts as good, so goodput is throughput.")
 
 
 def _load(path: str) -> dict:
@@ -102,6 +110,52 @@ def rows_of(path: str, run: dict):
 
 
 G_STAR_METRICS = ("g_star", "g_star_interpolated")
+# Keys that only a replay with SLOs reports (``serving.harness.metrics.goodput``).
+GOODPUT_KEYS = ("request_goodput", "token_goodput", "offered_attainment",
+                "admitted_attainment", "completion_conditioned_attainment", "valid",
+                "missed", "offered", "admitted", "other")
+
+
+def has_goodput(run: dict) -> bool:
+  """Whether a replay report judged its requests by SLOs (replay.py with
+  --slo_ttft_ms / --slo_tpot_ms / --slo_class writes a goodput block)."""
+  return bool(run.get("goodput") or run.get("ledger", {}).get("goodput"))
+
+
+def default_metric(runs) -> tuple:
+  """``(metric, note)`` when --metric is not given: ``g_star`` for sweeps;
+  ``request_goodput`` for replay reports, or ``request_throughput`` with a
+  note line when none of them declared SLOs (then every completed request
+  is good, and goodput is throughput)."""
+  if all(kind_of(r) == "sweep" for r in runs):
+    return "g_star", None
+  if any(has_goodput(r) for r in runs):
+    return "request_goodput", None
+  return "request_throughput", ("note: no SLOs were declared in these replays (replay.py "
+                                "--slo_ttft_ms/--slo_tpot_ms/--slo_class): ranking by "
+                                "request_throughput, which goodput equals without SLOs "
+                                "(--metric picks another)")
+
+
+def is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def missing_metric_error(metric: str, missing, runs_by_name: dict, rows) -> str:
+  """One line saying that ``metric`` is not a number in the runs named in
+  ``missing``, why (for a goodput key in replays without SLOs: none were
+  declared), and the metrics that are numbers in every run."""
+  numbers = sorted(set.intersection(*({k for k, v in m.items() if is_number(v)}
+                                      for *_, m in rows)))
+  no_slo = [n for n in missing if kind_of(runs_by_name[n]) == "replay report"
+            and not has_goodput(runs_by_name[n])]
+  if metric in GOODPUT_KEYS and no_slo:
+    why = ("no SLOs were declared in those replays: goodput needs replay.py "
+           "--slo_ttft_ms/--slo_tpot_ms or --slo_class")
+  else:
+    why = "a report key, a ledger goodput key, or g_star for a sweep"
+  return (f"--metric={metric!r} is not a number in {missing[:4]} ({why}); numbers in "
+          f"every run: {', '.join(numbers) or 'none'}")
 
 
 def unbracketed_warning(rows, metric: str):
@@ -128,21 +182,27 @@ def main(argv):
     raise ValueError("compare.py needs at least one run JSON")
   runs = [_load(p) for p in paths]
   check_one_kind(paths, runs)
-  rows = [r for p, run in zip(paths, runs) for r in rows_of(p, run)]
-  g_metric = FLAGS.metric in G_STAR_METRICS and all("g" in m for *_, m in rows)
-  missing = [n for n, _, _, m in rows if m.get(FLAGS.metric) is None
+  metric, note = (FLAGS.metric, None) if FLAGS.metric is not None else default_metric(runs)
+  rows, runs_by_name = [], {}
+  for path, run in zip(paths, runs):
+    for row in rows_of(path, run):
+      rows.append(row)
+      runs_by_name[row[0]] = run
+  g_metric = metric in G_STAR_METRICS and all("g" in m for *_, m in rows)
+  missing = [n for n, _, _, m in rows if not is_number(m.get(metric))
              and not (g_metric and m["g"].get("g_star_below_lowest_rate"))]
   if missing:
-    raise ValueError(f"--metric={FLAGS.metric!r} is not a number in {missing[:4]} "
-                     f"(a report key, a ledger goodput key, or g_star for a sweep)")
+    raise ValueError(missing_metric_error(metric, missing, runs_by_name, rows))
   ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
+  if note:
+    print(note)
   columns = [c for c in ("completed", "rejected", "failed") if all(c in m for *_, m in rows)]
-  print(ablation.table([{"name": n, "policy": p, FLAGS.metric: m.get(FLAGS.metric),
-                         **({"text": ablation.g_star_text(m["g"], FLAGS.metric)}
+  print(ablation.table([{"name": n, "policy": p, metric: m.get(metric),
+                         **({"text": ablation.g_star_text(m["g"], metric)}
                             if g_metric else {}),
                          **{c: m[c] for c in columns}} for n, p, _, m in rows],
-                       FLAGS.metric, columns))
-  warning = unbracketed_warning(rows, FLAGS.metric) if g_metric else None
+                       metric, columns))
+  warning = unbracketed_warning(rows, metric) if g_metric else None
   if warning:
     print(warning)
   print("coordinates (equal for every run):")

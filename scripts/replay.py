@@ -115,11 +115,7 @@ def main(argv):
         f"rejected {report['rejected']}, extensions {report['num_extensions']}, "
         f"preemptions {report['num_preemptions']}")
   if "goodput" in report:
-    g = report["goodput"]
-    print(f"goodput: {g['valid']}/{g['offered']} SLO-valid, {g['request_goodput']:.2f} "
-          f"req/s; attainment offered {g['offered_attainment']}, admitted "
-          f"{g['admitted_attainment']}, completion-conditioned "
-          f"{g['completion_conditioned_attainment']}")
+    print(metrics.format_goodput(report["goodput"]))
   metrics.write_report(FLAGS.out, report)
   print(f"report: {FLAGS.out}")
 

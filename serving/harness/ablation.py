@@ -190,12 +190,26 @@ def lower_is_better(metric: str) -> bool:
   return metric.endswith(("_ms", "_s")) or metric in LOWER_IS_BETTER
 
 
+def number_text(value, digits: int = 4) -> str:
+  """``value`` for a line of text: None as ``"n/a"``, an int as it is, a
+  float to ``digits`` significant digits (0.09424083769633508 ->
+  ``"0.09424"``, 2356.1228521072185 -> ``"2356"``), a float with more
+  integer digits than that rounded to an integer (123456.7 -> ``"123457"``)."""
+  if value is None:
+    return "n/a"
+  if isinstance(value, float):
+    text = f"{value:.{digits}g}"
+    return f"{value:.0f}" if "e+" in text else text
+  return str(value)
+
+
 def table(rows: List[dict], metric: str, columns: Sequence[str] = ()) -> str:
   """A text table of runs ranked by ``metric``, best first (ascending for a
   ``lower_is_better`` metric, else descending), with ``columns`` beside it
   (e.g. completed / rejected, so a run that refused its load is seen). A
   row's optional ``"text"`` is shown in place of its value (e.g. ``">= 0.032"``
-  for a G* that is a lower bound, ``g_star_text``); the order is the value's."""
+  for a G* that is a lower bound, ``g_star_text``); the order is the value's.
+  Numbers print as ``number_text`` (4 significant digits)."""
   sign = 1.0 if lower_is_better(metric) else -1.0
   rows = sorted(rows, key=lambda r: sign * (r.get(metric) or 0.0))
   width = max(len(r["name"]) for r in rows)
@@ -203,6 +217,7 @@ def table(rows: List[dict], metric: str, columns: Sequence[str] = ()) -> str:
   head = f"{'run':<{width}}  {'policy':<22} {metric:>14}" + "".join(
       f" {c:>10}" for c in columns)
   lines = [head + f"   ({order})"]
-  lines += [f"{r['name']:<{width}}  {r['policy']:<22} {r.get('text', r.get(metric))!s:>14}"
-            + "".join(f" {r.get(c, '')!s:>10}" for c in columns) for r in rows]
+  lines += [f"{r['name']:<{width}}  {r['policy']:<22} "
+            f"{r.get('text') or number_text(r.get(metric)):>14}"
+            + "".join(f" {number_text(r.get(c, '')):>10}" for c in columns) for r in rows]
   return "\n".join(lines)

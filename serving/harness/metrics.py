@@ -27,6 +27,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from serving.engine.config import OUTCOMES
+from serving.harness.ablation import number_text
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
 
@@ -581,6 +582,17 @@ def format_table(report: dict) -> str:
     if report.get("insufficient_sample"):
         lines.append("insufficient_sample: " + ", ".join(report["insufficient_sample"]))
     return "\n".join(lines)
+
+
+def format_goodput(g: dict) -> str:
+    """One line of a `goodput` result: SLO-valid requests, request goodput
+    and the three attainments, numbers to 4 significant digits
+    (`ablation.number_text`, as scripts/compare.py prints them)."""
+    return (f"goodput: {g['valid']}/{g['offered']} SLO-valid, "
+            f"{number_text(g.get('request_goodput'))} req/s; attainment offered "
+            f"{number_text(g['offered_attainment'])}, admitted "
+            f"{number_text(g['admitted_attainment'])}, completion-conditioned "
+            f"{number_text(g['completion_conditioned_attainment'])}")
 
 
 def write_report(path: str | Path, report: dict) -> None:

@@ -121,6 +121,9 @@ def test_compare_marks_g_star_the_rate_grid_does_not_bracket(tmp_path):
   out = _run("compare.py", crossed, "--metric=g_star_interpolated").stdout
   assert "warning" not in out
   assert [line.split()[2] for line in out.splitlines()[1:3]] == ["0.03", "0.01111"], out
+  # Without --metric a sweep ranks by g_star.
+  assert _run("compare.py", crossed).stdout == _run("compare.py", crossed,
+                                                    "--metric=g_star").stdout
 
 
 def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
@@ -134,6 +137,83 @@ def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
     assert last == (f"error: refusing to mix replay reports and sweeps (replay report: "
                     f"{replay}; sweep: {sweep}): compare replay reports with replay "
                     f"reports, or sweeps with sweeps (--metric=g_star)"), last
+
+
+def _replay_json(path, policy, slo_ms=None, speed=1.0):
+  """A replay report as scripts/replay.py writes it (``metrics.build_report``,
+  its ``slo`` block and ledger, and with ``slo_ms`` = (TTFT, TPOT) limits
+  the goodput block), on four hand-made requests whose token gaps scale
+  with 1 / ``speed``: no engine runs."""
+  from serving.harness import ledger
+  from serving.harness import metrics
+  records = [metrics.RequestRecord(
+      request_id=f"r{i}", client="default", arrival_s=float(i), first_token_s=i + 0.3 / speed,
+      token_times_s=tuple(i + (0.3 + 0.07 * k) / speed for k in range(5)), prompt_tokens=20,
+      output_tokens=5, outcome="completed") for i in range(4)]
+  duration_s = 3.0 + 0.6 / speed
+  ttft_ms, tpot_ms = slo_ms or (None, None)
+  report = metrics.build_report(records, duration_s, {"policy_id": policy, "model": "tiny",
+                                                     "executor": "simulated"},
+                                num_offered=len(records))
+  report["slo"] = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "tbt_ms": None, "classes": None}
+  if slo_ms:
+    report["goodput"] = metrics.goodput(records, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+                                        duration_s=duration_s)
+  report["ledger"] = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=ttft_ms,
+                                         tpot_ms=tpot_ms)
+  metrics.write_report(path, report)
+  return str(path)
+
+
+def test_compare_replays_without_slos_ranks_by_throughput_and_says_why(tmp_path):
+  """Replays made without SLO flags have no goodput: the default metric
+  falls back to request_throughput with a note; --metric=request_goodput
+  given is refused in one line saying that no SLOs were declared and
+  listing the metrics that are numbers in both reports; values print to 4
+  significant digits."""
+  a = _replay_json(tmp_path / "a.json", "sarathi_serve", speed=1.0)
+  b = _replay_json(tmp_path / "b.json", "fastserve", speed=3.0)
+  out = _run("compare.py", a, b).stdout.splitlines()
+  assert out[0].startswith("note: no SLOs were declared in these replays"), out
+  assert "ranking by request_throughput" in out[0]
+  assert "request_throughput" in out[1] and "(higher is better)" in out[1]
+  rows = [line.split() for line in out[2:4]]
+  assert [r[1] for r in rows] == ["fastserve", "sarathi_serve"], out   # the shorter run
+  assert [r[2] for r in rows] == ["1.25", "1.111"], out     # 4 / 3.2 s and 4 / 3.6 s
+  last = _run("compare.py", a, b, "--metric=request_goodput",
+              expect_rc=2).stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: --metric='request_goodput' is not a number in ['{a}', "
+                         f"'{b}'] (no SLOs were declared in those replays: goodput needs "
+                         f"replay.py --slo_ttft_ms/--slo_tpot_ms or --slo_class); numbers "
+                         f"in every run: "), last
+  numbers = last.split("numbers in every run: ")[1].split(", ")
+  assert {"request_throughput", "median_ttft_ms", "completed"} <= set(numbers), numbers
+  assert "request_goodput" not in numbers
+  # E2EL 0.58 s / speed, lower first: 193.333... and 579.999... ms.
+  out = _run("compare.py", a, b, "--metric=mean_e2el_ms").stdout.splitlines()
+  assert [line.split()[2] for line in out[1:3]] == ["193.3", "580"], out
+
+
+def test_compare_replays_with_slos_ranks_by_goodput_by_default(tmp_path):
+  """With SLOs declared, the default is request_goodput (no note); only the
+  faster run meets a 200 ms TTFT, so it alone has goodput."""
+  a = _replay_json(tmp_path / "a.json", "sarathi_serve", slo_ms=(200.0, 100.0))
+  b = _replay_json(tmp_path / "b.json", "fastserve", slo_ms=(200.0, 100.0), speed=3.0)
+  out = _run("compare.py", a, b).stdout.splitlines()
+  assert "request_goodput" in out[0] and not out[0].startswith("note:"), out
+  assert [line.split()[1:3] for line in out[1:3]] == [["fastserve", "1.25"],
+                                                     ["sarathi_serve", "0"]], out
+
+
+def test_table_prints_4_significant_digits():
+  from serving.harness import ablation
+  assert [ablation.number_text(v) for v in (0.09424083769633508, 2356.1228521072185,
+                                            123456.7, 9999.6, 3, None)] == [
+      "0.09424", "2356", "123457", "10000", "3", "n/a"]
+  rows = [{"name": "a", "policy": "orca", "median_ttft_ms": 2356.1228521072185,
+           "completed": 7}]
+  assert ablation.table(rows, "median_ttft_ms", ["completed"]).splitlines()[1].split() == [
+      "a", "orca", "2356", "7"]
 
 
 # ~1 min; tests/serving/test_research_workflow.py compares policies by default.

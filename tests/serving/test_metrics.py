@@ -15,6 +15,7 @@ from serving.harness.metrics import (
     ServiceGap,
     build_report,
     client_service_gap,
+    format_goodput,
     format_table,
     goodput,
     min_samples_for_percentile,
@@ -152,6 +153,15 @@ def test_report_with_no_completion_gates_everything():
     assert (r["completed"], r["failed"], r["rejected"]) == (0, 1, 1)
     assert r["request_throughput"] == 0.0
     assert r["mean_ttft_ms"] is None and "mean_ttft_ms" in r["insufficient_sample"]
+
+
+def test_goodput_line_rounds_to_4_significant_digits():
+    """replay.py's goodput line: 1/3 prints as 0.3333, not 0.3333333333333333."""
+    g = goodput(_example(), ttft_ms=150, tpot_ms=100, duration_s=3.0)
+    assert format_goodput(g) == ("goodput: 1/5 SLO-valid, 0.3333 req/s; attainment offered "
+                                 "0.2, admitted 0.25, completion-conditioned 0.3333")
+    g = dict(g, offered_attainment=0.09424083769633508, admitted_attainment=None)
+    assert "attainment offered 0.09424, admitted n/a," in format_goodput(g)
 
 
 def test_goodput_denominators_on_hand_example():
