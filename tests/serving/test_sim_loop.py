@@ -197,3 +197,39 @@ def test_future_requests_keep_their_order_and_the_queue_bound(cost_file):
   assert not engine.requests["c0"].output_token_ids
   engine.run()      # the requests still to arrive run through simulate
   assert [engine.requests[r].outcome for r in ("a", "c0", "c1", "c2")] == ["completed"] * 4
+
+
+def test_requests_that_arrived_inside_a_short_simulate_call_count_against_the_bound(
+    cost_file):
+  """``simulate(max_iterations=...)`` may return with future requests whose
+  arrival has passed still waiting to be taken (the call stopped at the
+  first arrival no free slot could take). They are accepted and unfinished,
+  so ``add_request`` counts them: with 4 live and 4 arrived, an engine
+  bounded at 8 refuses a ninth request, and the slot table never asks for
+  more than 8 slots."""
+  engine = _engine(cost_file, max_request_slots=4, max_queued_requests=8)
+  p, sampling = prompts([4] * 9), SamplingParams(max_tokens=8, ignore_eos=True)
+  for i in range(4):
+    engine.add_request(f"live{i}", p[i], sampling)
+  for i in range(4):
+    engine.add_future_request(f"due{i}", p[4 + i], sampling, arrival_ms=1.0)
+  engine.simulate(max_iterations=1)
+  assert engine.now_ms() >= 1.0
+  assert len(engine._future) == 4        # arrived, not yet taken
+  with pytest.raises(QueueFull, match="max_queued_requests=8"):
+    engine.add_request("over", p[8], sampling)
+  engine.run(max_iterations=200)
+  assert engine.num_slots == 8 and "over" not in engine.requests
+  assert [r.outcome for r in engine.requests.values()] == ["completed"] * 8
+
+
+def test_the_slot_table_refuses_to_grow_past_the_bound(cost_file):
+  """A slot table asked for more than ``max_queued_requests`` slots (the
+  bound every accepted request counts against) is a broken count: an
+  error naming the bound, not a doubling loop that never ends."""
+  engine = _engine(cost_file, max_request_slots=4, max_queued_requests=8)
+  with pytest.raises(RuntimeError, match=r"9 slots.*max_queued_requests=8"):
+    engine._grow(9)
+  assert engine.num_slots == 4
+  engine._grow(8)
+  assert engine.num_slots == 8
