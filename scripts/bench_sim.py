@@ -62,11 +62,14 @@ flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
                      "(serving.harness.workloads.FIT_RULE).")
 flags.DEFINE_string("cost_model", "", "Cost model JSON.")
-flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows.")
-flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time (s), checked "
+flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows (>= 1).")
+flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time (s, > 0), checked "
                    "between program calls: with --loop a call runs up to 512 iterations, "
-                   "seconds over a long queue, plus the first call's compile.")
-flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON.")
+                   "seconds over a long queue, plus the first call's compile. Unset: no "
+                   "limit, the whole trace.")
+flags.DEFINE_string("out", "runs/bench_sim.json", "Report JSON; missing parent folders are "
+                    "created and an existing file is overwritten. A path that cannot be "
+                    "written is refused before anything loads.")
 flags.DEFINE_bool("loop", True, "Many iterations per program call (Engine.simulate); "
                   "False: one Engine.step per iteration.")
 flags.DEFINE_string("cache_dir", ".cache/iterserve", "XLA compilation cache under "
@@ -76,8 +79,26 @@ flags.DEFINE_bool("enable_prefix_caching", False, "Automatic prefix caching (the
                   "needs it off).")
 
 
+def check_flags() -> None:
+  """Refuses a bad flag value by name (ValueError) before the trace or a
+  model config loads."""
+  if FLAGS.log_every < 1:
+    raise ValueError(f"--log_every must be >= 1, got {FLAGS.log_every}")
+  if FLAGS.max_wall_s is not None and not (math.isfinite(FLAGS.max_wall_s)
+                                           and FLAGS.max_wall_s > 0):
+    raise ValueError(f"--max_wall_s must be finite and > 0 (unset: no limit), got "
+                     f"{FLAGS.max_wall_s}")
+  if not FLAGS.out or os.path.isdir(FLAGS.out):
+    raise ValueError(f"--out must be a file path for the report JSON, got {FLAGS.out!r}")
+  cli.check_creatable("out", FLAGS.out)
+  # The folder is made (and written to) now: one the process cannot use is
+  # refused before the run, not after it.
+  cli.make_dir("out", os.path.dirname(os.path.abspath(FLAGS.out)))
+
+
 def main(argv):
   del argv
+  check_flags()
   cli.use_compile_cache("cache_dir", FLAGS.cache_dir)
   loader, path = traces.trace_loader(FLAGS.trace)
   cfg = PRESETS[FLAGS.model] if FLAGS.model in PRESETS else load_config(FLAGS.model)[0]
@@ -101,7 +122,7 @@ def main(argv):
   print(f"{len(specs)} requests over {wl.duration_s:.0f} s (loaded in {load_s:.1f} s)")
   stopped, queue_full = False, 0
   # With --max_wall_s the wall clock is read after every program call.
-  per_call = sim_loop.LOOP_ITERATIONS if FLAGS.max_wall_s else FLAGS.log_every
+  per_call = sim_loop.LOOP_ITERATIONS if FLAGS.max_wall_s is not None else FLAGS.log_every
 
   def add(s, method):
     engine.realized_output_tokens[s.request_id] = s.max_tokens
@@ -146,7 +167,7 @@ def main(argv):
       last = (wall, n)
       rows.append(row)
       print(row, flush=True)
-    if FLAGS.max_wall_s and time.perf_counter() - start > FLAGS.max_wall_s:
+    if FLAGS.max_wall_s is not None and time.perf_counter() - start > FLAGS.max_wall_s:
       stopped = True
       break
   wall_s = time.perf_counter() - start
@@ -164,8 +185,8 @@ def main(argv):
          "workload_load_s": load_s, "load_avg": os.getloadavg(),
          "compile_cache": f"{FLAGS.cache_dir}/xla" if FLAGS.cache_dir else None,
          "cost_model": engine.cost_model.to_json(), "progress": rows}
-  os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-  json.dump(out, open(FLAGS.out, "w"), indent=1)
+  with open(FLAGS.out, "w") as f:
+    json.dump(out, f, indent=1)
   print(f"wrote {FLAGS.out}")
   print({k: v for k, v in out.items() if k not in ("progress", "cost_model", "workload")})
 
