@@ -14,6 +14,9 @@ is measured only when the grid brackets it (a rate meets alpha, the next
 misses); when every rate meets alpha it is a lower bound, printed ``>= R``
 (raise --rate_scales), and when the lowest misses it is ``< R`` (lower them).
 Every trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
+A trial's offered rate is its requests over its window as replayed,
+``--window_s`` / rate scale seconds (``offered_rate``), so a window with one
+request, or with its arrivals bunched at one end, offers what the trace did.
 
 Prompt and output lengths are fitted into ``--max_model_len`` together
 (``serving.harness.workloads.FIT_RULE``: the output keeps min(requested,
@@ -69,8 +72,9 @@ flags.DEFINE_enum("executor", "simulated", ["simulated", "model"], "Executor.")
 flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simulated.")
 flags.DEFINE_string("cost_model", None, "Cost model: a calibration JSON or profile:NAME "
                     "(default: the engine preset's cost_model, else the shipped calibration).")
-flags.DEFINE_integer("sample_every", 8, "Ledger time series: every N steps.")
-flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs).")
+flags.DEFINE_integer("sample_every", 8, "Ledger time series: every N steps (>= 1).")
+flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs); created with "
+                    "its missing parents, an existing sweep.json in it is overwritten.")
 flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
                   "sweep.json files (same trace, window, SLOs, alpha and trials; "
                   "different rate grids) into --out, recomputing G* and plots.")
@@ -115,7 +119,6 @@ def run_trial(model_cfg, params, config, wl):
   gaps = [(b - a) * 1e3 for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
   clients = sorted({r.client for r in records})
   return {
-      "offered_rate_req_s": len(wl) / max(wl.duration_s, 1e-9),
       "duration_s": duration_s, "wall_s": wall_s, "iterations": engine.num_iterations,
       "iterations_per_s": engine.num_iterations / wall_s,
       "attainment": led["goodput"]["offered_attainment"],
@@ -132,6 +135,15 @@ def run_trial(model_cfg, params, config, wl):
                          for c in clients[:6]},
       "config": report["config"], "engine_outcomes": outcomes, "workload": wl.describe(),
   }
+
+
+def offered_rate(num_requests: int, window_s: float, rate_scale: float) -> float:
+  """Requests per second a trial offers: its requests over its window's
+  length as replayed (``window_s`` trace seconds, every gap divided by
+  ``rate_scale``). Not over the span from the first arrival to the last,
+  which is 0 s for a window with one request (a rate of 1e9 req/s) and
+  short for one whose arrivals bunch up."""
+  return num_requests * rate_scale / window_s
 
 
 def _service_curve(records, client, w_p=1.0, w_q=2.0, points=40):
@@ -206,6 +218,13 @@ def plots(result, out):
   fig.tight_layout(); fig.savefig(f"{out}/client_service.png", dpi=90); plt.close(fig)
 
 
+def _check_out() -> None:
+  """--out, checked before anything loads (ValueError naming it)."""
+  if not FLAGS.out:
+    raise ValueError("--out must name the folder for sweep.json and the PNGs, got ''")
+  cli.check_creatable("out", FLAGS.out, directory=True)
+
+
 def _check_flags():
   """The sweep's flags, checked before any trial runs; returns the rate
   scales. Raises ValueError naming the flag and the rule."""
@@ -225,7 +244,7 @@ def _check_flags():
   if not FLAGS.policies or unknown:
     raise ValueError(f"--policies must name registered policies {sorted(POLICIES)}, got "
                      f"{FLAGS.policies}")
-  for name in ("trials",):
+  for name in ("trials", "sample_every"):
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   for name in ("window_s", "ttft_ms", "tpot_ms"):
@@ -233,15 +252,19 @@ def _check_flags():
       raise ValueError(f"--{name} must be > 0, got {getattr(FLAGS, name)}")
   if not 0 < FLAGS.alpha <= 1:
     raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
+  _check_out()
   return rates
 
 
 def main(argv):
   del argv
-  if FLAGS.merge:
+  if FLAGS["merge"].present:
+    if not FLAGS.merge:
+      raise ValueError("--merge must name at least one sweep.json, got ''")
+    _check_out()
     return finish(merge(FLAGS.merge))
-  os.makedirs(FLAGS.out, exist_ok=True)
   rates = _check_flags()
+  cli.make_dir("out", FLAGS.out)
   base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
                              executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                              num_clients=64)
@@ -261,6 +284,7 @@ def main(argv):
           print(f"trial {k} x{rate:g}: {note}")
         t = run_trial(model_cfg, params, config, wl)
         t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
+                 offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
                  window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
         result["trials"].append(t)
         print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
@@ -290,9 +314,9 @@ def merge(paths):
   Raises:
     ValueError: a setting other than the rate grid differs, or a rate repeats.
   """
-  runs = [json.load(open(p)) for p in paths]
   keys = ("trace", "window_s", "trials_per_point", "slo", "alpha", "policies",
           "metric_definitions")
+  runs = [_read_sweep(p, keys + ("rate_scales", "trials")) for p in paths]
   for p, r in zip(paths[1:], runs[1:]):
     for k in keys:
       if r[k] != runs[0][k]:
@@ -304,7 +328,27 @@ def merge(paths):
   ablation.check_comparable([dict(t, rate_scale=None) for r in runs for t in r["trials"]])
   return dict({k: runs[0][k] for k in keys}, rate_scales=rates, merged_from=list(paths),
               trials=[t for r in runs for t in r["trials"]], points={}, g_star={},
-              load_avg_start=runs[0]["load_avg_start"], load_avg_end=runs[-1]["load_avg_end"])
+              load_avg_start=runs[0].get("load_avg_start"),
+              load_avg_end=runs[-1].get("load_avg_end"))
+
+
+def _read_sweep(path: str, keys) -> dict:
+  """A sweep.json of --merge, or ValueError naming the flag and the file:
+  missing, not JSON, or not a sweep (a replay report has no rate grid)."""
+  if not os.path.isfile(path):
+    raise ValueError(f"--merge: {path!r} is not a file")
+  try:
+    with open(path) as f:
+      run = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"--merge: {path!r} cannot be read as JSON ({e})") from None
+  missing = [k for k in keys if k not in run] if isinstance(run, dict) else list(keys)
+  if missing:
+    named = ", ".join(map(repr, missing[:3])) + (f" and {len(missing) - 3} more"
+                                                 if len(missing) > 3 else "")
+    raise ValueError(f"--merge takes sweep.json files written by sweep.py; {path!r} is not "
+                     f"one (it has no {named}; a replay report is one run, not a sweep)")
+  return run
 
 
 def finish(result):

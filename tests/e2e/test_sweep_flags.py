@@ -1,0 +1,82 @@
+"""sweep.py's flags and --merge inputs: a bad one is one line naming the
+flag and its rule, exit status 2, before any model loads; and the offered
+rate of a trial, taken over its window."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import refusals
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_refusal_servers():
+  yield
+  refusals.stop_servers()
+
+
+@pytest.fixture
+def replay_report(tmp_path):
+  path = tmp_path / "replay.json"
+  path.write_text(json.dumps({"config": {}, "request_goodput": 1.0, "goodput": {}}))
+  return path
+
+
+def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, replay_report):
+  not_json = tmp_path / "bad.json"
+  not_json.write_text("{truncated")
+  cases = [
+      (["--merge=nosuch.json"], "error: --merge: 'nosuch.json' is not a file"),
+      ([f"--merge={replay_report}"],
+       f"error: --merge takes sweep.json files written by sweep.py; '{replay_report}' is not "
+       f"one (it has no 'trace', 'window_s', 'trials_per_point' and 6 more; a replay report "
+       f"is one run, not a sweep)"),
+      ([f"--merge={not_json}"],
+       f"error: --merge: '{not_json}' cannot be read as JSON (Expecting property name "
+       f"enclosed in double quotes: line 1 column 2 (char 1))"),
+      (["--merge="], "error: --merge must name at least one sweep.json, got ''"),
+      (["--out="], "error: --out must name the folder for sweep.json and the PNGs, got ''"),
+      ([f"--merge={replay_report}", "--out="],
+       "error: --out must name the folder for sweep.json and the PNGs, got ''"),
+      (["--out=README.md"],
+       "error: --out 'README.md' cannot be written: it exists and is not a writable directory"),
+      (["--sample_every=0"], "error: --sample_every must be >= 1, got 0"),
+  ]
+  for args, line in cases:
+    assert refusals.refused("sweep.py", *args) == (2, line), args
+
+
+def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
+  """Trace windows of 2 s holding one request each: the offered rate is
+  requests x rate scale / window (0.5 and 2 req/s), not requests over the
+  span of their arrivals (0 s: 1e9 req/s). A merge of the sweep with a
+  copy at another rate scale reads both."""
+  trace = tmp_path / "one_per_window.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  out = tmp_path / "sweep"
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--trace=azure:{trace}",
+       "--engine=tiny", "--max_model_len=64", "--policies=sarathi_serve", "--window_s=2",
+       "--rate_scales=1,4", "--trials=1", f"--out={out}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  result = json.loads((out / "sweep.json").read_text())
+  assert [(t["rate_scale"], t["num_requests"], t["offered_rate_req_s"])
+          for t in result["trials"]] == [(1.0, 1, 0.5), (4.0, 1, 2.0)]
+  assert [p["rate_req_s"] for p in result["points"]["sarathi_serve"]] == [0.5, 2.0]
+  assert "G*(sarathi_serve) at alpha=0.9: >= 2 req/s" in proc.stdout
+
+  other = dict(result, rate_scales=[8.0], trials=[
+      dict(t, rate_scale=8.0, offered_rate_req_s=4.0) for t in result["trials"][1:]])
+  (tmp_path / "other.json").write_text(json.dumps(other))
+  merged = tmp_path / "merged"
+  status, stdout, stderr = refusals.run("sweep.py", f"--merge={out / 'sweep.json'},"
+                                        f"{tmp_path / 'other.json'}", f"--out={merged}")
+  assert status == 0, stderr[-3000:]
+  assert json.loads((merged / "sweep.json").read_text())["rate_scales"] == [1.0, 4.0, 8.0]
