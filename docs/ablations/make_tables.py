@@ -4,10 +4,16 @@
 
 Reads ``RUNS/repro_{sarathi512_300s,sarathi512,nochunk,orca}/sweep.json`` (Sarathi-Serve
 capacity), ``RUNS/vtc_two_clients/sweep.json`` (VTC overload) and
-``RUNS/long{,_hi}/*.json`` (replay reports of the long-prompt mix); prints the
-Markdown tables, writes the PNGs beside this file and ``results.json`` (the
-numbers of every table with the load average each run recorded: wall-time
-figures depend on it, the virtual-time results do not).
+``RUNS/long{,_hi}/{sarathi_serve,vllm_v1,orca,sjf,srpt,spf}.json`` (replay
+reports of the long-prompt mix); prints the Markdown tables, writes the PNGs
+and ``results.json`` (the numbers of every table with the load average each
+run recorded: wall-time figures depend on it, the virtual-time results do
+not) into ``--out``, beside this file by default.
+
+Every one of those runs must be there and be JSON: a missing or empty
+``--runs`` folder, or one with runs missing (named in the error), is refused
+with one line and exit status 2 before anything is written, so the tracked
+tables are never replaced by partial ones.
 
 Capacity follows Sarathi-Serve's capacity search (microsoft/sarathi-serve,
 ``sarathi/benchmark/capacity_search``): the largest offered rate whose P99
@@ -20,16 +26,51 @@ import argparse
 import glob
 import json
 import os
+import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from serving import cli
 TBT_SLO_MS = 100.0
 MEDIAN_DELAY_MS = 2000.0
 REPRO = (("sarathi512_300s", "sarathi_serve, budget = chunk 512, 300 s window"),
          ("sarathi512", "sarathi_serve, budget = chunk 512, 60 s window"),
          ("nochunk", "vllm_v1, budget = chunk 8,192 (no chunking), 60 s window"),
          ("orca", "orca, whole prompts, budget 16,384, 60 s window"))
+LONG_POLICIES = ("sarathi_serve", "vllm_v1", "orca", "sjf", "srpt", "spf")
+LONG_FOLDERS = ("long", "long_hi")
+
+
+def expected_runs():
+  """The run JSONs the tables are built from, relative to --runs."""
+  return ([f"repro_{key}/sweep.json" for key, _ in REPRO] + ["vtc_two_clients/sweep.json"]
+          + [f"{folder}/{p}.json" for folder in LONG_FOLDERS for p in LONG_POLICIES])
+
+
+def check_runs(runs: str) -> None:
+  """Refuses (ValueError naming --runs) a folder that is missing, holds
+  none of ``expected_runs``, lacks some (named), or has one that is not
+  JSON: the tables are rebuilt from every run or not at all."""
+  if not os.path.isdir(runs):
+    raise ValueError(f"--runs {runs!r} is not a folder (the runs of docs/ablations.md write "
+                     f"into runs/abl)")
+  expected = expected_runs()
+  missing = [r for r in expected if not os.path.isfile(os.path.join(runs, r))]
+  if len(missing) == len(expected):
+    raise ValueError(f"--runs {runs!r} holds none of the {len(expected)} runs the tables "
+                     f"are built from (e.g. {expected[0]}; docs/ablations.md runs them)")
+  if missing:
+    raise ValueError(f"--runs {runs!r} lacks {len(missing)} of the {len(expected)} runs the "
+                     f"tables are built from: {', '.join(missing)} (docs/ablations.md runs "
+                     f"them; nothing was written)")
+  for r in expected:
+    try:
+      _load(os.path.join(runs, r))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise ValueError(f"--runs {runs!r}: {r} cannot be read as JSON ({e})") from None
 
 
 def _load(path):
@@ -58,10 +99,7 @@ def capacity(sweep):
 def repro(runs, out):
   result, fig_rows = {}, []
   for key, label in REPRO:
-    path = f"{runs}/repro_{key}/sweep.json"
-    if not os.path.exists(path):
-      continue
-    sweep = _load(path)
+    sweep = _load(f"{runs}/repro_{key}/sweep.json")
     rows, cap, over = capacity(sweep)
     result[key] = dict(label=label, rows=rows, capacity_req_s=cap, first_failing_req_s=over,
                        load_avg_start=sweep["load_avg_start"], load_avg_end=sweep["load_avg_end"])
@@ -107,10 +145,7 @@ def _on_grid(curve, grid):
 
 
 def vtc(runs, out):
-  path = f"{runs}/vtc_two_clients/sweep.json"
-  if not os.path.exists(path):
-    return {}
-  sweep = _load(path)
+  sweep = _load(f"{runs}/vtc_two_clients/sweep.json")
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -154,11 +189,9 @@ def vtc(runs, out):
 
 def long_mix(runs, folder):
   result = {}
-  order = ["sarathi_serve", "vllm_v1", "orca", "sjf", "srpt", "spf"]
+  order = list(LONG_POLICIES)
   paths = {os.path.splitext(os.path.basename(p))[0]: p
            for p in glob.glob(f"{runs}/{folder}/*.json")}
-  if not paths:
-    return result
   print(f"\n{folder}:")
   print("| policy | engine | P99 TBT (ms) | TTFT mean / p90 (s) | E2E mean / p90 (s) | "
         "goodput valid / offered | req/s | starved | preempted | rejected |")
@@ -187,17 +220,27 @@ def long_mix(runs, folder):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--runs", default="runs/abl", help="Folder the runs wrote into.")
+  parser.add_argument("--runs", default="runs/abl", help="Folder the runs wrote into; "
+                      "every run the tables use must be there (refused otherwise).")
+  parser.add_argument("--out", default=HERE, help="Folder for results.json and the PNGs "
+                      "(default: docs/ablations, beside this script; created if missing).")
   parser.add_argument("--long_load_avg", default=None,
                       help="Load averages seen around the long-mix replays (their "
                            "reports record none), e.g. '8.9-10.5'.")
   args = parser.parse_args()
-  results = {"repro": repro(args.runs, HERE), "vtc": vtc(args.runs, HERE),
-             "long_mix": {f: long_mix(args.runs, f) for f in ("long", "long_hi")},
+  try:
+    check_runs(args.runs)
+    if not args.out:
+      raise ValueError("--out must name the folder for results.json and the PNGs, got ''")
+    cli.make_dir("out", args.out)
+  except ValueError as e:
+    cli.refuse(str(e))
+  results = {"repro": repro(args.runs, args.out), "vtc": vtc(args.runs, args.out),
+             "long_mix": {f: long_mix(args.runs, f) for f in LONG_FOLDERS},
              "long_mix_load_avg": args.long_load_avg}
-  with open(f"{HERE}/results.json", "w") as f:
+  with open(f"{args.out}/results.json", "w") as f:
     json.dump(results, f, indent=1)
-  print(f"\nwrote {HERE}/results.json and PNGs")
+  print(f"\nwrote {args.out}/results.json and PNGs")
 
 
 if __name__ == "__main__":
