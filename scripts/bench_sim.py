@@ -28,7 +28,6 @@ Mistral setup); it is kept in the XLA compilation cache under
 The first progress row's ``wall_s`` shows which a run did.
 """
 
-import bisect
 import json
 import math
 import os
@@ -124,6 +123,12 @@ def main(argv):
   # With --max_wall_s the wall clock is read after every program call.
   per_call = sim_loop.LOOP_ITERATIONS if FLAGS.max_wall_s is not None else FLAGS.log_every
 
+  def admitted():
+    """Accepted requests whose arrival has come (not those refused at the
+    queue bound, nor those handed over ahead of an arrival still to come)."""
+    now_ms = engine.now_ms()
+    return sum(r.arrival_ms <= now_ms for r in engine.requests.values())
+
   def add(s, method):
     engine.realized_output_tokens[s.request_id] = s.max_tokens
     method(s.request_id, s.prompt_token_ids,
@@ -160,7 +165,7 @@ def main(argv):
       status = jax.device_get(engine.state.status)
       row = {"iterations": n, "wall_s": round(wall - start, 1),
              "virtual_s": round(engine.now_ms() / 1000.0, 1),
-             "admitted": bisect.bisect_right(arrivals_ms, engine.now_ms()) - queue_full,
+             "admitted": admitted(),
              "finished": sum(r.finished for r in engine.requests.values()),
              "waiting": len(engine._pending) + int(np.sum(status == rec.WAITING)),
              "it_per_s": round((n - last[1]) / (wall - last[0]), 1)}
@@ -175,7 +180,7 @@ def main(argv):
          "workload": wl.describe(),
          "policy": FLAGS.policy, "completed": sum(r.outcome == "completed"
                                                   for r in engine.requests.values()),
-         "admitted": bisect.bisect_right(arrivals_ms, engine.now_ms()) - queue_full,
+         "admitted": admitted(),
          "refused_queue_full": queue_full,
          "path": "loop" if refusal is None else "step", "loop_refusal": refusal,
          "enable_prefix_caching": FLAGS.enable_prefix_caching,
