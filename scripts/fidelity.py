@@ -119,13 +119,7 @@ def _check_flags() -> None:
     _, path = traces.trace_loader(trace, "--traces entries")
     if not os.path.isfile(path):
       raise ValueError(f"--traces: {path!r} (of {trace!r}) is not a file")
-  try:
-    a, b = (float(x) for x in FLAGS.window_s)
-  except ValueError:
-    raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
-                     f"{','.join(FLAGS.window_s)!r}") from None
-  if not 0 <= a < b:
-    raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
+  launch.parse_window(FLAGS.window_s)
   for x in FLAGS.time_scales:
     try:
       ok = float(x) > 0 and math.isfinite(float(x))

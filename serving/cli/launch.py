@@ -198,22 +198,25 @@ def check_workload_flags() -> None:
       raise ValueError(f"--{name} must be >= 1, got {value}")
 
 
-def _flag_window():
-  """--window_s as (A, B), or None when unset.
+def parse_window(values) -> tuple:
+  """A --window_s list flag's value as (A, B) seconds.
 
   Raises:
-    ValueError: not two numbers, or not 0 <= A < B.
+    ValueError: not two numbers, or not 0 <= A < B (naming --window_s).
   """
-  if not FLAGS.window_s:
-    return None
   try:
-    a, b = (float(x) for x in FLAGS.window_s)
+    a, b = (float(x) for x in values)
   except ValueError:
     raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
-                     f"{','.join(FLAGS.window_s)!r}") from None
+                     f"{','.join(values)!r}") from None
   if not 0 <= a < b:
     raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
   return a, b
+
+
+def _flag_window():
+  """--window_s as (A, B), or None when unset (``parse_window``)."""
+  return parse_window(FLAGS.window_s) if FLAGS.window_s else None
 
 
 def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:
