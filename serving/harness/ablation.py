@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional, Sequence
 
+from serving.harness.metrics import number_text
+
 METRIC_DEFINITIONS = ("vLLM benchmark_serving TTFT/TPOT/ITL/E2EL from original arrival; "
                       "attainment = valid/offered (§0x07); G* = largest rate with mean "
                       "attainment >= alpha (DistServe)")
@@ -188,19 +190,6 @@ LOWER_IS_BETTER = ("rejected", "failed", "cancelled", "num_preemptions", "num_cl
 def lower_is_better(metric: str) -> bool:
   """Whether ``table`` ranks ``metric`` ascending (see ``LOWER_IS_BETTER``)."""
   return metric.endswith(("_ms", "_s")) or metric in LOWER_IS_BETTER
-
-
-def number_text(value, digits: int = 4) -> str:
-  """``value`` for a line of text: None as ``"n/a"``, an int as it is, a
-  float to ``digits`` significant digits (0.09424083769633508 ->
-  ``"0.09424"``, 2356.1228521072185 -> ``"2356"``), a float with more
-  integer digits than that rounded to an integer (123456.7 -> ``"123457"``)."""
-  if value is None:
-    return "n/a"
-  if isinstance(value, float):
-    text = f"{value:.{digits}g}"
-    return f"{value:.0f}" if "e+" in text else text
-  return str(value)
 
 
 def table(rows: List[dict], metric: str, columns: Sequence[str] = ()) -> str:

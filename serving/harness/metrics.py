@@ -27,7 +27,6 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from serving.engine.config import OUTCOMES
-from serving.harness.ablation import number_text
 LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 DEFAULT_PERCENTILES = (90.0, 95.0, 99.0)
 
@@ -584,10 +583,23 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def number_text(value, digits: int = 4) -> str:
+    """``value`` for a line of text: None as ``"n/a"``, an int as it is, a
+    float to ``digits`` significant digits (0.09424083769633508 ->
+    ``"0.09424"``, 2356.1228521072185 -> ``"2356"``), a float with more
+    integer digits than that rounded to an integer (123456.7 -> ``"123457"``)."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        text = f"{value:.{digits}g}"
+        return f"{value:.0f}" if "e+" in text else text
+    return str(value)
+
+
 def format_goodput(g: dict) -> str:
     """One line of a `goodput` result: SLO-valid requests, request goodput
     and the three attainments, numbers to 4 significant digits
-    (`ablation.number_text`, as scripts/compare.py prints them)."""
+    (`number_text`, as scripts/compare.py prints them)."""
     return (f"goodput: {g['valid']}/{g['offered']} SLO-valid, "
             f"{number_text(g.get('request_goodput'))} req/s; attainment offered "
             f"{number_text(g['offered_attainment'])}, admitted "
