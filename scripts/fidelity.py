@@ -31,6 +31,12 @@ records, duration, iterations, load averages) to one JSON; with
 another cost model is checked against the same measurement (no real replay
 runs, no model weights load, and the load check is skipped: only simulated
 replays run).
+
+``--measured_again=PATH`` reads a second ``--measured`` JSON of the same
+cases, measured in another run, and gives each case ``repeatability``: the
+same per-request errors between the two real replays (``fidelity`` of one
+against the other). That is the machine's own repeatability: a cost model
+cannot be closer to one real replay than another real replay is.
 """
 
 import dataclasses
@@ -71,6 +77,9 @@ flags.DEFINE_string("step_log", None, "Also log every step of the real replays (
                     "(scripts/calibrate.py --refit_steps fits on it).")
 flags.DEFINE_string("measured", None, "Write the real replays' per-request records to this "
                     "JSON (or, with --reuse_measured, read them from it).")
+flags.DEFINE_string("measured_again", None, "A second --measured JSON of the same cases "
+                    "(another run): each case also reports the two real replays' "
+                    "per-request difference (repeatability).")
 flags.DEFINE_bool("reuse_measured", False, "Check the cost model against the real replays in "
                   "--measured instead of replaying (simulated replays only).")
 launch.define_engine_flags()
@@ -80,11 +89,11 @@ def _case_key(trace: str, scale: float) -> str:
   return f"{trace}@x{scale:g}"
 
 
-def _load_measured(path: str) -> dict:
+def _load_measured(path: str, flag: str = "--measured") -> dict:
   """The real replays a ``--measured`` run wrote.
 
   Raises:
-    ValueError: naming --measured, when the file is not such a JSON.
+    ValueError: naming ``flag``, when the file is not such a JSON.
   """
   try:
     with open(path) as f:
@@ -94,9 +103,22 @@ def _load_measured(path: str) -> dict:
     for case in data["cases"].values():
       case["records"] = [RequestRecord(**r) for r in case["records"]]
   except (ValueError, KeyError, TypeError, AttributeError) as e:
-    raise ValueError(f"--measured {path!r} is not a JSON of measured replays (written by "
+    raise ValueError(f"{flag} {path!r} is not a JSON of measured replays (written by "
                      f"--measured without --reuse_measured): {type(e).__name__}: {e}") from None
   return data
+
+
+def _measured_case(data: dict, key: str, requests: int, flag: str) -> dict:
+  """Case ``key`` of a ``--measured`` JSON, checked against the workload's
+  request count (ValueError naming ``flag`` when it has no such case, or
+  one of another size: another window or clipping)."""
+  if key not in data["cases"]:
+    raise ValueError(f"{flag} has no case {key!r} (it has {sorted(data['cases'])})")
+  m = data["cases"][key]
+  if m["requests"] != requests:
+    raise ValueError(f"{flag} case {key!r} has {m['requests']} requests, the "
+                     f"workload {requests}: another window or clipping")
+  return m
 
 
 def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
@@ -141,6 +163,9 @@ def _check_flags() -> None:
   if FLAGS.reuse_measured and not os.path.isfile(FLAGS.measured):
     raise ValueError(f"--measured: {FLAGS.measured!r} is not a file (--reuse_measured "
                      f"reads it)")
+  if FLAGS.measured_again and not os.path.isfile(FLAGS.measured_again):
+    raise ValueError(f"--measured_again: {FLAGS.measured_again!r} is not a file (a "
+                     f"--measured JSON of another run)")
   if FLAGS.step_log:
     cli.check_creatable("step_log", FLAGS.step_log)
   if FLAGS.measured and not FLAGS.reuse_measured:
@@ -155,6 +180,8 @@ def main(argv):
   engine_cfg = launch.engine_config()
   sim_cfg = launch.engine_config(executor="simulated")
   measured = _load_measured(FLAGS.measured) if FLAGS.reuse_measured else None
+  again = (_load_measured(FLAGS.measured_again, "--measured_again")
+           if FLAGS.measured_again else None)
   # Checked before this process loads or compiles anything: afterwards the
   # load average counts its own threads (recorded per case, not checked).
   load_at_start = os.getloadavg()[0]
@@ -168,6 +195,8 @@ def main(argv):
     cfg, params, _ = launch.load_flags_model(sim_cfg)     # the config only
     if measured["model"] != cfg.name:
       raise ValueError(f"--measured holds replays of {measured['model']!r}, not {cfg.name!r}")
+  if again is not None and again["model"] != cfg.name:
+    raise ValueError(f"--measured_again holds replays of {again['model']!r}, not {cfg.name!r}")
   saved = {"model": cfg.name, "engine": FLAGS.engine, "cases": {}}
   model_costs = cost_lib.engine_model_costs(cfg, engine_cfg)
   steps = None
@@ -188,13 +217,7 @@ def main(argv):
       wl = _workload(trace, scale, cfg.vocab_size, engine_cfg.max_model_len)
       key = _case_key(trace, scale)
       if measured is not None:
-        if key not in measured["cases"]:
-          raise ValueError(f"--measured has no case {key!r} (it has "
-                           f"{sorted(measured['cases'])})")
-        m = measured["cases"][key]
-        if m["requests"] != len(wl):
-          raise ValueError(f"--measured case {key!r} has {m['requests']} requests, the "
-                           f"workload {len(wl)}: another window or clipping")
+        m = _measured_case(measured, key, len(wl), "--measured")
         real, real_s, wall_s = m["records"], m["duration_s"], m["wall_s"]
         load_before, load_after = m["load_avg_before"], m["load_avg_after"]
         real_iterations = m["iterations"]
@@ -233,6 +256,12 @@ def main(argv):
               "iterations": {"measured": real_iterations,
                              "simulated": sim_engine.num_iterations},
               **fidelity(real, sim, real_s, sim_s)}
+      if again is not None:
+        other = _measured_case(again, key, len(wl), "--measured_again")
+        case["repeatability"] = {
+            "load_avg_before": other["load_avg_before"],
+            "load_avg_after": other["load_avg_after"],
+            **fidelity(real, other["records"], real_s, other["duration_s"])}
       if steps is not None:
         steps.cases[-1]["load_avg_after"] = load_after
         case["steps"] = steps.summary(len(steps.cases) - 1)
@@ -248,6 +277,11 @@ def main(argv):
             f"{real_s:.1f} s vs simulated {sim_s:.1f} s; median rel err {summary}; "
             f"load {load_before:.2f} -> {load_after:.2f}; iterations "
             f"{real_iterations} measured, {sim_engine.num_iterations} simulated")
+      if again is not None:
+        rep = case["repeatability"]
+        print(f"  measured again: {rep['measured_duration_s']:.1f} vs "
+              f"{rep['simulated_duration_s']:.1f} s; median rel err "
+              f"{ {k: (rep[k]['median_rel_err'] if rep[k] else None) for k in ('ttft', 'tpot', 'e2el')} }")
 
 
 if __name__ == "__main__":

@@ -243,6 +243,9 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
     ("fidelity.py", ["--traces=azure:README.md", "--reuse_measured",
                      "--measured=/nonexist.json"],
      "error: --measured: '/nonexist.json' is not a file (--reuse_measured reads it)"),
+    ("fidelity.py", ["--traces=azure:README.md", "--measured_again=/nonexist.json"],
+     "error: --measured_again: '/nonexist.json' is not a file (a --measured JSON of another "
+     "run)"),
     pytest.param("fidelity.py", ["--traces=azure:README.md", "--reuse_measured",
                                  "--measured=README.md"],
                  "error: --measured 'README.md' is not a JSON of measured replays",

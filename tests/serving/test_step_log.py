@@ -179,7 +179,8 @@ def test_grids_of_two_models_measured_apart_merge_into_one_fit(tmp_path):
 def test_fidelity_checks_a_second_cost_model_against_the_same_measured_replay(tmp_path):
   """scripts/fidelity.py --measured keeps each real replay's records;
   --reuse_measured checks another cost model against them without replaying
-  (same measured side, another simulated side), and refuses a case it lacks."""
+  (same measured side, another simulated side), and refuses a case it lacks;
+  --measured_again compares two measurements request by request."""
   trace = tmp_path / "trace.csv"
   trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                    "2023-11-16 18:17:03.00,20,4\n2023-11-16 18:17:03.40,9,6\n"
@@ -204,3 +205,10 @@ def test_fidelity_checks_a_second_cost_model_against_the_same_measured_replay(tm
   assert b["simulated_duration_s"] > 6 * 0.5 > a["simulated_duration_s"]
   other = run(f"--out={tmp_path / 'c.json'}", "--reuse_measured", "--time_scales=2")
   assert other.returncode != 0 and "--measured has no case" in other.stderr
+  # A measurement against itself: every per-request difference is exactly 0.
+  same = run(f"--out={tmp_path / 'd.json'}", "--reuse_measured", f"--measured_again={measured}")
+  assert same.returncode == 0, same.stderr[-2000:]
+  rep = json.loads((tmp_path / "d.json").read_text())["cases"][0]["repeatability"]
+  assert rep["completed_in_both"] == 3 and rep["duration_rel_err"] == 0.0
+  assert all(rep[k]["median_rel_err"] == rep[k]["p90_rel_err"] == 0.0
+             for k in ("ttft", "tpot", "e2el"))
