@@ -210,5 +210,6 @@ def test_fidelity_checks_a_second_cost_model_against_the_same_measured_replay(tm
   assert same.returncode == 0, same.stderr[-2000:]
   rep = json.loads((tmp_path / "d.json").read_text())["cases"][0]["repeatability"]
   assert rep["completed_in_both"] == 3 and rep["duration_rel_err"] == 0.0
+  assert rep["again_duration_s"] == rep["measured_duration_s"] == a["measured_duration_s"]
   assert all(rep[k]["median_rel_err"] == rep[k]["p90_rel_err"] == 0.0
              for k in ("ttft", "tpot", "e2el"))
