@@ -368,10 +368,6 @@ class ModelConfig:
     """The global layers' frequencies: ``rope``, or plain RoPE of ``rope_theta``."""
     return self.rope if self.rope is not None else RopeConfig(theta=self.rope_theta)
 
-  def rope_for_window(self, window: int) -> RopeConfig:
-    """The frequencies of a layer with sliding window ``window`` (0: global)."""
-    return self.rope_local if window and self.rope_local is not None else self.global_rope
-
 
 PRESETS: dict[str, ModelConfig] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct (config.json of the HF release and the

@@ -283,19 +283,6 @@ def _gguf_tensor(tensors: dict, name: str, shape: tuple, path: Path) -> np.ndarr
   return np.asarray(out, np.float32).reshape(shape)
 
 
-def read_gguf_tensors(path: Union[str, Path]) -> dict:
-  """Every tensor of a GGUF file as f32, torch order (``[out, in]``), rows as stored.
-
-  Raises:
-    ModelLoadError: not a GGUF, truncated, or a tensor of an unsupported type.
-  """
-  path = Path(path)
-  reader = _open_gguf(path)
-  tensors = {t.name: t for t in reader.tensors}
-  return {name: _gguf_tensor(tensors, name, tuple(int(d) for d in reversed(t.shape)), path)
-          for name, t in tensors.items()}
-
-
 def _stack_params(cfg: ModelConfig, get) -> dict:
   """Params tree from ``get(kind, layer) -> f32 [out, in]`` torch-layout arrays."""
   layers = {name: [] for name in ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm",
@@ -518,7 +505,7 @@ def _hf_leaves(cfg: ModelConfig, st: _Safetensors) -> list:
   writes the HF tensors into ``out`` (``[L, ...]`` stacks one layer at a
   time), transposed to ``[in, out]`` and cast to ``out``'s dtype."""
   L, D, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
-  q, kv, hd, F, E = cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.ffn_dim, cfg.num_experts
+  q, kv, hd, F = cfg.q_dim, cfg.kv_dim, cfg.head_dim, cfg.ffn_dim
   gemma, phi3 = cfg.norm_style == "gemma", cfg.family == "phi3"
   pre = "model.layers.{}."
   leaves = []

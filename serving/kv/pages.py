@@ -138,11 +138,6 @@ def pages_for(rows, page_size: int):
   return (rows + page_size - 1) // page_size
 
 
-def can_allocate(pages: PageState, num_new_pages) -> jax.Array:
-  """bool[]: the free list holds ``num_new_pages`` pages."""
-  return pages.num_free >= num_new_pages
-
-
 def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int,
              max_new_total: Optional[int] = None) -> PageState:
   """Grows each slot's pages to cover ``rows_needed`` rows.

@@ -42,13 +42,23 @@ def test_hand_built_blocks_dequantize_to_known_values(tmp_path):
       "q8": (q8_block, Q.Q8_0), "q4_0": (q4_0_block, Q.Q4_0),
       "q4_1": (q4_1_block, Q.Q4_1), "f32": values,
       "f16": (values.astype(np.float16), Q.F16), "bf16": (bf16_block, Q.BF16)})
-  got = loaders.read_gguf_tensors(path)
+  got = _read_gguf_tensors(path)
   np.testing.assert_array_equal(got["q8"], q8[None] * 0.5)
   np.testing.assert_array_equal(got["q4_0"], np.concatenate([lo - 8, hi - 8])[None] * 0.25)
   np.testing.assert_array_equal(got["q4_1"], np.concatenate([lo, hi])[None] * 0.5 - 1.0)
   np.testing.assert_array_equal(got["f32"], values)
   np.testing.assert_array_equal(got["f16"], values.astype(np.float16).astype(np.float32))
   np.testing.assert_array_equal(got["bf16"], eighths)
+
+
+def _read_gguf_tensors(path) -> dict:
+  """Every tensor of a GGUF file as f32 in torch order (``[out, in]``), read
+  by the loader's own dequantisation."""
+  reader = loaders._open_gguf(path)
+  tensors = {t.name: t for t in reader.tensors}
+  return {name: loaders._gguf_tensor(tensors, name, tuple(int(d) for d in reversed(t.shape)),
+                                     path)
+          for name, t in tensors.items()}
 
 
 def interleaved_rope(x, pos, theta):
