@@ -5,7 +5,8 @@
 to 16 query rows of one sequence, every KV head) widens its own key blocks
 from the pages into a cache-resident buffer, reading each key's page row
 once, so no gathered copy of the K/V blocks is written to memory; the items
-are spread over XLA's intra-op thread pool. Every query row runs the same code whatever shares the launch
+are spread over XLA's intra-op thread pool. Every query row runs the same
+code whatever shares the launch
 (the order of every sum is fixed by the row's position alone), so its bits
 do not depend on the batch, its neighbours, the bucket or how its prompt was
 chunked. The source file's header states the numerics.

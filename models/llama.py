@@ -27,7 +27,8 @@ The blocks' weights are stacked on a leading layer axis and run with
 whatever ``n_layers`` is. The projections are not sliced by the scan:
 ``forward`` hands them to the blocks as per-layer buffers (``split_layers``;
 the engine stores them so) and each GEMM reads its layer's buffer through a
-``lax.switch`` on the layer index (XLA:CPU copies a sliced layer out). The whole KV cache travels in the scan carry as a
+``lax.switch`` on the layer index (XLA:CPU copies a sliced layer out). The
+whole KV cache travels in the scan carry as a
 flat pool of ``n_layers * num_pages`` pages; layer ``l`` owns pages
 ``[l * num_pages, (l + 1) * num_pages)``. Each block scatters its rows into its
 own pages and hands attention a page table shifted by ``l * num_pages``, so no
@@ -460,7 +461,8 @@ def row_sum(x: jax.Array) -> jax.Array:
 
   XLA:CPU's reduce picks its loop order by the whole shape: a row's float32
   sum of squares differs between 1-3 and 8-64 rows at width 576, between
-  8-48 and 1-3 or 64 rows at width 64 (measured, jax 0.10.2). Halving the zero-padded row (width the next power
+  8-48 and 1-3 or 64 rows at width 64 (measured, jax 0.10.2). Halving the
+  zero-padded row (width the next power
   of two) with elementwise adds, each exactly rounded, fixes the order, so
   a row's sum never depends on how many rows share the array.
 
@@ -627,7 +629,8 @@ class MoE(nn.Module):
   ``models.moe.grouped_matmul``: ``jax.lax.ragged_dot`` on accelerators,
   fixed-row tiles of the routed experts only on CPU) over
   ``[num_experts, ...]`` weight stacks; padding rows are routed to no group
-  (their assignments sort last and come out zero). A row's k outputs are weighted and summed in expert-id order in the
+  (their assignments sort last and come out zero). A row's k outputs are
+  weighted and summed in expert-id order in the
   activation dtype, as transformers' expert loop accumulates. A row's result
   depends only on the row: routing is row-wise, and each assignment's
   grouped-GEMM row is the product of that row with its expert's weight.

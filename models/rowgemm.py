@@ -36,7 +36,8 @@ from attention import native_build
 TARGET = "iterserve_f32_rows"
 TARGET_PANELS = "iterserve_f32_rows_panels"
 KERNEL = native_build.Kernel(
-    name="the float32 row kernel", source=Path(__file__).resolve().parent / "native" / "f32_rows.cc",
+    name="the float32 row kernel",
+    source=Path(__file__).resolve().parent / "native" / "f32_rows.cc",
     targets=((TARGET, "IterserveF32Rows"), (TARGET_PANELS, "IterserveF32RowsPanels")),
     probe="iterserve_f32_rows_available", missing="this CPU has no AVX-512F")
 PANEL = 64   # columns per panel (one work item)

@@ -78,7 +78,8 @@ flags.DEFINE_string("out", "runs/bench_engine.json", "Result JSON path.")
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory "
                     "(as the launchers' --model); transformers loads the same source.")
 SECTIONS = ("prefill", "decode", "trace", "gemm", "breakdown", "prefill_step")
-flags.DEFINE_list("sections", list(SECTIONS), "What to measure: any of " + ", ".join(SECTIONS) + ".")
+flags.DEFINE_list("sections", list(SECTIONS),
+                  "What to measure: any of " + ", ".join(SECTIONS) + ".")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "Decode concurrency levels.")
 flags.DEFINE_integer("prompt_len", 256, "Decode section prompt length.")
 flags.DEFINE_integer("output_len", 128, "Decode section output length.")

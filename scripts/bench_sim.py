@@ -1,6 +1,7 @@
 """Speed of a simulated replay of a whole trace (virtual time, real scheduler).
 
-  python scripts/bench_sim.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+  python scripts/bench_sim.py \
+      --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --policy=sarathi_serve --out=runs/bench_sim.json
 
 Replays every request (outputs uncapped; prompt and output fitted into the

@@ -1,7 +1,8 @@
 """Calibrates the simulated executor's step-time model on this device.
 
   python scripts/calibrate.py                      # --model, on an idle machine
-  python scripts/calibrate.py --second_model=random:smollm2-135m,d_model=960,n_heads=15,n_kv_heads=5,ffn_dim=2560
+  python scripts/calibrate.py \
+      --second_model=random:smollm2-135m,d_model=960,n_heads=15,n_kv_heads=5,ffn_dim=2560
   python scripts/calibrate.py --holdout_only --out=PATH
 
 The protocol (``serving.engine.cost_model`` holds the model it fits):

@@ -1,9 +1,11 @@
 """Measures the simulator's fidelity: real replays against simulated ones.
 
   python scripts/fidelity.py \
-      --traces=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv,azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_code.csv \
+      --traces=azure:CONV_CSV,azure:CODE_CSV \
       --window_s=0,30 --time_scales=8,2,1 --out=runs/fidelity.json
 
+(CONV_CSV, CODE_CSV: the Azure 2023 trace's AzureLLMInferenceTrace_conv.csv
+and AzureLLMInferenceTrace_code.csv, e.g. under ../shared/data/traces/azure2023/.)
 For each trace and each ``--time_scales`` entry (inter-arrival gaps
 multiplied by it: larger is lighter load), replays the same workload twice:
 with the model executor on the wall clock (what really happens) and with the
@@ -281,9 +283,10 @@ def main(argv):
             f"{real_iterations} measured, {sim_engine.num_iterations} simulated")
       if again is not None:
         rep = case["repeatability"]
+        median = {k: (rep[k]["median_rel_err"] if rep[k] else None)
+                  for k in ("ttft", "tpot", "e2el")}
         print(f"  measured again: {rep['measured_duration_s']:.1f} vs "
-              f"{rep['again_duration_s']:.1f} s; median rel err "
-              f"{ {k: (rep[k]['median_rel_err'] if rep[k] else None) for k in ('ttft', 'tpot', 'e2el')} }")
+              f"{rep['again_duration_s']:.1f} s; median rel err {median}")
 
 
 if __name__ == "__main__":

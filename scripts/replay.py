@@ -1,7 +1,8 @@
 """Replays a workload (a real trace or the embedded default) against a model.
 
   python scripts/replay.py                                 # default workload
-  python scripts/replay.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+  python scripts/replay.py \
+      --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,60 --time_scale=4
   python scripts/replay.py --executor=simulated --trace=azure:... # whole trace, virtual time
 

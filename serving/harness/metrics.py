@@ -141,7 +141,8 @@ class RequestRecord:
         if self.outcome not in OUTCOMES:
             raise ValueError(f"{rid}: outcome={self.outcome!r} not in {OUTCOMES}")
         if self.output_tokens != len(times):
-            raise ValueError(f"{rid}: output_tokens={self.output_tokens} but {len(times)} token times")
+            raise ValueError(
+                f"{rid}: output_tokens={self.output_tokens} but {len(times)} token times")
         if self.prompt_tokens < 0 or self.num_preemptions < 0:
             raise ValueError(f"{rid}: negative prompt_tokens or num_preemptions")
         if self.output_token_ids and len(self.output_token_ids) != self.output_tokens:
@@ -149,9 +150,11 @@ class RequestRecord:
                              f"output_tokens={self.output_tokens}")
         if times:
             if self.first_token_s != times[0]:
-                raise ValueError(f"{rid}: first_token_s={self.first_token_s} != token_times_s[0]={times[0]}")
+                raise ValueError(f"{rid}: first_token_s={self.first_token_s} "
+                                 f"!= token_times_s[0]={times[0]}")
             if times[0] < self.arrival_s:
-                raise ValueError(f"{rid}: first token at {times[0]} s before arrival {self.arrival_s} s")
+                raise ValueError(
+                    f"{rid}: first token at {times[0]} s before arrival {self.arrival_s} s")
             if any(b < a for a, b in zip(times, times[1:])):
                 raise ValueError(f"{rid}: token_times_s not non-decreasing")
         elif self.first_token_s is not None:
@@ -485,7 +488,8 @@ def client_service_gap(records: Iterable[RequestRecord], *, w_p: float = 1.0,
     for r in records:
         for i, t in enumerate(r.token_times_s):
             charges = at(t)[1]
-            charges[r.client] = charges.get(r.client, 0.0) + w_q + (w_p * r.prompt_tokens if i == 0 else 0.0)
+            prompt_charge = w_p * r.prompt_tokens if i == 0 else 0.0
+            charges[r.client] = charges.get(r.client, 0.0) + w_q + prompt_charge
 
     service: dict[str, float] = {}
     active: set[str] = set()
@@ -570,7 +574,8 @@ def format_table(report: dict) -> str:
         title, short = titles[name]
         lines.append(title.center(width, "-"))
         n = report.get(f"num_samples_{name}")
-        stats = [k for k in report if k.endswith(f"_{name}") and not k.startswith(("num_samples_", "std_"))]
+        stats = [k for k in report
+                 if k.endswith(f"_{name}") and not k.startswith(("num_samples_", "std_"))]
         for key in stats:
             stat = key[: -len(name) - 1]
             label = {"mean": "Mean", "median": "Median"}.get(stat, stat.upper())

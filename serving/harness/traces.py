@@ -148,7 +148,8 @@ def parse_azure_timestamp_ns(text: str) -> int:
     return ((days * 24 + hh) * 60 + mm) * 60 * 10**9 + ss * 10**9 + frac_ns
 
 
-def _csv_rows(path: Path, text: str, required: Sequence[str]) -> Iterator[tuple[int, dict[str, str]]]:
+def _csv_rows(path: Path, text: str,
+              required: Sequence[str]) -> Iterator[tuple[int, dict[str, str]]]:
     """Yields (line number, {column: field}) for each non-blank data row."""
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, None)
@@ -205,7 +206,8 @@ def _finalize(
         a, b = window_s
         rows = [r for r in rows if a <= (r.ts - t0) / units_per_second < b]
         if not rows:
-            raise WorkloadError(f"{path}: no request in window_s={window_s} (trace starts at offset 0)")
+            raise WorkloadError(
+                f"{path}: no request in window_s={window_s} (trace starts at offset 0)")
     if max_requests is not None:
         rows = rows[:max_requests]
     t_first = rows[0].ts
@@ -279,11 +281,13 @@ def load_azure_trace(
         try:
             ts = parse_azure_timestamp_ns(f["TIMESTAMP"])
         except ValueError as e:
-            raise _fail(path, line, "TIMESTAMP", f"must be a timestamp 'YYYY-MM-DD HH:MM:SS.fffffff' ({e})",
+            raise _fail(path, line, "TIMESTAMP",
+                        f"must be a timestamp 'YYYY-MM-DD HH:MM:SS.fffffff' ({e})",
                         f["TIMESTAMP"]) from None
         rows.append(_Row(index=len(rows), line=line, ts=ts,
                          prompt_len=_parse_length(path, line, "ContextTokens", f["ContextTokens"]),
-                         output_len=_parse_length(path, line, "GeneratedTokens", f["GeneratedTokens"])))
+                         output_len=_parse_length(path, line, "GeneratedTokens",
+                                                  f["GeneratedTokens"])))
     return _finalize(
         path=path, sha256=sha, source="azure_llm_inference", rows=rows, units_per_second=1e9,
         prompt_fn=lambda r, n: sampler.draw((seed, _TAG_AZURE, r.index), n), id_prefix="azure",
@@ -328,7 +332,8 @@ def load_vtc_trace(
             if not rid:
                 raise _fail(path, line, "req_id", "must be non-empty", f["req_id"])
             if rid in seen:
-                raise _fail(path, line, "req_id", f"must be unique (first seen on line {seen[rid]})", rid)
+                raise _fail(path, line, "req_id",
+                            f"must be unique (first seen on line {seen[rid]})", rid)
             seen[rid] = line
             request_id = f"vtc-{rid}"
         client = f["client"].strip()
@@ -388,8 +393,10 @@ def load_mooncake_trace(
     _check_options(time_scale, window_s, max_requests, max_prompt_len, max_output_len)
     if not (math.isfinite(bucket_ms) and bucket_ms >= 0):
         raise ValueError(f"bucket_ms={bucket_ms} must be finite and >= 0")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 1 <= block_tokens <= MOONCAKE_BLOCK_TOKENS:
-        raise ValueError(f"block_tokens={block_tokens!r} must be an int in [1, {MOONCAKE_BLOCK_TOKENS}]")
+    if (isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
+            or not 1 <= block_tokens <= MOONCAKE_BLOCK_TOKENS):
+        raise ValueError(
+            f"block_tokens={block_tokens!r} must be an int in [1, {MOONCAKE_BLOCK_TOKENS}]")
     sampler = _TokenSampler(vocab_size, reserved_token_ids)
     path, data, sha = _read_bytes(path)
     text = _decode(path, data)
@@ -400,24 +407,30 @@ def load_mooncake_trace(
         try:
             obj = json.loads(line_text)
         except json.JSONDecodeError as e:
-            raise _fail(path, line, "<json>", f"must be one JSON object per line ({e.msg})", line_text[:80]) from None
+            raise _fail(path, line, "<json>", f"must be one JSON object per line ({e.msg})",
+                        line_text[:80]) from None
         if not isinstance(obj, dict):
             raise _fail(path, line, "<json>", "must be a JSON object", line_text[:80])
         for key in ("timestamp", "input_length", "output_length", "hash_ids"):
             if key not in obj:
                 raise _fail(path, line, key, "is required", None)
         if isinstance(obj["timestamp"], str):
-            raise _fail(path, line, "timestamp", "must be a JSON number >= 0 (ms)", obj["timestamp"])
+            raise _fail(path, line, "timestamp", "must be a JSON number >= 0 (ms)",
+                        obj["timestamp"])
         ts = _parse_seconds(path, line, "timestamp", obj["timestamp"])
-        input_length = _parse_length(path, line, "input_length", obj["input_length"], json_value=True)
-        output_length = _parse_length(path, line, "output_length", obj["output_length"], json_value=True)
+        input_length = _parse_length(path, line, "input_length", obj["input_length"],
+                                     json_value=True)
+        output_length = _parse_length(path, line, "output_length", obj["output_length"],
+                                      json_value=True)
         hash_ids = obj["hash_ids"]
-        if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in hash_ids):
+        if not isinstance(hash_ids, list) or any(
+                isinstance(h, bool) or not isinstance(h, int) for h in hash_ids):
             raise _fail(path, line, "hash_ids", "must be a list of integers", hash_ids)
         want = -(-input_length // MOONCAKE_BLOCK_TOKENS)
         if len(hash_ids) != want:
             raise _fail(path, line, "hash_ids",
-                        f"must have ceil(input_length/{MOONCAKE_BLOCK_TOKENS}) = {want} entries, has {len(hash_ids)}",
+                        f"must have ceil(input_length/{MOONCAKE_BLOCK_TOKENS}) = {want} entries, "
+                        f"has {len(hash_ids)}",
                         len(hash_ids))
         raw.append((line, ts, input_length, output_length, tuple(hash_ids)))
 
@@ -436,7 +449,8 @@ def load_mooncake_trace(
             spread_ms[order[start + j]] = ts + width * j / k
         start = end
     scaled = lambda n: -(-n * block_tokens // MOONCAKE_BLOCK_TOKENS)
-    rows = [_Row(index=i, line=line, ts=spread_ms[i], prompt_len=scaled(n_in), output_len=n_out, hash_ids=h)
+    rows = [_Row(index=i, line=line, ts=spread_ms[i], prompt_len=scaled(n_in), output_len=n_out,
+                 hash_ids=h)
             for i, (line, _, n_in, n_out, h) in enumerate(raw)]
 
     blocks: dict[int, tuple[int, ...]] = {}
@@ -446,7 +460,8 @@ def load_mooncake_trace(
         for h in r.hash_ids[: -(-n // block_tokens)]:
             block = blocks.get(h)
             if block is None:
-                block = blocks[h] = sampler.draw((seed, _TAG_MOONCAKE, h), MOONCAKE_BLOCK_TOKENS)[:block_tokens]
+                block = sampler.draw((seed, _TAG_MOONCAKE, h), MOONCAKE_BLOCK_TOKENS)[:block_tokens]
+                blocks[h] = block
             out.extend(block)
         return tuple(out[:n])
 

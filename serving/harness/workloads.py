@@ -251,7 +251,8 @@ class _TokenSampler:
     def __init__(self, vocab_size: int, reserved_token_ids: frozenset[int] | Sequence[int]):
         if vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size} must be >= 1")
-        allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(sorted(reserved_token_ids), dtype=np.int64))
+        reserved = np.asarray(sorted(reserved_token_ids), dtype=np.int64)
+        allowed = np.setdiff1d(np.arange(vocab_size), reserved)
         if allowed.size == 0:
             raise ValueError(f"every id in [0, {vocab_size}) is reserved")
         self._ids = np.empty(allowed.size, dtype=object)

@@ -72,7 +72,8 @@ def test_a_compiler_that_is_not_there_is_named(tmp_path, monkeypatch):
                     reason=f"native kernel: {native.unavailable_reason()}")
 def test_a_built_library_is_reused_from_the_cache_and_loaded_once(tmp_path):
   path = native_build.library_path(native.KERNEL)
-  assert path.parent == native_build.cache_dir() and path.name == native_build.library_name(native.KERNEL)
+  assert path.parent == native_build.cache_dir()
+  assert path.name == native_build.library_name(native.KERNEL)
   assert native_build.library_path(native.KERNEL) == path      # no rebuild: the same file
   assert native_build.load(native.KERNEL) is None
   assert native_build.load.cache_info().hits >= 1

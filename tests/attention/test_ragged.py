@@ -136,7 +136,8 @@ SMALL_MIX = [(1, 50, 1), (2, 0, 12), (3, 30, 9), (4, 9, 1)]
 # "blocked" (the portable XLA kernel blocked_dot refines) is checked on every
 # case by test_matches_reference; its repeats on variants, options, chunkings
 # and bfloat16 pages run in the extended profile.
-@pytest.mark.parametrize("impl", ["native", pytest.param("blocked", marks=pytest.mark.extended), "blocked_dot", "pallas"])
+@pytest.mark.parametrize("impl", ["native", pytest.param("blocked", marks=pytest.mark.extended),
+                                  "blocked_dot", "pallas"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_match_reference(variant, impl):
   args, cu, n = make_batch(SMALL_MIX, num_rows=28, max_seqs=5,
@@ -332,7 +333,8 @@ def test_random_ragged_batches_match_reference(seqs, seed):
 # write_kv_pages
 
 
-@pytest.mark.parametrize("impl", ["native", pytest.param("blocked", marks=pytest.mark.extended), "blocked_dot", "gather"])
+@pytest.mark.parametrize("impl", ["native", pytest.param("blocked", marks=pytest.mark.extended),
+                                  "blocked_dot", "gather"])
 def test_bfloat16_bit_pages_equal_bfloat16_pages(impl):
   # A bfloat16 cache stored as its bits (KV_BITS, the CPU storage) gives the
   # float bfloat16 pages' rows bitwise, and the reference's values.

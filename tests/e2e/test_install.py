@@ -22,8 +22,6 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from attention import native
 from models import amx, rowgemm
 
@@ -39,7 +37,8 @@ _PROBE = textwrap.dedent("""
     from pathlib import Path
     site = Path(sysconfig.get_paths()["purelib"]).resolve()
     report = {"site": str(site), "cc": sorted(
-        str(p.relative_to(site)) for pkg in sys.argv[1].split(",") for p in (site / pkg).rglob("*.cc"))}
+        str(p.relative_to(site))
+        for pkg in sys.argv[1].split(",") for p in (site / pkg).rglob("*.cc"))}
     for name in sys.argv[2].split(","):
       mod = importlib.import_module(name)
       report[name] = {"file": mod.__file__, "source": str(mod.KERNEL.source),

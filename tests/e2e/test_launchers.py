@@ -53,7 +53,8 @@ def test_replay_completes_every_request_with_its_output_length(tmp_path):
              for r in report["requests"])
 
 
-# ~50 s with the real weights; test_family_launchers runs generate.py against transformers' greedy text
+# Loads the real weights (extended); test_family_launchers runs generate.py against
+# transformers' greedy text
 @pytest.mark.extended
 def test_generate_answers_paris(tmp_path):
   stdout = _run("generate.py", "--prompt=The capital of France is", "--max_tokens=4")
@@ -147,7 +148,8 @@ def test_generate_missing_mt_bench_file_is_one_line(tmp_path):
      "error: --policies must name policies in "),
     ("bench_policies.py", ["--num_pages=1"],
      "error: --num_pages must be >= 2 (page 0 is the null page), got 1"),
-    ("bench_policies.py", ["--policy=vtc"], "error: --policy=vtc does not apply here; use --policies"),
+    ("bench_policies.py", ["--policy=vtc"],
+     "error: --policy=vtc does not apply here; use --policies"),
     ("bench_engine.py", ["--sections=decode,bogus"],
      "error: --sections entries must be among prefill, "),
     ("bench_engine.py", ["--hf=false", "--hf_weights=fp8"],

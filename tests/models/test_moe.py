@@ -66,8 +66,8 @@ def test_route_worked_example():
   logits = jnp.asarray([[2.0, 0.0, 1.0, 0.0]])
   weights, experts = moe.route(logits, 2, norm_topk_prob=True)
   assert experts.tolist() == [[0, 2]]
-  np.testing.assert_allclose(np.asarray(weights), [[1 / (1 + np.e ** -1), 1 - 1 / (1 + np.e ** -1)]],
-                             rtol=1e-6)
+  top = 1 / (1 + np.e ** -1)
+  np.testing.assert_allclose(np.asarray(weights), [[top, 1 - top]], rtol=1e-6)
   weights, _ = moe.route(logits, 2, norm_topk_prob=False)
   z = np.exp([2.0, 0.0, 1.0, 0.0]).sum()
   np.testing.assert_allclose(np.asarray(weights), [[np.e ** 2 / z, np.e / z]], rtol=1e-6)

@@ -259,7 +259,7 @@ def test_int8_projection_and_residual_add_do_not_depend_on_the_bucket():
     (64, True),
     (256, True),
 ])
-def test_int8_decode_row_does_not_depend_on_the_bucket(tiny_cfg, quantized, seqs, num_rows,
+def test_int8_decode_row_does_not_depend_on_the_bucket(tiny_cfg, quantized, seqs, num_rows,  # noqa: F811 (the imported fixture)
                                                         classes):
   """int8 weights: a decode row's hidden state and logits are bitwise the
   same alone in a 1-row bucket (a 2-row GEMM) and beside other rows in
@@ -350,7 +350,7 @@ def test_amx_linear_equals_reference_linear_bitwise():
                                   quant.reference_linear(x, w), err_msg=f"layer {i}")
 
 
-def test_amx_params_give_the_xla_params_hidden_states(tiny_cfg, tiny_params, quantized, seqs):
+def test_amx_params_give_the_xla_params_hidden_states(tiny_cfg, tiny_params, quantized, seqs):  # noqa: F811 (the fixture)
   """The tiny model quantized for the AMX kernel (every projection and the
   LM head in the tile layout, the stacks indexed by layer inside the
   kernel) gives the XLA path's hidden states, cache and logits bitwise."""

@@ -22,7 +22,8 @@ import jax
 from models.loaders import load_model, resolve_model_path
 
 torch = pytest.importorskip("torch", reason="reference extra: pip install torch==2.13.0")
-transformers = pytest.importorskip("transformers", reason="reference extra: pip install transformers")
+transformers = pytest.importorskip("transformers",
+                                   reason="reference extra: pip install transformers")
 pytest.importorskip("accelerate", reason="transformers needs accelerate to read GGUF files")
 
 pytestmark = [
@@ -74,7 +75,8 @@ def test_tokenizers_agree(ours, hf):
 def test_greedy_tokens_and_logits_match(ours, hf):
   cfg, params, tok = ours
   model, _ = hf
-  chat = tok.apply_chat_template([{"role": "user", "content": "What is the boiling point of water?"}])
+  chat = tok.apply_chat_template(
+      [{"role": "user", "content": "What is the boiling point of water?"}])
   prompts = [tok.encode(t) for t in TEXTS + [chat]]
   generated, logits = greedy(params, cfg, prompts, NUM_NEW)
   worst = 0.0

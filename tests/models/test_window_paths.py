@@ -23,7 +23,8 @@ CFG = ModelConfig(
     ffn_dim=96, max_position=256, eos_token_ids=(1,), name="tiny-windows", family="gemma3_text",
     norm_style="gemma", post_norms=True, activation="gelu_tanh", scale_embeddings=True,
     qk_norm=True, attn_scale=0.2, attn_softcap=5.0, final_softcap=3.0,
-    layer_windows=(6, 0, 6, 0), rope_theta=1e6, rope=RopeConfig(kind="linear", theta=1e6, factor=4.0),
+    layer_windows=(6, 0, 6, 0), rope_theta=1e6,
+    rope=RopeConfig(kind="linear", theta=1e6, factor=4.0),
     rope_local=RopeConfig(theta=1e4))
 
 

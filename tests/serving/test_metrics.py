@@ -111,7 +111,8 @@ def test_report_on_hand_example():
 
 def test_report_percentiles_once_sample_is_large_enough():
     # 100 requests; request i has TTFT 10 ms except two of 500 ms (the tail probe).
-    records = [_rec(f"r{i}", float(i), [i + (0.5 if i >= 98 else 0.01), i + 0.6]) for i in range(100)]
+    records = [_rec(f"r{i}", float(i), [i + (0.5 if i >= 98 else 0.01), i + 0.6])
+               for i in range(100)]
     r = build_report(records, duration_s=100.0)
     assert r["mean_ttft_ms"] == pytest.approx(19.8)
     assert r["p90_ttft_ms"] == pytest.approx(10) and r["p95_ttft_ms"] == pytest.approx(10)

@@ -3,7 +3,6 @@ the context together, live and cached KV pages apart in the ledger, and
 report coordinates (what the user set) apart from outcomes (what the run
 measured), so that replays differing only in the policy compare."""
 
-import dataclasses
 import json
 
 import pytest

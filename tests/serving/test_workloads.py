@@ -88,7 +88,8 @@ def test_azure_sorts_rezeroes_and_keeps_row_identity(tmp_path):
     assert [r.arrival_s for r in w] == [0.0, 1.68059, 1.6805901, 5.995169]
     assert [r.prompt_len for r in w] == [7, 374, 10, 396]
     assert [r.max_tokens for r in w] == [3, 44, 5, 109]
-    assert all(r.ignore_eos and r.client == "default" and r.priority == 0 and not r.clipped for r in w)
+    assert all(r.ignore_eos and r.client == "default" and r.priority == 0 and not r.clipped
+               for r in w)
     assert w.num_rows_read == 4 and w.source == "azure_llm_inference"
     assert w.sha256 == hashlib.sha256(AZURE.encode()).hexdigest()
 
@@ -175,7 +176,8 @@ def test_mooncake_spreads_buckets_by_file_order(tmp_path):
 
 
 def test_mooncake_spread_never_crosses_next_bucket(tmp_path):
-    rows = [{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [i]} for i in range(2)]
+    rows = [{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [i]}
+            for i in range(2)]
     rows.append({"timestamp": 1000, "input_length": 1, "output_length": 1, "hash_ids": [9]})
     w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(rows)))
     assert [r.arrival_s for r in w] == [0.0, 0.5, 1.0]
@@ -196,13 +198,15 @@ def test_mooncake_shared_prefix_is_shared_exactly(tmp_path):
     # Same seed, hash id -> same block in another file; a new seed changes it.
     again = load_mooncake_trace(_write(tmp_path, "mc2.jsonl", _mooncake_text(MOONCAKE[2:3])))
     np.testing.assert_array_equal(np.asarray(again[0].prompt_token_ids)[:B], r0[:B])
-    other = load_mooncake_trace(_write(tmp_path, "mc2.jsonl", _mooncake_text(MOONCAKE[2:3])), seed=7)
+    other = load_mooncake_trace(_write(tmp_path, "mc2.jsonl", _mooncake_text(MOONCAKE[2:3])),
+                                seed=7)
     assert np.mean(np.asarray(other[0].prompt_token_ids)[:B] != r0[:B]) > 0.9
 
 
 def test_mooncake_block_tokens_shrinks_lengths_and_keeps_the_sharing(tmp_path):
     full = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])))
-    w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])), block_tokens=16)
+    w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])),
+                            block_tokens=16)
     # ceil(n * 16 / 512) of 1100, 1024, 600, 512 tokens.
     assert [r.prompt_len for r in w] == [35, 32, 19, 16]
     r0, r1, r2, r3 = (np.asarray(w[i].prompt_token_ids) for i in range(4))
@@ -212,12 +216,14 @@ def test_mooncake_block_tokens_shrinks_lengths_and_keeps_the_sharing(tmp_path):
     # A block is the head of the full-size block of the same hash id.
     assert w[0].prompt_token_ids[:16] == full[0].prompt_token_ids[:16]
     with pytest.raises(ValueError, match="block_tokens=0 must be an int in"):
-        load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])), block_tokens=0)
+        load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE[:4])),
+                            block_tokens=0)
 
 
 def test_mooncake_clip_keeps_the_block_prefix(tmp_path):
     full = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE)))
-    w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE)), max_prompt_len=700)
+    w = load_mooncake_trace(_write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE)),
+                            max_prompt_len=700)
     assert [r.prompt_len for r in w] == [700, 700, 600, 512, 1, 2]
     assert [r.clipped for r in w] == [True, True, False, False, False, False]
     assert w.num_clipped == 2
@@ -229,7 +235,8 @@ def test_mooncake_clip_keeps_the_block_prefix(tmp_path):
 
 
 def _bad_azure(row: str) -> str:
-    return "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" + row + "\n"
+    return ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+            + row + "\n")
 
 
 @pytest.mark.parametrize("text,line,field,rule", [
@@ -241,7 +248,8 @@ def _bad_azure(row: str) -> str:
     (_bad_azure("2023-11-16T18:15:47,12,5"), 3, "TIMESTAMP", "timestamp"),
     (_bad_azure("2023-11-16 25:15:47.0,12,5"), 3, "TIMESTAMP", "timestamp"),
     (_bad_azure("2023-11-16 18:15:47.0,12"), 3, "GeneratedTokens", "missing"),
-    ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6,374\n", 1, "GeneratedTokens", "required column"),
+    ("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.6,374\n", 1, "GeneratedTokens",
+     "required column"),
 ])
 def test_azure_bad_input_names_file_line_field_rule(tmp_path, text, line, field, rule):
     path = _write(tmp_path, "bad.csv", text)
@@ -337,7 +345,8 @@ def test_synthetic_matches_the_summary_figures():
     w = synthetic_azure_conv(n, rate_scale=2.0, seed=3, max_prompt_len=None, max_output_len=None)
     arrivals = np.array([r.arrival_s for r in w])
     gaps = np.diff(arrivals)
-    assert (n - 1) / arrivals[-1] == pytest.approx(2.0 * AZURE_CONV_2023_SUMMARY["rate_per_s"], rel=0.08)
+    rate = 2.0 * AZURE_CONV_2023_SUMMARY["rate_per_s"]
+    assert (n - 1) / arrivals[-1] == pytest.approx(rate, rel=0.08)
     assert 0.95 < gaps.std() / gaps.mean() < 1.25  # gamma shape 0.871 -> CV 1.07
     prompts = np.array([r.prompt_len for r in w])
     outputs = np.array([r.max_tokens for r in w])
