@@ -116,9 +116,9 @@ def row_tiled(fn, x: jax.Array, num_live, tile: int = ROW_TILE) -> jax.Array:
   row count M: on SmolLM2's and the tiny model's shapes a row's bits are
   the same for every M in 2..32 (whatever the other rows hold or where the
   row sits) but differ for M = 1 and for M >= 33 or >= 48 (measured, jax
-  0.10.2; docs/benchmarks-log.md "Decode without padding waste"). A bfloat16
+  0.10.2; docs/archive/benchmarks-log.md "Decode without padding waste"). A bfloat16
   row (``linear``) rounds alike for every M >= 3, M = 1 and M = 2 apart
-  (docs/benchmarks-log.md "Native bfloat16 GEMMs"). ``m = MIN_TILE_ROWS[x.dtype]``
+  (docs/archive/benchmarks-log.md "Native bfloat16 GEMMs"). ``m = MIN_TILE_ROWS[x.dtype]``
   (2 for float32, 4 for bfloat16); keeping every GEMM's M inside
   ``m..tile`` makes a row's result independent of its batch at any bucket
   size:
@@ -228,7 +228,7 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
   XLA:CPU's float32 GEMM rounds a row the same way for every row count M in
   2..32 and again for every M >= 64, the two classes differing (measured on
   every projection shape of SmolLM2 and the tiny model, jax 0.10.2;
-  docs/benchmarks-log.md "Prompt rows in the large GEMM class"); bfloat16's
+  docs/archive/benchmarks-log.md "Prompt rows in the large GEMM class"); bfloat16's
   (``linear``) has one class for every M >= 3, so there both branches
   round alike. A large GEMM runs near the machine's GEMM ceiling, 32-row
   tiles at ~60% of it. So:

@@ -18,7 +18,7 @@ smoothing.
 Why on a CPU: a decode step reads every weight once, so int8 weights read
 a quarter of the float32 bytes, and XLA:CPU's int8 GEMM of 2..32 rows runs
 3-20x faster than its float32 one on the engine's shapes
-(docs/benchmarks-log.md "int8 weights"). Why it keeps a request's tokens
+(docs/archive/benchmarks-log.md "int8 weights"). Why it keeps a request's tokens
 batch-invariant: integer sums are exact in any order, and the row scale
 depends on the row alone, so a row's result is the same bits whatever M,
 tiling or neighbours its GEMM has (tested bitwise against a numpy int64
