@@ -27,7 +27,7 @@ The current rows' K/V must already be in their pages when attention runs
 
 bfloat16 K/V on CPU: XLA:CPU has no bfloat16 gather or scatter; it widens the
 gather's whole operand to float32 first, so every layer's attention would
-convert the whole cache (measured: 77% of a bfloat16 decode call). A
+convert the whole cache (most of a bfloat16 decode call when measured). A
 bfloat16 cache is therefore stored as its raw bits (``KV_BITS`` = uint16
 pages, ``models.llama.init_kv_cache``): the CPU paths gather the bits and
 widen only the gathered key block (``widen_kv``), and ``write_kv_pages``

@@ -230,8 +230,8 @@ def rowwise(fn, x: jax.Array, num_live, classes: RowClasses | None = None, *,
   every projection shape of SmolLM2 and the tiny model, jax 0.10.2;
   docs/archive/benchmarks-log.md "Prompt rows in the large GEMM class"); bfloat16's
   (``linear``) has one class for every M >= 3, so there both branches
-  round alike. A large GEMM runs near the machine's GEMM ceiling, 32-row
-  tiles at ~60% of it. So:
+  round alike. A large GEMM runs nearer the machine's GEMM ceiling than
+  32-row tiles do. So:
 
   * prompt rows (``classes.prompt``): one GEMM over all T rows, zero-padded
     to ``LARGE_GEMM_ROWS`` when T is smaller, run only when some row is a

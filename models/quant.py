@@ -17,13 +17,13 @@ smoothing.
 
 Why on a CPU: a decode step reads every weight once, so int8 weights read
 a quarter of the float32 bytes, and XLA:CPU's int8 GEMM of 2..32 rows runs
-3-20x faster than its float32 one on the engine's shapes
-(docs/archive/benchmarks-log.md "int8 weights"). Why it keeps a request's tokens
+faster than its float32 one on the engine's shapes (measured in
+docs/archive/benchmarks-log.md "int8 weights"). Why it keeps a request's tokens
 batch-invariant: integer sums are exact in any order, and the row scale
 depends on the row alone, so a row's result is the same bits whatever M,
 tiling or neighbours its GEMM has (tested bitwise against a numpy int64
 reference, ``reference_linear``). One GEMM row count is avoided: XLA:CPU's
-one-row int8 GEMM is ~15x slower than its two-row one, and
+one-row int8 GEMM is far slower than its two-row one, and
 ``models.llama.row_tiled`` never hands a GEMM fewer than 2 float32 rows.
 
 Two GEMMs compute the same bits (``EngineConfig.int8_gemm``): XLA's, over

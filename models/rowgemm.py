@@ -2,10 +2,9 @@
 
 A decode step multiplies a few rows (1 to 32) by every weight. XLA:CPU's
 float32 GEMM at 2-32 rows runs below the machine's memory and FMA limits
-(SmolLM2's 576x1536 projection at 4 rows: 0.30 ms against 0.18 ms here, in
-a chain of dependent calls; docs/archive/benchmarks-log.md "float32 decode rows on a
-native kernel"), and its rounding depends on the row count (one class for
-2..32 rows, another for 1).
+(docs/archive/benchmarks-log.md "float32 decode rows on a native kernel"
+compares the two), and its rounding depends on the row count (one class
+for 2..32 rows, another for 1).
 
 ``models/native/f32_rows.cc`` is a C++ XLA FFI custom call: every output is
 one chain of fused multiply-adds in k order (``reference``), so a row's bits

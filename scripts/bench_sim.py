@@ -23,8 +23,7 @@ are rare); an engine the loop does not cover runs ``Engine.step`` and the
 JSON says why (``path``, ``loop_refusal``). Progress rows then come every
 program call past ``--log_every`` iterations.
 
-The first run compiles the loop program (~13 s on 2 cores for the A100
-Mistral setup); it is kept in the XLA compilation cache under
+The first run compiles the loop program; it is kept in the XLA compilation cache under
 ``--cache_dir``, so later runs of the same engine configuration load it.
 The first progress row's ``wall_s`` shows which a run did.
 """

@@ -5,9 +5,9 @@ with ``malloc`` and frees them when the step ends. glibc serves an
 allocation above its mmap threshold (128 KiB, adapting up to 32 MiB) with
 freshly mapped pages and unmaps them on ``free``, so every step of the
 engine faults its large buffers (the logits, the per-layer weight copies,
-the prompt rows' activations) back in page by page. On a 2-core Xeon that
-cost 10-13% of a 32-request decode run (docs/archive/benchmarks-log.md, "The native CPU
-attention kernel; host memory; ..."). ``keep_freed_pages`` turns off glibc's
+the prompt rows' activations) back in page by page, a measurable part of a
+decode run (docs/archive/benchmarks-log.md, "The native CPU attention
+kernel; host memory; ..."). ``keep_freed_pages`` turns off glibc's
 mmap path (``M_MMAP_MAX = 0``) and its heap trimming (``M_TRIM_THRESHOLD``),
 so freed buffers stay mapped and the next step reuses them. The cost: the process
 keeps its peak heap (it is not returned to the OS).
