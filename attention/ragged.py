@@ -796,7 +796,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   Raises:
     ValueError: at trace time, for inconsistent shapes, dtypes or static
       arguments (message names the argument). Value rules (e.g.
-      ``q_len <= kv_len``) are checked by ``ragged_paged_attention_checked``.
+      ``q_len <= kv_len``) are checked on the host by ``check_values``.
   """
   check_shapes(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, num_seqs,
                sm_scale=sm_scale, sliding_window=sliding_window,
@@ -855,19 +855,6 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
   return kernel.ragged_attention_slots(
       q, k_pages, v_pages, kv_lens, page_table, slots, block_q=block_q,
       block_kv=block_kv, interpret=interpret, **kw)
-
-
-def ragged_paged_attention_checked(q, k_pages, v_pages, kv_lens, page_table,
-                                   cu_q_lens, num_seqs, **kwargs):
-  """``check_values`` on the host, then ``ragged_paged_attention``.
-
-  Raises:
-    ValueError: for any rule of ``check_shapes`` or ``check_values``.
-  """
-  check_values(kv_lens, page_table, cu_q_lens, num_seqs, num_rows=q.shape[0],
-               page_size=k_pages.shape[1], num_pages=k_pages.shape[0])
-  return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_table,
-                                cu_q_lens, num_seqs, **kwargs)
 
 
 # --------------------------------------------------------------------------

@@ -64,25 +64,17 @@ NAMED_MODELS = {
 # Rotary row order (llama.cpp <-> HF)
 
 
-def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
-  """HF -> llama.cpp row order of a Q or K projection.
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """llama.cpp -> HF (rotate-half) row order of a Q or K projection.
 
   Args:
     w: [n_heads * head_dim, d_in] torch-layout (``[out, in]``) weight.
     n_heads: heads in ``w`` (query heads for Q, KV heads for K).
 
   Returns:
-    ``w`` with each head's rows reordered so that row ``2i`` is HF row ``i``
-    and row ``2i + 1`` is HF row ``i + head_dim / 2`` (interleaved pairs).
+    ``w`` with each head's rows reordered so that HF row ``i`` is row ``2i``
+    and HF row ``i + head_dim / 2`` is row ``2i + 1`` (pairs un-interleaved).
   """
-  rows = w.shape[0]
-  head_dim = rows // n_heads
-  return (w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:])
-          .swapaxes(1, 2).reshape(w.shape))
-
-
-def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
-  """Inverse of ``permute_rotary``: llama.cpp -> HF (rotate-half) row order."""
   rows = w.shape[0]
   head_dim = rows // n_heads
   return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])

@@ -155,9 +155,9 @@ def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int,
   New pages come from the free stack only (refcount 0 -> 1), the stack's
   top to the lowest slot first; the host evicts cached pages onto it first
   when the plan needs them (``sync_cached``). The caller guarantees enough
-  free pages (the policy planned against ``view``; ``allocation_ok`` checks
-  them beforehand) and at most ``max_new_total`` new pages; otherwise the
-  call leaves the state unchanged.
+  free pages (the policy planned against ``view``) and at most
+  ``max_new_total`` new pages; otherwise the call leaves the state
+  unchanged.
   """
   num_slots, pages_per_seq = pages.page_table.shape
   target = jnp.minimum(pages_for(rows_needed, pages.page_size), pages_per_seq)
@@ -190,13 +190,6 @@ def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int,
       pages_held=jnp.where(ok, pages.pages_held + need, pages.pages_held),
       num_free=jnp.where(ok, pages.num_free - total, pages.num_free),
       refcount=refcount)
-
-
-def allocation_ok(pages: PageState, rows_needed) -> jax.Array:
-  """bool[]: ``allocate`` would succeed for ``rows_needed``."""
-  target = jnp.minimum(pages_for(rows_needed, pages.page_size),
-                       pages.page_table.shape[1])
-  return jnp.sum(jnp.maximum(target - pages.pages_held, 0)) <= pages.num_free
 
 
 def _push_free(pages: PageState, give) -> PageState:

@@ -429,9 +429,10 @@ def test_inconsistent_shapes_raise_at_trace_time(name):
 def test_value_errors_name_argument_and_rule(name, edit):
   args, _, _ = make_batch(SMALL_MIX, num_rows=28, max_seqs=5)
   lens, table, cu, n = edit(*args[3:])
+  q, k_pages, _ = args[:3]
   with pytest.raises(ValueError, match=name):
-    ragged.ragged_paged_attention_checked(*args[:3], lens, table, cu, n,
-                                          sm_scale=0.125)
+    ragged.check_values(lens, table, cu, n, num_rows=q.shape[0],
+                        page_size=k_pages.shape[1], num_pages=k_pages.shape[0])
 
 
 # ----------------------------------------------------------------------------

@@ -10,13 +10,30 @@ import gguf
 import numpy as np
 from tokenizers import pre_tokenizers
 
-from models.loaders import permute_rotary
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] "
     "+ '<|im_end|>\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def permute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """HF -> llama.cpp row order of a Q or K projection (what a GGUF stores;
+  the inverse of ``models.loaders.unpermute_rotary``).
+
+  Args:
+    w: [n_heads * head_dim, d_in] torch-layout (``[out, in]``) weight.
+    n_heads: heads in ``w`` (query heads for Q, KV heads for K).
+
+  Returns:
+    ``w`` with each head's rows reordered so that row ``2i`` is HF row ``i``
+    and row ``2i + 1`` is HF row ``i + head_dim / 2`` (interleaved pairs).
+  """
+  rows = w.shape[0]
+  head_dim = rows // n_heads
+  return (w.reshape(n_heads, 2, head_dim // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
 
 
 def bpe_vocab():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import perturbed_params
-from gguf_testing import bpe_vocab, gguf_tensors, write_gguf
+from gguf_testing import bpe_vocab, gguf_tensors, permute_rotary, write_gguf
 from models import loaders
 from models.loaders import ModelLoadError
 
@@ -83,16 +83,16 @@ def rotate_half_rope(x, pos, theta):
 def test_rotary_permutation_round_trip_and_meaning():
   rng = np.random.default_rng(0)
   w = rng.standard_normal((3 * 8, 5))  # 3 heads of head_dim 8, d_in 5
-  assert np.array_equal(loaders.unpermute_rotary(loaders.permute_rotary(w, 3), 3), w)
-  assert np.array_equal(loaders.permute_rotary(loaders.unpermute_rotary(w, 3), 3), w)
+  assert np.array_equal(loaders.unpermute_rotary(permute_rotary(w, 3), 3), w)
+  assert np.array_equal(permute_rotary(loaders.unpermute_rotary(w, 3), 3), w)
   # Hand-worked order of one head of head_dim 4: HF rows (0, 1, 2, 3) -> (0, 2, 1, 3).
   rows = np.arange(8.0)[:, None]
-  assert loaders.permute_rotary(rows, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+  assert permute_rotary(rows, 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
   # Interleaved RoPE on permuted rows == permuted rotate-half RoPE on HF rows.
   x = rng.standard_normal(5)
   hf_q = (w @ x).reshape(3, 8)
-  gguf_q = (loaders.permute_rotary(w, 3) @ x).reshape(3, 8)
-  want = loaders.permute_rotary(rotate_half_rope(hf_q, 7, 100.0).reshape(24, 1), 3)
+  gguf_q = (permute_rotary(w, 3) @ x).reshape(3, 8)
+  want = permute_rotary(rotate_half_rope(hf_q, 7, 100.0).reshape(24, 1), 3)
   np.testing.assert_allclose(interleaved_rope(gguf_q, 7, 100.0).reshape(24, 1), want,
                              rtol=1e-12, atol=1e-12)
 
