@@ -322,7 +322,7 @@ class Engine:
                   arrival_ms: Optional[float] = None, priority: int = 0,
                   client: str = "default", slo_ttft_ms: Optional[float] = None,
                   slo_tpot_ms: Optional[float] = None, logprobs: bool = False,
-                  prompt_logprobs: bool = False) -> Request:
+                  prompt_logprobs: bool = False, cache_salt: str = "") -> Request:
     """Accepts a request, or raises ValueError naming the bad field.
 
     A request whose full length can never fit the KV cache is accepted and
@@ -342,11 +342,17 @@ class Engine:
     ``prompt_logprobs``: ``Request.prompt_logprobs`` is filled from the
     prefill rows (the request takes no prefix hit). Both need the model
     executor (ValueError with the simulated one).
+
+    ``cache_salt``: prefix-cache hits only between requests of the same
+    salt (it enters the chained page keys; "" is the unsalted chain).
     """
     req = self._accept(request_id, prompt_token_ids, sampling, arrival_ms, priority, client,
                        slo_ttft_ms, slo_tpot_ms, logprobs, prompt_logprobs,
                        self._num_unfinished())
     if not req.finished:
+      if cache_salt and self.prefix_cache is not None:
+        self._prefix_keys[request_id] = self.prefix_cache.keys_for(req.prompt_token_ids,
+                                                                   cache_salt)
       self._pending.append(req)
     return req
 

@@ -86,9 +86,11 @@ class PrefixCache:
   def __len__(self) -> int:
     return len(self._page_of)
 
-  def keys_for(self, prompt: Sequence[int]) -> List[bytes]:
-    """Keys of every full page of ``prompt``."""
-    return chain_keys(self.root, prompt, self.page_size, len(prompt) // self.page_size)
+  def keys_for(self, prompt: Sequence[int], salt: str = "") -> List[bytes]:
+    """Keys of every full page of ``prompt``; a ``salt`` enters the chain's
+    root, so prompts hit each other's pages only under the same salt."""
+    root = self.root if not salt else hashlib.sha256(self.root + salt.encode()).digest()
+    return chain_keys(root, prompt, self.page_size, len(prompt) // self.page_size)
 
   def match(self, keys: Sequence[bytes], prompt_len: int) -> List[int]:
     """Pages of the longest cached prefix of a prompt (``keys`` from
