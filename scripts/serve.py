@@ -29,9 +29,10 @@ from absl import flags
 
 from serving import cli
 from serving.cli import launch
+from serving.http import guard
 from serving.http import replica_launch
 from serving.http import router
-from serving.http.server import OpenAIServer, bind_socket, serve_forever
+from serving.http.server import OpenAIServer, bind_socket
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
@@ -39,7 +40,12 @@ flags.DEFINE_integer("port", 8000, "Port to listen on.")
 flags.DEFINE_string("served_model_name", None, "Model name in the API (default: --model).")
 flags.DEFINE_integer("max_waiting", 64, "Requests that may wait for an engine slot; "
                      "past that a request gets HTTP 429.")
-flags.DEFINE_bool("warmup", True, "Compile every token bucket before listening.")
+flags.DEFINE_bool("warmup", True, "Compile every token bucket, for every slot-table size "
+                  "the live bound (engine slots + --max_waiting) can grow the engine to, "
+                  "before listening.")
+flags.DEFINE_bool("trust_front_headers", False, "Honour the x-iterserve-arrival-s header "
+                  "(set for the replicas a --replicas front spawns; never for a server "
+                  "that clients reach directly).")
 flags.DEFINE_integer("replicas", 0, "Engine replicas, each its own server process on "
                      "--port+1.., behind a router on --port (0: one engine, this process).")
 flags.DEFINE_list("replica_urls", None, "A router front over replica servers that already "
@@ -56,12 +62,55 @@ flags.DEFINE_float("route_decode_ms_per_token_per_seq", 0.5, "Router cost: ms on
                    "live sequence adds to each decode step.")
 flags.DEFINE_float("route_aging", 1.0, "Router: ms of estimated finish time forgiven "
                    "per ms a request waits.")
+flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on every /v1 "
+                    "route, /tokenize, /detokenize, /tokenizer_info and /router (/health, "
+                    "/metrics and /engine stay open): comma-separated KEY or KEY:TENANT "
+                    "entries; a key's TENANT is its requests' fairness identity and "
+                    "prefix-cache salt. Unset: the ITERSERVE_API_KEY variable, if set.")
+flags.DEFINE_string("api_key_file", None, "--api_key's entries from a file, one a line.")
+flags.DEFINE_list("allowed_hosts", None, "Host header names answered ('*': any). Unset: "
+                  "the loopback names when --host is a loopback address, else any.")
+flags.DEFINE_integer("max_body_bytes", guard.DEFAULT_MAX_BODY_BYTES, "Largest request "
+                     "body; past it HTTP 413.")
+flags.DEFINE_integer("max_prompt_chars", None, "Longest prompt string (or chat messages' "
+                     "text) taken to the tokenizer; past it HTTP 400. Unset: 32 per context "
+                     "token.")
 launch.define_engine_flags()
 _ENGINE_FLAGS = tuple(f.name for f in FLAGS.get_flags_for_module(launch))
 # Flags of the front only: a replica gets every other flag given.
-_FRONT_FLAGS = ("replicas", "router", "route_log", "route_prefill_ms_per_token",
+_FRONT_FLAGS = ("replicas", "trust_front_headers", "api_key", "api_key_file", "allowed_hosts", "router", "route_log", "route_prefill_ms_per_token",
                 "route_decode_ms_per_token_per_seq", "route_aging", "port", "host",
                 "replica_urls", "replica_ready_timeout_s")
+
+
+def _access() -> guard.Access:
+  """The ``guard.Access`` from --api_key (or --api_key_file, or the
+  ITERSERVE_API_KEY variable), --allowed_hosts and --max_body_bytes.
+
+  Raises:
+    ValueError: both --api_key and --api_key_file, an unreadable file, a
+      malformed entry, or --max_body_bytes < 1.
+  """
+  if FLAGS.api_key is not None and FLAGS.api_key_file is not None:
+    raise ValueError("--api_key and --api_key_file exclude each other")
+  keys = {}
+  if FLAGS.api_key_file is not None:
+    try:
+      with open(FLAGS.api_key_file) as f:
+        keys = guard.parse_api_keys(f.read(), "--api_key_file")
+    except OSError as e:
+      raise ValueError(f"--api_key_file={FLAGS.api_key_file}: {e.strerror or e}") from None
+  elif FLAGS.api_key is not None:
+    keys = guard.parse_api_keys(FLAGS.api_key)
+  elif os.environ.get("ITERSERVE_API_KEY"):
+    keys = guard.parse_api_keys(os.environ["ITERSERVE_API_KEY"], "ITERSERVE_API_KEY")
+  if FLAGS.max_body_bytes < 1:
+    raise ValueError(f"--max_body_bytes must be >= 1, got {FLAGS.max_body_bytes}")
+  if FLAGS.max_prompt_chars is not None and FLAGS.max_prompt_chars < 1:
+    raise ValueError(f"--max_prompt_chars must be >= 1, got {FLAGS.max_prompt_chars}")
+  if FLAGS.allowed_hosts is not None and not all(FLAGS.allowed_hosts):
+    raise ValueError("--allowed_hosts must be non-empty names (or '*')")
+  return guard.access_from(keys, FLAGS.host, FLAGS.allowed_hosts, FLAGS.max_body_bytes)
 
 
 def _check_flags() -> socket.socket:
@@ -126,6 +175,7 @@ def _check_flags() -> socket.socket:
 
 def main(argv):
   del argv
+  access = _access()
   sock = _check_flags()
   cost = router.RouteCost(FLAGS.route_prefill_ms_per_token,
                           FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
@@ -135,7 +185,8 @@ def main(argv):
       replica_launch.run_remote_front(urls, host=FLAGS.host, port=FLAGS.port,
                                       policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
                                       max_waiting=FLAGS.max_waiting,
-                                      ready_timeout_s=FLAGS.replica_ready_timeout_s, sock=sock)
+                                      ready_timeout_s=FLAGS.replica_ready_timeout_s, sock=sock,
+                                      access=access)
     except (RuntimeError, ValueError) as e:      # not ready in time, or they disagree
       print(f"error: --replica_urls: {e}", file=sys.stderr)
       sys.exit(1)
@@ -145,10 +196,10 @@ def main(argv):
              and name not in _FRONT_FLAGS]
     try:
       replica_launch.run_front([sys.executable, os.path.abspath(__file__), *given,
-                                "--replicas=0"],
+                                "--replicas=0", "--trust_front_headers"],
                                FLAGS.replicas, host=FLAGS.host, port=FLAGS.port,
                                policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
-                               max_waiting=FLAGS.max_waiting, sock=sock)
+                               max_waiting=FLAGS.max_waiting, sock=sock, access=access)
     except replica_launch.ReplicaExited as e:          # e.g. an engine flag it refused
       print(f"error: {e}", file=sys.stderr)
       sys.exit(cli.USAGE_ERROR if e.status == cli.USAGE_ERROR else 1)
@@ -157,12 +208,14 @@ def main(argv):
       sys.exit(1)
     return
   engine, _, tokenizer = launch.build_engine()
-  if FLAGS.warmup:
-    launch.warmup(engine)
   server = OpenAIServer(engine, tokenizer, FLAGS.served_model_name or FLAGS.model,
-                        max_waiting=FLAGS.max_waiting)
+                        max_waiting=FLAGS.max_waiting,
+                        trust_front_headers=FLAGS.trust_front_headers, access=access,
+                        max_prompt_chars=FLAGS.max_prompt_chars)
+  if FLAGS.warmup:        # every size the live bound can grow the slot table to
+    launch.warmup(engine, num_requests=server.capacity)
   print(f"serving {server.model_name!r} on http://{FLAGS.host}:{FLAGS.port}/v1", flush=True)
-  serve_forever(server.app, sock)
+  sys.exit(server.serve(sock))
 
 
 if __name__ == "__main__":

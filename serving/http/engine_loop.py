@@ -39,7 +39,10 @@ from serving.engine.engine import Engine
 from serving.engine.requests import TokenLogprobs
 from serving.http.metrics import ServerMetrics
 from serving.http.parsing import ParsedRequest
-from serving.http.protocol import OVERLOAD_ERRORS, REQUEST_ID_HEADER, BadRequest
+from serving.http.protocol import OVERLOAD_ERRORS
+
+# The identity every client past the engine's table shares (``EngineLoop``).
+OVERFLOW_CLIENT = "~overflow"
 
 
 class _Live:
@@ -68,6 +71,12 @@ class _Live:
     self.echo_logprobs: List[tuple] = []
     self.echoed = False
     self.queued_ms: Optional[float] = None
+    # Prompt tokens taken from the prefix cache when it was first scheduled
+    # (a recompute preemption's later lookup finds its own pages: not counted).
+    self.cached_tokens = 0
+    # The fairness identity the engine got (``ParsedRequest.client``, or
+    # OVERFLOW_CLIENT when the identity table was full).
+    self.client = parsed.client
     # Original arrival (``time.monotonic()`` s) when a front forwarded it.
     self.arrival_s: Optional[float] = None
     # Copy j > 0 of a prompt: the id of copy 0, which computes the prompt
@@ -90,16 +99,29 @@ class EngineLoop:
   held copy that is aborted enters the engine and is cancelled there, so
   every copy ends with an engine outcome and is counted once.
 
+  Identities: the engine's fairness table holds ``num_clients`` clients
+  with requests in it; here the first ``num_clients - 1`` distinct ones
+  get their own place and every other shares OVERFLOW_CLIENT (one place
+  kept for it), so no request is refused for its identity.
+
+  Death: when a step raises, every request the loop holds, and every add
+  still queued or sent later, ends with an "error" event; then
+  ``on_death(error)`` runs (the server stops, its launcher exits non-zero).
+
   Args:
     engine: the Engine (used from this thread only once ``start`` ran).
     tokenizer: ``models.tokenizer.Tokenizer``.
     metrics: ``ServerMetrics``.
+    on_death: called with the exception once the engine thread failed.
   """
 
-  def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics):
+  def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics, on_death=None):
     self.engine = engine
     self.tokenizer = tokenizer
     self.metrics = metrics
+    self.on_death = on_death
+    self._clients: Dict[str, int] = {}           # identity -> requests in the engine
+    self._dead = threading.Lock()                # held while adds and death race
     self._commands: "queue.Queue[tuple]" = queue.Queue()
     self._live: Dict[str, _Live] = {}
     self._held: Dict[str, _Live] = {}             # held copies by id
@@ -118,8 +140,13 @@ class EngineLoop:
 
   def add(self, lives: List[_Live]) -> None:
     """Adds the engine requests of one HTTP request (its choices) between
-    two iterations, in ``index`` order."""
-    self._commands.put(("add", lives))
+    two iterations, in ``index`` order (after the engine's death: each ends
+    with an "error" event at once)."""
+    with self._dead:
+      if self.error is None:
+        self._commands.put(("add", lives))
+        return
+    self._fail(lives, self.error)
 
   def abort(self, rid: str) -> None:
     self._commands.put(("abort", rid))
@@ -147,17 +174,29 @@ class EngineLoop:
             self.metrics.observe_engine(self.engine, self._unslotted())
       while self._live or self._held:     # shutting down: end what is live
         self._abort(next(iter(self._held or self._live)))
-    except BaseException as e:          # the engine broke: fail every live request
-      self.error = e
-      for live in list(self._live.values()) + list(self._held.values()):
-        live.push({"type": "error", "status": 500,
-                   "error": f"engine failed: {type(e).__name__}: {e}"})
-        self.metrics.outcome("failed", "engine error")
-        self.metrics.release()
+    except BaseException as e:          # the engine broke: fail every request
+      with self._dead:
+        self.error = e
+        queued = []
+        while not self._commands.empty():
+          command = self._commands.get()
+          if command[0] == "add":
+            queued += command[1]
+      self._fail(list(self._live.values()) + list(self._held.values()) + queued, e)
       self._live.clear()
       self._held.clear()
       self._waiting.clear()
+      if self.on_death is not None:
+        self.on_death(e)
       raise
+
+  def _fail(self, lives: List[_Live], error: BaseException) -> None:
+    """Ends each of ``lives`` (admitted, engine dead) with an "error" event."""
+    for live in lives:
+      live.push({"type": "error", "status": 500,
+                 "error": f"engine failed: {type(error).__name__}: {error}"})
+      self.metrics.outcome("failed", "engine error")
+      self.metrics.release()
 
   def _unslotted(self) -> int:
     """Live requests with no engine slot yet (held copies included)."""
@@ -235,14 +274,14 @@ class EngineLoop:
     arrival_ms = None
     if live.arrival_s is not None and self.engine.clock is time.monotonic:
       arrival_ms = self.engine.now_ms() - (time.monotonic() - live.arrival_s) * 1e3
+    live.client = p.client
+    if (p.client not in self._clients
+        and len(self._clients) >= self.engine.config.num_clients - 1):
+      live.client = OVERFLOW_CLIENT
     try:
-      if live.rid in self.engine.requests:
-        raise BadRequest(f"header '{REQUEST_ID_HEADER}' names request {live.rid!r}, "
-                         f"which is still live; request ids must be unique",
-                         REQUEST_ID_HEADER)
       req = self.engine.add_request(live.rid, live.prompt_token_ids, live.sampling,
                                     arrival_ms=arrival_ms, priority=p.priority,
-                                    client=p.client, **p.extra)
+                                    client=live.client, **p.extra)
     except Exception as e:          # refused by the engine: never accepted
       if accepted:
         live.push({"type": "end", "outcome": "rejected", "reason": str(e), "exc": e,
@@ -253,6 +292,7 @@ class EngineLoop:
       self.metrics.release()
       return False
     self._live[live.rid] = live
+    self._clients[live.client] = self._clients.get(live.client, 0) + 1
     self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
     if req.finished:          # rejected at once (can never fit the KV cache): its
       self._end(live, req)    # "end" is the first event, a 400 before any stream
@@ -272,6 +312,7 @@ class EngineLoop:
       req = self.engine.requests[rid]
       if rid in news or (req.slot >= 0 and status[req.slot] == rec.RUNNING):
         live.queued_ms = start_ms - req.arrival_ms
+        live.cached_tokens = req.prefix_hit_tokens
         self.metrics.queue_time.observe(max(live.queued_ms, 0.0) / 1e3)
 
   def _abort(self, rid: str) -> None:
@@ -372,12 +413,15 @@ class EngineLoop:
     self.metrics.finished(self.engine, req, finish)
     live.push({"type": "end", "outcome": outcome, "reason": reason, "finish_reason": finish,
                "prompt_tokens": len(req.prompt_token_ids),
-               "cached_tokens": req.prefix_hit_tokens,
+               "cached_tokens": live.cached_tokens,
                "completion_tokens": (0 if live.parsed.score_only else
                                      len(req.output_token_ids)),
                "text": live.echo_text + live.text,
                "logprobs": live.echo_logprobs + live.logprobs})
     del self._live[live.rid]
+    self._clients[live.client] -= 1
+    if not self._clients[live.client]:
+      del self._clients[live.client]
     self.engine.evict(live.rid)
     self.metrics.release()
     self._release(live.rid)         # a leader that ended: its copies start

@@ -43,10 +43,29 @@ MAX_STOP_STRING_CHARS = 256
 _COMMON_FIELDS = frozenset({
     "model", "n", "best_of", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "seed", "min_tokens", "ignore_eos", "stop", "stop_token_ids", "stream", "stream_options",
-    "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms"})
+    "priority", "client", "tenant", "user", "slo_ttft_ms", "slo_tbt_ms", "cache_salt"})
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "chat_template_kwargs"}
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+MAX_CACHE_SALT_CHARS = 256
+MAX_SLO_MS = 86_400_000.0          # a day: an SLO past it is no target
+
+
+def _float(body: dict, name: str, default, rule: str = "a number") -> Optional[float]:
+  """``body[name]`` (an int or a float) as a float; an integer too large
+  for a float is a 400 naming the field (``float()`` would raise
+  OverflowError, a 500). Infinity and NaN pass: the field's own range
+  check refuses them."""
+  value = _get(body, name, (int, float), default, rule)
+  if value is None:
+    return None
+  try:
+    return float(value)
+  except OverflowError:
+    raise BadRequest(f"'{name}' must be a finite number, got an integer of "
+                     f"{len(str(abs(value)))} digits", name) from None
 
 
 @dataclasses.dataclass
@@ -98,10 +117,14 @@ class RequestParser:
     capacity: the server's live bound: the most choices one request holds.
     default_max_tokens: max_tokens when the body has none (None: the rest of
       the context, as vLLM).
+    max_prompt_chars: the longest prompt string, or chat messages' text in
+      all, taken to the tokenizer (None: no cap); a token-id prompt holds
+      at most ``max_model_len`` ids. Both are checked before tokenizing.
   """
 
   def __init__(self, tokenizer, model_name: str, *, max_model_len: int, vocab_size: int,
-               max_stop_ids: int, capacity: int, default_max_tokens: Optional[int] = None):
+               max_stop_ids: int, capacity: int, default_max_tokens: Optional[int] = None,
+               max_prompt_chars: Optional[int] = None):
     self.tokenizer = tokenizer
     self.model_name = model_name
     self.max_model_len = max_model_len
@@ -109,6 +132,7 @@ class RequestParser:
     self.max_stop_ids = max_stop_ids
     self.capacity = capacity
     self.default_max_tokens = default_max_tokens
+    self.max_prompt_chars = max_prompt_chars
 
   def parse(self, body: Any, chat: bool) -> ParsedRequest:
     """Validates an OpenAI request body; raises BadRequest naming the field.
@@ -180,8 +204,8 @@ class RequestParser:
             f"{name} or completion.",
             field if len(ids) < self.max_model_len else name)
       lengths.append(wanted)
-    temperature = float(_get(body, "temperature", (int, float), 1.0, "a number"))
-    top_p = float(_get(body, "top_p", (int, float), 1.0, "a number"))
+    temperature = _float(body, "temperature", 1.0)
+    top_p = _float(body, "top_p", 1.0)
     top_k = _get(body, "top_k", int, 0)
     if not -1 <= top_k < 2**31:
       raise BadRequest(f"'top_k' must be in [-1, 2**31) (-1 or 0 = off), got {top_k}",
@@ -238,12 +262,18 @@ class RequestParser:
     # Body field -> Engine.add_request keyword (§0x07: the TBT limit is the
     # per-token SLO the engine calls slo_tpot_ms).
     for field, keyword in (("slo_ttft_ms", "slo_ttft_ms"), ("slo_tbt_ms", "slo_tpot_ms")):
-      value = _get(body, field, (int, float), None, "a number of ms")
+      value = _float(body, field, None, "a number of ms")
       if value is None:
         continue
-      if value <= 0:
-        raise BadRequest(f"'{field}' must be > 0 ms, got {value}", field)
-      extra[keyword] = float(value)
+      if not 0 < value <= MAX_SLO_MS:
+        raise BadRequest(f"'{field}' must be in (0, {MAX_SLO_MS:.0f}] ms, got {value}", field)
+      extra[keyword] = value
+    salt = _get(body, "cache_salt", str, None, "a string")
+    if salt is not None:
+      if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise BadRequest(f"'cache_salt' must be 1..{MAX_CACHE_SALT_CHARS} characters, got "
+                         f"{len(salt)}", "cache_salt")
+      extra["cache_salt"] = salt
     if logprobs is not None:
       extra["logprobs"] = True
       if echo:                  # from the prefill rows; no prefix hit (Engine)
@@ -323,13 +353,25 @@ class RequestParser:
     if isinstance(prompt, str):
       if not prompt:
         raise BadRequest(f"'{name}' must be non-empty", name)
+      self._check_chars(len(prompt), name)
       return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    if len(prompt) > self.max_model_len:
+      raise BadRequest(f"'{name}' holds {len(prompt)} token ids; the context "
+                       f"(max_model_len) is {self.max_model_len}", name)
     vocab = self.vocab_size
     if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and
                              0 <= t < vocab for t in prompt):
       raise BadRequest(f"'{name}' as token ids must be a non-empty list of ids in "
                        f"[0, {vocab})", name)
     return list(prompt)
+
+  def _check_chars(self, num_chars: int, name: str) -> None:
+    """A prompt of ``num_chars`` characters past ``max_prompt_chars`` is a
+    400 naming it, before the tokenizer sees it."""
+    if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+      raise BadRequest(f"'{name}' holds {num_chars} characters; a prompt holds at most "
+                       f"{self.max_prompt_chars} (--max_prompt_chars), checked before "
+                       f"tokenizing", name)
 
   def chat_prompt(self, body: dict, add_special_tokens: bool = False) -> List[int]:
     """The body's ``messages`` through the chat template (with the body's
@@ -356,6 +398,7 @@ class RequestParser:
         raise BadRequest(f"'messages[{i}].content' must be a string (text content is "
                          f"required)", f"messages[{i}].content")
       clean.append({"role": m["role"], "content": content})
+    self._check_chars(sum(len(m["content"]) for m in clean), "messages")
     # vLLM's extra variables for the template (e.g. {"enable_thinking": false}).
     variables = _get(body, "chat_template_kwargs", dict, {}, "an object")
     if "messages" in variables:

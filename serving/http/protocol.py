@@ -30,6 +30,11 @@ MAX_REQUEST_ID_CHARS = 256
 # ``time.monotonic()`` seconds of the same host, so TTFT, queue time and the
 # engine's SLO clocks count from the front's arrival, not the forward.
 ARRIVAL_HEADER = "x-iterserve-arrival-s"
+# A front forwards the tenant of the client's API key (``serving.http.guard``)
+# to the replicas it owns, which trust it only with ``trust_front_headers``.
+TENANT_HEADER = "x-iterserve-tenant"
+# The oldest arrival a trusted front may forward (s before now).
+MAX_ARRIVAL_AGE_S = 3600.0
 
 
 class BadRequest(Exception):
@@ -125,19 +130,24 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
   return value
 
 
-def _arrival_s(request: HttpRequest) -> Optional[float]:
-  """The ARRIVAL_HEADER value, or None; raises BadRequest unless it is a
-  number of seconds not in the future."""
+def _arrival_s(request: HttpRequest, trusted: bool) -> Optional[float]:
+  """The ARRIVAL_HEADER value, or None: None unless ``trusted`` (the server
+  runs behind a front of its own; anyone else could send the header to
+  jump an aging or deadline queue or corrupt the latency histograms).
+  Trusted, it must be a finite ``time.monotonic()`` reading not in the
+  future and at most MAX_ARRIVAL_AGE_S old, else BadRequest naming it."""
   value = request.headers.get(ARRIVAL_HEADER)
-  if value is None:
+  if value is None or not trusted:
     return None
   try:
     arrival_s = float(value)
   except ValueError:
     arrival_s = float("nan")
-  if not arrival_s <= time.monotonic():
-    raise BadRequest(f"header '{ARRIVAL_HEADER}' must be a time.monotonic() reading "
-                     f"(s) not in the future, got {value!r}", ARRIVAL_HEADER)
+  now = time.monotonic()
+  if not now - MAX_ARRIVAL_AGE_S <= arrival_s <= now:
+    raise BadRequest(f"header '{ARRIVAL_HEADER}' must be a time.monotonic() reading (s) "
+                     f"not in the future and at most {MAX_ARRIVAL_AGE_S:.0f} s old, got "
+                     f"{value[:80]!r}", ARRIVAL_HEADER)
   return arrival_s
 
 

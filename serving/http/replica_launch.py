@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence
 
 import httpx
 
+from serving.http.guard import Access
 from serving.http.replicas import ReplicaFront
 from serving.http.router import RouteCost
 from serving.http.server import bind_socket, serve_forever
@@ -143,7 +144,8 @@ def wait_ready(urls: Sequence[str], processes: Sequence[Optional[subprocess.Pope
 
 def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port: int,
               policy: str, cost: RouteCost, route_log: Optional[str], max_waiting: int,
-              ready_timeout_s: float = 1800.0, sock: Optional[socket.socket] = None) -> None:
+              ready_timeout_s: float = 1800.0, sock: Optional[socket.socket] = None,
+              access: Access = Access()) -> None:
   """Spawns ``num_replicas`` replica servers on ``port + 1 ...`` and serves the
   front on ``host:port`` (on ``sock`` when given: bound before anything
   loads, ``serving.http.server.bind_socket``) until interrupted (the replicas
@@ -176,7 +178,7 @@ def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port
         process.wait(timeout=30)
     raise
   front = ReplicaFront(urls, processes, facts, policy=policy, cost=cost,
-                       route_log=route_log, max_waiting=max_waiting)
+                       route_log=route_log, max_waiting=max_waiting, access=access)
   print(f"routing {front.model_name!r} over {num_replicas} replicas ({policy}) on "
         f"http://{host}:{port}/v1", flush=True)
   serve_forever(front.app, sock if sock is not None else bind_socket(host, port))
@@ -185,7 +187,7 @@ def run_front(replica_argv: Sequence[str], num_replicas: int, *, host: str, port
 def run_remote_front(urls: Sequence[str], *, host: str, port: int, policy: str,
                      cost: RouteCost, route_log: Optional[str], max_waiting: int,
                      ready_timeout_s: float = 60.0,
-                     sock: Optional[socket.socket] = None) -> None:
+                     sock: Optional[socket.socket] = None, access: Access = Access()) -> None:
   """Serves the front on ``host:port`` over replica servers that already run
   (``serve.py --replica_urls``): nothing is spawned or stopped; each
   replica's facts come from its ``/engine`` once it answers ``/health``;
@@ -200,7 +202,8 @@ def run_remote_front(urls: Sequence[str], *, host: str, port: int, policy: str,
   logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request
   facts = wait_ready(urls, [None] * len(urls), ready_timeout_s)
   front = ReplicaFront(urls, [None] * len(urls), facts, policy=policy, cost=cost,
-                       route_log=route_log, max_waiting=max_waiting, shared_clock=False)
+                       route_log=route_log, max_waiting=max_waiting, shared_clock=False,
+                       access=access)
   print(f"routing {front.model_name!r} over {len(urls)} replicas at {', '.join(urls)} "
         f"({policy}) on http://{host}:{port}/v1", flush=True)
   serve_forever(front.app, sock if sock is not None else bind_socket(host, port))

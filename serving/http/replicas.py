@@ -53,18 +53,28 @@ header, so their TTFT and queue time count from the forward, not from the
 front's arrival (the time a request waited at the front is in its route
 record, ``waited_ms``).
 
-Replicas the front does not own (given by URL) are health-checked: every
+Every replica, owned or given by URL, is health-checked: every
 ``_HEALTH_S`` the front asks each one's ``/health``; one that fails
-``_HEALTH_FAILS`` checks in a row (or a request's transport error and one
-failed check) is marked down, its requests re-routed or failed as above.
-One that is down and answers again rejoins once its ``/engine`` facts agree
-with the front's (model, page size, vocabulary, context): it is placed on
-again, its router cache model starting empty (a restarted replica's prefix
-cache is). ``iterserve:router_replica_up{replica}`` is 1 while a replica is
-up.
+``_HEALTH_FAILS`` checks in a row (or a request's transport error, or a 5xx
+answer, and one failed check) is marked down, its requests re-routed or
+failed as above (a 5xx answer had sent nothing: that request is placed
+again). One that is down and answers again rejoins once its ``/engine``
+facts agree with the front's (model, page size, vocabulary, context): it
+is placed on again, its router cache model starting empty (a restarted
+replica's prefix cache is). ``iterserve:router_replica_up{replica}`` is 1
+while a replica is up.
+
+Admission and placement: the ``max_waiting`` bound is checked and the
+request queued in the router with no await between (a burst cannot
+overshoot it); ``max_tokens`` is clamped to the context for the estimate
+(a larger value is the replica's 400 to give), and a request that leaves
+placement by any path leaves the router's queue. The front runs the same
+``guard.Guard`` as a server; a client's ``Authorization`` goes on to the
+replica and its key's tenant as TENANT_HEADER (trusted only by replicas
+the front spawned).
 
 Request ids: the client's ``x-request-id`` goes to the replica (which names
-the request by it and echoes it) and comes back on the front's response; the
+its response by it and echoes it) and comes back on the front's response; the
 route record keeps it as ``client_request_id``. Batched prompts (a list of
 strings or of token-id lists) go whole to one replica, which runs one engine
 request per prompt and returns one choice each, ``index`` in prompt order
@@ -103,7 +113,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, BadRequest, Overloaded,
+from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
+from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
+                                   BadRequest, Overloaded,
                                    Unavailable, _error_response, _sse, json_body, model_card,
                                    model_routes, openai_errors)
 from serving.http.router import RouteCost, router_for
@@ -159,6 +171,9 @@ class ReplicaFront:
     max_waiting: requests that may wait at the front (>= 0).
     shared_clock: the replicas read the front's ``time.monotonic()`` (same
       host): each forward carries the request's arrival (ARRIVAL_HEADER).
+    access: the ``guard.Access`` the front's ``Guard`` enforces. A client's
+      ``Authorization`` goes on to the replica (replicas given by URL may
+      check the same keys); its key's tenant goes as TENANT_HEADER.
 
   Raises:
     ValueError: replicas that serve different models or page sizes, or a
@@ -168,7 +183,8 @@ class ReplicaFront:
   def __init__(self, urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
                facts: Sequence[dict], *, policy: str = "prefix_aware",
                cost: RouteCost = RouteCost(), route_log: Optional[str] = None,
-               max_waiting: int = 64, shared_clock: bool = True):
+               max_waiting: int = 64, shared_clock: bool = True,
+               access: Access = Access()):
     if not urls or not len(urls) == len(processes) == len(facts):
       raise ValueError("urls, processes and facts must be one entry per replica (>= 1)")
     for key in ("model", "page_size", "vocab_size"):
@@ -204,7 +220,7 @@ class ReplicaFront:
                           "on), 0 while down.", ["replica"], registry=r)
     for i in range(len(urls)):
       self._up.labels(str(i)).set(1)
-    self.app = self._build_app()
+    self.app = Guard(self._build_app(), access)
 
   # ---------------------------------------------------------- replicas
   async def _probe(self, replica: int) -> bool:
@@ -249,14 +265,16 @@ class ReplicaFront:
     self._dispatch()
 
   async def _health(self) -> None:
-    """Every _HEALTH_S: checks each replica given by URL (no process of
-    ours); marks one down after _HEALTH_FAILS failed checks in a row, has a
-    down one that answers rejoin (``_rejoin``)."""
+    """Every _HEALTH_S: checks every replica, owned or given by URL (a
+    replica process that runs but answers /health 503, its engine dead,
+    is no better than one that exited); marks one down after _HEALTH_FAILS
+    failed checks in a row, has a down one that answers rejoin
+    (``_rejoin``; an owned process that exited never answers)."""
     while True:
       await asyncio.sleep(_HEALTH_S)
-      remote = [i for i, p in enumerate(self.processes) if p is None]
-      answers = await asyncio.gather(*(self._probe(i) for i in remote))
-      for i, ok in zip(remote, answers):
+      every = list(range(len(self.urls)))
+      answers = await asyncio.gather(*(self._probe(i) for i in every))
+      for i, ok in zip(every, answers):
         alive = self.router.replicas[i].alive
         self._failed_checks[i] = 0 if ok else self._failed_checks[i] + 1
         if alive and self._failed_checks[i] >= _HEALTH_FAILS:
@@ -326,20 +344,39 @@ class ReplicaFront:
           future.set_result(None)
       self._futures.clear()
 
+  def _admit(self) -> None:
+    """Raises Overloaded when a request submitted now would wait and
+    ``max_waiting`` already do. Checked and followed by the submit with no
+    await between (atomic on the event loop): the bound holds under a burst."""
+    waiting = self.router.num_waiting()
+    if (waiting > 0 or not self.router.has_room()) and waiting >= self.max_waiting:
+      raise Overloaded(f"{waiting} requests wait for a replica, the bound (--max_waiting "
+                       f"= {self.max_waiting}); retry later")
+
   async def _place(self, rid: str, ids: List[int], max_tokens: int, arrival_s: float,
                    rerouted_from: List[int]) -> Optional[dict]:
+    """The placement decision for a request (None: no replica is alive).
+    A first placement is admitted against ``max_waiting`` (a re-placement,
+    already admitted, is not). Whatever happens, a request that does not
+    leave here placed leaves the router's queue.
+
+    Raises:
+      Overloaded: ``max_waiting`` requests already wait.
+    """
     future = asyncio.get_running_loop().create_future()
-    self._futures[rid] = future
-    self.router.submit(rid, ids, max_tokens, arrival_s * 1e3, rerouted_from)
-    self._dispatch()
     try:
+      if not rerouted_from:
+        self._admit()
+      self._futures[rid] = future
+      self.router.submit(rid, ids, max_tokens, arrival_s * 1e3, rerouted_from)
+      self._dispatch()
       return await future
     finally:
-      if not future.done():                    # the client went away while waiting
+      if not future.done():            # refused, failed, or the client went away
         self._futures.pop(rid, None)
         self.router.withdraw(rid)
 
-  async def _tokenize(self, body: dict, raw: bytes):
+  async def _tokenize(self, body: dict, raw: bytes, auth: dict):
     """(prompt ids, None): every prompt's token ids one after another (a
     batched prompt tokenized prompt by prompt), and the longest prompt's
     length; or (None, the refusal to return)."""
@@ -347,18 +384,19 @@ class ReplicaFront:
     if not (isinstance(batch, list) and len(batch) > 1
             and (all(isinstance(p, str) for p in batch)
                  or all(isinstance(p, list) for p in batch))):
-      ids, refusal = await self._tokenize_one(raw)
+      ids, refusal = await self._tokenize_one(raw, auth)
       return (None, refusal) if refusal is not None else ((ids, len(ids)), None)
     ids, longest = [], 0
     for prompt in batch:
-      one, refusal = await self._tokenize_one(json.dumps({**body, "prompt": prompt}).encode())
+      one, refusal = await self._tokenize_one(json.dumps({**body, "prompt": prompt}).encode(),
+                                              auth)
       if refusal is not None:
         return None, refusal
       ids += one
       longest = max(longest, len(one))
     return (ids, longest), None
 
-  async def _tokenize_one(self, raw: bytes):
+  async def _tokenize_one(self, raw: bytes, auth: dict):
     """(ids, None) from a live replica's /tokenize, or (None, its Response)."""
     for _ in range(len(self.urls)):
       alive = self.router.alive()
@@ -367,10 +405,12 @@ class ReplicaFront:
       replica = alive[next(self._tokenize_turn) % len(alive)]
       try:
         reply = await self.http.post(f"{self.urls[replica]}/tokenize", content=raw,
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", **auth})
       except httpx.TransportError:
         await self._lost(replica)
         continue
+      if reply.status_code >= 500 and await self._lost(replica):
+        continue                       # a replica whose engine died: ask another
       if reply.status_code != 200:
         return None, relayed_error(replica, reply.status_code, reply.content)
       return reply.json()["tokens"], None
@@ -408,28 +448,29 @@ class ReplicaFront:
       body = json_body(raw)
       if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-      # Only a request that would wait counts against the bound: with
-      # nothing waiting and a replica with room it is placed at once.
-      waits = self.router.num_waiting() > 0 or not self.router.has_room()
-      if waits and self.router.num_waiting() >= self.max_waiting:
-        raise Overloaded(f"{self.router.num_waiting()} requests wait for a replica, the "
-                         f"bound (--max_waiting = {self.max_waiting}); retry later")
+      self._admit()             # early refusal; the bound is enforced at placement
     except Exception as e:
       return _error_response(e)
-    tokenized, refusal = await self._tokenize(body, raw)
+    auth = {k: v for k, v in (("authorization", request.headers.get("authorization")),
+                              (TENANT_HEADER, request.scope.get(TENANT_SCOPE_KEY)))
+            if v is not None}
+    tokenized, refusal = await self._tokenize(body, raw, auth)
     if refusal is not None:
       return refusal
     ids, longest = tokenized
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-      max_tokens = max(1, self.max_model_len - longest)     # the replica checks the body
+      max_tokens = self.max_model_len - longest        # the replica checks the body
+    # The estimate's figure, clamped to what the context allows: any larger
+    # value is the replica's 400 to give, never an overflow here.
+    max_tokens = min(max(1, max_tokens), self.max_model_len)
     stream = body.get("stream") is True
     rid = f"route-{next(self._ids)}"
     record = dict(request_id=rid, client_request_id=request.headers.get(REQUEST_ID_HEADER),
                   path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
                   max_tokens=max_tokens, stream=stream, replica=None, rerouted_from=[],
                   decisions=[], outcome=None)
-    route = asyncio.ensure_future(self._route(record, raw, ids))
+    route = asyncio.ensure_future(self._route(record, raw, ids, auth))
     while True:                     # a client that hangs up cancels its request
       done, _ = await asyncio.wait({route}, timeout=_DISCONNECT_POLL_S)
       if done:
@@ -441,20 +482,25 @@ class ReplicaFront:
         self._end(record, "cancelled", "client disconnected before the response")
         return Response(status_code=499)
 
-  async def _route(self, record: dict, raw: bytes, ids: List[int]) -> Response:
+  async def _route(self, record: dict, raw: bytes, ids: List[int], auth: dict) -> Response:
     """Places the request, forwards it, re-places it while its replica dies
     before anything was sent; returns the response to relay. Cancelled (the
     client left): leaves the router's queue, and closing the upstream
     connection makes the replica cancel the request."""
     rid, path, stream = record["request_id"], record["path"], record["stream"]
     arrival_s, max_tokens = record["arrival_s"], record["max_tokens"]
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **auth}
     if self.shared_clock:
       headers[ARRIVAL_HEADER] = repr(arrival_s)
     if record["client_request_id"] is not None:
       headers[REQUEST_ID_HEADER] = record["client_request_id"]
     while True:
-      decision = await self._place(rid, ids, max_tokens, arrival_s, record["rerouted_from"])
+      try:
+        decision = await self._place(rid, ids, max_tokens, arrival_s,
+                                     record["rerouted_from"])
+      except Overloaded as e:
+        self._end(record, "refused", str(e))
+        return _error_response(e)
       if decision is None:
         self._end(record, "failed", "no replica is alive")
         return _error_response(Unavailable("no replica is alive"))
@@ -464,6 +510,16 @@ class ReplicaFront:
       try:
         upstream = await self.http.send(self.http.build_request(
             "POST", f"{self.urls[replica]}{path}", content=raw, headers=headers), stream=True)
+        if upstream.status_code >= 500:
+          content = await upstream.aread()
+          await upstream.aclose()
+          if await self._lost(replica):        # it answers /health no more: down
+            record["rerouted_from"].append(replica)
+            self._reroutes.inc()
+            continue                           # nothing was sent: place again
+          self._end(record, "failed", f"HTTP {upstream.status_code}")
+          return relayed_error(replica, upstream.status_code, content,
+                               self._headers(record, upstream))
         if upstream.status_code != 200 or not stream:
           content = await upstream.aread()
           await upstream.aclose()

@@ -39,11 +39,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Dict, List, Optional, Sequence
+
+import numpy as np
 
 from serving.kv.prefix_cache import chain_keys, root_key
 
 POLICIES = ("prefix_aware", "round_robin")
+MAX_TOKENS = 2**31 - 1          # the most max_tokens a request may carry here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,14 +166,22 @@ class Router:
     """Queues a request (``arrival_ms``: its original arrival, router clock).
 
     Raises:
-      ValueError: the id is waiting or placed, an empty prompt, max_tokens < 1.
+      ValueError: the id is waiting or placed, an empty prompt, max_tokens
+        not an int in [1, MAX_TOKENS] (a larger one would overflow the
+        estimate's float arithmetic at every later decision), arrival_ms
+        not finite.
     """
     if request_id in self._waiting or request_id in self._placed:
       raise ValueError(f"request_id {request_id!r} is already routed")
     if not prompt_token_ids:
       raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
-    if max_tokens < 1:
-      raise ValueError(f"request {request_id!r}: max_tokens must be >= 1, got {max_tokens}")
+    if (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
+        or not 1 <= max_tokens <= MAX_TOKENS):
+      shown = max_tokens if len(str(max_tokens)) < 40 else f"{str(max_tokens)[:20]}..."
+      raise ValueError(f"request {request_id!r}: max_tokens must be an int in [1, "
+                       f"{MAX_TOKENS}], got {shown}")
+    if not math.isfinite(arrival_ms):
+      raise ValueError(f"request {request_id!r}: arrival_ms must be finite, got {arrival_ms}")
     n = len(prompt_token_ids)
     keys = chain_keys(self._root, prompt_token_ids, self.page_size, n // self.page_size)
     self._waiting[request_id] = _Pending(request_id, n, int(max_tokens), float(arrival_ms),

@@ -33,9 +33,26 @@ logprobs) takes no prefix hit, so each of its copies prefills. Usage counts
 each prompt once (its tokens, and as ``cached_tokens`` the most any of its
 copies took from the cache) and the completion tokens of every copy.
 
-The ``x-request-id`` header, when sent, names the request (its ``id`` is
-"cmpl-"/"chatcmpl-" + it) and comes back on the response. A body field the
-endpoint does not read is a 400 naming it, never ignored.
+The ``x-request-id`` header, when sent, names the response (its ``id`` is
+"cmpl-"/"chatcmpl-" + it) and comes back on it; the engine keys every
+request by a fresh internal id, so two requests may send the same value
+and neither can cancel the other. A body field the endpoint does not read
+is a 400 naming it, never ignored.
+
+Access and limits (``guard.Guard``, before any route reads the body): API
+keys (``Authorization: Bearer``) on every route but /health, /metrics and
+/engine, a key's tenant as the request's fairness identity and
+prefix-cache salt; the Host allow-list; JSON bodies only (415); the body
+size cap (413). Then, before tokenizing, the prompt character cap; JSON
+decoding, templating and tokenizing run on tokenizer threads, not the
+event loop; /tokenize and /detokenize hold a live place like a request
+(429 past the bound). ``cache_salt`` (vLLM's field): prefix-cache hits
+only between requests of the same salt.
+
+The engine's death: when a step raises, every request in flight (and
+every one that arrives after) ends with an error, /health answers 503 and
+the server stops (``serve`` returns 1: the launcher exits non-zero, so a
+supervisor restarts it).
 
 Logprobs (completions ``logprobs`` k, chat ``logprobs`` + ``top_logprobs``;
 k <= ``MAX_LOGPROBS``) are the engine's raw logprobs, one entry per
@@ -46,7 +63,8 @@ a request takes no prefix hit). ``max_tokens: 0`` with echo scores the
 prompt alone: the engine runs one token, which is dropped.
 
 Overload: at most ``max_request_slots + max_waiting`` requests are live at
-once (``max_waiting`` wait for an engine slot); past that a request gets
+once (the launcher warms the engine up to that many, so no slot-table
+growth compiles while streams run) (``max_waiting`` wait for an engine slot); past that a request gets
 HTTP 429 with an OpenAI-style error body (``_error_response`` is the one
 place that maps a refusal to its HTTP status). Bad input gets HTTP 400
 naming the field and the rule, as vLLM does for a prompt plus max_tokens
@@ -64,9 +82,11 @@ strings and holds parallel copies until their prompt is cached),
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -81,16 +101,19 @@ from scheduler import records as rec
 from serving.engine.engine import Engine
 from serving.http import responses
 from serving.http.engine_loop import EngineLoop, _Live
+from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
 from serving.http.metrics import ServerMetrics
 from serving.http.parsing import ParsedRequest, RequestParser
-from serving.http.protocol import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, BadRequest,
-                                   UnknownModel, _arrival_s, _error_body, _error_response,
+from serving.http.protocol import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, TENANT_HEADER,
+                                   BadRequest,
+                                   Unavailable, UnknownModel, _arrival_s, _error_body, _error_response,
                                    _get, _sse, json_body, model_card, model_routes,
                                    openai_errors)
 from serving.kv import pages as kv_pages
 
 # Seconds between disconnect checks of a non-streaming request.
 _DISCONNECT_POLL_S = 0.25
+TOKENIZER_THREADS = 4
 
 
 class OpenAIServer:
@@ -104,10 +127,18 @@ class OpenAIServer:
       live requests than ``max_request_slots + max_waiting`` get HTTP 429.
     default_max_tokens: max_tokens when the body has none (None: the rest of
       the context, as vLLM).
+    trust_front_headers: honour ARRIVAL_HEADER and TENANT_HEADER (a front
+      of our own on this host forwards each request's arrival and its API
+      key's tenant); off, both headers are ignored.
+    access: the ``guard.Access`` its ``Guard`` enforces (keys, Host names,
+      body size).
+    max_prompt_chars: the longest prompt string (or chat messages' text in
+      all) taken to the tokenizer (None: 32 characters per context token).
   """
 
   def __init__(self, engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
-               default_max_tokens: Optional[int] = None):
+               default_max_tokens: Optional[int] = None, trust_front_headers: bool = False,
+               access: Access = Access(), max_prompt_chars: Optional[int] = None):
     if max_waiting < 0:
       raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
     self.engine = engine
@@ -118,11 +149,18 @@ class OpenAIServer:
     self.parser = RequestParser(
         tokenizer, model_name, max_model_len=self.max_model_len,
         vocab_size=engine.model_cfg.vocab_size, max_stop_ids=engine.config.max_stop_ids,
-        capacity=self.metrics.capacity, default_max_tokens=default_max_tokens)
-    self.loop = EngineLoop(engine, tokenizer, self.metrics)
+        capacity=self.metrics.capacity, default_max_tokens=default_max_tokens,
+        max_prompt_chars=max_prompt_chars or 32 * self.max_model_len)
+    self.loop = EngineLoop(engine, tokenizer, self.metrics, on_death=self._engine_died)
+    self.trust_front_headers = trust_front_headers
+    self._uvicorn: Optional[uvicorn.Server] = None
     self._ids = itertools.count()
     self.created = int(time.time())
-    self.app = self._build_app()
+    # Tokenization and chat templating run here, never on the event loop
+    # (a long prompt would stall every stream while it is tokenized).
+    self._tokenizing = concurrent.futures.ThreadPoolExecutor(
+        max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+    self.app = Guard(self._build_app(), access)
 
   def _build_app(self) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -130,6 +168,7 @@ class OpenAIServer:
       self.loop.start()
       yield
       self.loop.stop()
+      self._tokenizing.shutdown(wait=False)
 
     app = FastAPI(title="iterserve", docs_url=None, redoc_url=None, lifespan=lifespan)
     openai_errors(app)
@@ -167,22 +206,9 @@ class OpenAIServer:
       whole request body may be sent (a router front does): the fields
       other than these are left to the request itself."""
       try:
-        body = json_body(await request.body())
-        if not isinstance(body, dict):
-          raise BadRequest("the request body must be a JSON object")
-        chat = "messages" in body
-        special = _get(body, "add_special_tokens", bool, not chat)
-        if chat:
-          ids = self.parser.chat_prompt(body, add_special_tokens=special)
-        else:
-          prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
-          if (isinstance(prompt, list) and len(prompt) == 1
-              and isinstance(prompt[0], (str, list))):
-            prompt = prompt[0]            # a batch of one
-          if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
-            raise BadRequest("'prompt' must be one prompt here (a string or a list of "
-                             "token ids); tokenize a batch prompt by prompt", "prompt")
-          ids = self.parser.one_prompt(prompt, "prompt", special)
+        raw = await request.body()
+        with self._admitted():
+          ids = await self._off_loop(self._tokenize_body, raw)
       except Exception as e:          # BadRequest: 400 naming the field; else 500
         return _error_response(e)
       return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
@@ -192,25 +218,11 @@ class OpenAIServer:
       """``{"tokens": [ids]}`` -> ``{"prompt": text}`` (vLLM's shape; special
       tokens kept, as vLLM decodes them)."""
       try:
-        body = json_body(await request.body())
-        if not isinstance(body, dict):
-          raise BadRequest("the request body must be a JSON object")
-        for field in body:
-          if field not in ("model", "tokens"):
-            raise BadRequest(f"'{field}' is not a field of /detokenize (model, tokens)",
-                             field)
-        model = _get(body, "model", str, self.model_name)
-        if model != self.model_name:
-          raise UnknownModel(f"model {model!r} does not exist; this server serves "
-                             f"{self.model_name!r}", "model")
-        tokens = _get(body, "tokens", list, rule="a list of token ids")
-        vocab = self.engine.model_cfg.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                   for t in tokens):
-          raise BadRequest(f"'tokens' must be token ids in [0, {vocab})", "tokens")
+        raw = await request.body()
+        with self._admitted():
+          return {"prompt": await self._off_loop(self._detokenize_body, raw)}
       except Exception as e:
         return _error_response(e)
-      return {"prompt": self.tokenizer.decode(tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -241,32 +253,135 @@ class OpenAIServer:
 
     return app
 
-  def _request_id(self, request: HttpRequest, chat: bool) -> Tuple[str, str]:
-    """(the request's id, the ``x-request-id`` value its response carries):
-    "cmpl-"/"chatcmpl-" + the client's ``x-request-id`` header, or + a fresh
-    one (echoed back either way). Raises BadRequest naming the header when
-    it is empty, too long or not printable ASCII."""
+  def _detokenize_body(self, raw: bytes) -> str:
+    """``/detokenize``'s body -> its text (tokenizer thread)."""
+    body = json_body(raw)
+    if not isinstance(body, dict):
+      raise BadRequest("the request body must be a JSON object")
+    for field in body:
+      if field not in ("model", "tokens"):
+        raise BadRequest(f"'{field}' is not a field of /detokenize (model, tokens)",
+                         field)
+    model = _get(body, "model", str, self.model_name)
+    if model != self.model_name:
+      raise UnknownModel(f"model {model!r} does not exist; this server serves "
+                         f"{self.model_name!r}", "model")
+    tokens = _get(body, "tokens", list, rule="a list of token ids")
+    vocab = self.engine.model_cfg.vocab_size
+    if len(tokens) > self.max_model_len:
+      raise BadRequest(f"'tokens' holds at most {self.max_model_len} ids (the context), "
+                       f"got {len(tokens)}", "tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+               for t in tokens):
+      raise BadRequest(f"'tokens' must be token ids in [0, {vocab})", "tokens")
+    return self.tokenizer.decode(tokens)
+
+  def _tokenize_body(self, raw: bytes) -> List[int]:
+    """``/tokenize``'s body -> the prompt token ids (tokenizer thread)."""
+    body = json_body(raw)
+    if not isinstance(body, dict):
+      raise BadRequest("the request body must be a JSON object")
+    chat = "messages" in body
+    special = _get(body, "add_special_tokens", bool, not chat)
+    if chat:
+      return self.parser.chat_prompt(body, add_special_tokens=special)
+    prompt = _get(body, "prompt", (str, list), rule="a string or a list of token ids")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+      prompt = prompt[0]            # a batch of one
+    if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+      raise BadRequest("'prompt' must be one prompt here (a string or a list of "
+                       "token ids); tokenize a batch prompt by prompt", "prompt")
+    return self.parser.one_prompt(prompt, "prompt", special)
+
+  @contextlib.contextmanager
+  def _admitted(self):
+    """One live place held while an engine-side helper route (tokenize,
+    detokenize) works: past the live bound it is a 429 like a request."""
+    self.metrics.admit(1)
+    try:
+      yield
+    finally:
+      self.metrics.release()
+
+  async def _off_loop(self, fn, *args):
+    """``fn(*args)`` on the tokenizer threads (JSON decoding, templating,
+    tokenizing), so the event loop keeps serving streams meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+  def _parse(self, raw: bytes, chat: bool, tenant: Optional[str]) -> ParsedRequest:
+    """A request body -> its ParsedRequest (tokenizer thread); with a
+    tenant (the API key's), the tenant is the fairness identity and salts
+    the prefix cache, whatever the body's ``user``/``client``/``tenant``."""
+    parsed = self.parser.parse(json_body(raw), chat)
+    if tenant is not None:
+      parsed.client = tenant
+      parsed.extra["cache_salt"] = f"tenant:{tenant}|{parsed.extra.get('cache_salt', '')}"
+    return parsed
+
+  def _tenant(self, request: HttpRequest) -> Optional[str]:
+    """The request's tenant: its API key's (``Guard``), or, behind a front
+    of our own, the one the front forwards (TENANT_HEADER)."""
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    if tenant is None and self.trust_front_headers:
+      tenant = request.headers.get(TENANT_HEADER)
+    return tenant
+
+  @property
+  def capacity(self) -> int:
+    """Live requests the server holds at most (engine slots + max_waiting):
+    the slot-table size a launcher warms the engine up to."""
+    return self.metrics.capacity
+
+  def stop_with(self, server: uvicorn.Server) -> None:
+    """Has the engine thread's death stop ``server`` (``serve``)."""
+    self._uvicorn = server
+
+  def _engine_died(self, error: BaseException) -> None:
+    """Engine thread: every request it held has its error event; stop
+    serving, so the process exits non-zero and a supervisor restarts it."""
+    print(f"error: the engine thread failed ({type(error).__name__}: {error}); every "
+          f"in-flight request was failed; the server stops", file=sys.stderr, flush=True)
+    if self._uvicorn is not None:
+      self._uvicorn.should_exit = True
+
+  def serve(self, sock: socket.socket) -> int:
+    """Serves on the bound ``sock`` until interrupted or the engine dies;
+    returns the launcher's exit status (1 after the engine's death)."""
+    server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+    self.stop_with(server)
+    server.run(sockets=[sock])
+    return 0 if self.loop.error is None else 1
+
+  def _request_id(self, request: HttpRequest, chat: bool) -> Tuple[str, str, str]:
+    """(the engine's key for the request, its response ``id``, the
+    ``x-request-id`` value its response carries). The engine key is always
+    fresh, so a client's id never names another request (two requests may
+    send the same one; an abort reaches only its own). The ``id`` is
+    "cmpl-"/"chatcmpl-" + the client's ``x-request-id`` header, or the key.
+    Raises BadRequest naming the header when it is empty, too long or not
+    printable ASCII."""
     kind = "chatcmpl" if chat else "cmpl"
+    key = f"{kind}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
     given = request.headers.get(REQUEST_ID_HEADER)
     if given is None:
-      rid = f"{kind}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-      return rid, rid
+      return key, key, key
     if not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii()
             and given.isprintable()):
       raise BadRequest(f"header '{REQUEST_ID_HEADER}' must be 1..{MAX_REQUEST_ID_CHARS} "
                        f"printable ASCII characters, got {given[:80]!r}", REQUEST_ID_HEADER)
-    return f"{kind}-{given}", given
+    return key, f"{kind}-{given}", given
 
   async def _serve(self, request: HttpRequest, chat: bool):
     """One completion or chat request: parse, admit every choice, add them
     to the engine in one command, then answer (whole or streamed)."""
     echo_id = None
     try:
-      rid, echo_id = self._request_id(request, chat)
-      parsed = self.parser.parse(json_body(await request.body()), chat)
-      arrival_s = _arrival_s(request)
+      key, rid, echo_id = self._request_id(request, chat)
+      parsed = await self._off_loop(self._parse, await request.body(), chat,
+                                    self._tenant(request))
+      arrival_s = _arrival_s(request, self.trust_front_headers)
       if not self.loop.alive:
-        raise RuntimeError("the engine thread has stopped")
+        raise Unavailable("the engine thread has stopped; the server is shutting down")
       self.metrics.admit(len(parsed.prompts))
     except BadRequest as e:
       self.metrics.refused("bad_request")
@@ -276,7 +391,7 @@ class OpenAIServer:
     events: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
     n = len(parsed.prompts)
-    lives = [_Live(rid if n == 1 else f"{rid}-{i}", i, parsed,
+    lives = [_Live(key if n == 1 else f"{key}-{i}", i, parsed,
                    self.tokenizer.detokenizer(skip_special_tokens=True), events, loop)
              for i in range(n)]
     for i, live in enumerate(lives):

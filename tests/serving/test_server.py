@@ -436,9 +436,11 @@ def test_cancelled_request_is_not_in_e2e_or_tpot_histograms(served):
   assert (done[e2e], done[tpot]) == (after[e2e] + 1, after[tpot] + 1)
 
 
-def test_forwarded_arrival_header_sets_the_request_clock(served):
+def test_forwarded_arrival_header_sets_the_request_clock(served, monkeypatch):
   """A front's original arrival (``ARRIVAL_HEADER``, time.monotonic() s)
-  counts in TTFT; a future or non-numeric one is a 400 naming the header."""
+  counts in TTFT on a server that trusts it; a future or non-numeric one is
+  a 400 naming the header."""
+  monkeypatch.setattr(served.server, "trust_front_headers", True)
   ttft_sum = ("vllm:time_to_first_token_seconds_sum", ())
   before = served.metrics().get(ttft_sum, 0.0)
   body = {"model": MODEL, "prompt": "the end", "max_tokens": 2, "ignore_eos": True}

@@ -1,0 +1,108 @@
+"""The router front under requests that try to break it: a ``max_tokens``
+no float holds, a burst at its waiting bound, and a local replica whose
+engine died (it answers 5xx). The replicas are in-process servers on the
+tiny model; the front and they talk real HTTP on 127.0.0.1."""
+
+import asyncio
+import os
+import types
+
+import httpx
+import pytest
+
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.http import router as router_module
+from serving.http.replicas import ReplicaFront
+from serving.http.server import OpenAIServer
+from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
+from tests.serving.engine_testing import wait_until as _wait
+
+HUGE = "1" + "0" * 400
+
+
+def _local_process():
+  """Stands for a replica process the front owns and that keeps running
+  (the front's exit watch sees no exit; stopping it is a no-op)."""
+  return types.SimpleNamespace(pid=os.getpid(), returncode=None, poll=lambda: None,
+                               terminate=lambda: None, wait=lambda timeout=None: 0)
+
+
+def _front(urls, processes, **kwargs):
+  facts = [httpx.get(f"{u}/engine", timeout=10).json() for u in urls]
+  return HttpApp(ReplicaFront(urls, processes, facts, **kwargs).app)
+
+
+def test_a_huge_max_tokens_is_refused_and_the_front_keeps_placing(served):
+  front = _front([served.url], [None])
+  try:
+    for field in ("max_tokens", "max_completion_tokens"):
+      raw = ('{"model": "tiny", "prompt": "hi", "%s": %s}' % (field, HUGE)).encode()
+      r = front.http.post("/v1/completions", content=raw,
+                          headers={"content-type": "application/json"})
+      assert r.status_code == 400, r.text
+      assert r.json()["error"]["param"] == field
+    for _ in range(3):
+      ok = front.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                    "max_tokens": 2})
+      assert ok.status_code == 200, ok.text
+    report = front.http.get("/router").json()
+    assert [r["outcome"] for r in report["requests"]] == ["refused"] * 2 + ["completed"] * 3
+  finally:
+    front.close()
+
+
+def test_a_burst_past_the_waiting_bound_admits_exactly_the_bound(served, monkeypatch):
+  """One replica of 8 + 8 places behind a front that lets 2 wait: of 30
+  concurrent requests, those refused are 429 and every other completes;
+  the front never holds more than 2 waiting."""
+  front_app = _front([served.url], [None], max_waiting=2)
+  try:
+    peak = [0]
+    real = router_module.Router.submit
+
+    def submit(self, *a, **k):
+      real(self, *a, **k)
+      peak[0] = max(peak[0], self.num_waiting())
+
+    monkeypatch.setattr(router_module.Router, "submit", submit)
+
+    async def burst():
+      async with httpx.AsyncClient(base_url=front_app.url, timeout=120) as client:
+        return await asyncio.gather(*[client.post("/v1/completions", json={
+            "model": "tiny", "prompt": "the heart", "max_tokens": 6, "ignore_eos": True,
+            "seed": i}) for i in range(30)])
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    assert set(codes) <= {200, 429} and codes.count(200) >= 8, codes
+    assert peak[0] <= 2 + 1          # the bound, and the one being placed
+  finally:
+    front_app.close()
+
+
+def test_a_local_replica_answering_5xx_leaves_rotation_until_healthy(params, served):
+  """A replica process of the front's own whose engine died answers every
+  request 500 and /health 503: the front takes it out of rotation (its
+  request re-placed on the healthy one) and back once /health is 200."""
+  dead = OpenAIServer(Engine(CFG, params, EngineConfig.preset("tiny")), tiny_tokenizer(),
+                      "tiny")
+  dead_app = HttpApp(dead.app, join_timeout_s=30)
+  front = None
+  try:
+    front = _front([dead_app.url, served.url], [_local_process(), _local_process()],
+                   policy="round_robin")
+    dead.loop.__class__ = type("Dead", (dead.loop.__class__,),
+                               {"alive": property(lambda self: False)})
+    for i in range(4):
+      r = front.http.post("/v1/completions", json={"model": "tiny", "prompt": f"hi {i}",
+                                                   "max_tokens": 2})
+      assert r.status_code == 200, r.text
+      assert r.headers["x-iterserve-replica"] == "1"
+    assert front.http.get("/metrics").text.count('iterserve:router_replica_up{replica="0"} 0.0') == 1
+    dead.loop.__class__ = dead.loop.__class__.__mro__[1]       # healthy again
+    _wait(lambda: 'iterserve:router_replica_up{replica="0"} 1.0' in
+          front.http.get("/metrics").text, timeout_s=20)
+  finally:
+    if front is not None:
+      front.close()
+    dead_app.close()

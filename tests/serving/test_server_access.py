@@ -1,0 +1,147 @@
+"""Who may use the server and how much a request may ask, checked before
+any work: API keys and their tenants (fairness identity, prefix-cache
+salt), the Host allow-list, JSON-only bodies, the body-size and prompt
+caps, the live bound on the tokenizer routes. Real HTTP on 127.0.0.1."""
+
+import httpx
+import openai
+import pytest
+
+from serving.engine.config import EngineConfig
+from serving.engine.engine import Engine
+from serving.http import guard
+from serving.http.server import OpenAIServer
+from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
+
+MODEL = "tiny"
+KEYS = "key-a:tenant-a,key-b:tenant-b,key-plain"
+
+
+@pytest.fixture(scope="module")
+def guarded(params):
+  access = guard.access_from(guard.parse_api_keys(KEYS), "127.0.0.1", None, 4096)
+  server = OpenAIServer(Engine(CFG, params, EngineConfig.preset("tiny")), tiny_tokenizer(),
+                        MODEL, max_waiting=8, access=access, max_prompt_chars=200)
+  app = HttpApp(server.app, join_timeout_s=30)
+  app.server = server
+  yield app
+  app.close()
+
+
+def _auth(key):
+  return {"authorization": f"Bearer {key}"}
+
+
+def test_keys_guard_every_route_but_health_metrics_and_engine(guarded):
+  for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                       ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+                       ("POST", "/detokenize"), ("GET", "/tokenizer_info"),
+                       ("GET", "/v1/models/tiny")]:
+    for headers in ({}, _auth("wrong"), {"authorization": "key-a"}):
+      r = guarded.http.request(method, path, json={} if method == "POST" else None,
+                               headers=headers)
+      assert r.status_code == 401, (path, headers, r.text)
+      assert r.json()["error"]["code"] == "invalid_api_key"
+  for path in ("/health", "/metrics", "/engine"):
+    assert guarded.http.get(path).status_code == 200, path
+  client = openai.OpenAI(base_url=guarded.url + "/v1", api_key="key-plain", max_retries=0)
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  got = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+  assert got.usage.completion_tokens == 2
+  bad = openai.OpenAI(base_url=guarded.url + "/v1", api_key="key-c", max_retries=0)
+  with pytest.raises(openai.AuthenticationError):
+    bad.models.list()
+
+
+def test_host_allow_list_json_only_and_body_cap(guarded):
+  ok = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+  r = guarded.http.post("/v1/completions", json=ok, headers={**_auth("key-a"),
+                                                             "host": "evil.example:80"})
+  assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+  r = guarded.http.post("/v1/completions", json=ok, headers={**_auth("key-a"),
+                                                             "host": "localhost"})
+  assert r.status_code == 200, r.text
+  r = guarded.http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                        headers={**_auth("key-a"), "content-type": "text/plain"})
+  assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+  big = {"model": MODEL, "prompt": "x" * 5000}
+  r = guarded.http.post("/v1/completions", json=big, headers=_auth("key-a"))
+  assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+
+  def chunks():                    # no Content-Length: the cap counts what streams in
+    for _ in range(10):
+      yield b" " * 1000
+
+  r = guarded.http.post("/v1/completions", content=chunks(),
+                        headers={**_auth("key-a"), "content-type": "application/json"})
+  assert r.status_code == 413
+
+
+def test_prompt_caps_are_checked_before_tokenizing(guarded, monkeypatch):
+  tok = guarded.server.tokenizer
+  seen = []
+  real = tok.encode
+  monkeypatch.setattr(tok, "encode", lambda text, **k: seen.append(len(text)) or real(text, **k))
+  for path, body, param in [
+      ("/v1/completions", {"prompt": "ab" * 101}, "prompt"),
+      ("/v1/completions", {"prompt": ["hi", "ab" * 101]}, "prompt[1]"),
+      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 150},
+                                             {"role": "user", "content": "b" * 51}]},
+       "messages"),
+      ("/tokenize", {"prompt": "ab" * 101}, "prompt"),
+      ("/v1/completions", {"prompt": list(range(10, 80))}, "prompt"),
+      ("/detokenize", {"tokens": list(range(10, 80))}, "tokens"),
+  ]:
+    r = guarded.http.post(path, json={"model": MODEL, **body}, headers=_auth("key-a"))
+    assert r.status_code == 400, (path, r.text)
+    assert r.json()["error"]["param"] == param, r.text
+  assert all(n <= 200 for n in seen)          # no over-long prompt reached the tokenizer
+
+
+def test_tenants_are_the_fairness_identity_and_isolate_the_prefix_cache(guarded, monkeypatch):
+  engine = guarded.server.engine
+  clients = []
+  real = engine.add_request
+  monkeypatch.setattr(engine, "add_request",
+                      lambda *a, **k: clients.append(k["client"]) or real(*a, **k))
+  prompt = list(range(100, 121))                    # 5 full pages of 4
+  cached = lambda key, **extra: guarded.http.post("/v1/completions", headers=_auth(key), json={
+      "model": MODEL, "prompt": prompt, "max_tokens": 1, "user": "self-declared",
+      **extra}).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+  assert cached("key-a") == 0
+  assert cached("key-b") == 0                        # another tenant: no hit
+  assert cached("key-a") == 20                       # its own tenant: 5 pages
+  assert cached("key-plain") == 0                    # no tenant: the unsalted chain
+  assert cached("key-plain", cache_salt="s1") == 0   # cache_salt (vLLM's field)
+  assert cached("key-plain", cache_salt="s2") == 0
+  assert cached("key-plain", cache_salt="s1") == 20
+  assert clients == ["tenant-a", "tenant-b", "tenant-a"] + ["self-declared"] * 4
+  r = guarded.http.post("/v1/completions", headers=_auth("key-a"), json={
+      "model": MODEL, "prompt": "hi", "cache_salt": ""})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_tokenizer_routes_count_against_the_live_bound(guarded):
+  metrics = guarded.server.metrics
+  metrics.admit(metrics.capacity)                    # the server is full
+  try:
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+      r = guarded.http.post(path, json=body, headers=_auth("key-a"))
+      assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"
+  finally:
+    for _ in range(metrics.capacity):
+      metrics.release()
+  r = guarded.http.post("/tokenize", json={"prompt": "hi"}, headers=_auth("key-a"))
+  assert r.status_code == 200 and r.json()["count"] >= 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "at least one"),
+    ("a:", "entry 1 must be KEY or KEY:TENANT"),
+    ("a b", "entry 1 must be KEY or KEY:TENANT"),
+    ("a,a:t", "entry 2 repeats a key"),
+])
+def test_bad_key_lists_are_refused_naming_the_entry(text, message):
+  with pytest.raises(ValueError, match=message):
+    guard.parse_api_keys(text)
+  assert guard.parse_api_keys("k1:t1,\nk2") == {"k1": "t1", "k2": None}
