@@ -6,6 +6,8 @@
       --route_log=runs/routes.jsonl      # 2 replica processes on :8001, :8002
   python scripts/serve.py --replica_urls=http://10.0.0.2:8000,http://10.0.0.3:8000
       # a router front over servers already running elsewhere
+  python scripts/serve.py --host=0.0.0.0 --allowed_hosts=llm.example.org \
+      --api_key_file=keys.txt     # KEY:TENANT lines; see docs/running-safely.md
 
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
 /v1/models, /v1/models/{id}, /health, /metrics. See serving/http/server.py; with
@@ -15,7 +17,8 @@ serving/http/router.py place and relay; GET /router has each request's route
 record); with --replica_urls it fronts running servers instead (no model loads
 here; they are health-checked and rejoin when they come back). Flags are
 checked, and the port bound, before any model loads: a bad one is one line,
-exit status 2.
+exit status 2. The engine's death exits with status 1 (after failing every
+request in flight), so a supervisor restarts the server.
 """
 
 import errno
@@ -78,7 +81,8 @@ flags.DEFINE_integer("max_prompt_chars", None, "Longest prompt string (or chat m
 launch.define_engine_flags()
 _ENGINE_FLAGS = tuple(f.name for f in FLAGS.get_flags_for_module(launch))
 # Flags of the front only: a replica gets every other flag given.
-_FRONT_FLAGS = ("replicas", "trust_front_headers", "api_key", "api_key_file", "allowed_hosts", "router", "route_log", "route_prefill_ms_per_token",
+_FRONT_FLAGS = ("replicas", "trust_front_headers", "api_key", "api_key_file", "allowed_hosts",
+                "router", "route_log", "route_prefill_ms_per_token",
                 "route_decode_ms_per_token_per_seq", "route_aging", "port", "host",
                 "replica_urls", "replica_ready_timeout_s")
 

@@ -63,20 +63,22 @@ a request takes no prefix hit). ``max_tokens: 0`` with echo scores the
 prompt alone: the engine runs one token, which is dropped.
 
 Overload: at most ``max_request_slots + max_waiting`` requests are live at
-once (the launcher warms the engine up to that many, so no slot-table
-growth compiles while streams run) (``max_waiting`` wait for an engine slot); past that a request gets
-HTTP 429 with an OpenAI-style error body (``_error_response`` is the one
-place that maps a refusal to its HTTP status). Bad input gets HTTP 400
-naming the field and the rule, as vLLM does for a prompt plus max_tokens
-beyond the context (both numbers in the message; never silently cut).
+once (``max_waiting`` wait for an engine slot; the launcher warms the
+engine up to that many, so no slot-table growth compiles while streams
+run); past that a request gets HTTP 429 with an OpenAI-style error body
+(``_error_response`` is the one place that maps a refusal to its HTTP
+status). Bad input gets HTTP 400 naming the field and the rule, as vLLM
+does for a prompt plus max_tokens beyond the context (both numbers in the
+message; never silently cut).
 
 Where the pieces live: ``protocol`` (errors and their HTTP statuses,
 headers, JSON bodies, the model card, SSE framing; shared with the router
 front), ``parsing`` (a body -> each choice's prompt ids and sampling),
 ``engine_loop`` (the thread that owns the engine, detokenizes, matches stop
 strings and holds parallel copies until their prompt is cached),
-``responses`` (response, chunk, usage and logprobs bodies) and ``metrics``
-(``/metrics`` and the live-request bound).
+``responses`` (response, chunk, usage and logprobs bodies), ``metrics``
+(``/metrics`` and the live-request bound) and ``guard`` (keys, Host names,
+body size).
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ from serving.http.metrics import ServerMetrics
 from serving.http.parsing import ParsedRequest, RequestParser
 from serving.http.protocol import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, TENANT_HEADER,
                                    BadRequest,
-                                   Unavailable, UnknownModel, _arrival_s, _error_body, _error_response,
+                                   Unavailable, UnknownModel, _arrival_s, _error_body,
+                                   _error_response,
                                    _get, _sse, json_body, model_card, model_routes,
                                    openai_errors)
 from serving.kv import pages as kv_pages

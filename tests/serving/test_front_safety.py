@@ -98,7 +98,8 @@ def test_a_local_replica_answering_5xx_leaves_rotation_until_healthy(params, ser
                                                    "max_tokens": 2})
       assert r.status_code == 200, r.text
       assert r.headers["x-iterserve-replica"] == "1"
-    assert front.http.get("/metrics").text.count('iterserve:router_replica_up{replica="0"} 0.0') == 1
+    up = 'iterserve:router_replica_up{replica="0"} 0.0'
+    assert front.http.get("/metrics").text.count(up) == 1
     dead.loop.__class__ = dead.loop.__class__.__mro__[1]       # healthy again
     _wait(lambda: 'iterserve:router_replica_up{replica="0"} 1.0' in
           front.http.get("/metrics").text, timeout_s=20)

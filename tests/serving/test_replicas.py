@@ -23,6 +23,7 @@ from serving.http.replica_launch import parse_replica_urls, spawn_replica, wait_
 from serving.http.replicas import ReplicaFront, route_summary
 from tests.serving.engine_testing import HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import free_port as _free_port, wait_until as _wait
+from tests.serving.fault_testing import report
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = tiny_tokenizer()
@@ -286,6 +287,11 @@ def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_p
     # Nothing is lost: one record per request, each with its outcome.
     records = {r["request_id"]: r for r in served.http.get("/router").json()["requests"]}
     outcomes = sorted((r["outcome"], tuple(r["rerouted_from"])) for r in records.values())
+    report("replica-killed-mid-stream", sent=5, outcomes={
+        "completed": sum(o == "completed" and not r for o, r in outcomes),
+        "rerouted_completed": sum(o == "completed" and bool(r) for o, r in outcomes),
+        "failed_mid_stream": sum(o == "failed" for o, _ in outcomes)},
+           without_outcome=5 - len(records))
     assert outcomes == [("completed", ()), ("completed", ()), ("completed", ()),
                         ("completed", (1,)), ("failed", ())]
     assert front.router.alive() == [0]
