@@ -378,18 +378,23 @@ class ReplicaFront:
 
   async def _tokenize(self, body: dict, raw: bytes, auth: dict):
     """(prompt ids, None): every prompt's token ids one after another (a
-    batched prompt tokenized prompt by prompt), and the longest prompt's
-    length; or (None, the refusal to return)."""
+    batched prompt tokenized prompt by prompt, each ``/tokenize`` carrying
+    only its prompt, and at most the replicas' live bound of prompts), and
+    the longest prompt's length; or (None, the refusal to return)."""
     batch = body.get("prompt") if "messages" not in body else None
     if not (isinstance(batch, list) and len(batch) > 1
             and (all(isinstance(p, str) for p in batch)
                  or all(isinstance(p, list) for p in batch))):
       ids, refusal = await self._tokenize_one(raw, auth)
       return (None, refusal) if refusal is not None else ((ids, len(ids)), None)
+    most = min(f.get("capacity", f["max_request_slots"]) for f in self.facts)
+    if len(batch) > most:
+      return None, _error_response(BadRequest(
+          f"'prompt' holds {len(batch)} prompts; a batch holds at most {most} (the "
+          f"replicas' live bound)", "prompt"))
     ids, longest = [], 0
     for prompt in batch:
-      one, refusal = await self._tokenize_one(json.dumps({**body, "prompt": prompt}).encode(),
-                                              auth)
+      one, refusal = await self._tokenize_one(json.dumps({"prompt": prompt}).encode(), auth)
       if refusal is not None:
         return None, refusal
       ids += one

@@ -42,6 +42,10 @@ def test_a_huge_max_tokens_is_refused_and_the_front_keeps_placing(served):
                           headers={"content-type": "application/json"})
       assert r.status_code == 400, r.text
       assert r.json()["error"]["param"] == field
+    big = front.http.post("/v1/completions", json={"model": "tiny", "prompt": ["hi"] * 73,
+                                                   "max_tokens": 1})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "prompt"   # 8 + 64
+    assert "at most 72" in big.json()["error"]["message"]
     for _ in range(3):
       ok = front.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
                                                     "max_tokens": 2})
