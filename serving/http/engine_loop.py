@@ -275,8 +275,8 @@ class EngineLoop:
     if live.arrival_s is not None and self.engine.clock is time.monotonic:
       arrival_ms = self.engine.now_ms() - (time.monotonic() - live.arrival_s) * 1e3
     live.client = p.client
-    if (p.client not in self._clients
-        and len(self._clients) >= self.engine.config.num_clients - 1):
+    own = len(self._clients) - (OVERFLOW_CLIENT in self._clients)
+    if p.client not in self._clients and own >= self.engine.config.num_clients - 1:
       live.client = OVERFLOW_CLIENT
     try:
       req = self.engine.add_request(live.rid, live.prompt_token_ids, live.sampling,

@@ -115,9 +115,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
 from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
-                                   BadRequest, Overloaded,
-                                   Unavailable, _error_response, _sse, json_body, model_card,
-                                   model_routes, openai_errors)
+                                   BadRequest, Overloaded, Unavailable, _error_response, _sse,
+                                   json_body, model_card, model_routes, openai_errors)
 from serving.http.router import RouteCost, router_for
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes

@@ -107,11 +107,9 @@ from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
 from serving.http.metrics import ServerMetrics
 from serving.http.parsing import ParsedRequest, RequestParser
 from serving.http.protocol import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, TENANT_HEADER,
-                                   BadRequest,
-                                   Unavailable, UnknownModel, _arrival_s, _error_body,
-                                   _error_response,
-                                   _get, _sse, json_body, model_card, model_routes,
-                                   openai_errors)
+                                   BadRequest, Unavailable, UnknownModel, _arrival_s,
+                                   _error_body, _error_response, _get, _sse, json_body,
+                                   model_card, model_routes, openai_errors)
 from serving.kv import pages as kv_pages
 
 # Seconds between disconnect checks of a non-streaming request.
