@@ -89,7 +89,6 @@ import contextlib
 import itertools
 import socket
 import sys
-import threading
 import time
 import uuid
 from typing import Dict, List, Optional, Tuple
@@ -581,22 +580,3 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve_forever(app: FastAPI, sock: socket.socket) -> None:
   """Runs ``app`` under uvicorn on the bound ``sock`` until interrupted."""
   uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
-
-
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0):
-  """Runs ``app`` under uvicorn in a daemon thread (tests, benchmarks).
-
-  Returns:
-    ``(server, thread, port)``: ``server.should_exit = True`` and
-    ``thread.join()`` stop it; ``port`` is the bound port (0 picks a free one).
-  """
-  sock = bind_socket(host, port)
-  server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-  thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 60
-  while not server.started:
-    if not thread.is_alive() or time.monotonic() > deadline:
-      raise RuntimeError("uvicorn did not start")
-    time.sleep(0.01)
-  return server, thread, sock.getsockname()[1]

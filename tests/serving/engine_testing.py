@@ -58,7 +58,7 @@ class HttpApp:
   httpx client at ``http``; ``close()`` stops both."""
 
   def __init__(self, app, join_timeout_s: float = 60.0):
-    from serving.http.server import serve_in_thread
+    from tests.serving.http_testing import serve_in_thread
     self.uvicorn, self.thread, port = serve_in_thread(app)
     self.url = f"http://127.0.0.1:{port}"
     self.http = httpx.Client(base_url=self.url, timeout=60)

@@ -8,7 +8,6 @@ import os
 import types
 
 import httpx
-import pytest
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine

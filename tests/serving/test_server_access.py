@@ -3,7 +3,6 @@ any work: API keys and their tenants (fairness identity, prefix-cache
 salt), the Host allow-list, JSON-only bodies, the body-size and prompt
 caps, the live bound on the tokenizer routes. Real HTTP on 127.0.0.1."""
 
-import httpx
 import openai
 import pytest
 

@@ -8,7 +8,6 @@ model."""
 import asyncio
 import dataclasses
 import json
-import math
 import threading
 import time
 
