@@ -353,7 +353,7 @@ class ReplicaFront:
                        f"= {self.max_waiting}); retry later")
 
   async def _place(self, rid: str, ids: List[int], max_tokens: int, arrival_s: float,
-                   rerouted_from: List[int]) -> Optional[dict]:
+                   rerouted_from: List[int], salt: str = "") -> Optional[dict]:
     """The placement decision for a request (None: no replica is alive).
     A first placement is admitted against ``max_waiting`` (a re-placement,
     already admitted, is not). Whatever happens, a request that does not
@@ -367,7 +367,7 @@ class ReplicaFront:
       if not rerouted_from:
         self._admit()
       self._futures[rid] = future
-      self.router.submit(rid, ids, max_tokens, arrival_s * 1e3, rerouted_from)
+      self.router.submit(rid, ids, max_tokens, arrival_s * 1e3, rerouted_from, salt)
       self._dispatch()
       return await future
     finally:
@@ -469,12 +469,17 @@ class ReplicaFront:
     # value is the replica's 400 to give, never an overflow here.
     max_tokens = min(max(1, max_tokens), self.max_model_len)
     stream = body.get("stream") is True
+    # The replicas' salt (``OpenAIServer._parse``), for the router's cache model.
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else ""
+    tenant = request.scope.get(TENANT_SCOPE_KEY)
+    if tenant is not None:
+      salt = f"tenant:{tenant}|{salt}"
     rid = f"route-{next(self._ids)}"
     record = dict(request_id=rid, client_request_id=request.headers.get(REQUEST_ID_HEADER),
                   path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
                   max_tokens=max_tokens, stream=stream, replica=None, rerouted_from=[],
                   decisions=[], outcome=None)
-    route = asyncio.ensure_future(self._route(record, raw, ids, auth))
+    route = asyncio.ensure_future(self._route(record, raw, ids, auth, salt))
     while True:                     # a client that hangs up cancels its request
       done, _ = await asyncio.wait({route}, timeout=_DISCONNECT_POLL_S)
       if done:
@@ -486,7 +491,8 @@ class ReplicaFront:
         self._end(record, "cancelled", "client disconnected before the response")
         return Response(status_code=499)
 
-  async def _route(self, record: dict, raw: bytes, ids: List[int], auth: dict) -> Response:
+  async def _route(self, record: dict, raw: bytes, ids: List[int], auth: dict,
+                   salt: str) -> Response:
     """Places the request, forwards it, re-places it while its replica dies
     before anything was sent; returns the response to relay. Cancelled (the
     client left): leaves the router's queue, and closing the upstream
@@ -501,7 +507,7 @@ class ReplicaFront:
     while True:
       try:
         decision = await self._place(rid, ids, max_tokens, arrival_s,
-                                     record["rerouted_from"])
+                                     record["rerouted_from"], salt)
       except Overloaded as e:
         self._end(record, "refused", str(e))
         return _error_response(e)

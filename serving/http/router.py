@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import math
 from typing import Dict, List, Optional, Sequence
 
@@ -162,8 +163,10 @@ class Router:
 
   # ------------------------------------------------------------- events
   def submit(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
-             arrival_ms: float, rerouted_from: Sequence[int] = ()) -> None:
-    """Queues a request (``arrival_ms``: its original arrival, router clock).
+             arrival_ms: float, rerouted_from: Sequence[int] = (), salt: str = "") -> None:
+    """Queues a request (``arrival_ms``: its original arrival, router clock;
+    ``salt``: its prefix-cache salt, so that the cache model, like the
+    replicas' caches, finds its pages only under the same salt).
 
     Raises:
       ValueError: the id is waiting or placed, an empty prompt, max_tokens
@@ -183,7 +186,8 @@ class Router:
     if not math.isfinite(arrival_ms):
       raise ValueError(f"request {request_id!r}: arrival_ms must be finite, got {arrival_ms}")
     n = len(prompt_token_ids)
-    keys = chain_keys(self._root, prompt_token_ids, self.page_size, n // self.page_size)
+    root = self._root if not salt else hashlib.sha256(self._root + salt.encode()).digest()
+    keys = chain_keys(root, prompt_token_ids, self.page_size, n // self.page_size)
     self._waiting[request_id] = _Pending(request_id, n, int(max_tokens), float(arrival_ms),
                                          keys, list(rerouted_from))
 

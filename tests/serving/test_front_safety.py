@@ -12,6 +12,7 @@ import httpx
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from serving.http import router as router_module
+from serving.http.protocol import TENANT_HEADER as TENANT
 from serving.http.replicas import ReplicaFront
 from serving.http.server import OpenAIServer
 from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
@@ -110,3 +111,46 @@ def test_a_local_replica_answering_5xx_leaves_rotation_until_healthy(params, ser
     if front is not None:
       front.close()
     dead_app.close()
+
+
+def test_a_front_with_keys_forwards_the_tenant_and_models_its_salt(served, monkeypatch):
+  """The front checks the key; the key's tenant reaches a replica that
+  trusts the front's headers as the engine client, and the router's cache
+  model keys the tenant's prompt apart from the same prompt unsalted."""
+  from serving.http import guard
+  access = guard.Access(api_keys={"key-a": "tenant-a"})
+  facts = [httpx.get(f"{served.url}/engine", timeout=10).json()]
+  front_obj = ReplicaFront([served.url], [None], facts, access=access)
+  front = HttpApp(front_obj.app)
+  engine = served.server.engine
+  clients = []
+  real = engine.add_request
+  monkeypatch.setattr(engine, "add_request",
+                      lambda *a, **k: clients.append(k["client"]) or real(*a, **k))
+  monkeypatch.setattr(served.server, "trust_front_headers", True)
+  try:
+    body = {"model": "tiny", "prompt": list(range(200, 221)), "max_tokens": 1, "user": "me"}
+    assert front.http.post("/v1/completions", json=body).status_code == 401
+    assert front.http.get("/health").status_code == 200
+    r = front.http.post("/v1/completions", json=body,
+                        headers={"authorization": "Bearer key-a", TENANT: "forged"})
+    assert r.status_code == 200, r.text
+    assert clients == ["tenant-a"]
+    keys = {k for m in front_obj.router.replicas for k in m.keys}
+    submitted = []
+    real_submit = front_obj.router.submit
+    monkeypatch.setattr(front_obj.router, "submit",
+                        lambda *a, **k: submitted.append(a[-1]) or real_submit(*a, **k))
+    r = front.http.post("/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert r.status_code == 200 and submitted == ["tenant:tenant-a|"]
+    record = front.http.get("/router", headers={"authorization": "Bearer key-a"}).json()
+    assert record["requests"][-1]["decisions"][0]["facts"][0]["cached_tokens"] == 20
+    assert len(keys) == 5
+    r = front.http.post("/v1/completions", json={**body, "cache_salt": "x"},
+                        headers={"authorization": "Bearer key-a"})
+    assert r.status_code == 200 and submitted[-1] == "tenant:tenant-a|x"
+    record = front.http.get("/router", headers={"authorization": "Bearer key-a"}).json()
+    assert record["requests"][-1]["decisions"][0]["facts"][0]["cached_tokens"] == 0
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+  finally:
+    front.close()
