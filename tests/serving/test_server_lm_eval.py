@@ -32,8 +32,8 @@ def _write_tasks(root):
   """Two task YAMLs over JSON-lines files in ``root`` (no dataset download)."""
   for name, rows in (("mc", MC), ("gen", GEN)):
     (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-  common = (f"dataset_path: json\ntest_split: test\ndoc_to_text: question\n"
-            f"doc_to_target: answer\n")
+  common = ("dataset_path: json\ntest_split: test\ndoc_to_text: question\n"
+            "doc_to_target: answer\n")
   (root / "tiny_mc.yaml").write_text(
       f"task: tiny_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {root}/mc.jsonl\n"
       f"output_type: multiple_choice\ndoc_to_choice: choices\n"

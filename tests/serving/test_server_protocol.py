@@ -6,7 +6,6 @@ counter. Real HTTP on 127.0.0.1, the real engine on the tiny model; the
 body rules of ``max_completion_tokens`` and ``top_k`` on the parser alone."""
 
 import json
-import time
 
 import numpy as np
 import pytest
