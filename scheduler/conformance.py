@@ -86,6 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import apply as apply_lib
+from scheduler import iteration
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import POLICIES, Budgets, pages_for
@@ -365,10 +366,9 @@ def _plan(policy, manifest, state, held, num_pages, now_ms, *, page_size):
 
   Returns (ticked state, plan without its policy, keys, hidden_bad)."""
   online = manifest.online()
-  state = apply_lib.tick(state, now_ms)
   view = rec.AllocatorView(free_pages=num_pages - jnp.sum(held), pages_held=held,
                            page_size=page_size)
-  plan = policy(online, state, view)
+  state, plan = iteration.plan_iteration(policy, manifest, state, view, now_ms)
   keys = validate.replay_keys(online, state, plan, view)
   full = _refused(policy, manifest, state, view)
   hidden_bad = jnp.bool_(False) if full is None else ~_same_plan(plan, full)
@@ -386,28 +386,15 @@ def fixture_execute(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
     emit_ms: f32[], publication time of this iteration's outputs (ms).
     fail: optional bool[R], slots whose execution fails (complete nothing).
   Returns:
-    IterationResult; token ids are ``(request_id * 31 + e) % 1000`` >= 0.
+    IterationResult by the executors' one set of stop rules
+    (``iteration.stop_rules``); token ids are ``(request_id * 31 + e) % 1000``
+    >= 0.
   """
-  fail = jnp.zeros_like(plan.selected) if fail is None else fail & plan.selected
-  done = plan.selected & ~fail
-  p = manifest.prompt_len
-  emits = done & ((plan.kind == rec.DECODE_ROW)
-                  | ((plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
   new_e = state.emitted + 1
   truth = manifest.hidden_realized_output_tokens
-  eos = emits & (new_e >= truth) if truth is not None else jnp.zeros_like(emits)
-  length = emits & (new_e >= manifest.max_tokens)
-  finished = eos | length
-  reason = jnp.where(eos, rec.FINISH_EOS, jnp.where(length, rec.FINISH_LENGTH,
-                                                      rec.NOT_FINISHED))
-  return rec.IterationResult(
-      decision_id=plan.decision_id, input_state_version=plan.input_state_version,
-      completed=done, completed_end=jnp.where(done, plan.end, state.computed),
-      emitted=emits,
-      token=jnp.where(emits, (manifest.request_id * 31 + new_e) % 1000, -1),
-      emit_ms=jnp.asarray(emit_ms, jnp.float32), finished=finished,
-      finish_reason=reason.astype(jnp.int32), failed=fail,
-      service_rows=jnp.where(done, plan.end - plan.start, 0))
+  is_eos = new_e >= truth if truth is not None else jnp.zeros_like(plan.selected)
+  return iteration.stop_rules(manifest, state, plan, (manifest.request_id * 31 + new_e) % 1000,
+                              is_eos=is_eos, emit_ms=emit_ms, fail=fail)
 
 
 @functools.partial(jax.jit, static_argnames=("updater", "page_size"),
@@ -430,9 +417,9 @@ def _publish(updater, manifest, state, plan, keys, held, num_pages, emit_ms, *,
       online, state, plan.replace(policy=_Replayed(), policy_id="replayed"),
       _Keys(keys)).items()}
   result = fixture_execute(manifest, state, plan, emit_ms)
-  result_bad = {k: jnp.any(b) for k, b in validate.result_violations(
-      plan, state, online, result).items()}
-  successor = apply_lib.apply(online, state, plan.replace(policy=updater), result)
+  successor, violations = iteration.publish(online, state, plan.replace(policy=updater),
+                                            result)
+  result_bad = {k: jnp.any(b) for k, b in violations.items()}
   # The page ledger: a preemption (recompute) returns every page; a
   # completed interval holds the pages of its end; an ended request none.
   held = jnp.where(plan.preempt, 0, held)

@@ -1222,7 +1222,8 @@ class Engine:
         continue
       self._fill_slots()
       self._rebase_device_clock(self.now_ms())
-      if self._simulate_call(stop_ms, iterations_per_call) in (sim_loop.HOST, sim_loop.REBASE):
+      if self._simulate_call(stop_ms, iterations_per_call) in (sim_loop.LoopExit.HOST,
+                                                                sim_loop.LoopExit.REBASE):
         self._take_arrived(self.now_ms())
         self.step()
 
@@ -1241,7 +1242,7 @@ class Engine:
 
   def _simulate_call(self, stop_ms: float, iterations: int) -> int:
     """One ``loop`` program call from the host tables; takes its log.
-    Returns its exit code (``sim_loop.EXITS``)."""
+    Returns its exit code (``sim_loop.LoopExit``)."""
     c = self.config
     loop = sim_loop.loop_program(self.model_cfg, c, self.cost_model, self.model_costs,
                                  iterations)

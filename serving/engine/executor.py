@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from models import llama
+from scheduler import iteration
 from scheduler import records as rec
 from serving.kv import pages as kv_pages
 from serving.engine.pack import pack
@@ -282,8 +283,8 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   slot_finite = per_slot(finite, True)
 
   is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos
-  pages, buffers, result = settle(pages, buffers, manifest, state, plan, slot_token,
-                                  slot_finite, is_eos, max_model_len=max_model_len)
+  pages, buffers, result = take_tokens(pages, buffers, manifest, state, plan, slot_token,
+                                       slot_finite, is_eos, max_model_len=max_model_len)
   return kv, pages, buffers, result, logprobs
 
 
@@ -304,12 +305,14 @@ def allocate_for_plan(pages: kv_pages.PageState, plan: rec.IterationPlan
                            max_new_total=max_total)
 
 
-def settle(pages: kv_pages.PageState, buffers: RequestBuffers,
-           manifest: rec.WorkloadManifest, state: rec.SchedulerState,
-           plan: rec.IterationPlan, slot_token, slot_finite, is_eos, *,
-           max_model_len: int):
-  """The stop rules and the IterationResult of one executed plan (the one
-  definition every executor uses).
+def take_tokens(pages: kv_pages.PageState, buffers: RequestBuffers,
+                manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+                plan: rec.IterationPlan, slot_token, slot_finite, is_eos, *,
+                max_model_len: int):
+  """Takes the tokens one executed plan sampled: its IterationResult by the
+  stop rules (``scheduler.iteration.stop_rules``, the one definition), the
+  emitted tokens written into the stream, ended slots' pages released.
+  Every executor ends its step here.
 
   Args:
     slot_token: i32[R] the token each slot sampled (-1 where none).
@@ -318,38 +321,16 @@ def settle(pages: kv_pages.PageState, buffers: RequestBuffers,
       ``ignore_eos``; the simulated executor: the recorded length reached).
   Returns ``(pages, buffers, result)``: the emitted token written after the
   slot's prompt and outputs, finished and failed slots' pages released.
-  Finish reasons, first match wins: stop id, EOS, length (max_tokens or the
-  context).
   """
-  p = manifest.prompt_len
-  emits = plan.selected & ((plan.kind == rec.DECODE_ROW) | (
-      (plan.kind == rec.PREFILL_CHUNK) & (plan.end == p)))
-  failed = emits & ~slot_finite
-  emitted = emits & ~failed
-  done = plan.selected & ~failed
-  new_e = state.emitted + 1
-  is_stop = jnp.any(slot_token[:, None] == buffers.stop_ids, axis=1)
-  at_length = (new_e >= manifest.max_tokens) | (p + new_e >= max_model_len)
-  reason = jnp.select([is_stop, is_eos, at_length],
-                      [rec.FINISH_STOP, rec.FINISH_EOS, rec.FINISH_LENGTH],
-                      rec.NOT_FINISHED)
-  finished = emitted & (reason != rec.NOT_FINISHED)
+  result = iteration.stop_rules(manifest, state, plan, slot_token, is_eos=is_eos,
+                                stop_ids=buffers.stop_ids, finite=slot_finite,
+                                max_model_len=max_model_len)
+  emitted = result.emitted
   num_slots = plan.selected.shape[0]
   if buffers.tokens is not None:      # None: a stream nothing reads (``sim_loop``)
-    write_col = jnp.where(emitted, p + state.emitted, max_model_len)    # OOB -> drop
+    write_col = jnp.where(emitted, manifest.prompt_len + state.emitted,
+                          max_model_len)                             # OOB -> drop
     tokens = buffers.tokens.at[jnp.arange(num_slots), write_col].set(slot_token, mode="drop")
     buffers = buffers.replace(tokens=tokens)
-  pages = kv_pages.deallocate(pages, finished | failed)
-  result = rec.IterationResult(
-      decision_id=plan.decision_id,
-      input_state_version=plan.input_state_version,
-      completed=done,
-      completed_end=jnp.where(done, plan.end, state.computed),
-      emitted=emitted,
-      token=jnp.where(emitted, slot_token, -1),
-      emit_ms=jnp.float32(0.0),
-      finished=finished,
-      finish_reason=jnp.where(finished, reason, rec.NOT_FINISHED).astype(jnp.int32),
-      failed=failed,
-      service_rows=jnp.where(done, plan.end - plan.start, 0))
+  pages = kv_pages.deallocate(pages, result.finished | result.failed)
   return pages, buffers, result

@@ -1,9 +1,20 @@
-"""The engine's jitted programs, pure functions of pytrees: the ``plan``
-program (``_plan_step``: tick, the policy's one plan, its rule check and the
-``PlanFacts`` the host settles by), the ``step`` program (``_execute_step``:
-execute the settled plan in a token bucket, check the result, ``apply``),
-the slot writers (arrive, release) and swap copies, built once per
-(model config, engine config) by ``programs``."""
+"""The engine's iteration body and its jitted programs, pure functions of
+pytrees.
+
+The body, public so that every driver builds on it (``Engine.step`` through
+the jitted programs below, ``sim_loop.simulate_steps`` inside its loop):
+
+* ``arrive`` / ``arrive_batch``: requests written into free slots;
+* ``plan_step``: tick, the policy's one plan (``scheduler.iteration``), its
+  rule check and the ``PlanFacts`` the host acts on;
+* ``execute_step``: the plan run in a token bucket by the executor (whose
+  stop rules are ``scheduler.iteration.stop_rules``), the result checked
+  and published (``scheduler.iteration.publish``);
+* ``release_slots``: ended or cancelled slots given back.
+
+``programs`` jits them once per (model config, engine config): the ``plan``
+and ``step`` programs, the slot writers and the swap copies
+(``swap_out``/``swap_in``)."""
 
 from __future__ import annotations
 
@@ -17,6 +28,7 @@ import jax.numpy as jnp
 from models import rowgemm
 from models import sharding
 from scheduler import apply as apply_lib
+from scheduler import iteration
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import Budgets, make_policy
@@ -85,10 +97,10 @@ def _executor(model_cfg, executor_config: ExecutorConfig, executor: str,
   placement = sharding.Placement(model_cfg, sharding.make_mesh(executor_config.mesh))
   # Over a mesh every output keeps the sharding its input had (the cache
   # split, the tables replicated), so each program compiles once per shape.
-  jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
+  jit = functools.partial(counting_jit, traces=traces, **placement.pinned())
   return _Executor(
-      arrive=jit("arrive", _arrive_batch, donate_argnums=(2,)),
-      release=jit("release", _release),
+      arrive=jit("arrive", arrive_batch, donate_argnums=(2,)),
+      release=jit("release", release_slots),
       gather=jit("swap_out", kv_swap.gather_pages),
       restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
               **placement.pinned(cache_then=1)),
@@ -114,7 +126,7 @@ def resolve_decode_gemm(config: EngineConfig) -> str | None:
   return rowgemm.resolve(config.decode_gemm)
 
 
-def _model_step(model_cfg, config: EngineConfig) -> Callable:
+def model_step(model_cfg, config: EngineConfig) -> Callable:
   """``execute`` (or the simulated executor, ``config.executor``, whose
   logprobs are None) bound to the engine shape; ``num_rows`` (the token
   bucket) is left to the caller."""
@@ -133,7 +145,7 @@ def _simulated_step(*args, **kwargs):
   return (*sim_executor.simulated_execute(*args, **kwargs), None)
 
 
-def _counting_jit(name, fn, traces, **jit_kwargs):
+def counting_jit(name, fn, traces, **jit_kwargs):
   """jax.jit whose traces (one per compiled program) are counted by name."""
   traces[name] = 0
 
@@ -154,30 +166,10 @@ def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
                       policy_version="", unschedulable=None, policy=None)
 
 
-def _plan(policy, manifest, state, pages, prefix_hits):
-  """The policy's plan, whether it violates a rule, and the allocator view it
-  read (the one validation replays). A victim's credit is its reclaimable
-  pages, not the shared ones (``kv_pages.reclaimable``)."""
-  view = kv_pages.view(pages, prefix_hits)
-  plan = policy(manifest.online(), state, view)
-  return plan, validate.any_violation(validate.plan_violations(manifest, state, plan,
-                                                               view)), view
-
-
-def _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual):
-  """Publishes the clock (``apply.tick``) after moving the last
-  iteration's emission times from its launch stamp to its publication time
-  (``apply.restamp_emissions``; ``fix_emitted`` all False when no correction
-  is pending)."""
-  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
-  return apply_lib.tick(state, now_ms)
-
-
-def _plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_ms,
-               fix_emitted, fix_stamp, fix_actual):
+def plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_ms,
+              fix_emitted, fix_stamp, fix_actual):
   """The ``plan`` program: tick, then the iteration's one plan and the facts
-  the host settles it by; compiled once per slot-table size, it runs no
-  model.
+  the host acts on; compiled once per slot-table size, it runs no model.
 
   Args:
     policy, prefix_caching: static.
@@ -185,14 +177,22 @@ def _plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_
     prefix_hits: i32[R] or None (``AllocatorView.prefix_hit_tokens``).
     now_ms: f32[] this iteration's launch time (device ms).
     fix_emitted, fix_stamp, fix_actual: the last iteration's emission
-      correction (``_tick``; ``fix_emitted`` all False when none is pending).
+      correction: its emitted slots, launch stamp and publication time
+      (``apply.restamp_emissions``; ``fix_emitted`` all False when none is
+      pending).
 
   Returns ``(ticked state, plan, PlanFacts, refcount)``: ``refcount`` is
   i32[num_pages] once the plan's preemptions released their pages (None
   without prefix caching), what eviction reads.
   """
-  ticked = _tick(state, now_ms, fix_emitted, fix_stamp, fix_actual)
-  plan, bad_plan, _ = _plan(policy, manifest, ticked, pages, prefix_hits)
+  # The last iteration's emissions move from its launch stamp to the time
+  # the host published them, before any policy reads them.
+  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
+  # A victim's credit is its reclaimable pages, not the shared ones
+  # (``kv_pages.reclaimable``).
+  view = kv_pages.view(pages, prefix_hits)
+  ticked, plan = iteration.plan_iteration(policy, manifest, state, view, now_ms)
+  bad_plan = validate.any_violation(validate.plan_violations(manifest, ticked, plan, view))
   never = (plan.unschedulable if plan.unschedulable is not None
            else jnp.zeros(plan.selected.shape, bool))
   evict, refcount = jnp.zeros((), jnp.int32), None
@@ -255,10 +255,10 @@ def _pages_low_jnp(pages, state, token_budget, seq_budget):
   return pages.num_free < jnp.maximum(bound, running)
 
 
-def _execute_step(model_step, token_budget, prefix_caching, params, kv, pages, buffers,
-                  manifest, state, plan, realized, preserved_end, *, num_rows: int,
-                  windows: tuple = (0,)):
-  """The ``step`` program: execute the settled plan in the token bucket
+def execute_step(model_step, token_budget, prefix_caching, params, kv, pages, buffers,
+                 manifest, state, plan, realized, preserved_end, *, num_rows: int,
+                 windows: tuple = (0,)):
+  """The ``step`` program: execute the plan in the token bucket
   ``num_rows`` -> check the result -> ``apply``; compiled per bucket.
 
   Every row's bits are independent of the bucket (``llama.row_tiled``), so
@@ -293,7 +293,8 @@ def _execute_step(model_step, token_budget, prefix_caching, params, kv, pages, b
                                                     num_rows=num_rows)
   result = result.replace(emit_ms=state.now_ms,
                           preserved_end=jnp.asarray(preserved_end, jnp.int32))
-  published, bad_result = _publish(manifest, state, plan, result)
+  published, violations = iteration.publish(manifest, state, plan, result)
+  bad_result = validate.any_violation(violations)
   facts = StepFacts(
       pages_low=_pages_low_jnp(pages, published, token_budget, plan.seq_budget),
       bad_result=bad_result != 0,
@@ -341,12 +342,9 @@ def _registrable(held, pages):
   return kept, table, jnp.any(marked_full > 0)
 
 
-def _publish(manifest, state, plan, result):
-  bad = validate.any_violation(validate.result_violations(plan, state, manifest, result))
-  return apply_lib.apply(manifest, state, plan, result), bad
-
-
-def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
+def arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
+  """Writes one arrival into ``slot``: its declaration (``apply.arrive``,
+  ``prefix_hit`` tokens already cached) and its sampling buffers."""
   a = arrival
   manifest, state = apply_lib.arrive(
       manifest, state, slot, request_id=a.request_id, arrival_ms=a.arrival_ms,
@@ -366,7 +364,7 @@ def _arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
   return manifest, state, buffers
 
 
-def _arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hits):
+def arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hits):
   """Writes up to ``ARRIVAL_BATCH`` arrivals, in order, in one program.
 
   Args:
@@ -375,7 +373,7 @@ def _arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hit
   """
   def one(tables, entry):
     slot, arrival, hit = entry
-    tables = jax.lax.cond(slot >= 0, lambda t: _arrive(*t, slot, arrival, hit),
+    tables = jax.lax.cond(slot >= 0, lambda t: arrive(*t, slot, arrival, hit),
                           lambda t: t, tables)
     return tables, None
 
@@ -402,7 +400,9 @@ def keep_rows(new, old):
   return new.at[:old.shape[0]].set(old)
 
 
-def _release(state, pages, cancel_mask, release_mask):
+def release_slots(state, pages, cancel_mask, release_mask):
+  """Cancels the live slots in ``cancel_mask`` (their pages freed) and frees
+  the slots in ``release_mask`` for new arrivals (bool[R] each)."""
   state = apply_lib.cancel(state, cancel_mask)
   pages = kv_pages.deallocate(pages, cancel_mask)
   return apply_lib.release(state, release_mask), pages
@@ -420,15 +420,15 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
     policy = ForcedPreemption(policy, config.force_preempt_every)
   traces: Dict[str, int] = {}
   placement = sharding.Placement(model_cfg, sharding.make_mesh(config.mesh))
-  jit = functools.partial(_counting_jit, traces=traces, **placement.pinned())
+  jit = functools.partial(counting_jit, traces=traces, **placement.pinned())
   executor = _executor(model_cfg, config.executor_config, config.executor,
                        _table_sizes(config))
   return _Programs(
       policy=policy,
-      plan=jit("plan", functools.partial(_plan_step, policy,
+      plan=jit("plan", functools.partial(plan_step, policy,
                                          config.enable_prefix_caching)),
       step=jit("step", functools.partial(
-          _execute_step, _model_step(model_cfg, config), config.token_buckets[-1],
+          execute_step, model_step(model_cfg, config), config.token_buckets[-1],
           config.enable_prefix_caching, windows=model_cfg.window_kinds),
           static_argnames=("num_rows",),
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),

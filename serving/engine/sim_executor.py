@@ -71,7 +71,7 @@ def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: 
   # recorded length equal to max_tokens is a length finish).
   forced_eos = state.emitted + 1 >= truth
   token = jnp.where(forced_eos, eos[0], token).astype(jnp.int32)
-  pages, buffers, result = executor.settle(
+  pages, buffers, result = executor.take_tokens(
       pages, buffers, manifest, state, plan, token, jnp.ones_like(plan.selected),
       forced_eos & (truth < manifest.max_tokens), max_model_len=max_model_len)
   return kv, pages, buffers, result

@@ -5,12 +5,12 @@ program runs the engine's iteration in one jitted ``lax.while_loop``, each
 pass built from the step path's own pieces (``serving.engine.programs``):
 
 1. admit every queued arrival whose time has come into the first FREE slot
-   (``programs._arrive``, the writer ``Engine._fill_slots`` uses);
+   (``programs.arrive``, the writer ``Engine`` uses);
 2. nothing live: jump the clock to the next queued arrival, or stop;
-3. the ``plan`` program's body (``programs._plan_step``: tick, the policy's
+3. the ``plan`` program's body (``programs.plan_step``: tick, the policy's
    plan, its rule check, ``PlanFacts``);
 4. the token bucket of its rows bound (``EngineConfig.iteration_bucket``);
-5. the ``step`` program's body (``programs._execute_step``: the simulated
+5. the ``step`` program's body (``programs.execute_step``: the simulated
    executor, the result check, ``apply``);
 6. the step time: ``cost_model.step_features`` and ``CostModel.predict_ms``
    on the device (one definition with the host's);
@@ -18,7 +18,7 @@ pass built from the step path's own pieces (``serving.engine.programs``):
    launch to it (``apply.restamp_emissions``, what the next plan program
    does on the step path);
 8. the iteration and its emitting or ending slots are logged (``SimLog``);
-9. finished slots are released (``programs._release``).
+9. finished slots are released (``programs.release_slots``).
 
 It returns to the host (``SimLog.code``) when the log is full, the clock
 reaches the stop time (the first arrival not queued), nothing is live or
@@ -44,6 +44,7 @@ float64 cannot run the loop.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from typing import Callable, Dict, List, Optional
@@ -61,9 +62,18 @@ from serving.engine import programs as programs_lib
 from serving.engine.config import EngineConfig
 from serving.engine.requests import Arrival
 
-# SimLog.code: why a loop call returned (EXITS[code]).
-RUNNING, FULL, STOP, IDLE, HOST, REBASE = range(6)
-EXITS = ("running", "full", "stop", "idle", "host", "rebase")
+
+
+class LoopExit(enum.IntEnum):
+  """``SimLog.code``: why a loop call returned (``CONTINUE`` while it runs)."""
+
+  CONTINUE = 0   # still running (never returned)
+  FULL = 1       # the log holds ``num_iterations`` iterations
+  STOP = 2       # the clock reached the stop time
+  IDLE = 3       # nothing live and nothing queued
+  HOST = 4       # the next iteration needs the host (``Engine.step`` runs it)
+  REBASE = 5     # the device epoch must move (``Engine.step`` runs the iteration)
+
 
 # Iterations one call runs at most (K: the log's capacity).
 LOOP_ITERATIONS = 512
@@ -147,7 +157,7 @@ class SimLog:
   ``max_num_seqs`` slots: the plan rules bound its sequences).
 
   Attributes:
-    code: i32[], why it returned (``EXITS``).
+    code: i32[], why it returned (``LoopExit``).
     num_iterations: i32[], iterations committed (k <= K).
     num_admitted: i32[], queue entries admitted (the first ones).
     admitted_slot: i32[A], the slot each admitted entry took.
@@ -209,7 +219,7 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
       whose request arrived at the device epoch (a rebase cannot move it).
     queue: ``SimQueue``.
     fix_emitted, fix_stamp, fix_actual: the emission correction a host
-      step left pending (``programs._tick``; ``fix_emitted`` all False
+      step left pending (``programs.plan_step``; ``fix_emitted`` all False
       when none is).
     clock, t0: u32[2] the ``VirtualClock``'s seconds now and at the
       engine's construction; epoch: u32[2] the device epoch (engine ms);
@@ -231,11 +241,11 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
     buffers and published state, its ``IterationResult`` and ``StepFacts``."""
     with _X64():
       launch = (_engine_ms(c.log.clock, t0) - _f64(epoch)).astype(jnp.float32)
-    ticked, plan, facts, _ = programs_lib._plan_step(
+    ticked, plan, facts, _ = programs_lib.plan_step(
         policy, False, c.manifest, c.state, c.pages, None, launch, no_slots,
         jnp.float32(0), jnp.float32(0))
     bucket = config.iteration_bucket(facts.rows_bound, facts.num_tokens, xp=jnp)
-    _, pages, buffers, published, (_, result, _), step = programs_lib._execute_step(
+    _, pages, buffers, published, (_, result, _), step = programs_lib.execute_step(
         model_step, token_budget, False, params, kv, c.pages, c.buffers, c.manifest, ticked,
         plan, c.realized, jnp.zeros((num_slots,), jnp.int32), num_rows=token_budget,
         windows=windows)
@@ -252,7 +262,7 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
       i = c.log.num_admitted
       slot = jnp.argmax(c.state.status == rec.FREE).astype(jnp.int32)
       arrival = jax.tree.map(lambda a: a[i], queue.arrival)
-      manifest, state, buffers = programs_lib._arrive(c.manifest, c.state, c.buffers, slot,
+      manifest, state, buffers = programs_lib.arrive(c.manifest, c.state, c.buffers, slot,
                                                       arrival, jnp.int32(0))
       return c.replace(
           manifest=manifest, state=state, buffers=buffers,
@@ -282,13 +292,14 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
       state = apply_lib.restamp_emissions(published, result.emitted, launch, actual)
       ended = step.finished | step.failed
       state, pages_ = when(jnp.any(ended),
-                           lambda t: programs_lib._release(*t, no_slots, ended), (state, pages))
+                           lambda t: programs_lib.release_slots(*t, no_slots, ended), (state, pages))
       event = step.emitted | ended
       at = jnp.where(event, log.num_events + jnp.cumsum(event) - 1, capacity)
       put = lambda a, v: a.at[at].set(v, mode="drop")
       log = log.replace(
           num_iterations=k + 1, clock=clock,
-          code=jnp.where(k + 1 == num_iterations, FULL, RUNNING).astype(jnp.int32),
+          code=jnp.where(k + 1 == num_iterations, LoopExit.FULL,
+                         LoopExit.CONTINUE).astype(jnp.int32),
           emit=log.emit.at[k].set(emit), bucket=log.bucket.at[k].set(bucket),
           prefill_rows=log.prefill_rows.at[k].set(step.num_tokens - step.decodes),
           stats=log.stats.at[k].set(step.features),
@@ -303,7 +314,8 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
       return c.replace(state=state, pages=pages_, buffers=buffers, log=log)
 
     c = when(~host, commit, c)
-    return c.replace(log=c.log.replace(code=jnp.where(host, HOST, c.log.code).astype(jnp.int32)))
+    code = jnp.where(host, LoopExit.HOST, c.log.code).astype(jnp.int32)
+    return c.replace(log=c.log.replace(code=code))
 
   def live_iteration(c: _Carry) -> _Carry:
     c = admit(c)
@@ -325,19 +337,20 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
     any_live = jnp.any(live)
     c = c.replace(log=c.log.replace(
         clock=jnp.where(~any_live & queued, jumped, c.log.clock),
-        code=jnp.where(any_live, jnp.where(rebase_now, REBASE, c.log.code),
-                       jnp.where(queued, c.log.code, IDLE)).astype(jnp.int32)))
+        code=jnp.where(any_live, jnp.where(rebase_now, LoopExit.REBASE, c.log.code),
+                       jnp.where(queued, c.log.code, LoopExit.IDLE)).astype(jnp.int32)))
     return when(any_live & ~rebase_now, iterate, c)
 
   def body(c: _Carry) -> _Carry:
     with _X64():
       reached = _engine_ms(c.log.clock, t0) >= _f64(stop)
     c = when(~reached, live_iteration, c)
-    return c.replace(log=c.log.replace(code=jnp.where(reached, STOP, c.log.code).astype(jnp.int32)))
+    code = jnp.where(reached, LoopExit.STOP, c.log.code).astype(jnp.int32)
+    return c.replace(log=c.log.replace(code=code))
 
   i32 = lambda n, v=0: jnp.full((n,), v, jnp.int32)
   log = SimLog(
-      code=jnp.int32(RUNNING), num_iterations=jnp.int32(0), num_admitted=jnp.int32(0),
+      code=jnp.int32(LoopExit.CONTINUE), num_iterations=jnp.int32(0), num_admitted=jnp.int32(0),
       admitted_slot=i32(size, -1), clock=jnp.asarray(clock, jnp.uint32),
       emit=jnp.zeros((num_iterations, 2), jnp.uint32), bucket=i32(num_iterations),
       prefill_rows=i32(num_iterations), stats=None, num_events=jnp.int32(0),
@@ -350,7 +363,7 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
   stats = jax.eval_shape(lambda c: plan_and_run(c)[-1].features, carry)
   carry = carry.replace(log=log.replace(
       stats=jnp.zeros((num_iterations,) + stats.shape, stats.dtype)))
-  carry = jax.lax.while_loop(lambda c: c.log.code == RUNNING, body, carry)
+  carry = jax.lax.while_loop(lambda c: c.log.code == LoopExit.CONTINUE, body, carry)
   return carry.manifest, carry.state, carry.pages, carry.buffers, carry.log
 
 
@@ -373,9 +386,9 @@ def loop_program(model_cfg, config: EngineConfig, cost_model, costs,
   per slot-table size."""
   traces: Dict[str, int] = {}
   fn = functools.partial(simulate_steps, programs_lib.programs(model_cfg, config).policy,
-                         programs_lib._model_step(model_cfg, config), config, cost_model,
+                         programs_lib.model_step(model_cfg, config), config, cost_model,
                          costs, model_cfg.window_kinds, num_iterations)
-  return _Loop(programs_lib._counting_jit("loop", fn, traces, donate_argnums=(2, 3, 4, 5)),
+  return _Loop(programs_lib.counting_jit("loop", fn, traces, donate_argnums=(2, 3, 4, 5)),
                traces)
 
 

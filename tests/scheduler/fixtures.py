@@ -7,9 +7,10 @@
   is a simulated executor: it completes every planned interval, emits
   outputs on the §0x01A token clock and stops a request when it reaches its
   hidden realized length (EOS) or its declared cap (length).
-* ``replay_step`` is one whole iteration as one pure function: policy on the
-  online projection -> plan predicates -> fixture executor -> result
-  predicates -> ``apply``; jit it with the policy static.
+* ``replay_step`` is one whole iteration as one pure function, built on the
+  body every driver shares (``scheduler.iteration``): tick and the policy on
+  the online projection -> plan predicates -> fixture executor -> result
+  predicates and ``apply``; jit it with the policy static.
 * ``least_slack_replay`` is the §0x07 burst/saturation teaching selector
   (least predicted slack under ``exclusive_endpoint_lower_bound_v1``) with an
   optional live-request cap; ``fixed_cohort_replay`` is the §0x02 fixed
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduler import apply as apply_lib
+from scheduler import iteration
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.conformance import fixture_execute
@@ -106,14 +107,12 @@ def replay_step(policy, manifest, state, emit_ms, *, num_pages: int, page_size: 
   ``num_pages`` and ``page_size`` static.
   """
   online = manifest.online()
-  state = apply_lib.tick(state, emit_ms)
-  plan = policy(online, state, alloc_view(state, num_pages=num_pages,
-                                          page_size=page_size))
+  view = alloc_view(state, num_pages=num_pages, page_size=page_size)
+  state, plan = iteration.plan_iteration(policy, manifest, state, view, emit_ms)
   plan_bits = validate.any_violation(validate.plan_violations(online, state, plan))
   result = fixture_execute(manifest, state, plan, emit_ms)
-  result_bits = validate.any_violation(
-      validate.result_violations(plan, state, online, result))
-  return apply_lib.apply(online, state, plan, result), plan, result, plan_bits, result_bits
+  successor, violations = iteration.publish(online, state, plan, result)
+  return successor, plan, result, plan_bits, validate.any_violation(violations)
 
 
 def plan(policy, manifest, state, view) -> rec.IterationPlan:
