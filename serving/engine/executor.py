@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from models import llama
+from models import quant
 from scheduler import iteration
 from scheduler import records as rec
 from serving.kv import pages as kv_pages
@@ -334,3 +335,26 @@ def take_tokens(pages: kv_pages.PageState, buffers: RequestBuffers,
     buffers = buffers.replace(tokens=tokens)
   pages = kv_pages.deallocate(pages, result.finished | result.failed)
   return pages, buffers, result
+
+
+def prepare_params(model_cfg, params, config, placement, int8_gemm, decode_gemm):
+  """The parameters as the executor reads them: quantized to int8 when
+  ``config.weights`` says so (``int8_gemm``), placed over the mesh, split
+  into per-layer buffers (each block's GEMM reads its layer in place:
+  ``llama.split_layers``), with the LM head's panels for the native decode
+  GEMM. The simulated executor runs no model: its parameters are ``{}``.
+
+  Raises:
+    ValueError: ``params`` None with the model executor.
+  """
+  if config.executor == "simulated":   # the weights are neither needed nor kept
+    return {}
+  if params is None:
+    raise ValueError("Engine needs model parameters unless EngineConfig.executor is "
+                     "'simulated'")
+  if config.weights == "int8":
+    params = quant.quantize_params(params, model_cfg.tie_embeddings, gemm=int8_gemm)
+  params = llama.split_layers(placement.params(params))
+  if decode_gemm == "native":
+    params = llama.with_head_panels(params, model_cfg)
+  return params

@@ -14,17 +14,26 @@ the jitted programs below, ``sim_loop.simulate_steps`` inside its loop):
 
 ``programs`` jits them once per (model config, engine config): the ``plan``
 and ``step`` programs, the slot writers and the swap copies
-(``swap_out``/``swap_in``)."""
+(``swap_out``/``swap_in``). The set of compiled programs is fixed by the
+config and the slot-table size: per size, one ``plan`` program, one
+``step`` per token bucket in ``EngineConfig.token_buckets``, one arrival
+writer, one release/cancel writer, and, where used, the prefix-cache,
+clock and swap writers (``Engine.compiled_programs`` reports what was
+compiled; ``serving.cli.launch.warmup`` compiles them, after which a run
+compiles nothing more)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from models import llama
 from models import rowgemm
 from models import sharding
 from scheduler import apply as apply_lib
@@ -37,7 +46,7 @@ from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
 from serving.engine.config import EngineConfig, ExecutorConfig
 from serving.engine.executor import ModelRunner, allocate_for_plan, execute, init_buffers
-from serving.engine.requests import Arrival, PlanFacts, StepFacts
+from serving.engine.facts import Arrival, PlanFacts, StepFacts
 from serving.kv import pages as kv_pages
 from serving.kv import swap as kv_swap
 
@@ -50,8 +59,8 @@ class _Programs:
   step: Callable
   arrive: Callable
   release: Callable
-  gather: Callable
-  restore: Callable
+  swap_out: Callable
+  swap_in: Callable
   shift_clock: Callable
   forget_client: Callable
   map_prefix: Callable
@@ -72,8 +81,8 @@ class _Executor:
 
   arrive: Callable
   release: Callable
-  gather: Callable
-  restore: Callable
+  swap_out: Callable
+  swap_in: Callable
   traces: Dict[str, int]
 
 
@@ -101,9 +110,9 @@ def _executor(model_cfg, executor_config: ExecutorConfig, executor: str,
   return _Executor(
       arrive=jit("arrive", arrive_batch, donate_argnums=(2,)),
       release=jit("release", release_slots),
-      gather=jit("swap_out", kv_swap.gather_pages),
-      restore=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
-              **placement.pinned(cache_then=1)),
+      swap_out=jit("swap_out", kv_swap.gather_pages),
+      swap_in=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
+               **placement.pinned(cache_then=1)),
       traces=traces)
 
 
@@ -248,7 +257,7 @@ def _pages_low_jnp(pages, state, token_budget, seq_budget):
   ceil(token budget / page size) + one per sequence, and unpinning needs more
   running requests growing a page than pages free. With prefix caching the
   next iteration then checks for waiting hits to unpin before it plans
-  (``Engine._unpin_waiting_hits``); otherwise none can be needed (arrivals
+  (``PrefixBook.unpin_waiting_hits``); otherwise none can be needed (arrivals
   map cached pages, finishes free pages: neither makes this too optimistic)."""
   bound = -(-token_budget // pages.page_size) + seq_budget
   running = jnp.sum(state.status == rec.RUNNING)
@@ -392,6 +401,46 @@ def slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placem
   return placement.tables(tables)
 
 
+def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
+  """A fresh KV cache (``config.num_pages`` pages; 2 for the simulated
+  executor, which writes none) committed to the device as every later
+  (jit-output) version is: a fresh engine's first step then reuses the
+  programs an engine with equal configs compiled, instead of compiling
+  again for uncommitted inputs."""
+  c = config
+  dtype = jnp.bfloat16 if c.kv_cache_dtype == "bfloat16" else jnp.float32
+  num_pages = 2 if c.executor == "simulated" else c.num_pages
+  return placement.kv(llama.init_kv_cache(model_cfg, num_pages, c.page_size, dtype))
+
+
+def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages, buffers,
+                    manifest, state, prefix_hits, launch, no_stamp, realized):
+  """Runs the ``plan`` program and the ``step`` program of every token
+  bucket once (``Engine.compile_buckets``), the step programs on a plan
+  that selects nothing (every row padding: no page allocated, no K/V
+  written, nothing emitted; the state they publish is dropped).
+
+  Returns ``(kv, pages, buffers, {bucket: seconds})``: the donated tables
+  as the step programs returned them, and each bucket's compile and run.
+  """
+  _, plan, facts, _ = programs.plan(manifest, state, pages, prefix_hits, launch,
+                                    no_stamp, np.float32(0), np.float32(0))
+  jax.block_until_ready(facts)
+  none = lambda m: m & False       # on the plan's devices, as it is placed
+  nothing = plan.replace(selected=none(plan.selected), admit=none(plan.admit),
+                         preempt=none(plan.preempt), num_tokens=plan.num_tokens * 0,
+                         num_seqs=plan.num_seqs * 0)
+  seconds = {}
+  for bucket in config.token_buckets:
+    t = time.perf_counter()
+    kv, pages, buffers, _, _, step_facts = programs.step(
+        params, kv, pages, buffers, manifest, state, nothing, realized,
+        np.zeros(plan.selected.shape[0], np.int32), num_rows=bucket)
+    jax.block_until_ready(step_facts)
+    seconds[bucket] = time.perf_counter() - t
+  return kv, pages, buffers, seconds
+
+
 def keep_rows(new, old):
   """A leaf of the grown slot table: ``old``'s rows over ``new``'s free ones
   for per-slot arrays (leading axis R -> R'), ``old`` for the rest."""
@@ -433,7 +482,7 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
           static_argnames=("num_rows",),
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
       arrive=executor.arrive, release=executor.release,
-      gather=executor.gather, restore=executor.restore,
+      swap_out=executor.swap_out, swap_in=executor.swap_in,
       shift_clock=jit("shift_clock", apply_lib.shift_clock),
       forget_client=jit("forget_client", apply_lib.forget_client),
       map_prefix=jit("map_prefix", kv_pages.map_prefix),

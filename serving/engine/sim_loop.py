@@ -25,14 +25,14 @@ reaches the stop time (the first arrival not queued), nothing is live or
 queued, or an iteration needs the host: a rule violation, a request the
 policy can never schedule, a preemption or the re-admission of a preempted
 request (§0x0C records), an empty plan, or the device epoch to move
-(``engine.DEVICE_REBASE_MS``). Such an iteration is not committed: the
+(``clocks.DEVICE_REBASE_MS``). Such an iteration is not committed: the
 tables are those it started from (after its arrivals), and the host runs it
 again as an ordinary ``Engine.step``.
 
 Clocks: the loop keeps the host's clock, the ``VirtualClock``'s float64
 seconds, on the device (carried as its bits, u32[2], computed in a
 ``jax.enable_x64`` scope) and repeats the host's float64 arithmetic on it
-(``Engine.now_ms``, ``_device_ms``, ``VirtualClock.advance`` of the cost
+(``Engine.now_ms``, ``EngineClocks.device_ms``, ``VirtualClock.advance`` of the cost
 model's float64 prediction), so its times, and every float32 time the
 policy reads, are the step path's. XLA may round a step time's last bit
 otherwise than numpy (seen: token times within 6e-11 ms after a thousand
@@ -60,7 +60,7 @@ from scheduler import records as rec
 from serving.engine import cost_model as cost_lib
 from serving.engine import programs as programs_lib
 from serving.engine.config import EngineConfig
-from serving.engine.requests import Arrival
+from serving.engine.facts import Arrival
 
 
 
@@ -135,7 +135,7 @@ class SimQueue:
   A = ``QUEUE_SIZE``; entries from ``count`` on are padding).
 
   Attributes:
-    arrival: ``Arrival`` with leading axis A, as ``Engine._arrival`` makes it.
+    arrival: ``Arrival`` with leading axis A, as ``RequestTable.arrival`` makes it.
     due: u32[A, 2], its arrival time (engine ms, float64 bits: ``to_bits``).
     realized: i32[A], its recorded output length (the simulated executor's
       truth).
@@ -276,7 +276,7 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
   def iterate(c: _Carry) -> _Carry:
     launch, facts, bucket, pages, buffers, published, result, step = plan_and_run(c)
     # The host settles §0x0C records: a preemption, and the re-admission of
-    # a preempted request (``Engine._resume_admitted``).
+    # a preempted request (``Suspensions.resume_admitted``).
     resume = facts.admit & (c.state.num_preemptions > 0)
     host = (facts.bad_plan | jnp.any(facts.never) | jnp.any(facts.preempt) | jnp.any(resume)
             | (facts.num_seqs == 0) | step.bad_result)
@@ -324,11 +324,11 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
     i = jnp.minimum(c.log.num_admitted, size - 1)
     with _X64():
       seconds, now_ms = _f64(c.log.clock), _engine_ms(c.log.clock, t0)
-      # Engine._rebase_device_clock: the epoch moves at an iteration's start
+      # EngineClocks.rebase: the epoch moves at an iteration's start
       # once the clock is DEVICE_REBASE_MS past it (and no live request
       # arrived at it, below).
       rebase_due = ~(now_ms - _f64(epoch) < _f64(rebase))
-      # Engine._advance_to the next arrival, one step of it.
+      # sim_driver._advance_to the next arrival, one step of it.
       jumped = _bits(seconds + jnp.maximum((_f64(queue.due[i]) - now_ms) / 1000.0,
                                            jnp.nextafter(seconds, jnp.inf) - seconds))
     rebase_now = rebase_due & ~jnp.any(live & c.at_epoch)

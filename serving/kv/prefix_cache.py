@@ -29,7 +29,7 @@ Counters (token units, as vLLM's ``prefix_cache_queries`` /
 ``prefix_cache_hits``), advanced by ``count_use`` when a request's first
 chunk runs, once per request: ``queries`` its prompt tokens, ``hits`` the
 cached tokens it ran from. A lookup alone counts nothing: a hit dropped
-before use (``Engine._unpin_waiting_hits``) served nothing, and the lookup
+before use (``PrefixBook.unpin_waiting_hits``) served nothing, and the lookup
 of a preempted request resuming from its own pages is no new hit (vLLM
 keeps preempted requests out of its hit rate as well).
 """

@@ -53,13 +53,13 @@ def test_evicted_requests_and_idle_clients_leave_the_host_tables(params):
   with pytest.raises(ValueError, match="is live"):
     engine.evict("a0")
   engine.run()
-  index_a = engine._clients["a"]
+  index_a = engine.table.clients["a"]
   assert int(np.asarray(engine.state.service_rows)[index_a]) > 0
   # The client's ended requests are its output-length history (2 tokens).
   assert int(np.asarray(engine.state.client_completed_requests)[index_a]) == 1
   assert int(np.asarray(engine.state.client_completed_outputs)[index_a]) == 2
   assert engine.evict("a0").outcome == "completed"
-  assert "a0" not in engine.requests and "a" not in engine._clients
+  assert "a0" not in engine.requests and "a" not in engine.table.clients
   for counter in ("service_rows", "client_completed_requests", "client_completed_outputs"):
     assert int(np.asarray(getattr(engine.state, counter))[index_a]) == 0   # counters restart
   # Many clients over time, never more than num_clients at once, tables bounded.
@@ -70,7 +70,7 @@ def test_evicted_requests_and_idle_clients_leave_the_host_tables(params):
     engine.add_request(rid, _prompts([3], seed=10 + i)[0], sampling, client=f"client-{i}")
     engine.run()
     assert engine.evict(rid).outcome == "completed"
-    assert len(engine.requests) == 1 and len(engine._clients) == 1   # b0 / b remain
+    assert len(engine.requests) == 1 and len(engine.table.clients) == 1   # b0 / b remain
 
 
 class _Clock:
@@ -98,10 +98,10 @@ def test_device_clock_rebases_and_keeps_ms_resolution_after_hours(params):
     runs.append((engine, reqs))
   (fresh, fresh_reqs), (late, late_reqs) = runs
   assert [r.output_token_ids for r in late_reqs] == [r.output_token_ids for r in fresh_reqs]
-  assert late._device_epoch_ms > 10 * 3600e3 - DEVICE_REBASE_MS
+  assert late.clocks.device_epoch_ms > 10 * 3600e3 - DEVICE_REBASE_MS
   device_now = float(np.asarray(late.state.now_ms))
   assert device_now < 2 * DEVICE_REBASE_MS
-  assert abs(device_now + late._device_epoch_ms - late.now_ms()) < 5.0
+  assert abs(device_now + late.clocks.device_epoch_ms - late.now_ms()) < 5.0
   for a, b in zip(fresh_reqs, late_reqs):      # 1 ms steps survive in host times
     np.testing.assert_allclose(np.diff(b.token_times_ms), np.diff(a.token_times_ms),
                                atol=1e-6)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from serving.engine import cost_model as cost_lib
-from serving.engine import engine as engine_lib
+from serving.engine import clocks
 from serving.engine import sim_loop
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -126,11 +126,11 @@ def test_the_queue_bound_refuses_the_same_arrivals_on_both_paths(cost_file):
 def test_short_calls_and_a_moving_epoch_run_the_same_iterations(cost_file, monkeypatch):
   """Calls of 5 iterations (the log fills: ``FULL``) and a device epoch
   that moves every 300 ms (``REBASE``: the host steps) change nothing."""
-  monkeypatch.setattr(engine_lib, "DEVICE_REBASE_MS", 300.0)
+  monkeypatch.setattr(clocks, "DEVICE_REBASE_MS", 300.0)
   wl = _workload(n=12, seed=6, rate_scale=3.0)
   step_engine = _engine(cost_file)
   step, _ = replay(step_engine, wl, loop=False)
-  assert step_engine._device_epoch_ms > 0
+  assert step_engine.clocks.device_epoch_ms > 0
   engine = _engine(cost_file)
   specs = sorted(wl.requests, key=lambda s: s.arrival_s)
   for s in specs:
@@ -215,7 +215,7 @@ def test_requests_that_arrived_inside_a_short_simulate_call_count_against_the_bo
     engine.add_future_request(f"due{i}", p[4 + i], sampling, arrival_ms=1.0)
   engine.simulate(max_iterations=1)
   assert engine.now_ms() >= 1.0
-  assert len(engine._future) == 4        # arrived, not yet taken
+  assert len(engine.table.future) == 4        # arrived, not yet taken
   with pytest.raises(QueueFull, match="max_queued_requests=8"):
     engine.add_request("over", p[8], sampling)
   engine.run(max_iterations=200)

@@ -1,0 +1,167 @@
+"""The host side of ``Engine.simulate``: many iterations per program call.
+
+``simulate`` drives an engine with the simulated executor on a virtual
+clock through the ``loop`` program (``serving.engine.sim_loop``): it moves
+arrivals whose time has come into the pending queue, jumps the clock over
+idle gaps, queues the next arrivals for the device to admit, runs one loop
+call, and takes its log (``take_log``) into the same host records
+``Engine.step`` keeps; an iteration that needs the host is run by
+``Engine.step``.
+
+The loop's iterations are those ``Engine.step`` runs: the same plans,
+outputs and counters, and the same times (the device repeats the host's
+float64 clock arithmetic; XLA may round a step time's last bit otherwise:
+``sim_loop``). The iterations that need the host are a rule violation, a
+never-schedulable request, a preemption or a preempted request's
+re-admission, an empty plan, and the device epoch to move. When
+``simulate`` returns at ``stop_ms``, the requests that have arrived by
+then are pending.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import numpy as np
+
+from serving.engine import clocks
+from serving.engine import sim_loop
+from serving.engine.facts import Arrival
+from serving.engine.requests import Request
+
+
+def add_future_request(engine, request_id, prompt_token_ids, sampling, arrival_ms,
+                       priority, client, slo_ttft_ms, slo_tpot_ms) -> Request:
+  """``Engine.add_future_request`` (which documents it) on ``engine``."""
+  reason = engine.loop_refusal()
+  if reason is not None:
+    raise ValueError(f"add_future_request: {reason}")
+  table = engine.table
+  last = table.future[-1].arrival_ms if table.future else engine.now_ms()
+  if not arrival_ms >= last:
+    raise ValueError(f"request {request_id!r}: arrival_ms {arrival_ms!r} is before "
+                     f"{last!r} (now or the last future arrival); future requests "
+                     f"come in arrival order")
+  req = table.accept(request_id, prompt_token_ids, sampling, arrival_ms, priority, client,
+                     slo_ttft_ms, slo_tpot_ms, False, False)
+  if not req.finished:
+    table.future.append(req)
+  return req
+
+
+def simulate(engine, stop_ms: float, max_iterations: Optional[int],
+             iterations_per_call: int) -> None:
+  """``Engine.simulate`` (which documents it) on ``engine``."""
+  reason = engine.loop_refusal()
+  if reason is not None:
+    raise ValueError(f"Engine.simulate: {reason}; use Engine.step()")
+  table = engine.table
+  start = engine.num_iterations
+  while max_iterations is None or engine.num_iterations - start < max_iterations:
+    now_ms = engine.now_ms()
+    table.take_arrived(now_ms)
+    if now_ms >= stop_ms:
+      return
+    if not table.pending and not table.num_live():
+      if not table.future:
+        return
+      _advance_to(engine, table.future[0].arrival_ms)
+      table.take_arrived(table.future[0].arrival_ms)
+      continue
+    engine._fill_slots()
+    engine._rebase_device_clock(engine.now_ms())
+    if _call(engine, stop_ms, iterations_per_call) in (sim_loop.LoopExit.HOST,
+                                                       sim_loop.LoopExit.REBASE):
+      table.take_arrived(engine.now_ms())
+      engine.step()
+
+
+def _advance_to(engine, ms: float) -> None:
+  """Moves the virtual clock forward until ``engine.now_ms() >= ms``."""
+  clock = engine.clock
+  while engine.now_ms() < ms:
+    clock.advance(max((ms - engine.now_ms()) / 1000.0, math.ulp(clock())))
+
+
+def _call(engine, stop_ms: float, iterations: int) -> int:
+  """One ``loop`` program call from the engine's tables; takes its log.
+  Returns its exit code (``sim_loop.LoopExit``)."""
+  c, table = engine.config, engine.table
+  loop = sim_loop.loop_program(engine.model_cfg, c, engine.cost_model, engine.model_costs,
+                               iterations)
+  if loop not in engine._loop_sets:
+    engine._loop_sets.append(loop)
+  epoch = engine.clocks.device_epoch_ms
+  free = len(table.free_slots())
+  queued = table.future[:min(sim_loop.QUEUE_SIZE, free)]
+  if len(queued) < len(table.future):      # the next one waits for a free slot
+    stop_ms = min(stop_ms, table.future[len(queued)].arrival_ms)
+  queue = sim_loop.make_queue(
+      [table.arrival(r, engine.clocks.device_ms(r.arrival_ms)) for r in queued],
+      [r.arrival_ms for r in queued],
+      [engine.realized_output_tokens.get(r.request_id, r.sampling.max_tokens)
+       for r in queued],
+      [r.arrival_ms == epoch for r in queued],
+      Arrival.empty(c.max_model_len, c.max_stop_ids))
+  at_epoch = np.array([r is not None and r.arrival_ms == epoch for r in table.slots])
+  bits = sim_loop.to_bits
+  # The loop carries no token stream: the simulated executor reads none,
+  # and the host takes the tokens from the log (sim_loop.simulate_steps).
+  tokens = engine.buffers.tokens
+  engine.manifest, engine.state, engine.pages, buffers, log = loop.run(
+      engine.params, engine.kv, engine.manifest, engine.state, engine.pages,
+      engine.buffers.replace(tokens=None), table.realized(engine.realized_output_tokens),
+      at_epoch, queue, *engine._pending_stamp(), bits(engine.clock()), bits(engine.clocks.t0),
+      bits(epoch), bits(stop_ms), bits(clocks.DEVICE_REBASE_MS))
+  engine.buffers = buffers.replace(tokens=tokens)
+  log = engine._fetch(log)
+  take_log(engine, log, queued)
+  engine.clock.advance_to(float(sim_loop.from_bits(log.clock)))
+  return int(log.code)
+
+
+def take_log(engine, log: sim_loop.SimLog, queued: List[Request]) -> None:
+  """The host's side of a ``loop`` call's iterations, as ``Engine.step``
+  keeps them: the admitted requests' slots, each request's news
+  (``RequestTable.take_news``: tokens, their times, outcomes), released slots,
+  counters."""
+  table = engine.table
+  live = table.live()
+  admitted = queued[:int(log.num_admitted)]
+  for req, slot in zip(admitted, log.admitted_slot):
+    req.slot = int(slot)
+  del table.future[:len(admitted)]
+  by_uid = {r.uid: r for r in live + admitted}
+  n, num_events = int(log.num_iterations), int(log.num_events)
+  emit_ms = sim_loop.from_bits(log.emit[:n])
+  # Events grouped by request, each request's in iteration order; an
+  # ending event (finished or failed) is its request's last.
+  uid = log.event_request[:num_events]
+  order = np.argsort(uid, kind="stable")
+  uids, starts = np.unique(uid[order], return_index=True)
+  ends = np.append(starts[1:], num_events).tolist()
+  take = lambda a: a[:num_events][order].tolist()
+  tokens, failed, finished = take(log.event_token), take(log.event_failed), take(
+      log.event_finished)
+  reason, extensions = take(log.event_reason), take(log.event_extensions)
+  times = emit_ms[log.event_iteration[:num_events][order]].tolist()
+  for u, a, b in zip(uids.tolist(), starts.tolist(), ends):
+    req, last = by_uid[u], b - 1
+    emitted = last if failed[last] else b      # a failed event emits nothing
+    table.take_news(req, tokens[a:emitted], times[a:emitted], failed[last],
+                    finished[last], reason[last], lambda: extensions[last])
+  for req in live:              # before the admitted: a slot may be taken again
+    if req.finished:
+      table.vacate(req.slot)
+  for req in admitted:
+    if not req.finished:
+      table.place(req.slot, req)
+  engine.num_iterations += n
+  engine.policy_evaluations += n
+  for bucket in log.bucket[:n]:
+    engine.buckets_used[int(bucket)] = engine.buckets_used.get(int(bucket), 0) + 1
+  engine.prefill_tokens_computed += int(np.sum(log.prefill_rows[:n]))
+  if n:
+    engine._last_plan_stats = (log.stats[n - 1], int(log.bucket[n - 1]))
+  engine.clocks.stamp = None        # the loop applied the pending correction and its own
