@@ -135,20 +135,20 @@ def resolve_decode_gemm(config: EngineConfig) -> str | None:
   return rowgemm.resolve(config.decode_gemm)
 
 
-def model_step(model_cfg, config: EngineConfig) -> Callable:
+def bound_executor(model_cfg, config: EngineConfig) -> Callable:
   """``execute`` (or the simulated executor, ``config.executor``, whose
   logprobs are None) bound to the engine shape; ``num_rows`` (the token
   bucket) is left to the caller."""
-  step = _simulated_step if config.executor == "simulated" else execute
+  run = _simulated_execute if config.executor == "simulated" else execute
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
   return functools.partial(
-      step, model=ModelRunner(model_cfg, config.attention_impl, mesh,
+      run, model=ModelRunner(model_cfg, config.attention_impl, mesh,
                               config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
       num_seqs=config.max_num_seqs,
       max_model_len=config.max_model_len)
 
 
-def _simulated_step(*args, **kwargs):
+def _simulated_execute(*args, **kwargs):
   """``sim_executor.simulated_execute`` with ``execute``'s outputs: no
   logits, so no logprobs (None)."""
   return (*sim_executor.simulated_execute(*args, **kwargs), None)
@@ -264,7 +264,7 @@ def _pages_low_jnp(pages, state, token_budget, seq_budget):
   return pages.num_free < jnp.maximum(bound, running)
 
 
-def execute_step(model_step, token_budget, prefix_caching, params, kv, pages, buffers,
+def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buffers,
                  manifest, state, plan, realized, preserved_end, *, num_rows: int,
                  windows: tuple = (0,)):
   """The ``step`` program: execute the plan in the token bucket
@@ -276,7 +276,7 @@ def execute_step(model_step, token_budget, prefix_caching, params, kv, pages, bu
   ``apply`` reads the whole plan (a policy's ``update`` hook).
 
   Args:
-    model_step, token_budget, prefix_caching: static; num_rows: static
+    executor, token_budget, prefix_caching: static; num_rows: static
       token bucket of this program; windows: static attention window kinds.
     kv, pages, buffers: donated; manifest: the slot table; state: the
       ticked state the plan was made on; plan: its ``IterationPlan``.
@@ -297,7 +297,7 @@ def execute_step(model_step, token_budget, prefix_caching, params, kv, pages, bu
   held = None
   if prefix_caching:
     pages, held = _hold_last_prompt_pages(pages, manifest, run)
-  kv, pages, buffers, result, logprobs = model_step(params, kv, pages, buffers,
+  kv, pages, buffers, result, logprobs = executor(params, kv, pages, buffers,
                                                     exec_manifest, state, run,
                                                     num_rows=num_rows)
   result = result.replace(emit_ms=state.now_ms,
@@ -477,7 +477,7 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
       plan=jit("plan", functools.partial(plan_step, policy,
                                          config.enable_prefix_caching)),
       step=jit("step", functools.partial(
-          execute_step, model_step(model_cfg, config), config.token_buckets[-1],
+          execute_step, bound_executor(model_cfg, config), config.token_buckets[-1],
           config.enable_prefix_caching, windows=model_cfg.window_kinds),
           static_argnames=("num_rows",),
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),

@@ -204,14 +204,14 @@ class _Carry:
   log: SimLog
 
 
-def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, windows,
+def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, windows,
                    num_iterations: int, params, kv, manifest, state, pages, buffers, realized,
                    at_epoch, queue: SimQueue, fix_emitted, fix_stamp, fix_actual, clock, t0,
                    epoch, stop, rebase):
   """The ``loop`` program: up to ``num_iterations`` engine iterations.
 
   Args:
-    policy, model_step, config, cost_model (``CostModel``), costs
+    policy, executor, config, cost_model (``CostModel``), costs
       (``ModelCosts``), windows, num_iterations: static.
     params, kv: the simulated executor's (passed through).
     manifest, state, pages, buffers: the slot tables (donated).
@@ -246,7 +246,7 @@ def simulate_steps(policy, model_step, config: EngineConfig, cost_model, costs, 
         jnp.float32(0), jnp.float32(0))
     bucket = config.iteration_bucket(facts.rows_bound, facts.num_tokens, xp=jnp)
     _, pages, buffers, published, (_, result, _), step = programs_lib.execute_step(
-        model_step, token_budget, False, params, kv, c.pages, c.buffers, c.manifest, ticked,
+        executor, token_budget, False, params, kv, c.pages, c.buffers, c.manifest, ticked,
         plan, c.realized, jnp.zeros((num_slots,), jnp.int32), num_rows=token_budget,
         windows=windows)
     return launch, facts, bucket, pages, buffers, published, result, step
@@ -386,7 +386,7 @@ def loop_program(model_cfg, config: EngineConfig, cost_model, costs,
   per slot-table size."""
   traces: Dict[str, int] = {}
   fn = functools.partial(simulate_steps, programs_lib.programs(model_cfg, config).policy,
-                         programs_lib.model_step(model_cfg, config), config, cost_model,
+                         programs_lib.bound_executor(model_cfg, config), config, cost_model,
                          costs, model_cfg.window_kinds, num_iterations)
   return _Loop(programs_lib.counting_jit("loop", fn, traces, donate_argnums=(2, 3, 4, 5)),
                traces)
