@@ -180,8 +180,7 @@ class Engine:
 
   @property
   def num_slots(self) -> int:
-    """Current size R of the scheduler's slot table (grows by doubling from
-    ``max_request_slots`` up to ``max_queued_requests``)."""
+    """Size R of the slot table (doubles up to ``max_queued_requests``)."""
     return len(self.table.slots)
 
   @property
@@ -213,8 +212,7 @@ class Engine:
     return self.clocks.now_ms()
 
   def _rebase_device_clock(self, now_ms: float) -> None:
-    """Moves the device epoch forward when it is due (``EngineClocks.rebase``)
-    and shifts every device time by the same amount."""
+    """Moves the device epoch and every device time (``EngineClocks.rebase``)."""
     shift = self.clocks.rebase(now_ms, [r.arrival_ms for r in self.table.live()
                                         + self.table.pending])
     if shift is not None:
@@ -250,18 +248,15 @@ class Engine:
     ``logprobs``: each output token comes with its ``TokenLogprobs``;
     ``prompt_logprobs``: ``Request.prompt_logprobs`` is filled from the
     prefill rows (the request takes no prefix hit). Both need the model
-    executor (ValueError with the simulated one).
-
-    ``cache_salt``: prefix-cache hits only between requests of the same
-    salt (it enters the chained page keys; "" is the unsalted chain).
+    executor (ValueError with the simulated one). ``cache_salt``: prefix
+    hits only within one salt (``PrefixBook.salt``; "" is the unsalted chain).
     """
     req = self.table.accept(request_id, prompt_token_ids, sampling,
                             self.now_ms() if arrival_ms is None else arrival_ms, priority,
                             client, slo_ttft_ms, slo_tpot_ms, logprobs, prompt_logprobs)
     if not req.finished:
       if cache_salt and self.prefix is not None:
-        self.prefix.keys[request_id] = self.prefix.cache.keys_for(req.prompt_token_ids,
-                                                                  cache_salt)
+        self.prefix.salt(req, cache_salt)
       self.table.pending.append(req)
     return req
 

@@ -48,9 +48,10 @@ class VirtualClock:
     self._now_s = float(seconds)
 
 
-def simulated_execute(params, kv, pages: kv_pages.PageState, buffers, manifest: rec.WorkloadManifest,
-                      state: rec.SchedulerState, plan: rec.IterationPlan, *, model,
-                      num_rows: int, num_seqs: int, max_model_len: int):
+def simulated_execute(params, kv, pages: kv_pages.PageState, buffers,
+                      manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+                      plan: rec.IterationPlan, *, model, num_rows: int, num_seqs: int,
+                      max_model_len: int):
   """Runs one plan without the model. Returns ``(kv, pages, buffers, result)``.
 
   Args: as ``serving.engine.executor.execute``; ``params`` is unused, ``kv`` is

@@ -291,8 +291,8 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
         clock, emit = _bits(seconds), _bits(emit_ms)
       state = apply_lib.restamp_emissions(published, result.emitted, launch, actual)
       ended = step.finished | step.failed
-      state, pages_ = when(jnp.any(ended),
-                           lambda t: programs_lib.release_slots(*t, no_slots, ended), (state, pages))
+      release = lambda t: programs_lib.release_slots(*t, no_slots, ended)
+      state, pages_ = when(jnp.any(ended), release, (state, pages))
       event = step.emitted | ended
       at = jnp.where(event, log.num_events + jnp.cumsum(event) - 1, capacity)
       put = lambda a, v: a.at[at].set(v, mode="drop")

@@ -51,6 +51,11 @@ class PrefixBook:
     for table in (self.keys, self.rehit_epoch, self.rehit_tokens, self.uncounted):
       table.pop(req.request_id, None)
 
+  def salt(self, req, salt: str) -> None:
+    """``req``'s page keys are chained under ``salt``: it hits, and is hit
+    by, only prompts of the same salt (``PrefixCache.keys_for``)."""
+    self.keys[req.request_id] = self.cache.keys_for(req.prompt_token_ids, salt)
+
   def placed(self, req) -> None:
     """``req`` entered a slot: its first chunk will be counted."""
     self.uncounted[req.request_id] = req

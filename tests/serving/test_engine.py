@@ -585,7 +585,8 @@ def test_fresh_engine_reuses_compiled_programs(params):
   warm.generate(_prompts([5, 17], seed=31), GREEDY)
   assert 16 in warm.buckets_used
   compiles = []
-  listener = lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None
+  listener = lambda event, seconds, **kw: (
+      compiles.append(event) if "backend_compile" in event else None)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     fresh = Engine(CFG, params, config)
@@ -606,7 +607,8 @@ def test_nothing_compiles_after_warmup(params):
   before = engine.compiled_programs()
   assert before["step"] == len(config.token_buckets) and before["plan"] == 1
   compiles = []
-  listener = lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None
+  listener = lambda event, seconds, **kw: (
+      compiles.append(event) if "backend_compile" in event else None)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     prompts = _prompts([9, 14, 3], seed=40)
