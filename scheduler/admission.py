@@ -1,7 +1,7 @@
 """Admission under unknown output length (§0x06).
 
 One home for the reservation arithmetic, in jnp so the engine's jitted
-policies run it (``scheduler.policies.ledger`` reads it through
+policies run it (``scheduler.ledger.ledger`` reads it through
 ``reservation_rows``) and the host records below reuse it:
 
 * ``forecast_outputs``: G_hat per request from online facts only: the

@@ -89,7 +89,8 @@ from scheduler import apply as apply_lib
 from scheduler import iteration
 from scheduler import records as rec
 from scheduler import validate
-from scheduler.policies import POLICIES, Budgets, pages_for
+from scheduler import registry
+from scheduler.ledger import Budgets, pages_for
 
 RULES = {
     "interface": "a policy is a hashable object with policy_id, version, a tie_break "
@@ -745,10 +746,7 @@ def as_factory(policy) -> Callable[[Budgets], object]:
   ``module:Class`` or ``path/to/file.py:Class`` spec, a class or factory, or
   an instance (used as it is, whatever the kit's budgets)."""
   if isinstance(policy, str):
-    if policy in POLICIES:
-      return POLICIES[policy]
-    from scheduler import policy_loader
-    return policy_loader.load_factory(policy)
+    return registry.factory(policy)
   if isinstance(policy, type) or (callable(policy) and not hasattr(policy, "policy_id")):
     return policy
   return lambda budgets: policy

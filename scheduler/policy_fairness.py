@@ -42,7 +42,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from scheduler import policies as base
+from scheduler import ledger as base
 from scheduler import records as rec
 
 

@@ -2,7 +2,7 @@
 
 Each orders the requests by a length score in token rows (smaller first),
 aged by waiting time, and walks that order on the shared ledger
-(``scheduler.policies``) with an FCFS ``break``: a waiting request that does
+(``scheduler.ledger``) with an FCFS ``break``: a waiting request that does
 not fit blocks the ones after it, so a long request at the head of the order
 is never overtaken for pages.
 
@@ -45,7 +45,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from scheduler import policies as base
+from scheduler import ledger as base
 from scheduler import records as rec
 
 _KEY_CLIP = 2**30  # keys stay well inside i32

@@ -1,13 +1,13 @@
 """A policy from the user's own code: ``module:Class`` or ``file.py:Class``.
 
 ``--policy`` (``EngineConfig.policy``) takes a registered name
-(``scheduler.policies.POLICIES``) or a spec naming a policy class (or any
+(``scheduler.registry.POLICIES``) or a spec naming a policy class (or any
 ``Budgets -> policy`` factory) in an importable module (``mypkg.mine:Fifo``)
 or a Python file (``path/to/mine.py:Fifo``; relative to the working
-directory). ``make_checked`` loads it, runs the conformance kit's fast
-profile on it once per process (``scheduler.conformance``: seconds, one
-compiled program) and refuses it with the broken rule named; only then is
-it built with the engine's budgets.
+directory). This module only finds and imports what a spec names
+(``load_factory``); ``scheduler.policies.make_policy`` runs the conformance
+kit's fast profile on it once per process and refuses it with the broken
+rule named before it is built with the engine's budgets.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable
 
 FORMS = "'module:Class' or 'path/to/file.py:Class'"
-
-# spec -> the conformance failure (None: passed), once per process.
-_CHECKED: Dict[str, Optional[str]] = {}
-
 
 class SpecError(ValueError):
   """A spec that names no loadable policy; ``.reason`` says why."""
@@ -82,30 +78,3 @@ def load_factory(spec: str) -> Callable:
   if not callable(obj):
     raise SpecError(spec, f"{attr!r} is not a class or factory")
   return obj
-
-
-def check(spec: str) -> None:
-  """Runs the kit's fast profile on ``spec`` once per process.
-
-  Raises:
-    ValueError: ``load_factory``'s errors, or the kit's verdict: "policy
-      SPEC is refused: ... breaks rule 'RULE' ... minimal example: ...".
-  """
-  if spec not in _CHECKED:
-    from scheduler import conformance
-    factory = load_factory(spec)
-    try:
-      conformance.check_policy(factory)
-      _CHECKED[spec] = None
-    except conformance.ConformanceError as e:
-      _CHECKED[spec] = str(e)
-  if _CHECKED[spec] is not None:
-    raise ValueError(f"policy {spec!r} is refused by the conformance kit "
-                     f"(scheduler.conformance): {_CHECKED[spec]}")
-
-
-def make_checked(spec: str, budgets):
-  """The policy ``spec`` names, built with ``budgets``, once it passed the
-  kit (``check``)."""
-  check(spec)
-  return load_factory(spec)(budgets)

@@ -26,7 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from scheduler import policies as base
+from scheduler import ledger as base
 
 
 @dataclasses.dataclass(frozen=True)

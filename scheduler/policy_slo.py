@@ -22,7 +22,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from scheduler import policies as base
+from scheduler import ledger as base
 from scheduler import records as rec
 
 COST_MODELS = ("exclusive_endpoint_lower_bound_v1",)

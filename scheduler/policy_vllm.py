@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from scheduler import admission as adm
-from scheduler import policies as base
+from scheduler import ledger as base
 from scheduler import records as rec
 
 MODES = ("fcfs", "priority")

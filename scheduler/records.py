@@ -235,7 +235,7 @@ class IterationPlan:
       victim rule preempts instead).
     policy: static policy object that made the plan, or None. Its
       ``sort_keys(manifest, state)`` replays ``sort_key`` (default:
-      ``scheduler.policies.sort_keys``) and its optional
+      ``scheduler.keys.sort_keys``) and its optional
       ``update(manifest, state, plan, result, successor)`` advances its
       counters inside ``scheduler.apply.apply``.
   """

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import records as rec
-from scheduler.policies import key_order, sort_keys
+from scheduler.keys import key_order, sort_keys
 
 
 # ---------------------------------------------------------------- errors
@@ -360,7 +360,7 @@ def replay_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
 
   ``plan.policy.sort_keys(manifest, state, view)`` when the plan names a
   policy object with that method (its id must be the plan's id), else the
-  default ``scheduler.policies.sort_keys``. ``view`` is the AllocatorView the
+  default ``scheduler.keys.sort_keys``. ``view`` is the AllocatorView the
   policy read; only keys built on allocator facts (prefix hits) need it.
   Raises ValueError on an id mismatch.
   """
@@ -527,11 +527,6 @@ def _raise_first(violations, rules, base_cls):
       cls, text = rules[rule]
       slots = np.flatnonzero(bad).tolist()
       raise cls(rule, f"{text} (slots {slots[:8]})")
-
-
-def broken_rules(violations: Dict[str, jax.Array]):
-  """Names of the rules with any True entry, in table order."""
-  return [rule for rule, bad in violations.items() if np.asarray(bad).any()]
 
 
 def validate_plan(manifest, state, plan, view=None) -> None:

@@ -25,7 +25,7 @@ from absl import flags
 
 from models import llama
 from models.config import get_config
-from scheduler.policies import POLICIES
+from scheduler.registry import POLICIES
 from serving import cli
 from serving.harness import metrics
 from serving.engine.config import EngineConfig, SamplingParams

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags
 
-from scheduler.policies import POLICIES
+from scheduler.registry import POLICIES
 from serving import cli
 from serving.cli import launch
 from serving.harness import metrics

@@ -228,7 +228,7 @@ def _check_out() -> None:
 def _check_flags():
   """The sweep's flags, checked before any trial runs; returns the rate
   scales. Raises ValueError naming the flag and the rule."""
-  from scheduler.policies import POLICIES
+  from scheduler.registry import POLICIES
   try:
     rates = [float(r) for r in FLAGS.rate_scales]
   except ValueError:

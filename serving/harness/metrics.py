@@ -448,7 +448,7 @@ def client_service_gap(records: Iterable[RequestRecord], *, w_p: float = 1.0,
     (charges at t1 and t2 count). Within one maximal interval in which both
     clients are backlogged this is max D - min D of D(t) = W_f(t) - W_g(t),
     taking D just before the interval starts as one of the values; it is the
-    quantity VTC's Theorem 4.4 bounds by 2U (`scheduler.fairness`).
+    quantity VTC's Theorem 4.4 bounds by 2U (`serving.harness.service_gap`).
 
     A client is backlogged at t when one of its requests has arrival_s <= t
     and has not ended; a request ends at its last token time (closed

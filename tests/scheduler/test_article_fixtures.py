@@ -22,7 +22,8 @@ from scheduler import apply as apply_lib
 from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
-from scheduler.policies import Budgets, SarathiServe
+from scheduler.ledger import Budgets
+from scheduler.policy_sarathi_serve import SarathiServe
 from serving.harness.metrics import percentile_nearest_rank
 from serving.engine.pack import pack
 

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from scheduler import conformance
-from scheduler import policies as base
-from scheduler.policies import POLICIES, Budgets
+from scheduler import ledger as base
+from scheduler.ledger import Budgets
+from scheduler.registry import POLICIES
 from scheduler.policy_length import ShortestJobFirst
 
 # Registered policies that break a rule today, and the rule. Remove an

@@ -30,7 +30,9 @@ import pytest
 
 from scheduler import records as rec
 from scheduler import validate as v
-from scheduler.policies import POLICIES, Budgets, make_policy
+from scheduler.ledger import Budgets
+from scheduler.policies import make_policy
+from scheduler.registry import POLICIES
 
 EXPECTED = pathlib.Path(__file__).with_name("expected_plans.json")
 PAGE_SIZE = 4
@@ -202,7 +204,7 @@ def test_key_order_is_lexsorts_stable_order():
   tables of every kind: ties (small ranges, constant and negative columns),
   ranges that need both words, and full 32-bit columns (the lexsort
   fallback), at slot counts with 3, 7, 8 and 9 slot bits."""
-  from scheduler.policies import key_order
+  from scheduler.keys import key_order
   rng = np.random.RandomState(7)
   order = jax.jit(key_order)
   kinds = [lambda n: rng.randint(0, 4, n), lambda n: rng.randint(-3, 3, n),
@@ -267,7 +269,7 @@ def test_decode_runs_plan_as_one_offer_per_row(name, monkeypatch):
   = 0``), on wide budgets where runs span several windows and on scarce
   pages where a run stops at a row that must preempt. The policies cover
   FCFS break, one anchor chunk, running-only walks and no break."""
-  from scheduler import policies
+  from scheduler import ledger as policies
   wide = [Budgets(token_budget=256, seq_budget=96, chunk_cap=16),
           Budgets(token_budget=256, seq_budget=96, chunk_cap=16, watermark_pages=2,
                   reservation="quantile", reservation_quantile=0.75)]

@@ -15,7 +15,7 @@ import pytest
 
 from models import llama
 from models.config import get_config
-from scheduler.policies import POLICIES
+from scheduler.registry import POLICIES
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 

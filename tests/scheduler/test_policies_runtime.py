@@ -11,7 +11,7 @@ import numpy as np
 from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
-from scheduler.policies import Budgets
+from scheduler.ledger import Budgets
 from scheduler.policy_orca import Orca
 from scheduler.policy_sarathi import Sarathi
 from scheduler.policy_vllm import VllmV1

@@ -1,8 +1,8 @@
-"""docs/writing-a-policy.md and its worked example, ``scheduler.policy_example``.
+"""docs/writing-a-policy.md and its worked example, docs/examples/edf_policy.py.
 
 The guide's code block is the shipped file, byte for byte, and its rule
 table names the kit's rules, so neither can drift; the example, loaded as a
-user would (``--policy=module:Class``), passes the kit and runs the engine
+user would (``--policy=path/to/file.py:Class``), passes the kit and runs the engine
 on SLO-carrying requests in deadline order. The command-line walk of the
 guide (two replays, compare) runs in the extended profile.
 """
@@ -20,15 +20,16 @@ from models import llama
 from models.config import get_config
 from scheduler import conformance
 from scheduler.policies import Budgets, make_policy
-from scheduler.policy_example import EarliestDeadlineFirst
+from scheduler import policy_loader
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.sim_executor import VirtualClock
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "writing-a-policy.md"
-EXAMPLE = ROOT / "scheduler" / "policy_example.py"
-SPEC = "scheduler.policy_example:EarliestDeadlineFirst"
+EXAMPLE = ROOT / "docs" / "examples" / "edf_policy.py"
+SPEC = f"{EXAMPLE}:EarliestDeadlineFirst"
+EarliestDeadlineFirst = policy_loader.load_factory(SPEC)
 
 
 def _python_blocks(text):

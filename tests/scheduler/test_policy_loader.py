@@ -22,7 +22,7 @@ BUDGETS = Budgets(token_budget=8, seq_budget=3, chunk_cap=4)
 FIFO = '''
 import dataclasses
 
-from scheduler import policies as base
+from scheduler import ledger as base
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,9 @@ from tests.scheduler import fixtures as fx
 from scheduler import preemption as pre
 from scheduler import records as rec
 from scheduler import validate as v
-from scheduler.policies import POLICIES, Budgets, make_policy
+from scheduler.ledger import Budgets
+from scheduler.policies import make_policy
+from scheduler.registry import POLICIES
 from scheduler.policy_vllm import VllmV1
 from tests.scheduler.policy_testing import step
 

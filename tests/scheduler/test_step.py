@@ -14,7 +14,8 @@ from scheduler import apply as apply_lib
 from tests.scheduler import fixtures as fx
 from scheduler import records as rec
 from scheduler import validate as v
-from scheduler.policies import Budgets, SarathiServe
+from scheduler.ledger import Budgets
+from scheduler.policy_sarathi_serve import SarathiServe
 
 POLICY = SarathiServe(Budgets(token_budget=8, seq_budget=4, chunk_cap=4))
 # The §0x01A iteration-5 fixture's budgets: K_token = 4, K_seq = 3.

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import fairness
+from serving.harness import service_gap
 from serving.harness.metrics import (
     RequestRecord,
     ServiceGap,
@@ -356,7 +356,7 @@ def test_service_gap_matches_brute_force(records, weights):
        st.lists(st.integers(0, 4), min_size=12, max_size=12))
 def test_service_gap_against_fairness_ledger(order, prompts):
     """Two clients arriving at 0, one request completed per tick: with the
-    cumulative ledgers of scheduler.fairness, max|W_A - W_B| over the
+    cumulative ledgers of serving.harness.service_gap, max|W_A - W_B| over the
     backlogged cuts <= gap <= 2x that, with equality while one client leads
     throughout (the service difference starts at 0)."""
     records = [_rec(f"{c}{k}", 0.0, [k + 1.0], prompt_tokens=prompts[k], client=c)
@@ -369,7 +369,7 @@ def test_service_gap_against_fairness_ledger(order, prompts):
         a.append(w["A"])
         b.append(w["B"])
         backlogged.append(k <= last["A"] and k <= last["B"])
-    ledger = fairness.max_backlogged_gap(a, b, backlogged)
+    ledger = service_gap.max_backlogged_gap(a, b, backlogged)
     gap = client_service_gap(records).gap
     assert ledger <= gap <= 2 * ledger
     diffs = [x - y for x, y, on in zip(a, b, backlogged) if on]

@@ -1,22 +1,14 @@
-"""Fairness ledgers of §0x09A: the VTC counter bound, backlogged service gap
-and the starvation predicate. Plain host-side functions (no jit)."""
+"""Fairness figures of §0x09A over cumulative service ledgers, cut by cut.
+
+The plain definitions the report's fairness figures are checked against
+(``serving.harness.metrics.client_service_gap``, the ledger's starvation
+count): the backlogged service gap between two clients and the starvation
+predicate. Host-side functions (no jit).
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
-
-
-def vtc_max_increment(w_p: int, w_q: int, max_input_tokens: int,
-                      max_batch_tokens: int) -> int:
-  """U = max(w_p * L_input, w_q * M): the largest one-step counter jump."""
-  return max(w_p * max_input_tokens, w_q * max_batch_tokens)
-
-
-def vtc_service_bound(w_p: int, w_q: int, max_input_tokens: int,
-                      max_batch_tokens: int) -> int:
-  """2U: VTC Theorem 4.4's bound on |W_f - W_g| for two clients backlogged
-  over the whole interval (only under the theorem's premises)."""
-  return 2 * vtc_max_increment(w_p, w_q, max_input_tokens, max_batch_tokens)
 
 
 def max_backlogged_gap(service_a: Sequence[int], service_b: Sequence[int],

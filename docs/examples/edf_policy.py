@@ -8,7 +8,7 @@ arrival, so a request is overtaken only by requests that arrived less than
 ``max_ttft_ms`` after it: none waits forever.
 
   python scripts/replay.py --executor=simulated \\
-      --policy=scheduler.policy_example:EarliestDeadlineFirst
+      --policy=docs/examples/edf_policy.py:EarliestDeadlineFirst
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from scheduler import policies as base
+from scheduler import ledger as base
 from scheduler import records as rec
 
 

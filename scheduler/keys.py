@@ -1,0 +1,124 @@
+"""The recorded tie-break key and the orders built on it.
+
+A policy records, for every slot, the key it ordered the slots by
+(``IterationPlan.sort_key``, i32[R, K]); ``validate`` replays it. This module
+holds the default key (``sort_keys``: phase, priority, arrival, id,
+generation), the stable identity tail every policy's key ends with
+(``identity_keys``), the ascending order of a key (``key_order``), the
+recompute-victim rank (``victim_rank``) and two permutation helpers. It reads
+only the records (no ledger, no policy), so ``validate`` and the ledger both
+build on it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from scheduler import records as rec
+
+
+def phase_rank(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
+  """i32[R]: 0 decode, 1 running prefill/rebuild, 2 waiting, 3 no work."""
+  target = rec.prefill_target(manifest, state)
+  running = (state.status == rec.RUNNING) & state.ready
+  decode = running & (state.emitted >= 1) & (
+      state.computed == manifest.prompt_len + state.emitted - 1)
+  partial = running & (state.computed < target)
+  waiting = (state.status == rec.WAITING) & state.ready
+  return jnp.select([decode, partial, waiting], [0, 1, 2], 3).astype(jnp.int32)
+
+
+def sort_keys(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
+  """i32[R, 5]: the recorded tie-break key, columns ``SORT_KEY_FIELDS``."""
+  return jnp.stack([phase_rank(manifest, state), manifest.priority,
+                    manifest.arrival_seq, manifest.request_id,
+                    state.generation], axis=1).astype(jnp.int32)
+
+
+def key_order(keys):
+  """i32[R]: slots in ascending lexicographic order of ``keys`` (i32[R, K],
+  first column primary), ties by slot: ``jnp.lexsort``'s stable order.
+
+  XLA:CPU sorts one array with ``std::sort`` on its values, but a sort of
+  several (K key columns and an index) calls a compiled comparator per
+  comparison: at R = 256, K = 5 ``jnp.lexsort`` took ~85 us a call on this
+  project's 2-core CPU, this function ~14 us (docs/benchmarks-log.md,
+  "Sorting the policy key"). So the key is packed
+  into u32 words: each column less its minimum takes the bits of its range
+  (0 for a constant column), the columns in order, the low digit word
+  sorted first, then the high one, each word's lowest bits holding the slot
+  (or its position after the first sort), so every sort key is unique and
+  the two passes give the lexicographic order (LSD radix by words). Keys
+  whose ranges need more than two words fall back to ``jnp.lexsort``; a
+  table's keys usually need ~34 bits (phase, priority, arrival, id,
+  generation over the live ranges).
+  """
+  num_slots, num_keys = keys.shape
+  slot_bits = max(1, (num_slots - 1).bit_length())
+  digit = 32 - slot_bits
+  values = (keys - jnp.min(keys, axis=0)).astype(jnp.uint32)   # unsigned range
+  bits = (32 - jax.lax.clz(jnp.max(values, axis=0))).astype(jnp.uint32)
+  shift = jnp.cumsum(bits[::-1])[::-1] - bits       # bits of the later columns
+
+  def packed(_):
+    low = jnp.zeros((num_slots,), jnp.uint32)
+    high = jnp.zeros((num_slots,), jnp.uint32)
+    for j in range(num_keys):
+      col, s = values[:, j], shift[j]
+      in_low = s < digit
+      low = low | jnp.where(in_low, (col << jnp.minimum(s, 31))
+                            & jnp.uint32((1 << digit) - 1), 0)
+      high = high | jnp.where(in_low, col >> jnp.minimum(digit - s, 31),
+                              col << jnp.minimum(s - digit, 31))
+    lane = jnp.arange(num_slots, dtype=jnp.uint32)
+    mask = jnp.uint32((1 << slot_bits) - 1)
+    first = jax.lax.sort((low << slot_bits) | lane) & mask
+    second = jax.lax.sort((high[first] << slot_bits) | lane) & mask
+    return first[second].astype(jnp.int32)
+
+  def lexsort(_):
+    return jnp.lexsort(tuple(keys[:, i] for i in reversed(range(num_keys)))).astype(
+        jnp.int32)
+
+  if num_keys == 0:
+    return jnp.arange(num_slots, dtype=jnp.int32)
+  return jax.lax.cond(jnp.sum(bits) <= 2 * digit, packed, lexsort, None)
+
+
+def identity_keys(manifest, state, *leading):
+  """i32[R, len(leading) + 3]: ``leading`` columns, then arrival_seq,
+  request_id and generation (the stable tail every policy shares)."""
+  cols = list(leading) + [manifest.arrival_seq, manifest.request_id,
+                          state.generation]
+  return jnp.stack([jnp.asarray(col, jnp.int32) for col in cols], axis=1)
+
+
+def victim_rank(manifest: rec.WorkloadManifest):
+  """i32[R]: the recompute-victim key's rank, ``max(priority, arrival)``
+  first out: a larger rank is evicted before a smaller one, whatever the
+  policy's scheduling order (§0x0C, §0x0D). Among equal priorities the later
+  arrival always goes first, so an earlier arrival is never evicted while a
+  later one of the same priority keeps running."""
+  return inverse_permutation(key_order(jnp.stack(
+      [manifest.priority, manifest.arrival_seq, manifest.request_id], axis=1)))
+
+
+def inverse_permutation(order):
+  """i32[R]: ``pos[order[i]] = i``."""
+  n = order.shape[0]
+  return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+
+
+def stable_partition(order, mask):
+  """(walk, count): ``order`` (i32[R], a permutation of the slots) with the
+  slots where ``mask`` (bool[R], by slot) holds first, each part in
+  ``order``'s order, and i32[] how many hold. O(R): two prefix sums and a
+  scatter, no sort."""
+  keep = mask[order]
+  num_slots = order.shape[0]
+  count = jnp.sum(keep, dtype=jnp.int32)
+  first = jnp.cumsum(keep, dtype=jnp.int32) - 1
+  rest = count + jnp.cumsum(~keep, dtype=jnp.int32) - 1
+  dest = jnp.where(keep, first, rest)
+  return jnp.zeros((num_slots,), jnp.int32).at[dest].set(order), count
