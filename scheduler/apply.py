@@ -10,8 +10,11 @@ back) or restarts from 0 (recompute). Completed rows below a
 preempted request's old frontier (``rebuild_target``: REBUILD rows, or a
 prompt re-run after a preemption during prefill) restore cache: they are
 counted in ``recompute_rows``, never as fairness service (§0x0C). A policy
-with counters of its own (VTC, MLFQ, ...) advances them through its pure
-``update`` hook, which ``apply`` calls with the same completed result.
+with state of its own (``SchedulerState.policy_state``: VTC's counters,
+MLFQ's levels, ...) advances it through its pure ``update`` hook, which
+``apply`` calls with the same completed result; nothing else writes it but
+``arrive`` and ``forget_client``, which restart its ``PerSlot`` /
+``PerClient`` columns for a new request or client.
 """
 
 from __future__ import annotations
@@ -114,7 +117,12 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       client_completed_outputs=client_outputs)
   update = getattr(plan.policy, "update", None)
   if update is not None:
-    successor = update(manifest, state, plan, result, successor)
+    policy_state = update(manifest, state, plan, result, successor)
+    if isinstance(policy_state, rec.SchedulerState):
+      raise TypeError(f"{type(plan.policy).__name__}.update must return the policy's "
+                      f"own state (the new SchedulerState.policy_state), not a "
+                      f"SchedulerState (docs/writing-a-policy.md)")
+    successor = successor.replace(policy_state=policy_state)
   return successor
 
 
@@ -159,15 +167,15 @@ def shift_clock(manifest: rec.WorkloadManifest, state: rec.SchedulerState, shift
 
 
 def forget_client(state: rec.SchedulerState, index) -> rec.SchedulerState:
-  """Zeroes client ``index``'s counters (i32[] index into the C tables), so
-  the table row can be given to a new client."""
+  """Zeroes client ``index``'s counters (i32[] index into the C tables) and
+  restarts the policy state's ``PerClient`` columns there, so the table row
+  can be given to a new client."""
   zero = lambda a: None if a is None else a.at[index].set(jnp.zeros((), a.dtype))
   return state.replace(
       service_rows=zero(state.service_rows), recompute_rows=zero(state.recompute_rows),
-      client_counter=zero(state.client_counter), client_done=zero(state.client_done),
-      client_active=zero(state.client_active),
       client_completed_requests=zero(state.client_completed_requests),
-      client_completed_outputs=zero(state.client_completed_outputs))
+      client_completed_outputs=zero(state.client_completed_outputs),
+      policy_state=rec.restart(state.policy_state, rec.PerClient, index))
 
 
 def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
@@ -177,8 +185,9 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
   """A declared request enters a FREE slot as WAITING, ready, generation 0.
 
   ``ttft_ms`` / ``tbt_ms`` are its declared SLO limits (ms, +inf = none);
-  they are recorded when the manifest carries SLO fields. Per-slot policy
-  counters (MLFQ level, quantum used, wait) restart for the new request.
+  they are recorded when the manifest carries SLO fields. The policy
+  state's ``PerSlot`` columns (MLFQ level, quantum used, wait, ...) restart
+  for the new request.
   ``cached_prefix_tokens`` is the prefix hit the allocator mapped into the
   slot's page table (``serving.kv.prefix_cache``; < prompt_len): the request's
   computed and committed frontiers start there.
@@ -193,10 +202,7 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
     state = state.replace(rebuild_target=set_(state.rebuild_target, 0))
   if state.num_extensions is not None:
     state = state.replace(num_extensions=set_(state.num_extensions, 0))
-  if state.mlfq_level is not None:
-    state = state.replace(mlfq_level=set_(state.mlfq_level, -1),
-                          mlfq_used=set_(state.mlfq_used, 0),
-                          wait_iters=set_(state.wait_iters, 0))
+  state = state.replace(policy_state=rec.restart(state.policy_state, rec.PerSlot, slot))
   manifest = manifest.replace(
       request_id=set_(manifest.request_id, request_id),
       arrival_ms=set_(manifest.arrival_ms, arrival_ms),

@@ -19,20 +19,31 @@ executor, in the extended profile.)
     conformance.check_policy(MyPolicy)                 # fast profile
     conformance.check_policy("sjf", profile="extended")
 
-``check_policy`` raises ``ConformanceError`` (an ``AssertionError``) for the
+    python -m scheduler.conformance path/to/mine.py:MyPolicy [--profile=extended]
+
+``check_policy`` returns a ``Report`` of what it checked (printed by the
+command line) or raises ``ConformanceError`` (an ``AssertionError``) for the
 first broken rule; its message names the rule, states it, and gives the
 smallest workload found that breaks it (shrunk request by request), which
 ``run(policy, workload)`` replays. The rules (``RULES``):
 
 * ``interface``: a hashable object with ``policy_id``, ``version``,
   ``tie_break`` (one name per ``sort_key`` column) and ``plan``/``__call__``.
+* ``policy_state``: a policy with state of its own (``init_state``) makes
+  a pytree of arrays, the same on every call, and its ``update`` returns
+  one of the same structure, shapes and dtypes (the engine carries it
+  through compiled loops).
+* ``plan_writes_nothing``: ``plan`` leaves its input state (the policy's
+  state included) and the policy object as they were: only ``update``,
+  called by ``apply`` with the completed result, advances the policy's
+  state.
 * ``plans_validate``: every plan and every result passes ``scheduler.validate``.
 * ``progress``: every request of a finite workload completes.
 * ``kv_census``: pages held by live requests + free pages == the cache after
   every iteration, and the free count never goes negative (no plan takes a
   page that is not there); a finished or preempted request holds none.
-* ``deterministic``: the same workload run twice gives the same decisions
-  and the same tokens.
+* ``deterministic``: the same workload run twice gives the same decisions,
+  the same tokens and the same final policy state.
 * ``whole_queue``: the decisions (request, interval, kind, admissions,
   preemptions in every iteration) are the same whether the requests sit
   packed in a small slot table or scattered over a large one: the policy
@@ -76,8 +87,10 @@ side by side.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import flax.struct
@@ -95,11 +108,16 @@ from scheduler.ledger import Budgets, pages_for
 RULES = {
     "interface": "a policy is a hashable object with policy_id, version, a tie_break "
                  "naming each sort_key column, and __call__(manifest, state, alloc)",
+    "policy_state": "init_state gives the same pytree of arrays every call, and update "
+                    "keeps its structure, shapes and dtypes",
+    "plan_writes_nothing": "plan leaves its input state (the policy's state included) "
+                           "and the policy object as they were",
     "plans_validate": "every plan and result passes scheduler.validate",
     "progress": "every request of a finite workload completes",
     "kv_census": "pages held + free pages == the cache after every iteration, never "
                  "a negative free count",
-    "deterministic": "the same workload gives the same decisions and tokens",
+    "deterministic": "the same workload gives the same decisions, tokens and final "
+                     "policy state",
     "whole_queue": "decisions do not depend on the slot table's size or the slots "
                    "the requests sit in",
     "hidden_truth": "the plan never depends on the hidden realized output length",
@@ -306,6 +324,7 @@ class Trace:
     preemptions: request -> times preempted.
     first_end_iter: the first iteration in which a request ended (or None).
     faults: per rule, the first fault seen (iteration and what).
+    policy_state: the policy's state after the last iteration (host arrays).
   """
 
   decisions: List[tuple] = dataclasses.field(default_factory=list)
@@ -315,6 +334,7 @@ class Trace:
   preemptions: Dict[int, int] = dataclasses.field(default_factory=dict)
   first_end_iter: Optional[int] = None
   faults: Dict[str, str] = dataclasses.field(default_factory=dict)
+  policy_state: object = None
 
 
 def _refused(policy, manifest, state, view):
@@ -480,7 +500,7 @@ def run(policy, workload: Workload, *, kit: Kit = PROFILES["fast"],
     max_iters = last + 40 + 4 * sum(r.prompt_len + r.max_tokens for r in reqs)
   manifest = rec.empty_manifest(num_slots).replace(
       hidden_realized_output_tokens=jnp.zeros((num_slots,), jnp.int32))
-  state = rec.initial_state(num_slots, kit.num_clients, kit.max_tokens)
+  state = rec.initial_state(num_slots, kit.num_clients, kit.max_tokens, policy=policy)
   held = jnp.zeros((num_slots,), jnp.int32)
   num_pages = jnp.int32(workload.num_pages)
   arrivals = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, i))
@@ -558,6 +578,7 @@ def run(policy, workload: Workload, *, kit: Kit = PROFILES["fast"],
       for s in np.flatnonzero(unsched & live):
         t.outcome[int(owner[s])] = "rejected"
         held = held.at[s].set(0)
+  t.policy_state = jax.device_get(state.policy_state)
   return t
 
 
@@ -625,6 +646,74 @@ class _Checker:
               "compile each apart)")
     return None
 
+  def _probe_tables(self):
+    """(manifest, state, view): an empty kit table with the policy's state."""
+    n, k = self.kit.num_slots, self.kit
+    manifest = rec.empty_manifest(n).replace(
+        hidden_realized_output_tokens=jnp.zeros((n,), jnp.int32))
+    state = rec.initial_state(n, k.num_clients, k.max_tokens, policy=self.policy)
+    view = rec.AllocatorView(free_pages=jnp.int32(4 * n), pages_held=jnp.zeros((n,), jnp.int32),
+                             page_size=k.page_size)
+    return manifest, state, view
+
+  def policy_state(self, w=None):
+    p = self.policy
+    init = getattr(p, "init_state", None)
+    if init is None:
+      return None
+    n, c = self.kit.num_slots, self.kit.num_clients
+    first, again = init(n, c), init(n, c)
+    loose = [type(x).__name__ for x in jax.tree.leaves(first)
+             if not isinstance(x, (jax.Array, np.ndarray))]
+    if loose:
+      return (f"init_state({n}, {c}) has leaves that are not arrays ({loose}): make "
+              f"them jnp arrays (jnp.int32(0), jnp.zeros(...))")
+    if not _same_tree(jax.device_get(first), jax.device_get(again)):
+      return f"two calls of init_state({n}, {c}) differ: {first!r} against {again!r}"
+    if not callable(getattr(p, "update", None)):
+      return None
+    manifest, state, view = self._probe_tables()
+
+    def one_iteration(manifest, state):
+      online = manifest.online()
+      plan = p(online, state, view)
+      result = fixture_execute(manifest, state, plan, jnp.float32(1.0))
+      return apply_lib.apply(online, state, plan, result).policy_state
+
+    before = jax.eval_shape(lambda s: s.policy_state, state)
+    after = jax.eval_shape(one_iteration, manifest, state)
+    if jax.tree.structure(before) != jax.tree.structure(after) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))):
+      return (f"update changes the state's structure, shapes or dtypes: {before} "
+              f"becomes {after}")
+    return None
+
+  def plan_writes_nothing(self, w=None):
+    p = self.policy
+    manifest, state, view = self._probe_tables()
+    attrs = _attribute_snapshot(p)
+    seen = {}
+
+    def probe(manifest, state):
+      leaves, tree = jax.tree.flatten(state)
+      try:
+        plan = p(manifest.online(), state, view)
+      except dataclasses.FrozenInstanceError as e:
+        seen["fault"] = f"plan assigns to a frozen record ({e})"
+        return None
+      after, tree_after = jax.tree.flatten(state)
+      if tree_after != tree or any(a is not b for a, b in zip(leaves, after)):
+        seen["fault"] = ("plan replaced part of its input state (a container of the "
+                         "policy's state written in place): advance the state in update")
+      return plan
+
+    jax.eval_shape(probe, manifest, state)
+    if "fault" not in seen and _attribute_snapshot(p) != attrs:
+      seen["fault"] = ("plan changed the policy object's attributes: keep state in "
+                       "init_state / update, never on the policy")
+    return seen.get("fault")
+
   def plans_validate(self, w):
     return self.base(w).faults.get("plans_validate")
 
@@ -643,6 +732,9 @@ class _Checker:
     diff = _decisions_diff(a, b)
     if diff is None and a.tokens != b.tokens:
       diff = f"tokens differ: {a.tokens} against {b.tokens}"
+    if diff is None and not _same_tree(a.policy_state, b.policy_state):
+      diff = (f"the final policy state: {a.policy_state!r} against "
+              f"{b.policy_state!r}")
     return None if diff is None else f"a second run differs at {diff}"
 
   def whole_queue(self, w):
@@ -686,12 +778,8 @@ class _Checker:
 
   def check(self, workloads: Sequence[Workload], rules: Sequence[str]):
     for rule in rules:
-      if rule == "interface":
-        fault = self.interface()
-        if fault:
-          self.fail(rule, fault)
-      elif rule == "starvation":
-        fault = self.starvation()
+      if rule in ("interface", "policy_state", "plan_writes_nothing", "starvation"):
+        fault = getattr(self, rule)()
         if fault:
           self.fail(rule, fault)
       else:
@@ -701,6 +789,22 @@ class _Checker:
           if fault:
             small, fault = shrink(w, fault_of, fault)
             self.fail(rule, fault, small)
+
+
+def _same_tree(a, b) -> bool:
+  """Same pytree structure and equal leaves (host values)."""
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return False
+  return all(np.shape(x) == np.shape(y) and np.array_equal(x, y)
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _attribute_snapshot(obj):
+  """What ``plan_writes_nothing`` compares of the policy object: each
+  attribute's identity, and a deep copy of mutable containers."""
+  attrs = getattr(obj, "__dict__", {})
+  return {k: (id(v), copy.deepcopy(v) if isinstance(v, (list, dict, set)) else None)
+          for k, v in attrs.items()}
 
 
 def _smaller(w: Workload):
@@ -752,11 +856,45 @@ def as_factory(policy) -> Callable[[Budgets], object]:
   return lambda budgets: policy
 
 
+def _count(n: int, noun: str) -> str:
+  return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What a passing ``check_policy`` checked.
+
+  Attributes:
+    policy_id: the policy's id.
+    profile: the kit profile.
+    rules: the rules run, in order (all passed).
+    num_workloads: workloads each per-workload rule ran on.
+    num_requests: requests over those workloads.
+    has_state: whether the policy keeps a state of its own.
+  """
+
+  policy_id: str
+  profile: str
+  rules: Tuple[str, ...]
+  num_workloads: int
+  num_requests: int
+  has_state: bool
+
+  def __str__(self) -> str:
+    state = "with a state of its own" if self.has_state else "without a state of its own"
+    lines = [f"policy {self.policy_id!r} ({state}) passes the {self.profile!r} profile: "
+             f"{len(self.rules)} rules on {_count(self.num_workloads, 'workload')} "
+             f"({_count(self.num_requests, 'request')})"]
+    lines += [f"  ok {rule}: {RULES[rule]}" for rule in self.rules]
+    return "\n".join(lines)
+
+
 def check_policy(policy, profile: str = "fast", *, seed: int = 0,
                  workloads: Optional[Sequence[Workload]] = None,
-                 rules: Optional[Sequence[str]] = None) -> None:
+                 rules: Optional[Sequence[str]] = None) -> Report:
   """Runs the rules on ``policy``; raises ``ConformanceError`` for the first
-  broken one (in ``RULES`` order, each over every workload).
+  broken one (in ``RULES`` order, each over every workload), else returns
+  the ``Report`` of what was checked.
 
   Args:
     policy: see ``as_factory``.
@@ -779,4 +917,37 @@ def check_policy(policy, profile: str = "fast", *, seed: int = 0,
     rng = np.random.default_rng(seed)
     workloads = list(HARD_CASES) + [random_workload(rng, kit)
                                     for _ in range(kit.num_workloads)]
-  _Checker(as_factory(policy), kit).check(workloads, [r for r in RULES if r in rules])
+  checker = _Checker(as_factory(policy), kit)
+  ran = [r for r in RULES if r in rules]
+  checker.check(workloads, ran)
+  return Report(policy_id=checker.policy_id, profile=profile, rules=tuple(ran),
+                num_workloads=len(workloads),
+                num_requests=sum(len(w.requests) for w in workloads),
+                has_state=getattr(checker.policy, "init_state", None) is not None and
+                checker.policy.init_state(1, 1) is not None)
+
+
+def main(argv: Sequence[str]) -> int:
+  """``python -m scheduler.conformance SPEC [--profile=fast|extended]``:
+  checks a registered name or a ``module:Class`` / ``path/to/file.py:Class``
+  spec, prints what was checked (exit 0) or the broken rule (exit 1)."""
+  args = [a for a in argv if not a.startswith("--profile=")]
+  profiles = [a.split("=", 1)[1] for a in argv if a.startswith("--profile=")]
+  if len(args) != 1:
+    print("usage: python -m scheduler.conformance SPEC [--profile=fast|extended]",
+          file=sys.stderr)
+    return 2
+  try:
+    report = check_policy(args[0], profiles[-1] if profiles else "fast")
+  except ConformanceError as e:
+    print(e, file=sys.stderr)
+    return 1
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(report)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

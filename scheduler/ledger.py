@@ -648,9 +648,29 @@ def work_rank(manifest, state):
 
 
 class PolicyBase:
-  """``__call__`` refuses hidden truth, then runs ``plan``."""
+  """``__call__`` refuses hidden truth, then runs ``plan``.
+
+  A policy with state of its own (``docs/writing-a-policy.md``) overrides
+  ``init_state`` and adds ``update(manifest, state, plan, result,
+  successor) -> its new state``, which ``scheduler.apply.apply`` calls with
+  the completed result; ``plan`` reads the state through ``own_state`` and
+  writes nothing.
+  """
 
   def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                alloc: rec.AllocatorView) -> rec.IterationPlan:
     refuse_hidden_truth(manifest)
     return self.plan(manifest, state, alloc)
+
+  def init_state(self, num_slots: int, num_clients: int):
+    """The policy's state before any decision (a pytree; None: no state)."""
+    del num_slots, num_clients
+    return None
+
+  def own_state(self, state: rec.SchedulerState):
+    """``state.policy_state``, or ``init_state``'s for a state built
+    without it (a hand-built fixture: ``records.initial_state`` without
+    ``policy``)."""
+    if state.policy_state is not None:
+      return state.policy_state
+    return self.init_state(state.status.shape[0], state.service_rows.shape[0])

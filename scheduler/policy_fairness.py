@@ -2,9 +2,11 @@
 prefix-aware groups with a quota (§0x09A).
 
 Each names its protected identity and service unit, and keeps its persistent
-counters in ``SchedulerState``; only ``scheduler.apply.apply`` writes them,
-through the policy's pure ``update(manifest, state, plan, result, successor)``
-(called with the completed result, never from the plan alone). Rebuild rows
+counters in its own state (``MlfqState``, ``VtcState``, ``PrefixState``:
+``SchedulerState.policy_state``, made by ``init_state``); only
+``scheduler.apply.apply`` advances it, through the policy's pure
+``update(manifest, state, plan, result, successor)`` (called with the
+completed result, never from the plan alone). Rebuild rows
 after a recompute preemption are never charged as service (§0x0C).
 
 * ``fastserve`` (FastServe skip-join MLFQ, protects jobs): queue quanta
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -65,22 +68,66 @@ def active_clients(manifest, state):
   return jnp.zeros((num_clients,), bool).at[idx].set(True, mode="drop")
 
 
-def lifted_counters(manifest, state):
+@flax.struct.dataclass
+class VtcState:
+  """VTC's state (``SchedulerState.policy_state`` under ``vtc`` and
+  ``vtc_completion_reconciled``).
+
+  Attributes:
+    counter: i32 PerClient, VTC virtual counter c_i, or the provisional
+      selection counter C_select of completion-reconciled VTC (§0x09A).
+    done: i32 PerClient, authoritative weighted completed service W_done.
+    active: bool PerClient, clients with a live request at the last
+      publication (the counter lift detects newly active clients).
+    last_left: i32[], counter of the last client that left when the active
+      set became empty (VTC Algorithm 2).
+  """
+
+  counter: rec.PerClient
+  done: rec.PerClient
+  active: rec.PerClient
+  last_left: jax.Array
+
+  @classmethod
+  def init(cls, num_clients: int) -> "VtcState":
+    return cls(counter=rec.PerClient.full(num_clients, 0),
+               done=rec.PerClient.full(num_clients, 0),
+               active=rec.PerClient.full(num_clients, False, bool),
+               last_left=jnp.int32(0))
+
+
+def lifted_counters(manifest, state, vtc: VtcState):
   """i32[C]: VTC counters after lifting newly active clients (Algorithm 2).
 
   A client active now but not at the last publication is lifted to the
   minimum counter of the clients active at both, or, if none is, to
-  ``last_left_counter``.
+  ``vtc.last_left``.
   """
-  counter = state.client_counter
+  counter = vtc.counter.value
+  was_active = vtc.active.value
   now = active_clients(manifest, state)
-  stay = now & state.client_active
+  stay = now & was_active
   floor = jnp.where(jnp.any(stay), jnp.min(jnp.where(stay, counter, base.INT32_MAX)),
-                    state.last_left_counter)
-  return jnp.where(now & ~state.client_active, jnp.maximum(counter, floor), counter)
+                    vtc.last_left)
+  return jnp.where(now & ~was_active, jnp.maximum(counter, floor), counter)
 
 
 # ------------------------------------------------------------------ FastServe
+
+
+@flax.struct.dataclass
+class MlfqState:
+  """FastServe's state (``SchedulerState.policy_state`` under ``fastserve``).
+
+  Attributes:
+    level: i32 PerSlot, the request's queue index (-1 before skip-join).
+    used: i32 PerSlot, quantum used at the current level (token rows).
+    wait: i32 PerSlot, iterations the live, ready request went unserved.
+  """
+
+  level: rec.PerSlot
+  used: rec.PerSlot
+  wait: rec.PerSlot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +155,12 @@ class FastServe(base.PolicyBase):
       if getattr(self, name) < 1:
         raise ValueError(f"FastServe.{name} must be >= 1, got {getattr(self, name)}")
 
+  def init_state(self, num_slots, num_clients):
+    del num_clients
+    return MlfqState(level=rec.PerSlot.full(num_slots, -1),
+                     used=rec.PerSlot.full(num_slots, 0),
+                     wait=rec.PerSlot.full(num_slots, 0))
+
   def quanta(self):
     """i32[L]: q_j = base_quantum * 2**j (token rows)."""
     return self.base_quantum * (2 ** jnp.arange(self.num_levels, dtype=jnp.int32))
@@ -125,7 +178,8 @@ class FastServe(base.PolicyBase):
 
   def levels(self, manifest, state):
     """i32[R]: the stored queue, or the skip-join queue before joining."""
-    return jnp.where(state.mlfq_level >= 0, state.mlfq_level,
+    stored = self.own_state(state).level.value
+    return jnp.where(stored >= 0, stored,
                      self.join_level(self.next_cost(manifest, state)))
 
   def sort_keys(self, manifest, state, view=None):
@@ -141,9 +195,10 @@ class FastServe(base.PolicyBase):
 
   def update(self, manifest, state, plan, result, successor):
     """Quantum use, demotion, wait and promotion from the completed result."""
+    own = self.own_state(state)
     level = self.levels(manifest, state)
     served = result.completed & plan.selected
-    used = state.mlfq_used + jnp.where(served, plan.end - plan.start, 0)
+    used = own.used.value + jnp.where(served, plan.end - plan.start, 0)
     quantum = self.quanta()[level]
     depleted = served & (used >= quantum)
     demoted = jnp.minimum(jnp.maximum(level + 1, self.join_level(
@@ -151,16 +206,16 @@ class FastServe(base.PolicyBase):
     level = jnp.where(depleted, demoted, level)
     used = jnp.where(depleted, 0, used)
     waited = _live(state) & state.ready & ~served
-    wait = jnp.where(served, 0, state.wait_iters + waited.astype(jnp.int32))
+    wait = jnp.where(served, 0, own.wait.value + waited.astype(jnp.int32))
     promote = wait >= self.alpha_iters
     level = jnp.where(promote, 0, level)
     used = jnp.where(promote, 0, used)
     wait = jnp.where(promote, 0, wait)
     gone = ~_live(successor)
-    return successor.replace(
-        mlfq_level=jnp.where(gone, -1, level).astype(jnp.int32),
-        mlfq_used=jnp.where(gone, 0, used).astype(jnp.int32),
-        wait_iters=jnp.where(gone, 0, wait).astype(jnp.int32))
+    return MlfqState(
+        level=own.level.replace(value=jnp.where(gone, -1, level).astype(jnp.int32)),
+        used=own.used.replace(value=jnp.where(gone, 0, used).astype(jnp.int32)),
+        wait=own.wait.replace(value=jnp.where(gone, 0, wait).astype(jnp.int32)))
 
 
 # ------------------------------------------------------------------ VTC
@@ -189,6 +244,10 @@ class Vtc(base.PolicyBase):
       raise ValueError(f"{type(self).__name__} weights must be >= 0, got "
                        f"w_p={self.w_p}, w_q={self.w_q}")
 
+  def init_state(self, num_slots, num_clients):
+    del num_slots
+    return VtcState.init(num_clients)
+
   # Charges, overridden by the completion-reconciled variant.
   def admission_charge(self, manifest, state, s, width):
     """i32[]: provisional charge of admitting slot ``s`` (paper: w_p x its
@@ -200,13 +259,13 @@ class Vtc(base.PolicyBase):
   def running_charges(self, manifest, state, x, c):
     """i32[C]: provisional charges of the running work in the plan."""
     del x, c
-    return jnp.zeros_like(state.client_counter)
+    return jnp.zeros_like(state.service_rows)
 
   def sort_keys(self, manifest, state, view=None):
     """queue_rank 0 running, 1 waiting, 2 other; then the lifted counter."""
     queue = jnp.select([state.status == rec.RUNNING, state.status == rec.WAITING],
                        [0, 1], 2)
-    counter = lifted_counters(manifest, state)[manifest.client]
+    counter = lifted_counters(manifest, state, self.own_state(state))[manifest.client]
     return base.identity_keys(manifest, state, queue, counter)
 
   def plan(self, manifest, state, alloc):
@@ -222,10 +281,10 @@ class Vtc(base.PolicyBase):
     order = base.key_order(keys)
     x, c = base.ledger(manifest, state, alloc, self.budgets, order)
     c = base.greedy_scan(x, c, order, admit=False)
-    num_clients = state.client_counter.shape[0]
+    num_clients = state.service_rows.shape[0]
     num_slots = manifest.num_slots
     # i32[C]: each client's provisional counter.
-    prov = lifted_counters(manifest, state) + self.running_charges(
+    prov = lifted_counters(manifest, state, self.own_state(state)) + self.running_charges(
         manifest, state, x, c)
     # Each client's candidates, in key order: queue[first[k]:last[k]].
     cand = (x.waiting | x.resume) & ~c.selected
@@ -270,7 +329,7 @@ class Vtc(base.PolicyBase):
   def actual_charges(self, manifest, state, plan, result):
     """i32[C]: completed service to charge (paper: prompt at a published
     first admission, w_q per token a decode row emitted)."""
-    num_clients = state.client_counter.shape[0]
+    num_clients = state.service_rows.shape[0]
     admitted = plan.admit & result.completed & (state.num_preemptions == 0)
     decode = result.completed & result.emitted & (plan.kind == rec.DECODE_ROW)
     return (_per_client(manifest, self.w_p * manifest.prompt_len, num_clients, admitted)
@@ -278,7 +337,8 @@ class Vtc(base.PolicyBase):
                           num_clients, decode))
 
   def update(self, manifest, state, plan, result, successor):
-    counter = lifted_counters(manifest, state)
+    own = self.own_state(state)
+    counter = lifted_counters(manifest, state, own)
     charge = self.actual_charges(manifest, state, plan, result)
     counter = counter + charge
     before = active_clients(manifest, state)
@@ -286,14 +346,16 @@ class Vtc(base.PolicyBase):
     left = before & ~after
     last = jnp.where(jnp.any(left) & ~jnp.any(after),
                      jnp.max(jnp.where(left, counter, -base.INT32_MAX)),
-                     state.last_left_counter)
-    return successor.replace(client_counter=counter, client_active=after,
-                             last_left_counter=last.astype(jnp.int32),
-                             client_done=self.done_after(state, charge))
+                     own.last_left)
+    return own.replace(counter=own.counter.replace(value=counter),
+                       active=own.active.replace(value=after),
+                       last_left=last.astype(jnp.int32),
+                       done=own.done.replace(value=self.done_after(own, charge)))
 
-  def done_after(self, state, charge):
+  def done_after(self, own: VtcState, charge):
+    """i32[C]: W_done after ``charge`` (plain VTC keeps none)."""
     del charge
-    return state.client_done
+    return own.done.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +374,7 @@ class VtcCompletionReconciled(Vtc):
     return jnp.where(state.emitted[s] == 0, self.w_p * width, 0)
 
   def _interval_charges(self, manifest, state, plan_kind, rows, mask):
-    num_clients = state.client_counter.shape[0]
+    num_clients = state.service_rows.shape[0]
     w = jnp.select([plan_kind == rec.PREFILL_CHUNK, plan_kind == rec.DECODE_ROW],
                    [self.w_p * rows, self.w_q * rows], 0)
     return _per_client(manifest, w, num_clients, mask)
@@ -325,18 +387,29 @@ class VtcCompletionReconciled(Vtc):
 
   def provisional_counters(self, manifest, state, plan):
     """i32[C]: C_select as the plan leaves it (lifted + predicted charges)."""
-    return lifted_counters(manifest, state) + self._interval_charges(
+    return lifted_counters(manifest, state, self.own_state(state)) + self._interval_charges(
         manifest, state, plan.kind, plan.end - plan.start, plan.selected)
 
   def actual_charges(self, manifest, state, plan, result):
     return self._interval_charges(manifest, state, plan.kind, plan.end - plan.start,
                                   result.completed & plan.selected)
 
-  def done_after(self, state, charge):
-    return state.client_done + charge
+  def done_after(self, own, charge):
+    return own.done.value + charge
 
 
 # ------------------------------------------------------------------ prefix
+
+
+@flax.struct.dataclass
+class PrefixState:
+  """PrefixAware's state (``SchedulerState.policy_state`` under ``prefix_aware``).
+
+  Attributes:
+    hot_streak: i32[], hot selections since the last cold one.
+  """
+
+  hot_streak: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,6 +432,10 @@ class PrefixAware(base.PolicyBase):
   tie_break: tuple = ("work_rank", "group_rank", "cold", "minus_hit_tokens",
                       "arrival_seq", "request_id", "generation")
 
+  def init_state(self, num_slots, num_clients):
+    del num_slots, num_clients
+    return PrefixState(hot_streak=jnp.int32(0))
+
   def sort_keys(self, manifest, state, view=None):
     """Keys from the allocator's prefix-hit fact (zeros without a view)."""
     hits = (jnp.zeros_like(manifest.prompt_len) if view is None
@@ -371,7 +448,8 @@ class PrefixAware(base.PolicyBase):
     live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
     prompt_left = live & (state.computed < rec.prefill_target(manifest, state))
     cold_waiting = jnp.any(cold & (work == 0) & prompt_left)
-    favor_cold = (self.quota_hot > 0) & (state.hot_streak >= self.quota_hot) & cold_waiting
+    streak = self.own_state(state).hot_streak
+    favor_cold = (self.quota_hot > 0) & (streak >= self.quota_hot) & cold_waiting
     group = jnp.where(favor_cold, hot, cold).astype(jnp.int32)
     return base.identity_keys(manifest, state, work, group, cold.astype(jnp.int32),
                               -hits)
@@ -389,5 +467,5 @@ class PrefixAware(base.PolicyBase):
     cold = plan.sort_key[:, 2] == 1
     any_cold = jnp.any(served & cold)
     hot_n = jnp.sum(served & ~cold).astype(jnp.int32)
-    return successor.replace(hot_streak=jnp.where(any_cold, 0,
-                                                  state.hot_streak + hot_n))
+    streak = self.own_state(state).hot_streak
+    return PrefixState(hot_streak=jnp.where(any_cold, 0, streak + hot_n).astype(jnp.int32))

@@ -33,7 +33,8 @@ class ForcedPreemption:
   """Wraps ``inner``; preempts one decoding request every ``every`` decisions.
 
   Attributes:
-    inner: a registered policy (its keys, tie-break and ``update`` are kept).
+    inner: a registered policy (its keys, tie-break, state and ``update``
+      are kept).
     every: decisions between forced preemptions (>= 2).
 
   Raises:
@@ -69,10 +70,14 @@ class ForcedPreemption:
       return base.sort_keys(manifest, state)
     return keyer(manifest, state, view)
 
+  def init_state(self, num_slots, num_clients):
+    init = getattr(self.inner, "init_state", None)
+    return None if init is None else init(num_slots, num_clients)
+
   def update(self, manifest, state, plan, result, successor):
     update = getattr(self.inner, "update", None)
     if update is None:
-      return successor
+      return successor.policy_state
     return update(manifest, state, plan, result, successor)
 
   def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,

@@ -25,7 +25,7 @@ Frontier names follow §0x01A: ``prompt_len`` (p), ``emitted`` (e),
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import flax.struct
 import jax
@@ -95,6 +95,57 @@ class WorkloadManifest:
 
 
 @flax.struct.dataclass
+class PerSlot:
+  """A column of a policy's state with one entry per slot: it belongs to
+  the request in the slot and restarts at ``fresh`` when a new request
+  arrives there (``scheduler.apply.arrive``), whether or not the policy
+  saw the last one leave.
+
+  Attributes:
+    value: [R] array (any dtype).
+    fresh: static scalar, the value a new request starts with.
+  """
+
+  value: jax.Array
+  fresh: Any = flax.struct.field(pytree_node=False, default=0)
+
+  @classmethod
+  def full(cls, num_slots: int, fresh, dtype=jnp.int32) -> "PerSlot":
+    return cls(value=jnp.full((num_slots,), fresh, dtype), fresh=fresh)
+
+
+@flax.struct.dataclass
+class PerClient:
+  """A column of a policy's state with one entry per client table row: it
+  restarts at ``fresh`` when the engine gives the row to a new client
+  (``scheduler.apply.forget_client``).
+
+  Attributes:
+    value: [C] array (any dtype).
+    fresh: static scalar, the value a new client starts with.
+  """
+
+  value: jax.Array
+  fresh: Any = flax.struct.field(pytree_node=False, default=0)
+
+  @classmethod
+  def full(cls, num_clients: int, fresh, dtype=jnp.int32) -> "PerClient":
+    return cls(value=jnp.full((num_clients,), fresh, dtype), fresh=fresh)
+
+
+def restart(policy_state, kind, index):
+  """``policy_state`` with entry ``index`` (i32[]) of every ``kind``
+  (``PerSlot`` or ``PerClient``) column set back to its ``fresh`` value;
+  other leaves unchanged."""
+  def one(leaf):
+    if isinstance(leaf, kind):
+      return leaf.replace(value=leaf.value.at[index].set(
+          jnp.asarray(leaf.fresh, leaf.value.dtype)))
+    return leaf
+  return jax.tree.map(one, policy_state, is_leaf=lambda x: isinstance(x, (PerSlot, PerClient)))
+
+
+@flax.struct.dataclass
 class SchedulerState:
   """Versioned scheduler facts at one decision boundary (§0x01A).
 
@@ -116,8 +167,9 @@ class SchedulerState:
     service_rows: i32[C], completed-service counter per client (rows);
       rebuild rows after a recompute preemption are not service (§0x0C).
 
-  Policy-owned counters (None on a state built without them; every one is
-  advanced only by ``scheduler.apply.apply`` from completed results):
+  Facts every policy may read, beyond the frontiers (None on a state built
+  without them; each advanced only by ``scheduler.apply.apply`` from
+  completed results, whatever the policy):
     recompute_rows: i32[C], completed rows per client that recompute cache
       lost to a recompute preemption: REBUILD rows, and prompt rows re-run
       below ``rebuild_target`` (resource usage, never fairness service;
@@ -125,17 +177,6 @@ class SchedulerState:
     rebuild_target: i32[R], the largest frontier a request had when it was
       preempted (T_target; 0 if never): completed rows below it are
       recompute, rows at or above it are service.
-    client_counter: i32[C], VTC virtual counter c_i, or the provisional
-      selection counter C_select of completion-reconciled VTC (§0x09A).
-    client_done: i32[C], authoritative weighted completed service W_done.
-    client_active: bool[C], clients with a live request at the last
-      publication (VTC's counter lift detects newly active clients).
-    last_left_counter: i32[], counter of the last client that left when the
-      active set became empty (VTC Algorithm 2).
-    mlfq_level: i32[R], FastServe queue index (-1 before skip-join).
-    mlfq_used: i32[R], quantum used at the current level (token rows).
-    wait_iters: i32[R], iterations a live, ready request went unserved.
-    hot_streak: i32[], prefix-aware hot selections since the last cold one.
     completed_outputs: i32[L], histogram of the output lengths of requests
       completed in this run (eos / stop / length; index n = n outputs,
       clipped to L - 1): the online facts of the §0x06 point / quantile
@@ -150,6 +191,13 @@ class SchedulerState:
       all. With ``client_completed_requests`` the online facts of a
       per-client output-length mean (§0x06; ``scheduler.policy_length``):
       learned only from requests that ended, never a live one's length.
+    policy_state: the running policy's own state, a pytree the scheduler
+      carries without reading (``policy.init_state(num_slots, num_clients)``,
+      advanced by the policy's ``update`` hook inside ``apply``; None for a
+      policy without state, or a hand-built state: see
+      ``scheduler.ledger.PolicyBase.own_state``). Its ``PerSlot`` leaves
+      restart at a slot's arrival, its ``PerClient`` leaves when a client's
+      table row is given to a new client (``docs/writing-a-policy.md``).
   """
 
   decision_id: jax.Array
@@ -169,18 +217,11 @@ class SchedulerState:
   service_rows: jax.Array
   recompute_rows: Optional[jax.Array] = None
   rebuild_target: Optional[jax.Array] = None
-  client_counter: Optional[jax.Array] = None
-  client_done: Optional[jax.Array] = None
-  client_active: Optional[jax.Array] = None
-  last_left_counter: Optional[jax.Array] = None
-  mlfq_level: Optional[jax.Array] = None
-  mlfq_used: Optional[jax.Array] = None
-  wait_iters: Optional[jax.Array] = None
-  hot_streak: Optional[jax.Array] = None
   completed_outputs: Optional[jax.Array] = None
   num_extensions: Optional[jax.Array] = None
   client_completed_requests: Optional[jax.Array] = None
   client_completed_outputs: Optional[jax.Array] = None
+  policy_state: Any = None
 
 
 @flax.struct.dataclass
@@ -324,14 +365,16 @@ def prefix_hits(view: AllocatorView):
 
 
 def initial_state(num_slots: int, num_clients: int,
-                  max_output_tokens: int = 0) -> SchedulerState:
-  """State version 0: every slot free, clocks and policy counters at zero.
+                  max_output_tokens: int = 0, *, policy=None) -> SchedulerState:
+  """State version 0: every slot free, clocks and counters at zero.
 
   ``max_output_tokens`` sizes the completed-output histogram (``L =
   max_output_tokens + 1`` bins); 0 leaves it out (the §0x06 estimators then
-  fall back to the declared maximum)."""
+  fall back to the declared maximum). ``policy``'s ``init_state(num_slots,
+  num_clients)``, when it has one, is the ``policy_state``."""
   i32 = lambda v: jnp.full((num_slots,), v, jnp.int32)
   f32 = lambda v: jnp.full((num_slots,), v, jnp.float32)
+  init = getattr(policy, "init_state", None)
   return SchedulerState(
       decision_id=jnp.int32(0), state_version=jnp.int32(0),
       now_ms=jnp.float32(0.0), status=i32(FREE),
@@ -342,17 +385,12 @@ def initial_state(num_slots: int, num_clients: int,
       service_rows=jnp.zeros((num_clients,), jnp.int32),
       recompute_rows=jnp.zeros((num_clients,), jnp.int32),
       rebuild_target=i32(0),
-      client_counter=jnp.zeros((num_clients,), jnp.int32),
-      client_done=jnp.zeros((num_clients,), jnp.int32),
-      client_active=jnp.zeros((num_clients,), bool),
-      last_left_counter=jnp.int32(0),
-      mlfq_level=i32(-1), mlfq_used=i32(0), wait_iters=i32(0),
-      hot_streak=jnp.int32(0),
       completed_outputs=(jnp.zeros((max_output_tokens + 1,), jnp.int32)
                          if max_output_tokens > 0 else None),
       num_extensions=i32(0),
       client_completed_requests=jnp.zeros((num_clients,), jnp.int32),
-      client_completed_outputs=jnp.zeros((num_clients,), jnp.int32))
+      client_completed_outputs=jnp.zeros((num_clients,), jnp.int32),
+      policy_state=None if init is None else init(num_slots, num_clients))
 
 
 def kv_rows(prompt_len, max_tokens):

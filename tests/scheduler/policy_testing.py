@@ -44,7 +44,7 @@ class Driver:
     self.policy, self.num_pages, self.page_size = policy, num_pages, page_size
     self.manifest = rec.empty_manifest(num_slots).replace(
         hidden_realized_output_tokens=jnp.zeros((num_slots,), jnp.int32))
-    self.state = rec.initial_state(num_slots, num_clients)
+    self.state = rec.initial_state(num_slots, num_clients, policy=policy)
     self.hits = np.zeros(num_slots, np.int32)
     self.next_seq = 0
     self.names = {}

@@ -10,6 +10,7 @@ extended profile (more and larger workloads, two compiled table sizes).
 """
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,8 @@ KNOWN_BREAKS = {}
 
 # Rules that take one workload (the hypothesis examples); the interface
 # and the starvation probe run once per policy.
-PER_WORKLOAD = [r for r in conformance.RULES if r not in ("interface", "starvation")]
+PER_WORKLOAD = [r for r in conformance.RULES
+                if r not in ("interface", "policy_state", "plan_writes_nothing", "starvation")]
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -164,6 +166,108 @@ def test_a_starving_policy_that_declares_starvation_freedom_fails_starvation():
   with pytest.raises(conformance.ConformanceError,
                      match=r"breaks rule 'starvation'.*got its first token never"):
     conformance.check_policy(UnagedShortestJobFirst, rules=["starvation"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Fifo(base.PolicyBase):
+  """FCFS on the shared ledger; the stateful toys below derive from it."""
+
+  budgets: Budgets
+  policy_id: str = "fifo"
+  version: str = "1"
+  tie_break: tuple = ("work_rank", "arrival_seq", "request_id", "generation")
+
+  def sort_keys(self, manifest, state, view=None):
+    return base.identity_keys(manifest, state, base.work_rank(manifest, state))
+
+  def plan(self, manifest, state, alloc):
+    return _walk(self, manifest, state, alloc)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCounter(Fifo):
+  """Counts its plans by writing its (dict) state inside ``plan``."""
+
+  policy_id: str = "plan_counter"
+
+  def init_state(self, num_slots, num_clients):
+    return {"plans": jnp.int32(0)}
+
+  def plan(self, manifest, state, alloc):
+    own = self.own_state(state)
+    own["plans"] = own["plans"] + 1
+    return _walk(self, manifest, state, alloc)
+
+  def update(self, manifest, state, plan, result, successor):
+    return self.own_state(state)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowingState(Fifo):
+  """Its update turns an i32 counter into an f32 one."""
+
+  policy_id: str = "growing_state"
+
+  def init_state(self, num_slots, num_clients):
+    return {"served": jnp.int32(0)}
+
+  def update(self, manifest, state, plan, result, successor):
+    served = jnp.sum(result.completed).astype(jnp.float32)
+    return {"served": self.own_state(state)["served"] + served}
+
+
+_TICKETS = itertools.count()
+
+
+def _ticket():
+  return np.asarray(next(_TICKETS), np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class TicketCounter(Fifo):
+  """Plans FCFS; its update adds a host ticket (a process-wide count) to a
+  counter nothing reads."""
+
+  policy_id: str = "ticket_counter"
+
+  def init_state(self, num_slots, num_clients):
+    return {"tickets": jnp.int32(0)}
+
+  def update(self, manifest, state, plan, result, successor):
+    ticket = jax.pure_callback(_ticket, jax.ShapeDtypeStruct((), jnp.int32))
+    return {"tickets": self.own_state(state)["tickets"] + ticket}
+
+
+def test_a_policy_that_writes_its_state_in_plan_fails_plan_writes_nothing():
+  with pytest.raises(conformance.ConformanceError,
+                     match=r"breaks rule 'plan_writes_nothing'.*replaced part of its "
+                           r"input state"):
+    conformance.check_policy(PlanCounter, workloads=conformance.HARD_CASES)
+
+
+def test_a_policy_whose_update_changes_its_state_dtype_fails_policy_state():
+  with pytest.raises(conformance.ConformanceError,
+                     match=r"breaks rule 'policy_state'.*update changes the state's "
+                           r"structure, shapes or dtypes"):
+    conformance.check_policy(GrowingState, workloads=conformance.HARD_CASES)
+
+
+def test_a_policy_with_a_nondeterministic_state_fails_deterministic():
+  """Same decisions and tokens, different counters: the final state tells."""
+  with pytest.raises(conformance.ConformanceError,
+                     match=r"breaks rule 'deterministic'.*the final policy state"):
+    conformance.check_policy(TicketCounter, workloads=[conformance.HARD_CASES[1]],
+                             rules=["deterministic"])
+
+
+def test_a_passing_policy_reports_what_was_checked():
+  report = conformance.check_policy(Fifo, workloads=conformance.HARD_CASES[:1])
+  assert report.rules == tuple(conformance.RULES) and not report.has_state
+  text = str(report)
+  assert text.splitlines()[0] == ("policy 'fifo' (without a state of its own) passes the "
+                                  "'fast' profile: 11 rules on 1 workload (2 requests)")
+  assert [line.split(":")[0] for line in text.splitlines()[1:]] == [
+      f"  ok {rule}" for rule in conformance.RULES]
 
 
 def test_bad_arguments_are_refused_by_name():

@@ -76,11 +76,12 @@ def test_vtc_bound_and_counter_lift():
   d = Driver(policy, num_slots=2)
   d.arrive("A", prompt_len=4, max_tokens=3, client=0)
   d.step(1.0)
-  assert np.asarray(d.state.client_counter).tolist() == [4, 0]   # w_p x 4
+  assert np.asarray(d.state.policy_state.counter.value).tolist() == [4, 0]   # w_p x 4
   d.arrive("B", prompt_len=4, max_tokens=3, client=1)
-  assert np.asarray(lifted_counters(d.manifest, d.state)).tolist() == [4, 4]
+  assert np.asarray(lifted_counters(d.manifest, d.state, d.state.policy_state)
+                    ).tolist() == [4, 4]
   d.step(2.0)                  # A decodes (w_q = 2); B waits, lift published
-  assert np.asarray(d.state.client_counter).tolist() == [6, 4]
+  assert np.asarray(d.state.policy_state.counter.value).tolist() == [6, 4]
 
 
 def test_completion_reconciled_failure_trace():
@@ -92,15 +93,16 @@ def test_completion_reconciled_failure_trace():
   d.arrive("A", prompt_len=4, max_tokens=1, client=0)
   before, plan, _ = d.step(1.0, fail=[True, False])
   prov = policy.provisional_counters(d.manifest.online(), before, plan)
-  assert [int(before.client_counter[0]), int(prov[0]),
-          int(d.state.client_counter[0])] == [0, 4, 0]
-  assert int(d.state.client_done[0]) == 0
+  assert [int(before.policy_state.counter.value[0]), int(prov[0]),
+          int(d.state.policy_state.counter.value[0])] == [0, 4, 0]
+  assert int(d.state.policy_state.done.value[0]) == 0
   assert int(d.state.finish_reason[0]) == rec.FINISH_ERROR
   d.arrive("A-retry", prompt_len=4, max_tokens=1, client=0)
   before, plan, _ = d.step(2.0)
   prov = policy.provisional_counters(d.manifest.online(), before, plan)
-  assert [int(before.client_counter[0]), int(prov[0])] == [0, 4]
-  assert int(d.state.client_counter[0]) == 4 and int(d.state.client_done[0]) == 4
+  assert [int(before.policy_state.counter.value[0]), int(prov[0])] == [0, 4]
+  vtc = d.state.policy_state
+  assert int(vtc.counter.value[0]) == 4 and int(vtc.done.value[0]) == 4
 
 
 def _low_vs_stream(policy, ticks):
@@ -175,7 +177,7 @@ def test_fastserve_skip_join_demotion_promotion_trace():
         ran.append(t)
         if bool(result.finished[slot]):
           finished = t
-      levels.append(int(d.state.mlfq_level[slot]))
+      levels.append(int(d.state.policy_state.level.value[slot]))
     return ran, levels, finished
 
   ran, _, finished = run(alpha=100)

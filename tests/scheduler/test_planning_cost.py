@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scheduler import policy_fairness as pf
 from scheduler import records as rec
 from scheduler import validate as v
 from scheduler.ledger import Budgets
@@ -53,8 +54,36 @@ STATES = [(0, 48, 0.45), (1, 48, 0.45), (2, 48, 0.45), (3, 48, 0.45), (4, 160, 0
 # ------------------------------------------------------------ random states
 
 
-def random_state(seed: int, num_slots: int, running_share: float = 0.45):
-  """(manifest, state, view): a seeded random table of mixed work.
+def random_policy_state(policy, rng, num_slots: int):
+  """Seeded random counters in ``policy``'s own state (VTC, MLFQ, prefix
+  streak; None for a policy without state). The draws are the same, in the
+  same order, whatever the policy, so the rest of the table is too."""
+  n = num_slots
+  counter = jnp.asarray(rng.randint(0, 200, size=NUM_CLIENTS), jnp.int32)
+  done = jnp.asarray(rng.randint(0, 200, size=NUM_CLIENTS), jnp.int32)
+  active = jnp.asarray(rng.rand(NUM_CLIENTS) < 0.5)
+  last_left = jnp.int32(rng.randint(0, 100))
+  level = jnp.asarray(rng.randint(-1, 4, size=n), jnp.int32)
+  used = jnp.asarray(rng.randint(0, 8, size=n), jnp.int32)
+  wait = jnp.asarray(rng.randint(0, 10, size=n), jnp.int32)
+  hot_streak = jnp.int32(rng.randint(0, 4))
+  own = None if policy is None else rec.initial_state(n, NUM_CLIENTS, policy=policy).policy_state
+  if isinstance(own, pf.VtcState):
+    return own.replace(counter=own.counter.replace(value=counter),
+                       done=own.done.replace(value=done),
+                       active=own.active.replace(value=active), last_left=last_left)
+  if isinstance(own, pf.MlfqState):
+    return own.replace(level=own.level.replace(value=level),
+                       used=own.used.replace(value=used), wait=own.wait.replace(value=wait))
+  if isinstance(own, pf.PrefixState):
+    return own.replace(hot_streak=hot_streak)
+  assert own is None, f"no random state for {type(own).__name__}"
+  return None
+
+
+def random_state(seed: int, num_slots: int, running_share: float = 0.45, policy=None):
+  """(manifest, state, view): a seeded random table of mixed work, with
+  random counters in ``policy``'s own state (``random_policy_state``).
 
   Slots are free (10 %), finished (10 %), or live (80 %): running (a
   ``running_share`` of them: prefill, decode or rebuild) or waiting (fresh,
@@ -110,14 +139,7 @@ def random_state(seed: int, num_slots: int, running_share: float = 0.45):
       last_token_ms=jnp.asarray(last_ms, jnp.float32),
       num_preemptions=jnp.asarray(np.where(rng.rand(n) < 0.2, 1, 0), jnp.int32),
       rebuild_target=jnp.asarray(np.where(emitted > 0, frontier, 0), jnp.int32),
-      client_counter=jnp.asarray(rng.randint(0, 200, size=NUM_CLIENTS), jnp.int32),
-      client_done=jnp.asarray(rng.randint(0, 200, size=NUM_CLIENTS), jnp.int32),
-      client_active=jnp.asarray(rng.rand(NUM_CLIENTS) < 0.5),
-      last_left_counter=jnp.int32(rng.randint(0, 100)),
-      mlfq_level=jnp.asarray(rng.randint(-1, 4, size=n), jnp.int32),
-      mlfq_used=jnp.asarray(rng.randint(0, 8, size=n), jnp.int32),
-      wait_iters=jnp.asarray(rng.randint(0, 10, size=n), jnp.int32),
-      hot_streak=jnp.int32(rng.randint(0, 4)),
+      policy_state=random_policy_state(policy, rng, n),
       completed_outputs=jnp.asarray(completed))
   hits = np.where(live & (emitted == 0) & (rng.rand(n) < 0.4),
                   (rng.rand(n) * prompt).astype(np.int32), 0)
@@ -173,7 +195,7 @@ def all_summaries() -> dict:
       policy = make_policy(name, budgets)
       plan_fn = jax.jit(lambda m, s, a, policy=policy: policy(m, s, a))
       for seed, num_slots, running_share in STATES:
-        manifest, state, view = random_state(seed, num_slots, running_share)
+        manifest, state, view = random_state(seed, num_slots, running_share, policy)
         plan = plan_fn(manifest, state, view)
         bits = _violation_bits(manifest, state, plan, view)
         broken = sorted(k for k, b in bits.items() if bool(np.any(b)))
