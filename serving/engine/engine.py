@@ -142,10 +142,11 @@ class Engine:
                                          say=cost_lib.say_once)
     self.clocks = EngineClocks(clock)
     c = config
+    self._programs = programs_lib.programs(model_cfg, config)
     # The device tables: KV cache, pages, buffers, manifest, state.
     self.kv = programs_lib.kv_cache(model_cfg, c, self._placement)
     (self.pages, self.buffers, self.manifest, self.state) = programs_lib.slot_tables(
-        c, c.max_request_slots, self._placement)
+        c, c.max_request_slots, self._placement, policy=self._programs.policy)
     # Host tables: accepted requests, slots, queues, clients.
     self.table = RequestTable(c, model_cfg.vocab_size)
     self.num_iterations = 0
@@ -174,7 +175,6 @@ class Engine:
     # Plan programs run: the policy is evaluated once per iteration.
     self.policy_evaluations = 0
     self._pages_low = False             # the last step's ``StepFacts.pages_low``
-    self._programs = programs_lib.programs(model_cfg, config)
     self._program_sets = [self._programs]     # one per slot-table size used
     self._loop_sets = []                      # ``simulate``'s programs used
 
@@ -418,7 +418,7 @@ class Engine:
     c = self.config
     size = self.table.grow(num_requests)
     old = (self.pages, self.buffers, self.manifest, self.state)
-    new = programs_lib.slot_tables(c, size, self._placement)
+    new = programs_lib.slot_tables(c, size, self._placement, policy=self._programs.policy)
     self.pages, self.buffers, self.manifest, self.state = jax.tree.map(
         programs_lib.keep_rows, new, old)
     if self.clocks.stamp is not None:        # the pending emission correction keeps its slots

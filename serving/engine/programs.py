@@ -390,14 +390,16 @@ def arrive_batch(manifest, state, buffers, slots, arrivals: Arrival, prefix_hits
   return tables
 
 
-def slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placement):
+def slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placement,
+                policy=None):
   """Fresh (pages, buffers, manifest, state) for ``num_slots`` slots, on
-  the device (replicated over a mesh)."""
+  the device (replicated over a mesh); the state carries ``policy``'s own
+  state (``SchedulerState.policy_state``)."""
   c = config
   tables = (kv_pages.init_pages(num_slots, c.pages_per_seq, c.num_pages, c.page_size),
             init_buffers(num_slots, c.max_model_len, c.max_stop_ids),
             rec.empty_manifest(num_slots),
-            rec.initial_state(num_slots, c.num_clients, c.max_model_len))
+            rec.initial_state(num_slots, c.num_clients, c.max_model_len, policy=policy))
   return placement.tables(tables)
 
 
