@@ -38,6 +38,24 @@ def check_policy_name(owner: str, name: str) -> None:
     raise ValueError(f"{owner}.policy {e.reason}, got {name!r}") from None
 
 
+def check_policy_flag(flag: str, names) -> None:
+  """Raises ValueError naming ``flag`` (e.g. "--policies") unless ``names``
+  is a non-empty list of registered policies or loadable user specs."""
+  if not names:
+    raise ValueError(f"{flag} must name one or more policies: registered ones "
+                     f"{sorted(POLICIES)} or {policy_loader.FORMS}, got ''")
+  for name in names:
+    if is_registered(name):
+      continue
+    if not policy_loader.is_spec(name):
+      raise ValueError(f"{flag} must name registered policies {sorted(POLICIES)} or "
+                       f"{policy_loader.FORMS}, got {name!r}")
+    try:
+      policy_loader.load_factory(name)
+    except policy_loader.SpecError as e:
+      raise ValueError(f"{flag}: {name!r} {e.reason}") from None
+
+
 def check_user_policy(spec: str) -> None:
   """Runs the kit's fast profile on the user's policy ``spec`` once per process.
 

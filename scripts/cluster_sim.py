@@ -9,6 +9,8 @@ overrides, the cost model of --cost_model); ``serving.harness.cluster_sim`` runs
 them on one virtual timeline behind ``serving.http.router.Router``, the router
 ``serve.py --replicas`` uses (``--route``: prefix_aware or round_robin).
 ``--time_scale`` < 1 compresses the trace's gaps (0.1 = ten times its rate).
+Every replica runs ``--policy``: a registered name, or your own as
+``path/to/file.py:Class`` / ``module:Class`` (docs/writing-a-policy.md).
 For each ``--replicas`` entry the JSON holds the global report (vLLM
 benchmark keys, over every request) and one per replica (its requests, its
 iterations), plus the simulation's wall time; no model weights are loaded.

@@ -3,6 +3,12 @@
   python scripts/compare.py runs/a.json runs/b.json [--metric=request_goodput]
   python scripts/compare.py runs/sweep/sweep.json      # ranked by g_star
 
+Replay reports also rank by the fairness figures of their ledger
+(``ledger.fairness``): ``--metric=client_service_gap`` (the largest
+backlogged weighted-service gap between two clients) and
+``--metric=starved``, both lower first, or any number in the report by its
+dotted path (``--metric=ledger.fairness.by_client.c0.weighted_service``).
+
 Without --metric, replay reports rank by request_goodput, or by
 request_throughput (said in a note line) when no replay declared SLOs;
 sweeps rank by g_star. Values print to 4 significant digits.
@@ -37,7 +43,9 @@ from serving import cli
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("metric", None, "Metric to rank by: a report key, a ledger goodput "
-                    "key, or g_star for a sweep; latencies (*_ms, *_s) and rejected/failed "
+                    "key, a ledger fairness figure (client_service_gap, starved), a "
+                    "dotted path to any number in the report (ledger.fairness.by_client."
+                    "c0.weighted_service), or g_star for a sweep; latencies (*_ms, *_s) and rejected/failed "
                     "counts rank lower first, the rest higher first. Default: g_star for "
                     "sweeps; request_goodput for replay reports, or request_throughput "
                     "(said in a note) when no replay declared SLOs (replay.py without "
@@ -53,6 +61,30 @@ def _load(path: str) -> dict:
     raise ValueError(f"{path}: no such run JSON") from None
   except json.JSONDecodeError as e:
     raise ValueError(f"{path}: not a run JSON ({e})") from None
+
+
+# The ledger's fairness figures a replay report ranks by, from
+# ``ledger.fairness`` (``serving.harness.ledger``): name -> path below it.
+FAIRNESS_FIGURES = {"client_service_gap": ("client_service_gap", "gap"),
+                    "starved": ("starved",)}
+
+
+def lookup(run: dict, path):
+  """The value at ``path`` (a dotted string or a sequence of keys) in
+  ``run``, or None where a key is missing."""
+  value = run
+  for key in (path.split(".") if isinstance(path, str) else path):
+    if not isinstance(value, dict) or key not in value:
+      return None
+    value = value[key]
+  return value
+
+
+def fairness_figures(run: dict) -> dict:
+  """``FAIRNESS_FIGURES`` of a replay report (those its ledger has)."""
+  fair = run.get("ledger", {}).get("fairness", {})
+  figures = {name: lookup(fair, path) for name, path in FAIRNESS_FIGURES.items()}
+  return {k: v for k, v in figures.items() if v is not None}
 
 
 def kind_of(run: dict) -> str:
@@ -106,7 +138,7 @@ def rows_of(path: str, run: dict):
   # Goodput keys: the ledger's (one SLO pair for all), else those of the
   # report's per-request goodput (--slo_class: each request its own SLOs).
   led = run.get("ledger", {}).get("goodput") or run.get("goodput", {})
-  return [(path, run["config"]["policy_id"], run, {**run, **led})]
+  return [(path, run["config"]["policy_id"], run, {**run, **led, **fairness_figures(run)})]
 
 
 G_STAR_METRICS = ("g_star", "g_star_interpolated")
@@ -153,7 +185,8 @@ def missing_metric_error(metric: str, missing, runs_by_name: dict, rows) -> str:
     why = ("no SLOs were declared in those replays: goodput needs replay.py "
            "--slo_ttft_ms/--slo_tpot_ms or --slo_class")
   else:
-    why = "a report key, a ledger goodput key, or g_star for a sweep"
+    why = ("a report key, a ledger goodput key, a ledger fairness figure "
+           f"{sorted(FAIRNESS_FIGURES)}, a dotted path to a number, or g_star for a sweep")
   return (f"--metric={metric!r} is not a number in {missing[:4]} ({why}); numbers in "
           f"every run: {', '.join(numbers) or 'none'}")
 
@@ -186,6 +219,8 @@ def main(argv):
   rows, runs_by_name = [], {}
   for path, run in zip(paths, runs):
     for row in rows_of(path, run):
+      if "." in metric and kind_of(run) == "replay report":
+        row[3][metric] = lookup(run, metric)
       rows.append(row)
       runs_by_name[row[0]] = run
   g_metric = metric in G_STAR_METRICS and all("g" in m for *_, m in rows)

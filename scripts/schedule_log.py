@@ -5,7 +5,8 @@
 
 What a change to the engine loop owes: the same plans (the plan log: every
 iteration's scheduled intervals, admissions and preemptions by request id)
-and the same tokens, for every registered policy. The workload is built to
+and the same tokens, for every registered policy (or the ``--policies``
+given, your own as ``path/to/file.py:Class`` too). The workload is built to
 reach the loop's rare paths on the tiny random-weight model (float32,
 ``layer_scale`` 8): 14 requests in three waves (added once 0, 6 and 14
 iterations have run), four sharing a 12-token prefix (prefix hits), three priorities,
@@ -35,6 +36,7 @@ from absl import flags
 
 from models import llama
 from models.config import get_config
+from scheduler import policies
 from scheduler.registry import POLICIES
 from serving import cli
 from serving.engine.config import EngineConfig, SamplingParams
@@ -42,7 +44,8 @@ from serving.engine.engine import Engine
 from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("policies", sorted(POLICIES), "Registered policies to run.")
+flags.DEFINE_list("policies", sorted(POLICIES), "Policies to run: registered names, or "
+                  "your own as module:Class or path/to/file.py:Class.")
 flags.DEFINE_list("modes", ["recompute", "swap"], "Preemption modes to run.")
 flags.DEFINE_integer("num_pages", 24, "KV pages (4 rows each; one is the null page).")
 flags.DEFINE_string("out", "/tmp/schedule_log.json", "JSON path.")
@@ -96,6 +99,7 @@ def run(params, policy: str, mode: str, log: bool) -> dict:
 
 def main(argv):
   del argv
+  policies.check_policy_flag("--policies", FLAGS.policies)
   params = llama.init_params(get_config("tiny"), jax.random.PRNGKey(1), layer_scale=8)
   runs = {}
   for policy in FLAGS.policies:

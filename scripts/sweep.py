@@ -40,6 +40,7 @@ import numpy as np
 from absl import flags
 
 from models.config import PRESETS
+from scheduler import policies
 from serving.harness import ablation
 from serving import cli
 from serving.harness import ledger
@@ -54,7 +55,9 @@ from serving.engine.sim_executor import VirtualClock
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
                     "AzureLLMInferenceTrace_conv.csv", "KIND:PATH (azure, vtc, mooncake).")
-flags.DEFINE_list("policies", ["sarathi_serve", "vllm_v1"], "Policies to compare.")
+flags.DEFINE_list("policies", ["sarathi_serve", "vllm_v1"], "Policies to compare: "
+                  "registered names, or your own as module:Class or "
+                  "path/to/file.py:Class (checked by the conformance kit at load).")
 flags.DEFINE_list("rate_scales", ["0.5", "1", "2"], "Arrival-rate multipliers.")
 flags.DEFINE_integer("trials", 2, "Seeded trials (trace windows) per point.")
 flags.DEFINE_float("window_s", 60.0, "Trace seconds per trial (before rate scaling).")
@@ -228,7 +231,6 @@ def _check_out() -> None:
 def _check_flags():
   """The sweep's flags, checked before any trial runs; returns the rate
   scales. Raises ValueError naming the flag and the rule."""
-  from scheduler.registry import POLICIES
   try:
     rates = [float(r) for r in FLAGS.rate_scales]
   except ValueError:
@@ -240,10 +242,7 @@ def _check_flags():
   if FLAGS.max_model_len < 2:
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
                      f"got {FLAGS.max_model_len}")
-  unknown = [p for p in FLAGS.policies if p not in POLICIES]
-  if not FLAGS.policies or unknown:
-    raise ValueError(f"--policies must name registered policies {sorted(POLICIES)}, got "
-                     f"{FLAGS.policies}")
+  policies.check_policy_flag("--policies", FLAGS.policies)
   for name in ("trials", "sample_every"):
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")

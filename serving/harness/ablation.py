@@ -184,11 +184,15 @@ def g_star_note(g: dict) -> str:
 
 # Metrics where less is better: latencies (``*_ms``, ``*_s``) and counts of
 # requests or events that went wrong.
-LOWER_IS_BETTER = ("rejected", "failed", "cancelled", "num_preemptions", "num_clipped")
+LOWER_IS_BETTER = ("rejected", "failed", "cancelled", "num_preemptions", "num_clipped",
+                   "client_service_gap", "gap", "starved", "preemptions",
+                   "recompute_tokens")
 
 
 def lower_is_better(metric: str) -> bool:
-  """Whether ``table`` ranks ``metric`` ascending (see ``LOWER_IS_BETTER``)."""
+  """Whether ``table`` ranks ``metric`` ascending (see ``LOWER_IS_BETTER``);
+  a dotted path (``ledger.fairness.client_service_gap.gap``) by its last key."""
+  metric = metric.rsplit(".", 1)[-1]
   return metric.endswith(("_ms", "_s")) or metric in LOWER_IS_BETTER
 
 

@@ -2,7 +2,10 @@
 (`serving.harness.workloads`): `synthetic_azure_conv`, shaped like the Azure
 2023 conversation trace from its summary figures, and
 `synthetic_shared_prefix`, requests that share system prompts (the
-prefix-caching workload).
+prefix-caching workload). `synthetic_azure_conv` can also draw each
+request's client and priority (`client_shares`, `num_priorities`: a
+fairness or priority study without a trace); SLO classes are declared on
+any workload by `workloads.with_slos` (`--slo_class`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,39 @@ AZURE_CONV_2023_SUMMARY = {
 }
 
 
+# Seeds the client and priority draws apart from arrivals and lengths, so a
+# workload with clients has the same arrivals, lengths and prompts as one
+# without.
+_TAG_SYNTHETIC_TENANTS = 8
+
+
+def check_tenants(client_shares: Sequence[float] | None, num_priorities: int) -> None:
+    """Raises ValueError naming the argument unless every client share is
+    finite and > 0 and ``num_priorities >= 1``."""
+    if client_shares is not None:
+        if not client_shares or any(not (math.isfinite(w) and w > 0) for w in client_shares):
+            raise ValueError(f"client_shares={list(client_shares)} must be one or more "
+                             f"weights, each finite and > 0")
+    if num_priorities < 1:
+        raise ValueError(f"num_priorities={num_priorities} must be >= 1")
+
+
+def draw_tenants(seed: int, num_requests: int, client_shares: Sequence[float] | None,
+                 num_priorities: int) -> tuple[list[str], list[int]]:
+    """(clients, priorities) of ``num_requests`` requests: client ``c{k}``
+    with probability ``client_shares[k] / sum`` (all "default" when None)
+    and a priority uniform in ``[0, num_priorities)``, seeded by ``seed``."""
+    check_tenants(client_shares, num_priorities)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _TAG_SYNTHETIC_TENANTS]))
+    if client_shares is None:
+        clients = ["default"] * num_requests
+    else:
+        p = np.asarray(client_shares, np.float64)
+        clients = [f"c{k}" for k in rng.choice(len(p), size=num_requests, p=p / p.sum())]
+    priorities = rng.integers(0, num_priorities, size=num_requests).tolist()
+    return clients, [int(x) for x in priorities]
+
+
 def _sample_lengths(rng: np.random.Generator, n: int, knots: Sequence[int]) -> np.ndarray:
     """Inverse-CDF draws, linear in log-length between the summary quantiles. i64[n]."""
     q = np.asarray(AZURE_CONV_2023_SUMMARY["length_quantiles"])
@@ -69,6 +105,8 @@ def synthetic_azure_conv(
     max_output_len: int | None = 128,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     reserved_token_ids: frozenset[int] | Sequence[int] = DEFAULT_RESERVED_TOKEN_IDS,
+    client_shares: Sequence[float] | None = None,
+    num_priorities: int = 1,
 ) -> Workload:
     """A seeded workload shaped like the Azure 2023 conversation trace.
 
@@ -78,20 +116,26 @@ def synthetic_azure_conv(
     (`AZURE_CONV_2023_SUMMARY`), then prompts cut to `max_prompt_len` (flagged
     clipped) and outputs capped at `max_output_len`. Needs no trace file.
     The Workload records `time_scale = 1 / rate_scale` (gaps relative to the
-    trace's rate).
+    trace's rate). Clients and priorities (`draw_tenants`): with
+    `client_shares` each request's client is `c{k}` with probability
+    proportional to `client_shares[k]` (else "default"); its priority is
+    uniform in `[0, num_priorities)` (lower runs first). They are drawn apart
+    from the rest, which does not change with them.
 
     The defaults (64 requests, ~0.55 req/s so ~2 min of arrivals, prompts
     <= 1024 and outputs <= 128 tokens) keep a replay on a 135M model on two
     CPU cores to a few minutes.
 
     Raises:
-      ValueError: num_requests < 1, rate_scale not finite > 0, bad caps.
+      ValueError: num_requests < 1, rate_scale not finite > 0, bad caps,
+        client shares or priorities (`check_tenants`).
     """
     if num_requests < 1:
         raise ValueError(f"num_requests={num_requests} must be >= 1")
     if not (math.isfinite(rate_scale) and rate_scale > 0):
         raise ValueError(f"rate_scale={rate_scale} must be finite and > 0")
     _check_options(1.0, None, None, max_prompt_len, max_output_len)
+    clients, priorities = draw_tenants(seed, num_requests, client_shares, num_priorities)
     sampler = _TokenSampler(vocab_size, reserved_token_ids)
     s = AZURE_CONV_2023_SUMMARY
     rng = np.random.default_rng(np.random.SeedSequence([seed, _TAG_SYNTHETIC_ARRIVALS]))
@@ -113,6 +157,8 @@ def synthetic_azure_conv(
             prompt_token_ids=sampler.draw((seed, _TAG_SYNTHETIC, i), n_in),
             max_tokens=n_out,
             ignore_eos=True,
+            client=clients[i],
+            priority=priorities[i],
             clipped=bool(n_in < prompt_lens[i]),
         ))
     return Workload(

@@ -139,7 +139,7 @@ def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
                     f"reports, or sweeps with sweeps (--metric=g_star)"), last
 
 
-def _replay_json(path, policy, slo_ms=None, speed=1.0):
+def _replay_json(path, policy, slo_ms=None, speed=1.0, clients=("default",)):
   """A replay report as scripts/replay.py writes it (``metrics.build_report``,
   its ``slo`` block and ledger, and with ``slo_ms`` = (TTFT, TPOT) limits
   the goodput block), on four hand-made requests whose token gaps scale
@@ -147,7 +147,7 @@ def _replay_json(path, policy, slo_ms=None, speed=1.0):
   from serving.harness import ledger
   from serving.harness import metrics
   records = [metrics.RequestRecord(
-      request_id=f"r{i}", client="default", arrival_s=float(i), first_token_s=i + 0.3 / speed,
+      request_id=f"r{i}", client=clients[i % len(clients)], arrival_s=float(i), first_token_s=i + 0.3 / speed,
       token_times_s=tuple(i + (0.3 + 0.07 * k) / speed for k in range(5)), prompt_tokens=20,
       output_tokens=5, outcome="completed") for i in range(4)]
   duration_s = 3.0 + 0.6 / speed
@@ -203,6 +203,28 @@ def test_compare_replays_with_slos_ranks_by_goodput_by_default(tmp_path):
   assert "request_goodput" in out[0] and not out[0].startswith("note:"), out
   assert [line.split()[1:3] for line in out[1:3]] == [["fastserve", "1.25"],
                                                      ["sarathi_serve", "0"]], out
+
+
+def test_compare_ranks_replays_by_a_ledger_fairness_figure(tmp_path):
+  """--metric=client_service_gap reads ledger.fairness.client_service_gap.gap
+  and ranks lower first; a dotted path reaches any number of the report;
+  a name that is neither is refused naming the fairness figures."""
+  a = _replay_json(tmp_path / "a.json", "sarathi_serve", speed=0.2, clients=("x", "x", "y", "y"))
+  b = _replay_json(tmp_path / "b.json", "vtc", speed=0.2, clients=("x", "y"))
+  gaps = {p: json.loads(open(f).read())["ledger"]["fairness"]["client_service_gap"]["gap"]
+          for p, f in (("sarathi_serve", a), ("vtc", b))}
+  assert (gaps["sarathi_serve"], gaps["vtc"]) == (32, 26), gaps   # the gaps differ
+  out = _run("compare.py", a, b, "--metric=client_service_gap").stdout.splitlines()
+  assert "client_service_gap" in out[0] and "(lower is better)" in out[0], out
+  ranked = [line.split()[1] for line in out[1:3]]
+  assert ranked == sorted(gaps, key=gaps.get), (out, gaps)
+  path = "ledger.fairness.by_client.x.weighted_service"
+  out = _run("compare.py", a, b, f"--metric={path}").stdout.splitlines()
+  served = {p: json.loads(open(f).read())["ledger"]["fairness"]["by_client"]["x"][
+      "weighted_service"] for p, f in (("sarathi_serve", a), ("vtc", b))}
+  assert [line.split()[1] for line in out[1:3]] == sorted(served, key=lambda p: -served[p])
+  last = _run("compare.py", a, b, "--metric=gapp", expect_rc=2).stderr.strip().splitlines()[-1]
+  assert "a ledger fairness figure ['client_service_gap', 'starved']" in last, last
 
 
 def test_table_prints_4_significant_digits():

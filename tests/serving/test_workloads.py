@@ -1,6 +1,7 @@
 """Workload loaders: exact arrivals, replay options, prompt ids, bad input."""
 
 import csv
+import dataclasses
 import hashlib
 import json
 import os
@@ -338,6 +339,25 @@ def test_synthetic_default_is_seeded_and_capped():
     # ~64 arrivals at 0.553 req/s.
     assert 60.0 < w.duration_s < 200.0
     assert w.time_scale == 10.0
+
+
+def test_synthetic_clients_and_priorities_are_drawn_apart():
+    """Clients by share and priorities uniform, seeded apart from the rest:
+    arrivals, lengths and prompts are those of the workload without them."""
+    plain = synthetic_azure_conv(400, seed=5)
+    w = synthetic_azure_conv(400, seed=5, client_shares=[3.0, 1.0], num_priorities=3)
+    strip = lambda r: dataclasses.replace(r, client="default", priority=0)
+    assert [strip(r) for r in w] == list(plain)
+    assert {r.client for r in plain} == {"default"} and {r.priority for r in plain} == {0}
+    assert w == synthetic_azure_conv(400, seed=5, client_shares=[3.0, 1.0], num_priorities=3)
+    counts = {c: sum(r.client == c for r in w) for c in ("c0", "c1")}
+    assert sum(counts.values()) == 400
+    assert counts["c0"] / 400 == pytest.approx(0.75, abs=0.06)      # 3 : 1
+    assert {r.priority for r in w} == {0, 1, 2}
+    with pytest.raises(ValueError, match=r"client_shares=\[1.0, 0.0\] must be one or more"):
+        synthetic_azure_conv(4, client_shares=[1.0, 0.0])
+    with pytest.raises(ValueError, match="num_priorities=0 must be >= 1"):
+        synthetic_azure_conv(4, num_priorities=0)
 
 
 def test_synthetic_matches_the_summary_figures():
