@@ -871,6 +871,7 @@ class Report:
     num_workloads: workloads each per-workload rule ran on.
     num_requests: requests over those workloads.
     has_state: whether the policy keeps a state of its own.
+    skipped: rules of ``rules`` that did not apply to the policy, with why.
   """
 
   policy_id: str
@@ -879,13 +880,17 @@ class Report:
   num_workloads: int
   num_requests: int
   has_state: bool
+  skipped: Tuple[Tuple[str, str], ...] = ()
 
   def __str__(self) -> str:
     state = "with a state of its own" if self.has_state else "without a state of its own"
     lines = [f"policy {self.policy_id!r} ({state}) passes the {self.profile!r} profile: "
              f"{len(self.rules)} rules on {_count(self.num_workloads, 'workload')} "
              f"({_count(self.num_requests, 'request')})"]
-    lines += [f"  ok {rule}: {RULES[rule]}" for rule in self.rules]
+    why = dict(self.skipped)
+    lines += [f"  {'--' if rule in why else 'ok'} {rule}: "
+              + (f"not applicable ({why[rule]})" if rule in why else RULES[rule])
+              for rule in self.rules]
     return "\n".join(lines)
 
 
@@ -920,11 +925,17 @@ def check_policy(policy, profile: str = "fast", *, seed: int = 0,
   checker = _Checker(as_factory(policy), kit)
   ran = [r for r in RULES if r in rules]
   checker.check(workloads, ran)
+  p = checker.policy
+  has_state = callable(getattr(p, "init_state", None)) and p.init_state(1, 1) is not None
+  skipped = []
+  if "policy_state" in ran and not has_state:
+    skipped.append(("policy_state", "no state of its own"))
+  if "starvation" in ran and not getattr(p, "starvation_free", False):
+    skipped.append(("starvation", "starvation_free not declared"))
   return Report(policy_id=checker.policy_id, profile=profile, rules=tuple(ran),
                 num_workloads=len(workloads),
                 num_requests=sum(len(w.requests) for w in workloads),
-                has_state=getattr(checker.policy, "init_state", None) is not None and
-                checker.policy.init_state(1, 1) is not None)
+                has_state=has_state, skipped=tuple(skipped))
 
 
 def main(argv: Sequence[str]) -> int:

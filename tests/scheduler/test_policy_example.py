@@ -40,6 +40,8 @@ def test_the_guide_shows_the_shipped_example_and_the_kit_rules():
   text = GUIDE.read_text()
   blocks = [b for b in _python_blocks(text) if b.startswith('"""Earliest TTFT')]
   assert blocks == [EXAMPLE.read_text()]
+  counter = EXAMPLE.with_name("las_policy.py").read_text()
+  assert [b for b in _python_blocks(text) if b.startswith('"""Least attained')] == [counter]
   assert len(EXAMPLE.read_text().splitlines()) <= 60
   table = re.findall(r"^\| `(\w+)` \|", text.split("## Check it")[1], flags=re.M)
   assert table == list(conformance.RULES)
