@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import apply as apply_lib
-from scheduler.control import when
+from serving.engine.control import when
 from scheduler import records as rec
 from serving.engine import cost_model as cost_lib
 from serving.engine import programs as programs_lib
