@@ -13,6 +13,12 @@ tie-break rule replays it). ``ledger`` opens the books as two records: a
 Here too: the static ``Budgets``, the per-slot ``WorkFacts``, and
 ``PolicyBase`` (hidden-truth refusal; the policy-state contract of
 ``docs/writing-a-policy.md``).
+
+One file: the books (``LedgerContext``, ``LedgerCarry``) and every offer
+that moves them (running, admission, preemption, the decode-run window)
+are one procedure whose invariants (free and reserved pages, the token and
+sequence ledgers) hold only together; a carry field and each step that
+changes it stay side by side.
 """
 
 from __future__ import annotations
