@@ -24,7 +24,7 @@ from serving import cli
 from serving.cli import hostmem
 from serving.harness import traces
 from serving.harness import workloads
-from serving.harness.synthetic import synthetic_azure_conv
+from serving.harness import synthetic as synthetic_workloads
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -116,14 +116,9 @@ def define_workload_flags() -> None:
   flags.DEFINE_string("trace", None, "KIND:PATH with KIND in azure, mooncake, vtc; "
                       "unset = the embedded synthetic Azure-conv workload.")
   flags.DEFINE_integer("num_requests", 32, "Requests of the synthetic default workload.")
-  flags.DEFINE_integer("clients", None, "Synthetic workload: draw each request's client "
-                       "from this many (c0, c1, ...), equally likely; unset = one "
-                       "client, 'default'.")
-  flags.DEFINE_list("client_shares", None, "Synthetic workload: each client's share of "
-                    "the requests, W0,W1,... (weights > 0; clients c0, c1, ...); replaces "
-                    "--clients' equal shares.")
-  flags.DEFINE_integer("priorities", None, "Synthetic workload: draw each request's "
-                       "priority uniformly from 0..N-1 (lower runs first); unset = all 0.")
+  flags.DEFINE_integer("clients", None, "Synthetic: clients c0..cN-1, equally likely.")
+  flags.DEFINE_list("client_shares", None, "Synthetic: client weights W0,W1,... (c0, c1..).")
+  flags.DEFINE_integer("priorities", None, "Synthetic: priorities 0..N-1, equally likely.")
   flags.DEFINE_float("rate_scale", 0.1, "Synthetic default: fraction of the Azure "
                      "conv trace's arrival rate (5.53 req/s).")
   flags.DEFINE_float("time_scale", 1.0, "Multiply inter-arrival gaps (>1 = slower).")
@@ -180,15 +175,15 @@ def check_workload_flags() -> None:
     raise ValueError(
         f"--{wrong[0]} applies only {'with --trace' if synthetic else 'without --trace'}; "
         + ("the synthetic workload takes --num_requests, --rate_scale, --clients, "
-           "--client_shares and --priorities" if synthetic
+           "--client_shares, --priorities" if synthetic
            else "a trace takes --window_s, --time_scale and --max_requests"))
   if synthetic:
     if FLAGS.num_requests < 1:
       raise ValueError(f"--num_requests must be >= 1, got {FLAGS.num_requests}")
-    for name in ("clients", "priorities"):
-      if FLAGS[name].value is not None and FLAGS[name].value < 1:
-        raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
-    _flag_client_shares()
+    try:
+      synthetic_workloads.client_shares(FLAGS.clients, FLAGS.client_shares)
+    except ValueError as e:               # its messages start with the field
+      raise ValueError(f"--{e}") from None
     if not (math.isfinite(FLAGS.rate_scale) and FLAGS.rate_scale > 0):
       raise ValueError(f"--rate_scale must be finite and > 0, got {FLAGS.rate_scale}")
   else:
@@ -206,7 +201,7 @@ def check_workload_flags() -> None:
                        f"gaps), got {FLAGS.time_scale}")
     if not os.path.isfile(path):
       raise ValueError(f"--trace: {path!r} (of {FLAGS.trace!r}) is not a file")
-  for name in ("max_requests", "max_prompt_len", "max_output_len"):
+  for name in ("max_requests", "max_prompt_len", "max_output_len", "clients", "priorities"):
     value = FLAGS[name].value
     if value is not None and value < 1:
       raise ValueError(f"--{name} must be >= 1, got {value}")
@@ -226,20 +221,6 @@ def parse_window(values) -> tuple:
   if not 0 <= a < b:
     raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
   return a, b
-
-
-def _flag_client_shares():
-  """--client_shares (else --clients' equal shares) as floats, or None."""
-  if FLAGS.client_shares is not None:
-    try:
-      shares = [float(x) for x in FLAGS.client_shares]
-    except ValueError:
-      shares = None
-    if not shares or any(not (math.isfinite(w) and w > 0) for w in shares):
-      raise ValueError(f"--client_shares must be weights W0,W1,... each finite and > 0, "
-                       f"got {','.join(FLAGS.client_shares)!r}")
-    return shares
-  return None if FLAGS.clients is None else [1.0] * FLAGS.clients
 
 
 def _flag_window():
@@ -288,9 +269,10 @@ def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
 
 def _load_flag_workload(synthetic: bool, common: dict) -> workloads.Workload:
   if synthetic:
-    return synthetic_azure_conv(FLAGS.num_requests, FLAGS.rate_scale, **common,
-                                client_shares=_flag_client_shares(),
-                                num_priorities=FLAGS.priorities or 1)
+    shares = synthetic_workloads.client_shares(FLAGS.clients, FLAGS.client_shares)
+    return synthetic_workloads.synthetic_azure_conv(
+        FLAGS.num_requests, FLAGS.rate_scale, **common, client_shares=shares,
+        num_priorities=FLAGS.priorities or 1)
   loader, path = traces.trace_loader(FLAGS.trace)
   if FLAGS.mooncake_block_tokens is not None:
     common = dict(common, block_tokens=FLAGS.mooncake_block_tokens)

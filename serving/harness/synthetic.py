@@ -72,6 +72,28 @@ def check_tenants(client_shares: Sequence[float] | None, num_priorities: int) ->
         raise ValueError(f"num_priorities={num_priorities} must be >= 1")
 
 
+def client_shares(num_clients: int | None,
+                  weights: Sequence[str] | None) -> list[float] | None:
+    """Client weights from a count (equal shares) or weight strings (which
+    win); None when neither is given.
+
+    Raises:
+      ValueError: starting with the field, ``clients`` below 1 or
+        ``client_shares`` not weights each finite and > 0.
+    """
+    if weights is None:
+        if num_clients is not None and num_clients < 1:
+            raise ValueError(f"clients must be >= 1, got {num_clients}")
+        return None if num_clients is None else [1.0] * num_clients
+    try:
+        shares = [float(w) for w in weights]
+        check_tenants(shares, 1)
+    except ValueError:
+        raise ValueError(f"client_shares must be weights W0,W1,... each finite and > 0, "
+                         f"got {','.join(weights)!r}") from None
+    return shares
+
+
 def draw_tenants(seed: int, num_requests: int, client_shares: Sequence[float] | None,
                  num_priorities: int) -> tuple[list[str], list[int]]:
     """(clients, priorities) of ``num_requests`` requests: client ``c{k}``
