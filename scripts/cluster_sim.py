@@ -1,6 +1,7 @@
 """Replays a workload over N simulated replicas behind the router.
 
-  python scripts/cluster_sim.py --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
+  python scripts/cluster_sim.py \
+      --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,300 --time_scale=0.1 --replicas=1,4,16 --route=prefix_aware \
       --model=DIR --cost_model=profile:h100 --out=runs/cluster.json
 

@@ -45,12 +45,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("metric", None, "Metric to rank by: a report key, a ledger goodput "
                     "key, a ledger fairness figure (client_service_gap, starved), a "
                     "dotted path to any number in the report (ledger.fairness.by_client."
-                    "c0.weighted_service), or g_star for a sweep; latencies (*_ms, *_s) and rejected/failed "
-                    "counts rank lower first, the rest higher first. Default: g_star for "
-                    "sweeps; request_goodput for replay reports, or request_throughput "
-                    "(said in a note) when no replay declared SLOs (replay.py without "
-                    "--slo_ttft_ms/--slo_tpot_ms/--slo_class): every completed request then "
-                    "counts as good, so goodput is throughput.")
+                    "c0.weighted_service), or g_star for a sweep; latencies (*_ms, *_s) and "
+                    "rejected/failed counts rank lower first, the rest higher first. "
+                    "Default: g_star for sweeps; request_goodput for replay reports, or "
+                    "request_throughput (said in a note) when no replay declared SLOs "
+                    "(replay.py without --slo_ttft_ms/--slo_tpot_ms/--slo_class): every "
+                    "completed request then counts as good, so goodput is throughput.")
 
 
 def _load(path: str) -> dict:

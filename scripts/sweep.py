@@ -178,7 +178,9 @@ def plots(result, out):
                     fontsize=9)
   ax[1].set(xlabel="offered rate (req/s)", ylabel="request goodput (req/s)")
   ax[0].legend()
-  fig.tight_layout(); fig.savefig(f"{out}/attainment_goodput.png", dpi=90); plt.close(fig)
+  fig.tight_layout()
+  fig.savefig(f"{out}/attainment_goodput.png", dpi=90)
+  plt.close(fig)
   mid = result["rate_scales"][len(result["rate_scales"]) // 2]
   trials = {p: next(t for t in result["trials"] if t["policy"] == p and
                     t["rate_scale"] == mid and t["trial"] == 0) for p in pols}
@@ -191,7 +193,9 @@ def plots(result, out):
       ax[1].plot(t["tbt_ms_quantiles"], q, label=p)
   ax[0].set(xscale="log", xlabel="TTFT (ms)", ylabel="CDF", title=f"rate x{mid}")
   ax[1].set(xscale="log", xlabel="TBT gap (ms)", ylabel="CDF")
-  ax[0].legend(); fig.tight_layout(); fig.savefig(f"{out}/ttft_tbt_cdf.png", dpi=90)
+  ax[0].legend()
+  fig.tight_layout()
+  fig.savefig(f"{out}/ttft_tbt_cdf.png", dpi=90)
   plt.close(fig)
   fig, ax = plt.subplots(1, 2, figsize=(10, 4))
   for p, t in trials.items():
@@ -209,7 +213,9 @@ def plots(result, out):
     ax[1].plot(col("t_ms") / 1e3, col("queue_len"), label=p)
   ax[0].set(xlabel="time (s)", ylabel="KV pages", title=f"rate x{mid}, trial 0")
   ax[1].set(xlabel="time (s)", ylabel="queue length (waiting)")
-  ax[0].legend(); fig.tight_layout(); fig.savefig(f"{out}/kv_queue.png", dpi=90)
+  ax[0].legend()
+  fig.tight_layout()
+  fig.savefig(f"{out}/kv_queue.png", dpi=90)
   plt.close(fig)
   fig, axes = plt.subplots(1, len(pols), figsize=(5 * len(pols), 4), squeeze=False)
   for a, (p, t) in zip(axes[0], trials.items()):
@@ -218,7 +224,9 @@ def plots(result, out):
         a.plot([x[0] for x in curve], [x[1] for x in curve], label=c)
     a.set(xlabel="time (s)", ylabel="weighted service (tokens)", title=p)
     a.legend(fontsize=7)
-  fig.tight_layout(); fig.savefig(f"{out}/client_service.png", dpi=90); plt.close(fig)
+  fig.tight_layout()
+  fig.savefig(f"{out}/client_service.png", dpi=90)
+  plt.close(fig)
 
 
 def _check_out() -> None:

@@ -49,7 +49,8 @@ AZURE_CONV_2023_SUMMARY = {
     "span_s": 3501.72,
     "rate_per_s": 5.530,
     "interarrival_gamma_shape": 0.871,
-    "length_quantiles": (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
+    "length_quantiles": (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
+                         0.99, 1.0),
     "prompt_len": (2, 29, 181, 207, 387, 403, 703, 1020, 1071, 1130, 1315, 2735, 4083, 4142, 14050),
     "output_len": (7, 16, 41, 54, 77, 91, 103, 129, 177, 384, 400, 424, 451, 601, 1000),
 }
@@ -169,8 +170,10 @@ def synthetic_azure_conv(
     output_lens = _sample_lengths(rng, num_requests, s["output_len"])
     requests, num_clipped, num_capped = [], 0, 0
     for i in range(num_requests):
-        n_in = int(prompt_lens[i]) if max_prompt_len is None else min(int(prompt_lens[i]), max_prompt_len)
-        n_out = int(output_lens[i]) if max_output_len is None else min(int(output_lens[i]), max_output_len)
+        n_in = int(prompt_lens[i])
+        n_in = n_in if max_prompt_len is None else min(n_in, max_prompt_len)
+        n_out = int(output_lens[i])
+        n_out = n_out if max_output_len is None else min(n_out, max_output_len)
         num_clipped += n_in < prompt_lens[i]
         num_capped += n_out < output_lens[i]
         requests.append(RequestSpec(

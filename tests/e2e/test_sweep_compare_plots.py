@@ -147,7 +147,8 @@ def _replay_json(path, policy, slo_ms=None, speed=1.0, clients=("default",)):
   from serving.harness import ledger
   from serving.harness import metrics
   records = [metrics.RequestRecord(
-      request_id=f"r{i}", client=clients[i % len(clients)], arrival_s=float(i), first_token_s=i + 0.3 / speed,
+      request_id=f"r{i}", client=clients[i % len(clients)], arrival_s=float(i),
+      first_token_s=i + 0.3 / speed,
       token_times_s=tuple(i + (0.3 + 0.07 * k) / speed for k in range(5)), prompt_tokens=20,
       output_tokens=5, outcome="completed") for i in range(4)]
   duration_s = 3.0 + 0.6 / speed

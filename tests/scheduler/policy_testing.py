@@ -73,8 +73,8 @@ class Driver:
     before = self.state
     self.state, plan, result, pb, rb = step(
         self.policy, self.manifest, self.state, jnp.float32(now_ms),
-        jnp.float32(now_ms if emit_ms is None else emit_ms), jnp.asarray(self.hits), jnp.asarray(fail), num_pages=self.num_pages,
-        page_size=self.page_size)
+        jnp.float32(now_ms if emit_ms is None else emit_ms), jnp.asarray(self.hits),
+        jnp.asarray(fail), num_pages=self.num_pages, page_size=self.page_size)
     assert int(pb) == 0, f"plan rules broken: {int(pb):b}"
     assert int(rb) == 0, f"result rules broken: {int(rb):b}"
     return before, plan, result
