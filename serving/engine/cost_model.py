@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -82,6 +83,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.sharding import parse_mesh
 from models.llama import LARGE_GEMM_ROWS, ROW_TILE
 from scheduler import records as rec
 
@@ -137,6 +139,18 @@ class ModelCosts:
       ``ModelConfig.layer_windows`` or all zeros.
     weight_dtype, kv_dtype: the dtype names the byte counts are for (int8
       weights: one byte per element, per-column scales left out).
+    tp: the tensor-parallel degree the engine runs (``EngineConfig.mesh``'s
+      model axis). The fields above are the whole model's; a fitted
+      profile charges one device's share (``for_model``).
+    row_bytes_per_row: bytes one token row moves through a device's
+      row-wise operators in all blocks (``ROW_OPS_PER_BLOCK``: two norms
+      of ``d_model`` read and written, the residual add's two reads and
+      one write, RoPE over the device's q and k heads, the MLP activation
+      over its share of the width: gate and up read, one written), in the
+      activation dtype (``activation_dtype``).
+    all_reduce_bytes_per_row: bytes one row adds to each of a block's
+      ``ALL_REDUCES_PER_BLOCK`` all-reduces under TP (``d_model`` in the
+      activation dtype).
   """
 
   gemm_flops_per_row: int
@@ -149,6 +163,9 @@ class ModelCosts:
   windows: tuple
   weight_dtype: str
   kv_dtype: str
+  tp: int = 1
+  row_bytes_per_row: int = 0
+  all_reduce_bytes_per_row: int = 0
 
   def attention_flops(self, num_keys: int) -> int:
     """FLOPs of one query row that attends ``num_keys`` cached keys (its own
@@ -160,8 +177,14 @@ class ModelCosts:
     return {**dataclasses.asdict(self), "windows": list(self.windows)}
 
 
+def activation_dtype(weight_dtype: str) -> str:
+  """The dtype a model's activations run in: its weights' (int8 weights
+  compute in float32)."""
+  return "float32" if weight_dtype == "int8" else weight_dtype
+
+
 def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
-                kv_dtype: str | None = None) -> ModelCosts:
+                kv_dtype: str | None = None, tp: int = 1) -> ModelCosts:
   """The cost features of ``cfg`` (``ModelCosts``; a pure function).
 
   Args:
@@ -169,9 +192,10 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
     weight_dtype: "float32", "bfloat16", "float16" or "int8".
     kv_dtype: the KV cache's dtype name; None: ``weight_dtype`` (int8
       weights keep a float32 cache).
+    tp: tensor-parallel degree (>= 1): the per-device row-wise bytes.
 
   Raises:
-    ValueError: a dtype name outside ``DTYPE_BYTES``.
+    ValueError: a dtype name outside ``DTYPE_BYTES``, or ``tp < 1``.
   """
   if kv_dtype is None:
     kv_dtype = "float32" if weight_dtype == "int8" else weight_dtype
@@ -179,6 +203,8 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
     if value not in DTYPE_BYTES:
       raise ValueError(f"model_costs: {name} must be one of {sorted(DTYPE_BYTES)}, "
                        f"got {value!r}")
+  if not (isinstance(tp, int) and tp >= 1):
+    raise ValueError(f"model_costs: tp must be an int >= 1, got {tp!r}")
   d, f, layers = cfg.d_model, cfg.ffn_dim, cfg.n_layers
   attn_weights = d * (cfg.q_dim + 2 * cfg.kv_dim) + cfg.q_dim * d
   expert = 3 * d * f                                       # gate, up, down
@@ -195,6 +221,11 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
   step_elements = layers * block + d + head                # + final norm
   all_elements = step_elements + (0 if cfg.tie_embeddings else cfg.vocab_size * d)
   wb, kb = DTYPE_BYTES[weight_dtype], DTYPE_BYTES[kv_dtype]
+  ab = DTYPE_BYTES[activation_dtype(weight_dtype)]
+  width = f * (cfg.experts_per_token if cfg.is_moe else 1)
+  # Norms 2 x (read + write) d, add 2 reads + 1 write of d, RoPE read and
+  # write of the device's q and k, activation: gate and up read, one written.
+  row_elements = 7 * d + (2 * (cfg.q_dim + cfg.kv_dim) + 3 * width) / tp
   return ModelCosts(
       gemm_flops_per_row=layers * (2 * attn_weights + mlp_flops),
       lm_head_flops_per_row=2 * head,
@@ -204,15 +235,19 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
       expert_bytes=layers * expert * wb if cfg.is_moe else 0,
       weight_bytes=all_elements * wb,
       windows=tuple(cfg.layer_windows) or (0,) * layers,
-      weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+      weight_dtype=weight_dtype, kv_dtype=kv_dtype, tp=tp,
+      row_bytes_per_row=int(round(layers * row_elements * ab)),
+      all_reduce_bytes_per_row=d * ab)
 
 
 def engine_model_costs(cfg: ModelConfig, engine_config) -> ModelCosts:
   """``model_costs`` of ``cfg`` in an ``EngineConfig``'s weight and KV dtypes
   (int8 weights when ``engine_config.weights`` is "int8", else its
-  ``dtype``; the cache in ``kv_cache_dtype``)."""
+  ``dtype``; the cache in ``kv_cache_dtype``) and its mesh's model axis
+  (the TP degree)."""
   weights = "int8" if engine_config.weights == "int8" else engine_config.dtype
-  return model_costs(cfg, weights, engine_config.kv_cache_dtype)
+  tp = parse_mesh(getattr(engine_config, "mesh", "") or "")["model"]
+  return model_costs(cfg, weights, engine_config.kv_cache_dtype, tp=tp)
 
 
 def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
@@ -318,6 +353,10 @@ class CostModel:
     combine: "sum" (every term adds) or "roofline" (``step`` and ``rows``
       terms plus the larger of the ``COMPUTE`` and the ``MEMORY`` terms).
     min_step_ms: floor of a prediction (ms, >= 0).
+    roofline_p: how "roofline" joins the compute and memory sums C and M:
+      ``(C**p + M**p) ** (1/p)``; inf (default): ``max(C, M)``, the sharp
+      roofline. A fitted profile's p (about 1.2-1.5) says a GEMM near its
+      ridge point runs slower than either bound alone.
     meta: where it holds: ``models`` (the ``ModelCosts`` JSON of each model
       its fit ran; empty: stated model-independent, as a profile),
       ``device`` (``device_fingerprint``), dtype, engine preset, load
@@ -325,13 +364,15 @@ class CostModel:
       into reports.
   Raises:
     ValueError: a coefficient count other than ``len(FEATURES)``, a
-      negative coefficient, an unknown ``combine`` or ``min_step_ms < 0``.
+      negative coefficient, an unknown ``combine``, ``min_step_ms < 0`` or
+      ``roofline_p < 1``.
   """
 
   coef_ms: tuple
   combine: str = "sum"
   min_step_ms: float = 0.0
   meta: dict = dataclasses.field(default_factory=dict, compare=False)
+  roofline_p: float = math.inf
 
   def __post_init__(self):
     if len(self.coef_ms) != len(FEATURES):
@@ -343,6 +384,8 @@ class CostModel:
       raise ValueError(f"CostModel.combine must be one of {COMBINES}, got {self.combine!r}")
     if not self.min_step_ms >= 0:
       raise ValueError(f"CostModel.min_step_ms must be >= 0, got {self.min_step_ms}")
+    if not self.roofline_p >= 1:
+      raise ValueError(f"CostModel.roofline_p must be >= 1 (inf: max), got {self.roofline_p}")
     object.__setattr__(self, "coef_ms", tuple(float(c) for c in self.coef_ms))
 
   @classmethod
@@ -367,12 +410,21 @@ class CostModel:
     on the host; with ``xp`` ``jax.numpy``, a traced scalar (the simulated
     loop's step time on the device, float64 in its ``jax.enable_x64``
     scope, by the same definition)."""
+    if self.meta.get("per_model") and not self.meta.get("for_model"):
+      raise ValueError(f"cost model {self.meta.get('profile', '')!r} has per-model terms "
+                       f"(fitted operator and collective costs): resolve(model, costs) "
+                       f"first, which charges them for the model at hand")
     t = self.terms_ms(features, xp)
     if self.combine == "sum":
       total = sum(t.values())
     else:
-      total = (t["step"] + t["rows"] + xp.maximum(sum(t[f] for f in COMPUTE),
-                                                  sum(t[f] for f in MEMORY)))
+      compute, memory = sum(t[f] for f in COMPUTE), sum(t[f] for f in MEMORY)
+      if math.isinf(self.roofline_p):
+        bound = xp.maximum(compute, memory)
+      else:
+        p = self.roofline_p
+        bound = (compute ** p + memory ** p) ** (1.0 / p)
+      total = t["step"] + t["rows"] + bound
     total = xp.maximum(self.min_step_ms, total)
     return float(total) if xp is np else total
 
@@ -388,8 +440,11 @@ class CostModel:
     return list(self.meta.get("models", []))
 
   def to_json(self) -> dict:
-    return {"features": list(FEATURES), "coef_ms": dict(zip(FEATURES, self.coef_ms)),
-            "combine": self.combine, "min_step_ms": self.min_step_ms, "meta": self.meta}
+    out = {"features": list(FEATURES), "coef_ms": dict(zip(FEATURES, self.coef_ms)),
+           "combine": self.combine, "min_step_ms": self.min_step_ms, "meta": self.meta}
+    if not math.isinf(self.roofline_p):
+      out["roofline_p"] = self.roofline_p
+    return out
 
   def save(self, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -412,7 +467,8 @@ def from_json(d: dict, where: str) -> CostModel:
                      f"missing {missing} (a calibration of another form: re-run "
                      f"scripts/calibrate.py)")
   return CostModel(tuple(coef[f] for f in FEATURES), d.get("combine", "sum"),
-                   float(d.get("min_step_ms", 0.0)), dict(d.get("meta", {})))
+                   float(d.get("min_step_ms", 0.0)), dict(d.get("meta", {})),
+                   float(d.get("roofline_p", math.inf)))
 
 
 def load(path=None) -> CostModel:
@@ -439,23 +495,133 @@ def profile_names() -> list:
   return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
-def profile(name: str) -> CostModel:
-  """An accelerator's roofline cost model from its published peaks.
+# The operators of one block a fitted profile charges (the measured ones):
+# four weight GEMMs (QKV, output, MLP up with its gate, down) and five
+# row-wise operators (two norms, RoPE, the MLP activation, the residual add);
+# under TP two all-reduces (after the output and the down projections).
+GEMMS_PER_BLOCK = 4
+ROW_OPS_PER_BLOCK = 5
+ALL_REDUCES_PER_BLOCK = 2
+PROFILE_FORMATS = (1, 2)
+_PROFILE_KEYS = ("device", "source", "assumptions", "peak_tflops", "hbm_gbps", "step_ms",
+                 "row_ms", "efficiency")
+_FITTED_KEYS = ("operators", "collectives", "roofline_p", "fitted")
 
-  The profile JSON states ``peak_tflops`` (dense bf16), ``hbm_gbps`` and the
-  fraction of each reached (``efficiency``: gemm, lm_head, attention,
-  memory) plus ``step_ms`` and ``row_ms``; each term's coefficient is
-  ``1000 / (peak * efficiency)``. The model is marked ``uncalibrated`` in
-  its meta (and every report that carries it) until ``scripts/calibrate.py``
-  on the device replaces it.
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """A transfer's time: ``latency_ms + bytes / (gbps * 1e6)`` ms (a
+  latency-bandwidth model fitted to measured collective times)."""
+
+  latency_ms: float
+  gbps: float
+
+  def ms(self, nbytes):
+    """Time (ms) of a message of ``nbytes`` bytes (a float or an array)."""
+    return self.latency_ms + nbytes / (self.gbps * 1e6)
+
+
+def _link(d: dict, where: str) -> Link:
+  try:
+    link = Link(float(d["latency_ms"]), float(d["gbps"]))
+  except (KeyError, TypeError, ValueError):
+    raise ValueError(f"{where} must be {{'latency_ms': >= 0, 'gbps': > 0}}, got {d!r}") from None
+  if not (link.latency_ms >= 0 and link.gbps > 0):
+    raise ValueError(f"{where} must have latency_ms >= 0 and gbps > 0, got {d!r}")
+  return link
+
+
+def all_reduce_ms(model: CostModel, nbytes, workers: int):
+  """Time (ms) of one all-reduce of ``nbytes`` bytes over ``workers`` devices
+  of one node, from the profile's measured collectives (``Link`` of the
+  largest fitted worker count <= ``workers``; 0 for one worker).
 
   Raises:
-    ValueError: no such profile (naming the ones there are).
+    ValueError: the model states no measured all-reduce (a profile not
+      fitted, a CPU calibration), or ``workers`` below the smallest fitted.
+  """
+  if workers == 1:
+    return 0.0 * nbytes
+  table = model.meta.get("per_model", {}).get("collectives", {}).get("all_reduce")
+  if not table:
+    raise ValueError(f"cost model {model.meta.get('profile') or model.meta.get('path')!r} "
+                     f"states no measured all-reduce times (a fitted GPU profile does)")
+  fitted = sorted(int(w) for w in table)
+  below = [w for w in fitted if w <= workers]
+  if not below:
+    raise ValueError(f"all_reduce_ms: workers must be 1 or >= {fitted[0]} (fitted for "
+                     f"{fitted}), got {workers}")
+  return _link(table[str(below[-1])], f"all_reduce[{below[-1]}]").ms(nbytes)
+
+
+def send_recv_ms(model: CostModel, nbytes, *, same_node: bool = True):
+  """Time (ms) to send ``nbytes`` bytes from one device to another (in the
+  same node over NVLink, or ``same_node=False`` to another node), from the
+  profile's measured send/recv: what a KV-cache transfer between replicas
+  costs.
+
+  Raises:
+    ValueError: the model states no measured send/recv.
+  """
+  table = model.meta.get("per_model", {}).get("collectives", {}).get("send_recv")
+  where = "same_node" if same_node else "other_node"
+  if not table or where not in table:
+    raise ValueError(f"cost model {model.meta.get('profile') or model.meta.get('path')!r} "
+                     f"states no measured send/recv ({where}; a fitted GPU profile does)")
+  return _link(table[where], f"send_recv[{where}]").ms(nbytes)
+
+
+def read_profile(path) -> dict:
+  """A profile JSON, checked (``profile`` builds the model of it).
+
+  Format 1 (no ``format`` field): published peaks x stated efficiencies.
+  Format 2 adds what a fit to measured operator timings gives
+  (``scripts/fit_profiles.py``): ``operators`` (``gemm_op_ms`` and
+  ``row_op_ms``, the fixed time of each GEMM and row-wise operator, and
+  ``row_gbps``, the row-wise operators' bandwidth), ``collectives``
+  (``all_reduce`` by worker count and ``send_recv`` by ``same_node`` /
+  ``other_node``, each ``{latency_ms, gbps}``), ``roofline_p`` and
+  ``fitted`` (what it was fitted to, and its held-out error).
+
+  Raises:
+    ValueError: naming the file and the missing or bad field.
+  """
+  p = json.loads(Path(path).read_text())
+  fmt = p.get("format", 1)
+  if fmt not in PROFILE_FORMATS:
+    raise ValueError(f"profile {Path(path).name}: format must be one of {PROFILE_FORMATS}, "
+                     f"got {fmt!r} (written by a newer version?)")
+  need = _PROFILE_KEYS + (_FITTED_KEYS if fmt == 2 else ())
+  missing = [k for k in need if k not in p]
+  missing += [f"efficiency.{k}" for k in ("gemm", "lm_head", "attention", "memory")
+              if k not in p.get("efficiency", {})]
+  if fmt == 2:
+    missing += [f"operators.{k}" for k in ("gemm_op_ms", "row_op_ms", "row_gbps")
+                if k not in p.get("operators", {})]
+  if missing:
+    raise ValueError(f"profile {Path(path).name} (format {fmt}) lacks {missing}")
+  return p
+
+
+def profile(name: str) -> CostModel:
+  """An accelerator's roofline cost model from its profile JSON
+  (``read_profile``).
+
+  Each compute and memory term's coefficient is ``1000 / (peak *
+  efficiency)``. Format 1 is marked ``uncalibrated`` in its meta (and every
+  report that carries it). Format 2 (fitted) carries its operator and
+  collective terms in ``meta["per_model"]``: they depend on the model's
+  blocks, widths and TP degree, so ``resolve`` (``for_model``) charges them
+  before the model predicts.
+
+  Raises:
+    ValueError: no such profile (naming the ones there are), or a file
+      ``read_profile`` refuses.
   """
   path = PROFILE_DIR / f"{name}.json"
   if not path.exists():
     raise ValueError(f"cost model profile {name!r} not found; profiles: {profile_names()}")
-  p = json.loads(path.read_text())
+  p = read_profile(path)
   eff = p["efficiency"]
   flops_s = p["peak_tflops"] * 1e3            # GFLOP/s
   coef = dict(step=p["step_ms"], rows=p["row_ms"],
@@ -464,9 +630,51 @@ def profile(name: str) -> CostModel:
               attention_gflop=1000.0 / (flops_s * eff["attention"]),
               kv_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]),
               weight_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]))
-  meta = dict(profile=name, uncalibrated=True, models=[], device={"kind": p["device"]},
+  meta = dict(profile=name, models=[], device={"kind": p["device"]},
               source=p["source"], assumptions=p["assumptions"])
-  return CostModel.of(combine="roofline", meta=meta, **coef)
+  if p.get("format", 1) == 1:
+    return CostModel.of(combine="roofline", meta=dict(meta, uncalibrated=True), **coef)
+  meta.update(fitted=p["fitted"], per_model=dict(operators=p["operators"],
+                                                 collectives=p["collectives"]))
+  model = CostModel.of(combine="roofline", meta=meta, **coef)
+  return dataclasses.replace(model, roofline_p=float(p["roofline_p"]))
+
+
+def for_model(model: CostModel, costs: ModelCosts) -> CostModel:
+  """A roofline profile charged for one model at its TP degree.
+
+  Every compute and memory term is one device's share (``1 / costs.tp`` of
+  the model's FLOPs and bytes). A fitted profile (``meta["per_model"]``)
+  adds, per step, with B blocks:
+
+  * ``step``: ``(GEMMS_PER_BLOCK * B + 1) * gemm_op_ms`` (the LM head is one
+    more GEMM) ``+ ROW_OPS_PER_BLOCK * B * row_op_ms``, and under TP
+    ``ALL_REDUCES_PER_BLOCK * B`` all-reduce latencies;
+  * ``rows`` (per live row): ``row_bytes_per_row / row_gbps`` and under TP
+    the all-reduces' ``all_reduce_bytes_per_row`` at their bandwidth.
+
+  A "sum" calibration (measured on this kind of device as it runs) is
+  returned unchanged, as is a profile already charged.
+  """
+  if model.combine != "roofline" or model.meta.get("for_model"):
+    return model
+  coef = dict(zip(FEATURES, model.coef_ms))
+  tp = costs.tp
+  for f in COMPUTE + MEMORY:
+    coef[f] /= tp
+  meta = dict(model.meta, for_model=dict(tp=tp, blocks=len(costs.windows)))
+  terms = model.meta.get("per_model")
+  if terms:
+    ops, blocks = terms["operators"], len(costs.windows)
+    coef["step"] += ((GEMMS_PER_BLOCK * blocks + 1) * ops["gemm_op_ms"]
+                     + ROW_OPS_PER_BLOCK * blocks * ops["row_op_ms"])
+    coef["rows"] += costs.row_bytes_per_row / (ops["row_gbps"] * 1e6)
+    if tp > 1:
+      per_step = ALL_REDUCES_PER_BLOCK * blocks
+      coef["step"] += per_step * all_reduce_ms(model, 0.0, tp)
+      coef["rows"] += per_step * (all_reduce_ms(model, costs.all_reduce_bytes_per_row, tp)
+                                  - all_reduce_ms(model, 0.0, tp))
+  return dataclasses.replace(model, coef_ms=tuple(coef[f] for f in FEATURES), meta=meta)
 
 
 def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float = 0.0,
@@ -626,8 +834,13 @@ def find_calibration(directory, fingerprint: dict, dtype: str,
   return max(found)[2] if found else None
 
 
+# ModelCosts fields a calibration's stored models may lack (written before
+# them) or that do not change what a calibration predicts.
+_NOT_KEYED = ("weight_bytes", "tp", "row_bytes_per_row", "all_reduce_bytes_per_row")
+
+
 def _costs_key(costs: dict) -> dict:
-  return {k: v for k, v in costs.items() if k not in ("weight_bytes",)}
+  return {k: v for k, v in costs.items() if k not in _NOT_KEYED}
 
 
 _SAID = set()
@@ -661,7 +874,7 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     fingerprint: this device's (default ``device_fingerprint()``).
     say: where the one-line notes go.
   Returns:
-    ``model``.
+    ``model``, a profile charged for ``costs``' model (``for_model``).
   Raises:
     ValueError: a one-model calibration for another model, naming both.
   """
@@ -683,6 +896,10 @@ def resolve(model: CostModel, costs: ModelCosts, *,
   if model.meta.get("uncalibrated"):
     say(f"cost model: accelerator profile {model.meta.get('profile')!r} is uncalibrated "
         f"(published peaks x stated efficiencies)")
+  elif model.meta.get("fitted"):
+    fitted = model.meta["fitted"]
+    say(f"cost model: accelerator profile {model.meta.get('profile')!r}: "
+        f"{fitted.get('summary', 'fitted to measured operator timings')}")
   elif model.meta.get("device"):
     fp = fingerprint or device_fingerprint()
     made = model.meta["device"]
@@ -690,4 +907,4 @@ def resolve(model: CostModel, costs: ModelCosts, *,
       how = device_difference(made, fp) or "another fingerprint"
       say(f"cost model: {where} was calibrated on another device than this one: {how} "
           f"(id {made.get('id')} vs {fp['id']}): its times may not hold here")
-  return model
+  return for_model(model, costs)

@@ -220,23 +220,34 @@ def test_one_model_fit_folds_weight_reads_into_the_step_term():
 
 
 def test_h100_profile_by_hand_on_llama_8b():
-  """A decode step of 8 sequences at 1,024 tokens each on the H100 profile:
-  memory-bound, plus 3 ms: 15.01 GB of bf16 weights (7.505e9 elements read
-  per step: 32 blocks of 218.1M and the 525.3M head) and 1.07 GB of KV
-  (8 x 1,025 tokens x 131,072 bytes) at 3,350 GB/s x 0.75."""
-  model = cost_lib.load("profile:h100")
-  assert model.combine == "roofline" and model.meta["uncalibrated"]
+  """A decode step of 8 sequences at 1,024 tokens each on the fitted H100
+  profile, by its formula from the profile's own numbers: 3 ms per step, the
+  fixed times of 32 x 4 + 1 GEMMs and 32 x 5 row-wise operators, 8 rows'
+  row-wise bytes, and the smooth roofline of its FLOPs and its 15.01 GB of
+  bf16 weights (7.505e9 elements read per step: 32 blocks of 218.1M and the
+  525.3M head) plus 1.07 GB of KV (8 x 1,025 tokens x 131,072 bytes)."""
+  p = json.loads((cost_lib.PROFILE_DIR / "h100.json").read_text())
   costs = cost_lib.model_costs(LLAMA_8B, "bfloat16")
+  model = cost_lib.resolve(cost_lib.load("profile:h100"), costs, say=lambda _: None)
+  assert model.combine == "roofline" and not model.meta.get("uncalibrated")
+  eff, ops = p["efficiency"], p["operators"]
   stats = [0, 8, 8, 0, 8 * 1025, 8 * 1025]
   f = cost_lib.step_features(stats, 16, costs)
   memory_ms = (costs.weight_bytes_per_step + 8 * 1025 * costs.kv_bytes_per_token) / (
-      3350e9 * 0.75) * 1000
-  assert memory_ms == pytest.approx(16.085 / 2512.5 * 1000, rel=1e-3)
-  assert model.predict_ms(f) == pytest.approx(3.0 + memory_ms, rel=1e-9)
-  # A 4,096-row prefill chunk is compute-bound at 989 TFLOP/s x 0.6 (GEMMs).
-  p = cost_lib.step_features([4096, 0, 1, 4096, 4096 * 4097 / 2, 4096], 4096, costs)
-  gemm_ms = 4096 * costs.gemm_flops_per_row / (989e12 * 0.6) * 1000
-  assert model.predict_ms(p) > 3.0 + gemm_ms > 3.0 + memory_ms
+      3350e9 * eff["memory"]) * 1000
+  compute_ms = (16 * costs.gemm_flops_per_row / eff["gemm"] + 8 * costs.lm_head_flops_per_row
+                / eff["lm_head"] + 8 * 1025 * costs.attention_flops_per_pair
+                / eff["attention"]) / 989e12 * 1000
+  q = p["roofline_p"]
+  fixed = 3.0 + 129 * ops["gemm_op_ms"] + 160 * ops["row_op_ms"]
+  rows = 8 * costs.row_bytes_per_row / (ops["row_gbps"] * 1e6)
+  want = fixed + rows + (compute_ms ** q + memory_ms ** q) ** (1 / q)
+  assert memory_ms > 10 * compute_ms
+  assert model.predict_ms(f) == pytest.approx(want, rel=1e-9)
+  # A 4,096-row prefill chunk is compute-bound (GEMMs at the fitted efficiency).
+  pre = cost_lib.step_features([4096, 0, 1, 4096, 4096 * 4097 / 2, 4096], 4096, costs)
+  gemm_ms = 4096 * costs.gemm_flops_per_row / (989e12 * eff["gemm"]) * 1000
+  assert model.predict_ms(pre) > 3.0 + gemm_ms > 3.0 + memory_ms
   with pytest.raises(ValueError, match="profiles: \\['a100', 'h100', 'h200', 'tpu_v5e'"):
     cost_lib.load("profile:b200")
 
