@@ -472,14 +472,17 @@ def from_json(d: dict, where: str) -> CostModel:
 
 
 def load(path=None) -> CostModel:
-  """Reads a calibration JSON (default ``DEFAULT_CALIBRATION``) or, for
-  ``"profile:NAME"``, an accelerator profile (``profile``).
+  """Reads a calibration JSON (default ``DEFAULT_CALIBRATION``, marked
+  ``meta["chosen"] = "default"``: ``resolve`` then takes the shipped
+  calibration of this machine's kind instead) or, for ``"profile:NAME"``,
+  an accelerator profile (``profile``).
 
   Raises:
     ValueError: missing file or profile, or a file of another form.
   """
   if path and str(path).startswith(PROFILE_PREFIX):
     return profile(str(path)[len(PROFILE_PREFIX):])
+  chosen = bool(path)
   path = Path(path) if path else DEFAULT_CALIBRATION
   if not path.exists():
     raise ValueError(f"cost model file {str(path)!r} not found (write one with "
@@ -487,6 +490,10 @@ def load(path=None) -> CostModel:
                      f"{profile_names()})")
   model = from_json(json.loads(path.read_text()), str(path))
   model.meta["path"] = path.name
+  if not chosen:
+    # None named: ``resolve`` picks the shipped calibration of this
+    # machine's kind (``select_calibration``) for the model at hand.
+    model.meta["chosen"] = "default"
   return model
 
 
@@ -816,6 +823,82 @@ def device_difference(made: dict, here: dict) -> str:
   return f"{same} but {' and '.join(parts)}"
 
 
+CALIBRATION_DIR = _CONFIGS / "calibration"
+# The vector ISA a CPU calibration holds for: the widest of these its flags
+# name (the native kernels and XLA's CPU code differ most by it).
+_ISAS = (("avx512f", "avx512"), ("avx2", "avx2"), ("asimd", "neon"))
+
+
+def machine_kind(fingerprint: dict) -> Optional[dict]:
+  """The kind of machine a ``device_fingerprint`` is, as calibrations are
+  chosen by: ``{"cpu": model name, "cpus": logical CPUs, "isa": "avx512" |
+  "avx2" | "neon" | "baseline"}``; None for a non-CPU backend or a
+  fingerprint without its flag list (a calibration made before flags were
+  stored states its ``machine_kind`` in its meta instead)."""
+  if fingerprint.get("backend") != "cpu" or not isinstance(fingerprint.get("flags"), list):
+    return None
+  flags = set(fingerprint["flags"])
+  isa = next((name for flag, name in _ISAS if flag in flags), "baseline")
+  return {"cpu": fingerprint.get("cpu"), "cpus": fingerprint.get("cpus"), "isa": isa}
+
+
+def _kind_words(kind: Optional[dict]) -> str:
+  if not kind:
+    return "not a CPU"
+  isa = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON"}.get(kind["isa"], "no AVX2")
+  return f"{kind['cpu']}, {kind['cpus']} CPUs, {isa}"
+
+
+def shipped_calibrations(directory=CALIBRATION_DIR) -> list:
+  """(path, meta) of every calibration JSON in ``directory`` that states its
+  machine kind (``meta["machine_kind"]`` or a fingerprint with flags),
+  sorted by file name."""
+  out = []
+  for path in sorted(Path(directory).glob("*.json")):
+    try:
+      d = json.loads(path.read_text())
+    except (OSError, ValueError):
+      continue
+    meta = d.get("meta", {})
+    if "coef_ms" in d and (meta.get("machine_kind") or machine_kind(meta.get("device", {}))):
+      out.append((path, meta))
+  return out
+
+
+def select_calibration(fingerprint: dict, costs: Optional[ModelCosts] = None,
+                       directory=CALIBRATION_DIR) -> tuple:
+  """The shipped calibration for this machine: ``(path, "")``, or ``(None,
+  line)`` where none holds, ``line`` saying why in one line and naming
+  ``scripts/calibrate.py``.
+
+  A calibration holds when its machine kind (``machine_kind``: CPU model,
+  CPU count, vector ISA) is this fingerprint's, and it can predict
+  ``costs``' model (fitted on two or more models, or on this one). One made
+  on this very fingerprint (``id``) first, then one fitted on more models.
+  """
+  here = machine_kind(fingerprint)
+  found, kinds, one_model = [], [], []
+  for path, meta in shipped_calibrations(directory):
+    kind = meta.get("machine_kind") or machine_kind(meta.get("device", {}))
+    kinds.append(_kind_words(kind))
+    if kind != here:
+      continue
+    models = [_costs_key(m) for m in meta.get("models", [])]
+    if costs is not None and len(models) == 1 and models[0] != _costs_key(costs.to_json()):
+      one_model.append(f"{path.name} (fitted on {meta.get('model', '?')} only)")
+      continue
+    found.append((meta.get("device", {}).get("id") == fingerprint.get("id"),
+                  len(models), path.name, path))
+  if found:
+    return max(found)[3], ""
+  why = (f"the one for this machine's kind cannot predict this model: {one_model[0]}"
+         if one_model else f"none of this machine's kind ({_kind_words(here)}; shipped: "
+                           f"{'; '.join(kinds) or 'none'})")
+  return None, (f"cost model: no shipped CPU calibration holds here, {why}; using "
+                f"{DEFAULT_CALIBRATION.name}, whose times may not hold here: fit one on an idle "
+                f"machine with scripts/calibrate.py (--quick: a smaller grid)")
+
+
 def find_calibration(directory, fingerprint: dict, dtype: str,
                      engine: str) -> Optional[Path]:
   """The calibration in ``directory`` made on this kind of device
@@ -867,6 +950,10 @@ def resolve(model: CostModel, costs: ModelCosts, *,
   * A calibration made on another device (``device_fingerprint`` id) gets
     a one-line warning naming what differs (``device_difference``); a
     profile (``uncalibrated``) a one-line note.
+  * The default calibration (``load`` given no path) is replaced by the
+    shipped one of this machine's kind for this model
+    (``select_calibration``), said in one line; where none holds, one line
+    says so and names ``scripts/calibrate.py``, and the default is kept.
 
   Args:
     model: the loaded cost model.
@@ -878,6 +965,18 @@ def resolve(model: CostModel, costs: ModelCosts, *,
   Raises:
     ValueError: a one-model calibration for another model, naming both.
   """
+  if model.meta.get("chosen") == "default" and model.combine == "sum":
+    fp = fingerprint or device_fingerprint()
+    path, line = select_calibration(fp, costs)
+    if path is None:
+      say(line)
+      model = dataclasses.replace(model, meta=dict(model.meta, chosen="default, none holds"))
+    else:
+      model = load(path)
+      model.meta["chosen"] = f"by machine kind ({_kind_words(machine_kind(fp))})"
+      say(f"cost model: {path.name}, the shipped calibration for this machine "
+          f"({_kind_words(machine_kind(fp))})")
+      fingerprint = fp
   seen = [_costs_key(m) for m in model.models]
   here = _costs_key(costs.to_json())
   where = model.meta.get("path") or model.meta.get("profile") or "the cost model"
@@ -900,7 +999,7 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     fitted = model.meta["fitted"]
     say(f"cost model: accelerator profile {model.meta.get('profile')!r}: "
         f"{fitted.get('summary', 'fitted to measured operator timings')}")
-  elif model.meta.get("device"):
+  elif model.meta.get("device") and model.meta.get("chosen") != "default, none holds":
     fp = fingerprint or device_fingerprint()
     made = model.meta["device"]
     if made.get("id") != fp["id"]:

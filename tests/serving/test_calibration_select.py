@@ -1,0 +1,66 @@
+"""The shipped CPU calibration follows the machine (``cost_model.select_calibration``):
+the fingerprint's kind picks one, and where none holds one line says so and
+names ``scripts/calibrate.py``."""
+
+from models.config import get_config
+from serving.engine import cost_model as cost_lib
+
+_BASE = ["fpu", "sse2", "avx", "fma"]
+AVX2_EPYC = {"backend": "cpu", "kind": "cpu", "count": 1, "cpu": "AMD EPYC", "cpus": 2,
+             "id": "not-shipped", "flags": _BASE + ["avx2"]}
+AVX512_EPYC = dict(AVX2_EPYC, flags=_BASE + ["avx2", "avx512f", "avx512bw"])
+XEON = dict(AVX512_EPYC, cpu="Intel(R) Xeon(R) Processor")
+GPU = {"backend": "gpu", "kind": "NVIDIA H100 80GB HBM3", "count": 1, "id": "gpu"}
+SMOLLM2 = cost_lib.model_costs(get_config("smollm2-135m"), "float32")
+OTHER = cost_lib.model_costs(get_config("tiny"), "float32")
+
+
+def test_machine_kind_reads_the_widest_isa():
+  assert cost_lib.machine_kind(AVX2_EPYC) == {"cpu": "AMD EPYC", "cpus": 2, "isa": "avx2"}
+  assert cost_lib.machine_kind(AVX512_EPYC)["isa"] == "avx512"
+  assert cost_lib.machine_kind(dict(AVX2_EPYC, flags=["sse2"]))["isa"] == "baseline"
+  assert cost_lib.machine_kind(GPU) is None
+  assert cost_lib.machine_kind({k: v for k, v in AVX2_EPYC.items() if k != "flags"}) is None
+
+
+def test_each_kind_gets_its_own_calibration():
+  path, line = cost_lib.select_calibration(AVX2_EPYC, SMOLLM2)
+  assert path.name == "cost_model_cpu_avx2.json" and line == ""
+  for costs in (SMOLLM2, OTHER, None):
+    path, line = cost_lib.select_calibration(AVX512_EPYC, costs)
+    assert path.name == "cost_model_cpu.json" and line == ""
+
+
+def test_none_holds_is_said_naming_calibrate():
+  for fp, costs, why in ((XEON, SMOLLM2, "none of this machine's kind (Intel(R) Xeon(R) "
+                                          "Processor, 2 CPUs, AVX-512; shipped: AMD EPYC, 2 "
+                                          "CPUs, AVX-512; AMD EPYC, 2 CPUs, AVX2)"),
+                         (GPU, SMOLLM2, "none of this machine's kind (not a CPU;"),
+                         (AVX2_EPYC, OTHER, "cannot predict this model: "
+                                            "cost_model_cpu_avx2.json (fitted on smollm2-135m "
+                                            "only)")):
+    path, line = cost_lib.select_calibration(fp, costs)
+    assert path is None
+    assert line.startswith("cost model: no shipped CPU calibration holds here, ")
+    assert why in line and "scripts/calibrate.py" in line and "\n" not in line
+
+
+def test_resolve_swaps_the_default_for_the_machines_and_says_so_once():
+  lines = []
+  model = cost_lib.resolve(cost_lib.load(), SMOLLM2, fingerprint=AVX2_EPYC, say=lines.append)
+  assert model.meta["path"] == "cost_model_cpu_avx2.json"
+  assert model.coef_ms == cost_lib.load(cost_lib.CALIBRATION_DIR
+                                        / "cost_model_cpu_avx2.json").coef_ms
+  assert lines[0] == ("cost model: cost_model_cpu_avx2.json, the shipped calibration for this "
+                      "machine (AMD EPYC, 2 CPUs, AVX2)")
+  lines.clear()
+  model = cost_lib.resolve(cost_lib.load(), SMOLLM2, fingerprint=XEON, say=lines.append)
+  assert model.meta["path"] == "cost_model_cpu.json"
+  said = [line for line in lines if "calibrat" in line]
+  assert len(said) == 1 and "scripts/calibrate.py" in said[0]
+  # A calibration named explicitly is kept, whatever the machine.
+  lines.clear()
+  named = cost_lib.load(cost_lib.DEFAULT_CALIBRATION)
+  assert cost_lib.resolve(named, SMOLLM2, fingerprint=AVX2_EPYC,
+                          say=lines.append).meta["path"] == "cost_model_cpu.json"
+  assert "chosen" not in named.meta
