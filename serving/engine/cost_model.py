@@ -50,7 +50,18 @@ throughput the fit measured (GFLOP/s, GB/s): the efficiencies of
   and memory phases of a step overlap little).
 * ``"roofline"``: ``step + rows + max(compute terms, memory terms)``: an
   accelerator profile (``profile``), where a step is bound by the larger of
-  its FLOPs at peak x efficiency and its bytes at bandwidth x efficiency.
+  its FLOPs at peak x efficiency and its bytes at bandwidth x efficiency
+  (a fitted profile: the smooth bound ``CostModel.roofline_p``).
+
+A fitted GPU profile (format 2, ``scripts/fit_profiles.py`` and
+``serving.engine.profile_fit``, on measured per-operator GPU timings) adds
+terms that depend on the model: a fixed time per GEMM and per row-wise
+operator in every block, the row-wise operators' bytes, and under TP one
+device's share plus the all-reduces. ``for_model`` (inside ``resolve``)
+charges them into the ``step`` and ``rows`` coefficients for the model at
+hand; ``all_reduce_ms`` and ``send_recv_ms`` are the collectives' one
+definition. Where no calibration is named, ``resolve`` takes the shipped
+CPU calibration of this machine's kind (``select_calibration``).
 
 ``scripts/calibrate.py`` measures the model executor on a grid and fits the
 "sum" form by non-negative least squares (``fit``: ``scipy.optimize.nnls``);

@@ -199,11 +199,12 @@ _LOWER = np.log([1e-4, 0.01, 0.01, 1.0, 1e-4, 10.0])
 _UPPER = np.log([1.0, 1.0, 1.0, 16.0, 1.0, 1e5])
 
 
-def fit_operators(tables: Sequence[OperatorTable], peak_tflops: float,
-                  hbm_gbps: float) -> OperatorTerms:
+def fit_operators(tables: Sequence[OperatorTable], peak_tflops: float, hbm_gbps: float,
+                  *, block_weight: float = 2.0) -> OperatorTerms:
   """The ``OperatorTerms`` that best fit ``tables`` (least squares on
-  log(predicted / measured) of every operator and, weighted 2, every
-  block).
+  log(predicted / measured) of every operator and, weighted
+  ``block_weight``, every block: the block is what the step model charges,
+  one roofline over its summed GEMMs, so it is fitted beside the operators).
 
   Raises:
     ValueError: no tables.
@@ -218,7 +219,9 @@ def fit_operators(tables: Sequence[OperatorTable], peak_tflops: float,
     for t in tables:
       pred = predict_operators(t, terms, peak_tflops, hbm_gbps)
       out += [np.log(pred[op] / t.times_ms[op]) for op in pred]
-      out.append(2.0 * np.log(predict_block(t, terms, peak_tflops, hbm_gbps) / t.block_ms()))
+      if block_weight:
+        out.append(block_weight * np.log(predict_block(t, terms, peak_tflops, hbm_gbps)
+                                         / t.block_ms()))
     return np.concatenate(out)
 
   start = np.log([0.005, 0.6, 0.75, 2.0, 0.003, 1000.0])
