@@ -4,6 +4,7 @@ names ``scripts/calibrate.py``."""
 
 from models.config import get_config
 from serving.engine import cost_model as cost_lib
+from serving.engine.config import EngineConfig
 
 _BASE = ["fpu", "sse2", "avx", "fma"]
 AVX2_EPYC = {"backend": "cpu", "kind": "cpu", "count": 1, "cpu": "AMD EPYC", "cpus": 2,
@@ -26,6 +27,10 @@ def test_machine_kind_reads_the_widest_isa():
 def test_each_kind_gets_its_own_calibration():
   path, line = cost_lib.select_calibration(AVX2_EPYC, SMOLLM2)
   assert path.name == "cost_model_cpu_avx2.json" and line == ""
+  # The documented fidelity case's engine (cpu_default) is the model it holds for.
+  engine = cost_lib.engine_model_costs(get_config("smollm2-135m"),
+                                       EngineConfig.preset("cpu_default"))
+  assert cost_lib.select_calibration(AVX2_EPYC, engine)[0].name == "cost_model_cpu_avx2.json"
   for costs in (SMOLLM2, OTHER, None):
     path, line = cost_lib.select_calibration(AVX512_EPYC, costs)
     assert path.name == "cost_model_cpu.json" and line == ""
