@@ -368,6 +368,9 @@ class CostModel:
       ``(C**p + M**p) ** (1/p)``; inf (default): ``max(C, M)``, the sharp
       roofline. A fitted profile's p (about 1.2-1.5) says a GEMM near its
       ridge point runs slower than either bound alone.
+    tile: () or one value per feature of ``FEATURES``: a value > 0 rounds
+      that feature up to a multiple of it before it is charged (a fitted
+      profile's GEMM row tile: the GFLOP of one tile of rows, ``for_model``).
     meta: where it holds: ``models`` (the ``ModelCosts`` JSON of each model
       its fit ran; empty: stated model-independent, as a profile),
       ``device`` (``device_fingerprint``), dtype, engine preset, load
@@ -384,6 +387,7 @@ class CostModel:
   min_step_ms: float = 0.0
   meta: dict = dataclasses.field(default_factory=dict, compare=False)
   roofline_p: float = math.inf
+  tile: tuple = ()
 
   def __post_init__(self):
     if len(self.coef_ms) != len(FEATURES):
@@ -397,6 +401,10 @@ class CostModel:
       raise ValueError(f"CostModel.min_step_ms must be >= 0, got {self.min_step_ms}")
     if not self.roofline_p >= 1:
       raise ValueError(f"CostModel.roofline_p must be >= 1 (inf: max), got {self.roofline_p}")
+    if self.tile and (len(self.tile) != len(FEATURES) or any(not t >= 0 for t in self.tile)):
+      raise ValueError(f"CostModel.tile must be () or {len(FEATURES)} values >= 0, "
+                       f"got {self.tile}")
+    object.__setattr__(self, "tile", tuple(float(t) for t in self.tile))
     object.__setattr__(self, "coef_ms", tuple(float(c) for c in self.coef_ms))
 
   @classmethod
@@ -414,7 +422,13 @@ class CostModel:
     """Each feature's term (ms) of one step's ``FEATURES`` values (floats;
     with ``xp`` ``jax.numpy``, traced scalars)."""
     value = float if xp is np else (lambda x: x)
-    return {f: c * value(x) for f, c, x in zip(FEATURES, self.coef_ms, features)}
+    out = {}
+    for i, (f, c, x) in enumerate(zip(FEATURES, self.coef_ms, features)):
+      x = value(x)
+      if self.tile and self.tile[i] > 0:
+        x = xp.ceil(x / self.tile[i] - 1e-9) * self.tile[i]
+      out[f] = c * (float(x) if xp is np else x)
+    return out
 
   def predict_ms(self, features: Sequence[float], xp=np) -> float:
     """Modelled step time (ms) of one step's ``FEATURES`` values: a float
@@ -455,6 +469,8 @@ class CostModel:
            "combine": self.combine, "min_step_ms": self.min_step_ms, "meta": self.meta}
     if not math.isinf(self.roofline_p):
       out["roofline_p"] = self.roofline_p
+    if self.tile:
+      out["tile"] = dict(zip(FEATURES, self.tile))
     return out
 
   def save(self, path) -> None:
@@ -479,7 +495,8 @@ def from_json(d: dict, where: str) -> CostModel:
                      f"scripts/calibrate.py)")
   return CostModel(tuple(coef[f] for f in FEATURES), d.get("combine", "sum"),
                    float(d.get("min_step_ms", 0.0)), dict(d.get("meta", {})),
-                   float(d.get("roofline_p", math.inf)))
+                   float(d.get("roofline_p", math.inf)),
+                   tuple(d["tile"].get(f, 0.0) for f in FEATURES) if d.get("tile") else ())
 
 
 def load(path=None) -> CostModel:
@@ -669,7 +686,10 @@ def for_model(model: CostModel, costs: ModelCosts) -> CostModel:
     more GEMM) ``+ ROW_OPS_PER_BLOCK * B * row_op_ms``, and under TP
     ``ALL_REDUCES_PER_BLOCK * B`` all-reduce latencies;
   * ``rows`` (per live row): ``row_bytes_per_row / row_gbps`` and under TP
-    the all-reduces' ``all_reduce_bytes_per_row`` at their bandwidth.
+    the all-reduces' ``all_reduce_bytes_per_row`` at their bandwidth;
+  * ``tile``: the GEMM features (``gemm_gflop``, ``lm_head_gflop``,
+    ``prompt_gemm_gflop``) rounded up to whole tiles of ``gemm_row_tile``
+    rows (``operators.gemm_row_tile``; 1 or absent: no rounding).
 
   A "sum" calibration (measured on this kind of device as it runs) is
   returned unchanged, as is a profile already charged.
@@ -692,6 +712,13 @@ def for_model(model: CostModel, costs: ModelCosts) -> CostModel:
       coef["step"] += per_step * all_reduce_ms(model, 0.0, tp)
       coef["rows"] += per_step * (all_reduce_ms(model, costs.all_reduce_bytes_per_row, tp)
                                   - all_reduce_ms(model, 0.0, tp))
+    rows = float(ops.get("gemm_row_tile", 1.0))
+    if rows > 1:
+      per_row = dict(gemm_gflop=costs.gemm_flops_per_row,
+                     prompt_gemm_gflop=costs.gemm_flops_per_row,
+                     lm_head_gflop=costs.lm_head_flops_per_row)
+      tile = tuple(rows * per_row[f] / 1e9 if f in per_row else 0.0 for f in FEATURES)
+      model = dataclasses.replace(model, tile=tile)
   return dataclasses.replace(model, coef_ms=tuple(coef[f] for f in FEATURES), meta=meta)
 
 

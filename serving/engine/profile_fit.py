@@ -7,9 +7,10 @@ message size (``all_reduce.csv``, ``send_recv.csv``). The fitted terms are
 the ones ``cost_model.for_model`` charges, by the same definitions:
 
 * a weight GEMM of m rows through a K x N weight on one device:
-  ``gemm_op_ms + ((2mKN / (peak * gemm_eff))**p + (2KN / (hbm * mem_eff))**p)
-  ** (1/p)`` (bf16 weights; a fixed per-operator time the roofline lacks,
-  and a smooth roofline: p = inf is the sharp one);
+  ``gemm_op_ms + ((2m'KN / (peak * gemm_eff))**p + (2KN / (hbm * mem_eff))
+  **p) ** (1/p)``, m' = m rounded up to ``gemm_row_tile`` (bf16 weights; a
+  fixed per-operator time the roofline lacks, a part-filled row tile paying
+  a whole one, and a smooth roofline: p = inf is the sharp one);
 * a row-wise operator (norm, RoPE, activation, residual add):
   ``row_op_ms + bytes / row_gbps``;
 * one block: the four GEMMs' fixed times, the row-wise operators', and one
@@ -64,14 +65,17 @@ class OperatorTable:
   tp: np.ndarray
   times_ms: Dict[str, np.ndarray]
 
-  def gemm_shapes(self) -> Dict[str, tuple]:
-    """op -> (GFLOP f64[N], weight GB f64[N]) of each GEMM on one device."""
+  def gemm_shapes(self, row_tile: float = 1.0) -> Dict[str, tuple]:
+    """op -> (GFLOP f64[N], weight GB f64[N]) of each GEMM on one device,
+    its rows rounded up to a multiple of ``row_tile`` (the GEMM kernel's row
+    tile: a part-filled tile costs a whole one)."""
     d, hd, tp = self.d_model, self.d_model / self.n_heads, self.tp
+    rows = np.ceil(self.tokens / row_tile) * row_tile
     kn = {"attn_pre_proj": (d, (self.n_heads + 2 * self.n_kv_heads) * hd / tp),
           "attn_post_proj": (self.n_heads * hd / tp, d),
           "mlp_up_proj": (d, self.ffn_dim * (1 + self.gated) / tp),
           "mlp_down_proj": (self.ffn_dim / tp, d)}
-    return {op: (2 * self.tokens * k * n / 1e9, BYTES * k * n / 1e9) for op, (k, n) in kn.items()}
+    return {op: (2 * rows * k * n / 1e9, BYTES * k * n / 1e9) for op, (k, n) in kn.items()}
 
   def row_gb(self) -> Dict[str, np.ndarray]:
     """op -> f64[N] GB each row-wise operator moves on one device (the
@@ -138,6 +142,9 @@ class OperatorTerms:
     roofline_p: the smooth roofline's p (inf: max).
     row_op_ms: fixed time of one row-wise operator (ms).
     row_gbps: bandwidth of the row-wise operators (GB/s; inf: free).
+    gemm_row_tile: the GEMMs' FLOPs are charged over the rows rounded up to
+      a multiple of this (1: the rows themselves); chosen, not fitted
+      (``fit_operators_tiled``).
   """
 
   gemm_op_ms: float
@@ -146,9 +153,7 @@ class OperatorTerms:
   roofline_p: float
   row_op_ms: float
   row_gbps: float
-
-  def as_array(self) -> np.ndarray:
-    return np.array(dataclasses.astuple(self), np.float64)
+  gemm_row_tile: float = 1.0
 
 
 def assumed_terms() -> OperatorTerms:
@@ -168,7 +173,7 @@ def predict_operators(table: OperatorTable, terms: OperatorTerms, peak_tflops: f
                       hbm_gbps: float) -> Dict[str, np.ndarray]:
   """op -> f64[N] modelled time (ms) of each operator ``table`` measured."""
   out = {}
-  for op, (gflop, gb) in table.gemm_shapes().items():
+  for op, (gflop, gb) in table.gemm_shapes(terms.gemm_row_tile).items():
     out[op] = terms.gemm_op_ms + _bound(gflop / (peak_tflops * terms.gemm_eff),
                                         1e3 * gb / (hbm_gbps * terms.memory_eff),
                                         terms.roofline_p)
@@ -182,7 +187,7 @@ def predict_block(table: OperatorTable, terms: OperatorTerms, peak_tflops: float
   """f64[N] modelled time (ms) of one block's measured operators, as the
   step model charges a block (``cost_model.for_model``): fixed times, row
   bytes, one smooth roofline over the block's GEMMs."""
-  shapes = table.gemm_shapes()
+  shapes = table.gemm_shapes(terms.gemm_row_tile)
   gflop = sum(s[0] for s in shapes.values())
   gb = sum(s[1] for s in shapes.values())
   rows = [op for op in ROW_OPS if op in table.times_ms]
@@ -200,7 +205,7 @@ _UPPER = np.log([1.0, 1.0, 1.0, 16.0, 1.0, 1e5])
 
 
 def fit_operators(tables: Sequence[OperatorTable], peak_tflops: float, hbm_gbps: float,
-                  *, block_weight: float = 2.0) -> OperatorTerms:
+                  *, block_weight: float = 2.0, gemm_row_tile: float = 1.0) -> OperatorTerms:
   """The ``OperatorTerms`` that best fit ``tables`` (least squares on
   log(predicted / measured) of every operator and, weighted
   ``block_weight``, every block: the block is what the step model charges,
@@ -214,7 +219,7 @@ def fit_operators(tables: Sequence[OperatorTable], peak_tflops: float, hbm_gbps:
   from scipy.optimize import least_squares  # pylint: disable=import-outside-toplevel
 
   def residuals(q):
-    terms = OperatorTerms(*np.exp(q))
+    terms = OperatorTerms(*np.exp(q), gemm_row_tile)
     out = []
     for t in tables:
       pred = predict_operators(t, terms, peak_tflops, hbm_gbps)
@@ -227,7 +232,24 @@ def fit_operators(tables: Sequence[OperatorTable], peak_tflops: float, hbm_gbps:
   start = np.log([0.005, 0.6, 0.75, 2.0, 0.003, 1000.0])
   sol = least_squares(residuals, start, bounds=(_LOWER, _UPPER), loss="soft_l1",
                       f_scale=0.05, x_scale=1.0)
-  return OperatorTerms(*(float(v) for v in np.exp(sol.x)))
+  return OperatorTerms(*(float(v) for v in np.exp(sol.x)), gemm_row_tile)
+
+
+def fit_loss(tables: Sequence[OperatorTable], terms: OperatorTerms, peak_tflops: float,
+             hbm_gbps: float) -> float:
+  """The fit's training criterion: the mean over ``tables`` of the blocks'
+  median plus p90 relative error."""
+  return float(np.mean([sum(error_summary(predict_block(t, terms, peak_tflops, hbm_gbps),
+                                          t.block_ms())[k] for k in ("median", "p90"))
+                        for t in tables]))
+
+
+def fit_operators_tiled(tables: Sequence[OperatorTable], peak_tflops: float, hbm_gbps: float,
+                        tiles: Sequence[float] = (1, 64, 128, 256)) -> OperatorTerms:
+  """``fit_operators`` at each GEMM row tile of ``tiles``; the terms of the
+  tile whose fit has the least ``fit_loss`` on the same (training) tables."""
+  fits = [fit_operators(tables, peak_tflops, hbm_gbps, gemm_row_tile=float(t)) for t in tiles]
+  return min(fits, key=lambda f: fit_loss(tables, f, peak_tflops, hbm_gbps))
 
 
 def error_summary(predicted, measured) -> dict:
@@ -341,7 +363,7 @@ def fit_profile(base: dict, tables: Sequence[OperatorTable], network_dir,
     raise ValueError(f"{gpu}: held_out {list(held_out)} must name at least one of the models "
                      f"{[t.model for t in tables]} and leave one to fit")
   peak, hbm = base["peak_tflops"], base["hbm_gbps"]
-  terms = fit_operators(train, peak, hbm)
+  terms = fit_operators_tiled(train, peak, hbm)
   assumed = assumed_terms()
   held = {"fitted": pooled_by_tp(test, terms, peak, hbm),
           "assumed": pooled_by_tp(test, assumed, peak, hbm)}
@@ -358,7 +380,7 @@ def fit_profile(base: dict, tables: Sequence[OperatorTable], network_dir,
                  efficiency=dict(base["efficiency"], gemm=terms.gemm_eff,
                                  lm_head=terms.gemm_eff, memory=terms.memory_eff),
                  operators=dict(gemm_op_ms=terms.gemm_op_ms, row_op_ms=terms.row_op_ms,
-                                row_gbps=terms.row_gbps),
+                                row_gbps=terms.row_gbps, gemm_row_tile=terms.gemm_row_tile),
                  collectives=collectives)
   profile["fitted"] = {
       "to": f"measured per-operator GPU times (Vidur's public profiles, {gpu})",
@@ -371,9 +393,10 @@ def fit_profile(base: dict, tables: Sequence[OperatorTable], network_dir,
                   f"{was['p90']:.1%}); attention still a roofline")}
   profile["assumptions"] = (
       "Fitted (scripts/fit_profiles.py): the non-attention operators (weight GEMMs: a fixed "
-      "time each plus a smooth roofline of FLOPs at peak x efficiency.gemm and weight bytes "
-      "at bandwidth x efficiency.memory; row-wise operators: a fixed time plus bytes at "
-      "row_gbps) and the all-reduce and send/recv times of one node. Still assumed: "
+      "time each plus a smooth roofline of FLOPs, over the rows rounded up to "
+      "operators.gemm_row_tile, at peak x efficiency.gemm and weight bytes at bandwidth x "
+      "efficiency.memory; row-wise operators: a fixed time plus bytes at row_gbps) and the "
+      "all-reduce and send/recv times of one node. Still assumed: "
       "attention (efficiency.attention of peak FLOP/s, KV reads at the fitted memory "
       "efficiency: a roofline from bandwidth, no attention timings were measured), "
       "step_ms (host and launch time per iteration), the LM head at the GEMMs' efficiency, "

@@ -49,6 +49,18 @@ def test_fit_recovers_known_terms():
   assert err["all"]["median"] < 0.01
 
 
+def test_fit_picks_the_gemm_row_tile_the_data_has():
+  tiled = dataclasses.replace(TRUE, gemm_row_tile=128.0)
+  tables = [_table("small", 2048, 16, 16, 5632, tiled), _table("wide", 8192, 64, 8, 28672, tiled)]
+  got = pf.fit_operators_tiled(tables, PEAK, HBM, tiles=(1, 64, 128))
+  assert got.gemm_row_tile == 128.0
+  assert got.gemm_eff == pytest.approx(0.7, rel=0.03)
+  # 100 rows pay a whole tile: the GEMM's FLOPs of 128 rows.
+  t = _table("one", 2048, 16, 16, 5632, tiled)
+  gflop, _ = t.gemm_shapes(128.0)["mlp_down_proj"]
+  assert gflop[t.tokens == 96][0] == 2 * 128 * 5632 * 2048 / 1e9
+
+
 def test_fit_link_recovers_latency_and_bandwidth():
   size = np.geomspace(2048, 64 * 2 ** 20, 40)
   link = cost_lib.Link(latency_ms=0.02, gbps=150.0)
@@ -110,6 +122,26 @@ def test_fitted_profile_step_cost_is_its_formula(profiles):
   assert m1.predict_ms(f1) == pytest.approx(
       1.0 + 9 * 0.01 + 10 * 0.002 + 8 * one.row_bytes_per_row / 500e6
       + math.hypot(2 * compute_ms, 2 * memory_ms), rel=1e-12)
+
+
+def test_fitted_row_tile_rounds_the_gemm_rows(profiles):
+  tiled = dict(_PROFILE, operators=dict(_PROFILE["operators"], gemm_row_tile=128))
+  (profiles / "tiled.json").write_text(json.dumps(tiled))
+  costs = cost_lib.model_costs(_TINY, "bfloat16")
+  say = lambda _: None  # noqa: E731
+  plain = cost_lib.resolve(cost_lib.load("profile:test"), costs, say=say)
+  model = cost_lib.resolve(cost_lib.load("profile:tiled"), costs, say=say)
+  g = cost_lib.FEATURES.index("gemm_gflop")
+  assert model.tile[g] == 128 * costs.gemm_flops_per_row / 1e9
+  # An 8-row bucket pays 128 rows of GEMM FLOPs (and one sampled row 128 of
+  # the LM head's); a 256-row bucket pays itself.
+  for bucket, rows in ((8, 128), (256, 256)):
+    f = cost_lib.step_features(np.array([bucket, 0.0, 1.0, bucket, 1.0, 1.0]), bucket, costs)
+    want = np.array(f)
+    want[g] = rows * costs.gemm_flops_per_row / 1e9
+    want[cost_lib.FEATURES.index("lm_head_gflop")] = 128 * costs.lm_head_flops_per_row / 1e9
+    assert model.predict_ms(f) == pytest.approx(plain.predict_ms(want), rel=1e-12)
+  assert cost_lib.from_json(model.to_json(), "x").tile == model.tile
 
 
 def test_fitted_profile_must_be_charged_for_a_model(profiles):
