@@ -208,11 +208,16 @@ def test_shipped_profiles_state_what_they_were_fitted_to():
 def test_held_out_error_on_measured_timings(gpu, peak, hbm):
   tables = pf.read_operator_tables(DATA, gpu)
   held = ("Llama-2-70b-hf", "phi-2")
-  terms = pf.fit_operators([t for t in tables if t.model not in held], peak, hbm)
+  terms = pf.fit_operators_tiled([t for t in tables if t.model not in held], peak, hbm)
+  assert terms.gemm_row_tile == 128.0
   test = [t for t in tables if t.model in held]
   fitted = pf.pooled_by_tp(test, terms, peak, hbm)
   assumed = pf.pooled_by_tp(test, pf.assumed_terms(), peak, hbm)
-  assert fitted["all"]["median"] <= 0.05 and fitted["all"]["p90"] <= 0.16
   assert fitted["all"]["median"] < assumed["all"]["median"] / 2
-  for tp in ("1", "2", "4", "8"):
-    assert fitted[tp]["median"] <= 0.05, tp
+  # The target, per TP degree over the held-out rows (docs/simulator.md).
+  for tp in ("1", "2", "4", "8", "all"):
+    assert fitted[tp]["median"] <= 0.05 and fitted[tp]["p90"] <= 0.15, (tp, fitted[tp])
+  # The shipped profile is this fit.
+  shipped = cost_lib.read_profile(cost_lib.PROFILE_DIR / f"{gpu}.json")
+  assert shipped["operators"]["gemm_op_ms"] == pytest.approx(terms.gemm_op_ms, rel=1e-6)
+  assert shipped["roofline_p"] == pytest.approx(terms.roofline_p, rel=1e-6)
