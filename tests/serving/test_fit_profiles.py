@@ -221,3 +221,18 @@ def test_held_out_error_on_measured_timings(gpu, peak, hbm):
   shipped = cost_lib.read_profile(cost_lib.PROFILE_DIR / f"{gpu}.json")
   assert shipped["operators"]["gemm_op_ms"] == pytest.approx(terms.gemm_op_ms, rel=1e-6)
   assert shipped["roofline_p"] == pytest.approx(terms.roofline_p, rel=1e-6)
+
+
+@pytest.mark.skipif(not (DATA / "network").is_dir(),
+                    reason=f"the measured collective timings are not here ({DATA})")
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_collectives_on_measured_timings(gpu):
+  got = pf.fit_collectives(DATA / "network" / f"{gpu}_dgx")
+  assert sorted(got["all_reduce"]) == ["2", "4", "8"]
+  assert sorted(got["send_recv"]) == ["other_node", "same_node"]
+  for link in list(got["all_reduce"].values()) + list(got["send_recv"].values()):
+    assert link["error"]["n"] == 994 and link["error"]["median"] <= 0.15, link
+  # A link within a node is faster than one across two.
+  assert got["send_recv"]["same_node"]["gbps"] > 5 * got["send_recv"]["other_node"]["gbps"]
+  shipped = cost_lib.read_profile(cost_lib.PROFILE_DIR / f"{gpu}.json")["collectives"]
+  assert shipped["all_reduce"]["8"]["gbps"] == pytest.approx(got["all_reduce"]["8"]["gbps"])
