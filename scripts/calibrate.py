@@ -32,7 +32,7 @@ The protocol (``serving.engine.cost_model`` holds the model it fits):
    so every term is fitted and the calibration predicts any model through
    its features.
 4. Writes JSON keyed by model, dtype, engine preset and the device
-   fingerprint (``cost_model.device_fingerprint``), by default under
+   fingerprint (``calibrations.device_fingerprint``), by default under
    ``--cache_dir``/calibration, where simulated launchers on this device
    find it; and the grid (``*_grid.npz``) beside it for ``--refit``.
 5. Held-out check: replays a short workload in real time with the model
@@ -71,6 +71,7 @@ import numpy as np
 from absl import flags
 
 from models.loaders import load_model
+from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving import cli
 from serving.cli import launch
@@ -311,7 +312,7 @@ def main(argv):
   if FLAGS.refit_steps:
     return refit_steps(FLAGS.refit_steps)
   engine_cfg = launch.engine_config()
-  fingerprint = cost_lib.device_fingerprint()
+  fingerprint = cal_lib.device_fingerprint()
   measuring = not FLAGS.holdout_only and not FLAGS.refit
   if measuring:
     _check_grid(engine_cfg)

@@ -58,6 +58,7 @@ import jax
 
 from serving import cli
 from serving.cli import launch
+from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.harness import step_log
 from serving.harness import traces
@@ -205,11 +206,11 @@ def main(argv):
   model_costs = cost_lib.engine_model_costs(cfg, engine_cfg)
   steps = None
   if FLAGS.step_log:
-    cost = cost_lib.resolve(cost_lib.load(sim_cfg.cost_model), model_costs,
-                            say=cost_lib.say_once)
+    cost = cal_lib.resolve(cal_lib.load(sim_cfg.cost_model), model_costs,
+                           say=cal_lib.say_once)
     steps = step_log.StepLog(cost)
     log_meta = dict(model=cfg.name, family=cfg.family, dtype=engine_cfg.dtype,
-                    engine=FLAGS.engine, device=cost_lib.device_fingerprint(),
+                    engine=FLAGS.engine, device=cal_lib.device_fingerprint(),
                     models=[model_costs.to_json()], max_load=FLAGS.max_load,
                     platform=f"{jax.default_backend()} {jax.devices()[0].device_kind}")
   cases = []

@@ -7,7 +7,7 @@ data folder (Vidur's public profiles; its PROVENANCE.md names the commit),
 fits the operator terms on every model but ``--held_out``
 (``serving.engine.profile_fit``) and the collectives on the node's
 all-reduce and send/recv times, and writes ``<gpu>.json`` (profile format 2,
-``cost_model.read_profile``) into ``--out_dir``, H200's scaled from H100's
+``profiles.read_profile``) into ``--out_dir``, H200's scaled from H100's
 (same fitted terms, its own bandwidth), and the report (held-out error per
 GPU, model, TP degree and operator beside the assumptions replaced) to
 ``--report``. Nothing is measured here: a least-squares fit of the tables.
@@ -24,13 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 
 from serving import cli
-from serving.engine import cost_model as cost_lib
+from serving.engine import profiles as profile_lib
 from serving.engine import profile_fit
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", "../shared/data/vidur_profiles", "The measured profiles "
                     "(compute/<gpu>/<org>/<model>/mlp.csv, network/<gpu>_dgx/*.csv).")
-flags.DEFINE_string("out_dir", str(cost_lib.PROFILE_DIR), "Where the profile JSONs go.")
+flags.DEFINE_string("out_dir", str(profile_lib.PROFILE_DIR), "Where the profile JSONs go.")
 flags.DEFINE_string("report", "runs/fit_profiles_report.json", "The fit's report JSON.")
 flags.DEFINE_list("gpus", ["a100", "h100"], "GPUs to fit (folders of compute/).")
 flags.DEFINE_list("held_out", ["Llama-2-70b-hf", "phi-2"], "Models left out of the fit "
@@ -53,7 +53,7 @@ def main(argv):
   commit = data_commit(FLAGS.data_dir)
   report, written = {"data_commit": commit, "held_out": FLAGS.held_out}, {}
   for gpu in FLAGS.gpus:
-    base = cost_lib.read_profile(Path(FLAGS.out_dir) / f"{gpu}.json")
+    base = profile_lib.read_profile(Path(FLAGS.out_dir) / f"{gpu}.json")
     profile, report[gpu] = profile_fit.fit_profile(
         base, profile_fit.read_operator_tables(FLAGS.data_dir, gpu),
         Path(FLAGS.data_dir) / "network" / f"{gpu}_dgx", FLAGS.held_out, gpu, commit)
@@ -61,7 +61,7 @@ def main(argv):
   if FLAGS.scaled:
     target, source = FLAGS.scaled.split(":")
     written[target] = profile_fit.scaled_profile(
-        cost_lib.read_profile(Path(FLAGS.out_dir) / f"{target}.json"), written[source], source)
+        profile_lib.read_profile(Path(FLAGS.out_dir) / f"{target}.json"), written[source], source)
   for name, profile in written.items():
     (Path(FLAGS.out_dir) / f"{name}.json").write_text(
         json.dumps(profile, indent=1, sort_keys=True) + "\n")

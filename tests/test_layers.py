@@ -99,9 +99,6 @@ LONG_MODULES = {
                            "that moves them hold their invariants only together",
     "scheduler/conformance.py": "the kit is one procedure a policy author reads top to "
                                 "bottom: rules, workloads, driver, page ledger, shrinker",
-    "serving/engine/cost_model.py": "features, fit, accelerator profiles and device "
-                                    "fingerprint are one calibration contract, evaluated "
-                                    "alike on the host and inside the simulated loop",
     "serving/engine/engine.py": "Engine is the public API (intake, step, simulate, "
                                 "counters) composing the request table, clocks, prefix "
                                 "book and suspensions; bounded by ENGINE_LINES instead",

@@ -25,6 +25,7 @@ from serving.cli import hostmem
 from serving.harness import traces
 from serving.harness import workloads
 from serving.harness import synthetic as synthetic_workloads
+from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -313,8 +314,8 @@ def engine_config(**overrides) -> EngineConfig:
   if virtual and not config.cost_model and FLAGS.cache_dir:
     # A calibration scripts/calibrate.py made on this kind of device wins
     # over the shipped one.
-    found = cost_lib.find_calibration(f"{FLAGS.cache_dir}/calibration",
-                                      cost_lib.device_fingerprint(), config.dtype, FLAGS.engine)
+    found = cal_lib.find_calibration(f"{FLAGS.cache_dir}/calibration",
+                                     cal_lib.device_fingerprint(), config.dtype, FLAGS.engine)
     if found is not None:
       print(f"cost model: {found} (calibrated on this device)")
       config = dataclasses.replace(config, cost_model=str(found))
@@ -332,7 +333,7 @@ def check_cost_model() -> None:
   if not path:
     return
   try:
-    cost_lib.load(path)
+    cal_lib.load(path)
   except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError) as e:
     raise ValueError(f"--cost_model {path!r} is not a cost model JSON (a calibration of "
                      f"scripts/calibrate.py, or profile:NAME): {e}") from None

@@ -18,7 +18,7 @@ from models.amx import GEMMS as INT8_GEMMS
 from models.rowgemm import GEMMS as DECODE_GEMMS
 from models.sharding import parse_mesh
 from scheduler.policies import check_policy_name, check_reservation
-from serving.engine import cost_model
+from serving.engine import profiles as profile_lib
 
 # How every accepted request ends, exactly one of these (the engine's
 # ``Request.outcome``; reports count them in this order).
@@ -317,7 +317,7 @@ class HarnessConfig:
     _require(isinstance(self.cost_model, str), c, "cost_model",
              "must be a str (a calibration JSON path, 'profile:NAME' or '')", self.cost_model)
     if self.cost_model.startswith("profile:"):
-      profiles = cost_model.profile_names()
+      profiles = profile_lib.profile_names()
       _require(self.cost_model[len("profile:"):] in profiles, c, "cost_model",
                f"must name a shipped accelerator profile, one of "
                f"{['profile:' + n for n in profiles]}", self.cost_model)

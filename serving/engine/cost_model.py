@@ -1,9 +1,11 @@
 """Step-time cost model of one iteration: features from the model and the plan.
 
-One file: the features, their fit, the accelerator profiles and the
-calibration's device fingerprint are one contract (a calibration JSON is
-read, checked against this device and evaluated by the same definitions
-on the host and inside the simulated loop).
+The features and their fit are this module; the accelerator profiles and
+the collectives are ``serving.engine.profiles``, and the calibrations
+(reading one, the device fingerprint, the machine kinds and checking a
+model against this device: ``resolve``) ``serving.engine.calibrations``.
+All three evaluate the same definitions, on the host and inside the
+simulated loop.
 
 The modelled time of an iteration is a function of what the step computes
 and moves, derived from the ``ModelConfig`` (``model_costs``) and the plan
@@ -49,27 +51,13 @@ throughput the fit measured (GFLOP/s, GB/s): the efficiencies of
 * ``"sum"``: every term adds (a fitted calibration; on a CPU the compute
   and memory phases of a step overlap little).
 * ``"roofline"``: ``step + rows + max(compute terms, memory terms)``: an
-  accelerator profile (``profile``), where a step is bound by the larger of
-  its FLOPs at peak x efficiency and its bytes at bandwidth x efficiency
-  (a fitted profile: the smooth bound ``CostModel.roofline_p``).
+  accelerator profile (``serving.engine.profiles``), where a step is bound
+  by the larger of its FLOPs at peak x efficiency and its bytes at
+  bandwidth x efficiency (a fitted profile: the smooth bound
+  ``CostModel.roofline_p``).
 
-A fitted GPU profile (format 2, ``scripts/fit_profiles.py`` and
-``serving.engine.profile_fit``, on measured per-operator GPU timings) adds
-terms that depend on the model: a fixed time per GEMM and per row-wise
-operator in every block, the row-wise operators' bytes, and under TP one
-device's share plus the all-reduces. ``for_model`` (inside ``resolve``)
-charges them into the ``step`` and ``rows`` coefficients for the model at
-hand; ``all_reduce_ms`` and ``send_recv_ms`` are the collectives' one
-definition. Where no calibration is named, ``resolve`` takes the shipped
-CPU calibration of this machine's kind (``select_calibration``).
-
-``scripts/calibrate.py`` measures the model executor on a grid and fits the
-"sum" form by non-negative least squares (``fit``: ``scipy.optimize.nnls``);
-the JSON names the models the grid ran, the dtype, engine preset, device
-fingerprint (``device_fingerprint``) and load average. ``resolve`` is how
-the engine takes one: a calibration fitted on one model predicts only that
-model (its weight term cannot be told from the per-step term); one fitted on
-two or more models, or a profile, predicts any model through its features.
+``fit`` is the non-negative least-squares fit of the "sum" form that
+``scripts/calibrate.py`` runs on a measured grid (``scipy.optimize.nnls``).
 Linear per-iteration cost models are what Vidur (Agrawal et al., MLSys 2024)
 fits per operator; the roofline bound is Williams et al. (CACM 2009).
 
@@ -81,14 +69,10 @@ per query-key pair).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import os
-import platform
-import sys
 from pathlib import Path
-from typing import Callable, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,10 +90,6 @@ MEMORY = ("kv_read_gb", "weight_read_gb", "extra_weight_read_gb")
 # as 0 (what that calibration's predictions already assumed).
 ADDED_FEATURES = ("prompt_gemm_gflop", "extra_weight_read_gb")
 COMBINES = ("sum", "roofline")
-_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-DEFAULT_CALIBRATION = _CONFIGS / "calibration" / "cost_model_cpu.json"
-PROFILE_DIR = _CONFIGS / "accelerators"
-PROFILE_PREFIX = "profile:"
 # Bytes per stored element of a weight or KV dtype name.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
@@ -152,15 +132,15 @@ class ModelCosts:
       weights: one byte per element, per-column scales left out).
     tp: the tensor-parallel degree the engine runs (``EngineConfig.mesh``'s
       model axis). The fields above are the whole model's; a fitted
-      profile charges one device's share (``for_model``).
+      profile charges one device's share (``profiles.for_model``).
     row_bytes_per_row: bytes one token row moves through a device's
-      row-wise operators in all blocks (``ROW_OPS_PER_BLOCK``: two norms
+      row-wise operators in all blocks (``profiles.ROW_OPS_PER_BLOCK``: two norms
       of ``d_model`` read and written, the residual add's two reads and
       one write, RoPE over the device's q and k heads, the MLP activation
       over its share of the width: gate and up read, one written), in the
       activation dtype (``activation_dtype``).
     all_reduce_bytes_per_row: bytes one row adds to each of a block's
-      ``ALL_REDUCES_PER_BLOCK`` all-reduces under TP (``d_model`` in the
+      ``profiles.ALL_REDUCES_PER_BLOCK`` all-reduces under TP (``d_model`` in the
       activation dtype).
   """
 
@@ -370,10 +350,11 @@ class CostModel:
       ridge point runs slower than either bound alone.
     tile: () or one value per feature of ``FEATURES``: a value > 0 rounds
       that feature up to a multiple of it before it is charged (a fitted
-      profile's GEMM row tile: the GFLOP of one tile of rows, ``for_model``).
+      profile's GEMM row tile: the GFLOP of one tile of rows,
+      ``profiles.for_model``).
     meta: where it holds: ``models`` (the ``ModelCosts`` JSON of each model
       its fit ran; empty: stated model-independent, as a profile),
-      ``device`` (``device_fingerprint``), dtype, engine preset, load
+      ``device`` (``calibrations.device_fingerprint``), dtype, engine preset, load
       average, grid, residuals, ``uncalibrated`` for a profile; carried
       into reports.
   Raises:
@@ -499,229 +480,6 @@ def from_json(d: dict, where: str) -> CostModel:
                    tuple(d["tile"].get(f, 0.0) for f in FEATURES) if d.get("tile") else ())
 
 
-def load(path=None) -> CostModel:
-  """Reads a calibration JSON (default ``DEFAULT_CALIBRATION``, marked
-  ``meta["chosen"] = "default"``: ``resolve`` then takes the shipped
-  calibration of this machine's kind instead) or, for ``"profile:NAME"``,
-  an accelerator profile (``profile``).
-
-  Raises:
-    ValueError: missing file or profile, or a file of another form.
-  """
-  if path and str(path).startswith(PROFILE_PREFIX):
-    return profile(str(path)[len(PROFILE_PREFIX):])
-  chosen = bool(path)
-  path = Path(path) if path else DEFAULT_CALIBRATION
-  if not path.exists():
-    raise ValueError(f"cost model file {str(path)!r} not found (write one with "
-                     f"scripts/calibrate.py, or use --cost_model={PROFILE_PREFIX}NAME for one of "
-                     f"{profile_names()})")
-  model = from_json(json.loads(path.read_text()), str(path))
-  model.meta["path"] = path.name
-  if not chosen:
-    # None named: ``resolve`` picks the shipped calibration of this
-    # machine's kind (``select_calibration``) for the model at hand.
-    model.meta["chosen"] = "default"
-  return model
-
-
-def profile_names() -> list:
-  """The accelerator profiles shipped in ``configs/accelerators``."""
-  return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
-
-
-# The operators of one block a fitted profile charges (the measured ones):
-# four weight GEMMs (QKV, output, MLP up with its gate, down) and five
-# row-wise operators (two norms, RoPE, the MLP activation, the residual add);
-# under TP two all-reduces (after the output and the down projections).
-GEMMS_PER_BLOCK = 4
-ROW_OPS_PER_BLOCK = 5
-ALL_REDUCES_PER_BLOCK = 2
-PROFILE_FORMATS = (1, 2)
-_PROFILE_KEYS = ("device", "source", "assumptions", "peak_tflops", "hbm_gbps", "step_ms",
-                 "row_ms", "efficiency")
-_FITTED_KEYS = ("operators", "collectives", "roofline_p", "fitted")
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-  """A transfer's time: ``latency_ms + bytes / (gbps * 1e6)`` ms (a
-  latency-bandwidth model fitted to measured collective times)."""
-
-  latency_ms: float
-  gbps: float
-
-  def ms(self, nbytes):
-    """Time (ms) of a message of ``nbytes`` bytes (a float or an array)."""
-    return self.latency_ms + nbytes / (self.gbps * 1e6)
-
-
-def _link(d: dict, where: str) -> Link:
-  try:
-    link = Link(float(d["latency_ms"]), float(d["gbps"]))
-  except (KeyError, TypeError, ValueError):
-    raise ValueError(f"{where} must be {{'latency_ms': >= 0, 'gbps': > 0}}, got {d!r}") from None
-  if not (link.latency_ms >= 0 and link.gbps > 0):
-    raise ValueError(f"{where} must have latency_ms >= 0 and gbps > 0, got {d!r}")
-  return link
-
-
-def all_reduce_ms(model: CostModel, nbytes, workers: int):
-  """Time (ms) of one all-reduce of ``nbytes`` bytes over ``workers`` devices
-  of one node, from the profile's measured collectives (``Link`` of the
-  largest fitted worker count <= ``workers``; 0 for one worker).
-
-  Raises:
-    ValueError: the model states no measured all-reduce (a profile not
-      fitted, a CPU calibration), or ``workers`` below the smallest fitted.
-  """
-  if workers == 1:
-    return 0.0 * nbytes
-  table = model.meta.get("per_model", {}).get("collectives", {}).get("all_reduce")
-  if not table:
-    raise ValueError(f"cost model {model.meta.get('profile') or model.meta.get('path')!r} "
-                     f"states no measured all-reduce times (a fitted GPU profile does)")
-  fitted = sorted(int(w) for w in table)
-  below = [w for w in fitted if w <= workers]
-  if not below:
-    raise ValueError(f"all_reduce_ms: workers must be 1 or >= {fitted[0]} (fitted for "
-                     f"{fitted}), got {workers}")
-  return _link(table[str(below[-1])], f"all_reduce[{below[-1]}]").ms(nbytes)
-
-
-def send_recv_ms(model: CostModel, nbytes, *, same_node: bool = True):
-  """Time (ms) to send ``nbytes`` bytes from one device to another (in the
-  same node over NVLink, or ``same_node=False`` to another node), from the
-  profile's measured send/recv: what a KV-cache transfer between replicas
-  costs.
-
-  Raises:
-    ValueError: the model states no measured send/recv.
-  """
-  table = model.meta.get("per_model", {}).get("collectives", {}).get("send_recv")
-  where = "same_node" if same_node else "other_node"
-  if not table or where not in table:
-    raise ValueError(f"cost model {model.meta.get('profile') or model.meta.get('path')!r} "
-                     f"states no measured send/recv ({where}; a fitted GPU profile does)")
-  return _link(table[where], f"send_recv[{where}]").ms(nbytes)
-
-
-def read_profile(path) -> dict:
-  """A profile JSON, checked (``profile`` builds the model of it).
-
-  Format 1 (no ``format`` field): published peaks x stated efficiencies.
-  Format 2 adds what a fit to measured operator timings gives
-  (``scripts/fit_profiles.py``): ``operators`` (``gemm_op_ms`` and
-  ``row_op_ms``, the fixed time of each GEMM and row-wise operator, and
-  ``row_gbps``, the row-wise operators' bandwidth), ``collectives``
-  (``all_reduce`` by worker count and ``send_recv`` by ``same_node`` /
-  ``other_node``, each ``{latency_ms, gbps}``), ``roofline_p`` and
-  ``fitted`` (what it was fitted to, and its held-out error).
-
-  Raises:
-    ValueError: naming the file and the missing or bad field.
-  """
-  p = json.loads(Path(path).read_text())
-  fmt = p.get("format", 1)
-  if fmt not in PROFILE_FORMATS:
-    raise ValueError(f"profile {Path(path).name}: format must be one of {PROFILE_FORMATS}, "
-                     f"got {fmt!r} (written by a newer version?)")
-  need = _PROFILE_KEYS + (_FITTED_KEYS if fmt == 2 else ())
-  missing = [k for k in need if k not in p]
-  missing += [f"efficiency.{k}" for k in ("gemm", "lm_head", "attention", "memory")
-              if k not in p.get("efficiency", {})]
-  if fmt == 2:
-    missing += [f"operators.{k}" for k in ("gemm_op_ms", "row_op_ms", "row_gbps")
-                if k not in p.get("operators", {})]
-  if missing:
-    raise ValueError(f"profile {Path(path).name} (format {fmt}) lacks {missing}")
-  return p
-
-
-def profile(name: str) -> CostModel:
-  """An accelerator's roofline cost model from its profile JSON
-  (``read_profile``).
-
-  Each compute and memory term's coefficient is ``1000 / (peak *
-  efficiency)``. Format 1 is marked ``uncalibrated`` in its meta (and every
-  report that carries it). Format 2 (fitted) carries its operator and
-  collective terms in ``meta["per_model"]``: they depend on the model's
-  blocks, widths and TP degree, so ``resolve`` (``for_model``) charges them
-  before the model predicts.
-
-  Raises:
-    ValueError: no such profile (naming the ones there are), or a file
-      ``read_profile`` refuses.
-  """
-  path = PROFILE_DIR / f"{name}.json"
-  if not path.exists():
-    raise ValueError(f"cost model profile {name!r} not found; profiles: {profile_names()}")
-  p = read_profile(path)
-  eff = p["efficiency"]
-  flops_s = p["peak_tflops"] * 1e3            # GFLOP/s
-  coef = dict(step=p["step_ms"], rows=p["row_ms"],
-              gemm_gflop=1000.0 / (flops_s * eff["gemm"]),
-              lm_head_gflop=1000.0 / (flops_s * eff["lm_head"]),
-              attention_gflop=1000.0 / (flops_s * eff["attention"]),
-              kv_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]),
-              weight_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]))
-  meta = dict(profile=name, models=[], device={"kind": p["device"]},
-              source=p["source"], assumptions=p["assumptions"])
-  if p.get("format", 1) == 1:
-    return CostModel.of(combine="roofline", meta=dict(meta, uncalibrated=True), **coef)
-  meta.update(fitted=p["fitted"], per_model=dict(operators=p["operators"],
-                                                 collectives=p["collectives"]))
-  model = CostModel.of(combine="roofline", meta=meta, **coef)
-  return dataclasses.replace(model, roofline_p=float(p["roofline_p"]))
-
-
-def for_model(model: CostModel, costs: ModelCosts) -> CostModel:
-  """A roofline profile charged for one model at its TP degree.
-
-  Every compute and memory term is one device's share (``1 / costs.tp`` of
-  the model's FLOPs and bytes). A fitted profile (``meta["per_model"]``)
-  adds, per step, with B blocks:
-
-  * ``step``: ``(GEMMS_PER_BLOCK * B + 1) * gemm_op_ms`` (the LM head is one
-    more GEMM) ``+ ROW_OPS_PER_BLOCK * B * row_op_ms``, and under TP
-    ``ALL_REDUCES_PER_BLOCK * B`` all-reduce latencies;
-  * ``rows`` (per live row): ``row_bytes_per_row / row_gbps`` and under TP
-    the all-reduces' ``all_reduce_bytes_per_row`` at their bandwidth;
-  * ``tile``: the GEMM features (``gemm_gflop``, ``lm_head_gflop``,
-    ``prompt_gemm_gflop``) rounded up to whole tiles of ``gemm_row_tile``
-    rows (``operators.gemm_row_tile``; 1 or absent: no rounding).
-
-  A "sum" calibration (measured on this kind of device as it runs) is
-  returned unchanged, as is a profile already charged.
-  """
-  if model.combine != "roofline" or model.meta.get("for_model"):
-    return model
-  coef = dict(zip(FEATURES, model.coef_ms))
-  tp = costs.tp
-  for f in COMPUTE + MEMORY:
-    coef[f] /= tp
-  meta = dict(model.meta, for_model=dict(tp=tp, blocks=len(costs.windows)))
-  terms = model.meta.get("per_model")
-  if terms:
-    ops, blocks = terms["operators"], len(costs.windows)
-    coef["step"] += ((GEMMS_PER_BLOCK * blocks + 1) * ops["gemm_op_ms"]
-                     + ROW_OPS_PER_BLOCK * blocks * ops["row_op_ms"])
-    coef["rows"] += costs.row_bytes_per_row / (ops["row_gbps"] * 1e6)
-    if tp > 1:
-      per_step = ALL_REDUCES_PER_BLOCK * blocks
-      coef["step"] += per_step * all_reduce_ms(model, 0.0, tp)
-      coef["rows"] += per_step * (all_reduce_ms(model, costs.all_reduce_bytes_per_row, tp)
-                                  - all_reduce_ms(model, 0.0, tp))
-    rows = float(ops.get("gemm_row_tile", 1.0))
-    if rows > 1:
-      per_row = dict(gemm_gflop=costs.gemm_flops_per_row,
-                     prompt_gemm_gflop=costs.gemm_flops_per_row,
-                     lm_head_gflop=costs.lm_head_flops_per_row)
-      tile = tuple(rows * per_row[f] / 1e9 if f in per_row else 0.0 for f in FEATURES)
-      model = dataclasses.replace(model, tile=tile)
-  return dataclasses.replace(model, coef_ms=tuple(coef[f] for f in FEATURES), meta=meta)
-
-
 def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float = 0.0,
         meta: Dict = None, nonnegative: bool = True) -> CostModel:
   """Least-squares fit of the "sum" model.
@@ -781,267 +539,3 @@ def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float
               median_rel_residual=float(np.median(np.abs(resid) / np.maximum(y, 1e-9))),
               residual_without=without)
   return CostModel(tuple(float(c) for c in coef), "sum", min_step_ms, meta)
-
-
-def device_fingerprint() -> dict:
-  """What a calibration holds for: the JAX backend and device kind and
-  count, and on a CPU its model name, logical CPU count and a hash of its
-  feature flags (``/proc/cpuinfo``; empty where there is none), with the
-  sorted flags themselves (``flags``: what ``device_difference`` names).
-  ``id`` is a short hash of the rest but ``flags`` (calibrations made before
-  the list was stored keep their ids): equal ids, the same kind of machine."""
-  import jax    # pylint: disable=import-outside-toplevel
-  devices = jax.devices()
-  fp = {"backend": jax.default_backend(), "kind": devices[0].device_kind,
-        "count": len(devices)}
-  if fp["backend"] == "cpu":
-    name, flags = platform.processor(), []
-    try:
-      for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-          name = value.strip()
-        elif key.strip() == "flags" and not flags:
-          flags = sorted(value.split())
-    except OSError:
-      pass
-    fp.update(cpu=name, cpus=os.cpu_count(),
-              flags_sha=hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12])
-  fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
-  if fp["backend"] == "cpu":
-    fp["flags"] = flags
-  return fp
-
-
-# Fingerprint fields device_difference compares (``id`` hashes them).
-_DEVICE_FIELDS = ("backend", "kind", "count", "cpu", "cpus", "flags_sha")
-_MAX_FLAGS_NAMED = 5
-
-
-def device_difference(made: dict, here: dict) -> str:
-  """In words, how the device a calibration was ``made`` on differs from
-  ``here`` (two ``device_fingerprint`` dicts), e.g. ``same CPU model (AMD
-  EPYC, 2 CPUs) but other CPU feature flags (this one lacks avx512f)`` or
-  ``another CPU model (AMD EPYC vs Intel Xeon)``. The flags that differ are
-  named (at most 5) where both fingerprints hold the list; '' when no
-  compared field differs. A field only one of them records (an older or
-  hand-written fingerprint) is not compared."""
-  differ = [k for k in _DEVICE_FIELDS
-            if k in made and k in here and made[k] != here[k]]
-  if not differ:
-    return ""
-  if {"backend", "kind"} & set(differ):
-    return f"another kind of device ({made.get('kind', '?')} vs {here.get('kind', '?')})"
-  if "cpu" in differ:
-    return f"another CPU model ({made.get('cpu', '?')} vs {here.get('cpu', '?')})"
-  parts = []
-  if "count" in differ:
-    parts.append(f"another device count ({made.get('count')} vs {here.get('count')})")
-  if "cpus" in differ:
-    parts.append(f"another CPU count ({made.get('cpus')} vs {here.get('cpus')})")
-  if "flags_sha" in differ:
-    parts.append("other CPU feature flags")
-    if isinstance(made.get("flags"), list) and isinstance(here.get("flags"), list):
-      lacks = sorted(set(made["flags"]) - set(here["flags"]))
-      has = sorted(set(here["flags"]) - set(made["flags"]))
-      shown_lacks = lacks[:_MAX_FLAGS_NAMED]
-      shown_has = has[:_MAX_FLAGS_NAMED - len(shown_lacks)]
-      words = [f"{verb} {', '.join(names)}" for verb, names in
-               (("lacks", shown_lacks), ("has", shown_has)) if names]
-      hidden = len(lacks) + len(has) - len(shown_lacks) - len(shown_has)
-      if hidden:
-        words.append(f"{hidden} more")
-      if words:
-        parts[-1] += f" (this one {'; '.join(words)})"
-  if made.get("cpu"):
-    cpus = "" if "cpus" in differ else f", {made.get('cpus')} CPUs"
-    same = f"same CPU model ({made['cpu']}{cpus})"
-  else:
-    same = f"same kind of device ({made.get('kind', '?')})"
-  return f"{same} but {' and '.join(parts)}"
-
-
-CALIBRATION_DIR = _CONFIGS / "calibration"
-# The vector ISA a CPU calibration holds for: the widest of these its flags
-# name (the native kernels and XLA's CPU code differ most by it).
-_ISAS = (("avx512f", "avx512"), ("avx2", "avx2"), ("asimd", "neon"))
-
-
-def machine_kind(fingerprint: dict) -> Optional[dict]:
-  """The kind of machine a ``device_fingerprint`` is, as calibrations are
-  chosen by: ``{"cpu": model name, "cpus": logical CPUs, "isa": "avx512" |
-  "avx2" | "neon" | "baseline"}``; None for a non-CPU backend or a
-  fingerprint without its flag list (a calibration made before flags were
-  stored states its ``machine_kind`` in its meta instead)."""
-  if fingerprint.get("backend") != "cpu" or not isinstance(fingerprint.get("flags"), list):
-    return None
-  flags = set(fingerprint["flags"])
-  isa = next((name for flag, name in _ISAS if flag in flags), "baseline")
-  return {"cpu": fingerprint.get("cpu"), "cpus": fingerprint.get("cpus"), "isa": isa}
-
-
-def _kind_words(kind: Optional[dict]) -> str:
-  if not kind:
-    return "not a CPU"
-  isa = {"avx512": "AVX-512", "avx2": "AVX2", "neon": "NEON"}.get(kind["isa"], "no AVX2")
-  return f"{kind['cpu']}, {kind['cpus']} CPUs, {isa}"
-
-
-def shipped_calibrations(directory=CALIBRATION_DIR) -> list:
-  """(path, meta) of every calibration JSON in ``directory`` that states its
-  machine kind (``meta["machine_kind"]`` or a fingerprint with flags),
-  sorted by file name."""
-  out = []
-  for path in sorted(Path(directory).glob("*.json")):
-    try:
-      d = json.loads(path.read_text())
-    except (OSError, ValueError):
-      continue
-    meta = d.get("meta", {})
-    if "coef_ms" in d and (meta.get("machine_kind") or machine_kind(meta.get("device", {}))):
-      out.append((path, meta))
-  return out
-
-
-def select_calibration(fingerprint: dict, costs: Optional[ModelCosts] = None,
-                       directory=CALIBRATION_DIR) -> tuple:
-  """The shipped calibration for this machine: ``(path, "")``, or ``(None,
-  line)`` where none holds, ``line`` saying why in one line and naming
-  ``scripts/calibrate.py``.
-
-  A calibration holds when its machine kind (``machine_kind``: CPU model,
-  CPU count, vector ISA) is this fingerprint's, and it can predict
-  ``costs``' model (fitted on two or more models, or on this one). One made
-  on this very fingerprint (``id``) first, then one fitted on more models.
-  """
-  here = machine_kind(fingerprint)
-  found, kinds, one_model = [], [], []
-  for path, meta in shipped_calibrations(directory):
-    kind = meta.get("machine_kind") or machine_kind(meta.get("device", {}))
-    kinds.append(_kind_words(kind))
-    if kind != here:
-      continue
-    models = [_costs_key(m) for m in meta.get("models", [])]
-    if costs is not None and len(models) == 1 and models[0] != _costs_key(costs.to_json()):
-      one_model.append(f"{path.name} (fitted on {meta.get('model', '?')} only)")
-      continue
-    found.append((meta.get("device", {}).get("id") == fingerprint.get("id"),
-                  len(models), path.name, path))
-  if found:
-    return max(found)[3], ""
-  why = (f"the one for this machine's kind cannot predict this model: {one_model[0]}"
-         if one_model else f"none of this machine's kind ({_kind_words(here)}; shipped: "
-                           f"{'; '.join(kinds) or 'none'})")
-  return None, (f"cost model: no shipped CPU calibration holds here, {why}; using "
-                f"{DEFAULT_CALIBRATION.name}, whose times may not hold here: fit one on an idle "
-                f"machine with scripts/calibrate.py (--quick: a smaller grid)")
-
-
-def find_calibration(directory, fingerprint: dict, dtype: str,
-                     engine: str) -> Optional[Path]:
-  """The calibration in ``directory`` made on this kind of device
-  (``fingerprint["id"]``) for ``dtype`` and the ``engine`` preset: one
-  fitted on several models first, then the newest; None when there is none.
-  (Whether it may predict the model at hand is ``resolve``'s check.)"""
-  found = []
-  for path in Path(directory).glob("*.json") if Path(directory).is_dir() else ():
-    try:
-      meta = json.loads(path.read_text()).get("meta", {})
-    except (OSError, ValueError):
-      continue
-    if (meta.get("device", {}).get("id") == fingerprint["id"] and meta.get("dtype") == dtype
-        and meta.get("engine") == engine):
-      found.append((len(meta.get("models", [])) > 1, meta.get("created", ""), path))
-  return max(found)[2] if found else None
-
-
-# ModelCosts fields a calibration's stored models may lack (written before
-# them) or that do not change what a calibration predicts.
-_NOT_KEYED = ("weight_bytes", "tp", "row_bytes_per_row", "all_reduce_bytes_per_row")
-
-
-def _costs_key(costs: dict) -> dict:
-  return {k: v for k, v in costs.items() if k not in _NOT_KEYED}
-
-
-_SAID = set()
-
-
-def say_once(line: str) -> None:
-  """Prints ``line`` to stderr the first time this process says it (N
-  replicas on one calibration warn once)."""
-  if line not in _SAID:
-    _SAID.add(line)
-    print(line, file=sys.stderr)
-
-
-def resolve(model: CostModel, costs: ModelCosts, *,
-            fingerprint: Optional[dict] = None,
-            say: Callable[[str], None] = print) -> CostModel:
-  """Checks that ``model`` may predict ``costs``' model on this device.
-
-  * A calibration fitted on exactly one model predicts only that model (its
-    weight reads are folded into the per-step term): another model is
-    refused. One fitted on two or more models, or one stating no models (a
-    profile, a hand-written model), predicts any model through its
-    features; a model it did not see gets a one-line note.
-  * A calibration made on another device (``device_fingerprint`` id) gets
-    a one-line warning naming what differs (``device_difference``); a
-    profile (``uncalibrated``) a one-line note.
-  * The default calibration (``load`` given no path) is replaced by the
-    shipped one of this machine's kind for this model
-    (``select_calibration``), said in one line; where none holds, one line
-    says so and names ``scripts/calibrate.py``, and the default is kept.
-
-  Args:
-    model: the loaded cost model.
-    costs: the engine model's ``ModelCosts``.
-    fingerprint: this device's (default ``device_fingerprint()``).
-    say: where the one-line notes go.
-  Returns:
-    ``model``, a profile charged for ``costs``' model (``for_model``).
-  Raises:
-    ValueError: a one-model calibration for another model, naming both.
-  """
-  if model.meta.get("chosen") == "default" and model.combine == "sum":
-    fp = fingerprint or device_fingerprint()
-    path, line = select_calibration(fp, costs)
-    if path is None:
-      say(line)
-      model = dataclasses.replace(model, meta=dict(model.meta, chosen="default, none holds"))
-    else:
-      model = load(path)
-      model.meta["chosen"] = f"by machine kind ({_kind_words(machine_kind(fp))})"
-      say(f"cost model: {path.name}, the shipped calibration for this machine "
-          f"({_kind_words(machine_kind(fp))})")
-      fingerprint = fp
-  seen = [_costs_key(m) for m in model.models]
-  here = _costs_key(costs.to_json())
-  where = model.meta.get("path") or model.meta.get("profile") or "the cost model"
-  if len(seen) == 1 and seen[0] != here:
-    raise ValueError(
-        f"cost model {where} was fitted on one model only ({model.meta.get('model', '?')}: "
-        f"its weight reads are folded into the per-step term) and cannot predict this model "
-        f"(gemm_flops_per_row {here['gemm_flops_per_row']} vs "
-        f"{seen[0].get('gemm_flops_per_row')}); calibrate on this model, or on two models "
-        f"(scripts/calibrate.py --second_model)")
-  if len(seen) > 1 and here not in seen:
-    say(f"cost model: {where} was fitted on {len(seen)} other models; predicting this one "
-        f"from its cost features")
-  if model.meta.get("provisional"):
-    say(f"cost model: {where} is provisional: {model.meta['provisional']}")
-  if model.meta.get("uncalibrated"):
-    say(f"cost model: accelerator profile {model.meta.get('profile')!r} is uncalibrated "
-        f"(published peaks x stated efficiencies)")
-  elif model.meta.get("fitted"):
-    fitted = model.meta["fitted"]
-    say(f"cost model: accelerator profile {model.meta.get('profile')!r}: "
-        f"{fitted.get('summary', 'fitted to measured operator timings')}")
-  elif model.meta.get("device") and model.meta.get("chosen") != "default, none holds":
-    fp = fingerprint or device_fingerprint()
-    made = model.meta["device"]
-    if made.get("id") != fp["id"]:
-      how = device_difference(made, fp) or "another fingerprint"
-      say(f"cost model: {where} was calibrated on another device than this one: {how} "
-          f"(id {made.get('id')} vs {fp['id']}): its times may not hold here")
-  return for_model(model, costs)

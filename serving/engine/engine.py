@@ -55,6 +55,7 @@ import numpy as np
 from models import amx
 from models import sharding
 from scheduler import validate
+from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine import executor as executor_lib
 from serving.engine import programs as programs_lib
@@ -130,16 +131,15 @@ class Engine:
     if simulated and not self._virtual:
       raise ValueError("EngineConfig.executor='simulated' charges modelled step times "
                        "and needs a sim_executor.VirtualClock clock")
-    # The model's cost features (``serving.engine.cost_model``): every committed
-    # step keeps its plan statistics, from which ``last_step_features`` is
-    # computed when read (what calibrate.py fits); on a virtual clock the
-    # cost model charges them each step.
+    # The model's cost features (``serving.engine.cost_model``): every committed step
+    # keeps its plan statistics, from which ``last_step_features`` is computed when
+    # read (what calibrate.py fits); on a virtual clock the cost model charges them each step.
     self.model_costs = cost_lib.engine_model_costs(model_cfg, config)
     self._last_plan_stats = None
     self.cost_model = None
     if self._virtual:
-      self.cost_model = cost_lib.resolve(cost_lib.load(config.cost_model), self.model_costs,
-                                         say=cost_lib.say_once)
+      self.cost_model = cal_lib.resolve(cal_lib.load(config.cost_model), self.model_costs,
+                                        say=cal_lib.say_once)
     self.clocks = EngineClocks(clock)
     c = config
     self._programs = programs_lib.programs(model_cfg, config)

@@ -4,7 +4,7 @@ The data are per-operator GPU times of one transformer block's non-attention
 operators (an ``OperatorTable`` per model and GPU: Vidur's public profiles,
 ``mlp.csv``, every token count and TP degree) and collective times by
 message size (``all_reduce.csv``, ``send_recv.csv``). The fitted terms are
-the ones ``cost_model.for_model`` charges, by the same definitions:
+the ones ``profiles.for_model`` charges, by the same definitions:
 
 * a weight GEMM of m rows through a K x N weight on one device:
   ``gemm_op_ms + ((2m'KN / (peak * gemm_eff))**p + (2KN / (hbm * mem_eff))
@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence
 
 import numpy as np
 
-from serving.engine import cost_model as cost_lib
+from serving.engine import profiles as profile_lib
 
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 ROW_OPS = ("input_layernorm", "attn_rope", "post_attention_layernorm", "mlp_act", "add")
@@ -132,7 +132,7 @@ def read_operator_tables(data_dir, gpu: str) -> List[OperatorTable]:
 
 @dataclasses.dataclass(frozen=True)
 class OperatorTerms:
-  """The fitted operator terms of one GPU (``cost_model.read_profile``'s
+  """The fitted operator terms of one GPU (``profiles.read_profile``'s
   ``operators``, efficiencies and ``roofline_p``).
 
   Attributes:
@@ -185,7 +185,7 @@ def predict_operators(table: OperatorTable, terms: OperatorTerms, peak_tflops: f
 def predict_block(table: OperatorTable, terms: OperatorTerms, peak_tflops: float,
                   hbm_gbps: float) -> np.ndarray:
   """f64[N] modelled time (ms) of one block's measured operators, as the
-  step model charges a block (``cost_model.for_model``): fixed times, row
+  step model charges a block (``profiles.for_model``): fixed times, row
   bytes, one smooth roofline over the block's GEMMs."""
   shapes = table.gemm_shapes(terms.gemm_row_tile)
   gflop = sum(s[0] for s in shapes.values())
@@ -301,7 +301,7 @@ def read_collective(path, workers_equal_node: bool = True) -> Dict[int, tuple]:
           for k, v in sorted(out.items())}
 
 
-def fit_link(size_bytes, time_ms) -> cost_lib.Link:
+def fit_link(size_bytes, time_ms) -> profile_lib.Link:
   """The ``Link`` (latency + bytes / bandwidth) of least relative error
   over the measured sizes (weighted least squares, weights 1 / time)."""
   size = np.asarray(size_bytes, np.float64)
@@ -309,7 +309,7 @@ def fit_link(size_bytes, time_ms) -> cost_lib.Link:
   a = np.stack([np.ones_like(size), size / 1e6], axis=1) / t[:, None]
   from scipy.optimize import nnls  # pylint: disable=import-outside-toplevel
   (lat, per_mb), _ = nnls(a, np.ones_like(t))
-  return cost_lib.Link(float(lat), float(1.0 / per_mb) if per_mb > 0 else float("inf"))
+  return profile_lib.Link(float(lat), float(1.0 / per_mb) if per_mb > 0 else float("inf"))
 
 
 def fit_collectives(network_dir) -> dict:

@@ -45,9 +45,9 @@ _PROBE = textwrap.dedent("""
                       "reason": mod.unavailable_reason()}
     report["py"] = sorted(str(p.relative_to(site)) for pkg in sys.argv[1].split(",")
                           for p in (site / pkg).rglob("*.py"))
-    from serving.engine import config, cost_model
+    from serving.engine import config, profiles
     report["preset"] = [config.__file__, config.EngineConfig.preset("tiny").policy,
-                        cost_model.profile_names()]
+                        profiles.profile_names()]
     print(json.dumps(report))
 """)
 

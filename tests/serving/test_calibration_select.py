@@ -1,8 +1,9 @@
-"""The shipped CPU calibration follows the machine (``cost_model.select_calibration``):
+"""The shipped CPU calibration follows the machine (``calibrations.select_calibration``):
 the fingerprint's kind picks one, and where none holds one line says so and
 names ``scripts/calibrate.py``."""
 
 from models.config import get_config
+from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig
 
@@ -17,22 +18,22 @@ OTHER = cost_lib.model_costs(get_config("tiny"), "float32")
 
 
 def test_machine_kind_reads_the_widest_isa():
-  assert cost_lib.machine_kind(AVX2_EPYC) == {"cpu": "AMD EPYC", "cpus": 2, "isa": "avx2"}
-  assert cost_lib.machine_kind(AVX512_EPYC)["isa"] == "avx512"
-  assert cost_lib.machine_kind(dict(AVX2_EPYC, flags=["sse2"]))["isa"] == "baseline"
-  assert cost_lib.machine_kind(GPU) is None
-  assert cost_lib.machine_kind({k: v for k, v in AVX2_EPYC.items() if k != "flags"}) is None
+  assert cal_lib.machine_kind(AVX2_EPYC) == {"cpu": "AMD EPYC", "cpus": 2, "isa": "avx2"}
+  assert cal_lib.machine_kind(AVX512_EPYC)["isa"] == "avx512"
+  assert cal_lib.machine_kind(dict(AVX2_EPYC, flags=["sse2"]))["isa"] == "baseline"
+  assert cal_lib.machine_kind(GPU) is None
+  assert cal_lib.machine_kind({k: v for k, v in AVX2_EPYC.items() if k != "flags"}) is None
 
 
 def test_each_kind_gets_its_own_calibration():
-  path, line = cost_lib.select_calibration(AVX2_EPYC, SMOLLM2)
+  path, line = cal_lib.select_calibration(AVX2_EPYC, SMOLLM2)
   assert path.name == "cost_model_cpu_avx2.json" and line == ""
   # The documented fidelity case's engine (cpu_default) is the model it holds for.
   engine = cost_lib.engine_model_costs(get_config("smollm2-135m"),
                                        EngineConfig.preset("cpu_default"))
-  assert cost_lib.select_calibration(AVX2_EPYC, engine)[0].name == "cost_model_cpu_avx2.json"
+  assert cal_lib.select_calibration(AVX2_EPYC, engine)[0].name == "cost_model_cpu_avx2.json"
   for costs in (SMOLLM2, OTHER, None):
-    path, line = cost_lib.select_calibration(AVX512_EPYC, costs)
+    path, line = cal_lib.select_calibration(AVX512_EPYC, costs)
     assert path.name == "cost_model_cpu.json" and line == ""
 
 
@@ -44,7 +45,7 @@ def test_none_holds_is_said_naming_calibrate():
                          (AVX2_EPYC, OTHER, "cannot predict this model: "
                                             "cost_model_cpu_avx2.json (fitted on smollm2-135m "
                                             "only)")):
-    path, line = cost_lib.select_calibration(fp, costs)
+    path, line = cal_lib.select_calibration(fp, costs)
     assert path is None
     assert line.startswith("cost model: no shipped CPU calibration holds here, ")
     assert why in line and "scripts/calibrate.py" in line and "\n" not in line
@@ -52,20 +53,20 @@ def test_none_holds_is_said_naming_calibrate():
 
 def test_resolve_swaps_the_default_for_the_machines_and_says_so_once():
   lines = []
-  model = cost_lib.resolve(cost_lib.load(), SMOLLM2, fingerprint=AVX2_EPYC, say=lines.append)
+  model = cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=AVX2_EPYC, say=lines.append)
   assert model.meta["path"] == "cost_model_cpu_avx2.json"
-  assert model.coef_ms == cost_lib.load(cost_lib.CALIBRATION_DIR
-                                        / "cost_model_cpu_avx2.json").coef_ms
+  assert model.coef_ms == cal_lib.load(cal_lib.CALIBRATION_DIR
+                                       / "cost_model_cpu_avx2.json").coef_ms
   assert lines[0] == ("cost model: cost_model_cpu_avx2.json, the shipped calibration for this "
                       "machine (AMD EPYC, 2 CPUs, AVX2)")
   lines.clear()
-  model = cost_lib.resolve(cost_lib.load(), SMOLLM2, fingerprint=XEON, say=lines.append)
+  model = cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=XEON, say=lines.append)
   assert model.meta["path"] == "cost_model_cpu.json"
   said = [line for line in lines if "calibrat" in line]
   assert len(said) == 1 and "scripts/calibrate.py" in said[0]
   # A calibration named explicitly is kept, whatever the machine.
   lines.clear()
-  named = cost_lib.load(cost_lib.DEFAULT_CALIBRATION)
-  assert cost_lib.resolve(named, SMOLLM2, fingerprint=AVX2_EPYC,
-                          say=lines.append).meta["path"] == "cost_model_cpu.json"
+  named = cal_lib.load(cal_lib.DEFAULT_CALIBRATION)
+  assert cal_lib.resolve(named, SMOLLM2, fingerprint=AVX2_EPYC,
+                         say=lines.append).meta["path"] == "cost_model_cpu.json"
   assert "chosen" not in named.meta

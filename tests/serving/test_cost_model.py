@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig, get_config
+from serving.engine import calibrations as cal_lib
+from serving.engine import profiles as profile_lib
 from serving.engine import cost_model as cost_lib
 
 # Llama-3.1-8B: d 4096, 32 blocks, 32 query / 8 KV heads of 128, MLP 14336,
@@ -227,9 +229,9 @@ def test_h100_profile_by_hand_on_llama_8b():
   LM head's over one 128-row tile: the fitted row tile) and its 15.01 GB of
   bf16 weights (7.505e9 elements read per step: 32 blocks of 218.1M and the
   525.3M head) plus 1.07 GB of KV (8 x 1,025 tokens x 131,072 bytes)."""
-  p = json.loads((cost_lib.PROFILE_DIR / "h100.json").read_text())
+  p = json.loads((profile_lib.PROFILE_DIR / "h100.json").read_text())
   costs = cost_lib.model_costs(LLAMA_8B, "bfloat16")
-  model = cost_lib.resolve(cost_lib.load("profile:h100"), costs, say=lambda _: None)
+  model = cal_lib.resolve(cal_lib.load("profile:h100"), costs, say=lambda _: None)
   assert model.combine == "roofline" and not model.meta.get("uncalibrated")
   eff, ops = p["efficiency"], p["operators"]
   stats = [0, 8, 8, 0, 8 * 1025, 8 * 1025]
@@ -251,7 +253,7 @@ def test_h100_profile_by_hand_on_llama_8b():
   gemm_ms = 4096 * costs.gemm_flops_per_row / (989e12 * eff["gemm"]) * 1000
   assert model.predict_ms(pre) > 3.0 + gemm_ms > 3.0 + memory_ms
   with pytest.raises(ValueError, match="profiles: \\['a100', 'h100', 'h200', 'tpu_v5e'"):
-    cost_lib.load("profile:b200")
+    cal_lib.load("profile:b200")
 
 
 def test_resolve_refuses_another_model_and_warns_on_another_device(tmp_path):
@@ -261,20 +263,20 @@ def test_resolve_refuses_another_model_and_warns_on_another_device(tmp_path):
   lines = []
   one = cost_lib.CostModel.of(step=1.0, meta={"models": [tiny.to_json()], "path": "c.json",
                                                "device": {"id": "aaa"}, "model": "tiny"})
-  assert cost_lib.resolve(one, tiny, fingerprint=here, say=lines.append) is one
+  assert cal_lib.resolve(one, tiny, fingerprint=here, say=lines.append) is one
   assert lines == []
   with pytest.raises(ValueError, match="fitted on one model only \\(tiny"):
-    cost_lib.resolve(one, other, fingerprint=here, say=lines.append)
+    cal_lib.resolve(one, other, fingerprint=here, say=lines.append)
   two = cost_lib.CostModel.of(step=1.0, meta={"models": [tiny.to_json(), {"x": 1}],
                                                "device": {"id": "bbb", "cpu": "that cpu"}})
-  cost_lib.resolve(two, other, fingerprint=here, say=lines.append)
+  cal_lib.resolve(two, other, fingerprint=here, say=lines.append)
   assert len(lines) == 2 and "predicting this one from its cost features" in lines[0]
   assert lines[1] == ("cost model: the cost model was calibrated on another device than "
                       "this one: another CPU model (that cpu vs this cpu) (id bbb vs aaa): "
                       "its times may not hold here")
   lines.clear()
-  cost_lib.resolve(cost_lib.load("profile:tpu_v5e"), other, fingerprint=here,
-                   say=lines.append)
+  cal_lib.resolve(cal_lib.load("profile:tpu_v5e"), other, fingerprint=here,
+                  say=lines.append)
   assert lines == ["cost model: accelerator profile 'tpu_v5e' is uncalibrated "
                    "(published peaks x stated efficiencies)"]
 
@@ -284,13 +286,13 @@ def test_a_calibration_without_the_row_class_features_reads_them_as_zero(tmp_pat
            if f not in cost_lib.ADDED_FEATURES}
   path = tmp_path / "seven.json"
   path.write_text(json.dumps({"coef_ms": seven, "combine": "sum"}))
-  model = cost_lib.load(path)
+  model = cal_lib.load(path)
   assert dict(zip(cost_lib.FEATURES, model.coef_ms)) == {
       **seven, **{f: 0.0 for f in cost_lib.ADDED_FEATURES}}
   del seven["rows"]
   path.write_text(json.dumps({"coef_ms": seven}))
   with pytest.raises(ValueError, match="missing \\['rows'"):
-    cost_lib.load(path)
+    cal_lib.load(path)
 
 
 def test_old_form_and_bad_models_are_refused(tmp_path):
@@ -298,7 +300,7 @@ def test_old_form_and_bad_models_are_refused(tmp_path):
   old.write_text('{"intercept_ms": 5, "coef_ms": {"prefill_rows": 1, "decode_rows": 1, '
                  '"kv_tokens_read": 0, "bucket": 1}}')
   with pytest.raises(ValueError, match="missing \\['step', 'rows'"):
-    cost_lib.load(old)
+    cal_lib.load(old)
   with pytest.raises(ValueError, match="must all be >= 0"):
     cost_lib.CostModel.of(step=-1.0)
   with pytest.raises(ValueError, match="unknown feature"):
@@ -308,7 +310,7 @@ def test_old_form_and_bad_models_are_refused(tmp_path):
 
 
 def test_device_fingerprint_is_stable():
-  a, b = cost_lib.device_fingerprint(), cost_lib.device_fingerprint()
+  a, b = cal_lib.device_fingerprint(), cal_lib.device_fingerprint()
   assert a == b and a["backend"] == "cpu" and len(a["id"]) == 12
   # The flag list is stored but kept out of the id (older calibrations,
   # made without it, keep matching their machine).
@@ -331,25 +333,25 @@ def test_the_another_device_warning_names_what_differs():
   base = ["avx", "avx2", "fma", "sse4_2"]
   made = _fingerprint(flags=base + ["avx512f"])          # a calibration with the list
   old = {k: v for k, v in made.items() if k != "flags"}  # one made before it was stored
-  assert cost_lib.device_difference(made, made) == ""
-  assert cost_lib.device_difference(old, _fingerprint(flags=base)) == (
+  assert cal_lib.device_difference(made, made) == ""
+  assert cal_lib.device_difference(old, _fingerprint(flags=base)) == (
       "same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags")
-  assert cost_lib.device_difference(made, _fingerprint(flags=base + ["amx_tile"])) == (
+  assert cal_lib.device_difference(made, _fingerprint(flags=base + ["amx_tile"])) == (
       "same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags (this one lacks "
       "avx512f; has amx_tile)")
   many = _fingerprint(flags=["avx", "amx_bf16", "amx_int8", "amx_tile", "gfni", "vaes"])
-  assert cost_lib.device_difference(made, many) == (
+  assert cal_lib.device_difference(made, many) == (
       "same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags (this one lacks "
       "avx2, avx512f, fma, sse4_2; has amx_bf16; 4 more)")
-  assert cost_lib.device_difference(made, _fingerprint(flags=base, cpus=4)) == (
+  assert cal_lib.device_difference(made, _fingerprint(flags=base, cpus=4)) == (
       "same CPU model (AMD EPYC) but another CPU count (2 vs 4) and other CPU feature "
       "flags (this one lacks avx512f)")
-  assert cost_lib.device_difference(made, _fingerprint(flags=base + ["avx512f"],
-                                                       cpu="Intel Xeon")) == (
+  assert cal_lib.device_difference(made, _fingerprint(flags=base + ["avx512f"],
+                                                      cpu="Intel Xeon")) == (
       "another CPU model (AMD EPYC vs Intel Xeon)")
   gpu = {"backend": "gpu", "kind": "NVIDIA H200", "count": 1, "id": "g1"}
-  assert cost_lib.device_difference(made, gpu) == "another kind of device (cpu vs NVIDIA H200)"
-  assert cost_lib.device_difference(dict(gpu, count=8), gpu) == (
+  assert cal_lib.device_difference(made, gpu) == "another kind of device (cpu vs NVIDIA H200)"
+  assert cal_lib.device_difference(dict(gpu, count=8), gpu) == (
       "same kind of device (NVIDIA H200) but another device count (8 vs 1)")
   # resolve's warning: one line with the difference and both ids.
   tiny = cost_lib.model_costs(get_config("tiny"))
@@ -357,7 +359,7 @@ def test_the_another_device_warning_names_what_differs():
   model = cost_lib.CostModel.of(step=1.0, meta={"path": "cost_model_cpu.json",
                                                  "device": old, "models": []})
   here = _fingerprint(flags=base)
-  cost_lib.resolve(model, tiny, fingerprint=here, say=lines.append)
+  cal_lib.resolve(model, tiny, fingerprint=here, say=lines.append)
   assert lines == [f"cost model: cost_model_cpu.json was calibrated on another device than "
                    f"this one: same CPU model (AMD EPYC, 2 CPUs) but other CPU feature flags "
                    f"(id {old['id']} vs {here['id']}): its times may not hold here"]

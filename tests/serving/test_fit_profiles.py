@@ -1,4 +1,4 @@
-"""Fitted GPU profiles (``serving.engine.profile_fit``, ``cost_model.for_model``):
+"""Fitted GPU profiles (``serving.engine.profile_fit``, ``profiles.for_model``):
 the fit recovers known terms, a fitted profile charges its formula, the
 collectives, and the held-out error on the measured timings where present."""
 
@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from models.config import ModelConfig
+from serving.engine import calibrations as cal_lib
+from serving.engine import profiles as profile_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine import profile_fit as pf
 
@@ -63,7 +65,7 @@ def test_fit_picks_the_gemm_row_tile_the_data_has():
 
 def test_fit_link_recovers_latency_and_bandwidth():
   size = np.geomspace(2048, 64 * 2 ** 20, 40)
-  link = cost_lib.Link(latency_ms=0.02, gbps=150.0)
+  link = profile_lib.Link(latency_ms=0.02, gbps=150.0)
   got = pf.fit_link(size, link.ms(size))
   assert got.latency_ms == pytest.approx(0.02, rel=1e-6)
   assert got.gbps == pytest.approx(150.0, rel=1e-6)
@@ -90,9 +92,9 @@ _TINY = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_head
 @pytest.fixture
 def profiles(tmp_path, monkeypatch):
   for name in ("a100", "tpu_v5e"):      # a format 1 profile beside
-    (tmp_path / f"{name}.json").write_text((cost_lib.PROFILE_DIR / f"{name}.json").read_text())
+    (tmp_path / f"{name}.json").write_text((profile_lib.PROFILE_DIR / f"{name}.json").read_text())
   (tmp_path / "test.json").write_text(json.dumps(_PROFILE))
-  monkeypatch.setattr(cost_lib, "PROFILE_DIR", tmp_path)
+  monkeypatch.setattr(profile_lib, "PROFILE_DIR", tmp_path)
   return tmp_path
 
 
@@ -102,7 +104,7 @@ def test_fitted_profile_step_cost_is_its_formula(profiles):
   # Row bytes per row, per block: 7 d = 448, RoPE 2 (64 + 32) / 2 = 96, the
   # activation 3 x 128 / 2 = 192: 736 elements x 2 bytes x 2 blocks.
   assert costs.row_bytes_per_row == 2944 and costs.all_reduce_bytes_per_row == 128
-  model = cost_lib.resolve(cost_lib.load("profile:test"), costs, say=lambda _: None)
+  model = cal_lib.resolve(cal_lib.load("profile:test"), costs, say=lambda _: None)
   stats = np.array([8.0, 0.0, 1.0, 8.0, 36.0, 8.0])   # one 8-token prompt, bucket 8
   features = cost_lib.step_features(stats, 8, costs)
   gflop = features[cost_lib.FEATURES.index("gemm_gflop")] / 2     # one device's share
@@ -117,7 +119,7 @@ def test_fitted_profile_step_cost_is_its_formula(profiles):
   assert model.predict_ms(features) == pytest.approx(want, rel=1e-12)
   # The same step on one device: no all-reduce, the whole model's FLOPs.
   one = cost_lib.model_costs(_TINY, "bfloat16")
-  m1 = cost_lib.resolve(cost_lib.load("profile:test"), one, say=lambda _: None)
+  m1 = cal_lib.resolve(cal_lib.load("profile:test"), one, say=lambda _: None)
   f1 = cost_lib.step_features(stats, 8, one)
   assert m1.predict_ms(f1) == pytest.approx(
       1.0 + 9 * 0.01 + 10 * 0.002 + 8 * one.row_bytes_per_row / 500e6
@@ -129,8 +131,8 @@ def test_fitted_row_tile_rounds_the_gemm_rows(profiles):
   (profiles / "tiled.json").write_text(json.dumps(tiled))
   costs = cost_lib.model_costs(_TINY, "bfloat16")
   say = lambda _: None  # noqa: E731
-  plain = cost_lib.resolve(cost_lib.load("profile:test"), costs, say=say)
-  model = cost_lib.resolve(cost_lib.load("profile:tiled"), costs, say=say)
+  plain = cal_lib.resolve(cal_lib.load("profile:test"), costs, say=say)
+  model = cal_lib.resolve(cal_lib.load("profile:tiled"), costs, say=say)
   g = cost_lib.FEATURES.index("gemm_gflop")
   assert model.tile[g] == 128 * costs.gemm_flops_per_row / 1e9
   # An 8-row bucket pays 128 rows of GEMM FLOPs (and one sampled row 128 of
@@ -147,37 +149,37 @@ def test_fitted_row_tile_rounds_the_gemm_rows(profiles):
 def test_fitted_profile_must_be_charged_for_a_model(profiles):
   del profiles
   with pytest.raises(ValueError, match=r"resolve\(model, costs\) first"):
-    cost_lib.load("profile:test").predict_ms(np.zeros(len(cost_lib.FEATURES)))
+    cal_lib.load("profile:test").predict_ms(np.zeros(len(cost_lib.FEATURES)))
 
 
 def test_collectives_from_profile(profiles):
   del profiles
-  model = cost_lib.load("profile:test")
-  assert cost_lib.all_reduce_ms(model, 1e6, 2) == pytest.approx(0.03 + 1e6 / 100e6)
-  assert cost_lib.all_reduce_ms(model, 1e6, 4) == pytest.approx(0.03 + 1e6 / 100e6)
-  assert cost_lib.all_reduce_ms(model, 1e6, 1) == 0.0
-  assert cost_lib.send_recv_ms(model, 2e6) == pytest.approx(0.01 + 2e6 / 200e6)
-  assert cost_lib.send_recv_ms(model, 2e6, same_node=False) == pytest.approx(0.05 + 0.2)
-  old = cost_lib.load("profile:tpu_v5e")
+  model = cal_lib.load("profile:test")
+  assert profile_lib.all_reduce_ms(model, 1e6, 2) == pytest.approx(0.03 + 1e6 / 100e6)
+  assert profile_lib.all_reduce_ms(model, 1e6, 4) == pytest.approx(0.03 + 1e6 / 100e6)
+  assert profile_lib.all_reduce_ms(model, 1e6, 1) == 0.0
+  assert profile_lib.send_recv_ms(model, 2e6) == pytest.approx(0.01 + 2e6 / 200e6)
+  assert profile_lib.send_recv_ms(model, 2e6, same_node=False) == pytest.approx(0.05 + 0.2)
+  old = cal_lib.load("profile:tpu_v5e")
   with pytest.raises(ValueError, match="no measured all-reduce"):
-    cost_lib.all_reduce_ms(old, 1e6, 2)
+    profile_lib.all_reduce_ms(old, 1e6, 2)
   with pytest.raises(ValueError, match="no measured send/recv"):
-    cost_lib.send_recv_ms(old, 1e6)
+    profile_lib.send_recv_ms(old, 1e6)
 
 
 def test_old_profile_loads_and_bad_ones_are_refused(profiles):
-  old = cost_lib.load("profile:tpu_v5e")
+  old = cal_lib.load("profile:tpu_v5e")
   assert old.meta["uncalibrated"] and math.isinf(old.roofline_p)
   costs = cost_lib.model_costs(_TINY, "bfloat16")
-  assert cost_lib.resolve(old, costs, say=lambda _: None).coef_ms == old.coef_ms
+  assert cal_lib.resolve(old, costs, say=lambda _: None).coef_ms == old.coef_ms
   bad = dict(_PROFILE, format=3)
   (profiles / "bad.json").write_text(json.dumps(bad))
   with pytest.raises(ValueError, match=r"format must be one of \(1, 2\), got 3"):
-    cost_lib.profile("bad")
+    profile_lib.profile("bad")
   lacking = {k: v for k, v in _PROFILE.items() if k != "collectives"}
   (profiles / "bad.json").write_text(json.dumps(lacking))
   with pytest.raises(ValueError, match=r"lacks \['collectives'\]"):
-    cost_lib.profile("bad")
+    profile_lib.profile("bad")
 
 
 def test_roofline_p_round_trips():
@@ -191,15 +193,15 @@ def test_roofline_p_round_trips():
 
 def test_shipped_profiles_state_what_they_were_fitted_to():
   for gpu in ("a100", "h100"):
-    p = cost_lib.read_profile(cost_lib.PROFILE_DIR / f"{gpu}.json")
+    p = profile_lib.read_profile(profile_lib.PROFILE_DIR / f"{gpu}.json")
     assert p["format"] == 2 and len(p["fitted"]["data_commit"]) == 40
     assert set(p["fitted"]["held_out"]) & {"Llama-2-70b-hf", "phi-2"}
     assert not set(p["fitted"]["held_out"]) & set(p["fitted"]["models"])
     assert "attention" in p["assumptions"].split("Still assumed:")[1]
-  h200 = cost_lib.read_profile(cost_lib.PROFILE_DIR / "h200.json")
+  h200 = profile_lib.read_profile(profile_lib.PROFILE_DIR / "h200.json")
   assert h200["fitted"]["scaled_from"] == "h100" and h200["hbm_gbps"] == 4800.0
   for tpu in ("tpu_v5e", "tpu_v6e"):
-    assert cost_lib.profile(tpu).meta["uncalibrated"]
+    assert profile_lib.profile(tpu).meta["uncalibrated"]
 
 
 @pytest.mark.skipif(not (DATA / "compute").is_dir(),
@@ -218,7 +220,7 @@ def test_held_out_error_on_measured_timings(gpu, peak, hbm):
   for tp in ("1", "2", "4", "8", "all"):
     assert fitted[tp]["median"] <= 0.05 and fitted[tp]["p90"] <= 0.15, (tp, fitted[tp])
   # The shipped profile is this fit.
-  shipped = cost_lib.read_profile(cost_lib.PROFILE_DIR / f"{gpu}.json")
+  shipped = profile_lib.read_profile(profile_lib.PROFILE_DIR / f"{gpu}.json")
   assert shipped["operators"]["gemm_op_ms"] == pytest.approx(terms.gemm_op_ms, rel=1e-6)
   assert shipped["roofline_p"] == pytest.approx(terms.roofline_p, rel=1e-6)
 
@@ -234,5 +236,5 @@ def test_collectives_on_measured_timings(gpu):
     assert link["error"]["n"] == 994 and link["error"]["median"] <= 0.15, link
   # A link within a node is faster than one across two.
   assert got["send_recv"]["same_node"]["gbps"] > 5 * got["send_recv"]["other_node"]["gbps"]
-  shipped = cost_lib.read_profile(cost_lib.PROFILE_DIR / f"{gpu}.json")["collectives"]
+  shipped = profile_lib.read_profile(profile_lib.PROFILE_DIR / f"{gpu}.json")["collectives"]
   assert shipped["all_reduce"]["8"]["gbps"] == pytest.approx(got["all_reduce"]["8"]["gbps"])

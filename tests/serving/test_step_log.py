@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
@@ -25,7 +26,7 @@ TRUE = dict(step=2.0, rows=0.01, gemm_gflop=2.5, lm_head_gflop=3.3, attention_gf
 
 def _meta(costs):
   return dict(model="tiny", family="llama", dtype="float32", engine="tiny",
-              device=cost_lib.device_fingerprint(), models=[costs.to_json()], max_load=1.5)
+              device=cal_lib.device_fingerprint(), models=[costs.to_json()], max_load=1.5)
 
 
 def test_real_replay_logs_one_row_per_step_with_the_engines_features(params, tmp_path):
@@ -128,7 +129,7 @@ def test_refit_steps_writes_a_calibration_and_refuses_a_busy_log(tmp_path):
   proc = subprocess.run(script + [f"--refit_steps={quiet}", f"--out={out}"],
                         cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  cal = cost_lib.load(out)
+  cal = cal_lib.load(out)
   assert cal.meta["source"] == "replay steps" and cal.meta["steps"] == 200
   assert cal.coef_ms[0] == pytest.approx(TRUE["step"], rel=1e-3)
   proc = subprocess.run(script + [f"--refit_steps={quiet},{busy}", f"--out={out}",
