@@ -91,9 +91,11 @@ def define_engine_flags() -> None:
                     "by the cost model's step time (default: virtual for the simulated "
                     "executor, wall otherwise).")
   flags.DEFINE_string("cost_model", None, "Override: the virtual clock's cost model: a "
-                      "calibration JSON or profile:NAME (a100, h100, h200, tpu_v5e, "
-                      "tpu_v6e; uncalibrated). Default: the newest calibration of this "
-                      "device under --cache_dir/calibration, else the shipped one.")
+                      "calibration JSON or profile:NAME (a100, h100: fitted to measured "
+                      "operator timings; h200: h100's fit scaled to its peaks; tpu_v5e, "
+                      "tpu_v6e: uncalibrated, published peaks x assumed efficiencies). "
+                      "Default: the newest calibration of this device under "
+                      "--cache_dir/calibration, else the shipped one.")
   flags.DEFINE_boolean("enable_prefix_caching", None, "Override: automatic prefix "
                        "caching (shared KV pages of equal prompt prefixes; on by default; "
                        "--noenable_prefix_caching for ablations).")
