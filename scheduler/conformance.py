@@ -644,6 +644,18 @@ class _Checker:
     if p != self.factory(self.kit.budgets):
       return ("two policies built from the same budgets are not equal (jit would "
               "compile each apart)")
+    names = tuple(p.tie_break) if isinstance(p.tie_break, (tuple, list)) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+      return f"tie_break must be a tuple of column names, got {p.tie_break!r}"
+    manifest, state, view = self._probe_tables()
+    try:
+      plan = jax.eval_shape(lambda m, s: p(m.online(), s, view), manifest, state)
+    except Exception:             # noqa: BLE001  (policy_state names why it fails)
+      return None
+    columns = plan.sort_key.shape[-1]
+    if len(names) != columns:
+      return (f"tie_break names {len(names)} columns {names!r}, but the sort key "
+              f"(plan.sort_key) has {columns}: name each column, in order")
     return None
 
   def _probe_tables(self):
@@ -656,12 +668,24 @@ class _Checker:
                              page_size=k.page_size)
     return manifest, state, view
 
+  def _stateless_plans(self):
+    """Fault of a policy without ``init_state`` whose plan (traced on a
+    state whose ``policy_state`` is None) reads a state of its own."""
+    manifest, state, view = self._probe_tables()
+    try:
+      jax.eval_shape(lambda m, s: self.policy(m.online(), s, view), manifest, state)
+    except (AttributeError, TypeError) as e:
+      return (f"reads its own state but declares no init_state: planning with "
+              f"state.policy_state None raised {type(e).__name__}: {e} (define "
+              f"init_state(num_slots, num_clients), docs/writing-a-policy.md)")
+    return None
+
   def policy_state(self, w=None):
     p = self.policy
     init = getattr(p, "init_state", None)
-    if init is None:
-      return None
     n, c = self.kit.num_slots, self.kit.num_clients
+    if init is None or init(n, c) is None:
+      return self._stateless_plans()
     first, again = init(n, c), init(n, c)
     loose = [type(x).__name__ for x in jax.tree.leaves(first)
              if not isinstance(x, (jax.Array, np.ndarray))]
@@ -692,7 +716,7 @@ class _Checker:
   def plan_writes_nothing(self, w=None):
     p = self.policy
     manifest, state, view = self._probe_tables()
-    attrs = _attribute_snapshot(p)
+    attrs, class_attrs = _attribute_snapshot(p), _attribute_snapshot(type(p))
     seen = {}
 
     def probe(manifest, state):
@@ -712,6 +736,9 @@ class _Checker:
     if "fault" not in seen and _attribute_snapshot(p) != attrs:
       seen["fault"] = ("plan changed the policy object's attributes: keep state in "
                        "init_state / update, never on the policy")
+    if "fault" not in seen and _attribute_snapshot(type(p)) != class_attrs:
+      seen["fault"] = (f"plan changed a class attribute of {type(p).__name__}: keep "
+                       f"state in init_state / update, never on the class")
     return seen.get("fault")
 
   def plans_validate(self, w):
@@ -800,11 +827,15 @@ def _same_tree(a, b) -> bool:
 
 
 def _attribute_snapshot(obj):
-  """What ``plan_writes_nothing`` compares of the policy object: each
-  attribute's identity, and a deep copy of mutable containers."""
+  """What ``plan_writes_nothing`` compares of the policy object (and of its
+  class): each attribute's identity, and a deep copy of mutable containers
+  (a class's own dunder entries, ``__dataclass_fields__`` and the like,
+  left out)."""
   attrs = getattr(obj, "__dict__", {})
+  skip = isinstance(obj, type)
   return {k: (id(v), copy.deepcopy(v) if isinstance(v, (list, dict, set)) else None)
-          for k, v in attrs.items()}
+          for k, v in attrs.items()
+          if not (skip and k.startswith("__") and k.endswith("__"))}
 
 
 def _smaller(w: Workload):

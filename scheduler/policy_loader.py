@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Callable
 
 FORMS = "'module:Class' or 'path/to/file.py:Class'"
+POLICY_RULE = ("must be a scheduling policy class (a subclass of PolicyBase, or one "
+               "whose instances are callable as policy(manifest, state, alloc)) "
+               "constructible from Budgets, or a Budgets -> policy factory")
 
 class SpecError(ValueError):
   """A spec that names no loadable policy; ``.reason`` says why."""
@@ -65,7 +68,9 @@ def load_factory(spec: str) -> Callable:
 
   Raises:
     SpecError (a ValueError): the spec is not of the form ``FORMS``, the
-      module or file cannot be found, or it has no such attribute.
+      module or file cannot be found, it has no such attribute, or it names
+      a class that is no policy (neither ``plan`` nor ``__call__``:
+      ``POLICY_RULE``).
   """
   where, _, attr = spec.rpartition(":")
   if not where or not attr or not attr.replace(".", "_").isidentifier():
@@ -77,4 +82,7 @@ def load_factory(spec: str) -> Callable:
     obj = getattr(obj, part)
   if not callable(obj):
     raise SpecError(spec, f"{attr!r} is not a class or factory")
+  if isinstance(obj, type) and not any(
+      "__call__" in vars(k) or "plan" in vars(k) for k in obj.__mro__[:-1]):
+    raise SpecError(spec, f"{attr!r} {POLICY_RULE}")
   return obj

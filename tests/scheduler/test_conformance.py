@@ -238,6 +238,69 @@ class TicketCounter(Fifo):
     return {"tickets": self.own_state(state)["tickets"] + ticket}
 
 
+@dataclasses.dataclass(frozen=True)
+class OneNameTieBreak(Fifo):
+  """Names one column of its four-column sort key."""
+
+  policy_id: str = "one_name"
+  tie_break: tuple = ("x",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShortTieBreak(Fifo):
+  """Names three columns of its four-column sort key."""
+
+  policy_id: str = "short_tie_break"
+  tie_break: tuple = ("work_rank", "arrival_seq", "request_id")
+
+
+@pytest.mark.parametrize("policy, names", [(OneNameTieBreak, 1), (ShortTieBreak, 3)])
+def test_a_tie_break_of_the_wrong_length_fails_interface(policy, names):
+  """Fifo's key has 4 columns (work_rank and the 3 identity columns)."""
+  with pytest.raises(conformance.ConformanceError,
+                     match=rf"breaks rule 'interface'.*tie_break names {names} columns "
+                           rf".*the sort key \(plan.sort_key\) has 4"):
+    conformance.check_policy(policy, workloads=conformance.HARD_CASES[:1])
+
+
+@dataclasses.dataclass(frozen=True)
+class StatelessReader(Fifo):
+  """Reads a counter of its own in ``plan`` but declares no init_state."""
+
+  policy_id: str = "stateless_reader"
+
+  def plan(self, manifest, state, alloc):
+    plan = _walk(self, manifest, state, alloc)
+    return plan.replace(num_seqs=plan.num_seqs + 0 * self.own_state(state)["plans"])
+
+
+def test_a_policy_reading_a_state_it_never_declares_fails_policy_state():
+  with pytest.raises(conformance.ConformanceError) as e:
+    conformance.check_policy(StatelessReader, workloads=conformance.HARD_CASES[:1])
+  assert e.value.rule == "policy_state"
+  assert "reads its own state but declares no init_state" in str(e.value)
+  assert "TypeError" in str(e.value) and "Traceback" not in str(e.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassCounter(Fifo):
+  """Counts its plans in a class attribute."""
+
+  policy_id: str = "class_counter"
+  calls = 0
+
+  def plan(self, manifest, state, alloc):
+    type(self).calls += 1
+    return _walk(self, manifest, state, alloc)
+
+
+def test_a_policy_that_writes_a_class_attribute_in_plan_fails_plan_writes_nothing():
+  with pytest.raises(conformance.ConformanceError,
+                     match=r"breaks rule 'plan_writes_nothing'.*changed a class "
+                           r"attribute of ClassCounter"):
+    conformance.check_policy(ClassCounter, workloads=conformance.HARD_CASES[:1])
+
+
 def test_a_policy_that_writes_its_state_in_plan_fails_plan_writes_nothing():
   with pytest.raises(conformance.ConformanceError,
                      match=r"breaks rule 'plan_writes_nothing'.*replaced part of its "

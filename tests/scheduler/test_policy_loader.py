@@ -25,6 +25,10 @@ import dataclasses
 from scheduler import ledger as base
 
 
+class NotPolicy:
+  pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Fifo(base.PolicyBase):
   budgets: base.Budgets
@@ -46,6 +50,7 @@ class Fifo(base.PolicyBase):
 # Fifo, but it skips the refusal and sorts by the hidden realized length
 # whenever the manifest carries it.
 PEEKS = FIFO.replace('policy_id: str = "fifo"', 'policy_id: str = "peeks"').replace(
+    '("work_rank", "arrival_seq"', '("work_rank", "length", "arrival_seq"').replace(
     "  def sort_keys(self, manifest, state, view=None):\n"
     "    return base.identity_keys(manifest, state, base.work_rank(manifest, state))",
     "  def __call__(self, manifest, state, alloc):\n"
@@ -97,9 +102,28 @@ def test_a_policy_that_breaks_a_rule_is_refused_naming_it(user_file):
     ("{file}:Lifo", "has no attribute 'Lifo'"),
     ("{file}:", "must be a registered name or 'module:Class'"),
     ("{broken}:Fifo", r"failed to load \(SyntaxError"),
+    ("{file}:NotPolicy", r"EngineConfig.policy 'NotPolicy' must be a scheduling policy "
+                         r"class \(a subclass of PolicyBase, or one whose instances are "
+                         r"callable as policy\(manifest, state, alloc\)\)"),
 ])
 def test_bad_specs_are_refused_naming_the_field(user_file, tmp_path, spec, message):
   spec = spec.format(dir=tmp_path, file=user_file("mine", FIFO),
                      broken=user_file("broken", "def f(:\n"))
   with pytest.raises(ValueError, match=message):
     EngineConfig.preset("tiny", policy=spec)
+
+
+def test_a_class_that_is_no_policy_is_refused_in_one_error_line(user_file):
+  """The launcher's refusal path: one ``error:`` line naming the flag, the
+  spec and the rule, no traceback."""
+  from tests.e2e import refusals
+  spec = f"{user_file('mine', FIFO)}:NotPolicy"
+  try:
+    status, last = refusals.refused("replay.py", "--engine=cpu_small", f"--policy={spec}")
+  finally:
+    refusals.stop_servers()
+  assert status == 2
+  assert last == (f"error: --policy 'NotPolicy' must be a scheduling policy class (a "
+                  f"subclass of PolicyBase, or one whose instances are callable as "
+                  f"policy(manifest, state, alloc)) constructible from Budgets, or a "
+                  f"Budgets -> policy factory, got '{spec}'")
