@@ -28,15 +28,18 @@ smallest workload found that breaks it (shrunk request by request), which
 ``run(policy, workload)`` replays. The rules (``RULES``):
 
 * ``interface``: a hashable object with ``policy_id``, ``version``,
-  ``tie_break`` (one name per ``sort_key`` column) and ``plan``/``__call__``.
+  ``tie_break`` (one name per ``sort_key`` column: as many names as the
+  plan's ``sort_key`` has columns) and ``plan``/``__call__``.
 * ``policy_state``: a policy with state of its own (``init_state``) makes
   a pytree of arrays, the same on every call, and its ``update`` returns
   one of the same structure, shapes and dtypes (the engine carries it
-  through compiled loops).
+  through compiled loops); a policy without one plans on a state whose
+  ``policy_state`` is None (one that reads a state of its own there is
+  refused: it "reads its own state but declares no init_state").
 * ``plan_writes_nothing``: ``plan`` leaves its input state (the policy's
-  state included) and the policy object as they were: only ``update``,
-  called by ``apply`` with the completed result, advances the policy's
-  state.
+  state included), the policy object's fields and its class's attributes
+  as they were: only ``update``, called by ``apply`` with the completed
+  result, advances the policy's state. Module globals are not checked.
 * ``plans_validate``: every plan and every result passes ``scheduler.validate``.
 * ``progress``: every request of a finite workload completes.
 * ``kv_census``: pages held by live requests + free pages == the cache after
@@ -109,9 +112,10 @@ RULES = {
     "interface": "a policy is a hashable object with policy_id, version, a tie_break "
                  "naming each sort_key column, and __call__(manifest, state, alloc)",
     "policy_state": "init_state gives the same pytree of arrays every call, and update "
-                    "keeps its structure, shapes and dtypes",
-    "plan_writes_nothing": "plan leaves its input state (the policy's state included) "
-                           "and the policy object as they were",
+                    "keeps its structure, shapes and dtypes; without init_state, plan "
+                    "reads no state of its own",
+    "plan_writes_nothing": "plan leaves its input state (the policy's state included), "
+                           "the policy object and its class as they were",
     "plans_validate": "every plan and result passes scheduler.validate",
     "progress": "every request of a finite workload completes",
     "kv_census": "pages held + free pages == the cache after every iteration, never "
