@@ -673,16 +673,29 @@ class _Checker:
     return manifest, state, view
 
   def _stateless_plans(self):
-    """Fault of a policy without ``init_state`` whose plan (traced on a
-    state whose ``policy_state`` is None) reads a state of its own."""
+    """Fault of a policy without ``init_state`` whose plan, traced on a
+    state whose ``policy_state`` is None, fails: by reading a state of its
+    own (told apart by tracing again with a stand-in that refuses every
+    read), or otherwise."""
     manifest, state, view = self._probe_tables()
+    trace = lambda own: jax.eval_shape(
+        lambda m, s: self.policy(m.online(), s.replace(policy_state=own), view),
+        manifest, state)
     try:
-      jax.eval_shape(lambda m, s: self.policy(m.online(), s, view), manifest, state)
+      trace(None)
+      return None
     except (AttributeError, TypeError) as e:
+      error = f"{type(e).__name__}: {e}"
+    try:
+      trace(_NoOwnState())
+    except _ReadsOwnState:
       return (f"reads its own state but declares no init_state: planning with "
-              f"state.policy_state None raised {type(e).__name__}: {e} (define "
-              f"init_state(num_slots, num_clients), docs/writing-a-policy.md)")
-    return None
+              f"state.policy_state None raised {error} (define init_state(num_slots, "
+              f"num_clients), docs/writing-a-policy.md)")
+    except Exception:             # noqa: BLE001  (reported below as traced on None)
+      pass
+    return (f"planning on a state without a state of its own (state.policy_state "
+            f"None) raised {error}")
 
   def policy_state(self, w=None):
     p = self.policy
@@ -820,6 +833,20 @@ class _Checker:
           if fault:
             small, fault = shrink(w, fault_of, fault)
             self.fail(rule, fault, small)
+
+
+class _ReadsOwnState(Exception):
+  """A plan read ``_NoOwnState``."""
+
+
+class _NoOwnState:
+  """``state.policy_state`` of a policy that declares none: every read of it
+  raises ``_ReadsOwnState`` (``policy_state``'s probe)."""
+
+  def _refuse(self, *args):
+    raise _ReadsOwnState()
+
+  __getattr__ = __getitem__ = __iter__ = __len__ = _refuse
 
 
 def _same_tree(a, b) -> bool:

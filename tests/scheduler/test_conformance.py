@@ -280,6 +280,26 @@ def test_a_policy_reading_a_state_it_never_declares_fails_policy_state():
   assert e.value.rule == "policy_state"
   assert "reads its own state but declares no init_state" in str(e.value)
   assert "TypeError" in str(e.value) and "Traceback" not in str(e.value)
+  assert len(str(e.value).splitlines()) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenReader(Fifo):
+  """Reads the hidden length without a None check: not a state of its own."""
+
+  policy_id: str = "hidden_reader"
+
+  def plan(self, manifest, state, alloc):
+    plan = _walk(self, manifest, state, alloc)
+    return plan.replace(num_seqs=plan.num_seqs + 0 * manifest.hidden_realized_output_tokens[0])
+
+
+def test_a_plan_failing_on_another_none_field_is_not_blamed_on_its_state():
+  with pytest.raises(conformance.ConformanceError) as e:
+    conformance.check_policy(HiddenReader, workloads=conformance.HARD_CASES[:1])
+  assert e.value.rule == "policy_state"
+  assert "raised TypeError" in str(e.value)
+  assert "declares no init_state" not in str(e.value)
 
 
 @dataclasses.dataclass(frozen=True)
