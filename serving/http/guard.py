@@ -147,7 +147,11 @@ class Guard:
                            f"got {kind.decode('latin-1')[:60]!r}", "invalid_request_error",
                       "unsupported_media_type")
       length = headers.get(b"content-length")
-      if length is not None and (not length.isdigit() or int(length) > a.max_body_bytes):
+      # Compared by digit count first: int() of a header longer than
+      # Python's int-conversion limit raises (a 500, not this 413).
+      digits = length.lstrip(b"0") if length is not None else b""
+      if length is not None and (not length.isdigit() or len(digits) > 18
+                                 or int(digits or b"0") > a.max_body_bytes):
         return self._too_large()
     return None
 

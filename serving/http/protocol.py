@@ -11,6 +11,7 @@ a JSON body whose every string is valid Unicode text, the model card of
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any, Optional, Tuple
 
@@ -116,6 +117,31 @@ def openai_errors(app: FastAPI) -> None:
 _MISSING = object()
 
 
+class LongInt:
+  """An integer in a request body with more digits than Python converts
+  (``sys.get_int_max_str_digits()``, 4300 by default), which ``json.loads``
+  would refuse with an error naming no field. ``json_body`` keeps it as this
+  marker (its digit count) so the field's own check refuses it by name."""
+
+  __slots__ = ("digits",)
+
+  def __init__(self, digits: int):
+    self.digits = digits
+
+  def __repr__(self) -> str:
+    return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(text: str):
+  """``json.loads``'s ``parse_int``: ``int(text)``, or a LongInt when the
+  digits are past Python's int-conversion limit."""
+  digits = len(text) - text.startswith("-")
+  limit = sys.get_int_max_str_digits()
+  if limit and digits > limit:
+    return LongInt(digits)
+  return int(text)
+
+
 def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
   """``body[name]`` checked against ``kinds`` (bool is never an int here)."""
   value = body.get(name, _MISSING)
@@ -124,8 +150,12 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
       raise BadRequest(f"'{name}' is required", name)
     return default
   kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+  names = "/".join(k.__name__ for k in kinds)
+  if isinstance(value, LongInt):
+    raise BadRequest(f"'{name}' must be {rule or names}, got an integer of {value.digits} "
+                     f"digits (more than the {sys.get_int_max_str_digits()} an integer "
+                     f"may hold here)", name)
   if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-    names = "/".join(k.__name__ for k in kinds)
     raise BadRequest(f"'{name}' must be {rule or names}, got {type(value).__name__}", name)
   return value
 
@@ -190,13 +220,16 @@ def _check_text(body: Any) -> None:
 
 def json_body(raw: bytes) -> Any:
   """A request body's JSON, every string in it valid Unicode text (the one
-  home of that rule, for the server and the router front alike).
+  home of that rule, for the server and the router front alike). An
+  integer past Python's int-conversion limit is kept as a ``LongInt``, which
+  every field check refuses by name (``json.loads`` alone raises a
+  ValueError naming no field).
 
   Raises:
     BadRequest: not JSON, or a string with a lone surrogate (naming its field).
   """
   try:
-    body = json.loads(raw)
+    body = json.loads(raw, parse_int=_parse_int)
     _check_text(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise BadRequest(f"the request body is not valid JSON ({e})") from None

@@ -115,8 +115,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
 from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
-                                   BadRequest, Overloaded, Unavailable, _error_response, _sse,
-                                   json_body, model_card, model_routes, openai_errors)
+                                   BadRequest, LongInt, Overloaded, Unavailable, _error_response,
+                                   _sse, json_body, model_card, model_routes, openai_errors)
 from serving.http.router import RouteCost, router_for
 
 _WATCH_S = 0.5                  # seconds between checks of the replica processes
@@ -391,6 +391,12 @@ class ReplicaFront:
       return None, _error_response(BadRequest(
           f"'prompt' holds {len(batch)} prompts; a batch holds at most {most} (the "
           f"replicas' live bound)", "prompt"))
+    vocab = self.facts[0]["vocab_size"]
+    for i, prompt in enumerate(batch):   # kept as a marker, not JSON to forward
+      if isinstance(prompt, list) and any(isinstance(t, LongInt) for t in prompt):
+        return None, _error_response(BadRequest(
+            f"'prompt[{i}]' as token ids must be a non-empty list of ids in [0, {vocab})",
+            f"prompt[{i}]"))
     ids, longest = [], 0
     for prompt in batch:
       one, refusal = await self._tokenize_one(json.dumps({"prompt": prompt}).encode(), auth)

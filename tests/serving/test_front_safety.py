@@ -19,6 +19,7 @@ from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import wait_until as _wait
 
 HUGE = "1" + "0" * 400
+LONG = "1" + "0" * 4999          # past Python's int-conversion limit (4300 digits)
 
 
 def _local_process():
@@ -42,6 +43,13 @@ def test_a_huge_max_tokens_is_refused_and_the_front_keeps_placing(served):
                           headers={"content-type": "application/json"})
       assert r.status_code == 400, r.text
       assert r.json()["error"]["param"] == field
+    for body, param in ((f'"prompt": "hi", "temperature": {LONG}', "temperature"),
+                        (f'"prompt": "hi", "max_tokens": -{LONG}', "max_tokens"),
+                        (f'"prompt": [[1], [2, {LONG}]]', "prompt[1]")):
+      r = front.http.post("/v1/completions", content=('{"model": "tiny", %s}' % body).encode(),
+                          headers={"content-type": "application/json"})
+      assert r.status_code == 400, r.text
+      assert r.json()["error"]["param"] == param, r.text
     big = front.http.post("/v1/completions", json={"model": "tiny", "prompt": ["hi"] * 73,
                                                    "max_tokens": 1})
     assert big.status_code == 400 and big.json()["error"]["param"] == "prompt"   # 8 + 64
@@ -51,7 +59,7 @@ def test_a_huge_max_tokens_is_refused_and_the_front_keeps_placing(served):
                                                     "max_tokens": 2})
       assert ok.status_code == 200, ok.text
     report = front.http.get("/router").json()
-    assert [r["outcome"] for r in report["requests"]] == ["refused"] * 2 + ["completed"] * 3
+    assert [r["outcome"] for r in report["requests"]] == ["refused"] * 4 + ["completed"] * 3
   finally:
     front.close()
 

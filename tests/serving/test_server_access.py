@@ -76,6 +76,20 @@ def test_host_allow_list_json_only_and_body_cap(guarded):
   assert r.status_code == 413
 
 
+def test_a_content_length_past_the_int_conversion_limit_is_413():
+  """A Content-Length of 5000 digits (more than Python's int() converts) is
+  too large, as any length past the cap: a 413, not a ValueError."""
+  gate = guard.Guard(None, guard.access_from({}, "0.0.0.0", None, 4096))
+  scope = {"method": "POST", "path": "/v1/completions"}
+  for length, refused in ((b"4096", False), (b"0004096", False), (b"4097", True),
+                          (b"9" * 5000, True), (b"0" * 5000 + b"1", False)):
+    headers = {b"content-type": b"application/json", b"content-length": length}
+    refusal = gate._refusal(scope, headers)
+    assert (refusal is not None) == refused, length[:20]
+    if refused:
+      assert refusal[0] == 413
+
+
 def test_prompt_caps_are_checked_before_tokenizing(guarded, monkeypatch):
   tok = guarded.server.tokenizer
   seen = []

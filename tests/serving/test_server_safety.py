@@ -24,6 +24,7 @@ from tests.serving.test_server import MODEL, _Served
 
 TOK = tiny_tokenizer()
 HUGE = "1" + "0" * 400            # an integer no float holds
+LONG = "1" + "0" * 4999           # past Python's int-conversion limit (4300 digits)
 
 
 def _slow(monkeypatch, engine, delay_s=0.02):
@@ -66,12 +67,31 @@ NUMBERS = ["temperature", "top_p", "slo_ttft_ms", "slo_tbt_ms", "seed", "min_tok
 
 @pytest.mark.parametrize("field", NUMBERS)
 @pytest.mark.parametrize("sign", ["", "-"])
-def test_a_huge_integer_is_400_naming_the_field(served, field, sign):
-  raw = ('{"model": "%s", "prompt": "hi", "%s": %s%s}' % (MODEL, field, sign, HUGE)).encode()
+@pytest.mark.parametrize("number", [HUGE, LONG], ids=["401", "5000"])
+def test_a_huge_integer_is_400_naming_the_field(served, field, sign, number):
+  raw = ('{"model": "%s", "prompt": "hi", "%s": %s%s}' % (MODEL, field, sign, number)).encode()
   r = served.http.post("/v1/completions", content=raw,
                        headers={"content-type": "application/json"})
   assert r.status_code == 400, r.text
-  assert r.json()["error"]["param"] == field, r.text
+  error = r.json()["error"]
+  assert error["param"] == field, r.text
+  if number is LONG:
+    assert error["message"].startswith(f"'{field}' must be"), r.text
+    assert "an integer of 5000 digits" in error["message"], r.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ('"prompt": [1, %s]', "prompt"), ('"prompt": [[1], [2, %s]]', "prompt[1]"),
+    ('"prompt": "hi", "stop_token_ids": [%s]', "stop_token_ids"),
+    ('"prompt": "hi", "stream_options": {"include_usage": %s}, "stream": true',
+     "include_usage")])
+def test_an_integer_past_the_conversion_limit_inside_a_field_names_it(served, body, param):
+  raw = ('{"model": "%s", %s}' % (MODEL, body % LONG)).encode()
+  r = served.http.post("/v1/completions", content=raw,
+                       headers={"content-type": "application/json"})
+  assert r.status_code == 400, r.text
+  assert r.json()["error"]["param"] == param, r.text
+  assert "Exceeds the limit" not in r.text
 
 
 def test_the_arrival_header_is_ignored_unless_trusted_and_then_bounded(served, monkeypatch):
