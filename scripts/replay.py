@@ -56,6 +56,9 @@ def _check_report_flags() -> None:
   if not FLAGS.out or os.path.isdir(FLAGS.out):
     raise ValueError(f"--out must be a file path for the report JSON, got {FLAGS.out!r}")
   cli.check_creatable("out", FLAGS.out)
+  # Its directory made and written to now: a path only writing refuses
+  # (``/proc``, a read-only file system) must not cost the run's report.
+  cli.make_dir("out", os.path.dirname(os.path.abspath(FLAGS.out)))
   for name in ("ledger_tbt_ms", "ledger_horizon_s"):
     value = getattr(FLAGS, name)
     if value is not None and not value > 0:

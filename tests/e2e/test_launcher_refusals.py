@@ -264,6 +264,8 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
      "error: --cost_model=profile:h100 applies only with --executor=simulated"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
      "error: --cache_dir '/proc/nope' cannot be "),
+    ("replay.py", ["--out=/proc/nope/x.json", "--executor=simulated", "--num_requests=2"],
+     "error: --out '/proc/nope' cannot be created: "),
 ])
 def test_calibrate_fidelity_and_replay_refuse_a_bad_flag_before_anything_loads(script, args,
                                                                                line):
