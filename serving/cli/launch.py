@@ -447,7 +447,7 @@ def load_flags_model(engine_cfg: EngineConfig):
   seconds = time.perf_counter() - t
   read = (f"loaded in {seconds:.1f} s" if params is not None else
           f"config and tokenizer read in {seconds:.1f} s (simulated executor: no weights)")
-  print(f"model: {cfg.name} ({describe_model(cfg)}) {read}; "
+  print(f"model: {cfg.name} ({describe_model(cfg, engine_cfg.max_model_len)}) {read}; "
         f"attention: {attention_impl(engine_cfg, cfg.head_dim)}"
         + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
   return cfg, params, tokenizer
@@ -459,13 +459,18 @@ def model_costs(cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
   return cost_lib.engine_model_costs(cfg, engine_cfg).to_json()
 
 
-def describe_model(cfg: ModelConfig) -> str:
+def describe_model(cfg: ModelConfig, max_model_len: int | None = None) -> str:
   """One phrase naming a model's family and shape, e.g. ``qwen3_moe, 2
-  layers, d_model 64, 4 experts (top 2), context 256``."""
+  layers, d_model 64, 4 experts (top 2), context 256``. With
+  ``max_model_len`` (the engine's: the context served) the context is that
+  one, and the model's own where they differ: ``context 512 (the model's
+  8192)``."""
   experts = (f", {cfg.num_experts} experts (top {cfg.experts_per_token})"
              if cfg.is_moe else "")
-  return (f"{cfg.family}, {cfg.n_layers} layers, d_model {cfg.d_model}{experts}, "
-          f"context {cfg.max_position}")
+  context = f"context {cfg.max_position}"
+  if max_model_len is not None and max_model_len != cfg.max_position:
+    context = f"context {max_model_len} (the model's {cfg.max_position})"
+  return f"{cfg.family}, {cfg.n_layers} layers, d_model {cfg.d_model}{experts}, {context}"
 
 
 def decode_gemm(engine_cfg: EngineConfig) -> str | None:
