@@ -120,7 +120,9 @@ def define_workload_flags() -> None:
                       "unset = the embedded synthetic Azure-conv workload.")
   flags.DEFINE_integer("num_requests", 32, "Requests of the synthetic default workload.")
   flags.DEFINE_integer("clients", None, "Synthetic: clients c0..cN-1, equally likely.")
-  flags.DEFINE_list("client_shares", None, "Synthetic: client weights W0,W1,... (c0, c1..).")
+  flags.DEFINE_list("client_shares", None, "Synthetic: client weights W0,W1,... (c0, "
+                    "c1..), each > 0, relative: normalised to sum to 1 (client ck is "
+                    "drawn with probability Wk / sum, so 0.6,0.6 is two equal clients).")
   flags.DEFINE_integer("priorities", None, "Synthetic: priorities 0..N-1, equally likely.")
   flags.DEFINE_float("rate_scale", 0.1, "Synthetic default: fraction of the Azure "
                      "conv trace's arrival rate (5.53 req/s).")

@@ -360,6 +360,17 @@ def test_synthetic_clients_and_priorities_are_drawn_apart():
         synthetic_azure_conv(4, num_priorities=0)
 
 
+def test_client_shares_are_relative_weights_normalised_to_sum_to_one():
+    """``--client_shares`` need not sum to 1: only their ratios count, so
+    0.6,0.6 draws exactly the clients of 1,1 (two equal clients) and 6,2
+    those of 3,1."""
+    draw = lambda shares: [r.client for r in synthetic_azure_conv(
+        200, seed=3, client_shares=shares)]
+    assert draw([0.6, 0.6]) == draw([1.0, 1.0])
+    assert draw([6.0, 2.0]) == draw([3.0, 1.0]) != draw([1.0, 1.0])
+    assert set(draw([0.6, 0.6])) == {"c0", "c1"}
+
+
 def test_synthetic_matches_the_summary_figures():
     n = 2000
     w = synthetic_azure_conv(n, rate_scale=2.0, seed=3, max_prompt_len=None, max_output_len=None)
