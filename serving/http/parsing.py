@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from serving.engine.config import SamplingParams
 from serving.engine.sampling import MAX_LOGPROBS
-from serving.http.protocol import BadRequest, UnknownModel, _get
+from serving.http.protocol import BadRequest, UnknownModel, _get, refuse_long_ints
 
 MAX_STOP_STRINGS = 8
 # Chat roles the OpenAI API defines for text messages ("developer" is its
@@ -401,6 +401,7 @@ class RequestParser:
     self._check_chars(sum(len(m["content"]) for m in clean), "messages")
     # vLLM's extra variables for the template (e.g. {"enable_thinking": false}).
     variables = _get(body, "chat_template_kwargs", dict, {}, "an object")
+    refuse_long_ints(variables, "chat_template_kwargs")
     if "messages" in variables:
       raise BadRequest("'chat_template_kwargs' may not set 'messages' (the body's field)",
                        "chat_template_kwargs.messages")

@@ -132,6 +132,22 @@ class LongInt:
     return f"<an integer of {self.digits} digits>"
 
 
+def refuse_long_ints(value: Any, path: str) -> None:
+  """Raises BadRequest naming the first LongInt in ``value`` (its path
+  below ``path``): for a field passed on whole, e.g. template variables."""
+  stack = [(path, value)]
+  while stack:
+    where, item = stack.pop()
+    if isinstance(item, LongInt):
+      raise BadRequest(f"'{where}' must hold integers of at most "
+                       f"{sys.get_int_max_str_digits()} digits, got one of {item.digits}",
+                       where)
+    if isinstance(item, dict):
+      stack.extend((f"{where}.{k}", v) for k, v in reversed(list(item.items())))
+    elif isinstance(item, list):
+      stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+
+
 def _parse_int(text: str):
   """``json.loads``'s ``parse_int``: ``int(text)``, or a LongInt when the
   digits are past Python's int-conversion limit."""

@@ -94,6 +94,16 @@ def test_an_integer_past_the_conversion_limit_inside_a_field_names_it(served, bo
   assert "Exceeds the limit" not in r.text
 
 
+def test_an_integer_past_the_conversion_limit_in_template_variables_names_it(served):
+  raw = ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+         '"chat_template_kwargs": {"a": [1, {"b": %s}]}}' % (MODEL, LONG)).encode()
+  r = served.http.post("/v1/chat/completions", content=raw,
+                       headers={"content-type": "application/json"})
+  assert r.status_code == 400, r.text
+  assert r.json()["error"]["param"] == "chat_template_kwargs.a[1].b", r.text
+  assert "got one of 5000" in r.json()["error"]["message"]
+
+
 def test_the_arrival_header_is_ignored_unless_trusted_and_then_bounded(served, monkeypatch):
   ttft_sum = ("vllm:time_to_first_token_seconds_sum", ())
   body = {"model": MODEL, "prompt": "the end", "max_tokens": 2, "ignore_eos": True}
