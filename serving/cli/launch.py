@@ -22,8 +22,7 @@ from models.loaders import load_config, load_model, resolve_model_path
 from models.sharding import initialize_processes, make_mesh
 from serving import cli
 from serving.cli import hostmem
-from serving.harness import traces
-from serving.harness import workloads
+from serving.harness import traces, workloads
 from serving.harness import synthetic as synthetic_workloads
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
@@ -120,9 +119,8 @@ def define_workload_flags() -> None:
                       "unset = the embedded synthetic Azure-conv workload.")
   flags.DEFINE_integer("num_requests", 32, "Requests of the synthetic default workload.")
   flags.DEFINE_integer("clients", None, "Synthetic: clients c0..cN-1, equally likely.")
-  flags.DEFINE_list("client_shares", None, "Synthetic: client weights W0,W1,... (c0, "
-                    "c1..), each > 0, relative: normalised to sum to 1 (client ck is "
-                    "drawn with probability Wk / sum, so 0.6,0.6 is two equal clients).")
+  flags.DEFINE_list("client_shares", None, "Synthetic: relative client weights W0,W1,... "
+                    "(> 0; ck drawn with probability Wk / sum: 0.6,0.6 is two equal clients).")
   flags.DEFINE_integer("priorities", None, "Synthetic: priorities 0..N-1, equally likely.")
   flags.DEFINE_float("rate_scale", 0.1, "Synthetic default: fraction of the Azure "
                      "conv trace's arrival rate (5.53 req/s).")
@@ -463,16 +461,13 @@ def model_costs(cfg: ModelConfig, engine_cfg: EngineConfig) -> dict:
 
 def describe_model(cfg: ModelConfig, max_model_len: int | None = None) -> str:
   """One phrase naming a model's family and shape, e.g. ``qwen3_moe, 2
-  layers, d_model 64, 4 experts (top 2), context 256``. With
-  ``max_model_len`` (the engine's: the context served) the context is that
-  one, and the model's own where they differ: ``context 512 (the model's
-  8192)``."""
+  layers, d_model 64, 4 experts (top 2), context 512 (the model's 8192)``:
+  the context served (``max_model_len``), and the model's where it differs."""
   experts = (f", {cfg.num_experts} experts (top {cfg.experts_per_token})"
              if cfg.is_moe else "")
-  context = f"context {cfg.max_position}"
-  if max_model_len is not None and max_model_len != cfg.max_position:
-    context = f"context {max_model_len} (the model's {cfg.max_position})"
-  return f"{cfg.family}, {cfg.n_layers} layers, d_model {cfg.d_model}{experts}, {context}"
+  own = ("" if max_model_len in (None, cfg.max_position) else f" (the model's {cfg.max_position})")
+  return (f"{cfg.family}, {cfg.n_layers} layers, d_model {cfg.d_model}{experts}, "
+          f"context {max_model_len or cfg.max_position}{own}")
 
 
 def decode_gemm(engine_cfg: EngineConfig) -> str | None:
