@@ -6,7 +6,8 @@ import numpy as np
 
 from scheduler import iteration
 from scheduler import records as rec
-from scheduler.policies import Budgets, SarathiServe
+from scheduler.ledger import Budgets
+from scheduler.policy_sarathi_serve import SarathiServe
 from tests.scheduler import fixtures as fx
 
 POLICY = SarathiServe(Budgets(token_budget=4, seq_budget=3, chunk_cap=4))

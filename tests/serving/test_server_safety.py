@@ -197,6 +197,8 @@ def test_a_burst_to_the_live_bound_compiles_nothing_after_warmup(params):
     s.close()
 
 
+# The injected fault is raised on the engine thread on purpose.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_engine_fails_every_request_and_stops_the_server(params, monkeypatch):
   """The step raises while a stream and a whole request run and a third
   waits in the command queue: each ends with an error (no request left
