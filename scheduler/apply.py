@@ -181,7 +181,7 @@ def forget_client(state: rec.SchedulerState, index) -> rec.SchedulerState:
 def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
            request_id, arrival_ms, arrival_seq, prompt_len, max_tokens,
            priority, client, ttft_ms=float("inf"), tbt_ms=float("inf"),
-           cached_prefix_tokens=0):
+           cached_prefix_tokens=0, received_tokens=0):
   """A declared request enters a FREE slot as WAITING, ready, generation 0.
 
   ``ttft_ms`` / ``tbt_ms`` are its declared SLO limits (ms, +inf = none);
@@ -191,9 +191,17 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
   ``cached_prefix_tokens`` is the prefix hit the allocator mapped into the
   slot's page table (``serving.kv.prefix_cache``; < prompt_len): the request's
   computed and committed frontiers start there.
+  ``received_tokens`` > 0: a request handed over by a prefill engine
+  (``serving.kv.transfer``) with the KV of its whole prompt (= prompt_len)
+  and its first token: its frontiers start at ``received_tokens``, one
+  token is emitted, at ``arrival_ms`` (the time it was received), and its
+  next row is a decode row. Its pages are written when it is admitted.
   Returns ``(manifest, state)``; the state version is bumped.
   """
   set_ = lambda a, v: a.at[slot].set(jnp.asarray(v, a.dtype))
+  received = jnp.asarray(received_tokens, jnp.int32)
+  start = jnp.maximum(jnp.asarray(cached_prefix_tokens, jnp.int32), received)
+  token_ms = jnp.where(received > 0, jnp.asarray(arrival_ms, jnp.float32), -1.0)
   if manifest.ttft_ms is not None:
     manifest = manifest.replace(ttft_ms=set_(manifest.ttft_ms, ttft_ms))
   if manifest.tbt_ms is not None:
@@ -217,11 +225,11 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
       ready=set_(state.ready, True),
       generation=set_(state.generation, 0),
       snapshot_version=state.snapshot_version.at[slot].add(1),
-      emitted=set_(state.emitted, 0),
-      computed=set_(state.computed, cached_prefix_tokens),
-      committed=set_(state.committed, cached_prefix_tokens),
-      first_token_ms=set_(state.first_token_ms, -1.0),
-      last_token_ms=set_(state.last_token_ms, -1.0),
+      emitted=set_(state.emitted, jnp.where(received > 0, 1, 0)),
+      computed=set_(state.computed, start),
+      committed=set_(state.committed, start),
+      first_token_ms=set_(state.first_token_ms, token_ms),
+      last_token_ms=set_(state.last_token_ms, token_ms),
       finish_reason=set_(state.finish_reason, rec.NOT_FINISHED),
       num_preemptions=set_(state.num_preemptions, 0))
   return manifest, state

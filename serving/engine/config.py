@@ -27,6 +27,8 @@ OUTCOMES = ("completed", "failed", "rejected", "cancelled")
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTORS = ("model", "simulated")
+# An engine's place in a deployment (``HarnessConfig.role``).
+ROLES = ("mixed", "prefill", "decode")
 WEIGHTS = ("dense", "int8")
 
 
@@ -303,10 +305,16 @@ class HarnessConfig:
       a calibration JSON, "profile:NAME" for an accelerator profile
       (``configs/accelerators``: a100, h100, h200, tpu_v5e, tpu_v6e), or "" for
       ``configs/calibration/cost_model_cpu.json``.
+    role: "mixed" runs every request to its end; "prefill" runs a request's
+      prompt, samples its first token and hands it off (finish reason
+      "handoff", ``Engine.take_handoffs``); "decode" takes handed-off
+      requests (``Engine.add_handoff``) and runs their decode rows
+      (``serving.kv.transfer``; docs/scale-out.md).
   """
 
   executor: str = "model"
   cost_model: str = ""
+  role: str = "mixed"
 
   def __post_init__(self):
     self._check_harness(type(self).__name__)
@@ -314,6 +322,7 @@ class HarnessConfig:
   def _check_harness(self, c: str) -> None:
     _require(self.executor in EXECUTORS, c, "executor", f"must be one of {EXECUTORS}",
              self.executor)
+    _require(self.role in ROLES, c, "role", f"must be one of {ROLES}", self.role)
     _require(isinstance(self.cost_model, str), c, "cost_model",
              "must be a str (a calibration JSON path, 'profile:NAME' or '')", self.cost_model)
     if self.cost_model.startswith("profile:"):

@@ -58,6 +58,7 @@ from scheduler import validate
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine import executor as executor_lib
+from serving.engine import handoffs as handoffs_lib
 from serving.engine import programs as programs_lib
 from serving.engine import sim_driver
 from serving.engine import sim_executor
@@ -71,6 +72,7 @@ from serving.kv import pages as kv_pages
 from serving.kv import prefix_book
 from serving.kv import prefix_cache as pc
 from serving.kv import swap as kv_swap
+from serving.kv import transfer
 
 # Arrivals are written into their slots by one program call per this many
 # (padded with empty entries): one compiled program, and one call per
@@ -169,6 +171,13 @@ class Engine:
     if self.prefix is not None:
       self.table.on_end.append(self.prefix.forget)
     self.table.on_end.append(self.suspensions.forget)
+    # Prefill/decode roles: records handed off or received (``handoffs``).
+    self.handoffs = handoffs_lib.Handoffs(c.role, c.page_size, c.pages_per_seq,
+                                          kv_swap.page_bytes(self.kv), simulated)
+    self.table.on_end.append(self.handoffs.forget)
+    if simulated:
+      self.table.ends_at_first = lambda r: self.realized_output_tokens.get(
+          r.request_id, r.sampling.max_tokens) <= 1
     # Blocking device -> host fetches (``_fetch``); an iteration makes two
     # (its ``PlanFacts`` and its ``StepFacts``).
     self.host_fetches = 0
@@ -196,15 +205,6 @@ class Engine:
   def prefix_cache(self) -> Optional[pc.PrefixCache]:
     """The prefix cache's table (None with caching off)."""
     return None if self.prefix is None else self.prefix.cache
-
-  @property
-  def _pending(self) -> List[Request]:
-    """Accepted since the last step, not yet in a slot (``RequestTable.pending``)."""
-    return self.table.pending
-
-  @property
-  def _next_uid(self) -> int:
-    return self.table.next_uid
 
   # ----------------------------------------------------------------- clocks
   def now_ms(self) -> float:
@@ -251,14 +251,42 @@ class Engine:
     executor (ValueError with the simulated one). ``cache_salt``: prefix
     hits only within one salt (``PrefixBook.salt``; "" is the unsalted chain).
     """
+    if self.config.role == "decode":
+      raise ValueError(f"request {request_id!r}: a decode engine (EngineConfig.role) takes "
+                       f"requests handed off by a prefill engine (add_handoff)")
     req = self.table.accept(request_id, prompt_token_ids, sampling,
                             self.now_ms() if arrival_ms is None else arrival_ms, priority,
                             client, slo_ttft_ms, slo_tpot_ms, logprobs, prompt_logprobs)
+    req.cache_salt = cache_salt
     if not req.finished:
       if cache_salt and self.prefix is not None:
         self.prefix.salt(req, cache_salt)
       self.table.pending.append(req)
     return req
+
+  def add_handoff(self, handoff: transfer.KVHandoff, *,
+                  arrival_ms: Optional[float] = None) -> Request:
+    """Accepts a request a prefill engine handed off (``take_handoffs``):
+    its prompt is computed and its first token emitted (``output_token_ids``
+    starts with it; later news carries the tokens after it). Its pages are
+    written into this cache when the policy admits it; the policy sees it
+    as a waiting request whose frontiers are at its prompt length with one
+    token emitted at ``arrival_ms`` (engine ms, default now).
+
+    Raises:
+      ValueError: not a decode engine (``EngineConfig.role``); a record this
+        engine cannot take (``transfer.check``: the field and the rule);
+        ``add_request``'s. ``transfer.ChecksumMismatch``: its bytes or
+        fields do not match its checksum. ``QueueFull``: as ``add_request``.
+    """
+    return self.handoffs.admit(handoff, self.now_ms() if arrival_ms is None else arrival_ms,
+                               self.config, self.kv, self.model_cfg.vocab_size, self.table,
+                               self.prefix)
+
+  def take_handoffs(self) -> List[transfer.KVHandoff]:
+    """A prefill engine's records of the requests that ended "handoff"
+    since the last call (each once; their pages are free here)."""
+    return self.handoffs.take()
 
   def add_future_request(self, request_id: str, prompt_token_ids: Sequence[int],
                          sampling: SamplingParams = SamplingParams(), *, arrival_ms: float,
@@ -396,7 +424,8 @@ class Engine:
     hits = [0] * len(placed)
     if self.prefix is not None:
       for i, (slot, req) in enumerate(placed):
-        self.pages, hits[i] = self.prefix.map_hit(req, slot, self.pages, self._programs)
+        if not req.received_tokens:       # a handed-over request brings its KV
+          self.pages, hits[i] = self.prefix.map_hit(req, slot, self.pages, self._programs)
     for i in range(0, len(placed), ARRIVAL_BATCH):
       slots, arrivals, batch_hits = table.arrival_batch(
           placed[i:i + ARRIVAL_BATCH], hits[i:i + ARRIVAL_BATCH], ARRIVAL_BATCH,
@@ -405,7 +434,7 @@ class Engine:
           self.manifest, self.state, self.buffers, slots, arrivals, batch_hits)
     for slot, req in placed:
       table.place(slot, req)
-      if self.prefix is not None:
+      if self.prefix is not None and not req.received_tokens:
         self.prefix.placed(req)
     table.pending = []
 
@@ -482,6 +511,9 @@ class Engine:
     self.kv, self.pages = self.suspensions.resume_admitted(
         self.table.slots, facts.admit, facts.preempt, self.kv, self.pages, self._programs,
         {} if self.prefix is None else self.prefix.rehit_tokens)
+    if self.handoffs.received:
+      self.kv, self.pages = self.handoffs.import_admitted(
+          self.table.slots, facts.admit, facts.preempt, self.kv, self.pages, self._programs)
     return self._execute(plan, facts, preserved, launch)
 
   def _plan_iteration(self, launch):
@@ -559,8 +591,12 @@ class Engine:
                                           self.pages, self._programs)
 
     token_logprobs = self.table.take_logprobs(logprobs, facts.emitted, self._fetch)
-    return self._drain(emit_ms, facts.emitted, facts.token, facts.finished,
-                       facts.finish_reason, facts.failed, preempt, token_logprobs)
+    outputs = self._drain(emit_ms, facts.emitted, facts.token, facts.finished,
+                          facts.finish_reason, facts.failed, preempt, token_logprobs)
+    if facts.handoff is not None:      # before a later program writes the freed pages
+      self.handoffs.export([self.table.requests[o.request_id] for o in outputs if o.finished],
+                           facts.handoff, self.kv, self._programs, self._fetch)
+    return outputs
 
   def _pending_stamp(self):
     return self.clocks.pending_stamp(self.num_slots, self._placement)

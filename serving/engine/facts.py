@@ -28,6 +28,9 @@ class Arrival:
     prompt: i32[max_model_len], prompt tokens, zero-padded.
     stop_ids: i32[max_stop_ids], stop token ids, -1-padded (unused entries).
     logprobs, prompt_logprobs: bool[], the request's logprob flags.
+    received: i32[], KV rows handed over with the request (a decode
+      engine's ``Engine.add_handoff``: its prompt length, its first token
+      then at ``prompt[prompt_len]``), 0 for a request that starts anew.
   """
 
   request_id: np.ndarray
@@ -49,6 +52,7 @@ class Arrival:
   stop_ids: np.ndarray
   logprobs: np.ndarray
   prompt_logprobs: np.ndarray
+  received: np.ndarray
 
   @classmethod
   def empty(cls, max_model_len: int, max_stop_ids: int) -> "Arrival":
@@ -59,7 +63,8 @@ class Arrival:
                max_tokens=i32, priority=i32, client=i32, ttft_ms=f32, tbt_ms=f32,
                temperature=f32, top_k=i32, top_p=f32, seed=np.uint32(0), min_tokens=i32,
                ignore_eos=no, prompt=np.zeros(max_model_len, np.int32),
-               stop_ids=np.full(max_stop_ids, -1, np.int32), logprobs=no, prompt_logprobs=no)
+               stop_ids=np.full(max_stop_ids, -1, np.int32), logprobs=no, prompt_logprobs=no,
+               received=i32)
 
 
 @flax.struct.dataclass
@@ -109,6 +114,10 @@ class StepFacts:
     prefix: with prefix caching, (computed i32[R], pages_held i32[R],
       page_table i32[R, P], marked bool[]) for registering computed prompt
       pages (``_registrable``); else None.
+    handoff: on a prefill engine (``EngineConfig.role``), the page table
+      i32[R, P] once the plan's pages were allocated, before the step
+      released ended slots: where a request that ended "handoff" left its
+      pages (``serving.engine.handoffs``); else None.
   """
 
   pages_low: jax.Array
@@ -122,3 +131,4 @@ class StepFacts:
   decodes: jax.Array
   features: jax.Array
   prefix: Optional[tuple] = None
+  handoff: Optional[jax.Array] = None

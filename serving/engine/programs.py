@@ -14,13 +14,14 @@ the jitted programs below, ``sim_loop.simulate_steps`` inside its loop):
 
 ``programs`` jits them once per (model config, engine config): the ``plan``
 and ``step`` programs, the slot writers and the swap copies
-(``swap_out``/``swap_in``). The set of compiled programs is fixed by the
-config and the slot-table size: per size, one ``plan`` program, one
-``step`` per token bucket in ``EngineConfig.token_buckets``, one arrival
-writer, one release/cancel writer, and, where used, the prefix-cache,
-clock and swap writers (``Engine.compiled_programs`` reports what was
-compiled; ``serving.cli.launch.warmup`` compiles them, after which a run
-compiles nothing more)."""
+(``swap_out``/``swap_in``; ``reserve`` for a simulated handoff). The set of
+compiled programs is fixed by the config and the slot-table size: per
+size, one ``plan`` program, one ``step`` per token bucket in
+``EngineConfig.token_buckets``, one arrival writer, one release/cancel
+writer, and, where used, the prefix-cache, clock and swap writers
+(``Engine.compiled_programs`` reports what was compiled;
+``serving.cli.launch.warmup`` compiles them, after which a run compiles
+nothing more)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class _Programs:
   release: Callable
   swap_out: Callable
   swap_in: Callable
+  reserve: Callable
   shift_clock: Callable
   forget_client: Callable
   map_prefix: Callable
@@ -83,6 +85,7 @@ class _Executor:
   release: Callable
   swap_out: Callable
   swap_in: Callable
+  reserve: Callable
   traces: Dict[str, int]
 
 
@@ -113,6 +116,8 @@ def _executor(model_cfg, executor_config: ExecutorConfig, executor: str,
       swap_out=jit("swap_out", kv_swap.gather_pages),
       swap_in=jit("swap_in", kv_swap.restore_pages, donate_argnums=(0, 1),
                **placement.pinned(cache_then=1)),
+      reserve=jit("reserve", kv_swap.reserve_pages, static_argnames=("bucket",),
+                  donate_argnums=(0,)),
       traces=traces)
 
 
@@ -266,7 +271,7 @@ def _pages_low_jnp(pages, state, token_budget, seq_budget):
 
 def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buffers,
                  manifest, state, plan, realized, preserved_end, *, num_rows: int,
-                 windows: tuple = (0,)):
+                 windows: tuple = (0,), handoff: bool = False):
   """The ``step`` program: execute the plan in the token bucket
   ``num_rows`` -> check the result -> ``apply``; compiled per bucket.
 
@@ -277,7 +282,8 @@ def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buff
 
   Args:
     executor, token_budget, prefix_caching: static; num_rows: static
-      token bucket of this program; windows: static attention window kinds.
+      token bucket of this program; windows: static attention window kinds;
+      handoff: static, a prefill engine's step (``StepFacts.handoff``).
     kv, pages, buffers: donated; manifest: the slot table; state: the
       ticked state the plan was made on; plan: its ``IterationPlan``.
     realized: i32[R] recorded output lengths (simulated executor) or None.
@@ -294,9 +300,12 @@ def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buff
   exec_manifest = manifest if realized is None else manifest.replace(
       hidden_realized_output_tokens=realized)
   run = _execution_view(plan)
-  held = None
+  held = table = None
   if prefix_caching:
     pages, held = _hold_last_prompt_pages(pages, manifest, run)
+  if handoff:     # where ended slots' pages are, before the executor frees them
+    pages = allocate_for_plan(pages, run)
+    table = pages.page_table
   kv, pages, buffers, result, logprobs = executor(params, kv, pages, buffers,
                                                     exec_manifest, state, run,
                                                     num_rows=num_rows)
@@ -312,7 +321,8 @@ def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buff
       num_tokens=plan.num_tokens,
       decodes=jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW)),
       features=cost_lib.plan_stats(plan, windows, manifest.prompt_len),
-      prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None)
+      prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None,
+      handoff=table)
   return kv, pages, buffers, published, (plan, result, logprobs), facts
 
 
@@ -359,7 +369,7 @@ def arrive(manifest, state, buffers, slot, arrival: Arrival, prefix_hit):
       manifest, state, slot, request_id=a.request_id, arrival_ms=a.arrival_ms,
       arrival_seq=a.arrival_seq, prompt_len=a.prompt_len, max_tokens=a.max_tokens,
       priority=a.priority, client=a.client, ttft_ms=a.ttft_ms, tbt_ms=a.tbt_ms,
-      cached_prefix_tokens=prefix_hit)
+      cached_prefix_tokens=prefix_hit, received_tokens=a.received)
   set_ = lambda buf, v: buf.at[slot].set(jnp.asarray(v).astype(buf.dtype))
   buffers = buffers.replace(
       tokens=None if buffers.tokens is None else buffers.tokens.at[slot].set(a.prompt),
@@ -480,11 +490,12 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
                                          config.enable_prefix_caching)),
       step=jit("step", functools.partial(
           execute_step, bound_executor(model_cfg, config), config.token_buckets[-1],
-          config.enable_prefix_caching, windows=model_cfg.window_kinds),
+          config.enable_prefix_caching, windows=model_cfg.window_kinds,
+          handoff=config.role == "prefill"),
           static_argnames=("num_rows",),
           donate_argnums=(1, 2, 3), **placement.pinned(cache_then=5)),
       arrive=executor.arrive, release=executor.release,
-      swap_out=executor.swap_out, swap_in=executor.swap_in,
+      swap_out=executor.swap_out, swap_in=executor.swap_in, reserve=executor.reserve,
       shift_clock=jit("shift_clock", apply_lib.shift_clock),
       forget_client=jit("forget_client", apply_lib.forget_client),
       map_prefix=jit("map_prefix", kv_pages.map_prefix),

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from scheduler import records as rec
+from serving.engine import handoffs
 from serving.engine.config import OUTCOMES, EngineConfig, SamplingParams
 from serving.engine.facts import Arrival
 from serving.engine.requests import (PromptLogprobs, QueueFull, Request, RequestOutput,
@@ -53,6 +54,10 @@ class RequestTable:
     # Called with each request that ends (``end``): the owners of per-request
     # records elsewhere (prefix bookkeeping, suspensions) forget it.
     self.on_end: List[Callable[[Request], None]] = []
+    # On a prefill engine, whether a request whose first token ended its
+    # capped run really ends there (the simulated executor's recorded
+    # length of 1: its length cap hides the EOS it would have drawn).
+    self.ends_at_first: Callable[[Request], bool] = lambda req: False
 
   # ----------------------------------------------------------------- counts
   def num_live(self) -> int:
@@ -132,12 +137,19 @@ class RequestTable:
     self.requests[request_id] = req
     # KV rows written at most: p + m - 1 (the last output is never fed
     # back), and never past the context (rows [0, max_model_len - 1)).
-    rows = min(rec.kv_rows(len(ids), sampling.max_tokens), c.max_model_len - 1)
+    rows = min(rec.kv_rows(len(ids), self.max_tokens(sampling)), c.max_model_len - 1)
     need = kv_pages.pages_for(rows, c.page_size)
     if need > c.num_pages - 1:
       self.end(req, "rejected", f"needs {need} KV pages for {rows} KV rows (prompt + "
                f"max_tokens - 1); the cache has {c.num_pages - 1}")
     return req
+
+  def max_tokens(self, sampling: SamplingParams) -> int:
+    """The output tokens this engine runs for a request: its
+    ``max_tokens``, at most 1 on a prefill engine (``EngineConfig.role``)."""
+    if self.config.role == "prefill":
+      return min(sampling.max_tokens, 1)
+    return sampling.max_tokens
 
   def end(self, req: Request, outcome: str, reason: str) -> None:
     """Gives ``req`` its one outcome (``OUTCOMES``) and why; ``on_end`` hooks
@@ -220,21 +232,25 @@ class RequestTable:
     ``device_arrival_ms`` is its arrival on the device clock."""
     c, s = self.config, req.sampling
     prompt = np.zeros(c.max_model_len, np.int32)
-    prompt[:len(req.prompt_token_ids)] = req.prompt_token_ids
+    p = len(req.prompt_token_ids)
+    prompt[:p] = req.prompt_token_ids
+    if req.received_tokens:            # handed over: its first token is fed next
+      prompt[p] = req.output_token_ids[0]
     stop = np.full(c.max_stop_ids, -1, np.int32)
     stop[:len(s.stop_token_ids)] = s.stop_token_ids
     i32, f32 = np.int32, np.float32
     return Arrival(
         request_id=i32(req.uid), arrival_seq=i32(req.uid),
         arrival_ms=f32(device_arrival_ms),
-        prompt_len=i32(len(req.prompt_token_ids)), max_tokens=i32(s.max_tokens),
+        prompt_len=i32(p), max_tokens=i32(self.max_tokens(s)),
         priority=i32(req.priority), client=i32(self.clients[req.client]),
         ttft_ms=f32(req.slo_ttft_ms), tbt_ms=f32(req.slo_tpot_ms),
         temperature=f32(s.temperature), top_k=i32(s.top_k), top_p=f32(s.top_p),
         seed=np.uint32(s.seed), min_tokens=i32(s.min_tokens),
         ignore_eos=np.bool_(s.ignore_eos), prompt=prompt, stop_ids=stop,
         logprobs=np.bool_(req.want_logprobs),
-        prompt_logprobs=np.bool_(req.prompt_logprobs is not None))
+        prompt_logprobs=np.bool_(req.prompt_logprobs is not None),
+        received=i32(req.received_tokens))
 
   def arrival_batch(self, batch, hits, size: int, device_ms: Callable):
     """One ``arrive`` program call's inputs for ``batch`` ((slot, request)
@@ -271,7 +287,10 @@ class RequestTable:
     if failed:
       self.end(req, "failed", "non-finite logits")
     elif finished:
-      self.end(req, "completed", rec.FINISH_NAMES[int(reason)])
+      name = rec.FINISH_NAMES[int(reason)]
+      if handoffs.hands_off(self.config.role, req, name, self.config.max_model_len):
+        name = "eos" if self.ends_at_first(req) else handoffs.HANDOFF
+      self.end(req, "completed", name)
     if req.finished:
       req.num_extensions = int(extensions())
 

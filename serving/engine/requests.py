@@ -91,6 +91,10 @@ class Request:
   output_logprobs: List[TokenLogprobs] = dataclasses.field(default_factory=list, repr=False)
   # Asked for prompt logprobs: filled as its prefill rows run (else None).
   prompt_logprobs: Optional[PromptLogprobs] = dataclasses.field(default=None, repr=False)
+  cache_salt: str = ""             # ``add_request``'s prefix-cache salt
+  # KV rows handed over with the request (a decode engine's
+  # ``Engine.add_handoff``: the prompt length); 0 for one that starts anew.
+  received_tokens: int = 0
 
   @property
   def finished(self) -> bool:

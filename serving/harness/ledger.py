@@ -64,7 +64,7 @@ class ResourceSampler:
                                                e.state.status))
     live = int(np.sum(refcount > 0))
     cached_only = int(np.sum(cached & (refcount == 0)))
-    waiting = int(np.sum(status == rec.WAITING)) + len(e._pending)
+    waiting = int(np.sum(status == rec.WAITING)) + len(e.table.pending)
     running = int(np.sum(status == rec.RUNNING))
     self.samples.append((round(e.now_ms(), 3), live, cached_only, waiting, running))
 

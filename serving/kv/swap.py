@@ -48,15 +48,24 @@ def gather_pages(kv: llama.KVCache, page_ids):
   return kv.k[:, page_ids], kv.v[:, page_ids]
 
 
+def reserve_pages(pages: kv_pages.PageState, release, slot, num_pages, *, bucket: int):
+  """Frees the ``release`` slots' pages, then gives the empty ``slot``
+  ``num_pages`` (<= the static ``bucket``) fresh pages, writing nothing
+  (what ``restore_pages`` writes into; alone, a simulated engine's import,
+  which holds no KV bytes). Returns ``pages``."""
+  pages = kv_pages.deallocate(pages, release)
+  num_slots = pages.page_table.shape[0]
+  rows = jnp.where(jnp.arange(num_slots) == slot, num_pages * pages.page_size, 0)
+  return kv_pages.allocate(pages, rows, max_new_per_slot=bucket)
+
+
 def restore_pages(kv: llama.KVCache, pages: kv_pages.PageState, release, slot,
                   num_pages, k, v):
   """Frees the ``release`` slots' pages, then gives ``slot`` ``num_pages``
   fresh pages holding ``k`` / ``v`` (``[L, n_bucket, ...]``, rows beyond
   ``num_pages`` ignored). Returns ``(kv, pages)``."""
-  pages = kv_pages.deallocate(pages, release)
-  num_slots, bucket = pages.page_table.shape[0], k.shape[1]
-  rows = jnp.where(jnp.arange(num_slots) == slot, num_pages * pages.page_size, 0)
-  pages = kv_pages.allocate(pages, rows, max_new_per_slot=bucket)
+  bucket = k.shape[1]
+  pages = reserve_pages(pages, release, slot, num_pages, bucket=bucket)
   j = jnp.arange(bucket)
   ids = jnp.where(j < num_pages, pages.page_table[slot, jnp.minimum(
       j, pages.page_table.shape[1] - 1)], kv.k.shape[1])     # OOB -> dropped

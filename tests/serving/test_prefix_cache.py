@@ -314,7 +314,7 @@ def _cold_wait(params, quota_hot, monkeypatch, steps=6):
   cold = engine.add_request("cold", _prompts([12], seed=63)[0], one)
   for step in range(steps):
     for _ in range(4):
-      hot = engine.add_request(f"hot{engine._next_uid}", head + next(tails), one)
+      hot = engine.add_request(f"hot{engine.table.next_uid}", head + next(tails), one)
     engine.step()
     assert hot.prefix_hit_tokens == 8 or hot.slot < 0
     if cold.finished:

@@ -1,0 +1,254 @@
+"""Prefill/decode roles in one process: a prefill engine hands each request's
+KV pages and first token to a decode engine (``serving.kv.transfer``), and
+every request's tokens equal those of one mixed engine, bit for bit."""
+
+import dataclasses
+
+import hypothesis
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import llama
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from serving.engine.sim_executor import VirtualClock
+from serving.kv import pages as kv_pages
+from serving.kv import swap as kv_swap
+from serving.kv import transfer
+from tests.serving.engine_testing import CFG, prompts as _prompts
+
+BASE = EngineConfig.preset("tiny", min_bucket=8)     # page_size 4, 63 usable pages
+PREFILL = dataclasses.replace(BASE, role="prefill")
+DECODE = dataclasses.replace(BASE, role="decode")
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+LENGTHS = [14, 13, 12, 11, 5, 4]        # whole and partial last pages
+
+
+def _mixed(params, prompts, samplings, config=BASE):
+  engine = Engine(CFG, params, config)
+  reqs = [engine.add_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings))]
+  engine.run()
+  return [r.output_token_ids for r in reqs]
+
+
+def _disaggregated(params, prompts, samplings, prefill=PREFILL, decode=DECODE):
+  """Every request through a prefill engine, then a decode engine; returns
+  (tokens per request, the prefill engine, the decode engine, records)."""
+  p_engine, d_engine = Engine(CFG, params, prefill), Engine(CFG, params, decode)
+  for i, (p, s) in enumerate(zip(prompts, samplings)):
+    p_engine.add_request(f"r{i}", p, s)
+  p_engine.run()
+  records = p_engine.take_handoffs()
+  for h in records:
+    d_engine.add_handoff(h)
+  d_engine.run()
+  tokens = [d_engine.requests[f"r{i}"].output_token_ids if f"r{i}" in d_engine.requests
+            else p_engine.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
+  return tokens, p_engine, d_engine, records
+
+
+def _assert_pages_free(engine):
+  pages = engine.pages
+  assert int(jnp.sum(pages.pages_held)) == 0
+  assert not np.asarray(pages.refcount).any()
+  free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
+  cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
+  assert sorted(free + cached) == list(range(1, engine.config.num_pages))
+
+
+def test_greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine(params):
+  prompts = _prompts(LENGTHS, seed=3)
+  samplings = [GREEDY] * len(prompts)
+  reference = _mixed(params, prompts, samplings)
+  tokens, p_engine, d_engine, records = _disaggregated(params, prompts, samplings)
+  assert tokens == reference
+  assert len(records) == len(prompts)
+  for i, h in enumerate(records):
+    req = p_engine.requests[h.request_id]
+    assert (req.outcome, req.finish_reason, req.output_token_ids) == (
+        "completed", "handoff", [h.first_token])
+    assert h.num_pages == -(-len(prompts[int(h.request_id[1:])]) // BASE.page_size)
+    assert h.k.shape == (CFG.n_layers, h.num_pages, BASE.page_size, CFG.n_kv_heads,
+                         CFG.head_dim)
+    assert h.nbytes == h.k.nbytes + h.v.nbytes == transfer.kv_bytes(CFG, BASE, h.tokens)
+  assert all(r.outcome == "completed" and r.finish_reason == "length"
+             for r in d_engine.requests.values())
+  # The decode engine ran no prompt row: only one decode row per later token.
+  assert d_engine.prefill_tokens_computed == 0
+  assert d_engine.handoffs.stats()["handoffs_received"] == len(prompts)
+  _assert_pages_free(p_engine)
+  _assert_pages_free(d_engine)
+
+
+def test_seeded_sampling_continues_exactly_on_the_decode_engine(params):
+  prompts = _prompts(LENGTHS, seed=5)
+  samplings = [SamplingParams(max_tokens=8, temperature=1.3, top_k=40, seed=100 + i,
+                              ignore_eos=True) for i in range(len(prompts))]
+  reference = _mixed(params, prompts, samplings)
+  assert len({tuple(t) for t in reference}) == len(prompts)
+  assert _disaggregated(params, prompts, samplings)[0] == reference
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_decode_engine_preemptions_keep_the_tokens(params, mode):
+  """Few pages on the decode engine: handed-over requests are preempted
+  (a recompute runs their prompt and first token again there) and their
+  tokens still equal the mixed engine's."""
+  prompts = _prompts([14, 13, 12, 11], seed=3)
+  sampling = SamplingParams(max_tokens=10, ignore_eos=True)
+  reference = _mixed(params, prompts, [sampling] * 4)
+  few = dataclasses.replace(DECODE, num_pages=14, preemption_mode=mode)
+  tokens, _, d_engine, _ = _disaggregated(params, prompts, [sampling] * 4, decode=few)
+  assert d_engine.num_preemptions > 0
+  assert tokens == reference
+  _assert_pages_free(d_engine)
+
+
+def test_prefix_caching_on_both_sides(params):
+  """The prefill engine hits its own cache; the decode engine registers the
+  full prompt pages it received, and the tokens do not change."""
+  head = _prompts([12], seed=7)[0]
+  prompts = [head + t for t in _prompts([3, 5, 2], seed=8)]
+  samplings = [GREEDY] * 3
+  reference = _mixed(params, prompts, samplings)
+  cached = dict(enable_prefix_caching=True)
+  tokens, p_engine, d_engine, _ = _disaggregated(
+      params, prompts, samplings, prefill=dataclasses.replace(PREFILL, **cached),
+      decode=dataclasses.replace(DECODE, **cached))
+  assert tokens == reference
+  assert d_engine.prefix_cache_stats()["prefix_cache_pages"] >= 12 // BASE.page_size
+  assert d_engine.prefix_cache_stats()["prefix_cache_queries"] == 0   # no prompt looked up
+
+
+def test_requests_that_really_end_at_their_first_token_are_not_handed_off(params):
+  prompts = _prompts([9, 9], seed=11)
+  first = _mixed(params, prompts[:1], [SamplingParams(max_tokens=1)])[0][0]
+  p_engine = Engine(CFG, params, PREFILL)
+  one = p_engine.add_request("one", prompts[1], SamplingParams(max_tokens=1))
+  stop = p_engine.add_request("stop", prompts[0], SamplingParams(max_tokens=5,
+                                                                stop_token_ids=(first,)))
+  p_engine.run()
+  assert (one.finish_reason, stop.finish_reason) == ("length", "stop")
+  assert p_engine.take_handoffs() == []
+
+
+def test_a_corrupted_or_mismatched_record_is_refused_and_nothing_is_taken(params):
+  prompts = _prompts([10], seed=2)
+  p_engine = Engine(CFG, params, PREFILL)
+  p_engine.add_request("a", prompts[0], GREEDY)
+  p_engine.run()
+  (h,) = p_engine.take_handoffs()
+  d_engine = Engine(CFG, params, DECODE)
+  k = h.k.copy()
+  k.reshape(-1)[7] += 1.0
+  with pytest.raises(transfer.ChecksumMismatch, match="checksum"):
+    d_engine.add_handoff(dataclasses.replace(h, k=k))
+  with pytest.raises(transfer.ChecksumMismatch):
+    d_engine.add_handoff(dataclasses.replace(h, first_token=(h.first_token + 1) % 512))
+  with pytest.raises(ValueError, match="page_size"):
+    Engine(CFG, params, dataclasses.replace(DECODE, page_size=8, num_pages=32)).add_handoff(h)
+  assert "a" not in d_engine.requests and d_engine.handoffs.received == {}
+  with pytest.raises(ValueError, match="role='decode'"):
+    Engine(CFG, params, BASE).add_handoff(h)
+  with pytest.raises(ValueError, match="add_handoff"):
+    d_engine.add_request("b", prompts[0], GREEDY)
+  with pytest.raises(ValueError, match="role"):
+    dataclasses.replace(BASE, role="both")
+  d_engine.add_handoff(h)           # the intact record is taken
+  d_engine.run()
+  assert d_engine.requests["a"].outcome == "completed"
+
+
+def test_aborts_at_each_stage_give_every_page_back(params):
+  prompts = _prompts([14, 13, 12], seed=4)
+  sampling = SamplingParams(max_tokens=20, ignore_eos=True)
+  p_engine, d_engine = Engine(CFG, params, PREFILL), Engine(CFG, params, DECODE)
+  for i, p in enumerate(prompts):
+    p_engine.add_request(f"r{i}", p, sampling)
+  p_engine.step()                          # r0's first chunk ran: abort it prefilling
+  p_engine.abort("r0")
+  p_engine.run()
+  records = {h.request_id: h for h in p_engine.take_handoffs()}
+  assert sorted(records) == ["r1", "r2"]
+  assert p_engine.requests["r0"].outcome == "cancelled"
+  for h in records.values():
+    d_engine.add_handoff(h)
+  d_engine.abort("r1")                     # received, never admitted
+  d_engine.step()
+  d_engine.step()
+  d_engine.abort("r2")                     # decoding
+  d_engine.run()
+  assert [d_engine.requests[r].outcome for r in ("r1", "r2")] == ["cancelled"] * 2
+  assert d_engine.handoffs.received == {}
+  _assert_pages_free(p_engine)
+  _assert_pages_free(d_engine)
+
+
+def test_simulated_engines_hand_off_page_counts_without_bytes():
+  sim = dict(executor="simulated", cost_model="profile:a100", enable_prefix_caching=False)
+  p_engine = Engine(CFG, None, dataclasses.replace(PREFILL, **sim), clock=VirtualClock())
+  d_engine = Engine(CFG, None, dataclasses.replace(DECODE, **sim), clock=VirtualClock())
+  lengths = {"a": 7, "b": 1, "c": 4}           # recorded output lengths
+  for rid, n in zip(lengths, [9, 6, 13]):
+    p_engine.add_request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=6))
+  p_engine.realized_output_tokens.update(lengths)
+  d_engine.realized_output_tokens.update(lengths)
+  p_engine.run()
+  records = p_engine.take_handoffs()
+  assert [h.request_id for h in records] == ["a", "c"]   # "b" ended at its first token
+  assert p_engine.requests["b"].finish_reason == "eos"
+  assert all(h.k is None and h.nbytes == transfer.kv_bytes(CFG, BASE, h.tokens)
+             for h in records)
+  for h in records:
+    d_engine.add_handoff(h)
+  d_engine.run()
+  assert [len(d_engine.requests[r].output_token_ids) for r in ("a", "c")] == [6, 4]
+  with pytest.raises(ValueError, match="role"):
+    d_engine.simulate()
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(st.integers(1, 6), st.integers(0, 40), st.integers(0, 2**31 - 1))
+def test_page_transfer_round_trip(num_pages, taken, seed):
+  """Random pages exported from one cache land, bit for bit, in whatever
+  pages the receiver's allocator gives (ids remapped), and the record's
+  checksum catches any changed byte."""
+  rng = np.random.default_rng(seed)
+  layers, page_size, heads, dim, total, per_seq = 2, 4, 2, 3, 64, 8
+  shape = (layers, total, page_size, heads, dim)
+  kv = llama.KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                     v=jnp.asarray(rng.standard_normal(shape), jnp.float32))
+  src_ids = rng.choice(np.arange(1, total), size=num_pages, replace=False).astype(np.int32)
+  ids = np.zeros(kv_swap.page_bucket(num_pages, per_seq), np.int32)
+  ids[:num_pages] = src_ids
+  k, v = (np.asarray(a)[:, :num_pages] for a in kv_swap.gather_pages(kv, ids))
+  # The receiver: another cache whose allocator already gave ``taken`` pages away.
+  recv = llama.KVCache(k=jnp.zeros(shape), v=jnp.zeros(shape))
+  pages = kv_pages.init_pages(4, per_seq, total, page_size)
+  busy = min(taken, (total - 1 - num_pages) // per_seq * per_seq)
+  for slot in range(busy // per_seq):
+    pages = kv_pages.allocate(pages, jnp.where(jnp.arange(4) == slot + 1, per_seq * page_size,
+                                               0), max_new_per_slot=per_seq)
+  bucket = kv_swap.page_bucket(num_pages, per_seq)
+  pad = [(0, 0), (0, bucket - num_pages)] + [(0, 0)] * 3
+  recv, pages = kv_swap.restore_pages(recv, pages, jnp.zeros(4, bool), 0, num_pages,
+                                      np.pad(k, pad), np.pad(v, pad))
+  dst = np.asarray(pages.page_table[0, :num_pages])
+  assert int(pages.pages_held[0]) == num_pages and len(set(dst.tolist())) == num_pages
+  np.testing.assert_array_equal(np.asarray(recv.k)[:, dst], np.asarray(kv.k)[:, src_ids])
+  np.testing.assert_array_equal(np.asarray(recv.v)[:, dst], np.asarray(kv.v)[:, src_ids])
+  h = transfer.KVHandoff(
+      request_id="x", prompt_token_ids=tuple(range(num_pages * page_size)), first_token=5,
+      sampling=SamplingParams(), priority=0, client="c", slo_ttft_ms=None, slo_tpot_ms=None,
+      cache_salt="", arrival_ms=0.0, first_token_ms=1.0, first_logprobs=None,
+      tokens=num_pages * page_size, page_size=page_size, num_pages=num_pages,
+      nbytes=k.nbytes + v.nbytes, k=k, v=v).sealed()
+  transfer.check(h, page_size=page_size, kv_shape=shape, kv_dtype=np.float32,
+                 simulated=False, max_model_len=64, vocab_size=512)
+  flipped = k.copy()
+  flipped.view(np.uint32).reshape(-1)[int(rng.integers(flipped.size))] ^= 1
+  with pytest.raises(transfer.ChecksumMismatch):
+    transfer.check(dataclasses.replace(h, k=flipped), page_size=page_size, kv_shape=shape,
+                   kv_dtype=np.float32, simulated=False, max_model_len=64, vocab_size=512)
