@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from serving.kv import pages as kv_pages
@@ -144,8 +146,9 @@ class Handoffs:
         pages = programs.reserve(pages, preempt, np.int32(slot), np.int32(n), bucket=bucket)
       else:
         pad = [(0, 0), (0, bucket - n)] + [(0, 0)] * 3
+        pad_to = jnp.pad if isinstance(h.k, jax.Array) else np.pad   # on its device
         kv, pages = programs.swap_in(kv, pages, preempt, np.int32(slot), np.int32(n),
-                                     np.pad(h.k, pad), np.pad(h.v, pad))
+                                     pad_to(h.k, pad), pad_to(h.v, pad))
       self.num_received += 1
       self.bytes_received += h.nbytes
     return kv, pages

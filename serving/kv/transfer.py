@@ -162,3 +162,43 @@ def check(h: KVHandoff, *, page_size: int, kv_shape, kv_dtype, simulated: bool,
   if h.checksum != h.digest():
     raise ChecksumMismatch(f"{name}: its pages or fields do not match its checksum; "
                            f"refusing to decode from them")
+
+
+class Transport:
+  """How a ``KVHandoff`` travels from a prefill engine to a decode engine:
+  ``send`` on the prefill side returns a ticket, ``receive`` on the decode
+  side turns the ticket back into the record (the decode engine's
+  ``add_handoff`` checks it). Implementations: ``InProcess`` (two engines
+  in one process), Ray's object store (``serving.cluster``: the ticket is
+  an ObjectRef, the bytes staged in host memory) and
+  ``jax.experimental.transfer`` where the jaxlib provides it."""
+
+  name = "abstract"
+
+  def send(self, handoff: KVHandoff):
+    raise NotImplementedError
+
+  def receive(self, ticket) -> KVHandoff:
+    raise NotImplementedError
+
+
+class InProcess(Transport):
+  """Two engines in one process: the ticket is the record, its pages put on
+  the receiver's ``device`` (``jax.device_put``; None: left where they
+  are, host memory)."""
+
+  name = "in_process"
+
+  def __init__(self, device=None):
+    self.device = device
+
+  def send(self, handoff: KVHandoff) -> KVHandoff:
+    if self.device is None or handoff.k is None:
+      return handoff
+    import jax
+    return dataclasses.replace(handoff, k=jax.device_put(handoff.k, self.device),
+                               v=jax.device_put(handoff.v, self.device))
+
+  def receive(self, ticket: KVHandoff) -> KVHandoff:
+    return ticket
+

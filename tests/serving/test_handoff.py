@@ -7,6 +7,7 @@ import importlib.util
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,6 +83,22 @@ def test_greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine(params)
   assert d_engine.handoffs.stats()["handoffs_received"] == len(prompts)
   _assert_pages_free(p_engine)
   _assert_pages_free(d_engine)
+
+
+def test_in_process_transport_puts_the_pages_on_the_receivers_device(params):
+  prompts = _prompts([9, 6], seed=12)
+  reference = _mixed(params, prompts, [GREEDY] * 2)
+  p_engine, d_engine = Engine(CFG, params, PREFILL), Engine(CFG, params, DECODE)
+  for i, p in enumerate(prompts):
+    p_engine.add_request(f"r{i}", p, GREEDY)
+  p_engine.run()
+  link = transfer.InProcess(jax.devices()[0])
+  for h in p_engine.take_handoffs():
+    received = link.receive(link.send(h))
+    assert isinstance(received.k, jax.Array) and received.checksum == h.checksum
+    d_engine.add_handoff(received)
+  d_engine.run()
+  assert [d_engine.requests[f"r{i}"].output_token_ids for i in range(2)] == reference
 
 
 def test_seeded_sampling_continues_exactly_on_the_decode_engine(params):
