@@ -14,6 +14,7 @@ import pytest
 
 from models import llama
 from models.loaders import load_model
+from scheduler import registry
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.sim_executor import VirtualClock
@@ -305,3 +306,43 @@ def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode():
   reference = mixed()
   assert tok.decode(reference[0]).startswith(" Paris")
   assert got == reference
+
+
+_QUICK = ("sarathi_serve", "vllm_v1")
+
+
+@pytest.mark.parametrize("policy", [
+    p if p in _QUICK else pytest.param(p, marks=pytest.mark.extended)
+    for p in sorted(registry.POLICIES)])
+def test_every_policy_runs_on_both_roles(policy):
+  """Each registered policy schedules a prefill engine's prompts and a
+  decode engine's handed-over requests (waiting with their prompt computed
+  and one token emitted) to the lengths a mixed engine runs them to, with
+  recompute preemptions on a decode engine short of pages."""
+  sim = dict(executor="simulated", cost_model="profile:a100", policy=policy,
+             enable_prefix_caching=False)
+  prompts = _prompts([14, 13, 12, 11, 6, 9], seed=6)
+  lengths = {f"r{i}": n for i, n in enumerate([9, 1, 12, 5, 10, 3])}
+
+  def engine(config):
+    e = Engine(CFG, None, dataclasses.replace(config, **sim), clock=VirtualClock())
+    e.realized_output_tokens.update(lengths)
+    return e
+
+  sampling = SamplingParams(max_tokens=12)
+  mixed = engine(BASE)
+  for i, p in enumerate(prompts):
+    mixed.add_request(f"r{i}", p, sampling, slo_ttft_ms=500.0, slo_tpot_ms=100.0)
+  mixed.run()
+  p_engine, d_engine = engine(PREFILL), engine(dataclasses.replace(DECODE, num_pages=14))
+  for i, p in enumerate(prompts):
+    p_engine.add_request(f"r{i}", p, sampling, slo_ttft_ms=500.0, slo_tpot_ms=100.0)
+  p_engine.run()
+  for h in p_engine.take_handoffs():
+    d_engine.add_handoff(h)
+  d_engine.run()
+  for rid, req in mixed.requests.items():
+    other = d_engine.requests.get(rid) or p_engine.requests[rid]
+    assert (other.outcome, other.output_token_ids) == (req.outcome, req.output_token_ids)
+  _assert_pages_free(p_engine)
+  _assert_pages_free(d_engine)
