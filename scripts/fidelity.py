@@ -66,6 +66,7 @@ from serving.harness import workloads
 from serving.engine.engine import Engine
 from serving.harness.metrics import RequestRecord
 from serving.harness.replay import fidelity, replay
+from serving.harness.replay import path as replay_path
 from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
@@ -253,11 +254,14 @@ def main(argv):
       sim_engine = Engine(cfg, None, sim_cfg, clock=VirtualClock())
       result["cost_model"] = sim_engine.cost_model.to_json()
       if steps is None:
+        sim_path = replay_path(sim_engine)
         sim, sim_s = replay(sim_engine, wl)
       else:
+        sim_path = ("step", "a step log (--step_log) records every step")
         sim_steps = step_log.StepLog(steps.cost)
         sim, sim_s = sim_steps.replay(sim_engine, wl)
       case = {**info, "load_avg_after": load_after, "real_wall_s": wall_s,
+              "simulated_path": {"path": sim_path[0], "why": sim_path[1]},
               "iterations": {"measured": real_iterations,
                              "simulated": sim_engine.num_iterations},
               **fidelity(real, sim, real_s, sim_s)}

@@ -39,13 +39,15 @@ from serving.cli import launch
 from serving.harness import ledger
 from serving.harness import metrics
 from serving.harness import workloads
+from serving.harness.replay import path as replay_path
 from serving.harness.replay import replay, run_config, run_outcomes
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/replay.json", "Report JSON path.")
 flags.DEFINE_float("ledger_tbt_ms", None, "SLO the ledger scores: per-gap TBT limit (ms).")
 flags.DEFINE_float("ledger_horizon_s", None, "Requests unfinished by then are open.")
-flags.DEFINE_integer("sample_every", 1, "Ledger: sample KV pages/queue every N steps.")
+flags.DEFINE_integer("sample_every", 1, "Ledger: sample KV pages/queue once N iterations "
+                     "ran since the last sample.")
 launch.define_workload_flags()
 launch.define_engine_flags()
 
@@ -86,19 +88,21 @@ def main(argv):
   bar = tqdm(total=len(workload), unit="req", desc="replay")
   sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
 
-  def progress(outputs):
-    sampler(outputs)
-    bar.update(sum(1 for o in outputs if o.finished))
+  def progress(engine):
+    sampler(engine)
+    bar.update(engine.table.num_ended - bar.n)
     bar.set_postfix(iterations=engine.num_iterations, refresh=False)
 
+  sim_path, why = replay_path(engine)
   t = time.perf_counter()
-  records, duration_s = replay(engine, workload, on_step=progress)
+  records, duration_s = replay(engine, workload, on_progress=progress)
   wall_s = time.perf_counter() - t
   bar.close()
   config = run_config(engine, FLAGS.model)
   config["family"] = cfg.family
   config["model_costs"] = launch.model_costs(cfg, engine.config)
   config["workload"] = workload.describe()
+  config["replay_path"] = {"path": sim_path, "why": why}
   if engine.cost_model is None:     # wall-clock facts stay out of virtual-time reports
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))

@@ -49,6 +49,7 @@ from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
+from serving.harness.replay import path as replay_path
 from serving.harness.replay import replay, run_config, run_outcomes
 from serving.engine.sim_executor import VirtualClock
 
@@ -75,7 +76,8 @@ flags.DEFINE_enum("executor", "simulated", ["simulated", "model"], "Executor.")
 flags.DEFINE_enum("clock", None, ["wall", "virtual"], "Default: virtual if simulated.")
 flags.DEFINE_string("cost_model", None, "Cost model: a calibration JSON or profile:NAME "
                     "(default: the engine preset's cost_model, else the shipped calibration).")
-flags.DEFINE_integer("sample_every", 8, "Ledger time series: every N steps (>= 1).")
+flags.DEFINE_integer("sample_every", 8, "Ledger time series: once N iterations ran since "
+                     "the last sample (>= 1).")
 flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs); created with "
                     "its missing parents, an existing sweep.json in it is overwritten.")
 flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
@@ -108,8 +110,9 @@ def run_trial(model_cfg, params, config, wl):
   engine = Engine(model_cfg, params, config,
                   clock=VirtualClock() if clock == "virtual" else time.monotonic)
   sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
+  sim_path, why = replay_path(engine)
   t = time.perf_counter()
-  records, duration_s = replay(engine, wl, realtime=False, on_step=sampler)
+  records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler)
   wall_s = time.perf_counter() - t
   led = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=FLAGS.ttft_ms,
                             tpot_ms=FLAGS.tpot_ms, tbt_ms=FLAGS.tpot_ms, engine=engine,
@@ -123,6 +126,7 @@ def run_trial(model_cfg, params, config, wl):
   clients = sorted({r.client for r in records})
   return {
       "duration_s": duration_s, "wall_s": wall_s, "iterations": engine.num_iterations,
+      "replay_path": {"path": sim_path, "why": why},
       "iterations_per_s": engine.num_iterations / wall_s,
       "attainment": led["goodput"]["offered_attainment"],
       "admitted_attainment": led["goodput"]["admitted_attainment"],

@@ -51,6 +51,7 @@ class RequestTable:
     self.client_refs: Dict[str, int] = {}   # requests per client in ``requests``
     self.free_client_indices: List[int] = []
     self.next_uid = 0
+    self.num_ended = 0                      # requests given an outcome (``end``)
     # Called with each request that ends (``end``): the owners of per-request
     # records elsewhere (prefix bookkeeping, suspensions) forget it.
     self.on_end: List[Callable[[Request], None]] = []
@@ -156,6 +157,7 @@ class RequestTable:
     run. The caller frees its slot and pages."""
     assert outcome in OUTCOMES
     req.outcome, req.finish_reason = outcome, reason
+    self.num_ended += 1
     for hook in self.on_end:
       hook(req)
 

@@ -38,8 +38,10 @@ PARTS = ("valid", "completed_miss", "rejected", "cancelled", "failed", "open_at_
 
 
 class ResourceSampler:
-  """``on_step`` hook of ``replay``: samples the engine after every
-  ``every``-th step. Each sample (``COLUMNS``): t_ms on the engine clock;
+  """``on_progress`` hook of ``replay``: samples the engine once at least
+  ``every`` iterations ran since the last sample (on ``replay``'s loop path,
+  at the first callback after that: at most ``replay.PROGRESS_ITERATIONS``
+  later). Each sample (``COLUMNS``): t_ms on the engine clock;
   ``kv_pages_live``, pages some request's page table holds (refcount >= 1,
   shared prefix pages counted once); ``kv_pages_cached``, pages only the
   prefix cache holds (refcount 0, kept for later hits, evicted on demand,
@@ -51,15 +53,15 @@ class ResourceSampler:
   def __init__(self, engine, every: int = 1):
     if every < 1:
       raise ValueError(f"ResourceSampler.every must be >= 1, got {every}")
-    self.engine, self.every, self._n = engine, every, 0
+    self.engine, self.every = engine, every
+    self._last = engine.num_iterations
     self.samples: List[tuple] = []
 
-  def __call__(self, outputs) -> None:
-    del outputs
-    self._n += 1
-    if self._n % self.every:
-      return
+  def __call__(self, engine=None) -> None:
     e = self.engine
+    if e.num_iterations - self._last < self.every:
+      return
+    self._last = e.num_iterations
     refcount, cached, status = jax.device_get((e.pages.refcount, e.pages.cached,
                                                e.state.status))
     live = int(np.sum(refcount > 0))

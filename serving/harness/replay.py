@@ -23,6 +23,7 @@ import jax
 
 from scheduler.admission import estimator_name
 from serving.engine.config import SamplingParams
+from serving.engine import sim_loop
 from serving.engine.engine import Engine
 from serving.engine.requests import QueueFull
 from serving.harness.metrics import RequestRecord
@@ -30,17 +31,41 @@ from serving.engine.sim_executor import VirtualClock
 from serving.harness.workloads import Workload
 
 
+# On the loop path, ``on_progress`` runs after at most this many iterations.
+PROGRESS_ITERATIONS = 8 * sim_loop.LOOP_ITERATIONS
+
+
+def path(engine: Engine, *, loop: bool = True, on_step: Optional[Callable] = None,
+         step_ms: Optional[List[float]] = None) -> Tuple[str, str]:
+  """Which path ``replay`` takes on ``engine`` with these arguments, and
+  why: ("loop", "") runs many iterations per program call
+  (``Engine.simulate``); ("step", reason) runs one ``engine.step()`` per
+  iteration. Reports record it (``{"path": ..., "why": ...}``)."""
+  if not isinstance(engine.clock, VirtualClock):
+    return "step", "the engine runs on the wall clock"
+  if not loop:
+    return "step", "loop=False was asked for"
+  if on_step is not None:
+    return "step", "on_step reads every step's outputs"
+  if step_ms is not None:
+    return "step", "step_ms times every step"
+  refusal = engine.loop_refusal()
+  return ("step", refusal) if refusal is not None else ("loop", "")
+
+
 def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
            sampling: Callable = None, on_step: Optional[Callable] = None,
-           step_ms: Optional[List[float]] = None,
-           loop: bool = True) -> Tuple[List[RequestRecord], float]:
+           step_ms: Optional[List[float]] = None, loop: bool = True,
+           on_progress: Optional[Callable[[Engine], None]] = None
+           ) -> Tuple[List[RequestRecord], float]:
   """Runs the workload to completion.
 
   A simulated engine on a virtual clock whose config the device loop
   covers (``Engine.loop_refusal``) runs many iterations per program call
   (``Engine.simulate``) unless ``loop`` is False or ``on_step`` or
   ``step_ms`` asks for every step: the same schedule and records (times
-  to the last bit of a float64 step time, ``serving.engine.sim_loop``).
+  to the last bit of a float64 step time, ``serving.engine.sim_loop``);
+  ``path`` says which path a call takes and why.
 
   Args:
     engine: a fresh Engine.
@@ -55,6 +80,10 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
       virtual clock too: the host's time, not the modelled one).
     loop: allow ``Engine.simulate`` (False: one ``engine.step()`` per
       iteration).
+    on_progress: called with the engine after every step on the step path,
+      and after every ``PROGRESS_ITERATIONS`` iterations at most on the
+      loop path (a progress bar, ``ledger.ResourceSampler``): it does not
+      take the loop away.
 
   Returns:
     ``(records, duration_s)``: one RequestRecord per workload request, and
@@ -72,10 +101,9 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
   shift_ms = 0.0       # non-realtime: idle gaps are skipped
   refused = {}
   i = 0
-  if (loop and virtual and on_step is None and step_ms is None
-      and engine.loop_refusal() is None):
+  if path(engine, loop=loop, on_step=on_step, step_ms=step_ms)[0] == "loop":
     i = len(specs)
-    refused = _simulate(engine, specs, sampling, start_ms)
+    refused = _simulate(engine, specs, sampling, start_ms, on_progress)
   while i < len(specs) or engine.has_unfinished():
     now_ms = engine.now_ms() - start_ms + shift_ms
     while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
@@ -106,13 +134,16 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
       step_ms.append((time.perf_counter() - t) * 1000.0)
     if on_step is not None:
       on_step(outputs)
+    if on_progress is not None:
+      on_progress(engine)
   duration_s = (engine.now_ms() - start_ms) / 1000.0
   origin_ms = start_ms - shift_ms
   return [_refused(spec, refused[spec.request_id]) if spec.request_id in refused
           else _record(engine, spec, origin_ms) for spec in specs], duration_s
 
 
-def _simulate(engine: Engine, specs, sampling: Callable, start_ms: float) -> dict:
+def _simulate(engine: Engine, specs, sampling: Callable, start_ms: float,
+              on_progress: Optional[Callable]) -> dict:
   """``replay`` on ``Engine.simulate``: every request is added ahead of its
   arrival (``Engine.add_future_request``) while the queue bound cannot
   refuse it at its arrival; one that it might is added when its time has
@@ -141,7 +172,10 @@ def _simulate(engine: Engine, specs, sampling: Callable, start_ms: float) -> dic
       except ValueError as e:
         refused[specs[i].request_id] = str(e)
       i += 1
-    engine.simulate(arrival_ms(specs[i]) if i < len(specs) else math.inf)
+    engine.simulate(arrival_ms(specs[i]) if i < len(specs) else math.inf,
+                    max_iterations=None if on_progress is None else PROGRESS_ITERATIONS)
+    if on_progress is not None:
+      on_progress(engine)
   return refused
 
 

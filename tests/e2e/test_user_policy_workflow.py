@@ -97,6 +97,12 @@ def test_replay_sweep_schedule_log_and_compare_by_file_spec(tmp_path):
     assert report["completed"] == 8 and report["config"]["policy_id"] == (
         "las" if name == "las" else "sarathi_serve")
     assert set(report["ledger"]["fairness"]["by_client"]) == {"c0", "c1"}
+    assert report["config"]["replay_path"] == {          # the tiny preset caches prefixes
+        "path": "step", "why": "EngineConfig.enable_prefix_caching must be False for the "
+        "loop (it maps no prefix hits and registers no pages), got True"}
+  looped = tmp_path / "loop.json"
+  _run("replay.py", *common, f"--policy={SPEC}", "--noenable_prefix_caching", f"--out={looped}")
+  assert json.loads(looped.read_text())["config"]["replay_path"] == {"path": "loop", "why": ""}
   table = _run("compare.py", str(runs["fcfs"]), str(runs["las"]),
                "--metric=client_service_gap").stdout
   assert "client_service_gap" in table and "(lower is better)" in table
@@ -113,6 +119,7 @@ def test_replay_sweep_schedule_log_and_compare_by_file_spec(tmp_path):
   result = json.loads((out / "sweep.json").read_text())
   assert result["policies"] == [SPEC, "sarathi_serve"]
   assert [t["config"]["policy_id"] for t in result["trials"]] == ["las", "sarathi_serve"]
+  assert {t["replay_path"]["path"] for t in result["trials"]} == {"step"}
   assert SPEC in _run("compare.py", str(out / "sweep.json")).stdout
 
   log = tmp_path / "schedule.json"

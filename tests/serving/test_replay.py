@@ -77,3 +77,4 @@ def test_request_the_engine_refuses_is_recorded_rejected_and_the_replay_goes_on(
   rejected = [r for r in report["requests"] if r["outcome"] == "rejected"]
   assert rejected[0]["request_id"] == too_long.request_id
   assert "max_model_len=64" in rejected[0]["finish_reason"]
+

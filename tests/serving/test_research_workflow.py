@@ -98,7 +98,7 @@ def test_ledger_counts_live_and_cached_kv_pages_apart(cost_file):
   remain, and live + cached + free = num_pages - 1 in every sample."""
   engine = _sim_engine(cost_file)
   sampler = ledger.ResourceSampler(engine)
-  records, duration_s = replay(engine, _shared_prefix_workload(), on_step=sampler)
+  records, duration_s = replay(engine, _shared_prefix_workload(), on_progress=sampler)
   out = ledger.build_ledger(records, duration_s=duration_s, engine=engine, sampler=sampler)
   series = out["resources"]["timeseries"]
   assert series["columns"] == ["t_ms", "kv_pages_live", "kv_pages_cached", "queue_len",

@@ -51,7 +51,7 @@ def _report_bytes(params, cost_file, path):
   engine = _sim_engine(params, cost_file)
   wl = _workload(3)
   sampler = ledger.ResourceSampler(engine)
-  records, duration_s = replay(engine, wl, realtime=False, on_step=sampler)
+  records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler)
   report = metrics.build_report(records, duration_s, run_config(engine, "tiny"),
                                 num_offered=len(wl))
   report["ledger"] = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=200.0,

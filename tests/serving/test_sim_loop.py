@@ -13,6 +13,8 @@ from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.requests import QueueFull
 from serving.harness import synthetic
+from serving.harness import ledger
+from serving.harness import replay as replay_lib
 from serving.harness import workloads
 from serving.harness.replay import replay, run_outcomes
 from tests.serving.engine_testing import CFG, prompts
@@ -233,3 +235,30 @@ def test_the_slot_table_refuses_to_grow_past_the_bound(cost_file):
   assert engine.num_slots == 4
   engine._grow(8)
   assert engine.num_slots == 8
+
+
+def test_a_progress_callback_keeps_the_loop_and_its_records(cost_file, monkeypatch):
+  """``replay``'s ``on_progress`` (a progress bar, the ledger's resource
+  sampler) does not take the loop away: ``path`` says "loop", the loop
+  program runs, the callback runs after every bounded loop call, and the
+  records equal the step path's; ``on_step`` still asks for the step path."""
+  monkeypatch.setattr(replay_lib, "PROGRESS_ITERATIONS", 8)
+  wl = _workload(**WORKLOADS["steady"])
+  step, _ = replay(_engine(cost_file, num_pages=20), wl, loop=False)
+  engine = _engine(cost_file, num_pages=20)
+  assert replay_lib.path(engine) == ("loop", "")
+  assert replay_lib.path(engine, on_step=print)[0] == "step"
+  sampler = ledger.ResourceSampler(engine, every=4)
+  seen = []
+
+  def progress(e):
+    seen.append((e.num_iterations, e.table.num_ended))
+    sampler(e)
+
+  loop, _ = replay(engine, wl, on_progress=progress)
+  assert engine.compiled_programs()["loop"] >= 1
+  _same(step, loop)
+  assert len(seen) >= engine.num_iterations // (8 + sim_loop.LOOP_ITERATIONS)
+  assert seen[-1] == (engine.num_iterations, len(wl))
+  assert [n for n, _ in seen] == sorted(n for n, _ in seen)
+  assert len(sampler.samples) >= 2
