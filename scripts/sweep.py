@@ -29,10 +29,13 @@ loaded).
 """
 
 import dataclasses
+import functools
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent import futures
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -80,6 +83,9 @@ flags.DEFINE_integer("sample_every", 8, "Ledger time series: once N iterations r
                      "the last sample (>= 1).")
 flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs); created with "
                     "its missing parents, an existing sweep.json in it is overwritten.")
+flags.DEFINE_integer("jobs", 1, "Trials run at once, each in a process of its own "
+                     "(spawned; every trial is deterministic, so the results do not depend "
+                     "on it). 2 uses both cores of a 2-core machine.")
 flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
                   "sweep.json files (same trace, window, SLOs, alpha and trials; "
                   "different rate grids) into --out, recomputing G* and plots.")
@@ -255,7 +261,7 @@ def _check_flags():
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
                      f"got {FLAGS.max_model_len}")
   policies.check_policy_flag("--policies", FLAGS.policies)
-  for name in ("trials", "sample_every"):
+  for name in ("trials", "sample_every", "jobs"):
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   for name in ("window_s", "ttft_ms", "tpot_ms"):
@@ -276,32 +282,55 @@ def main(argv):
     return finish(merge(FLAGS.merge))
   rates = _check_flags()
   cli.make_dir("out", FLAGS.out)
-  base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
-                             executor=FLAGS.executor, cost_model=FLAGS.cost_model,
-                             num_clients=64)
-  model_cfg, params = model_config(FLAGS.model)
   result = {"trace": FLAGS.trace, "window_s": FLAGS.window_s, "trials_per_point": FLAGS.trials,
             "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
             "policies": FLAGS.policies, "rate_scales": rates,
-            "metric_definitions": ablation.METRIC_DEFINITIONS,
+            "metric_definitions": ablation.METRIC_DEFINITIONS, "jobs": FLAGS.jobs,
             "load_avg_start": os.getloadavg(), "trials": [], "points": {}, "g_star": {}}
-  for policy in FLAGS.policies:
-    config = dataclasses.replace(base, policy=policy)
-    for rate in rates:
-      for k in range(FLAGS.trials):
-        wl = load(rate, k, model_cfg.vocab_size, config.max_model_len)
-        note = workloads.fit_note(wl)
-        if note and policy == FLAGS.policies[0]:     # the same cut for every policy
-          print(f"trial {k} x{rate:g}: {note}")
-        t = run_trial(model_cfg, params, config, wl)
-        t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
-                 offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
-                 window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
-        result["trials"].append(t)
-        print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
-              f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s", flush=True)
+  tasks = [(policy, rate, k) for policy in FLAGS.policies for rate in rates
+           for k in range(FLAGS.trials)]
+  t = time.perf_counter()
+  if FLAGS.jobs == 1:
+    result["trials"] = [trial(*task) for task in tasks]
+  else:               # spawned, not forked: JAX is not fork-safe once started
+    ctx = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(FLAGS.jobs, mp_context=ctx, initializer=_parse_flags,
+                                     initargs=(list(sys.argv),)) as pool:
+      result["trials"] = list(pool.map(trial, *zip(*tasks)))     # in task order
+  result["wall_s"] = time.perf_counter() - t
   result["load_avg_end"] = os.getloadavg()
   finish(result)
+
+
+def _parse_flags(argv) -> None:
+  """A trial process's start: the parent's flags."""
+  FLAGS(argv)
+
+
+@functools.lru_cache(maxsize=1)
+def _setup():
+  """(base EngineConfig, ModelConfig, params), once per process."""
+  base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
+                             executor=FLAGS.executor, cost_model=FLAGS.cost_model,
+                             num_clients=64)
+  return (base,) + model_config(FLAGS.model)
+
+
+def trial(policy: str, rate: float, k: int) -> dict:
+  """One trial: ``policy`` on trial ``k``'s window at ``rate``; its record."""
+  base, model_cfg, params = _setup()
+  config = dataclasses.replace(base, policy=policy)
+  wl = load(rate, k, model_cfg.vocab_size, config.max_model_len)
+  note = workloads.fit_note(wl)
+  if note and policy == FLAGS.policies[0]:     # the same cut for every policy
+    print(f"trial {k} x{rate:g}: {note}")
+  t = run_trial(model_cfg, params, config, wl)
+  t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
+           offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
+           window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
+  print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
+        f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s", flush=True)
+  return t
 
 
 def summarize(result):

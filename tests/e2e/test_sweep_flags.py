@@ -46,6 +46,7 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
       (["--out=README.md"],
        "error: --out 'README.md' cannot be written: it exists and is not a writable directory"),
       (["--sample_every=0"], "error: --sample_every must be >= 1, got 0"),
+      (["--jobs=0"], "error: --jobs must be >= 1, got 0"),
   ]
   for args, line in cases:
     assert refusals.refused("sweep.py", *args) == (2, line), args
@@ -80,3 +81,32 @@ def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
                                         f"{tmp_path / 'other.json'}", f"--out={merged}")
   assert status == 0, stderr[-3000:]
   assert json.loads((merged / "sweep.json").read_text())["rate_scales"] == [1.0, 4.0, 8.0]
+
+
+@pytest.mark.extended    # two sweeps, one of them in two spawned processes
+def test_trials_in_processes_give_the_same_sweep(tmp_path):
+  """``--jobs=2`` runs the trials two at a time in spawned processes; every
+  trial is deterministic, so the sweep equals the one-process sweep but for
+  wall-clock fields."""
+  trace = tmp_path / "trace.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:11.0000000,12,6\n"
+                   "2023-11-16 18:15:11.5000000,30,3\n")
+  runs = []
+  for jobs in (1, 2):
+    out = tmp_path / f"jobs{jobs}"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--trace=azure:{trace}",
+         "--engine=tiny", "--max_model_len=64", "--policies=sarathi_serve,vllm_v1",
+         "--window_s=4", "--rate_scales=1,2", "--trials=1", f"--jobs={jobs}",
+         "--sample_every=1", f"--out={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    runs.append(json.loads((out / "sweep.json").read_text()))
+  wall = ("wall_s", "iterations_per_s")
+  strip = lambda r: [{k: v for k, v in t.items() if k not in wall} for t in r["trials"]]
+  assert [(t["policy"], t["rate_scale"]) for t in runs[1]["trials"]] == [
+      ("sarathi_serve", 1.0), ("sarathi_serve", 2.0), ("vllm_v1", 1.0), ("vllm_v1", 2.0)]
+  assert strip(runs[0]) == strip(runs[1])
+  assert runs[0]["g_star"] == runs[1]["g_star"] and runs[1]["jobs"] == 2
+
