@@ -10,7 +10,10 @@ ignore EOS; ``--weights=int8`` runs iterserve's int8 weights, and
 dynamic int8 quantization, each beside the same iterserve run):
 * prefill: tokens/s for one 512-token prompt (one output token).
 * decode: output tokens/s with N concurrent requests (256-token prompts, 128
-  output tokens), end to end and decode-only (minus the one-token run).
+  output tokens), end to end and decode-only (minus the one-token run), each
+  beside its memory roofline (``serving.harness.roofline``: the weight and
+  KV bytes a decode step reads over the machine's measured read bandwidth,
+  and the fraction of that floor the step reached).
 * trace: 64 requests with Azure-conv prompt/output lengths (capped at
   1024/512), all arriving at t=0; transformers runs static left-padded batches
   of 32 that wait for their longest member, iterserve runs continuous
@@ -64,6 +67,7 @@ from serving.cli import hostmem
 from serving.harness import synthetic
 from serving.harness import traces
 from serving.engine import cost_model as cost_lib
+from serving.harness import roofline as roofline_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.programs import resolve_decode_gemm
@@ -517,6 +521,8 @@ def main(argv):
 
   if "decode" in FLAGS.sections:
     out["decode"] = []
+    read_bps = roofline_lib.read_bytes_per_s()
+    out["memory_read_gb_per_s"] = read_bps / 1e9
     for n in map(int, FLAGS.concurrency):
       prompts = _prompts([FLAGS.prompt_len] * n, cfg.vocab_size, seed=n)
       total = n * FLAGS.output_len
@@ -532,6 +538,10 @@ def main(argv):
              "steps": engine.step_timer.summary(),
              "compiles_during_run": engine.compiles_during_run,
              "compiled_programs": engine.compiled_programs()}
+      row["roofline"] = roofline_lib.decode_roofline(
+          cost_lib.engine_model_costs(cfg, engine.config), n,
+          FLAGS.prompt_len + FLAGS.output_len / 2, row["iterserve_decode_tokens_per_s"],
+          read_bps)
       for name, hf in peers.items():
         h = hf_run(*hf, prompts, FLAGS.output_len)
         h1 = hf_run(*hf, prompts, 1)
