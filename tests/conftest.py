@@ -19,6 +19,9 @@ _ENV = "ITERSERVE_TEST_XLA_CACHE"
 
 
 def pytest_configure(config):
+  # Launchers started by tests choose "auto" kernels by rule, not by a
+  # timing (``serving.engine.autotune``); tests of the measurement say so.
+  os.environ.setdefault("ITERSERVE_AUTOTUNE_BUDGET_S", "0")
   if _ENV not in os.environ:           # the controlling (or only) process
     os.environ[_ENV] = tempfile.mkdtemp(prefix="iterserve-xla-")
     config._iterserve_xla_cache = os.environ[_ENV]

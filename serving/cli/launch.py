@@ -24,6 +24,7 @@ from serving import cli
 from serving.cli import hostmem
 from serving.harness import traces, workloads
 from serving.harness import synthetic as synthetic_workloads
+from serving.engine import autotune
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, SamplingParams
@@ -109,8 +110,10 @@ def define_engine_flags() -> None:
   flags.DEFINE_boolean("keep_freed_pages", True, "Serve every malloc from glibc's heap and "
                        "never trim it, so each step's XLA buffers reuse mapped pages "
                        "(serving.cli.hostmem; the process keeps its peak heap).")
-  flags.DEFINE_string("cache_dir", ".cache/iterserve",
-                      "Converted-weight cache (orbax) and XLA compilation cache.")
+  flags.DEFINE_string("cache_dir", ".cache/iterserve", "Converted-weight cache (orbax), "
+                      "XLA compilation cache and kernel timings (autotune/).")
+  flags.DEFINE_float("autotune_budget_s", autotune.default_budget_s(), "Seconds to choose "
+                     "each 'auto' kernel by measurement (serving.engine.autotune); 0: by rule.")
 
 
 def define_workload_flags() -> None:
@@ -574,6 +577,8 @@ def build_engine(**overrides):
   engine_cfg = engine_config(**overrides)
   engine_clock(engine_cfg)
   cfg, params, tokenizer = load_flags_model(engine_cfg)
+  if FLAGS.autotune_budget_s > 0 and FLAGS.cache_dir:    # "auto" kernels by measurement
+    engine_cfg = autotune.choose(cfg, engine_cfg, FLAGS.cache_dir, FLAGS.autotune_budget_s)[0]
   return Engine(cfg, params, engine_cfg, clock=make_clock(engine_cfg)), cfg, tokenizer
 
 
@@ -614,18 +619,13 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
   every slot-table size the engine can grow to while ``num_requests``
   requests queue (so that no compile lands inside a measurement).
 
-  Per size it compiles the ``plan`` program and the ``step`` program of
-  every bucket (``Engine.compile_buckets``: each runs once on a plan that
-  selects nothing), the arrival, release and prefix-cache writers (a
-  repeated prompt hits the cache) and the client eviction. After it a run
-  compiles nothing unless it preempts (``resume_prefix`` / ``unpin`` with
-  prefix caching, ``swap_out`` / ``swap_in`` in swap mode) or runs past
-  ``DEVICE_REBASE_MS`` (``shift_clock``): small programs without the model,
-  compiled on first use.
-
+  Per size: the ``plan`` and every bucket's ``step`` program
+  (``Engine.compile_buckets``), the arrival, release and prefix-cache
+  writers and the client eviction. After it a run compiles nothing unless
+  it preempts (``resume_prefix``/``unpin``, ``swap_out``/``swap_in``) or runs
+  past ``DEVICE_REBASE_MS`` (``shift_clock``): small model-free programs.
   Returns {bucket: seconds} summed over the sizes (compile + one empty run;
-  near zero when XLA's persistent compilation cache already holds them).
-  """
+  near zero when XLA's persistent compilation cache holds them)."""
   c = engine.config
   sizes, size = [c.max_request_slots], c.max_request_slots
   while size < min(num_requests, c.max_queued_requests):
