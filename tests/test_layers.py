@@ -80,6 +80,7 @@ def test_only_the_ray_runtime_imports_ray():
          if str(p.relative_to(ROOT)) not in RAY_MODULES
          and any(name.split(".")[0] == "ray" for name in imports(p))]
   assert bad == []
+  assert all((ROOT / m).exists() for m in RAY_MODULES), RAY_MODULES
 
 
 def test_the_ray_rule_catches_an_import(tmp_path):

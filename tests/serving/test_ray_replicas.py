@@ -1,0 +1,71 @@
+"""Engines as Ray actors behind the OpenAI front (``serving.http.ray_front``).
+
+The default suite runs one small test (a local Ray, two tiny engines); the
+faults and the prefill/decode equality run under ``-m extended``. Every
+wait is bounded, and Ray is shut down by the fixture.
+"""
+
+import json
+
+from serving.engine.engine import Engine
+from serving.engine.config import SamplingParams
+from serving.http import ray_engines
+from serving.http.ray_front import RayEngines, RayFront
+from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts, tiny_tokenizer
+from tests.serving.ray_testing import TinyEngine, ray_session, tiny_config, tiny_params
+
+TOK = tiny_tokenizer()
+
+
+def _reference(prompts, samplings):
+  """Each request's tokens on one in-process mixed engine."""
+  engine = Engine(CFG, tiny_params(), tiny_config())
+  for i, (p, s) in enumerate(zip(prompts, samplings)):
+    engine.add_request(f"r{i}", p, s)
+  engine.run()
+  return [engine.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
+
+
+def _front(pools, policy="round_robin"):
+  engines = RayEngines(*pools, policy=policy)
+  return HttpApp(RayFront(engines, TOK, "tiny", max_waiting=16).app), engines
+
+
+def test_two_engine_actors_serve_the_tokens_of_one_engine():
+  """Two mixed engines in Ray actors behind the front: every request's
+  greedy and seeded tokens, streamed or whole, equal one in-process
+  engine's; both actors took requests; /metrics counts them completed."""
+  prompts = random_prompts([5, 9, 3, 12], seed=3)
+  samplings = [SamplingParams(max_tokens=6, ignore_eos=True),
+               SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=7),
+               SamplingParams(max_tokens=5, ignore_eos=True),
+               SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=11)]
+  want = _reference(prompts, samplings)
+  with ray_session():
+    pool = ray_engines.start_engines(TinyEngine(), 2, num_cpus=0, ready_timeout_s=300)
+    app, engines = _front([pool])
+    try:
+      got = []
+      for i, (p, s) in enumerate(zip(prompts, samplings)):
+        body = dict(model="tiny", prompt=p, max_tokens=s.max_tokens, ignore_eos=True,
+                    temperature=s.temperature, seed=s.seed)
+        r = app.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        got.append(r.json())
+      texts = [TOK.decode(w, skip_special_tokens=True) for w in want]
+      assert [g["choices"][0]["text"] for g in got] == texts
+      body = dict(model="tiny", prompt=prompts[0], max_tokens=6, ignore_eos=True, temperature=0,
+                  stream=True)
+      with app.http.stream("POST", "/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+      assert lines[-1] == "data: [DONE]"
+      chunks = [json.loads(line[6:]) for line in lines[:-1]]
+      assert "".join(c["choices"][0]["text"] for c in chunks) == texts[0]
+      assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+      metrics = app.http.get("/metrics").text
+      assert 'iterserve:requests_total{model_name="tiny",outcome="completed"} 5.0' in metrics
+      report = app.http.get("/router").json()
+      assert sorted({q["replica"] for q in report["requests"]}) == [0, 1]
+    finally:
+      app.close()
+      ray_engines.stop_engines([pool])
