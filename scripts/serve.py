@@ -2,8 +2,10 @@
 
   python scripts/serve.py                          # SmolLM2 on 127.0.0.1:8000
   python scripts/serve.py --port=8001 --max_waiting=128 --engine=cpu_small
-  python scripts/serve.py --engine=cpu_small --replicas=2 --router=prefix_aware \
-      --route_log=runs/routes.jsonl      # 2 replica processes on :8001, :8002
+  python scripts/serve.py --engine=cpu_small --replicas=2 --router=prefix_aware
+      # 2 engines, each a Ray actor (a local Ray; --ray_address=HOST:PORT joins one)
+  python scripts/serve.py --engine=cpu_small --prefill_replicas=1 --decode_replicas=1
+      # prefill/decode: KV pages handed from one engine actor to the other
   python scripts/serve.py --replica_urls=http://10.0.0.2:8000,http://10.0.0.3:8000
       # a router front over servers already running elsewhere
   python scripts/serve.py --host=0.0.0.0 --allowed_hosts=llm.example.org \
@@ -11,11 +13,13 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (stream true/false),
 /v1/models, /v1/models/{id}, /health, /metrics. See serving/http/server.py; with
---replicas=N the process is a router front over N replica processes
-(serving/http/replica_launch.py starts them, serving/http/replicas.py and
-serving/http/router.py place and relay; GET /router has each request's route
-record); with --replica_urls it fronts running servers instead (no model loads
-here; they are health-checked and rejoin when they come back). Flags are
+--replicas=N (or --prefill_replicas=P --decode_replicas=D) each engine is a
+Ray actor that Ray starts, restarts and stops (serving/http/ray_engines.py),
+and this process is the OpenAI front over them (serving/http/ray_front.py,
+placing with serving/http/router.py; GET /router has each request's route
+record); with --replica_urls it fronts running servers over HTTP instead
+(serving/http/replicas.py; no model loads here; they are health-checked and
+rejoin when they come back). Flags are
 checked, and the port bound, before any model loads: a bad one is one line,
 exit status 2. The engine's death exits with status 1 (after failing every
 request in flight), so a supervisor restarts the server.
@@ -47,10 +51,19 @@ flags.DEFINE_bool("warmup", True, "Compile every token bucket, for every slot-ta
                   "the live bound (engine slots + --max_waiting) can grow the engine to, "
                   "before listening.")
 flags.DEFINE_bool("trust_front_headers", False, "Honour the x-iterserve-arrival-s header "
-                  "(set for the replicas a --replicas front spawns; never for a server "
-                  "that clients reach directly).")
-flags.DEFINE_integer("replicas", 0, "Engine replicas, each its own server process on "
-                     "--port+1.., behind a router on --port (0: one engine, this process).")
+                  "(for servers behind a --replica_urls front on the same host; never for a "
+                  "server that clients reach directly).")
+flags.DEFINE_integer("replicas", 0, "Engine replicas, each a Ray actor, behind a router "
+                     "front on --port (0: one engine, this process).")
+flags.DEFINE_integer("prefill_replicas", 0, "Prefill engines (Ray actors); with "
+                     "--decode_replicas: prefill/decode disaggregation.")
+flags.DEFINE_integer("decode_replicas", 0, "Decode engines (Ray actors); with "
+                     "--prefill_replicas.")
+flags.DEFINE_string("ray_address", None, "Join the Ray cluster at this address (e.g. "
+                    "HOST:6379, or 'auto'); unset: a local Ray with this machine's CPUs.")
+flags.DEFINE_float("replica_cpus", 1.0, "CPUs Ray reserves for each engine actor.")
+flags.DEFINE_integer("replica_max_restarts", 3, "Times Ray restarts an engine actor that "
+                     "died (-1: always).")
 flags.DEFINE_list("replica_urls", None, "A router front over replica servers that already "
                   "run (http://HOST:PORT,...): nothing is spawned, no model loads here.")
 flags.DEFINE_float("replica_ready_timeout_s", 60.0, "With --replica_urls: seconds to wait "
@@ -81,10 +94,6 @@ flags.DEFINE_integer("max_prompt_chars", None, "Longest prompt string (or chat m
 launch.define_engine_flags()
 _ENGINE_FLAGS = tuple(f.name for f in FLAGS.get_flags_for_module(launch))
 # Flags of the front only: a replica gets every other flag given.
-_FRONT_FLAGS = ("replicas", "trust_front_headers", "api_key", "api_key_file", "allowed_hosts",
-                "router", "route_log", "route_prefill_ms_per_token",
-                "route_decode_ms_per_token_per_seq", "route_aging", "port", "host",
-                "replica_urls", "replica_ready_timeout_s")
 
 
 def _access() -> guard.Access:
@@ -117,6 +126,55 @@ def _access() -> guard.Access:
   return guard.access_from(keys, FLAGS.host, FLAGS.allowed_hosts, FLAGS.max_body_bytes)
 
 
+def _pd() -> bool:
+  return bool(FLAGS.prefill_replicas or FLAGS.decode_replicas
+              or FLAGS["prefill_replicas"].present or FLAGS["decode_replicas"].present)
+
+
+def _check_pd_flags() -> None:
+  """The engine-actor flags: P/D needs both pools (>= 1 each) and excludes
+  --replicas; each role's engine config is built (no model loads) so that
+  a setting a role refuses is one line now.
+
+  Raises:
+    ValueError: naming the flag.
+  """
+  if not FLAGS.replica_cpus >= 0:
+    raise ValueError(f"--replica_cpus must be >= 0, got {FLAGS.replica_cpus}")
+  if FLAGS.replica_max_restarts < -1:
+    raise ValueError(f"--replica_max_restarts must be >= -1 (-1: always), got "
+                     f"{FLAGS.replica_max_restarts}")
+  if FLAGS.ray_address is not None and not (FLAGS.replicas or _pd()):
+    raise ValueError("--ray_address applies only with --replicas or --prefill_replicas / "
+                     "--decode_replicas (engine actors)")
+  if not _pd():
+    if FLAGS.replicas:
+      launch.engine_config()
+    return
+  if FLAGS.replicas:
+    raise ValueError("--prefill_replicas/--decode_replicas and --replicas exclude each "
+                     "other (prefill/decode pools, or mixed replicas)")
+  for name in ("prefill_replicas", "decode_replicas"):
+    if FLAGS[name].value < 1:
+      raise ValueError(f"--{name} must be >= 1 with prefill/decode serving (both pools), "
+                       f"got {FLAGS[name].value}")
+  for role in ("prefill", "decode"):
+    try:
+      launch.engine_config(role=role)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"--policy={FLAGS.policy}: cannot run on a {role} engine: {e}"
+                       if FLAGS.policy else f"a {role} engine: {e}") from None
+
+
+def _front_tokenizer():
+  """The model's tokenizer, read without its weights (the engine actors
+  load those)."""
+  if FLAGS.model.startswith(launch.RANDOM_PREFIX):
+    return launch.random_model(FLAGS.model, weights=False)[2]
+  from models.loaders import load_config
+  return load_config(FLAGS.model)[1]
+
+
 def _check_flags() -> socket.socket:
   """The flags serve.py checks itself, before any model loads. Returns the
   socket bound to --host:--port (served on once the model is ready, so
@@ -132,10 +190,11 @@ def _check_flags() -> socket.socket:
   if FLAGS.replicas < 0:
     raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
                      f"got {FLAGS.replicas}")
+  _check_pd_flags()
   if FLAGS.replica_urls is not None:
-    if FLAGS.replicas:
-      raise ValueError("--replica_urls and --replicas exclude each other (front running "
-                       "servers, or spawn replicas here)")
+    if FLAGS.replicas or _pd():
+      raise ValueError("--replica_urls and --replicas (or --prefill_replicas) exclude each "
+                       "other (front running servers, or start engine actors here)")
     replica_launch.parse_replica_urls(",".join(FLAGS.replica_urls))
     engine = [name for name in _ENGINE_FLAGS if FLAGS[name].present]
     if engine:
@@ -147,27 +206,18 @@ def _check_flags() -> socket.socket:
   if FLAGS.served_model_name is not None and not FLAGS.served_model_name:
     raise ValueError("--served_model_name must be non-empty (unset: the --model name)")
   if FLAGS.route_log is not None:
-    if not FLAGS.replicas and FLAGS.replica_urls is None:
-      raise ValueError("--route_log applies only with --replicas >= 1 or --replica_urls "
-                       "(it logs the router front's placements)")
+    if not (FLAGS.replicas or _pd()) and FLAGS.replica_urls is None:
+      raise ValueError("--route_log applies only with --replicas >= 1, --prefill_replicas "
+                       "or --replica_urls (it logs the router front's placements)")
     if not FLAGS.route_log:
       raise ValueError("--route_log must be a file path (unset: no route log)")
     folder = os.path.dirname(os.path.abspath(FLAGS.route_log))
     if not os.path.isdir(folder):
       raise ValueError(f"--route_log={FLAGS.route_log}: the folder {folder} does not exist")
-  last = FLAGS.port + FLAGS.replicas
-  if not (1 <= FLAGS.port and last <= 65535):
-    raise ValueError("--port must be in [1, 65535]"
-                     + (f" with room for the {FLAGS.replicas} replica ports after it"
-                        if FLAGS.replicas else "") + f", got {FLAGS.port}")
+  if not 1 <= FLAGS.port <= 65535:
+    raise ValueError(f"--port must be in [1, 65535], got {FLAGS.port}")
   if FLAGS.max_waiting < 0:
     raise ValueError(f"--max_waiting must be >= 0, got {FLAGS.max_waiting}")
-  for i in range(1, FLAGS.replicas + 1):       # the replicas bind these themselves
-    try:
-      bind_socket("127.0.0.1", FLAGS.port + i).close()
-    except OSError as e:
-      raise ValueError(f"--port={FLAGS.port}: replica {i - 1}'s port 127.0.0.1:"
-                       f"{FLAGS.port + i} cannot be bound ({e.strerror or e})") from None
   try:
     return bind_socket(FLAGS.host, FLAGS.port)
   except OSError as e:
@@ -195,22 +245,27 @@ def main(argv):
       print(f"error: --replica_urls: {e}", file=sys.stderr)
       sys.exit(1)
     return
-  if FLAGS.replicas:
-    given = [FLAGS[name].serialize() for name in FLAGS if FLAGS[name].present
-             and name not in _FRONT_FLAGS]
+  if FLAGS.replicas or _pd():
+    from serving.http import ray_engines, ray_front
+
+    given = [FLAGS[name].serialize() for name in _ENGINE_FLAGS if FLAGS[name].present]
+    capacity = launch.engine_config().max_request_slots + FLAGS.max_waiting
+    build = lambda role: ray_engines.FlagsEngine(
+        given, FLAGS.warmup, capacity, **({} if role == "mixed" else {"role": role}))
     try:
-      replica_launch.run_front([sys.executable, os.path.abspath(__file__), *given,
-                                "--replicas=0", "--trust_front_headers"],
-                               FLAGS.replicas, host=FLAGS.host, port=FLAGS.port,
-                               policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
-                               max_waiting=FLAGS.max_waiting, sock=sock, access=access)
-    except replica_launch.ReplicaExited as e:          # e.g. an engine flag it refused
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(cli.USAGE_ERROR if e.status == cli.USAGE_ERROR else 1)
-    except RuntimeError as e:                    # not ready in time
+      status = ray_front.run_ray_front(
+          build, _front_tokenizer(), FLAGS.served_model_name or FLAGS.model,
+          replicas=FLAGS.replicas, prefill_replicas=FLAGS.prefill_replicas,
+          decode_replicas=FLAGS.decode_replicas, ray_address=FLAGS.ray_address,
+          replica_cpus=FLAGS.replica_cpus, max_restarts=FLAGS.replica_max_restarts,
+          policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
+          max_waiting=FLAGS.max_waiting, sock=sock,
+          host=FLAGS.host, port=FLAGS.port, access=access,
+          max_prompt_chars=FLAGS.max_prompt_chars)
+    except RuntimeError as e:                    # an engine actor did not start
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
-    return
+    sys.exit(status)
   engine, _, tokenizer = launch.build_engine()
   server = OpenAIServer(engine, tokenizer, FLAGS.served_model_name or FLAGS.model,
                         max_waiting=FLAGS.max_waiting,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 from typing import Dict, List, Optional
 
@@ -61,6 +62,8 @@ from serving.http.server import OpenAIServer
 # Seconds an RPC to an actor (submit, add_handoff) may take before the
 # actor is taken as lost.
 CALL_TIMEOUT_S = 120.0
+# Seconds between polls of an engine that is down.
+RETRY_S = 1.0
 # Route records kept for ``GET /router``.
 MAX_RECORDS = 10_000
 
@@ -106,6 +109,7 @@ class _Pool:
     self.polls: Dict[int, object] = {}            # replica -> its poll in flight
     self.stats: Dict[int, dict] = {}
     self.down_since: Dict[int, float] = {}
+    self.retry_at: Dict[int, float] = {}          # replica -> when to poll it again
 
   def poll(self, i: int) -> None:
     self.polls[i] = self.actors[i].poll.remote(ray_engines.POLL_S)
@@ -118,10 +122,14 @@ class RayEngines:
     entry: the pool new requests go to (mixed engines, or prefill ones).
     decode: the decode pool (P/D), or None.
     policy, cost: the routers' policy and cost model (both pools).
+    route_log: a file that gets each request's route record (one JSON line)
+      when it ends; None: none.
   """
 
   def __init__(self, entry: ray_engines.Pool, decode: Optional[ray_engines.Pool] = None,
-               policy: str = "prefix_aware", cost: RouteCost = RouteCost()):
+               policy: str = "prefix_aware", cost: RouteCost = RouteCost(),
+               route_log: Optional[str] = None):
+    self.route_log = route_log
     self.entry = _Pool(entry, policy, cost)
     self.decode = _Pool(decode, policy, cost) if decode is not None else None
     self.pools = [p for p in (self.entry, self.decode) if p is not None]
@@ -147,8 +155,10 @@ class RayEngines:
     return time.monotonic() * 1e3
 
   def has_unfinished(self) -> bool:
-    """A request is live, or an end is not yet returned by ``step``."""
-    return bool(self._outputs) or any(not r.finished for r in self.requests.values())
+    """A request is live, an end is not yet returned by ``step``, or an
+    engine is down (the loop keeps stepping, so that its return is seen)."""
+    return (bool(self._outputs) or any(p.down_since for p in self.pools)
+            or any(not r.finished for r in self.requests.values()))
 
   def prefix_cache_stats(self) -> dict:
     out = dict(prefix_cache_queries=0, prefix_cache_hits=0)
@@ -187,9 +197,15 @@ class RayEngines:
     """Places what waits, then waits (bounded) for the actors' news; returns
     each request's new tokens and ends, as ``Engine.step`` would."""
     for pool in self.pools:
+      for i, at in list(pool.retry_at.items()):
+        if time.monotonic() >= at:
+          del pool.retry_at[i]
+          pool.poll(i)
       self._place(pool)
     refs = {ref: (pool, i) for pool in self.pools for i, ref in pool.polls.items()}
-    if refs:
+    if not refs:
+      time.sleep(ray_engines.POLL_S)
+    else:
       ready, _ = ray.wait(list(refs), num_returns=1, timeout=ray_engines.POLL_S + 0.2)
       if ready:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
@@ -278,8 +294,12 @@ class RayEngines:
     try:
       news = ray.get(ref, timeout=CALL_TIMEOUT_S)
     except (RayActorError, GetTimeoutError):
-      self._lost(pool, i)
-      pool.poll(i)                     # answers once Ray has restarted it
+      del pool.polls[i]
+      if i in pool.down_since:         # still down (restarting, or gone): later
+        pool.retry_at[i] = time.monotonic() + RETRY_S
+      else:
+        self._lost(pool, i)
+        pool.poll(i)                   # answers once Ray has restarted it
       return
     if i in pool.down_since:          # back (restarted): placed on again
       del pool.down_since[i]
@@ -338,6 +358,9 @@ class RayEngines:
     req.handoff, req.stage = None, "ended"
     req.record.update(outcome=outcome, reason=reason)
     self.records.append(req.record)
+    if self.route_log:
+      with open(self.route_log, "a") as f:
+        f.write(json.dumps(req.record) + "\n")
 
   def _stop(self, request_id: str, outcome: str, reason: str) -> None:
     """Ends a live request here (abort, a stop string) and on its engine."""
@@ -457,3 +480,40 @@ class RayFront(OpenAIServer):
 
     return app
 
+def run_ray_front(build_for_role, tokenizer, model_name: str, *, replicas: int = 0,
+                  prefill_replicas: int = 0, decode_replicas: int = 0,
+                  ray_address: Optional[str] = None, replica_cpus: float = 1.0,
+                  max_restarts: int = 3, policy: str = "prefix_aware",
+                  cost: RouteCost = RouteCost(), route_log: Optional[str] = None,
+                  max_waiting: int = 64, sock=None,
+                  host: str = "127.0.0.1", port: int = 8000, **server_kwargs) -> int:
+  """Starts (or joins) Ray, starts the engine actors (``replicas`` mixed
+  ones, or ``prefill_replicas`` + ``decode_replicas``; ``build_for_role(role)``
+  gives each pool's engine builder), serves the front on ``sock`` until
+  interrupted, then stops the actors. Returns the exit status.
+
+  Raises:
+    RuntimeError: an engine actor did not start (its error named).
+  """
+  from serving.http.server import bind_socket
+
+  ray_engines.init_ray(ray_address)
+  if replicas:
+    plan = [("mixed", replicas)]
+  else:
+    plan = [("prefill", prefill_replicas), ("decode", decode_replicas)]
+  pools = []
+  try:
+    for role, num in plan:
+      pools.append(ray_engines.start_engines(build_for_role(role), num, role=role,
+                                             max_restarts=max_restarts,
+                                             num_cpus=replica_cpus))
+    engines = RayEngines(*pools, policy=policy, cost=cost, route_log=route_log)
+    front = RayFront(engines, tokenizer, model_name, max_waiting=max_waiting, **server_kwargs)
+    shape = (f"{replicas} engine actors" if replicas else
+             f"{prefill_replicas} prefill + {decode_replicas} decode engine actors")
+    print(f"serving {model_name!r} over {shape} ({policy}) on http://{host}:{port}/v1",
+          flush=True)
+    return front.serve(sock if sock is not None else bind_socket(host, port))
+  finally:
+    ray_engines.stop_engines(pools)

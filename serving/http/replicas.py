@@ -1,4 +1,7 @@
-"""Data-parallel engine replicas behind one OpenAI endpoint (FastAPI + httpx).
+"""A router front over replica servers that already run (``serve.py
+--replica_urls``): data-parallel engines behind one OpenAI endpoint
+(FastAPI + httpx). Engines the front starts itself are Ray actors
+(``serving.http.ray_front``), not this.
 
 Each replica is a whole ``serving.http.server`` process (its own engine, its own
 devices later), so request handling has one home: the replica parses and
@@ -11,12 +14,10 @@ streams included); a replica's error that is not an OpenAI error body (a
 plain-text 500) is wrapped in one (``relayed_error``), so every error a
 client sees has the OpenAI shape.
 
-A replica that dies (its process exits, or a request to it fails at the
-transport and its ``/health`` does not answer) is marked down; new requests
-go to the others. An owned replica process is reaped the moment it exits
-(``_watch_exits``: a pidfd in the event loop; a poll every ``_WATCH_S``
-where pidfds are missing), so none is left a zombie. Each of its in-flight
-requests ends one of two ways, and its route record says which:
+A replica that dies (a request to it fails at the transport and its
+``/health`` does not answer, or its health checks fail) is marked down;
+new requests go to the others. Each of its in-flight requests ends one of
+two ways, and its route record says which:
 
 * ``rerouted``: nothing of the response had reached the client (a whole
   response not yet returned, or a stream before its first chunk): it is
@@ -45,15 +46,14 @@ leaves the router's queue estimate at its first streamed chunk (a whole,
 non-streamed response only tells the front at its end, so its prefill
 counts as queued until then).
 
-Clocks: the router's clock is ``time.monotonic()`` in ms. Replicas the front
-spawns run on its host, so the arrival they receive is on their engine's
-clock too. Replicas that already run elsewhere (``serve.py --replica_urls``,
-``replica_launch.run_remote_front``) share no clock with the front: they get no arrival
-header, so their TTFT and queue time count from the forward, not from the
-front's arrival (the time a request waited at the front is in its route
-record, ``waited_ms``).
+Clocks: the router's clock is ``time.monotonic()`` in ms. Replicas
+(``replica_launch.run_remote_front``) share no clock with the front: they get
+no arrival header (unless ``shared_clock``: a test's replicas on this host),
+so their TTFT and queue time count from the forward, not from the front's
+arrival (the time a request waited at the front is in its route record,
+``waited_ms``).
 
-Every replica, owned or given by URL, is health-checked: every
+Every replica is health-checked: every
 ``_HEALTH_S`` the front asks each one's ``/health``; one that fails
 ``_HEALTH_FAILS`` checks in a row (or a request's transport error, or a 5xx
 answer, and one failed check) is marked down, its requests re-routed or
@@ -83,7 +83,7 @@ the batch as one request whose prompt is the prompts one after another (the
 estimate's prefill counts every prompt's tokens; its cache facts match the
 first prompt's leading pages), holding one router place.
 
-Starting the replica processes and serving the front over them is
+Waiting for the replicas and serving the front over them is
 ``serving.http.replica_launch``. One file: ``ReplicaFront`` (about 480 of
 its lines) is one state machine on one event loop: placing, relaying,
 re-routing and watching replicas' health all read and write the router's
@@ -100,8 +100,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
-import subprocess
 import sys
 import time
 from typing import Dict, List, Optional, Sequence
@@ -119,7 +117,6 @@ from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEA
                                    _sse, json_body, model_card, model_routes, openai_errors)
 from serving.http.router import RouteCost, router_for
 
-_WATCH_S = 0.5                  # seconds between checks of the replica processes
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
 MAX_RECORDS = 10_000            # route records GET /router keeps (bounded memory)
 _PROBE_TIMEOUT_S = 2.0
@@ -161,8 +158,6 @@ class ReplicaFront:
 
   Args:
     urls: the replicas' base URLs, e.g. ``http://127.0.0.1:8001``.
-    processes: each replica's process (None: not owned, e.g. remote);
-      owned processes are terminated when the app shuts down.
     facts: each replica's ``GET /engine`` (``replica_launch.wait_ready``).
     policy: a ``serving.http.router.POLICIES`` name.
     cost: the router's ``RouteCost``.
@@ -179,20 +174,19 @@ class ReplicaFront:
       bad policy / max_waiting.
   """
 
-  def __init__(self, urls: Sequence[str], processes: Sequence[Optional[subprocess.Popen]],
-               facts: Sequence[dict], *, policy: str = "prefix_aware",
+  def __init__(self, urls: Sequence[str], facts: Sequence[dict], *, policy: str = "prefix_aware",
                cost: RouteCost = RouteCost(), route_log: Optional[str] = None,
                max_waiting: int = 64, shared_clock: bool = True,
                access: Access = Access()):
-    if not urls or not len(urls) == len(processes) == len(facts):
-      raise ValueError("urls, processes and facts must be one entry per replica (>= 1)")
+    if not urls or len(urls) != len(facts):
+      raise ValueError("urls and facts must be one entry per replica (>= 1)")
     for key in ("model", "page_size", "vocab_size"):
       values = {f[key] for f in facts}
       if len(values) != 1:
         raise ValueError(f"replicas must agree on {key}, got {sorted(values)}")
     if max_waiting < 0:
       raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
-    self.urls, self.processes, self.facts = list(urls), list(processes), list(facts)
+    self.urls, self.facts = list(urls), list(facts)
     self.model_name = facts[0]["model"]
     self.created = int(time.time())
     self.max_model_len = min(f["max_model_len"] for f in facts)
@@ -206,7 +200,6 @@ class ReplicaFront:
     self._futures: Dict[str, asyncio.Future] = {}
     self._ids = itertools.count()
     self._tokenize_turn = itertools.count()
-    self._pidfds: Dict[int, int] = {}         # owned replica -> its pidfd (_watch_exits)
     self.http: Optional[httpx.AsyncClient] = None
     r = self.registry = prom.CollectorRegistry()
     self._routed = prom.Counter("iterserve:router_requests", "Requests by final replica and "
@@ -223,9 +216,6 @@ class ReplicaFront:
 
   # ---------------------------------------------------------- replicas
   async def _probe(self, replica: int) -> bool:
-    process = self.processes[replica]
-    if process is not None and process.poll() is not None:
-      return False
     try:
       reply = await self.http.get(f"{self.urls[replica]}/health", timeout=_PROBE_TIMEOUT_S)
       return reply.status_code == 200
@@ -237,9 +227,8 @@ class ReplicaFront:
       self.router.replica_down(replica)
       self._alive.set(len(self.router.alive()))
       self._up.labels(str(replica)).set(0)
-      if self.processes[replica] is None:
-        print(f"replica {replica} ({self.urls[replica]}) stopped answering; it is down, "
-              f"its requests are re-routed or failed", file=sys.stderr, flush=True)
+      print(f"replica {replica} ({self.urls[replica]}) stopped answering; it is down, "
+            f"its requests are re-routed or failed", file=sys.stderr, flush=True)
     self._dispatch()
 
   async def _rejoin(self, replica: int) -> None:
@@ -264,11 +253,10 @@ class ReplicaFront:
     self._dispatch()
 
   async def _health(self) -> None:
-    """Every _HEALTH_S: checks every replica, owned or given by URL (a
-    replica process that runs but answers /health 503, its engine dead,
-    is no better than one that exited); marks one down after _HEALTH_FAILS
-    failed checks in a row, has a down one that answers rejoin
-    (``_rejoin``; an owned process that exited never answers)."""
+    """Every _HEALTH_S: checks every replica (one that runs but answers
+    /health 503, its engine dead, is no better than one that exited); marks
+    one down after _HEALTH_FAILS failed checks in a row, has a down one that
+    answers rejoin (``_rejoin``)."""
     while True:
       await asyncio.sleep(_HEALTH_S)
       every = list(range(len(self.urls)))
@@ -287,48 +275,6 @@ class ReplicaFront:
       self._down(replica)
       return True
     return False
-
-  def _exited(self, replica: int) -> None:
-    """An owned replica process ended: reaped (``poll``), marked down."""
-    process = self.processes[replica]
-    if process.poll() is None:
-      return
-    self._close_pidfd(replica)
-    if self.router.replicas[replica].alive:
-      print(f"replica {replica} ({self.urls[replica]}) exited with status "
-            f"{process.returncode}; its requests are re-routed or failed", file=sys.stderr,
-            flush=True)
-    self._down(replica)
-
-  def _watch_exits(self) -> None:
-    """Has the event loop reap each owned replica the moment it exits and
-    mark it down (a Linux pidfd per process: readable once it has exited).
-    Where pidfds are missing, ``_watch`` finds the exit within _WATCH_S."""
-    loop = asyncio.get_running_loop()
-    for i, process in enumerate(self.processes):
-      if process is None or process.poll() is not None:
-        continue
-      try:
-        fd = os.pidfd_open(process.pid)
-      except (AttributeError, OSError):        # not Linux >= 5.3
-        continue
-      loop.add_reader(fd, self._exited, i)
-      self._pidfds[i] = fd
-
-  def _close_pidfd(self, replica: int) -> None:
-    fd = self._pidfds.pop(replica, None)
-    if fd is not None:
-      asyncio.get_running_loop().remove_reader(fd)
-      os.close(fd)
-
-  async def _watch(self) -> None:
-    """Polls every owned process (alive or already marked down, so none is
-    left a zombie) every _WATCH_S: the fallback of ``_watch_exits``."""
-    while True:
-      await asyncio.sleep(_WATCH_S)
-      for i, process in enumerate(self.processes):
-        if process is not None and process.poll() is not None:
-          self._exited(i)
 
   # ----------------------------------------------------------- placing
   def _dispatch(self) -> None:
@@ -606,13 +552,10 @@ class ReplicaFront:
     return list(await asyncio.gather(*(one(i) for i in range(len(self.urls)))))
 
   async def replica_stats(self) -> List[dict]:
-    """Each replica's URL, liveness, exit status (owned processes; None while
-    running), live requests and prefix-cache counters."""
+    """Each replica's URL, liveness, live requests and prefix-cache counters."""
     out = []
     for i, families in enumerate(await self._scrape()):
-      process = self.processes[i]
       stats = dict(replica=i, url=self.urls[i], alive=self.router.replicas[i].alive,
-                   exit_status=process.returncode if process is not None else None,
                    live=len(self.router.replicas[i].live))
       for family in families or ():
         for s in family.samples:
@@ -644,22 +587,10 @@ class ReplicaFront:
     async def lifespan(_):
       limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
       self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
-      self._watch_exits()
-      watch = asyncio.create_task(self._watch())
       health = asyncio.create_task(self._health())
       yield
-      watch.cancel()
       health.cancel()
-      for replica in list(self._pidfds):
-        self._close_pidfd(replica)
       await self.http.aclose()
-      for process in self.processes:
-        if process is not None and process.poll() is None:
-          process.terminate()
-      for process in self.processes:
-        if process is not None:
-          with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=30)
 
     app = FastAPI(title="iterserve router", docs_url=None, redoc_url=None, lifespan=lifespan)
     openai_errors(app)

@@ -26,12 +26,28 @@ _run = refusals.refused
 
 
 def test_a_flag_every_replica_refuses_is_one_line_from_the_front():
+  """Checked by the front before Ray or any engine actor starts."""
   port = free_port()
   status, last = _run("serve.py", f"--port={port}", "--replicas=1", "--num_pages=1")
   assert status == 2
-  assert last == (f"error: replica 0 (http://127.0.0.1:{port + 1}) exited with status 2 "
-                  f"before it was ready: --num_pages must be >= 2 (page 0 is the null "
-                  f"page), got 1")
+  assert last == "error: --num_pages must be >= 2 (page 0 is the null page), got 1"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--prefill_replicas=1"],
+     "error: --decode_replicas must be >= 1 with prefill/decode serving (both pools), got 0"),
+    (["--decode_replicas=2", "--prefill_replicas=0"],
+     "error: --prefill_replicas must be >= 1 with prefill/decode serving (both pools), got 0"),
+    (["--replicas=2", "--prefill_replicas=1", "--decode_replicas=1"],
+     "error: --prefill_replicas/--decode_replicas and --replicas exclude each other "
+     "(prefill/decode pools, or mixed replicas)"),
+    (["--ray_address=auto"],
+     "error: --ray_address applies only with --replicas or --prefill_replicas / "
+     "--decode_replicas (engine actors)"),
+])
+def test_prefill_decode_flags_are_refused_before_anything_loads(args, line):
+  status, last = _run("serve.py", f"--port={free_port()}", *args)
+  assert (status, last) == (2, line)
 
 
 def test_a_port_in_use_is_refused_before_loading():
@@ -63,8 +79,8 @@ def test_a_port_in_use_is_refused_before_loading():
      "error: flag --weights=int4: value should be one of <dense|int8> "
      "(--helpfull lists the flags)"),
     ("serve.py", ["--route_log=routes.jsonl"],
-     "error: --route_log applies only with --replicas >= 1 or --replica_urls (it logs the "
-     "router front's placements)"),
+     "error: --route_log applies only with --replicas >= 1, --prefill_replicas or "
+     "--replica_urls (it logs the router front's placements)"),
     ("serve.py", ["--replicas=2", "--route_log=no/such/folder/routes.jsonl"],
      f"error: --route_log=no/such/folder/routes.jsonl: the folder {ROOT}/no/such/folder "
      f"does not exist"),

@@ -174,8 +174,7 @@ def test_generate_bad_sampling_flag_stops_before_loading_the_model():
 
 @pytest.mark.parametrize("args,line", [
     (["--port=70000"], "error: --port must be in [1, 65535], got 70000"),
-    (["--replicas=2", "--port=65534"],
-     "error: --port must be in [1, 65535] with room for the 2 replica ports after it"),
+    (["--replicas=-1"], "error: --replicas must be >= 0 (0: one engine in this process)"),
     (["--max_waiting=-1"], "error: --max_waiting must be >= 0, got -1"),
 ])
 def test_serve_bad_port_and_queue_flags_stop_before_loading_the_model(args, line):

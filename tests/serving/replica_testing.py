@@ -14,6 +14,7 @@ nothing.
 """
 
 import argparse
+import subprocess
 import sys
 import time
 
@@ -25,6 +26,12 @@ from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from serving.http.server import OpenAIServer, bind_socket
 from tests.serving.engine_testing import CFG, tiny_tokenizer
+
+
+def spawn_replica(argv, port: int, cwd=None) -> subprocess.Popen:
+  """Starts ``argv --port=port`` (a replica server for a ``--replica_urls``
+  front); the test stops it."""
+  return subprocess.Popen([*argv, f"--port={port}"], cwd=cwd)
 
 
 def main():

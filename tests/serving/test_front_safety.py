@@ -4,8 +4,6 @@ engine died (it answers 5xx). The replicas are in-process servers on the
 tiny model; the front and they talk real HTTP on 127.0.0.1."""
 
 import asyncio
-import os
-import types
 
 import httpx
 
@@ -22,20 +20,13 @@ HUGE = "1" + "0" * 400
 LONG = "1" + "0" * 4999          # past Python's int-conversion limit (4300 digits)
 
 
-def _local_process():
-  """Stands for a replica process the front owns and that keeps running
-  (the front's exit watch sees no exit; stopping it is a no-op)."""
-  return types.SimpleNamespace(pid=os.getpid(), returncode=None, poll=lambda: None,
-                               terminate=lambda: None, wait=lambda timeout=None: 0)
-
-
-def _front(urls, processes, **kwargs):
+def _front(urls, **kwargs):
   facts = [httpx.get(f"{u}/engine", timeout=10).json() for u in urls]
-  return HttpApp(ReplicaFront(urls, processes, facts, **kwargs).app)
+  return HttpApp(ReplicaFront(urls, facts, **kwargs).app)
 
 
 def test_a_huge_max_tokens_is_refused_and_the_front_keeps_placing(served):
-  front = _front([served.url], [None])
+  front = _front([served.url])
   try:
     for field in ("max_tokens", "max_completion_tokens"):
       raw = ('{"model": "tiny", "prompt": "hi", "%s": %s}' % (field, HUGE)).encode()
@@ -68,7 +59,7 @@ def test_a_burst_past_the_waiting_bound_admits_exactly_the_bound(served, monkeyp
   """One replica of 8 + 8 places behind a front that lets 2 wait: of 30
   concurrent requests, those refused are 429 and every other completes;
   the front never holds more than 2 waiting."""
-  front_app = _front([served.url], [None], max_waiting=2)
+  front_app = _front([served.url], max_waiting=2)
   try:
     peak = [0]
     real = router_module.Router.submit
@@ -101,8 +92,7 @@ def test_a_local_replica_answering_5xx_leaves_rotation_until_healthy(params, ser
   dead_app = HttpApp(dead.app, join_timeout_s=30)
   front = None
   try:
-    front = _front([dead_app.url, served.url], [_local_process(), _local_process()],
-                   policy="round_robin")
+    front = _front([dead_app.url, served.url], policy="round_robin")
     dead.loop.__class__ = type("Dead", (dead.loop.__class__,),
                                {"alive": property(lambda self: False)})
     for i in range(4):
@@ -128,7 +118,7 @@ def test_a_front_with_keys_forwards_the_tenant_and_models_its_salt(served, monke
   from serving.http import guard
   access = guard.Access(api_keys={"key-a": "tenant-a"})
   facts = [httpx.get(f"{served.url}/engine", timeout=10).json()]
-  front_obj = ReplicaFront([served.url], [None], facts, access=access)
+  front_obj = ReplicaFront([served.url], facts, access=access)
   front = HttpApp(front_obj.app)
   engine = served.server.engine
   clients = []

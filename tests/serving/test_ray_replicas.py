@@ -6,12 +6,18 @@ wait is bounded, and Ray is shut down by the fixture.
 """
 
 import json
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine.engine import Engine
 from serving.engine.config import SamplingParams
 from serving.http import ray_engines
 from serving.http.ray_front import RayEngines, RayFront
-from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts, tiny_tokenizer
+from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts
+from tests.serving.engine_testing import tiny_tokenizer, wait_until
 from tests.serving.ray_testing import TinyEngine, ray_session, tiny_config, tiny_params
 
 TOK = tiny_tokenizer()
@@ -66,6 +72,66 @@ def test_two_engine_actors_serve_the_tokens_of_one_engine():
       assert 'iterserve:requests_total{model_name="tiny",outcome="completed"} 5.0' in metrics
       report = app.http.get("/router").json()
       assert sorted({q["replica"] for q in report["requests"]}) == [0, 1]
+    finally:
+      app.close()
+      ray_engines.stop_engines([pool])
+
+
+def _stream(url, body, out, timeout_s=120):
+  """Streams one completion into ``out`` (its ``data:`` payloads)."""
+  with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True),
+                    timeout=timeout_s) as r:
+    out["status"] = r.status_code
+    out["events"] = []
+    for line in r.iter_lines():
+      if line.startswith("data: "):
+        out["events"].append(line[6:])
+
+
+def _metric(app, name, **labels):
+  for family in text_string_to_metric_families(app.http.get("/metrics").text):
+    for s in family.samples:
+      if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+        return s.value
+  return 0.0
+
+
+@pytest.mark.extended
+def test_an_engine_actor_that_dies_fails_its_requests_and_comes_back():
+  """Engine 1 exits (os._exit in the actor) while a stream runs on it: that
+  stream ends with an error event, counted; the stream on engine 0 ends
+  normally; Ray restarts engine 1 and the front places on it again."""
+  body = dict(model="tiny", prompt="the abab", max_tokens=40, temperature=0,
+              ignore_eos=True)
+  with ray_session():
+    pool = ray_engines.start_engines(TinyEngine(step_delay_ms=30), 2, num_cpus=0,
+                                     max_restarts=1, ready_timeout_s=300)
+    app, engines = _front([pool])
+    try:
+      results = [{}, {}]
+      threads = [threading.Thread(target=_stream, args=(app.url, body, results[i]))
+                 for i in range(2)]
+      for i, t in enumerate(threads):
+        t.start()
+        wait_until(lambda: len(engines.entry.router.replicas[i].live) == 1, 60)
+      wait_until(lambda: len(results[1].get("events", [])) >= 3, 60)
+      pool.actors[1].exit.remote(1)
+      for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive()
+      lost, kept = (json.loads(e) for e in (results[1]["events"][-2],
+                                            results[0]["events"][-2]))
+      assert results[1]["events"][-1] == "[DONE]" and "died" in lost["error"]["message"]
+      assert results[0]["events"][-1] == "[DONE]" and "error" not in kept
+      assert _metric(app, "iterserve:engine_actor_failures_total", pool="mixed") == 1.0
+      assert _metric(app, "iterserve:requests_total", outcome="failed") == 1.0
+      # Restarted by Ray: the front places on it again, and it serves.
+      wait_until(lambda: engines.entry.router.replicas[1].alive, 120)
+      for _ in range(2):
+        r = app.http.post("/v1/completions", json=dict(body, max_tokens=3))
+        assert r.status_code == 200, r.text
+      placed = [q["replica"] for q in app.http.get("/router").json()["requests"][-2:]]
+      assert sorted(placed) == [0, 1]
     finally:
       app.close()
       ray_engines.stop_engines([pool])

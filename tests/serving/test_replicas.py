@@ -5,8 +5,6 @@ given by URL (``serve.py --replica_urls``) and ``bench_serving.py`` against a
 front."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,11 +16,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.http import replicas as replicas_module
-from serving.http.replica_launch import parse_replica_urls, spawn_replica, wait_ready
+from serving.http.replica_launch import parse_replica_urls, wait_ready
 from serving.http.replicas import ReplicaFront, route_summary
 from tests.serving.engine_testing import HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import free_port as _free_port, wait_until as _wait
 from tests.serving.fault_testing import report
+from tests.serving.replica_testing import spawn_replica
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = tiny_tokenizer()
@@ -30,8 +29,8 @@ STEP_DELAY_MS = 30          # >= 30 ms per step: a 50-token request runs >= 1.5 
 
 
 class _Front(HttpApp):
-  def __init__(self, urls, processes, facts, policy, log_path):
-    self.front = ReplicaFront(urls, processes, facts, policy=policy, route_log=str(log_path))
+  def __init__(self, urls, facts, policy, log_path):
+    self.front = ReplicaFront(urls, facts, policy=policy, route_log=str(log_path))
     super().__init__(self.front.app)
 
 
@@ -43,7 +42,7 @@ def replicas():
   processes = [spawn_replica(argv, port, cwd=str(ROOT)) for port in ports]
   urls = [f"http://127.0.0.1:{port}" for port in ports]
   try:
-    facts = wait_ready(urls, processes, timeout_s=180)
+    facts = wait_ready(urls, timeout_s=180)
     yield urls, processes, facts
   finally:
     for process in processes:
@@ -66,7 +65,7 @@ def _direct(url, body):
 def test_two_replicas_over_http_with_the_openai_client(replicas, tmp_path):
   urls, processes, facts = replicas
   # Processes not handed over: this front must not stop them when it closes.
-  served = _Front(urls, [None, None], facts, "prefix_aware", tmp_path / "routes.jsonl")
+  served = _Front(urls, facts, "prefix_aware", tmp_path / "routes.jsonl")
   front = served.front
   try:
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
@@ -187,7 +186,7 @@ def test_bench_serving_against_a_front_reports_only_its_own_requests(replicas, t
   counts the three (placements, records and prefix-cache counters since the
   run began), not the earlier two."""
   urls, _, facts = replicas
-  served = _Front(urls, [None, None], facts, "round_robin", tmp_path / "routes.jsonl")
+  served = _Front(urls, facts, "round_robin", tmp_path / "routes.jsonl")
   try:
     for prompt in ("before one", "before two"):
       assert served.http.post("/v1/completions", json={
@@ -233,7 +232,7 @@ def test_route_summary_counts_a_run_from_its_before_report():
 
 def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_path):
   urls, processes, facts = replicas
-  served = _Front(urls, processes, facts, "round_robin", tmp_path / "routes.jsonl")
+  served = _Front(urls, facts, "round_robin", tmp_path / "routes.jsonl")
   front = served.front
   body = lambda i, stream: {"model": "tiny", "prompt": f"the {'ab' * (i + 1)}",
                             "max_tokens": 50, "temperature": 0, "ignore_eos": True,
@@ -298,31 +297,6 @@ def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_p
     served.close()
 
 
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfds are Linux >= 5.3")
-def test_a_killed_replica_is_reaped_and_marked_down_at_once(monkeypatch, tmp_path):
-  """No poll loop runs (_WATCH_S is a day), so only the exit watch can reap
-  the SIGKILLed process and mark its replica down."""
-  monkeypatch.setattr(replicas_module, "_WATCH_S", 86400.0)
-  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-  facts = dict(model="tiny", page_size=4, num_pages=64, max_request_slots=8,
-               max_model_len=64, vocab_size=512, enable_prefix_caching=True)
-  served = _Front([f"http://127.0.0.1:{_free_port()}"], [sleeper], [facts], "round_robin",
-                  tmp_path / "routes.jsonl")
-  try:
-    assert served.front.router.alive() == [0]
-    sleeper.kill()
-    _wait(lambda: served.front.router.alive() == [], timeout_s=10)
-    assert sleeper.returncode == -signal.SIGKILL           # reaped by the front
-    assert not Path(f"/proc/{sleeper.pid}").exists()        # no zombie left
-    (stats,) = served.http.get("/router").json()["replicas"]
-    assert (stats["alive"], stats["exit_status"]) == (False, -signal.SIGKILL)
-    assert served.http.get("/health").status_code == 503
-  finally:
-    served.close()
-    if sleeper.poll() is None:
-      sleeper.kill()
-
-
 def _front_over(urls, tmp_path, *extra):
   """``scripts/serve.py --replica_urls`` on a free port (stderr in a file)."""
   port = _free_port()
@@ -362,7 +336,7 @@ def test_a_front_over_replica_urls_marks_one_down_and_takes_it_back(tmp_path):
   processes = [spawn_replica(argv, port, cwd=str(ROOT)) for port in ports]
   front = None
   try:
-    wait_ready(urls, processes, timeout_s=180)
+    wait_ready(urls, timeout_s=180)
     front, front_url = _front_over(urls, tmp_path, "--router=round_robin",
                                    f"--route_log={tmp_path / 'routes.jsonl'}")
     _wait(lambda: _answers(front_url), timeout_s=60)
@@ -377,7 +351,7 @@ def test_a_front_over_replica_urls_marks_one_down_and_takes_it_back(tmp_path):
     assert [(r.status_code, r.headers["x-iterserve-replica"]) for r in served] == [
         (200, "0")] * 3
     processes[1] = spawn_replica(argv, ports[1], cwd=str(ROOT))
-    wait_ready(urls[1:], processes[1:], timeout_s=180)
+    wait_ready(urls[1:], timeout_s=180)
     _wait(lambda: _samples(httpx.get(f"{front_url}/metrics").text)[up] == 1, timeout_s=30)
     assert sorted(post().headers["x-iterserve-replica"] for _ in range(2)) == ["0", "1"]
     logged = [json.loads(l) for l in (tmp_path / "routes.jsonl").read_text().splitlines()]
