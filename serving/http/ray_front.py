@@ -514,6 +514,9 @@ def run_ray_front(build_for_role, tokenizer, model_name: str, *, replicas: int =
              f"{prefill_replicas} prefill + {decode_replicas} decode engine actors")
     print(f"serving {model_name!r} over {shape} ({policy}) on http://{host}:{port}/v1",
           flush=True)
-    return front.serve(sock if sock is not None else bind_socket(host, port))
+    try:
+      return front.serve(sock if sock is not None else bind_socket(host, port))
+    except KeyboardInterrupt:         # uvicorn re-raises the signal it shut down on
+      return 0
   finally:
     ray_engines.stop_engines(pools)

@@ -7,9 +7,11 @@ wait is bounded, and Ray is shut down by the fixture.
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
+import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine.engine import Engine
@@ -134,4 +136,60 @@ def test_an_engine_actor_that_dies_fails_its_requests_and_comes_back():
       assert sorted(placed) == [0, 1]
     finally:
       app.close()
+      ray_engines.stop_engines([pool])
+
+
+def _drain(engines, timeout_s=120.0):
+  """Steps ``engines`` (this thread drives it, no server) until nothing is
+  live; returns every output by request id."""
+  outputs = {}
+  deadline = time.monotonic() + timeout_s
+  while engines.has_unfinished():
+    assert time.monotonic() < deadline, "not drained in time"
+    for out in engines.step():
+      outputs.setdefault(out.request_id, []).append(out)
+  return outputs
+
+
+def _in_use(actor) -> int:
+  """KV pages requests hold on the engine in ``actor`` (cached pages no
+  request holds are free)."""
+  s = ray.get(actor.stats.remote(), timeout=60)
+  return s["num_pages"] - 1 - s["free_pages"] - s["evictable_pages"]
+
+
+@pytest.mark.extended
+def test_aborts_at_every_stage_give_every_page_back():
+  """Aborted while waiting at the front, while prefilling and while
+  decoding: each ends cancelled, the engine holds no page after a drain, and
+  a request after them completes."""
+  greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+  long, p1, p2, p3 = random_prompts([56, 20, 20, 9], seed=5)
+  with ray_session():
+    build = TinyEngine(step_delay_ms=20, max_request_slots=2, max_num_seqs=2)
+    pool = ray_engines.start_engines(build, 1, num_cpus=0, ready_timeout_s=300)
+    engines = RayEngines(pool)
+    try:
+      assert _in_use(pool.actors[0]) == 0
+      engines.add_request("decoding", p1, greedy)
+      engines.add_request("prefilling", long, SamplingParams(max_tokens=4, ignore_eos=True))
+      engines.add_request("waiting", p2, greedy)             # both places taken
+      assert [engines.requests[r].stage for r in ("decoding", "prefilling", "waiting")] == [
+          "prefill", "prefill", "waiting"]
+      engines.abort("waiting")
+      engines.abort("prefilling")                            # no token yet: 7 chunks
+      deadline = time.monotonic() + 60
+      while len(engines.requests["decoding"].output_token_ids) < 3:
+        assert time.monotonic() < deadline
+        engines.step()
+      engines.abort("decoding")
+      _drain(engines)
+      assert {r: engines.requests[r].outcome for r in ("decoding", "prefilling", "waiting")} \
+          == dict.fromkeys(("decoding", "prefilling", "waiting"), "cancelled")
+      wait_until(lambda: _in_use(pool.actors[0]) == 0, 30)
+      engines.add_request("after", p3, SamplingParams(max_tokens=3, ignore_eos=True))
+      _drain(engines)
+      assert engines.requests["after"].outcome == "completed"
+      assert len(engines.requests["after"].output_token_ids) == 3
+    finally:
       ray_engines.stop_engines([pool])
