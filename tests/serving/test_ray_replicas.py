@@ -193,3 +193,122 @@ def test_aborts_at_every_stage_give_every_page_back():
       assert len(engines.requests["after"].output_token_ids) == 3
     finally:
       ray_engines.stop_engines([pool])
+
+
+def _pd_pools(prefill=None, decode=None, max_restarts=0):
+  """One prefill and one decode engine actor on the tiny model."""
+  return [ray_engines.start_engines(prefill or TinyEngine(role="prefill"), 1, role="prefill",
+                                    num_cpus=0, ready_timeout_s=300),
+          ray_engines.start_engines(decode or TinyEngine(role="decode"), 1, role="decode",
+                                    num_cpus=0, max_restarts=max_restarts,
+                                    ready_timeout_s=300)]
+
+
+@pytest.mark.extended
+def test_prefill_and_decode_actors_give_the_tokens_of_one_mixed_engine():
+  """Greedy and seeded requests through a prefill actor, the object store
+  and a decode actor: every token equals one in-process mixed engine's (a
+  request of max_tokens 1 ends on the prefill side); the client sees one
+  stream; both engines hold no page afterwards."""
+  lengths = [14, 13, 12, 11, 5, 4, 9]
+  prompts = random_prompts(lengths, seed=8)
+  samplings = ([SamplingParams(max_tokens=6, ignore_eos=True)] * 4
+               + [SamplingParams(max_tokens=5, temperature=0.9, seed=3 + i) for i in range(2)]
+               + [SamplingParams(max_tokens=1, ignore_eos=True)])
+  want = _reference(prompts, samplings)
+  with ray_session():
+    pools = _pd_pools()
+    engines = RayEngines(*pools)
+    try:
+      for i, (p, s) in enumerate(zip(prompts, samplings)):
+        engines.add_request(f"r{i}", p, s)
+      outputs = _drain(engines)
+      got = [engines.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
+      assert got == want
+      assert [engines.requests[f"r{i}"].outcome for i in range(len(prompts))] == [
+          "completed"] * len(prompts)
+      decoded = {q["request_id"] for q in engines.records if q["decode_replica"] == 0}
+      assert decoded == {f"r{i}" for i in range(6)}            # r6 ended at its first token
+      assert [len(o[0].new_token_ids) for o in outputs.values()] == [1] * len(prompts)
+      assert all(_in_use(pool.actors[0]) == 0 for pool in pools)
+      # Through the HTTP front: one stream, the first token from the prefill side.
+      app = HttpApp(RayFront(RayEngines(*pools), TOK, "tiny", max_waiting=16).app)
+      try:
+        body = dict(model="tiny", prompt=prompts[0], max_tokens=6, ignore_eos=True,
+                    temperature=0)
+        out = {}
+        _stream(app.url, body, out)
+        chunks = [json.loads(e) for e in out["events"][:-1]]
+        assert out["events"][-1] == "[DONE]"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == TOK.decode(
+            want[0], skip_special_tokens=True)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+      finally:
+        app.close()
+    finally:
+      ray_engines.stop_engines(pools)
+
+
+@pytest.mark.extended
+def test_a_corrupted_handoff_fails_its_request_and_frees_the_pages():
+  """The prefill actor flips a byte of each record: the decode engine
+  refuses it (checksum), the request fails, counted by reason; no engine
+  holds a page; once the fault is off a request completes."""
+  prompt = random_prompts([10], seed=2)[0]
+  with ray_session():
+    pools = _pd_pools()
+    ray.get(pools[0].actors[0].set_fault.remote(True), timeout=60)
+    engines = RayEngines(*pools)
+    metrics = RayFront(engines, TOK, "tiny").metrics
+    try:
+      engines.add_request("bad", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+      _drain(engines)
+      bad = engines.requests["bad"]
+      assert (bad.outcome, len(bad.output_token_ids)) == ("failed", 1)
+      assert "ChecksumMismatch" in bad.finish_reason
+      metrics.observe_engine(engines, 0)
+      assert metrics.handoff_failures.labels("tiny", "ChecksumMismatch")._value.get() == 1
+      assert [_in_use(pool.actors[0]) for pool in pools] == [0, 0]
+      ray.get(pools[0].actors[0].set_fault.remote(False), timeout=60)
+      engines.add_request("good", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+      _drain(engines)
+      assert engines.requests["good"].outcome == "completed"
+      assert len(engines.requests["good"].output_token_ids) == 5
+    finally:
+      ray_engines.stop_engines(pools)
+
+
+@pytest.mark.extended
+def test_a_decode_actor_killed_mid_stream_fails_its_requests_and_comes_back():
+  """ray.kill of the decode actor while requests decode: each fails (error
+  event, counted), the prefill engine holds no page, Ray restarts the decode
+  actor and a later request completes."""
+  prompts = random_prompts([8, 7, 6], seed=4)
+  with ray_session():
+    pools = _pd_pools(decode=TinyEngine(role="decode", step_delay_ms=30), max_restarts=1)
+    engines = RayEngines(*pools)
+    metrics = RayFront(engines, TOK, "tiny").metrics
+    try:
+      for i, p in enumerate(prompts):
+        engines.add_request(f"r{i}", p, SamplingParams(max_tokens=40, ignore_eos=True))
+      deadline = time.monotonic() + 60
+      while not all(len(engines.requests[f"r{i}"].output_token_ids) >= 3 for i in range(3)):
+        assert time.monotonic() < deadline
+        engines.step()
+      ray.kill(pools[1].actors[0], no_restart=False)
+      _drain(engines)
+      assert [engines.requests[f"r{i}"].outcome for i in range(3)] == ["failed"] * 3
+      assert all("decode engine 0 died" in engines.requests[f"r{i}"].finish_reason
+                 for i in range(3))
+      metrics.observe_engine(engines, 0)
+      assert metrics.actor_failures.labels("tiny", "decode")._value.get() == 3
+      assert _in_use(pools[0].actors[0]) == 0
+      wait_until(lambda: engines.step() is not None and 0 not in engines.decode.down_since,
+                 120)
+      engines.add_request("after", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+      _drain(engines)
+      assert engines.requests["after"].outcome == "completed"
+      assert len(engines.requests["after"].output_token_ids) == 4
+      assert _in_use(pools[1].actors[0]) == 0
+    finally:
+      ray_engines.stop_engines(pools)
