@@ -30,7 +30,8 @@ CORE = ("engine", "kv")
 SUBPACKAGES = {"engine", "kv", "http", "harness", "cli"}
 SCHEDULER_MAY_DRIVE_THE_ENGINE = {"conformance"}
 # The modules that may import ray: the engine actors and the front over them.
-RAY_MODULES = {"serving/http/ray_engines.py", "serving/http/ray_front.py"}
+RAY_MODULES = {"serving/http/ray_engines.py", "serving/http/ray_front.py",
+               "serving/http/ray_transfer.py"}
 
 
 def imports(path: Path) -> set:

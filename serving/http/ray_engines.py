@@ -10,8 +10,9 @@ so the pages travel through Ray's object store from the prefill actor's
 node to the decode actor's without passing the front), ``abort`` and
 ``finish``. It reports through ``poll``: every request's news since the
 last poll (new tokens, logprobs, and at the end its outcome), each prefill
-handoff as an object reference (``ray.put`` on the prefill actor), and the
-engine's gauges (``EngineActor.stats``). A request that ended is evicted
+handoff as a ticket of its ``serving.http.ray_transfer`` transport (the
+object store's: an ObjectRef; ``jax.experimental.transfer``'s: a pull id),
+and the engine's gauges (``EngineActor.stats``). A request that ended is evicted
 from the engine once its end is reported.
 
 Faults: a step that raises kills the actor's process (status 1); Ray
@@ -42,6 +43,7 @@ import numpy as np
 import ray
 
 from scheduler import records as rec
+from serving.http import ray_transfer
 from serving.kv import pages as kv_pages
 
 # Seconds a ``poll`` waits for news before it returns an empty batch.
@@ -79,11 +81,14 @@ class EngineActor:
     build: zero-argument callable returning the ``Engine`` (called here,
       in the actor's process).
     replica: this actor's index in its pool (named in its facts).
+    transport: how handoffs travel (``ray_transfer.TRANSPORTS``; prefill
+      and decode actors of one deployment use the same).
   """
 
-  def __init__(self, build: Callable, replica: int = 0):
+  def __init__(self, build: Callable, replica: int = 0, transport: str = "object_store"):
     self.engine = build()
     self.replica = replica
+    self.transport = ray_transfer.make_transport(transport)
     self.role = getattr(self.engine.config, "role", "mixed")
     self._commands: "queue.Queue[tuple]" = queue.Queue()
     self._news = threading.Condition()
@@ -110,11 +115,17 @@ class EngineActor:
     where accepted."""
     return self._call("submit", specs)
 
-  def add_handoff(self, request_id: str, handoff_refs: list, waited_ms: float):
-    """Decode role: admits the handoff ``handoff_refs[0]`` (an ObjectRef,
-    inside a list so Ray hands the reference, not the value, and this actor
-    fetches it from the object store); returns its refusal or None."""
-    return self._call("handoff", (request_id, handoff_refs[0], waited_ms))
+  def add_handoff(self, request_id: str, tickets: list, waited_ms: float):
+    """Decode role: receives the handoff of ticket ``tickets[0]`` (inside a
+    list, so that Ray passes an ObjectRef on as a reference: the bytes come
+    here from the object store, on this method's thread while the engine
+    steps), then admits it between two iterations; returns its refusal
+    (e.g. ``ChecksumMismatch``) or None."""
+    try:
+      handoff = self.transport.receive(tickets[0])
+    except Exception as e:              # noqa: BLE001 - the bytes never came
+      return e
+    return self._call("handoff", (request_id, handoff, waited_ms))
 
   def abort(self, request_id: str) -> None:
     self._commands.put(("abort", request_id))
@@ -225,9 +236,9 @@ class EngineActor:
       return end
     return None
 
-  def _add_handoff(self, request_id: str, ref, waited_ms: float) -> Optional[BaseException]:
+  def _add_handoff(self, request_id: str, handoff,
+                   waited_ms: float) -> Optional[BaseException]:
     try:
-      handoff = ray.get(ref, timeout=60)
       self.engine.add_handoff(handoff, arrival_ms=self._arrival_ms(waited_ms))
     except Exception as e:              # noqa: BLE001 - refused, or a bad checksum
       return e
@@ -242,7 +253,7 @@ class EngineActor:
           k = np.array(h.k, copy=True)
           k.reshape(-1).view(np.uint8)[0] ^= 1
           h = dataclasses.replace(h, k=k)
-        handoffs[h.request_id] = [ray.put(h)]
+        handoffs[h.request_id] = [self.transport.send(h)]
     updates = []
     for out in outputs:
       req = self.engine.requests[out.request_id]
@@ -319,7 +330,8 @@ def init_ray(address: Optional[str], num_cpus: Optional[int] = None) -> None:
 
 def start_engines(build: Callable, num: int, *, role: str = "mixed",
                   max_restarts: int = 3, num_cpus: float = 1.0,
-                  ready_timeout_s: float = 1800.0, first_index: int = 0) -> Pool:
+                  ready_timeout_s: float = 1800.0, first_index: int = 0,
+                  transport: str = "object_store") -> Pool:
   """Starts ``num`` engine actors (``build`` makes each one's engine) and
   waits until every one answers ``facts``; Ray restarts one that dies up to
   ``max_restarts`` times (-1: always).
@@ -330,7 +342,7 @@ def start_engines(build: Callable, num: int, *, role: str = "mixed",
   """
   cls = ray.remote(EngineActor).options(max_restarts=max_restarts, max_task_retries=0,
                                         max_concurrency=64, num_cpus=num_cpus)
-  actors = [cls.remote(build, first_index + i) for i in range(num)]
+  actors = [cls.remote(build, first_index + i, transport) for i in range(num)]
   try:
     facts = ray.get([a.facts.remote() for a in actors], timeout=ready_timeout_s)
   except Exception as e:

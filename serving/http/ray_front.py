@@ -142,6 +142,7 @@ class RayEngines:
     self.failures: "collections.Counter[tuple]" = collections.Counter()
     self.records: "collections.deque[dict]" = collections.deque(maxlen=MAX_RECORDS)
     self._outputs: List[RequestOutput] = []
+    self._acks: Dict[object, tuple] = {}        # add_handoff in flight -> (id, replica)
     self.prefill_tokens_computed = 0
     self.num_preemptions = 0
     for pool in self.pools:
@@ -203,6 +204,7 @@ class RayEngines:
           pool.poll(i)
       self._place(pool)
     refs = {ref: (pool, i) for pool in self.pools for i, ref in pool.polls.items()}
+    refs.update(dict.fromkeys(self._acks))
     if not refs:
       time.sleep(ray_engines.POLL_S)
     else:
@@ -210,8 +212,10 @@ class RayEngines:
       if ready:
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
       for ref in ready:
-        pool, i = refs[ref]
-        self._collect(pool, i, ref)
+        if ref in self._acks:
+          self._acked(ref)
+        else:
+          self._collect(pool=refs[ref][0], i=refs[ref][1], ref=ref)
     for pool in self.pools:
       self._place(pool)
     outputs, self._outputs = self._outputs, []
@@ -256,27 +260,18 @@ class RayEngines:
           pool=pool.role, replica=i, waited_ms=decision["waited_ms"],
           score_ms=decision["score_ms"], tie_key=decision["tie_key"]))
       waited_ms = self.now_ms() - req.arrival_ms
+      if pool is self.decode:         # acknowledged in a later step (``_acked``)
+        ack = pool.actors[i].add_handoff.remote(rid, req.handoff, waited_ms)
+        self._acks[ack] = (rid, i)
+        req.handoff, req.decode_replica, req.record["decode_replica"] = None, i, i
+        continue
       try:
-        if pool is self.decode:
-          result = ray.get(pool.actors[i].add_handoff.remote(rid, req.handoff, waited_ms),
-                           timeout=CALL_TIMEOUT_S)
-        else:
-          spec = dict(req.spec, waited_ms=waited_ms)
-          result = ray.get(pool.actors[i].submit.remote([spec]),
-                           timeout=CALL_TIMEOUT_S)[0]
+        spec = dict(req.spec, waited_ms=waited_ms)
+        result = ray.get(pool.actors[i].submit.remote([spec]), timeout=CALL_TIMEOUT_S)[0]
       except (RayActorError, GetTimeoutError):     # it died before taking the request
         self._lost(pool, i)
         req.record["rerouted_from"].append(i)
         self._route(pool, req)
-        continue
-      if pool is self.decode:
-        req.handoff = None
-        req.decode_replica, req.record["decode_replica"], req.stage = i, i, "decode"
-        if result is not None:
-          reason = type(result).__name__
-          self.failures[("kv_handoff", reason)] += 1
-          self._end(req, "failed", f"handoff refused by decode engine {i}: {reason}: "
-                    f"{result}")
         continue
       req.replica, req.record["replica"], req.stage = i, i, "prefill"
       if isinstance(result, BaseException):
@@ -288,6 +283,28 @@ class RayEngines:
       elif isinstance(result, dict):            # rejected at once by the engine
         self._end(req, result["outcome"], result["finish_reason"])
     return refusal
+
+  def _acked(self, ref) -> None:
+    """A decode engine answered a handoff: the request decodes there, or
+    fails with the engine's refusal (counted by reason). A request that
+    ended here meanwhile (aborted in transfer) is aborted there too."""
+    rid, i = self._acks.pop(ref)
+    try:
+      result = ray.get(ref, timeout=CALL_TIMEOUT_S)
+    except (RayActorError, GetTimeoutError):
+      self._lost(self.decode, i)            # fails it, if still live
+      return
+    req = self.requests.get(rid)
+    if req is None or req.finished:
+      if result is None:
+        self.decode.actors[i].abort.remote(rid)
+      return
+    if result is None:
+      req.stage = "decode"
+      return
+    reason = type(result).__name__
+    self.failures[("kv_handoff", reason)] += 1
+    self._end(req, "failed", f"handoff refused by decode engine {i}: {reason}: {result}")
 
   # ---------------------------------------------------------- the news
   def _collect(self, pool: _Pool, i: int, ref) -> None:
@@ -342,10 +359,11 @@ class RayEngines:
 
   # ---------------------------------------------------------- endings
   def _holder(self, req: RemoteRequest):
-    """(pool, replica) holding ``req`` now, or None (waiting, in transfer)."""
+    """(pool, replica) holding ``req`` now (in transfer: the decode engine
+    it was handed to, once placed), or None (waiting at the front)."""
     if req.stage == "prefill":
       return self.entry, req.replica
-    if req.stage == "decode":
+    if req.stage == "decode" or (req.stage == "transfer" and req.decode_replica is not None):
       return self.decode, req.decode_replica
     return None
 

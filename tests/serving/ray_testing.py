@@ -60,9 +60,16 @@ def ray_session(num_cpus: int = 2):
   import ray
 
   path = os.environ.get("PYTHONPATH", "")
-  ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-           runtime_env={"env_vars": {"PYTHONPATH": ROOT + (os.pathsep + path if path else ""),
-                                     "JAX_PLATFORMS": "cpu"}})
+  env = {"PYTHONPATH": ROOT + (os.pathsep + path if path else ""), "JAX_PLATFORMS": "cpu"}
+  for attempt in range(2):        # a loaded machine can miss Ray's startup deadline once
+    try:
+      ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+               runtime_env={"env_vars": env})
+      break
+    except Exception:             # noqa: BLE001 - retried once, then raised
+      ray.shutdown()
+      if attempt:
+        raise
   try:
     yield ray
   finally:

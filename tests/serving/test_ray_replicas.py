@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine.engine import Engine
 from serving.engine.config import SamplingParams
-from serving.http import ray_engines
+from serving.http import ray_engines, ray_transfer
 from serving.http.ray_front import RayEngines, RayFront
 from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts
 from tests.serving.engine_testing import tiny_tokenizer, wait_until
@@ -195,21 +195,27 @@ def test_aborts_at_every_stage_give_every_page_back():
       ray_engines.stop_engines([pool])
 
 
-def _pd_pools(prefill=None, decode=None, max_restarts=0):
+def _pd_pools(prefill=None, decode=None, max_restarts=0, transport="object_store"):
   """One prefill and one decode engine actor on the tiny model."""
   return [ray_engines.start_engines(prefill or TinyEngine(role="prefill"), 1, role="prefill",
-                                    num_cpus=0, ready_timeout_s=300),
+                                    num_cpus=0, ready_timeout_s=300, transport=transport),
           ray_engines.start_engines(decode or TinyEngine(role="decode"), 1, role="decode",
                                     num_cpus=0, max_restarts=max_restarts,
-                                    ready_timeout_s=300)]
+                                    ready_timeout_s=300, transport=transport)]
 
 
 @pytest.mark.extended
-def test_prefill_and_decode_actors_give_the_tokens_of_one_mixed_engine():
-  """Greedy and seeded requests through a prefill actor, the object store
-  and a decode actor: every token equals one in-process mixed engine's (a
-  request of max_tokens 1 ends on the prefill side); the client sees one
-  stream; both engines hold no page afterwards."""
+@pytest.mark.parametrize("transport", [
+    "object_store",
+    pytest.param("jax_transfer", marks=pytest.mark.skipif(
+        ray_transfer.jax_transfer_unavailable() is not None,
+        reason=str(ray_transfer.jax_transfer_unavailable())))])
+def test_prefill_and_decode_actors_give_the_tokens_of_one_mixed_engine(transport):
+  """Greedy and seeded requests through a prefill actor, the transport
+  (Ray's object store, or jax.experimental.transfer between the actors'
+  devices) and a decode actor: every token equals one in-process mixed
+  engine's (a request of max_tokens 1 ends on the prefill side); the client
+  sees one stream; both engines hold no page afterwards."""
   lengths = [14, 13, 12, 11, 5, 4, 9]
   prompts = random_prompts(lengths, seed=8)
   samplings = ([SamplingParams(max_tokens=6, ignore_eos=True)] * 4
@@ -217,7 +223,7 @@ def test_prefill_and_decode_actors_give_the_tokens_of_one_mixed_engine():
                + [SamplingParams(max_tokens=1, ignore_eos=True)])
   want = _reference(prompts, samplings)
   with ray_session():
-    pools = _pd_pools()
+    pools = _pd_pools(transport=transport)
     engines = RayEngines(*pools)
     try:
       for i, (p, s) in enumerate(zip(prompts, samplings)):
@@ -310,5 +316,49 @@ def test_a_decode_actor_killed_mid_stream_fails_its_requests_and_comes_back():
       assert engines.requests["after"].outcome == "completed"
       assert len(engines.requests["after"].output_token_ids) == 4
       assert _in_use(pools[1].actors[0]) == 0
+    finally:
+      ray_engines.stop_engines(pools)
+
+
+@pytest.mark.extended
+def test_prefill_decode_aborts_at_every_stage_give_every_page_back():
+  """One place per engine. Aborted waiting at the front, prefilling, in
+  transfer (handed off, waiting for the decode engine's place) and
+  decoding: each ends cancelled; after a drain neither engine holds a page;
+  a request after them completes."""
+  one = dict(max_request_slots=1, max_num_seqs=1, step_delay_ms=20)
+  greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+  a, b, c, d, e = random_prompts([8, 7, 56, 6, 5], seed=9)
+  with ray_session():
+    pools = _pd_pools(prefill=TinyEngine(role="prefill", **one),
+                      decode=TinyEngine(role="decode", **one))
+    engines = RayEngines(*pools)
+    stage = lambda rid: engines.requests[rid].stage
+
+    def drive(cond):
+      deadline = time.monotonic() + 60
+      while not cond():
+        assert time.monotonic() < deadline, "not reached in time"
+        engines.step()
+
+    try:
+      engines.add_request("decoding", a, greedy)
+      drive(lambda: stage("decoding") == "decode"
+            and len(engines.requests["decoding"].output_token_ids) >= 2)
+      engines.add_request("transfer", b, greedy)
+      drive(lambda: stage("transfer") == "transfer")     # the decode place is taken
+      engines.add_request("prefilling", c, SamplingParams(max_tokens=4, ignore_eos=True))
+      engines.add_request("waiting", d, greedy)           # the prefill place is taken
+      assert [stage(r) for r in ("prefilling", "waiting")] == ["prefill", "waiting"]
+      for rid in ("waiting", "prefilling", "transfer", "decoding"):
+        engines.abort(rid)
+      _drain(engines)
+      rids = ("decoding", "transfer", "prefilling", "waiting")
+      assert {r: engines.requests[r].outcome for r in rids} == dict.fromkeys(rids, "cancelled")
+      wait_until(lambda: [_in_use(pool.actors[0]) for pool in pools] == [0, 0], 30)
+      engines.add_request("after", e, SamplingParams(max_tokens=3, ignore_eos=True))
+      _drain(engines)
+      assert engines.requests["after"].outcome == "completed"
+      assert len(engines.requests["after"].output_token_ids) == 3
     finally:
       ray_engines.stop_engines(pools)
