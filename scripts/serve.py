@@ -62,6 +62,9 @@ flags.DEFINE_integer("decode_replicas", 0, "Decode engines (Ray actors); with "
 flags.DEFINE_string("ray_address", None, "Join the Ray cluster at this address (e.g. "
                     "HOST:6379, or 'auto'); unset: a local Ray with this machine's CPUs.")
 flags.DEFINE_float("replica_cpus", 1.0, "CPUs Ray reserves for each engine actor.")
+flags.DEFINE_enum("kv_transport", "object_store", ["object_store", "jax_transfer"],
+                  "How a prefill engine's KV pages reach a decode engine: Ray's object "
+                  "store (host memory), or jax.experimental.transfer (device to device).")
 flags.DEFINE_integer("replica_max_restarts", 3, "Times Ray restarts an engine actor that "
                      "died (-1: always).")
 flags.DEFINE_list("replica_urls", None, "A router front over replica servers that already "
@@ -147,6 +150,9 @@ def _check_pd_flags() -> None:
   if FLAGS.ray_address is not None and not (FLAGS.replicas or _pd()):
     raise ValueError("--ray_address applies only with --replicas or --prefill_replicas / "
                      "--decode_replicas (engine actors)")
+  if FLAGS["kv_transport"].present and not _pd():
+    raise ValueError("--kv_transport applies only with --prefill_replicas / "
+                     "--decode_replicas")
   if not _pd():
     if FLAGS.replicas:
       launch.engine_config()
@@ -158,6 +164,11 @@ def _check_pd_flags() -> None:
     if FLAGS[name].value < 1:
       raise ValueError(f"--{name} must be >= 1 with prefill/decode serving (both pools), "
                        f"got {FLAGS[name].value}")
+  if FLAGS.kv_transport == "jax_transfer":
+    from serving.http import ray_transfer
+    reason = ray_transfer.jax_transfer_unavailable()
+    if reason is not None:
+      raise ValueError(f"--kv_transport=jax_transfer: {reason}")
   for role in ("prefill", "decode"):
     try:
       launch.engine_config(role=role)
@@ -251,13 +262,15 @@ def main(argv):
     given = [FLAGS[name].serialize() for name in _ENGINE_FLAGS if FLAGS[name].present]
     capacity = launch.engine_config().max_request_slots + FLAGS.max_waiting
     build = lambda role: ray_engines.FlagsEngine(
-        given, FLAGS.warmup, capacity, **({} if role == "mixed" else {"role": role}))
+        given, FLAGS.warmup, capacity, cwd=os.getcwd(),
+        **({} if role == "mixed" else {"role": role}))
     try:
       status = ray_front.run_ray_front(
           build, _front_tokenizer(), FLAGS.served_model_name or FLAGS.model,
           replicas=FLAGS.replicas, prefill_replicas=FLAGS.prefill_replicas,
           decode_replicas=FLAGS.decode_replicas, ray_address=FLAGS.ray_address,
           replica_cpus=FLAGS.replica_cpus, max_restarts=FLAGS.replica_max_restarts,
+          kv_transport=FLAGS.kv_transport,
           policy=FLAGS.router, cost=cost, route_log=FLAGS.route_log,
           max_waiting=FLAGS.max_waiting, sock=sock,
           host=FLAGS.host, port=FLAGS.port, access=access,

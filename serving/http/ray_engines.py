@@ -54,14 +54,20 @@ class FlagsEngine:
   """Builds the engine from launcher flags in the actor's process:
   ``serving.cli.launch``'s engine flags parsed from ``argv`` (each
   ``--name=value``), then ``launch.build_engine`` and, when ``warmup``,
-  ``launch.warmup`` up to ``num_requests`` requests."""
+  ``launch.warmup`` up to ``num_requests`` requests. Relative paths in the
+  flags (``--model``, ``--cache_dir``) resolve against ``cwd`` (the
+  launcher's directory) where the actor's node has it."""
 
-  def __init__(self, argv: Sequence[str], warmup: bool, num_requests: int, **overrides):
+  def __init__(self, argv: Sequence[str], warmup: bool, num_requests: int,
+               cwd: Optional[str] = None, **overrides):
     self.argv, self.warmup, self.num_requests = list(argv), warmup, num_requests
-    self.overrides = overrides
+    self.cwd, self.overrides = cwd, overrides
 
   def __call__(self):
     from absl import flags
+
+    if self.cwd and os.path.isdir(self.cwd):
+      os.chdir(self.cwd)
 
     from serving.cli import launch
 

