@@ -45,6 +45,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -141,6 +142,8 @@ class RayEngines:
     self.requests: Dict[str, RemoteRequest] = {}
     self.failures: "collections.Counter[tuple]" = collections.Counter()
     self.records: "collections.deque[dict]" = collections.deque(maxlen=MAX_RECORDS)
+    # Held while the loop thread writes, or ``report`` reads, records and stats.
+    self.lock = threading.Lock()
     self._outputs: List[RequestOutput] = []
     self._acks: Dict[object, tuple] = {}        # add_handoff in flight -> (id, replica)
     self.prefill_tokens_computed = 0
@@ -148,6 +151,18 @@ class RayEngines:
     for pool in self.pools:
       for i in range(len(pool.actors)):
         pool.poll(i)
+
+  def report(self) -> dict:
+    """``GET /router``: the policy, every engine (its pool, liveness and
+    latest stats) and the route records (a snapshot)."""
+    with self.lock:
+      engines = [dict(replica=i, pool=pool.role, alive=i not in pool.down_since,
+                      **{k: v for k, v in pool.stats.get(i, {}).items() if k != "replica"})
+                 for pool in self.pools for i in range(len(pool.actors))]
+      records = list(self.records)
+    return {"policy": self.entry.router.policy,
+            "cost": dataclasses.asdict(self.entry.router.cost), "replicas": engines,
+            "requests": records}
 
   # -------------------------------------------------- the Engine's face
   clock = staticmethod(time.monotonic)
@@ -323,7 +338,8 @@ class RayEngines:
       c = pool.configs[i]
       pool.router.replica_up(i, c.max_request_slots,
                              c.num_pages - 1 if c.enable_prefix_caching else 0)
-    pool.stats[i] = news["stats"]
+    with self.lock:
+      pool.stats[i] = news["stats"]
     pool.poll(i)
     for update in news["updates"]:
       self._apply(pool, i, update)
@@ -375,7 +391,8 @@ class RayEngines:
       pool.router.finished(req.request_id)
     req.handoff, req.stage = None, "ended"
     req.record.update(outcome=outcome, reason=reason)
-    self.records.append(req.record)
+    with self.lock:
+      self.records.append(req.record)
     if self.route_log:
       with open(self.route_log, "a") as f:
         f.write(json.dumps(req.record) + "\n")
@@ -406,7 +423,8 @@ class RayEngines:
       return
     pool.down_since[i] = time.monotonic()
     pool.router.replica_down(i)
-    pool.stats.pop(i, None)
+    with self.lock:
+      pool.stats.pop(i, None)
     for req in list(self.requests.values()):
       if not req.finished and self._holder(req) == (pool, i):
         self.failures[("engine_actor", pool.role)] += 1
@@ -488,13 +506,7 @@ class RayFront(OpenAIServer):
 
     @app.get("/router")
     async def router_report():
-      e = self.engine
-      replicas = [dict(replica=i, pool=pool.role, alive=i not in pool.down_since,
-                       **{k: v for k, v in pool.stats.get(i, {}).items() if k != "replica"})
-                  for pool in e.pools for i in range(len(pool.actors))]
-      return {"policy": e.entry.router.policy,
-              "cost": dataclasses.asdict(e.entry.router.cost), "replicas": replicas,
-              "requests": list(e.records)}
+      return self.engine.report()
 
     return app
 

@@ -19,6 +19,7 @@ from serving.engine.engine import Engine
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.http import ray_engines, ray_transfer
 from serving.http.ray_front import RayEngines, RayFront
+from serving.http.replicas import route_summary
 from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts
 from tests.serving.engine_testing import tiny_tokenizer, wait_until
 from tests.serving.ray_testing import ROOT, TinyEngine, ray_session, tiny_config, tiny_params
@@ -75,6 +76,8 @@ def test_two_engine_actors_serve_the_tokens_of_one_engine():
       assert 'iterserve:requests_total{model_name="tiny",outcome="completed"} 5.0' in metrics
       report = app.http.get("/router").json()
       assert sorted({q["replica"] for q in report["requests"]}) == [0, 1]
+      summary = route_summary(report)         # what bench_serving.py reports
+      assert sum(r["placed"] for r in summary["replicas"]) == 5
     finally:
       app.close()
       ray_engines.stop_engines([pool])
