@@ -71,8 +71,9 @@ flags.DEFINE_list("replica_urls", None, "A router front over replica servers tha
                   "run (http://HOST:PORT,...): nothing is spawned, no model loads here.")
 flags.DEFINE_float("replica_ready_timeout_s", 60.0, "With --replica_urls: seconds to wait "
                    "at startup for every replica to answer /health.")
-flags.DEFINE_enum("router", "prefix_aware", router.POLICIES, "Replica placement: estimated "
-                  "finish time with prefix-cache facts, or the round_robin baseline.")
+flags.DEFINE_string("router", "prefix_aware", "Replica placement: prefix_aware (estimated "
+                    "finish time with prefix-cache facts) or the round_robin baseline; with "
+                    "--prefill_replicas/--decode_replicas, a registered P/D router.")
 flags.DEFINE_string("route_log", None, "With --replicas: a JSON line per request (its "
                     "placement decisions and the facts they used).")
 flags.DEFINE_float("route_prefill_ms_per_token", 1.0, "Router cost: ms per uncached "
@@ -201,6 +202,11 @@ def _check_flags() -> socket.socket:
   if FLAGS.replicas < 0:
     raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
                      f"got {FLAGS.replicas}")
+  if hasattr(router, "check_router_name"):
+    router.check_router_name(FLAGS.router, pd=_pd(), flag="router")
+  elif FLAGS.router not in router.POLICIES:
+    raise ValueError(f"--router must be one of {sorted(router.POLICIES)}, got "
+                     f"{FLAGS.router!r}")
   _check_pd_flags()
   if FLAGS.replica_urls is not None:
     if FLAGS.replicas or _pd():

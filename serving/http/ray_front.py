@@ -16,6 +16,9 @@ the actors' latest ``stats``.
 Placement: ``serving.http.router.Router`` (``router_for`` the actors'
 facts), as the HTTP replica front uses it: a request waits at the front
 while every engine of its pool is full, and is placed when a place frees.
+With prefill and decode pools, the router module's P/D router
+(``pd_router_for``, one decision per stage, ``_PDStage``) where it has one;
+else a ``Router`` per pool.
 
 Prefill/decode (a ``decode`` pool given): requests go to the prefill pool;
 a prefill engine ends each one "handoff" after its first token (the client
@@ -57,6 +60,7 @@ from serving.engine.requests import RequestOutput
 from serving.http import ray_engines
 from serving.http.engine_loop import EngineLoop
 from serving.http.metrics import ServerMetrics
+from serving.http import router as router_lib
 from serving.http.router import RouteCost, router_for
 from serving.http.server import OpenAIServer
 
@@ -100,13 +104,70 @@ class RemoteRequest:
     return self.outcome is not None
 
 
+class _PDStage:
+  """One stage ("prefill" or "decode") of a P/D router
+  (``router_lib.PDRouter``) behind the verbs ``RayEngines`` uses of a
+  ``Router`` (``submit``, ``dispatch``, ``withdraw``, ``first_token``,
+  ``replica_down``, ``replica_up``): a request waits here, in arrival order,
+  while the P/D router finds the stage full. ``end`` frees a request's place
+  (no outcome: its prefill is done and its KV taken)."""
+
+  cost = None
+
+  def __init__(self, pd, stage: str, configs: List):
+    self.pd, self.stage, self.configs = pd, stage, configs
+    self.policy = pd.policy
+    self._waiting: "collections.OrderedDict[str, tuple]" = collections.OrderedDict()
+
+  def submit(self, request_id, prompt_token_ids, max_tokens, arrival_ms, rerouted_from=(),
+             salt=""):
+    del rerouted_from
+    self._waiting[request_id] = (prompt_token_ids, max_tokens, arrival_ms, salt)
+
+  def withdraw(self, request_id: str) -> None:
+    self._waiting.pop(request_id, None)
+
+  def first_token(self, request_id: str) -> None:
+    del request_id                # a prefill engine's first token comes with its handoff
+
+  def dispatch(self, now_ms: float) -> List[dict]:
+    decisions = []
+    for rid, (prompt, max_tokens, arrival_ms, salt) in list(self._waiting.items()):
+      if self.stage == "prefill":
+        engine = self.pd.route_prefill(rid, prompt, max_tokens, now_ms, salt=salt)
+      else:
+        engine = self.pd.route_decode(rid, len(prompt), max_tokens, now_ms)
+      if engine is None:          # the stage is full: the rest wait in order
+        break
+      del self._waiting[rid]
+      decisions.append(dict(request_id=rid, replica=engine, waited_ms=now_ms - arrival_ms,
+                            score_ms=None, tie_key=self.pd.last["tie_key"]))
+    return decisions
+
+  def end(self, request_id: str, outcome: Optional[str], reason: str = "") -> None:
+    if outcome is None:
+      self.pd.prefill_done(request_id, time.monotonic() * 1e3)
+    else:
+      self.pd.finished(request_id, time.monotonic() * 1e3,
+                       {"completed": "completed", "cancelled": "aborted"}.get(outcome, "failed"),
+                       reason)
+
+  def replica_down(self, replica: int) -> List[str]:
+    return self.pd.engine_down(self.stage, replica)
+
+  def replica_up(self, replica: int, capacity: int, cache_pages: int) -> None:
+    del capacity, cache_pages     # the P/D router reads the engine's config
+    self.pd.engine_up(self.stage, replica, self.configs[replica])
+
+
 class _Pool:
   """One pool's actors, router and liveness on the front."""
 
-  def __init__(self, pool: ray_engines.Pool, policy: str, cost: RouteCost):
+  def __init__(self, pool: ray_engines.Pool, policy: str, cost: RouteCost, router=None):
     self.role, self.actors = pool.role, pool.actors
     self.configs = [f["config"] for f in pool.facts]
-    self.router = router_for([dataclasses.asdict(c) for c in self.configs], policy, cost)
+    self.router = router or router_for([dataclasses.asdict(c) for c in self.configs], policy,
+                                       cost)
     self.polls: Dict[int, object] = {}            # replica -> its poll in flight
     self.stats: Dict[int, dict] = {}
     self.down_since: Dict[int, float] = {}
@@ -114,6 +175,14 @@ class _Pool:
 
   def poll(self, i: int) -> None:
     self.polls[i] = self.actors[i].poll.remote(ray_engines.POLL_S)
+
+  def free(self, request_id: str, outcome: Optional[str] = None, reason: str = "") -> None:
+    """Frees the request's place in this pool's router (``outcome`` None:
+    it left the pool alive, handed off)."""
+    if isinstance(self.router, _PDStage):
+      self.router.end(request_id, outcome, reason)
+    else:
+      self.router.finished(request_id)
 
 
 class RayEngines:
@@ -131,8 +200,14 @@ class RayEngines:
                policy: str = "prefix_aware", cost: RouteCost = RouteCost(),
                route_log: Optional[str] = None):
     self.route_log = route_log
-    self.entry = _Pool(entry, policy, cost)
-    self.decode = _Pool(decode, policy, cost) if decode is not None else None
+    pd_router_for = getattr(router_lib, "pd_router_for", None)
+    routers = [None, None]
+    if decode is not None and pd_router_for is not None:     # one P/D router, two stages
+      configs = [[f["config"] for f in p.facts] for p in (entry, decode)]
+      pd = pd_router_for(*configs, policy=policy, max_log=MAX_RECORDS)
+      routers = [_PDStage(pd, "prefill", configs[0]), _PDStage(pd, "decode", configs[1])]
+    self.entry = _Pool(entry, policy, cost, routers[0])
+    self.decode = _Pool(decode, policy, cost, routers[1]) if decode is not None else None
     self.pools = [p for p in (self.entry, self.decode) if p is not None]
     c = self.entry.configs[0]
     self.config = dataclasses.replace(
@@ -160,8 +235,9 @@ class RayEngines:
                       **{k: v for k, v in pool.stats.get(i, {}).items() if k != "replica"})
                  for pool in self.pools for i in range(len(pool.actors))]
       records = list(self.records)
+    cost = self.entry.router.cost
     return {"policy": self.entry.router.policy,
-            "cost": dataclasses.asdict(self.entry.router.cost), "replicas": engines,
+            "cost": dataclasses.asdict(cost) if cost is not None else None, "replicas": engines,
             "requests": records}
 
   # -------------------------------------------------- the Engine's face
@@ -269,7 +345,7 @@ class RayEngines:
       rid, i = decision["request_id"], decision["replica"]
       req = self.requests.get(rid)
       if req is None or req.finished:          # aborted while waiting
-        pool.router.finished(rid)
+        pool.free(rid, "cancelled")
         continue
       req.record["decisions"].append(dict(
           pool=pool.role, replica=i, waited_ms=decision["waited_ms"],
@@ -290,7 +366,7 @@ class RayEngines:
         continue
       req.replica, req.record["replica"], req.stage = i, i, "prefill"
       if isinstance(result, BaseException):
-        pool.router.finished(rid)
+        pool.free(rid, "rejected")
         if rid == only:
           refusal = result
           continue
@@ -362,7 +438,7 @@ class RayEngines:
     handoff = (u["finished"] and u["finish_reason"] == "handoff"
                and self.decode is not None and pool is self.entry)
     if handoff:
-      pool.router.finished(req.request_id)
+      pool.free(req.request_id)
       req.stage, req.handoff = "transfer", u["handoff"]
       self._route(self.decode, req)
       self._outputs.append(RequestOutput(req.request_id, new, False, None, "",
@@ -388,7 +464,7 @@ class RayEngines:
     req.outcome, req.finish_reason = outcome, reason
     for pool in self.pools:
       pool.router.withdraw(req.request_id)
-      pool.router.finished(req.request_id)
+      pool.free(req.request_id, outcome, reason)
     req.handoff, req.stage = None, "ended"
     req.record.update(outcome=outcome, reason=reason)
     with self.lock:

@@ -91,8 +91,7 @@ def test_a_port_in_use_is_refused_before_loading():
     ("bench_serving.py", ["--timeout_s=0"], "error: --timeout_s must be > 0, got 0.0"),
     ("bench_serving.py", ["--timeout_s=-5"], "error: --timeout_s must be > 0, got -5.0"),
     ("serve.py", ["--router=nearest"],
-     "error: flag --router=nearest: value should be one of <prefix_aware|round_robin> "
-     "(--helpfull lists the flags)"),
+     "error: --router must be one of ['prefix_aware', 'round_robin']"),
 ])
 def test_bad_input_is_one_line_and_exit_2(script, args, line):
   status, last = _run(script, *args)

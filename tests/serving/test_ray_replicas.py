@@ -407,3 +407,64 @@ def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode_actors():
       assert got == want
     finally:
       ray_engines.stop_engines(pools)
+
+
+class _FakePD:
+  """The P/D router's verbs, with one place per stage, recording calls."""
+
+  policy = "fake"
+
+  def __init__(self):
+    self.calls, self.where, self.last = [], {}, None
+
+  def _route(self, stage, rid):
+    if any(s == stage for s, _ in self.where.values()):
+      return None
+    self.where[rid] = (stage, 0)
+    self.last = dict(tie_key=[stage])
+    return 0
+
+  def route_prefill(self, rid, prompt, max_tokens, now_ms, salt=""):
+    self.calls.append(("route_prefill", rid, len(prompt), max_tokens, salt))
+    return self._route("prefill", rid)
+
+  def route_decode(self, rid, tokens, max_tokens, now_ms):
+    self.calls.append(("route_decode", rid, tokens, max_tokens))
+    self.where.pop(rid, None)
+    return self._route("decode", rid)
+
+  def prefill_done(self, rid, now_ms):
+    self.calls.append(("prefill_done", rid))
+    self.where.pop(rid, None)
+
+  def finished(self, rid, now_ms, outcome="completed", reason=""):
+    self.calls.append(("finished", rid, outcome))
+    self.where.pop(rid, None)
+
+
+def test_a_pd_router_stage_holds_requests_in_order_and_frees_their_places():
+  """``_PDStage`` (a P/D router behind the per-pool verbs): requests wait
+  in arrival order while the stage is full, a handoff frees the prefill
+  place (prefill_done), an end frees any place with the router's outcome
+  name (cancelled -> aborted, rejected -> failed)."""
+  from serving.http.ray_front import _PDStage
+
+  pd = _FakePD()
+  prefill, decode = _PDStage(pd, "prefill", []), _PDStage(pd, "decode", [])
+  for rid in ("a", "b", "c"):
+    prefill.submit(rid, [5, 6, 7], 4, 0.0, salt="s")
+  assert [d["request_id"] for d in prefill.dispatch(10.0)] == ["a"]     # one place
+  assert prefill.dispatch(11.0) == []                                   # b, c wait
+  prefill.withdraw("c")                                                 # left the queue
+  prefill.end("a", None)                                                # handed off
+  decode.submit("a", [5, 6, 7], 4, 0.0)
+  assert [(d["request_id"], d["tie_key"]) for d in decode.dispatch(12.0)] == [
+      ("a", ["decode"])]
+  assert [d["request_id"] for d in prefill.dispatch(13.0)] == ["b"]
+  assert prefill.dispatch(14.0) == []                                   # c was withdrawn
+  prefill.end("b", "cancelled")
+  decode.end("a", "rejected")
+  b = ("route_prefill", "b", 3, 4, "s")       # asked again each time a place may be free
+  assert pd.calls == [
+      ("route_prefill", "a", 3, 4, "s"), b, b, ("prefill_done", "a"),
+      ("route_decode", "a", 3, 4), b, ("finished", "b", "aborted"), ("finished", "a", "failed")]
