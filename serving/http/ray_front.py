@@ -221,8 +221,6 @@ class RayEngines:
     self.lock = threading.Lock()
     self._outputs: List[RequestOutput] = []
     self._acks: Dict[object, tuple] = {}        # add_handoff in flight -> (id, replica)
-    self.prefill_tokens_computed = 0
-    self.num_preemptions = 0
     for pool in self.pools:
       for i in range(len(pool.actors)):
         pool.poll(i)
@@ -251,14 +249,6 @@ class RayEngines:
     engine is down (the loop keeps stepping, so that its return is seen)."""
     return (bool(self._outputs) or any(p.down_since for p in self.pools)
             or any(not r.finished for r in self.requests.values()))
-
-  def prefix_cache_stats(self) -> dict:
-    out = dict(prefix_cache_queries=0, prefix_cache_hits=0)
-    for pool in self.pools:
-      for s in pool.stats.values():
-        for k in out:
-          out[k] += s.get(k, 0)
-    return out
 
   def add_request(self, request_id: str, prompt_token_ids, sampling, *, arrival_ms=None,
                   priority: int = 0, client: str = "default", **extra) -> RemoteRequest:
