@@ -20,7 +20,7 @@ recompute preemption.
 This module is the one definition of the record, its checks and its
 checksum. How a record travels is the caller's: within one process it is a
 Python object (its arrays on the host); across processes Ray's object store
-carries it (``serving.cluster``); the engine core imports no transport.
+carries it (``serving.http.ray_transfer``); the engine core imports no transport.
 
 Shapes: ``k`` and ``v`` are ``[L, num_pages, page_size, kv_heads, head_dim]``
 in the KV cache's dtype (bfloat16 caches on CPU are stored as their bits,
@@ -169,7 +169,7 @@ class Transport:
   ``send`` on the prefill side returns a ticket, ``receive`` on the decode
   side turns the ticket back into the record (the decode engine's
   ``add_handoff`` checks it). Implementations: ``InProcess`` (two engines
-  in one process), Ray's object store (``serving.cluster``: the ticket is
+  in one process), Ray's object store (``serving.http.ray_transfer``: the ticket is
   an ObjectRef, the bytes staged in host memory) and
   ``jax.experimental.transfer`` where the jaxlib provides it."""
 
