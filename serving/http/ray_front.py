@@ -382,6 +382,10 @@ class RayEngines:
       return
     if result is None:
       req.stage = "decode"
+      # Transfer as the request lives it: from the handoff reaching the front
+      # to the decode engine holding the record (placement wait, the call,
+      # the transport's fetch and the checks).
+      req.record["transfer_ms"] = self.now_ms() - req.record["handoff_ms"]
       return
     reason = type(result).__name__
     self.failures[("kv_handoff", reason)] += 1
@@ -430,6 +434,7 @@ class RayEngines:
     if handoff:
       pool.free(req.request_id)
       req.stage, req.handoff = "transfer", u["handoff"]
+      req.record["handoff_ms"] = now
       self._route(self.decode, req)
       self._outputs.append(RequestOutput(req.request_id, new, False, None, "",
                                          u["new_logprobs"]))

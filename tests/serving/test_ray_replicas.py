@@ -239,6 +239,8 @@ def test_prefill_and_decode_actors_give_the_tokens_of_one_mixed_engine(transport
           "completed"] * len(prompts)
       decoded = {q["request_id"] for q in engines.records if q["decode_replica"] == 0}
       assert decoded == {f"r{i}" for i in range(6)}            # r6 ended at its first token
+      moved = {q["request_id"]: q.get("transfer_ms") for q in engines.records}
+      assert all(moved[r] > 0 for r in decoded) and moved["r6"] is None
       assert [len(o[0].new_token_ids) for o in outputs.values()] == [1] * len(prompts)
       assert all(_in_use(pool.actors[0]) == 0 for pool in pools)
       # Through the HTTP front: one stream, the first token from the prefill side.
