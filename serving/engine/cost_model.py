@@ -18,7 +18,9 @@ published peaks give a first estimate without the accelerator:
   step                    1 per iteration (host work, launch, sync)      step
   rows                    live token rows (per-row non-GEMM work)        row
   gemm_gflop              weight GEMMs over every row of the bucket      GFLOP
-                          (the program runs the padded bucket)
+                          (the program runs the padded bucket; a
+                          fitted GPU profile charges the live rows:
+                          ``CostModel.row_gemm_gflop``)
   lm_head_gflop           the LM head on the rows that sample            GFLOP
   attention_gflop         query-key pairs (a chunk of c rows after s     GFLOP
                           cached keys: c*s + c(c+1)/2 pairs; a windowed
@@ -352,6 +354,14 @@ class CostModel:
       that feature up to a multiple of it before it is charged (a fitted
       profile's GEMM row tile: the GFLOP of one tile of rows,
       ``profiles.for_model``).
+    row_gemm_gflop: 0 (default): ``gemm_gflop`` is charged as given, over
+      the padded token bucket the step program runs (this engine's JAX
+      step; a calibration measured it so). > 0: the GFLOP of one live row's
+      weight GEMMs, and ``gemm_gflop`` is charged over the step's live rows
+      instead (``rows`` x this, then ``tile``): a fitted GPU profile, whose
+      measured operator times are per actual token count, stepping at the
+      row tile and not at a power-of-two bucket (``profiles.for_model``
+      sets it; docs/simulator.md, "What a step pays").
     meta: where it holds: ``models`` (the ``ModelCosts`` JSON of each model
       its fit ran; empty: stated model-independent, as a profile),
       ``device`` (``calibrations.device_fingerprint``), dtype, engine preset, load
@@ -369,6 +379,7 @@ class CostModel:
   meta: dict = dataclasses.field(default_factory=dict, compare=False)
   roofline_p: float = math.inf
   tile: tuple = ()
+  row_gemm_gflop: float = 0.0
 
   def __post_init__(self):
     if len(self.coef_ms) != len(FEATURES):
@@ -385,6 +396,10 @@ class CostModel:
     if self.tile and (len(self.tile) != len(FEATURES) or any(not t >= 0 for t in self.tile)):
       raise ValueError(f"CostModel.tile must be () or {len(FEATURES)} values >= 0, "
                        f"got {self.tile}")
+    if not self.row_gemm_gflop >= 0:
+      raise ValueError(f"CostModel.row_gemm_gflop must be >= 0 (0: the bucket's rows), "
+                       f"got {self.row_gemm_gflop}")
+    object.__setattr__(self, "row_gemm_gflop", float(self.row_gemm_gflop))
     object.__setattr__(self, "tile", tuple(float(t) for t in self.tile))
     object.__setattr__(self, "coef_ms", tuple(float(c) for c in self.coef_ms))
 
@@ -401,11 +416,13 @@ class CostModel:
 
   def terms_ms(self, features: Sequence[float], xp=np) -> Dict[str, float]:
     """Each feature's term (ms) of one step's ``FEATURES`` values (floats;
-    with ``xp`` ``jax.numpy``, traced scalars)."""
+    with ``xp`` ``jax.numpy``, traced scalars); ``gemm_gflop`` over the live
+    rows when ``row_gemm_gflop`` is set."""
     value = float if xp is np else (lambda x: x)
+    live = value(features[FEATURES.index("rows")]) * self.row_gemm_gflop
     out = {}
     for i, (f, c, x) in enumerate(zip(FEATURES, self.coef_ms, features)):
-      x = value(x)
+      x = live if f == "gemm_gflop" and self.row_gemm_gflop > 0 else value(x)
       if self.tile and self.tile[i] > 0:
         x = xp.ceil(x / self.tile[i] - 1e-9) * self.tile[i]
       out[f] = c * (float(x) if xp is np else x)
@@ -452,6 +469,8 @@ class CostModel:
       out["roofline_p"] = self.roofline_p
     if self.tile:
       out["tile"] = dict(zip(FEATURES, self.tile))
+    if self.row_gemm_gflop > 0:
+      out["row_gemm_gflop"] = self.row_gemm_gflop
     return out
 
   def save(self, path) -> None:
@@ -477,7 +496,8 @@ def from_json(d: dict, where: str) -> CostModel:
   return CostModel(tuple(coef[f] for f in FEATURES), d.get("combine", "sum"),
                    float(d.get("min_step_ms", 0.0)), dict(d.get("meta", {})),
                    float(d.get("roofline_p", math.inf)),
-                   tuple(d["tile"].get(f, 0.0) for f in FEATURES) if d.get("tile") else ())
+                   tuple(d["tile"].get(f, 0.0) for f in FEATURES) if d.get("tile") else (),
+                   float(d.get("row_gemm_gflop", 0.0)))
 
 
 def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float = 0.0,

@@ -190,6 +190,8 @@ def for_model(model: CostModel, costs: ModelCosts) -> CostModel:
     ``ALL_REDUCES_PER_BLOCK * B`` all-reduce latencies;
   * ``rows`` (per live row): ``row_bytes_per_row / row_gbps`` and under TP
     the all-reduces' ``all_reduce_bytes_per_row`` at their bandwidth;
+  * ``row_gemm_gflop``: the GEMMs charged over the step's live rows, not
+    its padded bucket (the measured times are per actual token count);
   * ``tile``: the GEMM features (``gemm_gflop``, ``lm_head_gflop``,
     ``prompt_gemm_gflop``) rounded up to whole tiles of ``gemm_row_tile``
     rows (``operators.gemm_row_tile``; 1 or absent: no rounding).
@@ -215,6 +217,7 @@ def for_model(model: CostModel, costs: ModelCosts) -> CostModel:
       coef["step"] += per_step * all_reduce_ms(model, 0.0, tp)
       coef["rows"] += per_step * (all_reduce_ms(model, costs.all_reduce_bytes_per_row, tp)
                                   - all_reduce_ms(model, 0.0, tp))
+    model = dataclasses.replace(model, row_gemm_gflop=costs.gemm_flops_per_row / 1e9)
     rows = float(ops.get("gemm_row_tile", 1.0))
     if rows > 1:
       per_row = dict(gemm_gflop=costs.gemm_flops_per_row,
