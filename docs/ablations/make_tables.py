@@ -1,6 +1,7 @@
 """Builds the tables, plots and results.json of docs/ablations.md from the run JSONs.
 
-  .venv/bin/python docs/ablations/make_tables.py --runs=runs/abl
+  .venv/bin/python docs/ablations/make_tables.py --runs=runs/abl \
+      --before=docs/ablations/results_format1.json
 
 Reads ``RUNS/repro_{sarathi512_300s,sarathi512,nochunk,orca}/sweep.json`` (Sarathi-Serve
 capacity), ``RUNS/vtc_two_clients/sweep.json`` (VTC overload) and
@@ -9,6 +10,12 @@ reports of the long-prompt mix); prints the Markdown tables, writes the PNGs
 and ``results.json`` (the numbers of every table with the load average each
 run recorded: wall-time figures depend on it, the virtual-time results do
 not) into ``--out``, beside this file by default.
+
+With ``--before`` (a results.json an earlier run of this script wrote: the
+figures of the format-1 A100 profile), every table cell shows the new figure
+with the earlier one beside it in parentheses ("-" where the earlier run had
+no such row), each capacity line states both, and the capacity plot draws
+the earlier curves dashed.
 
 Every one of those runs must be there and be JSON: a missing or empty
 ``--runs`` folder, or one with runs missing (named in the error), is refused
@@ -78,6 +85,33 @@ def _load(path):
     return json.load(f)
 
 
+def load_before(path):
+  """The earlier results.json of ``--before`` ({} when not given); ValueError
+  naming the flag when it cannot be read or lacks a table's section."""
+  if not path:
+    return {}
+  try:
+    before = _load(path)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"--before {path!r} cannot be read as JSON ({e})") from None
+  missing = [k for k in ("repro", "vtc", "long_mix") if k not in before]
+  if missing:
+    raise ValueError(f"--before {path!r} is not a results.json of this script: it lacks "
+                     f"{', '.join(missing)}")
+  return before
+
+
+def _beside(new, old, fmt):
+  """``fmt(new)``, and ``(fmt(old))`` after it when an earlier figure is
+  compared (``old`` is ``_NONE`` without --before, None: no such row)."""
+  if old is _NONE:
+    return fmt(new)
+  return f"{fmt(new)} ({'-' if old is None else fmt(old)})"
+
+
+_NONE = object()
+
+
 def capacity(sweep):
   """Rows per rate and the capacity bracket (last passing, first failing rate)."""
   rows = []
@@ -96,36 +130,62 @@ def capacity(sweep):
   return rows, (max(passing) if passing else 0.0), (min(failing) if failing else None)
 
 
-def repro(runs, out):
-  result, fig_rows = {}, []
+def _bracket(cap, over):
+  return (f"meets the SLO up to {cap:.2f} req/s; "
+          + (f"first failing rate {over:.2f} req/s" if over else "no rate tried failed"))
+
+
+def repro(runs, out, before=None):
+  result, fig_rows, old_rows = {}, [], []
+  earlier = (before or {}).get("repro")
   for key, label in REPRO:
     sweep = _load(f"{runs}/repro_{key}/sweep.json")
     rows, cap, over = capacity(sweep)
     result[key] = dict(label=label, rows=rows, capacity_req_s=cap, first_failing_req_s=over,
                        load_avg_start=sweep["load_avg_start"], load_avg_end=sweep["load_avg_end"])
     fig_rows.append((label, rows))
-    print(f"\n{label}: meets the SLO up to {cap:.2f} req/s; "
-          + (f"first failing rate {over:.2f} req/s" if over else "no rate tried failed"))
+    old = (earlier or {}).get(key)
+    print(f"\n{label}: {_bracket(cap, over)}"
+          + (f" (before: {_bracket(old['capacity_req_s'], old['first_failing_req_s'])})"
+             if old else ""))
+    by_rate = {r["rate_scale"]: r for r in old["rows"]} if old else {}
+    if old:
+      old_rows.append((label, old["rows"]))
     print("| x trace rate | offered req/s | requests | P99 TBT (ms) | median TTFT (ms) | "
           "gaps > 100 ms | meets SLO |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+      o = by_rate.get(r["rate_scale"]) if earlier else None
+      pick = (lambda k, o=o: _NONE if not earlier else (o[k] if o else None))
       print(f"| {r['rate_scale']:g} | {r['rate_req_s']:.2f} | {r['requests']} | "
-            f"{r['p99_tbt_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
-            f"{100 * r['tbt_miss_fraction']:.2f}% | {'yes' if r['meets_slo'] else 'no'} |")
+            f"{_beside(r['p99_tbt_ms'], pick('p99_tbt_ms'), lambda v: f'{v:.0f}')} | "
+            f"{_beside(r['median_ttft_ms'], pick('median_ttft_ms'), lambda v: f'{v:.0f}')} | "
+            f"{_beside(r['tbt_miss_fraction'], pick('tbt_miss_fraction'), lambda v: f'{100 * v:.2f}%')} | "
+            f"{_beside(r['meets_slo'], pick('meets_slo'), lambda v: 'yes' if v else 'no')} |")
   ours = "sarathi512_300s" if "sarathi512_300s" in result else "sarathi512"
   if ours in result and "nochunk" in result and result["nochunk"]["capacity_req_s"]:
     ratio = result[ours]["capacity_req_s"] / result["nochunk"]["capacity_req_s"]
     result["capacity_ratio_sarathi_over_nochunk"] = ratio
-    print(f"\ncapacity ratio sarathi_serve / vllm_v1 without chunking: {ratio:.2f}x")
+    was = (earlier or {}).get("capacity_ratio_sarathi_over_nochunk")
+    print(f"\ncapacity ratio sarathi_serve / vllm_v1 without chunking: {ratio:.2f}x"
+          + (f" (before: {was:.2f}x)" if was else ""))
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+  colors = {}
   for label, rows in fig_rows:
     x = [r["rate_req_s"] for r in rows]
-    ax[0].plot(x, [r["p99_tbt_ms"] for r in rows], "o-", label=label)
-    ax[1].plot(x, [r["median_ttft_ms"] / 1e3 for r in rows], "o-", label=label)
+    line, = ax[0].plot(x, [r["p99_tbt_ms"] for r in rows], "o-", label=label)
+    ax[1].plot(x, [r["median_ttft_ms"] / 1e3 for r in rows], "o-", c=line.get_color(),
+               label=label)
+    colors[label] = line.get_color()
+  for label, rows in old_rows:
+    x = [r["rate_req_s"] for r in rows]
+    ax[0].plot(x, [r["p99_tbt_ms"] for r in rows], "x--", c=colors[label], alpha=0.6,
+               label=f"{label} (before)")
+    ax[1].plot(x, [r["median_ttft_ms"] / 1e3 for r in rows], "x--", c=colors[label],
+               alpha=0.6)
   ax[0].axhline(TBT_SLO_MS, ls="--", c="gray")
   ax[1].axhline(MEDIAN_DELAY_MS / 1e3, ls="--", c="gray")
   ax[0].set(xlabel="offered rate (req/s)", ylabel="P99 TBT (ms)", yscale="log",
@@ -144,8 +204,9 @@ def _on_grid(curve, grid):
   return np.interp(grid, np.concatenate([[0.0], t]), np.concatenate([[0.0], w]))
 
 
-def vtc(runs, out):
+def vtc(runs, out, before=None):
   sweep = _load(f"{runs}/vtc_two_clients/sweep.json")
+  earlier = (before or {}).get("vtc", {}).get("policies") if before else None
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -171,10 +232,18 @@ def vtc(runs, out):
         starved=t["fairness"]["starved"], median_ttft_ms=rep["median_ttft_ms"],
         p90_ttft_ms=rep["p90_ttft_ms"], duration_s=t["duration_s"], wall_s=t["wall_s"],
         requests=t["num_requests"], offered_rate_req_s=t["offered_rate_req_s"])
-    print(f"| {t['policy']} | {at[10.0]:,.0f} | {at[20.0]:,.0f} | {at[30.0]:,.0f} | "
-          f"{t['fairness']['client_service_gap']['gap']:,.0f} | {t['fairness']['starved']} | "
-          f"{rep['median_ttft_ms'] / 1e3:.1f} / {rep['p90_ttft_ms'] / 1e3:.1f} | "
-          f"{t['duration_s']:.1f} |")
+    o = (earlier or {}).get(t["policy"])
+    pick = (lambda f, o=o: _NONE if earlier is None else (f(o) if o else None))
+    gap = lambda s, o=o: o["service_gap_b_minus_a"][str(s)]     # noqa: E731
+    num = lambda v: f"{v:,.0f}"                                 # noqa: E731
+    ttft = lambda v: f"{v[0] / 1e3:.1f} / {v[1] / 1e3:.1f}"     # noqa: E731
+    print(f"| {t['policy']} | {_beside(at[10.0], pick(lambda o: gap(10.0)), num)} | "
+          f"{_beside(at[20.0], pick(lambda o: gap(20.0)), num)} | "
+          f"{_beside(at[30.0], pick(lambda o: gap(30.0)), num)} | "
+          f"{_beside(t['fairness']['client_service_gap']['gap'], pick(lambda o: o['ledger_gap']['gap']), num)} | "
+          f"{_beside(t['fairness']['starved'], pick(lambda o: o['starved']), str)} | "
+          f"{_beside((rep['median_ttft_ms'], rep['p90_ttft_ms']), pick(lambda o: (o['median_ttft_ms'], o['p90_ttft_ms'])), ttft)} | "
+          f"{_beside(t['duration_s'], pick(lambda o: o['duration_s']), lambda v: f'{v:.1f}')} |")
   ax[0].axvline(30.0, ls=":", c="gray")
   ax[0].set(xlabel="time (s)", ylabel="service(client-b) - service(client-a)\n"
             "(weighted tokens: 1 per prompt, 2 per output)", title="VTC overload, two clients")
@@ -187,8 +256,9 @@ def vtc(runs, out):
   return result
 
 
-def long_mix(runs, folder):
+def long_mix(runs, folder, before=None):
   result = {}
+  earlier = (before or {}).get("long_mix", {}).get(folder, {}) if before else None
   order = list(LONG_POLICIES)
   paths = {os.path.splitext(os.path.basename(p))[0]: p
            for p in glob.glob(f"{runs}/{folder}/*.json")}
@@ -210,11 +280,19 @@ def long_mix(runs, folder):
                duration_s=r["duration_s"], offered_rate_req_s=g["offered"] / (
                    r["config"]["workload"]["last_arrival_s"] or 1.0))
     result[name] = row
-    print(f"| {name} | {engine} | {row['p99_tbt_ms']:.0f} | "
-          f"{row['mean_ttft_ms'] / 1e3:.1f} / {row['p90_ttft_ms'] / 1e3:.1f} | "
-          f"{row['mean_e2el_ms'] / 1e3:.1f} / {row['p90_e2el_ms'] / 1e3:.1f} | "
-          f"{row['valid']} / {row['offered']} | {row['request_goodput']:.2f} | "
-          f"{row['starved']} | {row['preemptions']} | {row['rejected']} |")
+    o = (earlier or {}).get(name)
+    cell = lambda keys, fmt, o=o: _beside(                       # noqa: E731
+        tuple(row[k] for k in keys), _NONE if earlier is None
+        else (tuple(o[k] for k in keys) if o else None), fmt)
+    pair = lambda v: f"{v[0] / 1e3:.1f} / {v[1] / 1e3:.1f}"     # noqa: E731
+    print(f"| {name} | {engine} | {cell(['p99_tbt_ms'], lambda v: f'{v[0]:.0f}')} | "
+          f"{cell(['mean_ttft_ms', 'p90_ttft_ms'], pair)} | "
+          f"{cell(['mean_e2el_ms', 'p90_e2el_ms'], pair)} | "
+          f"{cell(['valid', 'offered'], lambda v: f'{v[0]} / {v[1]}')} | "
+          f"{cell(['request_goodput'], lambda v: f'{v[0]:.2f}')} | "
+          f"{cell(['starved'], lambda v: str(v[0]))} | "
+          f"{cell(['preemptions'], lambda v: str(v[0]))} | "
+          f"{cell(['rejected'], lambda v: str(v[0]))} |")
   return result
 
 
@@ -224,6 +302,10 @@ def main():
                       "every run the tables use must be there (refused otherwise).")
   parser.add_argument("--out", default=HERE, help="Folder for results.json and the PNGs "
                       "(default: docs/ablations, beside this script; created if missing).")
+  parser.add_argument("--before", default=None,
+                      help="A results.json an earlier run of this script wrote (e.g. "
+                           "docs/ablations/results_format1.json): its figures are shown "
+                           "beside the new ones in every table.")
   parser.add_argument("--long_load_avg", default=None,
                       help="Load averages seen around the long-mix replays (their "
                            "reports record none), e.g. '8.9-10.5'.")
@@ -232,12 +314,16 @@ def main():
     check_runs(args.runs)
     if not args.out:
       raise ValueError("--out must name the folder for results.json and the PNGs, got ''")
+    before = load_before(args.before)
     cli.make_dir("out", args.out)
   except ValueError as e:
     cli.refuse(str(e))
-  results = {"repro": repro(args.runs, args.out), "vtc": vtc(args.runs, args.out),
-             "long_mix": {f: long_mix(args.runs, f) for f in LONG_FOLDERS},
+  results = {"repro": repro(args.runs, args.out, before),
+             "vtc": vtc(args.runs, args.out, before),
+             "long_mix": {f: long_mix(args.runs, f, before) for f in LONG_FOLDERS},
              "long_mix_load_avg": args.long_load_avg}
+  if args.before:
+    results["before"] = args.before
   with open(f"{args.out}/results.json", "w") as f:
     json.dump(results, f, indent=1)
   print(f"\nwrote {args.out}/results.json and PNGs")

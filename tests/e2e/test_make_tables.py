@@ -130,3 +130,37 @@ def test_every_run_present_writes_the_tables_into_out(tmp_path):
   for name in ("capacity_p99_tbt.png", "vtc_service_difference.png"):
     assert (out / name).stat().st_size > 1000
   assert f"wrote {out}/results.json and PNGs" in stdout
+
+
+def test_before_shows_the_earlier_figures_beside_the_new(tmp_path):
+  """A second build with --before (the first build's results.json) prints
+  each new figure with the earlier one in parentheses, and '-' for a rate
+  the earlier build lacks."""
+  runs, first, second = tmp_path / "runs", tmp_path / "first", tmp_path / "second"
+  _write_runs(runs)
+  assert _run(f"--runs={runs}", f"--out={first}")[0] == 0
+  (runs / "repro_nochunk" / "sweep.json").write_text(json.dumps(_capacity_sweep((1.0, 1.5))))
+  status, stdout, stderr = _run(f"--runs={runs}", f"--out={second}",
+                                f"--before={first / 'results.json'}")
+  assert status == 0, stderr[-3000:]
+  lines = stdout.splitlines()
+  # 1.5x: P99 TBT 75 ms, median TTFT 450 ms, 1.5% gaps, yes; no earlier row.
+  assert "| 1 | 1.00 | 10 | 50 (50) | 300 (300) | 1.00% (1.00%) | yes (yes) |" in lines
+  assert "| 1.5 | 1.50 | 10 | 75 (-) | 450 (-) | 1.50% (-) | yes (-) |" in lines
+  assert ("| sjf | budget 512, chunk 512 | 57 (57) | 3.7 / 6.6 (3.7 / 6.6) | "
+          "19.3 / 30.7 (19.3 / 30.7) | 80 / 87 (80 / 87) | 1.00 (1.00) | 0 (0) | 0 (0) | "
+          "0 (0) |") in lines
+  # client-b gains 1 per second over client-a: 10 at 10 s.
+  assert any(line.startswith("| vtc | 10 (10) | 20 (20) | 30 (30) | 10 (10) | 0 (0) | ")
+             for line in lines), stdout
+  assert "capacity ratio sarathi_serve / vllm_v1 without chunking: 1.33x (before: 1.00x)" \
+      in lines
+  assert json.loads((second / "results.json").read_text())["before"] == str(
+      first / "results.json")
+  (tmp_path / "bad.json").write_text(json.dumps({"repro": {}}))
+  status, _, stderr = _run(f"--runs={runs}", f"--out={tmp_path / 'third'}",
+                           f"--before={tmp_path / 'bad.json'}")
+  assert status == 2 and stderr.strip() == (
+      f"error: --before '{tmp_path / 'bad.json'}' is not a results.json of this script: "
+      f"it lacks vtc, long_mix")
+  assert not (tmp_path / "third").exists()
