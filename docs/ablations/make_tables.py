@@ -189,9 +189,10 @@ def repro(runs, out, before=None):
   ax[0].axhline(TBT_SLO_MS, ls="--", c="gray")
   ax[1].axhline(MEDIAN_DELAY_MS / 1e3, ls="--", c="gray")
   ax[0].set(xlabel="offered rate (req/s)", ylabel="P99 TBT (ms)", yscale="log",
-            title="Mistral-7B, A100 profile, Azure conv")
+            title="Mistral-7B, A100 profile, Azure conv"
+            + (" (dashed: before)" if old_rows else ""))
   ax[1].set(xlabel="offered rate (req/s)", ylabel="median TTFT (s)", yscale="log")
-  ax[0].legend(fontsize=7)
+  ax[1].legend(fontsize=6, loc="lower right")
   fig.tight_layout()
   fig.savefig(f"{out}/capacity_p99_tbt.png", dpi=90)
   plt.close(fig)
