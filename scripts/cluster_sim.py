@@ -1,23 +1,34 @@
-"""Replays a workload over N simulated replicas behind the router.
+"""Replays a workload over N simulated replicas behind the router, or over
+prefill and decode pools.
 
   python scripts/cluster_sim.py \
       --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
-      --window_s=0,300 --time_scale=0.1 --replicas=1,4,16 --route=prefix_aware \
+      --window_s=0,300 --time_scale=0.1 --replicas=1,4,16 --router=prefix_aware \
       --model=DIR --cost_model=profile:h100 --out=runs/cluster.json
+  python scripts/cluster_sim.py ... --prefill_replicas=1 --decode_replicas=2 \
+      --router=distserve --link=intra --cost_model=profile:a100 --out=runs/pd.json
 
 Each replica is an engine on the simulated executor (the --engine preset and
 overrides, the cost model of --cost_model); ``serving.harness.cluster_sim`` runs
 them on one virtual timeline behind ``serving.http.router.Router``, the router
-``serve.py --replicas`` uses (``--route``: prefix_aware or round_robin).
+``serve.py --replicas`` uses (``--router``: prefix_aware or round_robin;
+``--route`` is the same flag). With ``--prefill_replicas=P
+--decode_replicas=D`` (both, each >= 1) it runs P engines of role "prefill"
+and D of role "decode" behind the P/D router ``--router`` (a
+``serving.http.router.PD_ROUTERS`` name: round_robin, prefix_aware,
+distserve), each handoff a transfer over the cost model's ``--link``
+(intra-node or inter-node: ``serving.engine.profiles.transfer_link``).
 ``--time_scale`` < 1 compresses the trace's gaps (0.1 = ten times its rate).
-Every replica runs ``--policy``: a registered name, or your own as
+Every engine runs ``--policy``: a registered name, or your own as
 ``path/to/file.py:Class`` / ``module:Class`` (docs/writing-a-policy.md).
-For each ``--replicas`` entry the JSON holds the global report (vLLM
-benchmark keys, over every request) and one per replica (its requests, its
-iterations), plus the simulation's wall time; no model weights are loaded.
-A bad flag (an empty ``--replicas``, ``--executor=model``, a trace, window,
-policy or engine value) is refused in one line before the model's config or
-the trace loads.
+For each run the JSON holds the global report (vLLM benchmark keys, over
+every request) and one per engine (its requests, its iterations), plus the
+simulation's wall time (P/D: the transfers and the router's choices per
+engine); no model weights are loaded. A bad flag (an empty ``--replicas``,
+one of ``--prefill_replicas`` / ``--decode_replicas`` without the other or
+below 1, a router not registered for the mode, ``--executor=model``, a
+trace, window, policy or engine value) is refused in one line before the
+model's config or the trace loads.
 """
 
 import dataclasses
@@ -34,15 +45,25 @@ from serving import cli
 from serving.cli import launch
 from serving.harness import metrics
 from serving.harness import workloads
+from serving.engine import calibrations
+from serving.engine import profiles
+from serving.harness import cluster_sim
 from serving.harness.cluster_sim import replay_cluster, router_for
 from serving.engine.engine import Engine
 from serving.harness.replay import run_config, run_outcomes
-from serving.http.router import POLICIES
+from serving.http import router as router_lib
 from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("replicas", ["1", "4"], "Replica counts to replay (one run each).")
-flags.DEFINE_enum("route", "prefix_aware", list(POLICIES), "Router policy.")
+flags.DEFINE_string("router", "prefix_aware", "Router: for --replicas one of "
+                    f"{sorted(router_lib.POLICIES)}; for --prefill_replicas/--decode_replicas "
+                    f"one of {sorted(router_lib.PD_ROUTERS)}.")
+flags.DEFINE_alias("route", "router")
+flags.DEFINE_integer("prefill_replicas", None, "Prefill engines (with --decode_replicas).")
+flags.DEFINE_integer("decode_replicas", None, "Decode engines (with --prefill_replicas).")
+flags.DEFINE_enum("link", "intra", list(profiles.LINKS), "The link a KV handoff crosses: "
+                  "intra-node or inter-node (the cost model's figures).")
 flags.DEFINE_string("out", "runs/cluster.json", "Result JSON.")
 launch.define_workload_flags()
 launch.define_engine_flags()
@@ -51,12 +72,26 @@ launch.define_engine_flags()
 def _check_flags() -> list:
   """Every flag's value, checked before the model's config or the trace
   loads (ValueError naming the flag and the rule); returns the replica
-  counts."""
-  if not FLAGS.replicas:
+  counts (P/D: ``[(P, D)]``)."""
+  pd = FLAGS.prefill_replicas is not None or FLAGS.decode_replicas is not None
+  if pd:
+    for name in ("prefill_replicas", "decode_replicas"):
+      other = "decode_replicas" if name == "prefill_replicas" else "prefill_replicas"
+      if FLAGS[name].value is None:
+        raise ValueError(f"--{name} must be given with --{other} (both or neither)")
+      if FLAGS[name].value < 1:
+        raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+    if FLAGS["replicas"].present:
+      raise ValueError("--replicas: give either --replicas (mixed replicas) or "
+                       "--prefill_replicas/--decode_replicas, not both")
+  elif FLAGS["link"].present:
+    raise ValueError("--link applies to --prefill_replicas/--decode_replicas only")
+  router_lib.check_router_name(FLAGS.router, pd=pd)
+  counts = [(FLAGS.prefill_replicas, FLAGS.decode_replicas)] if pd else []
+  if not pd and not FLAGS.replicas:
     raise ValueError("--replicas must be a non-empty list of integers >= 1 (a run each), "
                      "got ''")
-  counts = []
-  for text in FLAGS.replicas:
+  for text in FLAGS.replicas if not pd else ():
     if not text.isdigit() or int(text) < 1:
       raise ValueError(f"--replicas entries must be integers >= 1, got {text!r}")
     counts.append(int(text))
@@ -68,11 +103,53 @@ def _check_flags() -> list:
   return counts
 
 
+def _run_pd(cfg, engine_cfg, workload, p: int, d: int, link) -> dict:
+  """One P/D run: its report, per engine reports, transfers and choices."""
+  pre_cfg = dataclasses.replace(engine_cfg, role="prefill")
+  dec_cfg = dataclasses.replace(engine_cfg, role="decode")
+  prefill = [Engine(cfg, None, pre_cfg, clock=VirtualClock()) for _ in range(p)]
+  decode = [Engine(cfg, None, dec_cfg, clock=VirtualClock()) for _ in range(d)]
+  router = cluster_sim.pd_router_for(prefill, decode, FLAGS.router)
+  t = time.perf_counter()
+  records, duration_s, placement, transfers = cluster_sim.replay_pd(
+      prefill, decode, router, workload, link)
+  wall_s = time.perf_counter() - t
+  config = {**run_config(decode[0], FLAGS.model), "prefill_replicas": p,
+            "decode_replicas": d, "router": FLAGS.router, "link": FLAGS.link,
+            "link_figures": dataclasses.asdict(link),
+            "link_source": profiles.transfer_link_source(
+                calibrations.load(engine_cfg.cost_model), FLAGS.link),
+            "workload": workload.describe()}
+  report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  per_engine = []
+  for stage, pool in (("prefill", prefill), ("decode", decode)):
+    for i, engine in enumerate(pool):
+      col = 0 if stage == "prefill" else 1
+      mine = [rec for rec in records if placement.get(rec.request_id, (None, None))[col] == i]
+      one = metrics.build_report(mine, duration_s, {"stage": stage, "engine": i},
+                                 num_offered=len(mine))
+      one["engine_outcomes"] = run_outcomes(engine)
+      per_engine.append(one)
+  iterations = sum(e.num_iterations for e in prefill + decode)
+  return {"prefill_replicas": p, "decode_replicas": d, "gpus": p + d, "wall_s": wall_s,
+          "iterations": iterations, "iterations_per_s": iterations / max(wall_s, 1e-9),
+          "load_avg": os.getloadavg(), "report": report, "per_engine": per_engine,
+          "transfers": cluster_sim.transfer_summary(transfers),
+          "transfer_ms": {t.request_id: t.end_ms - t.start_ms for t in transfers},
+          "routes": cluster_sim.route_counts(router.log)}
+
+
 def main(argv):
   del argv
   counts = _check_flags()
   engine_cfg = launch.engine_config(executor="simulated")
   launch.engine_clock(engine_cfg)
+  link = None
+  if isinstance(counts[0], tuple):             # P/D: the link's figures, before any load
+    try:
+      link = profiles.transfer_link(calibrations.load(engine_cfg.cost_model), FLAGS.link)
+    except ValueError as e:
+      raise ValueError(f"--link={FLAGS.link}: {e}") from None
   # Read the workload before the model's config (fail fast); draw prompt ids
   # again if the model's vocabulary differs from the default.
   workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
@@ -86,12 +163,22 @@ def main(argv):
         f"({workload.source})")
   runs = []
   for n in counts:
+    if link is not None:
+      run = _run_pd(cfg, engine_cfg, workload, n[0], n[1], link)
+      runs.append(run)
+      report, tr = run["report"], run["transfers"]
+      ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
+      print(f"{n[0]}P{n[1]}D ({FLAGS.router}): {report['completed']}/{len(workload)} completed "
+            f"in {report['duration_s']:.1f} virtual s; {tr['count']} transfers, mean "
+            f"{(tr['mean_ms'] or 0):.3f} ms; TTFT median {ms('median_ttft_ms')}, p99 "
+            f"{ms('p99_ttft_ms')}; TPOT median {ms('median_tpot_ms')}")
+      continue
     engines = [Engine(cfg, None, engine_cfg, clock=VirtualClock()) for _ in range(n)]
-    router = router_for(engines, FLAGS.route)
+    router = router_for(engines, FLAGS.router)
     t = time.perf_counter()
     records, duration_s, placement, _ = replay_cluster(engines, router, workload)
     wall_s = time.perf_counter() - t
-    config = {**run_config(engines[0], FLAGS.model), "replicas": n, "route": FLAGS.route,
+    config = {**run_config(engines[0], FLAGS.model), "replicas": n, "route": FLAGS.router,
               "workload": workload.describe()}
     report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
     per_replica = []
@@ -101,7 +188,7 @@ def main(argv):
       one["engine_outcomes"] = run_outcomes(engine)
       per_replica.append(one)
     iterations = sum(e.num_iterations for e in engines)
-    runs.append({"replicas": n, "wall_s": wall_s, "iterations": iterations,
+    runs.append({"replicas": n, "gpus": n, "wall_s": wall_s, "iterations": iterations,
                  "iterations_per_s": iterations / max(wall_s, 1e-9),
                  "load_avg": os.getloadavg(), "report": report, "per_replica": per_replica})
     ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
@@ -112,7 +199,7 @@ def main(argv):
           f"{ms('median_tpot_ms')}")
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:
-    json.dump({"route": FLAGS.route, "runs": runs}, f, indent=1)
+    json.dump({"route": FLAGS.router, "runs": runs}, f, indent=1)
   print(f"report: {FLAGS.out}")
 
 

@@ -13,7 +13,9 @@ operator in every block, the row-wise operators' bytes, and under TP one
 device's share plus the all-reduces. ``for_model`` (inside ``resolve``)
 charges them into the ``step`` and ``rows`` coefficients for the model at
 hand; ``all_reduce_ms`` and ``send_recv_ms`` are the collectives' one
-definition.
+definition. ``transfer_link`` is the link a KV handoff crosses between two
+engines (intra-node or inter-node): the fitted send/recv, or a profile's
+stated, uncalibrated ``links``.
 """
 
 from __future__ import annotations
@@ -106,7 +108,43 @@ def send_recv_ms(model: CostModel, nbytes, *, same_node: bool = True):
   if not table or where not in table:
     raise ValueError(f"cost model {model.meta.get('profile') or model.meta.get('path')!r} "
                      f"states no measured send/recv ({where}; a fitted GPU profile does)")
-  return _link(table[where], f"send_recv[{where}]").ms(nbytes)
+  return transfer_link(model, "intra" if same_node else "inter").ms(nbytes)
+
+
+LINKS = ("intra", "inter")
+
+
+def transfer_link(model: CostModel, link: str = "intra") -> Link:
+  """The link a KV handoff between two engines crosses: ``intra`` (two
+  devices of one node) or ``inter`` (two nodes). The one definition both
+  ``send_recv_ms`` and the simulator's transfers read: a fitted GPU
+  profile's measured send/recv (``same_node`` / ``other_node``); a profile
+  without measurements (the TPUs) states its ``links`` figures
+  (``{"intra": {latency_ms, gbps}, "inter": ..., "source": ...}``: published
+  interconnect peaks x an assumed efficiency, uncalibrated).
+
+  Raises:
+    ValueError: an unknown ``link``, or a model that states neither (a CPU
+      calibration).
+  """
+  if link not in LINKS:
+    raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+  table = model.meta.get("per_model", {}).get("collectives", {}).get("send_recv")
+  where = "same_node" if link == "intra" else "other_node"
+  if table and where in table:
+    return _link(table[where], f"send_recv[{where}]")
+  links = model.meta.get("links")
+  if not links or link not in links:
+    raise ValueError(f"cost model {model.meta.get('profile') or model.meta.get('path')!r} "
+                     f"states no {link} link (a profile's send_recv or links does)")
+  return _link(links[link], f"links[{link}]")
+
+
+def transfer_link_source(model: CostModel, link: str = "intra") -> str:
+  """Where ``transfer_link``'s figures come from, for reports."""
+  if model.meta.get("per_model", {}).get("collectives", {}).get("send_recv"):
+    return f"fitted send/recv ({model.meta.get('fitted', {}).get('to', 'measured')})"
+  return model.meta.get("links", {}).get("source", "uncalibrated, stated")
 
 
 def read_profile(path) -> dict:
@@ -170,6 +208,10 @@ def profile(name: str) -> CostModel:
               weight_read_gb=1000.0 / (p["hbm_gbps"] * eff["memory"]))
   meta = dict(profile=name, models=[], device={"kind": p["device"]},
               source=p["source"], assumptions=p["assumptions"])
+  if "links" in p:
+    for link in LINKS:
+      _link(p["links"].get(link), f"profile {name}: links.{link}")
+    meta["links"] = p["links"]
   if p.get("format", 1) == 1:
     return CostModel.of(combine="roofline", meta=dict(meta, uncalibrated=True), **coef)
   meta.update(fitted=p["fitted"], per_model=dict(operators=p["operators"],

@@ -23,12 +23,18 @@ the placement time; one placed on a busy replica waits for its next step
 
 Same inputs, same outputs: no wall clock is read, so a cluster replay is
 bit-for-bit repeatable.
+
+``replay_pd`` does the same for prefill/decode pools (below): a prefill
+engine's finished prompt becomes a ``KVHandoff``, which the
+``serving.http.router.PDRouter`` (the P/D front's router) sends to a decode
+engine through a transfer event lasting the link's latency + bytes /
+bandwidth.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from serving.engine.config import SamplingParams
 from serving.engine.engine import Engine
@@ -137,3 +143,240 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
              else _record(engines[placement[s.request_id]], s, 0.0)
              for s in workload.requests]
   return records, end_ms / 1000.0, placement, route_log
+
+
+# ------------------------------------------------------ prefill/decode pools
+#
+# P/D on the same timeline: prefill engines (``EngineConfig.role ==
+# "prefill"``) and decode engines (``"decode"``) behind a
+# ``serving.http.router.PDRouter``. Events (time ms, rank, engine), the
+# earliest first; at equal times, by rank:
+#
+# 0 an arrival: the request waits at the router (arrival order) and is
+#   placed on a prefill engine when one has a place (``route_prefill``);
+# 1 a transfer's end: the handoff reaches its decode engine
+#   (``add_handoff(h, arrival_ms=end)``);
+# 2 a step's end: its outputs reach the router; a prefill engine's handoffs
+#   (``take_handoffs``, taken when its step ran, held until its end) wait
+#   for a decode place (``route_decode``, in the order they came), and each
+#   placed one starts a transfer lasting ``link.ms(handoff.nbytes)``
+#   (latency + bytes / bandwidth, ``serving.engine.profiles.transfer_link``);
+# 3 a step's start.
+#
+# Engines tie on their index (prefill engines first, then decode engines).
+# Either pool's engine that is idle when work reaches it has its clock
+# advanced to that time.
+
+
+@dataclasses.dataclass
+class Transfer:
+  """One handoff's trip: from prefill engine ``src`` to decode engine
+  ``dst``, ``nbytes`` bytes, from ``start_ms`` (its decode place chosen) to
+  ``end_ms`` (``start_ms + link.ms(nbytes)``)."""
+
+  request_id: str
+  src: int
+  dst: int
+  nbytes: int
+  start_ms: float
+  end_ms: float
+
+
+def pd_router_for(prefill: Sequence[Engine], decode: Sequence[Engine], policy: str,
+                  flag: str = "router"):
+  """The P/D router the P/D front builds (``serving.http.router.pd_router_for``)
+  over these engines' configs."""
+  return router_lib.pd_router_for([e.config for e in prefill], [e.config for e in decode],
+                                  policy, flag=flag)
+
+
+def _pd_record(spec, pre: Engine, dec: Engine) -> RequestRecord:
+  """One request's record across its two engines: arrival and first token
+  from the prefill engine, the following tokens (and the outcome) from the
+  decode engine."""
+  first = pre.requests[spec.request_id]
+  req = dec.requests[spec.request_id]
+  later = list(req.token_times_ms)
+  if len(later) == len(req.output_token_ids):    # the decode side kept the first token's time
+    later = later[1:]
+  times = [t / 1000.0 for t in [first.token_times_ms[0]] + later]
+  return RequestRecord(
+      request_id=spec.request_id, client=spec.client, arrival_s=first.arrival_ms / 1000.0,
+      first_token_s=times[0], token_times_s=times, prompt_tokens=len(spec.prompt_token_ids),
+      output_tokens=len(times), outcome=req.outcome, finish_reason=req.finish_reason,
+      num_preemptions=first.num_preemptions + req.num_preemptions,
+      recompute_tokens=first.recompute_tokens + req.recompute_tokens,
+      num_extensions=req.num_extensions, clipped=spec.clipped,
+      output_token_ids=list(req.output_token_ids), prefix_hit_tokens=first.prefix_hit_tokens,
+      slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
+
+
+def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workload: Workload,
+              link) -> Tuple[List[RequestRecord], float, Dict[str, Tuple[int, Optional[int]]],
+                             List[Transfer]]:
+  """Replays ``workload`` over prefill and decode pools (see above).
+
+  Args:
+    prefill: fresh prefill-role engines on ``VirtualClock`` clocks at 0.
+    decode: fresh decode-role engines, the same way.
+    router: a fresh ``PDRouter`` over them (``pd_router_for``); its ``log``
+      holds every choice after the run.
+    workload: the requests, arrivals in s from the start.
+    link: the ``serving.engine.profiles.Link`` a handoff crosses.
+
+  Returns:
+    ``(records, duration_s, placement, transfers)``: one RequestRecord per
+    request in workload order (times in s from the start); the time of the
+    last event (s); request id -> (prefill engine, decode engine or None);
+    the transfers in the order they started.
+
+  Raises:
+    ValueError: an engine without a fresh virtual clock, or of the wrong role.
+  """
+  engines = list(prefill) + list(decode)
+  for i, e in enumerate(engines):
+    want = "prefill" if i < len(prefill) else "decode"
+    if e.config.role != want:
+      raise ValueError(f"replay_pd: engine {i} must have role {want!r}, got "
+                       f"{e.config.role!r}")
+    if not isinstance(e.clock, VirtualClock) or e.now_ms() != 0.0:
+      raise ValueError(f"replay_pd: engine {i} needs a fresh VirtualClock clock at 0")
+  np_ = len(prefill)
+  specs = sorted(workload.requests, key=lambda s: (s.arrival_s, s.request_id))
+  by_id = {s.request_id: s for s in specs}
+  placement: Dict[str, list] = {}
+  refused: Dict[str, str] = {}                  # refused by a prefill engine
+  dropped: Dict[str, str] = {}                  # handoffs a decode engine refused
+  transfers: List[Transfer] = []
+  waiting: List[str] = []                       # at the router, for a prefill place
+  handoffs: List = []                           # KVHandoffs waiting for a decode place
+  in_flight: List[Tuple[float, int, object]] = []   # (end ms, decode engine, handoff)
+
+  def wake(engine: Engine, now_ms: float) -> None:
+    if not engine.has_unfinished() and engine.now_ms() < now_ms:
+      engine.clock.advance((now_ms - engine.now_ms()) / 1000.0)
+
+  def place(now_ms: float) -> None:
+    while waiting:
+      spec = by_id[waiting[0]]
+      e = router.route_prefill(spec.request_id, spec.prompt_token_ids, spec.max_tokens,
+                               now_ms)
+      if e is None:
+        break
+      waiting.pop(0)
+      placement[spec.request_id] = [e, None]
+      engine = prefill[e]
+      wake(engine, now_ms)
+      engine.realized_output_tokens[spec.request_id] = spec.max_tokens
+      try:
+        engine.add_request(spec.request_id, spec.prompt_token_ids,
+                           SamplingParams(max_tokens=spec.max_tokens,
+                                          ignore_eos=spec.ignore_eos),
+                           arrival_ms=spec.arrival_s * 1000.0, priority=spec.priority,
+                           client=spec.client, slo_ttft_ms=spec.slo_ttft_ms,
+                           slo_tpot_ms=spec.slo_tpot_ms)
+      except (ValueError, QueueFull) as err:
+        refused[spec.request_id] = str(err)
+        del placement[spec.request_id]
+        router.failed(spec.request_id, now_ms, str(err))
+    while handoffs:
+      h = handoffs[0]
+      d = router.route_decode(h.request_id, h.tokens, h.sampling.max_tokens, now_ms)
+      if d is None:
+        break
+      handoffs.pop(0)
+      placement[h.request_id][1] = d
+      src = placement[h.request_id][0]
+      end = now_ms + float(link.ms(h.nbytes))
+      transfers.append(Transfer(h.request_id, src, d, int(h.nbytes), now_ms, end))
+      in_flight.append((end, d, h))
+
+  held: Dict[int, tuple] = {}
+  i, end_ms = 0, 0.0
+  while True:
+    events = []
+    if i < len(specs):
+      events.append((specs[i].arrival_s * 1000.0, 0, -1))
+    if in_flight:
+      end, d, _ = min(in_flight, key=lambda t: (t[0], t[1]))
+      events.append((end, 1, np_ + d))
+    for g, e in enumerate(engines):
+      if g in held:
+        events.append((e.now_ms(), 2, g))
+      elif e.has_unfinished():
+        events.append((e.now_ms(), 3, g))
+    if not events:
+      stuck = len(waiting) + len(handoffs)
+      if stuck:
+        raise RuntimeError(f"replay_pd: {stuck} requests wait with every engine idle")
+      break
+    now, kind, g = min(events)
+    end_ms = max(end_ms, now)
+    if kind == 0:
+      spec = specs[i]
+      i += 1
+      waiting.append(spec.request_id)
+    elif kind == 1:
+      k = min(range(len(in_flight)), key=lambda j: (in_flight[j][0], in_flight[j][1]))
+      _, d, h = in_flight.pop(k)
+      engine = decode[d]
+      wake(engine, now)
+      engine.realized_output_tokens[h.request_id] = h.sampling.max_tokens
+      try:
+        engine.add_handoff(h, arrival_ms=now)
+      except (ValueError, QueueFull) as err:
+        dropped[h.request_id] = str(err)
+        router.failed(h.request_id, now, str(err))
+    elif kind == 3:
+      outs = engines[g].step()
+      held[g] = (outs, engines[g].take_handoffs() if g < np_ else [])
+      continue
+    else:
+      outs, taken = held.pop(g)
+      handed = {h.request_id for h in taken}
+      for out in outs:
+        if out.finished and out.request_id not in handed:
+          req = engines[g].requests[out.request_id]
+          outcome = req.outcome if req.outcome in ("failed",) else (
+              "aborted" if req.outcome == "cancelled" else "completed")
+          router.finished(out.request_id, now, outcome)
+      for h in taken:
+        router.prefill_done(h.request_id, now)
+        handoffs.append(h)
+    place(now)
+  records = []
+  for s in workload.requests:
+    rid = s.request_id
+    if rid in refused:
+      records.append(_refused(s, refused[rid]))
+      continue
+    src, dst = placement[rid]
+    if rid in dropped:
+      records.append(dataclasses.replace(_record(prefill[src], s, 0.0), outcome="failed",
+                                         finish_reason=dropped[rid]))
+    elif dst is None:                            # ended on the prefill engine
+      records.append(_record(prefill[src], s, 0.0))
+    else:
+      records.append(_pd_record(s, prefill[src], decode[dst]))
+  return records, end_ms / 1000.0, {k: tuple(v) for k, v in placement.items()}, transfers
+
+
+def transfer_summary(transfers: Sequence[Transfer]) -> dict:
+  """Counts and sizes of a run's transfers (ms and bytes: mean, max)."""
+  if not transfers:
+    return dict(count=0, total_bytes=0, mean_bytes=None, mean_ms=None, max_ms=None)
+  ms = [t.end_ms - t.start_ms for t in transfers]
+  nbytes = [t.nbytes for t in transfers]
+  return dict(count=len(transfers), total_bytes=sum(nbytes), mean_bytes=sum(nbytes) / len(nbytes),
+              mean_ms=sum(ms) / len(ms), max_ms=max(ms))
+
+
+def route_counts(log) -> dict:
+  """Choices per stage and engine from a router's log: ``{stage: {engine: n}}``
+  (and ``end``: outcomes)."""
+  out: Dict[str, Dict[str, int]] = {}
+  for q in log:
+    key = q["outcome"] if q["stage"] == "end" else str(q["engine"])
+    out.setdefault(q["stage"], {}).setdefault(key, 0)
+    out[q["stage"]][key] += 1
+  return out

@@ -1,6 +1,8 @@
 """Simulated replicas behind the router on one virtual timeline
 (``serving.harness.cluster_sim``), on the tiny model's config (no weights)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -83,3 +85,25 @@ def test_refuses_an_engine_on_the_wall_clock(cost_file, params):
   engines = [Engine(CFG, params, cfg)]
   with pytest.raises(ValueError, match="fresh VirtualClock"):
     replay_cluster(engines, router_for(engines, "round_robin"), _workload(n=2))
+
+
+def test_the_front_and_cluster_sim_build_the_same_router(cost_file):
+  """One definition: the HTTP front's router and the simulator's are the
+  same class from the same factory (mixed and P/D)."""
+  from serving.http import router as router_lib
+  from serving.http.replicas import ReplicaFront
+  from serving.harness import cluster_sim
+  engines = _engines(2, cost_file)
+  facts = [dict(dataclasses.asdict(e.config), model="tiny", vocab_size=CFG.vocab_size)
+           for e in engines]
+  front = ReplicaFront(["http://127.0.0.1:1", "http://127.0.0.1:2"], [None, None], facts,
+                       policy="round_robin")
+  sim = router_for(engines, "round_robin")
+  assert type(front.router) is type(sim) is router_lib.Router
+  assert cluster_sim.router_lib is router_lib
+  assert (front.router.policy, [r.capacity for r in front.router.replicas]) == (
+      sim.policy, [r.capacity for r in sim.replicas])
+  for name, cls in router_lib.PD_ROUTERS.items():
+    pd = cluster_sim.pd_router_for(engines[:1], engines[1:], name)
+    assert type(pd) is cls and type(router_lib.pd_router_for(
+        [facts[0]], [facts[1]], name)) is cls

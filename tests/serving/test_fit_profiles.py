@@ -322,3 +322,23 @@ def test_collectives_on_measured_timings(gpu):
   assert got["send_recv"]["same_node"]["gbps"] > 5 * got["send_recv"]["other_node"]["gbps"]
   shipped = profile_lib.read_profile(profile_lib.PROFILE_DIR / f"{gpu}.json")["collectives"]
   assert shipped["all_reduce"]["8"]["gbps"] == pytest.approx(got["all_reduce"]["8"]["gbps"])
+
+
+def test_transfer_link_reads_fitted_send_recv_or_stated_links():
+  a100 = profile_lib.read_profile(profile_lib.PROFILE_DIR / "a100.json")
+  model = cal_lib.load("profile:a100")
+  for link, where in (("intra", "same_node"), ("inter", "other_node")):
+    fitted = a100["collectives"]["send_recv"][where]
+    assert profile_lib.transfer_link(model, link) == profile_lib.Link(
+        fitted["latency_ms"], fitted["gbps"])
+    assert profile_lib.send_recv_ms(model, 3e6, same_node=link == "intra") == (
+        profile_lib.transfer_link(model, link).ms(3e6))
+  assert profile_lib.transfer_link_source(model).startswith("fitted send/recv")
+  tpu = cal_lib.load("profile:tpu_v5e")             # stated: 100 GB/s, 0.01 ms; 12.5, 0.05
+  assert profile_lib.transfer_link(tpu, "intra").ms(1e6) == pytest.approx(0.01 + 0.01)
+  assert profile_lib.transfer_link(tpu, "inter").ms(1e6) == pytest.approx(0.05 + 0.08)
+  assert "uncalibrated" in profile_lib.transfer_link_source(tpu)
+  with pytest.raises(ValueError, match=r"link must be one of \('intra', 'inter'\)"):
+    profile_lib.transfer_link(model, "pcie")
+  with pytest.raises(ValueError, match="states no intra link"):
+    profile_lib.transfer_link(cost_lib.CostModel.of(step=1.0), "intra")
