@@ -54,13 +54,23 @@ PRESETS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         "tie_word_embeddings": False, "vocab_size": 128256, "bos_token_id": 128000,
         "eos_token_id": 128001, "torch_dtype": "bfloat16"},
+    # meta-llama/Llama-2-13b-hf (a 13B-class model: DistServe's OPT-13B size).
+    "llama-2-13b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+        "num_attention_heads": 40, "num_key_value_heads": 40, "hidden_act": "silu",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "vocab_size": 32000, "bos_token_id": 1,
+        "eos_token_id": 2, "torch_dtype": "float16"},
 }
-# Special tokens: (id, text); the first is the BOS the tokenizer prepends.
+# Special tokens: (id, text); the first is the BOS the tokenizer prepends. By
+# preset where it has its own, else by model_type.
 _LLAMA3_NAMED = {128000: "<|begin_of_text|>", 128001: "<|end_of_text|>",
                  128006: "<|start_header_id|>", 128007: "<|end_header_id|>",
                  128008: "<|eom_id|>", 128009: "<|eot_id|>"}
 SPECIALS = {
     "mistral": [(1, "<s>"), (0, "<unk>"), (2, "</s>")],
+    "llama-2-13b": [(1, "<s>"), (0, "<unk>"), (2, "</s>")],    # Llama 2's SentencePiece ids
     "llama": [(128000, _LLAMA3_NAMED[128000])] + [
         (i, _LLAMA3_NAMED.get(i, f"<|reserved_special_token_{i - 128000}|>"))
         for i in range(128001, 128256)],
@@ -110,7 +120,7 @@ def write_model_dir(preset: str, out) -> Path:
   if preset not in PRESETS:
     raise ValueError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
   hf = PRESETS[preset]
-  specials = SPECIALS[hf["model_type"]]
+  specials = SPECIALS.get(preset, SPECIALS[hf["model_type"]])
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

@@ -55,3 +55,17 @@ def test_unknown_preset_is_refused_in_one_line(tmp_path):
   assert proc.stderr.strip().splitlines()[-1].startswith(
       "error: flag --preset=gpt-5: value should be one of"), proc.stderr
   assert not (tmp_path / "m").exists()
+
+
+def test_llama_2_13b_has_the_published_shape(tmp_path):
+  # Llama-2-13b-hf's safetensors index: total_size 26,031,728,640 bytes in
+  # float16 = 13,015,864,320 parameters.
+  proc = _make("llama-2-13b", tmp_path / "m")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  cfg, tok = load_config(tmp_path / "m")
+  assert (cfg.family, cfg.vocab_size, cfg.d_model, cfg.n_layers) == ("llama", 32000, 5120, 40)
+  assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim) == (40, 40, 128, 13824)
+  costs = cost_lib.model_costs(cfg, "bfloat16")
+  assert costs.weight_bytes == 26_031_728_640
+  assert costs.kv_bytes_per_token == 40 * 2 * 40 * 128 * 2      # 800 KiB per token
+  assert tok.encode("a")[0] == 1 and tok.backend.id_to_token(2) == "</s>"
