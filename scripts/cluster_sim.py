@@ -35,7 +35,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,16 +42,11 @@ from absl import flags
 
 from serving import cli
 from serving.cli import launch
-from serving.harness import metrics
 from serving.harness import workloads
 from serving.engine import calibrations
 from serving.engine import profiles
 from serving.harness import cluster_sim
-from serving.harness.cluster_sim import replay_cluster, router_for
-from serving.engine.engine import Engine
-from serving.harness.replay import run_config, run_outcomes
 from serving.http import router as router_lib
-from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("replicas", ["1", "4"], "Replica counts to replay (one run each).")
@@ -103,42 +97,6 @@ def _check_flags() -> list:
   return counts
 
 
-def _run_pd(cfg, engine_cfg, workload, p: int, d: int, link) -> dict:
-  """One P/D run: its report, per engine reports, transfers and choices."""
-  pre_cfg = dataclasses.replace(engine_cfg, role="prefill")
-  dec_cfg = dataclasses.replace(engine_cfg, role="decode")
-  prefill = [Engine(cfg, None, pre_cfg, clock=VirtualClock()) for _ in range(p)]
-  decode = [Engine(cfg, None, dec_cfg, clock=VirtualClock()) for _ in range(d)]
-  router = cluster_sim.pd_router_for(prefill, decode, FLAGS.router)
-  t = time.perf_counter()
-  records, duration_s, placement, transfers = cluster_sim.replay_pd(
-      prefill, decode, router, workload, link)
-  wall_s = time.perf_counter() - t
-  config = {**run_config(decode[0], FLAGS.model), "prefill_replicas": p,
-            "decode_replicas": d, "router": FLAGS.router, "link": FLAGS.link,
-            "link_figures": dataclasses.asdict(link),
-            "link_source": profiles.transfer_link_source(
-                calibrations.load(engine_cfg.cost_model), FLAGS.link),
-            "workload": workload.describe()}
-  report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
-  per_engine = []
-  for stage, pool in (("prefill", prefill), ("decode", decode)):
-    for i, engine in enumerate(pool):
-      col = 0 if stage == "prefill" else 1
-      mine = [rec for rec in records if placement.get(rec.request_id, (None, None))[col] == i]
-      one = metrics.build_report(mine, duration_s, {"stage": stage, "engine": i},
-                                 num_offered=len(mine))
-      one["engine_outcomes"] = run_outcomes(engine)
-      per_engine.append(one)
-  iterations = sum(e.num_iterations for e in prefill + decode)
-  return {"prefill_replicas": p, "decode_replicas": d, "gpus": p + d, "wall_s": wall_s,
-          "iterations": iterations, "iterations_per_s": iterations / max(wall_s, 1e-9),
-          "load_avg": os.getloadavg(), "report": report, "per_engine": per_engine,
-          "transfers": cluster_sim.transfer_summary(transfers),
-          "transfer_ms": {t.request_id: t.end_ms - t.start_ms for t in transfers},
-          "routes": cluster_sim.route_counts(router.log)}
-
-
 def main(argv):
   del argv
   counts = _check_flags()
@@ -164,38 +122,25 @@ def main(argv):
   runs = []
   for n in counts:
     if link is not None:
-      run = _run_pd(cfg, engine_cfg, workload, n[0], n[1], link)
+      run, _ = cluster_sim.simulate_pd(cfg, engine_cfg, workload, n[0], n[1], FLAGS.router,
+                                       link, FLAGS.link, FLAGS.model)
       runs.append(run)
       report, tr = run["report"], run["transfers"]
       ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
       print(f"{n[0]}P{n[1]}D ({FLAGS.router}): {report['completed']}/{len(workload)} completed "
-            f"in {report['duration_s']:.1f} virtual s; {tr['count']} transfers, mean "
-            f"{(tr['mean_ms'] or 0):.3f} ms; TTFT median {ms('median_ttft_ms')}, p99 "
-            f"{ms('p99_ttft_ms')}; TPOT median {ms('median_tpot_ms')}")
+            f"in {report['duration_s']:.1f} virtual s ({run['wall_s']:.1f} s wall); "
+            f"{tr['count']} transfers, mean {(tr['mean_ms'] or 0):.3f} ms; TTFT median "
+            f"{ms('median_ttft_ms')}, p99 {ms('p99_ttft_ms')}; TPOT median "
+            f"{ms('median_tpot_ms')}")
       continue
-    engines = [Engine(cfg, None, engine_cfg, clock=VirtualClock()) for _ in range(n)]
-    router = router_for(engines, FLAGS.router)
-    t = time.perf_counter()
-    records, duration_s, placement, _ = replay_cluster(engines, router, workload)
-    wall_s = time.perf_counter() - t
-    config = {**run_config(engines[0], FLAGS.model), "replicas": n, "route": FLAGS.router,
-              "workload": workload.describe()}
-    report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
-    per_replica = []
-    for r, engine in enumerate(engines):
-      mine = [rec for rec in records if placement.get(rec.request_id) == r]
-      one = metrics.build_report(mine, duration_s, {"replica": r}, num_offered=len(mine))
-      one["engine_outcomes"] = run_outcomes(engine)
-      per_replica.append(one)
-    iterations = sum(e.num_iterations for e in engines)
-    runs.append({"replicas": n, "gpus": n, "wall_s": wall_s, "iterations": iterations,
-                 "iterations_per_s": iterations / max(wall_s, 1e-9),
-                 "load_avg": os.getloadavg(), "report": report, "per_replica": per_replica})
+    run, _ = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, n, FLAGS.router, FLAGS.model)
+    runs.append(run)
+    report, per_replica = run["report"], run["per_replica"]
     ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
     print(f"replicas {n:3d}: {report['completed']}/{len(workload)} completed in "
-          f"{duration_s:.1f} virtual s ({iterations} iterations, {wall_s:.1f} s wall); "
-          f"per replica {[r['completed'] for r in per_replica]}; TTFT median "
-          f"{ms('median_ttft_ms')}, p99 {ms('p99_ttft_ms')}; TPOT median "
+          f"{report['duration_s']:.1f} virtual s ({run['iterations']} iterations, "
+          f"{run['wall_s']:.1f} s wall); per replica {[r['completed'] for r in per_replica]}; "
+          f"TTFT median {ms('median_ttft_ms')}, p99 {ms('p99_ttft_ms')}; TPOT median "
           f"{ms('median_tpot_ms')}")
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:

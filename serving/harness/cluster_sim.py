@@ -34,13 +34,18 @@ bandwidth.
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from serving.engine import calibrations
+from serving.engine import profiles
 from serving.engine.config import SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.requests import QueueFull
+from serving.harness import metrics
 from serving.harness.metrics import RequestRecord
-from serving.harness.replay import _record, _refused
+from serving.harness.replay import _record, _refused, run_config, run_outcomes
 from serving.http import router as router_lib
 from serving.http.router import Router
 from serving.engine.sim_executor import VirtualClock
@@ -380,3 +385,70 @@ def route_counts(log) -> dict:
     out.setdefault(q["stage"], {}).setdefault(key, 0)
     out[q["stage"]][key] += 1
   return out
+
+
+def simulate_mixed(cfg, engine_cfg, workload: Workload, n: int, policy: str,
+                   model_name: str) -> Tuple[dict, List[RequestRecord]]:
+  """One run of ``n`` mixed replicas (``engine_cfg``, simulated) behind the
+  ``Router`` of ``policy``: ``(run, records)``, the run a JSON-ready dict
+  (the global report, one per replica, iterations and the simulation's wall
+  time)."""
+  engines = [Engine(cfg, None, engine_cfg, clock=VirtualClock()) for _ in range(n)]
+  router = router_for(engines, policy)
+  t = time.perf_counter()
+  records, duration_s, placement, _ = replay_cluster(engines, router, workload)
+  wall_s = time.perf_counter() - t
+  config = {**run_config(engines[0], model_name), "replicas": n, "route": policy,
+            "workload": workload.describe()}
+  report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  per_replica = []
+  for r, engine in enumerate(engines):
+    mine = [rec for rec in records if placement.get(rec.request_id) == r]
+    one = metrics.build_report(mine, duration_s, {"replica": r}, num_offered=len(mine))
+    one["engine_outcomes"] = run_outcomes(engine)
+    per_replica.append(one)
+  iterations = sum(e.num_iterations for e in engines)
+  return ({"replicas": n, "gpus": n, "wall_s": wall_s, "iterations": iterations,
+           "iterations_per_s": iterations / max(wall_s, 1e-9), "load_avg": os.getloadavg(),
+           "report": report, "per_replica": per_replica}, records)
+
+
+def simulate_pd(cfg, engine_cfg, workload: Workload, p: int, d: int, policy: str, link,
+                link_name: str, model_name: str, decode_cfg=None
+                ) -> Tuple[dict, List[RequestRecord]]:
+  """One P/D run: ``p`` prefill and ``d`` decode engines (``engine_cfg``
+  with its role set; ``decode_cfg``, when given, for the decode engines)
+  behind ``PD_ROUTERS[policy]``, handoffs over ``link``: ``(run,
+  records)``, the run a JSON-ready dict (the global report, one per engine,
+  the transfers, the router's choices per engine)."""
+  pre_cfg = dataclasses.replace(engine_cfg, role="prefill")
+  dec_cfg = dataclasses.replace(decode_cfg or engine_cfg, role="decode")
+  prefill = [Engine(cfg, None, pre_cfg, clock=VirtualClock()) for _ in range(p)]
+  decode = [Engine(cfg, None, dec_cfg, clock=VirtualClock()) for _ in range(d)]
+  router = pd_router_for(prefill, decode, policy)
+  t = time.perf_counter()
+  records, duration_s, placement, transfers = replay_pd(prefill, decode, router, workload,
+                                                        link)
+  wall_s = time.perf_counter() - t
+  config = {**run_config(decode[0], model_name), "prefill_replicas": p, "decode_replicas": d,
+            "prefill_policy": pre_cfg.policy, "router": policy, "link": link_name,
+            "link_figures": dataclasses.asdict(link),
+            "link_source": profiles.transfer_link_source(
+                calibrations.load(engine_cfg.cost_model), link_name),
+            "workload": workload.describe()}
+  report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
+  per_engine = []
+  for col, (stage, pool) in enumerate((("prefill", prefill), ("decode", decode))):
+    for i, engine in enumerate(pool):
+      mine = [rec for rec in records if placement.get(rec.request_id, (None, None))[col] == i]
+      one = metrics.build_report(mine, duration_s, {"stage": stage, "engine": i},
+                                 num_offered=len(mine))
+      one["engine_outcomes"] = run_outcomes(engine)
+      per_engine.append(one)
+  iterations = sum(e.num_iterations for e in prefill + decode)
+  return ({"prefill_replicas": p, "decode_replicas": d, "gpus": p + d, "wall_s": wall_s,
+           "iterations": iterations, "iterations_per_s": iterations / max(wall_s, 1e-9),
+           "load_avg": os.getloadavg(), "report": report, "per_engine": per_engine,
+           "transfers": transfer_summary(transfers),
+           "transfer_ms": {t.request_id: t.end_ms - t.start_ms for t in transfers},
+           "routes": route_counts(router.log)}, records)
