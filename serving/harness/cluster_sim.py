@@ -328,10 +328,14 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
       wake(engine, now)
       engine.realized_output_tokens[h.request_id] = h.sampling.max_tokens
       try:
-        engine.add_handoff(h, arrival_ms=now)
+        req = engine.add_handoff(h, arrival_ms=now)
       except (ValueError, QueueFull) as err:
         dropped[h.request_id] = str(err)
         router.failed(h.request_id, now, str(err))
+      else:
+        if req.finished:                        # refused at once (it can never fit)
+          dropped[h.request_id] = f"decode engine {d}: {req.finish_reason}"
+          router.failed(h.request_id, now, dropped[h.request_id])
     elif kind == 3:
       outs = engines[g].step()
       held[g] = (outs, engines[g].take_handoffs() if g < np_ else [])
@@ -356,7 +360,7 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
       records.append(_refused(s, refused[rid]))
       continue
     src, dst = placement[rid]
-    if rid in dropped:
+    if rid in dropped:                           # its first token only, then failed
       records.append(dataclasses.replace(_record(prefill[src], s, 0.0), outcome="failed",
                                          finish_reason=dropped[rid]))
     elif dst is None:                            # ended on the prefill engine
