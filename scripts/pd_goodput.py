@@ -12,8 +12,8 @@ the simulator (DistServe's question, OSDI'24).
 For every split (``N``: N mixed replicas behind the ``--mixed_router``;
 ``PpDd``: P prefill and D decode engines behind the P/D ``--router``, each
 handoff over ``--link``) and every ``--rate_scales`` entry r (the trace's
-arrival gaps divided by r), one ``serving.harness.cluster_sim`` run on the
-simulated executor; a request is SLO-valid when it completed within
+arrival gaps divided by r, ascending; a split stops at its first failing
+rate), one ``serving.harness.cluster_sim`` run on the simulated executor; a request is SLO-valid when it completed within
 ``--slo_ttft_ms`` and ``--slo_tpot_ms`` (``metrics.goodput``). A split's
 goodput is the highest offered rate (req/s) up to which every tested rate
 keeps ``--attainment`` of the requests valid (DistServe's 90%), bracketed by
@@ -194,6 +194,8 @@ def main(argv):
             f"{one['attainment']:.3f} (TTFT {one['ttft_attainment']:.3f}, TPOT "
             f"{one['tpot_attainment']:.3f}); TTFT p50 {one['median_ttft_ms']:.0f} ms, TPOT "
             f"p50 {one['median_tpot_ms']:.1f} ms ({run['wall_s']:.0f} s wall)", flush=True)
+      if one["attainment"] < FLAGS.attainment:
+        break                                   # the first failing rate brackets goodput
     g = goodput_of([(q["offered_rate"], q["attainment"]) for q in runs[name]],
                    FLAGS.attainment)
     gpus = split[0] + split[1] if isinstance(split, tuple) else split
