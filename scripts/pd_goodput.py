@@ -6,21 +6,23 @@ the simulator (DistServe's question, OSDI'24).
       --window_s=0,60 --model=runs/models/llama-2-13b \\
       --engine=docs/scale-out/a100_llama13b_vllm.json \\
       --splits=2,3,1P1D,1P2D,2P1D --rate_scales=0.5,1,2 \\
-      --slo_ttft_ms=400 --slo_tpot_ms=100 --out=runs/pd/conv.json
-  python scripts/pd_goodput.py --table=runs/pd/conv.json     # the table of a saved run
+      --slos=1000:100,1000:60 --out=runs/pd/conv.json
+  python scripts/pd_goodput.py --table=runs/pd/conv.json,runs/pd/other.json   # saved runs
 
 For every split (``N``: N mixed replicas behind the ``--mixed_router``;
 ``PpDd``: P prefill and D decode engines behind the P/D ``--router``, each
 handoff over ``--link``) and every ``--rate_scales`` entry r (the trace's
-arrival gaps divided by r, ascending; a split stops at its first failing
-rate), one ``serving.harness.cluster_sim`` run on the simulated executor; a request is SLO-valid when it completed within
-``--slo_ttft_ms`` and ``--slo_tpot_ms`` (``metrics.goodput``). A split's
-goodput is the highest offered rate (req/s) up to which every tested rate
-keeps ``--attainment`` of the requests valid (DistServe's 90%), bracketed by
-the first rate that fails; per GPU it is divided by the split's engines (one
-GPU each). The JSON holds each run's attainment, TTFT and TPOT percentiles
-and transfer figures; the table is printed at the end. Every engine runs the
-``--engine`` preset (``--decode_engine``, when given, for decode engines).
+arrival gaps divided by r, ascending), one ``serving.harness.cluster_sim``
+run on the simulated executor. A request is SLO-valid under a ``--slos``
+pair when it completed within its TTFT and TPOT limits (``metrics.goodput``;
+every pair is judged on the same runs). A split's goodput under a pair is
+the highest offered rate (req/s) up to which every tested rate keeps
+``--attainment`` of the requests valid (DistServe's 90%), bracketed by the
+first rate that fails; a split stops once every pair has failed. Per GPU it
+is divided by the split's engines (one GPU each). The JSON holds each run's
+attainments, TTFT and TPOT percentiles and transfer figures; the tables are
+printed at the end. Every engine runs the ``--engine`` preset
+(``--decode_engine``, when given, for decode engines).
 """
 
 import dataclasses
@@ -50,8 +52,12 @@ flags.DEFINE_string("mixed_router", "round_robin", "Router of the mixed replicas
 flags.DEFINE_enum("link", "intra", list(profiles.LINKS), "The link a handoff crosses.")
 flags.DEFINE_string("decode_engine", None, "Engine preset of the decode engines (default "
                     "--engine).")
+flags.DEFINE_list("slos", ["1000:100"], "SLO pairs TTFT_MS:TPOT_MS, each judged on the "
+                  "same runs (a split stops once every pair has failed).")
 flags.DEFINE_float("attainment", 0.9, "Share of requests that must be SLO-valid.")
-flags.DEFINE_string("table", None, "Print the table of this saved JSON and stop.")
+flags.DEFINE_string("label", None, "Name of this run's engines in the table (default: the "
+                    "--engine file's stem).")
+flags.DEFINE_list("table", None, "Print the table of these saved JSONs and stop.")
 flags.DEFINE_string("out", "runs/pd_goodput.json", "Result JSON.")
 launch.define_workload_flags()
 launch.define_engine_flags()
@@ -73,9 +79,24 @@ def parse_split(text: str):
   return counts[0] if len(counts) == 1 else tuple(counts)
 
 
+def parse_slo(text: str):
+  """``"1000:100"`` -> ``(1000.0, 100.0)`` (TTFT ms, TPOT ms).
+
+  Raises:
+    ValueError: not two numbers > 0.
+  """
+  try:
+    ttft, tpot = (float(x) for x in text.split(":"))
+  except ValueError:
+    ttft = tpot = -1.0
+  if not (ttft > 0 and tpot > 0):
+    raise ValueError(f"--slos entries must be TTFT_MS:TPOT_MS, both > 0, got {text!r}")
+  return ttft, tpot
+
+
 def _check_flags():
   if FLAGS.table is not None:
-    return None, None
+    return None, None, None
   splits = [parse_split(t) for t in FLAGS.splits]
   try:
     rates = [float(r) for r in FLAGS.rate_scales]
@@ -83,10 +104,13 @@ def _check_flags():
     raise ValueError(f"--rate_scales must be numbers > 0, got {FLAGS.rate_scales}") from None
   if not rates or min(rates) <= 0:
     raise ValueError(f"--rate_scales must be numbers > 0, got {FLAGS.rate_scales}")
+  if not FLAGS.slos:
+    raise ValueError("--slos must name at least one TTFT_MS:TPOT_MS pair")
+  slos = [parse_slo(t) for t in FLAGS.slos]
   router_lib.check_router_name(FLAGS.router, pd=True)
   router_lib.check_router_name(FLAGS.mixed_router, pd=False, flag="mixed_router")
-  if FLAGS.slo_ttft_ms is None or FLAGS.slo_tpot_ms is None:
-    raise ValueError("--slo_ttft_ms and --slo_tpot_ms must both be given (goodput's SLOs)")
+  if launch.slo_flags_given():
+    raise ValueError("--slo_ttft_ms / --slo_tpot_ms / --slo_class: give --slos instead")
   if not 0 < FLAGS.attainment <= 1:
     raise ValueError(f"--attainment must be in (0, 1], got {FLAGS.attainment}")
   if FLAGS["time_scale"].present:
@@ -95,27 +119,32 @@ def _check_flags():
     raise ValueError("--executor=model: pd_goodput.py runs the simulated executor")
   cli.check_creatable("out", FLAGS.out)
   launch.check_workload_flags()
-  return splits, sorted(rates)
+  return splits, sorted(rates), slos
 
 
 def split_name(split) -> str:
   return f"{split[0]}P{split[1]}D" if isinstance(split, tuple) else f"{split} mixed"
 
 
-def _summary(run: dict, records, workload) -> dict:
+def slo_key(slo) -> str:
+  return f"{slo[0]:g}:{slo[1]:g}"
+
+
+def _summary(run: dict, records, workload, slos) -> dict:
   report = run["report"]
-  g = metrics.goodput(records, per_request=True, duration_s=report["duration_s"])
   keys = ("completed", "duration_s", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
           "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
   out = {k: report.get(k) for k in keys}
-  out.update(offered=g["offered"], valid=g["valid"], attainment=g["offered_attainment"],
-             offered_rate=len(workload) / workload.duration_s, gpus=run["gpus"],
-             iterations=run["iterations"])
-  ok_ttft = sum(1 for r in records if r.outcome == "completed"
-                and r.ttft_s * 1e3 <= r.slo_ttft_ms + 1e-6)
-  ok_tpot = sum(1 for r in records if r.outcome == "completed"
-                and (r.tpot_s is None or r.tpot_s * 1e3 <= r.slo_tpot_ms + 1e-6))
-  out.update(ttft_attainment=ok_ttft / len(records), tpot_attainment=ok_tpot / len(records))
+  out.update(offered=len(records), offered_rate=len(workload) / workload.duration_s,
+             gpus=run["gpus"], iterations=run["iterations"], slos={})
+  done = [r for r in records if r.outcome == "completed"]
+  for ttft, tpot in slos:
+    g = metrics.goodput(records, ttft_ms=ttft, tpot_ms=tpot, duration_s=report["duration_s"])
+    ok_ttft = sum(1 for r in done if r.ttft_s * 1e3 <= ttft + 1e-6)
+    ok_tpot = sum(1 for r in done if r.tpot_s is None or r.tpot_s * 1e3 <= tpot + 1e-6)
+    out["slos"][slo_key((ttft, tpot))] = dict(
+        valid=g["valid"], attainment=g["offered_attainment"],
+        ttft_attainment=ok_ttft / len(records), tpot_attainment=ok_tpot / len(records))
   if "transfers" in run:
     out["transfers"] = run["transfers"]
   return out
@@ -135,32 +164,54 @@ def goodput_of(points: list, attainment: float) -> dict:
   return dict(goodput=best, first_failing=fail)
 
 
-def table(result: dict) -> str:
-  """The markdown table of a saved result."""
-  rows = ["| split | GPUs | goodput (req/s) | per GPU (req/s) | vs best mixed per GPU | "
-          "first failing rate | attainment by rate (TTFT / TPOT share) |",
-          "|---|---|---|---|---|---|---|"]
-  best_mixed = max((g["per_gpu"] or 0 for name, g in result["goodput"].items()
-                    if name.endswith("mixed")), default=0)
-  for name, g in result["goodput"].items():
-    runs = result["runs"][name]
-    cells = "; ".join(f"{r['offered_rate']:.2f}: {r['attainment']:.2f} "
-                      f"({r['ttft_attainment']:.2f} / {r['tpot_attainment']:.2f})" for r in runs)
-    ratio = (f"{g['per_gpu'] / best_mixed:.2f}x" if g["per_gpu"] and best_mixed else "n/a")
-    num = lambda x: "n/a" if x is None else f"{x:.2f}"
-    shown = num(g["goodput"]) + (" (no tested rate failed)" if g["first_failing"] is None
-                                 and g["goodput"] is not None else "")
-    rows.append(f"| {name} | {g['gpus']} | {shown} | {num(g['per_gpu'])} | {ratio} | "
-                f"{num(g['first_failing'])} | {cells} |")
+def table(results: list, slo: str) -> str:
+  """The markdown table of saved results (``label`` of each) under one SLO
+  pair: per split its goodput, per GPU, and the ratio to the best mixed
+  replicas of the same GPU count among them."""
+  rows = ["| GPUs | split | goodput (req/s) | per GPU (req/s) | vs best mixed, same GPUs | "
+          "attainment at each tested rate, req/s: share (TTFT / TPOT share) |",
+          "|---|---|---|---|---|---|"]
+  entries = []
+  for res in results:
+    for name, by_slo in res["goodput"].items():
+      label = name if not name.endswith("mixed") else f"{name} ({res['config']['label']})"
+      entries.append((by_slo[slo], label, name.endswith("mixed"), res["runs"][name]))
+  best = {}
+  for g, _, mixed, _ in entries:
+    if mixed:
+      best[g["gpus"]] = max(best.get(g["gpus"], 0.0), g["per_gpu"] or 0.0)
+  num = lambda x: "n/a" if x is None else f"{x:.2f}"
+  for g, label, _, runs in sorted(entries, key=lambda e: (e[0]["gpus"], not e[2], e[1])):
+    cells = "; ".join(f"{r['offered_rate']:.2f}: {r['slos'][slo]['attainment']:.2f} "
+                      f"({r['slos'][slo]['ttft_attainment']:.2f} / "
+                      f"{r['slos'][slo]['tpot_attainment']:.2f})" for r in runs
+                      if slo in r["slos"])
+    shown = num(g["goodput"])
+    if g["goodput"] is None:
+      shown = "< lowest tested"
+    elif g["first_failing"] is None:
+      shown = f">= {shown} (none failed)"
+    ratio = (f"{g['per_gpu'] / best[g['gpus']]:.2f}x"
+             if g["per_gpu"] and best.get(g["gpus"]) else "n/a")
+    rows.append(f"| {g['gpus']} | {label} | {shown} | {num(g['per_gpu'])} | {ratio} | "
+                f"{cells} |")
   return "\n".join(rows)
+
+
+def _tables(results: list) -> str:
+  keys = list(results[0]["goodput"][next(iter(results[0]["goodput"]))])
+  return "\n\n".join(f"SLO TTFT:TPOT ms {k}\n\n{table(results, k)}" for k in keys)
 
 
 def main(argv):
   del argv
-  splits, rates = _check_flags()
+  splits, rates, slos = _check_flags()
   if FLAGS.table is not None:
-    with open(FLAGS.table) as f:
-      print(table(json.load(f)))
+    results = []
+    for path in FLAGS.table:
+      with open(path) as f:
+        results.append(json.load(f))
+    print(_tables(results))
     return
   engine_cfg = launch.engine_config(executor="simulated")
   launch.engine_clock(engine_cfg)
@@ -188,31 +239,35 @@ def main(argv):
       else:
         run, records = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, split,
                                                   FLAGS.mixed_router, FLAGS.model)
-      one = dict(_summary(run, records, workload), rate_scale=r)
+      one = dict(_summary(run, records, workload, slos), rate_scale=r)
       runs[name].append(one)
-      print(f"{name:>8} rate x{r:g} ({one['offered_rate']:.2f} req/s): attainment "
-            f"{one['attainment']:.3f} (TTFT {one['ttft_attainment']:.3f}, TPOT "
-            f"{one['tpot_attainment']:.3f}); TTFT p50 {one['median_ttft_ms']:.0f} ms, TPOT "
-            f"p50 {one['median_tpot_ms']:.1f} ms ({run['wall_s']:.0f} s wall)", flush=True)
-      if one["attainment"] < FLAGS.attainment:
-        break                                   # the first failing rate brackets goodput
-    g = goodput_of([(q["offered_rate"], q["attainment"]) for q in runs[name]],
-                   FLAGS.attainment)
+      shares = ", ".join(f"{k}: {v['attainment']:.3f}" for k, v in one["slos"].items())
+      print(f"{name:>8} rate x{r:g} ({one['offered_rate']:.2f} req/s): attainment {shares}; "
+            f"TTFT p50 {one['median_ttft_ms']:.0f} ms, TPOT p50 "
+            f"{one['median_tpot_ms']:.1f} ms ({run['wall_s']:.0f} s wall)", flush=True)
+      if all(v["attainment"] < FLAGS.attainment for v in one["slos"].values()):
+        break                                   # every pair failed: goodput is bracketed
     gpus = split[0] + split[1] if isinstance(split, tuple) else split
-    goodput[name] = dict(g, gpus=gpus,
-                         per_gpu=None if g["goodput"] is None else g["goodput"] / gpus)
-  config = dict(model=FLAGS.model, engine=dataclasses.asdict(engine_cfg),
+    goodput[name] = {}
+    for slo in slos:
+      k = slo_key(slo)
+      g = goodput_of([(q["offered_rate"], q["slos"][k]["attainment"]) for q in runs[name]],
+                     FLAGS.attainment)
+      goodput[name][k] = dict(g, gpus=gpus,
+                              per_gpu=None if g["goodput"] is None else g["goodput"] / gpus)
+  label = FLAGS.label or os.path.splitext(os.path.basename(FLAGS.engine))[0]
+  config = dict(label=label, model=FLAGS.model, engine=dataclasses.asdict(engine_cfg),
                 decode_engine=None if decode_cfg is None else dataclasses.asdict(decode_cfg),
                 router=FLAGS.router, mixed_router=FLAGS.mixed_router, link=FLAGS.link,
                 link_figures=None if link is None else dataclasses.asdict(link),
-                slo_ttft_ms=FLAGS.slo_ttft_ms, slo_tpot_ms=FLAGS.slo_tpot_ms,
-                attainment=FLAGS.attainment, rate_scales=rates, trace=FLAGS.trace,
-                window_s=FLAGS.window_s, workload=workload.describe())
+                slos=[slo_key(s) for s in slos], attainment=FLAGS.attainment,
+                rate_scales=rates, trace=FLAGS.trace, window_s=FLAGS.window_s,
+                max_requests=FLAGS.max_requests, workload=workload.describe())
   result = dict(config=config, goodput=goodput, runs=runs)
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump(result, f, indent=1)
-  print(table(result))
+  print(_tables([result]))
   print(f"report: {FLAGS.out}")
 
 
