@@ -166,22 +166,31 @@ def goodput_of(points: list, attainment: float) -> dict:
 
 def table(results: list, slo: str) -> str:
   """The markdown table of saved results (``label`` of each) under one SLO
-  pair: per split its goodput, per GPU, and the ratio to the best mixed
-  replicas of the same GPU count among them."""
-  rows = ["| GPUs | split | goodput (req/s) | per GPU (req/s) | vs best mixed, same GPUs | "
-          "attainment at each tested rate, req/s: share (TTFT / TPOT share) |",
-          "|---|---|---|---|---|---|"]
+  pair: per split its goodput, per GPU, and its ratio to the best mixed
+  replicas of the same GPU count among them, and to the mixed replicas
+  running ``vllm_v1`` without chunking (DistServe's colocated baseline)."""
+  rows = ["| GPUs | split | goodput (req/s) | per GPU (req/s) | vs best mixed | "
+          "vs mixed vllm_v1 | attainment at each tested rate, req/s: share "
+          "(TTFT / TPOT share) |", "|---|---|---|---|---|---|---|"]
   entries = []
   for res in results:
+    engine = res["config"]["engine"]
+    vllm = (engine["policy"] == "vllm_v1"
+            and engine["long_prefill_token_threshold"] >= engine["max_model_len"])
     for name, by_slo in res["goodput"].items():
-      label = name if not name.endswith("mixed") else f"{name} ({res['config']['label']})"
-      entries.append((by_slo[slo], label, name.endswith("mixed"), res["runs"][name]))
-  best = {}
-  for g, _, mixed, _ in entries:
+      mixed = name.endswith("mixed")
+      label = f"{name} ({res['config']['label']})" if mixed else name
+      entries.append((by_slo[slo], label, mixed, mixed and vllm, res["runs"][name]))
+  best, base = {}, {}
+  for g, _, mixed, vllm, _ in entries:
     if mixed:
       best[g["gpus"]] = max(best.get(g["gpus"], 0.0), g["per_gpu"] or 0.0)
+    if vllm:
+      base[g["gpus"]] = max(base.get(g["gpus"], 0.0), g["per_gpu"] or 0.0)
   num = lambda x: "n/a" if x is None else f"{x:.2f}"
-  for g, label, _, runs in sorted(entries, key=lambda e: (e[0]["gpus"], not e[2], e[1])):
+  ratio = lambda g, ref: (f"{g['per_gpu'] / ref[g['gpus']]:.2f}x"
+                          if g["per_gpu"] and ref.get(g["gpus"]) else "n/a")
+  for g, label, _, _, runs in sorted(entries, key=lambda e: (e[0]["gpus"], not e[2], e[1])):
     cells = "; ".join(f"{r['offered_rate']:.2f}: {r['slos'][slo]['attainment']:.2f} "
                       f"({r['slos'][slo]['ttft_attainment']:.2f} / "
                       f"{r['slos'][slo]['tpot_attainment']:.2f})" for r in runs
@@ -191,10 +200,8 @@ def table(results: list, slo: str) -> str:
       shown = "< lowest tested"
     elif g["first_failing"] is None:
       shown = f">= {shown} (none failed)"
-    ratio = (f"{g['per_gpu'] / best[g['gpus']]:.2f}x"
-             if g["per_gpu"] and best.get(g["gpus"]) else "n/a")
-    rows.append(f"| {g['gpus']} | {label} | {shown} | {num(g['per_gpu'])} | {ratio} | "
-                f"{cells} |")
+    rows.append(f"| {g['gpus']} | {label} | {shown} | {num(g['per_gpu'])} | "
+                f"{ratio(g, best)} | {ratio(g, base)} | {cells} |")
   return "\n".join(rows)
 
 
