@@ -150,20 +150,6 @@ def _summary(run: dict, records, workload, slos) -> dict:
   return out
 
 
-def goodput_of(points: list, attainment: float) -> dict:
-  """From ``[(rate req/s, attainment), ...]`` (ascending rates): the highest
-  rate up to which every tested one keeps ``attainment``, and the first that
-  does not (None: none failed / none passed)."""
-  best, fail = None, None
-  for rate, att in points:
-    if att >= attainment:
-      best = rate
-    else:
-      fail = rate
-      break
-  return dict(goodput=best, first_failing=fail)
-
-
 def table(results: list, slo: str) -> str:
   """The markdown table of saved results (``label`` of each) under one SLO
   pair: per split its goodput, per GPU, and its ratio to the best mixed
@@ -258,8 +244,9 @@ def main(argv):
     goodput[name] = {}
     for slo in slos:
       k = slo_key(slo)
-      g = goodput_of([(q["offered_rate"], q["slos"][k]["attainment"]) for q in runs[name]],
-                     FLAGS.attainment)
+      g = cluster_sim.goodput_bracket(
+          [(q["offered_rate"], q["slos"][k]["attainment"]) for q in runs[name]],
+          FLAGS.attainment)
       goodput[name][k] = dict(g, gpus=gpus,
                               per_gpu=None if g["goodput"] is None else g["goodput"] / gpus)
   label = FLAGS.label or os.path.splitext(os.path.basename(FLAGS.engine))[0]

@@ -456,3 +456,19 @@ def simulate_pd(cfg, engine_cfg, workload: Workload, p: int, d: int, policy: str
            "transfers": transfer_summary(transfers),
            "transfer_ms": {t.request_id: t.end_ms - t.start_ms for t in transfers},
            "routes": route_counts(router.log)}, records)
+
+
+def goodput_bracket(points: Sequence[Tuple[float, float]], attainment: float) -> dict:
+  """Goodput on a grid of rates (DistServe's criterion): from ``[(rate,
+  share of requests within SLO), ...]`` in ascending rate, ``goodput``: the
+  highest rate up to which every tested one keeps ``attainment`` (None:
+  the lowest fails), and ``first_failing``: the first rate that does not
+  (None: none failed). A rate that passes after a failing one does not
+  count."""
+  best, fail = None, None
+  for rate, share in points:
+    if share < attainment:
+      fail = rate
+      break
+    best = rate
+  return dict(goodput=best, first_failing=fail)

@@ -116,3 +116,11 @@ def test_refuses_engines_of_the_wrong_role(cost_file):
   router = cluster_sim.pd_router_for(prefill, decode, "distserve")
   with pytest.raises(ValueError, match="engine 0 must have role 'prefill', got 'decode'"):
     cluster_sim.replay_pd(decode, prefill, router, _workload(n=2), LINK)
+
+
+def test_goodput_is_the_last_rate_before_the_first_failing_one():
+  points = [(1.0, 0.99), (2.0, 0.90), (3.0, 0.85), (4.0, 0.95)]
+  assert cluster_sim.goodput_bracket(points, 0.9) == dict(goodput=2.0, first_failing=3.0)
+  assert cluster_sim.goodput_bracket(points[:2], 0.9) == dict(goodput=2.0, first_failing=None)
+  assert cluster_sim.goodput_bracket([(1.0, 0.5)], 0.9) == dict(goodput=None,
+                                                                first_failing=1.0)
