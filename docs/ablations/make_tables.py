@@ -157,11 +157,13 @@ def repro(runs, out, before=None):
     for r in rows:
       o = by_rate.get(r["rate_scale"]) if earlier else None
       pick = (lambda k, o=o: _NONE if not earlier else (o[k] if o else None))
-      print(f"| {r['rate_scale']:g} | {r['rate_req_s']:.2f} | {r['requests']} | "
-            f"{_beside(r['p99_tbt_ms'], pick('p99_tbt_ms'), lambda v: f'{v:.0f}')} | "
-            f"{_beside(r['median_ttft_ms'], pick('median_ttft_ms'), lambda v: f'{v:.0f}')} | "
-            f"{_beside(r['tbt_miss_fraction'], pick('tbt_miss_fraction'), lambda v: f'{100 * v:.2f}%')} | "
-            f"{_beside(r['meets_slo'], pick('meets_slo'), lambda v: 'yes' if v else 'no')} |")
+      ms, pct = (lambda v: f"{v:.0f}"), (lambda v: f"{100 * v:.2f}%")
+      cells = [f"{r['rate_scale']:g}", f"{r['rate_req_s']:.2f}", str(r["requests"]),
+               _beside(r["p99_tbt_ms"], pick("p99_tbt_ms"), ms),
+               _beside(r["median_ttft_ms"], pick("median_ttft_ms"), ms),
+               _beside(r["tbt_miss_fraction"], pick("tbt_miss_fraction"), pct),
+               _beside(r["meets_slo"], pick("meets_slo"), lambda v: "yes" if v else "no")]
+      print("| " + " | ".join(cells) + " |")
   ours = "sarathi512_300s" if "sarathi512_300s" in result else "sarathi512"
   if ours in result and "nochunk" in result and result["nochunk"]["capacity_req_s"]:
     ratio = result[ours]["capacity_req_s"] / result["nochunk"]["capacity_req_s"]
@@ -238,13 +240,15 @@ def vtc(runs, out, before=None):
     gap = lambda s, o=o: o["service_gap_b_minus_a"][str(s)]     # noqa: E731
     num = lambda v: f"{v:,.0f}"                                 # noqa: E731
     ttft = lambda v: f"{v[0] / 1e3:.1f} / {v[1] / 1e3:.1f}"     # noqa: E731
-    print(f"| {t['policy']} | {_beside(at[10.0], pick(lambda o: gap(10.0)), num)} | "
-          f"{_beside(at[20.0], pick(lambda o: gap(20.0)), num)} | "
-          f"{_beside(at[30.0], pick(lambda o: gap(30.0)), num)} | "
-          f"{_beside(t['fairness']['client_service_gap']['gap'], pick(lambda o: o['ledger_gap']['gap']), num)} | "
-          f"{_beside(t['fairness']['starved'], pick(lambda o: o['starved']), str)} | "
-          f"{_beside((rep['median_ttft_ms'], rep['p90_ttft_ms']), pick(lambda o: (o['median_ttft_ms'], o['p90_ttft_ms'])), ttft)} | "
-          f"{_beside(t['duration_s'], pick(lambda o: o['duration_s']), lambda v: f'{v:.1f}')} |")
+    fair = t["fairness"]
+    cells = [t["policy"]] + [_beside(at[s], pick(lambda o, s=s: gap(s)), num)
+                             for s in (10.0, 20.0, 30.0)] + [
+        _beside(fair["client_service_gap"]["gap"], pick(lambda o: o["ledger_gap"]["gap"]), num),
+        _beside(fair["starved"], pick(lambda o: o["starved"]), str),
+        _beside((rep["median_ttft_ms"], rep["p90_ttft_ms"]),
+                pick(lambda o: (o["median_ttft_ms"], o["p90_ttft_ms"])), ttft),
+        _beside(t["duration_s"], pick(lambda o: o["duration_s"]), lambda v: f"{v:.1f}")]
+    print("| " + " | ".join(cells) + " |")
   ax[0].axvline(30.0, ls=":", c="gray")
   ax[0].set(xlabel="time (s)", ylabel="service(client-b) - service(client-a)\n"
             "(weighted tokens: 1 per prompt, 2 per output)", title="VTC overload, two clients")
