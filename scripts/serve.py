@@ -202,11 +202,7 @@ def _check_flags() -> socket.socket:
   if FLAGS.replicas < 0:
     raise ValueError(f"--replicas must be >= 0 (0: one engine in this process), "
                      f"got {FLAGS.replicas}")
-  if hasattr(router, "check_router_name"):
-    router.check_router_name(FLAGS.router, pd=_pd(), flag="router")
-  elif FLAGS.router not in router.POLICIES:
-    raise ValueError(f"--router must be one of {sorted(router.POLICIES)}, got "
-                     f"{FLAGS.router!r}")
+  router.check_router_name(FLAGS.router, pd=_pd(), flag="router")
   _check_pd_flags()
   if FLAGS.replica_urls is not None:
     if FLAGS.replicas or _pd():

@@ -16,9 +16,8 @@ the actors' latest ``stats``.
 Placement: ``serving.http.router.Router`` (``router_for`` the actors'
 facts), as the HTTP replica front uses it: a request waits at the front
 while every engine of its pool is full, and is placed when a place frees.
-With prefill and decode pools, the router module's P/D router
-(``pd_router_for``, one decision per stage, ``_PDStage``) where it has one;
-else a ``Router`` per pool.
+With prefill and decode pools, the P/D router the simulated cluster runs
+too (``router.pd_router_for``, one decision per stage: ``_PDStage``).
 
 Prefill/decode (a ``decode`` pool given): requests go to the prefill pool;
 a prefill engine ends each one "handoff" after its first token (the client
@@ -200,11 +199,10 @@ class RayEngines:
                policy: str = "prefix_aware", cost: RouteCost = RouteCost(),
                route_log: Optional[str] = None):
     self.route_log = route_log
-    pd_router_for = getattr(router_lib, "pd_router_for", None)
     routers = [None, None]
-    if decode is not None and pd_router_for is not None:     # one P/D router, two stages
+    if decode is not None:             # one P/D router, two stages
       configs = [[f["config"] for f in p.facts] for p in (entry, decode)]
-      pd = pd_router_for(*configs, policy=policy, max_log=MAX_RECORDS)
+      pd = router_lib.pd_router_for(*configs, policy=policy, max_log=MAX_RECORDS)
       routers = [_PDStage(pd, "prefill", configs[0]), _PDStage(pd, "decode", configs[1])]
     self.entry = _Pool(entry, policy, cost, routers[0])
     self.decode = _Pool(decode, policy, cost, routers[1]) if decode is not None else None
@@ -212,7 +210,7 @@ class RayEngines:
     c = self.entry.configs[0]
     self.config = dataclasses.replace(
         c, max_request_slots=sum(x.max_request_slots for x in self.entry.configs),
-        **({"role": "mixed"} if hasattr(c, "role") else {}))
+        role="mixed")
     self.model_cfg = entry.facts[0]["model_cfg"]
     self.requests: Dict[str, RemoteRequest] = {}
     self.failures: "collections.Counter[tuple]" = collections.Counter()

@@ -96,7 +96,7 @@ def test_the_front_and_cluster_sim_build_the_same_router(cost_file):
   engines = _engines(2, cost_file)
   facts = [dict(dataclasses.asdict(e.config), model="tiny", vocab_size=CFG.vocab_size)
            for e in engines]
-  front = ReplicaFront(["http://127.0.0.1:1", "http://127.0.0.1:2"], [None, None], facts,
+  front = ReplicaFront(["http://127.0.0.1:1", "http://127.0.0.1:2"], facts,
                        policy="round_robin")
   sim = router_for(engines, "round_robin")
   assert type(front.router) is type(sim) is router_lib.Router
