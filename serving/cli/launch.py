@@ -31,6 +31,7 @@ from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.programs import resolve_decode_gemm
 from serving.engine.sim_executor import VirtualClock
+from serving.kv import transfer
 
 FLAGS = flags.FLAGS
 
@@ -614,18 +615,14 @@ def make_clock(engine_cfg: EngineConfig):
 
 
 def warmup(engine: Engine, num_requests: int = 0) -> dict:
-  """Compiles every token-row bucket once, on throwaway engines with the
-  same configs (engines with equal configs share compiled programs), for
-  every slot-table size the engine can grow to while ``num_requests``
-  requests queue (so that no compile lands inside a measurement).
-
-  Per size: the ``plan`` and every bucket's ``step`` program
-  (``Engine.compile_buckets``), the arrival, release and prefix-cache
-  writers and the client eviction. After it a run compiles nothing unless
-  it preempts (``resume_prefix``/``unpin``, ``swap_out``/``swap_in``) or runs
-  past ``DEVICE_REBASE_MS`` (``shift_clock``): small model-free programs.
-  Returns {bucket: seconds} summed over the sizes (compile + one empty run;
-  near zero when XLA's persistent compilation cache holds them)."""
+  """Compiles every token-row bucket once, on throwaway engines of the same
+  configs (which share compiled programs), for every slot-table size the
+  engine can grow to while ``num_requests`` requests queue: per size the
+  ``plan`` and every bucket's ``step`` program (``Engine.compile_buckets``),
+  the arrival, release and prefix-cache writers (a decode engine's through
+  a handoff) and the client eviction. Later, only preemptions and
+  ``DEVICE_REBASE_MS`` compile (small model-free programs). Returns
+  {bucket: seconds} summed over the sizes (compile + one empty run)."""
   c = engine.config
   sizes, size = [c.max_request_slots], c.max_request_slots
   while size < min(num_requests, c.max_queued_requests):
@@ -642,7 +639,10 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
     for bucket, s in scratch.compile_buckets().items():
       seconds[bucket] = round(seconds.get(bucket, 0.0) + s, 2)
     for name in ("warmup", "warmup-hit"):    # the second one hits the cache
-      scratch.add_request(f"{name}-{size}", ids, greedy)
+      if c.role == "decode":                # takes handoffs only: zero pages will do
+        scratch.add_handoff(transfer.zero_handoff(f"{name}-{size}", ids, greedy, scratch))
+      else:
+        scratch.add_request(f"{name}-{size}", ids, greedy)
       scratch.run()
     for request_id in list(scratch.requests):
       scratch.evict(request_id)

@@ -118,6 +118,27 @@ class KVHandoff:
     return dataclasses.replace(self, checksum=self.digest())
 
 
+def zero_handoff(request_id: str, prompt_token_ids, sampling: SamplingParams,
+                 engine) -> KVHandoff:
+  """A sealed record whose pages are zeros, in the layout ``engine`` (a
+  decode ``Engine``) takes: what a launcher's warm-up hands a decode engine
+  to compile its programs (the bits of its tokens mean nothing). First
+  token 0."""
+  c, kv = engine.config, engine.kv
+  p = len(prompt_token_ids)
+  n = kv_pages.pages_for(p, c.page_size)
+  shape = (kv.k.shape[0], n) + tuple(kv.k.shape[2:])
+  simulated = c.executor == "simulated"
+  k = None if simulated else np.zeros(shape, kv.k.dtype)
+  return KVHandoff(
+      request_id=request_id, prompt_token_ids=tuple(int(t) for t in prompt_token_ids),
+      first_token=0, sampling=sampling, priority=0, client="default", slo_ttft_ms=None,
+      slo_tpot_ms=None, cache_salt="", arrival_ms=0.0, first_token_ms=0.0,
+      first_logprobs=None, tokens=p, page_size=c.page_size, num_pages=n,
+      nbytes=0 if simulated else 2 * k.nbytes, k=k,
+      v=None if simulated else np.zeros(shape, kv.v.dtype)).sealed()
+
+
 def check(h: KVHandoff, *, page_size: int, kv_shape, kv_dtype, simulated: bool,
           max_model_len: int, vocab_size: int) -> None:
   """Refuses a record a decode engine cannot take.

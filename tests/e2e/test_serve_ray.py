@@ -27,7 +27,7 @@ def test_serve_py_prefill_decode_actors_stream_and_stop_on_sigint(tmp_path):
   process = subprocess.Popen(
       [sys.executable, str(ROOT / "scripts" / "serve.py"), f"--port={port}",
        f"--model={MODEL}", "--engine=tiny", "--prefill_replicas=1", "--decode_replicas=1",
-       "--replica_cpus=0", "--nowarmup"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+       "--replica_cpus=0"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
       env=dict(os.environ, PYTHONPATH=str(ROOT)))
   url = f"http://127.0.0.1:{port}"
   try:

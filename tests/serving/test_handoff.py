@@ -346,3 +346,17 @@ def test_every_policy_runs_on_both_roles(policy):
     assert (other.outcome, other.output_token_ids) == (req.outcome, req.output_token_ids)
   _assert_pages_free(p_engine)
   _assert_pages_free(d_engine)
+
+
+def test_a_decode_engine_warms_up_through_a_zero_handoff(params):
+  """``launch.warmup`` on a decode engine (which refuses prompts) compiles
+  its programs through ``transfer.zero_handoff`` records, and leaves no
+  page held."""
+  from serving.cli import launch
+  engine = Engine(CFG, params, DECODE)
+  seconds = launch.warmup(engine, num_requests=0)
+  assert set(seconds) == set(DECODE.token_buckets)
+  h = transfer.zero_handoff("z", [5, 6, 7, 8, 9], GREEDY, engine)
+  assert h.num_pages == 2 and not h.k.any() and h.checksum == h.digest()
+  _assert_pages_free(engine)
+
