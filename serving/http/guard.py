@@ -18,6 +18,12 @@ In order, for every HTTP request:
 4. A body larger than ``Access.max_body_bytes`` is HTTP 413, whether its
    ``Content-Length`` says so or it streams past the cap (read no further).
 
+A front's ``GET /router`` shows a caller the route records of its own
+tenant only (``own_records``): with keys, those whose ``tenant`` is the
+caller's key's (a key without a tenant: the records of requests made
+without one); without keys, every record. No key sees every tenant's: the
+route log (``--route_log``, a file on the front's host) holds them all.
+
 Every refusal is an OpenAI-style error body. Keys come from
 ``parse_api_keys``: comma-separated ``KEY`` or ``KEY:TENANT`` entries (the
 ``--api_key`` flag, the ``ITERSERVE_API_KEY`` variable, or one entry per
@@ -29,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 # Routes open without a key: liveness for supervisors and load balancers,
 # Prometheus scraping, and the engine facts a router front reads.
@@ -191,6 +197,22 @@ class Guard:
       chunks.append(chunk)
       if not message.get("more_body", False):
         return b"".join(chunks), None
+
+
+def own_records(scope, records: Iterable[dict]) -> List[dict]:
+  """The route records a ``GET /router`` caller may read (module docstring).
+
+  Args:
+    scope: the request's ASGI scope; ``Guard`` put the caller key's tenant
+      in it (``TENANT_SCOPE_KEY``, None for a key without one) when the
+      server has keys, and nothing when it has none.
+    records: route records, each with a ``tenant`` (None: a request made
+      without one).
+  """
+  if TENANT_SCOPE_KEY not in scope:              # no keys: every record
+    return list(records)
+  tenant = scope[TENANT_SCOPE_KEY]
+  return [r for r in records if r.get("tenant") == tenant]
 
 
 def _replay(body: bytes, receive):

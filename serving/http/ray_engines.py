@@ -80,6 +80,13 @@ class FlagsEngine:
     return engine
 
 
+def engine_name(role: str, index: int) -> str:
+  """An engine's one name across a front: its role and its index in its
+  pool ("mixed-1", "prefill-0", "decode-0"); pool indices alone repeat
+  across the prefill and decode pools."""
+  return f"{role}-{index}"
+
+
 class EngineActor:
   """One engine and its stepping thread (module docstring).
 
@@ -96,6 +103,7 @@ class EngineActor:
     self.replica = replica
     self.transport = ray_transfer.make_transport(transport)
     self.role = getattr(self.engine.config, "role", "mixed")
+    self.name = engine_name(self.role, replica)
     self._commands: "queue.Queue[tuple]" = queue.Queue()
     self._news = threading.Condition()
     self._updates: List[dict] = []
@@ -107,9 +115,9 @@ class EngineActor:
 
   # ------------------------------------------------------------ methods
   def facts(self) -> dict:
-    """What the front needs: the configs, the role, the process id."""
+    """What the front needs: the configs, the role, the name, the process id."""
     return dict(config=self.engine.config, model_cfg=self.engine.model_cfg, role=self.role,
-                replica=self.replica, pid=os.getpid(),
+                replica=self.replica, engine=self.name, pid=os.getpid(),
                 node=ray.get_runtime_context().get_node_id())
 
   def submit(self, specs: List[dict]) -> List[Optional[BaseException]]:
@@ -169,7 +177,7 @@ class EngineActor:
     box = []
     self._commands.put((kind, payload, done, box))
     if not done.wait(600):
-      raise TimeoutError(f"engine {self.replica}: {kind} not run within 600 s")
+      raise TimeoutError(f"engine {self.name}: {kind} not run within 600 s")
     if isinstance(box[0], BaseException) and kind == "stats":
       raise box[0]
     return box[0]
@@ -192,7 +200,7 @@ class EngineActor:
           start_ms = self.engine.now_ms()
           self._report(self.engine.step(), start_ms)
     except BaseException as e:            # the engine broke: the process dies
-      print(f"error: engine {self.replica} failed ({type(e).__name__}: {e}); the actor "
+      print(f"error: engine {self.name} failed ({type(e).__name__}: {e}); the actor "
             f"exits", file=sys.stderr, flush=True)
       os._exit(1)
 
@@ -362,7 +370,7 @@ def start_engines(build: Callable, num: int, *, role: str = "mixed",
     if f["role"] != role:
       for a in actors:
         ray.kill(a, no_restart=True)
-      raise RuntimeError(f"engine {f['replica']} has role {f['role']!r}, expected {role!r}")
+      raise RuntimeError(f"engine {f['engine']} has role {f['role']!r}, expected {role!r}")
   return Pool(role, actors, facts)
 
 

@@ -37,6 +37,12 @@ mismatch, a bad field, its queue full) fails the request, counted in
 ``iterserve:kv_handoff_failures`` by reason; its prefill pages were freed
 when the handoff was taken. Every wait on an actor is bounded.
 
+Names: every pool counts its engines from 0, so an engine is named by role
+and index (``ray_engines.engine_name``: "prefill-0", "decode-0"): the
+``engine`` of ``GET /router``'s engines and decisions, a record's ``engine``
+and ``decode_engine``, and in errors. A record holds its API key's
+``tenant``; with keys a caller sees only its own (``guard.own_records``).
+
 Clocks: the front's clock is ``time.monotonic()``; an actor gets how long
 ago its request arrived at the front (``waited_ms``), so TTFT on a remote
 node counts from the front's arrival but for the transit time.
@@ -53,11 +59,13 @@ from typing import Dict, List, Optional
 
 import prometheus_client as prom
 import ray
+from fastapi import Request as HttpRequest
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from serving.engine.requests import RequestOutput
 from serving.http import ray_engines
 from serving.http.engine_loop import EngineLoop
+from serving.http.guard import own_records
 from serving.http.metrics import ServerMetrics
 from serving.http import router as router_lib
 from serving.http.router import RouteCost, router_for
@@ -164,6 +172,7 @@ class _Pool:
 
   def __init__(self, pool: ray_engines.Pool, policy: str, cost: RouteCost, router=None):
     self.role, self.actors = pool.role, pool.actors
+    self.names = [ray_engines.engine_name(pool.role, i) for i in range(len(pool.actors))]
     self.configs = [f["config"] for f in pool.facts]
     self.router = router or router_for([dataclasses.asdict(c) for c in self.configs], policy,
                                        cost)
@@ -224,10 +233,12 @@ class RayEngines:
         pool.poll(i)
 
   def report(self) -> dict:
-    """``GET /router``: the policy, every engine (its pool, liveness and
-    latest stats) and the route records (a snapshot)."""
+    """``GET /router``: the policy, every engine (its name, pool, index in
+    the pool, liveness and latest stats) and the route records (a snapshot;
+    the front gives a caller only its tenant's)."""
     with self.lock:
-      engines = [dict(replica=i, pool=pool.role, alive=i not in pool.down_since,
+      engines = [dict(engine=pool.names[i], replica=i, pool=pool.role,
+                      alive=i not in pool.down_since,
                       **{k: v for k, v in pool.stats.get(i, {}).items() if k != "replica"})
                  for pool in self.pools for i in range(len(pool.actors))]
       records = list(self.records)
@@ -249,8 +260,10 @@ class RayEngines:
             or any(not r.finished for r in self.requests.values()))
 
   def add_request(self, request_id: str, prompt_token_ids, sampling, *, arrival_ms=None,
-                  priority: int = 0, client: str = "default", **extra) -> RemoteRequest:
+                  priority: int = 0, client: str = "default", tenant: Optional[str] = None,
+                  **extra) -> RemoteRequest:
     """Queues the request at the front and places it if an engine has room.
+    ``tenant``: its API key's (kept in its route record only; None: none).
 
     Raises:
       ValueError: the id is live here; the engine's refusal (e.g.
@@ -263,8 +276,9 @@ class RayEngines:
     spec = dict(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                 sampling=sampling, priority=priority, client=client, extra=extra)
     req = RemoteRequest(request_id, list(prompt_token_ids), sampling, arrival, spec)
-    req.record = dict(request_id=request_id, arrival_ms=arrival, replica=None,
-                      decode_replica=None, rerouted_from=[], decisions=[], outcome=None)
+    req.record = dict(request_id=request_id, tenant=tenant, arrival_ms=arrival, replica=None,
+                      engine=None, decode_replica=None, decode_engine=None, rerouted_from=[],
+                      decisions=[], outcome=None)
     self.requests[request_id] = req
     self._route(self.entry, req)
     refusal = self._place(self.entry, only=request_id)
@@ -336,13 +350,14 @@ class RayEngines:
         pool.free(rid, "cancelled")
         continue
       req.record["decisions"].append(dict(
-          pool=pool.role, replica=i, waited_ms=decision["waited_ms"],
+          pool=pool.role, replica=i, engine=pool.names[i], waited_ms=decision["waited_ms"],
           score_ms=decision["score_ms"], tie_key=decision["tie_key"]))
       waited_ms = self.now_ms() - req.arrival_ms
       if pool is self.decode:         # acknowledged in a later step (``_acked``)
         ack = pool.actors[i].add_handoff.remote(rid, req.handoff, waited_ms)
         self._acks[ack] = (rid, i)
-        req.handoff, req.decode_replica, req.record["decode_replica"] = None, i, i
+        req.handoff, req.decode_replica = None, i
+        req.record.update(decode_replica=i, decode_engine=pool.names[i])
         continue
       try:
         spec = dict(req.spec, waited_ms=waited_ms)
@@ -352,7 +367,8 @@ class RayEngines:
         req.record["rerouted_from"].append(i)
         self._route(pool, req)
         continue
-      req.replica, req.record["replica"], req.stage = i, i, "prefill"
+      req.replica, req.stage = i, "prefill"
+      req.record.update(replica=i, engine=pool.names[i])
       if isinstance(result, BaseException):
         pool.free(rid, "rejected")
         if rid == only:
@@ -387,7 +403,8 @@ class RayEngines:
       return
     reason = type(result).__name__
     self.failures[("kv_handoff", reason)] += 1
-    self._end(req, "failed", f"handoff refused by decode engine {i}: {reason}: {result}")
+    self._end(req, "failed", f"handoff refused by engine {self.decode.names[i]}: {reason}: "
+              f"{result}")
 
   # ---------------------------------------------------------- the news
   def _collect(self, pool: _Pool, i: int, ref) -> None:
@@ -497,7 +514,7 @@ class RayEngines:
     for req in list(self.requests.values()):
       if not req.finished and self._holder(req) == (pool, i):
         self.failures[("engine_actor", pool.role)] += 1
-        self._end(req, "failed", f"{pool.role} engine {i} died (its actor exited); "
+        self._end(req, "failed", f"engine {pool.names[i]} died (its actor exited); "
                   f"the request failed")
 
 
@@ -570,12 +587,21 @@ class RayFront(OpenAIServer):
     self.metrics = RayMetrics(model_name, self.metrics.capacity)
     self.loop = RayLoop(engines, tokenizer, self.metrics, on_death=self._engine_died)
 
+  def _parse(self, raw: bytes, chat: bool, tenant: Optional[str]):
+    """``OpenAIServer._parse``; the tenant goes to the route record."""
+    parsed = super()._parse(raw, chat, tenant)
+    parsed.extra["tenant"] = tenant
+    return parsed
+
   def _build_app(self):
     app = super()._build_app()
 
     @app.get("/router")
-    async def router_report():
-      return self.engine.report()
+    async def router_report(request: HttpRequest):
+      """``RayEngines.report`` with the caller's own route records only
+      (``guard.own_records``: with keys, its key's tenant's)."""
+      report = self.engine.report()
+      return dict(report, requests=own_records(request.scope, report["requests"]))
 
     return app
 

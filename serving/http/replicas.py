@@ -30,8 +30,9 @@ two ways, and its route record says which:
 Every request gets one JSON line (``route_log``) when it ends: its
 decisions (each with every replica's facts as they stood), the replica that
 served it, what it was re-routed from, and its outcome (completed, failed,
-refused, cancelled). ``GET /router`` returns the same records (the last
-``MAX_RECORDS``; the log keeps all), the policy and each replica's
+refused, cancelled) and its API key's ``tenant``. ``GET /router`` returns
+the same records (the last ``MAX_RECORDS``; the log keeps all; with keys,
+only the caller's tenant's: ``guard.own_records``), the policy and each replica's
 prefix-cache counters (scraped from its ``/metrics``), for the replay
 report. ``GET /metrics`` is the front's ``iterserve:router_*`` series, then
 every live replica's own series with a ``replica`` label
@@ -111,7 +112,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
+from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard, own_records
 from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
                                    BadRequest, LongInt, Overloaded, Unavailable, _error_response,
                                    _sse, json_body, model_card, model_routes, openai_errors)
@@ -428,7 +429,7 @@ class ReplicaFront:
       salt = f"tenant:{tenant}|{salt}"
     rid = f"route-{next(self._ids)}"
     record = dict(request_id=rid, client_request_id=request.headers.get(REQUEST_ID_HEADER),
-                  path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
+                  tenant=tenant, path=path, arrival_s=arrival_s, prompt_tokens=len(ids),
                   max_tokens=max_tokens, stream=stream, replica=None, rerouted_from=[],
                   decisions=[], outcome=None)
     route = asyncio.ensure_future(self._route(record, raw, ids, auth, salt))
@@ -612,9 +613,14 @@ class ReplicaFront:
                       media_type=prom.CONTENT_TYPE_LATEST)
 
     @app.get("/router")
-    async def router_report():
+    async def router_report(request: HttpRequest):
+      """The policy, each replica's stats and the caller's route records:
+      with keys, only those of the caller key's tenant (a key without a
+      tenant: those of requests made without one; ``guard.own_records``);
+      without keys, every one."""
       return {"policy": self.router.policy, "cost": dataclasses.asdict(self.router.cost),
-              "replicas": await self.replica_stats(), "requests": list(self.records)}
+              "replicas": await self.replica_stats(),
+              "requests": own_records(request.scope, self.records)}
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest):
@@ -627,11 +633,28 @@ class ReplicaFront:
     return app
 
 
+def _served_by(record: dict) -> List:
+  """The engines a route record ran on, by ``engine_key``: its replica (a
+  front over named engines: its ``engine``, and its ``decode_engine`` under
+  prefill/decode)."""
+  if "engine" not in record:
+    return [record["replica"]]
+  return [e for e in (record["engine"], record.get("decode_engine")) if e is not None]
+
+
+def engine_key(stats: dict):
+  """An engine's key in a ``GET /router`` report: its ``engine`` name where
+  the front names its engines (the Ray front: "prefill-0", "decode-0"; pool
+  indices repeat across pools), else its ``replica`` index."""
+  return stats.get("engine", stats["replica"])
+
+
 def route_summary(router_report: dict, before: Optional[dict] = None) -> dict:
   """The replay report's ``router`` section from a front's ``GET /router``:
   policy, overall and per-replica prefix-cache hit rates (token units, the
-  replicas' own counters), placements per replica, re-routes, and every
-  request's route record.
+  replicas' own counters), placements per replica (per engine, named by its
+  ``engine`` where the front names them), re-routes, and every request's
+  route record.
 
   Args:
     router_report: ``GET /router`` after the run.
@@ -642,19 +665,21 @@ def route_summary(router_report: dict, before: Optional[dict] = None) -> dict:
   """
   if before is not None:
     seen = {q["request_id"] for q in before["requests"]}
-    then = {r["replica"]: r for r in before["replicas"]}
+    then = {engine_key(r): r for r in before["replicas"]}
     router_report = dict(router_report, requests=[
         q for q in router_report["requests"] if q["request_id"] not in seen])
   replicas = []
   for r in router_report["replicas"]:
+    key = engine_key(r)
     queries, hits = r.get("prefix_cache_queries", 0.0), r.get("prefix_cache_hits", 0.0)
     if before is not None:
-      old = then.get(r["replica"], {})
+      old = then.get(key, {})
       old_q, old_h = old.get("prefix_cache_queries", 0.0), old.get("prefix_cache_hits", 0.0)
       if queries >= old_q and hits >= old_h:
         queries, hits = queries - old_q, hits - old_h
-    placed = sum(1 for q in router_report["requests"] if q["replica"] == r["replica"])
-    replicas.append(dict(replica=r["replica"], alive=r["alive"], placed=placed,
+    placed = sum(1 for q in router_report["requests"] if key in _served_by(q))
+    named = {"engine": r["engine"]} if "engine" in r else {}
+    replicas.append(dict(replica=r["replica"], **named, alive=r["alive"], placed=placed,
                          prefix_cache_queries=queries, prefix_cache_hits=hits,
                          prefix_cache_hit_rate=hits / queries if queries else 0.0))
   queries = sum(r["prefix_cache_queries"] for r in replicas)

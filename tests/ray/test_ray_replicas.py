@@ -315,7 +315,7 @@ def test_a_decode_actor_killed_mid_stream_fails_its_requests_and_comes_back():
       ray.kill(pools[1].actors[0], no_restart=False)
       _drain(engines)
       assert [engines.requests[f"r{i}"].outcome for i in range(3)] == ["failed"] * 3
-      assert all("decode engine 0 died" in engines.requests[f"r{i}"].finish_reason
+      assert all("engine decode-0 died" in engines.requests[f"r{i}"].finish_reason
                  for i in range(3))
       metrics.observe_engine(engines, 0)
       assert metrics.actor_failures.labels("tiny", "decode")._value.get() == 3

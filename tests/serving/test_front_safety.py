@@ -152,3 +152,32 @@ def test_a_front_with_keys_forwards_the_tenant_and_models_its_salt(served, monke
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
   finally:
     front.close()
+
+
+def test_router_shows_a_caller_only_its_own_tenants_records(served):
+  """Three keys (two tenants and one without): each caller's ``GET /router``
+  lists exactly the records of its own requests, each naming its tenant;
+  no key is refused. Without keys every record is listed (the
+  huge-max_tokens test above)."""
+  from serving.http import guard
+  access = guard.Access(api_keys=guard.parse_api_keys("key-a:tenant-a,key-b:tenant-b,key-p"))
+  front = _front([served.url], access=access)
+  try:
+    sent = {"key-a": 2, "key-b": 1, "key-p": 1}
+    ids = {}
+    for key, count in sent.items():
+      for i in range(count):
+        r = front.http.post("/v1/completions", headers={
+            "authorization": f"Bearer {key}", "x-request-id": f"{key}-{i}"},
+            json={"model": "tiny", "prompt": f"hi {i}", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        ids.setdefault(key, []).append(f"{key}-{i}")
+    tenants = {"key-a": "tenant-a", "key-b": "tenant-b", "key-p": None}
+    for key, tenant in tenants.items():
+      report = front.http.get("/router", headers={"authorization": f"Bearer {key}"}).json()
+      assert [q["client_request_id"] for q in report["requests"]] == ids[key]
+      assert [q["tenant"] for q in report["requests"]] == [tenant] * sent[key]
+      assert len(report["replicas"]) == 1                   # the replicas' stats stay
+    assert front.http.get("/router").status_code == 401
+  finally:
+    front.close()

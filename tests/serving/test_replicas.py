@@ -230,6 +230,28 @@ def test_route_summary_counts_a_run_from_its_before_report():
   assert [r["placed"] for r in replicas_module.route_summary(after)["replicas"]] == [1, 2]
 
 
+def test_route_summary_tells_prefill_and_decode_engines_apart():
+  """Hand-worked, a prefill/decode front's report (pool indices both 0):
+  each engine is counted by its name, its placements (prefill-0: the two
+  records' prefill, decode-0: the one handed off) and its own counters'
+  increase since ``before``."""
+  stats = lambda pool, q, h: dict(engine=f"{pool}-0", replica=0, pool=pool, alive=True,
+                                  prefix_cache_queries=q, prefix_cache_hits=h)
+  rec = lambda rid, decode: dict(request_id=rid, replica=0, engine="prefill-0",
+                                 decode_replica=0 if decode else None,
+                                 decode_engine="decode-0" if decode else None,
+                                 rerouted_from=[])
+  before = dict(policy="distserve", cost=None, replicas=[stats("prefill", 10, 4),
+                                                         stats("decode", 0, 0)],
+                requests=[rec("r0", True)])
+  after = dict(before, replicas=[stats("prefill", 30, 8), stats("decode", 2, 0)],
+               requests=[rec("r0", True), rec("r1", True), rec("r2", False)])
+  summary = replicas_module.route_summary(after, before)
+  assert [(r["engine"], r["placed"], r["prefix_cache_queries"], r["prefix_cache_hits"])
+          for r in summary["replicas"]] == [("prefill-0", 2, 20, 4), ("decode-0", 1, 2, 0)]
+  assert summary["prefix_cache_hit_rate"] == pytest.approx(4 / 22)
+
+
 def test_a_replica_killed_mid_run_reroutes_or_fails_each_request(replicas, tmp_path):
   urls, processes, facts = replicas
   served = _Front(urls, facts, "round_robin", tmp_path / "routes.jsonl")

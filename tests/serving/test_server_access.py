@@ -158,3 +158,17 @@ def test_bad_key_lists_are_refused_naming_the_entry(text, message):
   with pytest.raises(ValueError, match=message):
     guard.parse_api_keys(text)
   assert guard.parse_api_keys("k1:t1,\nk2") == {"k1": "t1", "k2": None}
+
+
+def test_own_records_keeps_the_callers_tenant_or_every_record_without_keys():
+  """``guard.own_records``: a scope without the tenant key (a server without
+  keys) keeps every record; with it, only the records of that tenant (None:
+  the records of requests made without one)."""
+  records = [dict(request_id="a", tenant="t1"), dict(request_id="b", tenant=None),
+             dict(request_id="c", tenant="t2"), dict(request_id="d", tenant="t1")]
+  rids = lambda scope: [r["request_id"] for r in guard.own_records(scope, records)]
+  assert rids({"type": "http"}) == ["a", "b", "c", "d"]
+  assert rids({guard.TENANT_SCOPE_KEY: "t1"}) == ["a", "d"]
+  assert rids({guard.TENANT_SCOPE_KEY: None}) == ["b"]
+  assert rids({guard.TENANT_SCOPE_KEY: "t3"}) == []
+
