@@ -19,6 +19,12 @@ route record (its decisions and the facts they used), all of this run's
 own: ``GET /router`` is read before and after the run, and only the requests
 and counter increases between the two are counted.
 
+A server started with API keys (``serve.py --api_key``) needs one:
+``--api_key=KEY``, or the ``OPENAI_API_KEY`` environment variable as
+``vllm bench serve`` reads it, goes on every request as ``Authorization:
+Bearer KEY``. Against a front with keys, the ``router`` section holds the
+key's tenant's route records only (its replica counters are everyone's).
+
   python scripts/bench_serving.py --n=8 --n_prompt_len=256 --n_max_tokens=32 \
       --out=runs/bench_parallel_sampling.json
 
@@ -58,6 +64,9 @@ flags.DEFINE_string("url", "http://127.0.0.1:8000", "Server base URL, with or wi
 flags.DEFINE_string("model", None, "Model name to send (default: the server's only model).")
 flags.DEFINE_string("out", "runs/bench_serving.json", "Report JSON path.")
 flags.DEFINE_float("timeout_s", 1800.0, "Per-request HTTP timeout (s).")
+flags.DEFINE_string("api_key", None, "API key sent as 'Authorization: Bearer KEY' on every "
+                    "request (default: the OPENAI_API_KEY environment variable; neither: "
+                    "no key; --api_key= sends none).")
 flags.DEFINE_integer("n", 0, "> 1: compare n parallel samples of one prompt with n "
                      "independent requests (counts only) instead of the workload.")
 flags.DEFINE_integer("n_prompt_len", 256, "--n: prompt tokens (random ids).")
@@ -113,6 +122,13 @@ async def _one(client, spec, model, origin, max_model_len):
       finish_reason=reason, clipped=spec.clipped)
 
 
+def auth_headers(api_key: Optional[str]) -> dict:
+  """The ``Authorization`` header for ``--api_key`` (None: the
+  ``OPENAI_API_KEY`` environment variable); {} when neither gives a key."""
+  key = os.environ.get("OPENAI_API_KEY") if api_key is None else api_key
+  return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def base_url(url: str) -> str:
   """The server root from --url: a trailing '/' and '/v1' dropped (the
   OpenAI clients' base_url ends in /v1; this script adds the paths itself).
@@ -130,20 +146,26 @@ def base_url(url: str) -> str:
   return root.removesuffix("/v1").rstrip("/")
 
 
-def server_model(root: str, name: Optional[str]) -> dict:
+def server_model(root: str, name: Optional[str], headers: Optional[dict] = None) -> dict:
   """The model ``GET {root}/v1/models`` lists as ``name`` (None: the first
   one), with its ``max_model_len`` (vLLM's field) and ``vocab_size``
-  (SmolLM2's, with a note, when the server does not say).
+  (SmolLM2's, with a note, when the server does not say); ``headers``: the
+  API key's (``auth_headers``).
 
   Raises:
-    ValueError: the server cannot be reached, its answer is not an OpenAI
-      model list with ``max_model_len``, or it does not serve ``name``
-      (--model; the message lists the served names).
+    ValueError: the server cannot be reached, refuses the API key (HTTP
+      401), its answer is not an OpenAI model list with ``max_model_len``,
+      or it does not serve ``name`` (--model; the message lists the served
+      names).
   """
   try:
-    reply = httpx.get(f"{root}/v1/models", timeout=30)
+    reply = httpx.get(f"{root}/v1/models", headers=headers, timeout=30)
   except httpx.TransportError as e:
     raise ValueError(f"cannot reach {root} (--url): {type(e).__name__}: {e}") from None
+  if reply.status_code == 401:
+    given = "the key given was refused" if headers else "none was given"
+    raise ValueError(f"{root} needs an API key and {given}: --api_key=KEY or the "
+                     f"OPENAI_API_KEY environment variable")
   try:
     cards = reply.raise_for_status().json()["data"]
     served = [card["id"] for card in cards]
@@ -160,16 +182,16 @@ def server_model(root: str, name: Optional[str]) -> dict:
   return {"vocab_size": workloads.DEFAULT_VOCAB_SIZE, **card}
 
 
-def _router_report(root: str) -> Optional[dict]:
+def _router_report(root: str, headers: dict) -> Optional[dict]:
   """A router front's ``GET /router``; None from a server that is not one."""
-  reply = httpx.get(f"{root}/router", timeout=60)
+  reply = httpx.get(f"{root}/router", headers=headers, timeout=60)
   return reply.json() if reply.status_code == 200 else None
 
 
-async def _run(workload, model, root, max_model_len):
+async def _run(workload, model, root, max_model_len, headers):
   limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-  async with httpx.AsyncClient(base_url=root, timeout=FLAGS.timeout_s,
-                               limits=limits) as client:
+  async with httpx.AsyncClient(base_url=root, timeout=FLAGS.timeout_s, limits=limits,
+                               headers=headers) as client:
     origin = time.perf_counter()
     records = await asyncio.gather(*[_one(client, s, model, origin, max_model_len)
                                      for s in workload])
@@ -182,23 +204,24 @@ _N_COUNTS = {"prefill_tokens_computed": "iterserve:prefill_tokens_computed_total
              "kv_pages_used_peak": "iterserve:kv_pages_used_peak"}
 
 
-def _server_counts(root: str) -> dict:
+def _server_counts(root: str, headers: dict) -> dict:
   """The ``_N_COUNTS`` samples of ``GET {root}/metrics``."""
-  text = httpx.get(f"{root}/metrics", timeout=60).raise_for_status().text
+  text = httpx.get(f"{root}/metrics", headers=headers, timeout=60).raise_for_status().text
   samples = {s.name: s.value for f in text_string_to_metric_families(text)
              for s in f.samples}
   return {key: samples[name] for key, name in _N_COUNTS.items()}
 
 
-def _count_run(root: str, body: dict) -> dict:
+def _count_run(root: str, body: dict, headers: dict) -> dict:
   """Sends one completion ``body``; returns its choices, usage and the
   server counts it moved (the peak is the run's own: the server was idle
   before it)."""
-  before = _server_counts(root)
-  reply = httpx.post(f"{root}/v1/completions", json=body, timeout=FLAGS.timeout_s)
+  before = _server_counts(root, headers)
+  reply = httpx.post(f"{root}/v1/completions", json=body, headers=headers,
+                     timeout=FLAGS.timeout_s)
   if reply.status_code != 200:
     raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:300]}")
-  after = _server_counts(root)
+  after = _server_counts(root, headers)
   out = {key: int(after[key] - before[key]) for key in ("prefill_tokens_computed",
                                                         "prefix_hit_tokens")}
   out["kv_pages_used_peak"] = int(after["kv_pages_used_peak"])
@@ -207,15 +230,15 @@ def _count_run(root: str, body: dict) -> dict:
   return out
 
 
-def parallel_sampling(root: str, model: str, vocab_size: int) -> dict:
+def parallel_sampling(root: str, model: str, vocab_size: int, headers: dict) -> dict:
   """The --n comparison (see the module docstring)."""
   n, length = FLAGS.n, FLAGS.n_prompt_len
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, vocab_size, size=length).tolist() for _ in range(2)]
   common = {"model": model, "max_tokens": FLAGS.n_max_tokens, "temperature": 1.0,
             "seed": 0, "ignore_eos": True}
-  runs = {"parallel": _count_run(root, {**common, "prompt": prompts[0], "n": n}),
-          "independent": _count_run(root, {**common, "prompt": [prompts[1]] * n})}
+  runs = {"parallel": _count_run(root, {**common, "prompt": prompts[0], "n": n}, headers),
+          "independent": _count_run(root, {**common, "prompt": [prompts[1]] * n}, headers)}
   return {"n": n, "prompt_len": length, "max_tokens": FLAGS.n_max_tokens,
           "server": root, "model": model, "argv": sys.argv[1:], "runs": runs}
 
@@ -226,13 +249,14 @@ def main(argv):
   if not FLAGS.timeout_s > 0:
     raise ValueError(f"--timeout_s must be > 0, got {FLAGS.timeout_s}")
   root = base_url(FLAGS.url)
-  info = server_model(root, FLAGS.model)
+  headers = auth_headers(FLAGS.api_key)
+  info = server_model(root, FLAGS.model, headers)
   model = info["id"]
   if FLAGS.n:
     if FLAGS.n < 2 or FLAGS.n_prompt_len < 1 or FLAGS.n_max_tokens < 1:
       raise ValueError(f"--n must be >= 2 and --n_prompt_len, --n_max_tokens >= 1, got "
                        f"{FLAGS.n}, {FLAGS.n_prompt_len}, {FLAGS.n_max_tokens}")
-    report = parallel_sampling(root, model, info["vocab_size"])
+    report = parallel_sampling(root, model, info["vocab_size"], headers)
     print("| run | choices | prefill tokens computed | prefix-hit tokens | "
           "KV pages used (peak) |\n|---|---|---|---|---|")
     for name, run in report["runs"].items():
@@ -244,18 +268,20 @@ def main(argv):
   workload = launch.load_workload(info["vocab_size"], info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}) against {root} ({model})")
-  routed_before = _router_report(root)
-  records, duration_s = asyncio.run(_run(workload, model, root, info["max_model_len"]))
+  routed_before = _router_report(root, headers)
+  records, duration_s = asyncio.run(_run(workload, model, root, info["max_model_len"],
+                                         headers))
   config = {"model": model, "server": root, "client": "HTTP streaming (SSE), "
             "client-side timestamps", "max_model_len": info["max_model_len"],
             "workload": workload.describe()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   print(metrics.format_table(report))
-  routed = _router_report(root)
+  routed = _router_report(root, headers)
   if routed is not None and routed_before is not None:     # a router front
     report["router"] = summary = replicas.route_summary(routed, routed_before)
-    rates = ", ".join(f"replica {r['replica']}: {r['prefix_cache_hit_rate']:.3f} "
-                      f"({r['placed']} placed)" for r in summary["replicas"])
+    rates = ", ".join(f"{r.get('engine') or 'replica ' + str(r['replica'])}: "
+                      f"{r['prefix_cache_hit_rate']:.3f} ({r['placed']} placed)"
+                      for r in summary["replicas"])
     print(f"router {summary['policy']}: prefix-cache hit rate "
           f"{summary['prefix_cache_hit_rate']:.3f} ({rates}); re-routed {summary['rerouted']}")
   metrics.write_report(FLAGS.out, report)

@@ -3,6 +3,12 @@ any work: API keys and their tenants (fairness identity, prefix-cache
 salt), the Host allow-list, JSON-only bodies, the body-size and prompt
 caps, the live bound on the tokenizer routes. Real HTTP on 127.0.0.1."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -172,3 +178,40 @@ def test_own_records_keeps_the_callers_tenant_or_every_record_without_keys():
   assert rids({guard.TENANT_SCOPE_KEY: None}) == ["b"]
   assert rids({guard.TENANT_SCOPE_KEY: "t3"}) == []
 
+
+def _bench(url, tmp_path, *flags, env_key=None):
+  """scripts/bench_serving.py against ``url``: 2 tiny requests; ``env_key``
+  as OPENAI_API_KEY (None: unset). Returns (exit status, stderr, report)."""
+  root = Path(__file__).resolve().parents[2]
+  out = tmp_path / "bench.json"
+  env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
+  if env_key is not None:
+    env["OPENAI_API_KEY"] = env_key
+  proc = subprocess.run(
+      [sys.executable, str(root / "scripts/bench_serving.py"), f"--url={url}/v1",
+       "--num_requests=2", "--rate_scale=100", "--max_prompt_len=12", "--max_output_len=2",
+       f"--out={out}", *flags], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+  report = json.loads(out.read_text()) if out.exists() else None
+  if out.exists():
+    out.unlink()
+  return proc.returncode, proc.stderr, report
+
+
+def test_bench_serving_sends_its_api_key_from_the_flag_or_openai_api_key(guarded, tmp_path):
+  """``--api_key`` as a bearer token, else OPENAI_API_KEY (as ``vllm bench
+  serve`` reads it; the flag wins); no key, or a refused one, is one error
+  line before any request."""
+  status, err, report = _bench(guarded.url, tmp_path, "--api_key=key-a")
+  assert status == 0, err[-3000:]
+  assert (report["completed"], report["failed"]) == (2, 0)
+  status, err, report = _bench(guarded.url, tmp_path, env_key="key-plain")
+  assert status == 0, err[-3000:]
+  assert (report["completed"], report["failed"]) == (2, 0)
+  for flags, env_key, given in (((), None, "none was given"),
+                                (("--api_key=wrong",), "key-b", "the key given was refused"),
+                                (("--api_key=",), "key-b", "none was given")):
+    status, err, report = _bench(guarded.url, tmp_path, *flags, env_key=env_key)
+    assert status == 2 and report is None, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"error: {guarded.url} needs an API key and {given}: --api_key=KEY or the "
+        f"OPENAI_API_KEY environment variable")
