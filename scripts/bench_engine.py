@@ -43,7 +43,6 @@ import dataclasses
 import functools
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -67,6 +66,7 @@ from serving.cli import hostmem
 from serving.harness import synthetic
 from serving.harness import traces
 from serving.engine import cost_model as cost_lib
+from serving.engine import host_cpu
 from serving.harness import roofline as roofline_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -441,28 +441,6 @@ def _decode_rate(tokens: int, whole_s: float, prefill_s: float):
   return tokens / (whole_s - prefill_s) if whole_s > prefill_s else None
 
 
-def host_cpu() -> dict:
-  """The CPU the run measured: model name, core count and the vector/matrix
-  extensions that decide XLA:CPU's GEMM kernels (and so its speed and its
-  row bit classes), read from /proc/cpuinfo where it exists."""
-  model, flags_seen = platform.processor() or platform.machine(), set()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-          model = value.strip()
-        elif key.strip() == "flags":
-          flags_seen = set(value.split())
-          break
-  except OSError:
-    pass
-  wanted = ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile",
-            "amx_int8"]
-  return {"model": model, "cores": os.cpu_count(),
-          "extensions": [f for f in wanted if f in flags_seen]}
-
-
 def main(argv):
   del argv
   for name in FLAGS.sections:
@@ -496,7 +474,7 @@ def main(argv):
   if set(FLAGS.sections) & {"prefill", "decode", "trace"} or FLAGS.profile:
     warmup(scratch)
   out = {"jax_version": jax.__version__, "device": str(jax.devices()[0]),
-         "host_cpu": host_cpu(),
+         "host_cpu": host_cpu.host_cpu(),
          "model": FLAGS.model, "family": cfg.family,
          "model_costs": model_costs(cfg, scratch.config),
          "engine_preset": FLAGS.engine, "dtype": FLAGS.dtype, "weights": FLAGS.weights,

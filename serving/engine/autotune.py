@@ -38,7 +38,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
@@ -50,12 +49,11 @@ import numpy as np
 from attention import native as native_attention
 from attention import ragged
 from models import rowgemm
+from serving.engine import host_cpu
 
 MAX_LOAD = 1.5          # 1-minute load average above which nothing is timed
 REPS = 3
 BUDGET_S = 30.0         # default time budget of one choice (compiles included)
-EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile",
-              "amx_bf16", "amx_int8")
 
 
 def default_budget_s() -> float:
@@ -67,23 +65,12 @@ def default_budget_s() -> float:
 
 def fingerprint() -> dict:
   """The machine as its timings depend on it: JAX backend and device kind,
-  CPU model, cores and vector/matrix extensions (``/proc/cpuinfo``), jax
+  CPU model, cores and vector/matrix extensions (``host_cpu.host_cpu``), jax
   version."""
-  model, seen = platform.processor() or platform.machine(), set()
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-          model = value.strip()
-        elif key.strip() == "flags":
-          seen = set(value.split())
-          break
-  except OSError:
-    pass
+  cpu = host_cpu.host_cpu()
   return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-          "cpu": model, "cores": os.cpu_count(),
-          "extensions": [e for e in EXTENSIONS if e in seen], "jax": jax.__version__}
+          "cpu": cpu["model"], "cores": cpu["cores"], "extensions": cpu["extensions"],
+          "jax": jax.__version__}
 
 
 def shape_key(model_cfg, config) -> dict:

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from serving.engine import host_cpu
 from serving.engine.cost_model import CostModel, ModelCosts, from_json
 from serving.engine.profiles import PROFILE_PREFIX, for_model, profile, profile_names
 
@@ -69,16 +70,8 @@ def device_fingerprint() -> dict:
   fp = {"backend": jax.default_backend(), "kind": devices[0].device_kind,
         "count": len(devices)}
   if fp["backend"] == "cpu":
-    name, flags = platform.processor(), []
-    try:
-      for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-          name = value.strip()
-        elif key.strip() == "flags" and not flags:
-          flags = sorted(value.split())
-    except OSError:
-      pass
+    name, flags = host_cpu.read_cpuinfo()
+    name, flags = platform.processor() if name is None else name, sorted(flags)
     fp.update(cpu=name, cpus=os.cpu_count(),
               flags_sha=hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12])
   fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
