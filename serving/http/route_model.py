@@ -40,10 +40,12 @@ class ReplicaModel:
       self.keys.popitem(last=False)
 
 
-def check_request(request_id, prompt_token_ids, max_tokens, now_ms) -> None:
+def check_request(request_id, prompt_token_ids, max_tokens, now_ms,
+                  clock: str = "now_ms") -> None:
   """Refuses an empty prompt, max_tokens not an int in [1, MAX_TOKENS] (a
   larger one would overflow the estimates' float arithmetic) or a clock
-  that is not finite, naming the request and the field."""
+  that is not finite, naming the request and the field (``clock``: the
+  name the caller gives ``now_ms``)."""
   if not prompt_token_ids:
     raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
   if (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
@@ -52,4 +54,4 @@ def check_request(request_id, prompt_token_ids, max_tokens, now_ms) -> None:
     raise ValueError(f"request {request_id!r}: max_tokens must be an int in [1, "
                      f"{MAX_TOKENS}], got {shown}")
   if not math.isfinite(now_ms):
-    raise ValueError(f"request {request_id!r}: now_ms must be finite, got {now_ms}")
+    raise ValueError(f"request {request_id!r}: {clock} must be finite, got {now_ms}")

@@ -48,15 +48,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from typing import Dict, List, Optional, Sequence
-
-import numpy as np
 
 from serving.http.pd_router import (PD_OUTCOMES, PD_ROUTERS, PD_STAGES,  # noqa: F401
                                      DistServePD, PDRouter, PrefixAwarePD, RoundRobinPD,
                                      check_router_name, pd_router_for, register_pd_router)
-from serving.http.route_model import MAX_TOKENS, POLICIES, ReplicaModel
+from serving.http.route_model import POLICIES, ReplicaModel, check_request
 from serving.kv.prefix_cache import chain_keys, root_key
 
 
@@ -161,15 +158,7 @@ class Router:
     """
     if request_id in self._waiting or request_id in self._placed:
       raise ValueError(f"request_id {request_id!r} is already routed")
-    if not prompt_token_ids:
-      raise ValueError(f"request {request_id!r}: prompt_token_ids must be non-empty")
-    if (not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool)
-        or not 1 <= max_tokens <= MAX_TOKENS):
-      shown = max_tokens if len(str(max_tokens)) < 40 else f"{str(max_tokens)[:20]}..."
-      raise ValueError(f"request {request_id!r}: max_tokens must be an int in [1, "
-                       f"{MAX_TOKENS}], got {shown}")
-    if not math.isfinite(arrival_ms):
-      raise ValueError(f"request {request_id!r}: arrival_ms must be finite, got {arrival_ms}")
+    check_request(request_id, prompt_token_ids, max_tokens, arrival_ms, clock="arrival_ms")
     n = len(prompt_token_ids)
     root = self._root if not salt else hashlib.sha256(self._root + salt.encode()).digest()
     keys = chain_keys(root, prompt_token_ids, self.page_size, n // self.page_size)
