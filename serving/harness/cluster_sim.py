@@ -58,6 +58,42 @@ def router_for(engines: Sequence[Engine], policy: str, cost=None) -> Router:
   return router_lib.router_for([dataclasses.asdict(e.config) for e in engines], policy, cost)
 
 
+def _wake(engine: Engine, now_ms: float) -> None:
+  """An idle engine that work reaches at ``now_ms`` has its clock moved
+  there (a busy one takes the work at its next step)."""
+  if not engine.has_unfinished() and engine.now_ms() < now_ms:
+    engine.clock.advance((now_ms - engine.now_ms()) / 1000.0)
+
+
+def _admit(engine: Engine, spec, now_ms: float) -> None:
+  """Hands the workload's ``spec`` to ``engine`` at ``now_ms`` (``_wake``
+  first), its output length fixed at ``max_tokens``.
+
+  Raises:
+    ValueError, QueueFull: the engine refused it.
+  """
+  _wake(engine, now_ms)
+  engine.realized_output_tokens[spec.request_id] = spec.max_tokens
+  engine.add_request(spec.request_id, spec.prompt_token_ids,
+                     SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos),
+                     arrival_ms=spec.arrival_s * 1000.0, priority=spec.priority,
+                     client=spec.client, slo_ttft_ms=spec.slo_ttft_ms,
+                     slo_tpot_ms=spec.slo_tpot_ms)
+
+
+def _step_events(engines: Sequence[Engine], held, end_rank: int) -> list:
+  """The engines' step events ``(time ms, rank, engine)``: a step's end
+  (``end_rank``) for an engine whose outputs are ``held``, else a step's
+  start (``end_rank + 1``) for one with work, each at its clock."""
+  events = []
+  for g, e in enumerate(engines):
+    if g in held:
+      events.append((e.now_ms(), end_rank, g))
+    elif e.has_unfinished():
+      events.append((e.now_ms(), end_rank + 1, g))
+  return events
+
+
 def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
                    ) -> Tuple[List[RequestRecord], float, Dict[str, int], List[dict]]:
   """Replays ``workload`` over the replicas (see the module docstring).
@@ -90,18 +126,9 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
     for d in router.dispatch(now_ms):
       route_log.append({k: d[k] for k in ("request_id", "replica", "waited_ms", "tie_key")})
       spec, r = by_id[d["request_id"]], d["replica"]
-      engine = engines[r]
-      if not engine.has_unfinished() and engine.now_ms() < now_ms:
-        engine.clock.advance((now_ms - engine.now_ms()) / 1000.0)
       placement[spec.request_id] = r
-      engine.realized_output_tokens[spec.request_id] = spec.max_tokens
       try:
-        engine.add_request(spec.request_id, spec.prompt_token_ids,
-                           SamplingParams(max_tokens=spec.max_tokens,
-                                          ignore_eos=spec.ignore_eos),
-                           arrival_ms=spec.arrival_s * 1000.0, priority=spec.priority,
-                           client=spec.client, slo_ttft_ms=spec.slo_ttft_ms,
-                           slo_tpot_ms=spec.slo_tpot_ms)
+        _admit(engines[r], spec, now_ms)
       except (ValueError, QueueFull) as e:
         refused[spec.request_id] = str(e)
         router.finished(spec.request_id)
@@ -113,14 +140,9 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
   held: Dict[int, list] = {}
   i, end_ms = 0, 0.0
   while True:
-    events = []
+    events = _step_events(engines, held, 1)
     if i < len(specs):
       events.append((specs[i].arrival_s * 1000.0, 0, -1))
-    for r, e in enumerate(engines):
-      if r in held:
-        events.append((e.now_ms(), 1, r))
-      elif e.has_unfinished():
-        events.append((e.now_ms(), 2, r))
     if not events:
       if router.num_waiting():
         raise RuntimeError(f"replay_cluster: {router.num_waiting()} requests wait with "
@@ -257,10 +279,6 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
   handoffs: List = []                           # KVHandoffs waiting for a decode place
   in_flight: List[Tuple[float, int, object]] = []   # (end ms, decode engine, handoff)
 
-  def wake(engine: Engine, now_ms: float) -> None:
-    if not engine.has_unfinished() and engine.now_ms() < now_ms:
-      engine.clock.advance((now_ms - engine.now_ms()) / 1000.0)
-
   def place(now_ms: float) -> None:
     while waiting:
       spec = by_id[waiting[0]]
@@ -270,16 +288,8 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
         break
       waiting.pop(0)
       placement[spec.request_id] = [e, None]
-      engine = prefill[e]
-      wake(engine, now_ms)
-      engine.realized_output_tokens[spec.request_id] = spec.max_tokens
       try:
-        engine.add_request(spec.request_id, spec.prompt_token_ids,
-                           SamplingParams(max_tokens=spec.max_tokens,
-                                          ignore_eos=spec.ignore_eos),
-                           arrival_ms=spec.arrival_s * 1000.0, priority=spec.priority,
-                           client=spec.client, slo_ttft_ms=spec.slo_ttft_ms,
-                           slo_tpot_ms=spec.slo_tpot_ms)
+        _admit(prefill[e], spec, now_ms)
       except (ValueError, QueueFull) as err:
         refused[spec.request_id] = str(err)
         del placement[spec.request_id]
@@ -299,17 +309,12 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
   held: Dict[int, tuple] = {}
   i, end_ms = 0, 0.0
   while True:
-    events = []
+    events = _step_events(engines, held, 2)
     if i < len(specs):
       events.append((specs[i].arrival_s * 1000.0, 0, -1))
     if in_flight:
       end, d, _ = min(in_flight, key=lambda t: (t[0], t[1]))
       events.append((end, 1, np_ + d))
-    for g, e in enumerate(engines):
-      if g in held:
-        events.append((e.now_ms(), 2, g))
-      elif e.has_unfinished():
-        events.append((e.now_ms(), 3, g))
     if not events:
       stuck = len(waiting) + len(handoffs)
       if stuck:
@@ -325,7 +330,7 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
       k = min(range(len(in_flight)), key=lambda j: (in_flight[j][0], in_flight[j][1]))
       _, d, h = in_flight.pop(k)
       engine = decode[d]
-      wake(engine, now)
+      _wake(engine, now)
       engine.realized_output_tokens[h.request_id] = h.sampling.max_tokens
       try:
         req = engine.add_handoff(h, arrival_ms=now)
