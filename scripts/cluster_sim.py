@@ -97,6 +97,14 @@ def _check_flags() -> list:
   return counts
 
 
+def _latencies(report: dict) -> str:
+  """A run's latency line: TTFT median and p99, TPOT median (ms; n/a where
+  the report has none)."""
+  ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
+  return (f"TTFT median {ms('median_ttft_ms')}, p99 {ms('p99_ttft_ms')}; TPOT median "
+          f"{ms('median_tpot_ms')}")
+
+
 def main(argv):
   del argv
   counts = _check_flags()
@@ -126,22 +134,18 @@ def main(argv):
                                        link, FLAGS.link, FLAGS.model)
       runs.append(run)
       report, tr = run["report"], run["transfers"]
-      ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
       print(f"{n[0]}P{n[1]}D ({FLAGS.router}): {report['completed']}/{len(workload)} completed "
             f"in {report['duration_s']:.1f} virtual s ({run['wall_s']:.1f} s wall); "
-            f"{tr['count']} transfers, mean {(tr['mean_ms'] or 0):.3f} ms; TTFT median "
-            f"{ms('median_ttft_ms')}, p99 {ms('p99_ttft_ms')}; TPOT median "
-            f"{ms('median_tpot_ms')}")
+            f"{tr['count']} transfers, mean {(tr['mean_ms'] or 0):.3f} ms; "
+            f"{_latencies(report)}")
       continue
     run, _ = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, n, FLAGS.router, FLAGS.model)
     runs.append(run)
     report, per_replica = run["report"], run["per_replica"]
-    ms = lambda key: "n/a" if report.get(key) is None else f"{report[key]:.0f} ms"
     print(f"replicas {n:3d}: {report['completed']}/{len(workload)} completed in "
           f"{report['duration_s']:.1f} virtual s ({run['iterations']} iterations, "
           f"{run['wall_s']:.1f} s wall); per replica {[r['completed'] for r in per_replica]}; "
-          f"TTFT median {ms('median_ttft_ms')}, p99 {ms('p99_ttft_ms')}; TPOT median "
-          f"{ms('median_tpot_ms')}")
+          f"{_latencies(report)}")
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump({"route": FLAGS.router, "runs": runs}, f, indent=1)
