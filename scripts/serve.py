@@ -76,12 +76,16 @@ flags.DEFINE_string("router", "prefix_aware", "Replica placement: prefix_aware (
                     "--prefill_replicas/--decode_replicas, a registered P/D router.")
 flags.DEFINE_string("route_log", None, "With --replicas: a JSON line per request (its "
                     "placement decisions and the facts they used).")
-flags.DEFINE_float("route_prefill_ms_per_token", 1.0, "Router cost: ms per uncached "
-                   "prompt token.")
-flags.DEFINE_float("route_decode_ms_per_token_per_seq", 0.5, "Router cost: ms one more "
-                   "live sequence adds to each decode step.")
-flags.DEFINE_float("route_aging", 1.0, "Router: ms of estimated finish time forgiven "
-                   "per ms a request waits.")
+# The router's cost model: --route_FIELD sets router.RouteCost.FIELD (its
+# default the field's).
+_ROUTE_COST_HELP = {
+    "prefill_ms_per_token": "Router cost: ms per uncached prompt token.",
+    "decode_ms_per_token_per_seq": "Router cost: ms one more live sequence adds to each "
+                                   "decode step.",
+    "aging": "Router: ms of estimated finish time forgiven per ms a request waits.",
+}
+for _field, _help in _ROUTE_COST_HELP.items():
+  flags.DEFINE_float(f"route_{_field}", getattr(router.RouteCost, _field), _help)
 flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer KEY' on every /v1 "
                     "route, /tokenize, /detokenize, /tokenizer_info and /router (/health, "
                     "/metrics and /engine stay open): comma-separated KEY or KEY:TENANT "
@@ -244,8 +248,7 @@ def main(argv):
   del argv
   access = _access()
   sock = _check_flags()
-  cost = router.RouteCost(FLAGS.route_prefill_ms_per_token,
-                          FLAGS.route_decode_ms_per_token_per_seq, FLAGS.route_aging)
+  cost = router.RouteCost(**{f: FLAGS[f"route_{f}"].value for f in _ROUTE_COST_HELP})
   if FLAGS.replica_urls is not None:
     try:
       urls = replica_launch.parse_replica_urls(",".join(FLAGS.replica_urls))
