@@ -19,25 +19,15 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.engine.engine import Engine
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.http import ray_engines, ray_transfer
 from serving.http.ray_front import RayEngines, RayFront
 from serving.http.replicas import route_summary
-from tests.serving.engine_testing import CFG, HttpApp, prompts as random_prompts
-from tests.serving.engine_testing import tiny_tokenizer, wait_until
+from tests.serving.engine_testing import HttpApp, mixed_tokens, prompts as random_prompts
+from tests.serving.engine_testing import smollm2_requests, tiny_tokenizer, wait_until
 from tests.ray.ray_testing import ROOT, TinyEngine, ray_session, tiny_config, tiny_params
 
 TOK = tiny_tokenizer()
-
-
-def _reference(prompts, samplings):
-  """Each request's tokens on one in-process mixed engine."""
-  engine = Engine(CFG, tiny_params(), tiny_config())
-  for i, (p, s) in enumerate(zip(prompts, samplings)):
-    engine.add_request(f"r{i}", p, s)
-  engine.run()
-  return [engine.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
 
 
 def _front(pools, policy="round_robin"):
@@ -55,7 +45,7 @@ def test_two_engine_actors_serve_the_tokens_of_one_engine():
                SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=7),
                SamplingParams(max_tokens=5, ignore_eos=True),
                SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, seed=11)]
-  want = _reference(prompts, samplings)
+  want = mixed_tokens(tiny_params(), tiny_config(), prompts, samplings)
   with ray_session():
     pool = ray_engines.start_engines(TinyEngine(), 2, num_cpus=0, ready_timeout_s=300)
     app, engines = _front([pool])
@@ -204,6 +194,16 @@ def test_aborts_at_every_stage_give_every_page_back():
       ray_engines.stop_engines([pool])
 
 
+def _assert_completes(engines, request_id, prompt, max_tokens):
+  """A greedy request of ``max_tokens`` added to ``engines`` and drained
+  completes with all its tokens (the engines serve again after a fault)."""
+  engines.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens,
+                                                         ignore_eos=True))
+  _drain(engines)
+  assert engines.requests[request_id].outcome == "completed"
+  assert len(engines.requests[request_id].output_token_ids) == max_tokens
+
+
 def _pd_pools(prefill=None, decode=None, max_restarts=0, transport="object_store"):
   """One prefill and one decode engine actor on the tiny model."""
   return [ray_engines.start_engines(prefill or TinyEngine(role="prefill"), 1, role="prefill",
@@ -230,7 +230,7 @@ def test_prefill_and_decode_actors_give_the_tokens_of_one_mixed_engine(transport
   samplings = ([SamplingParams(max_tokens=6, ignore_eos=True)] * 4
                + [SamplingParams(max_tokens=5, temperature=0.9, seed=3 + i) for i in range(2)]
                + [SamplingParams(max_tokens=1, ignore_eos=True)])
-  want = _reference(prompts, samplings)
+  want = mixed_tokens(tiny_params(), tiny_config(), prompts, samplings)
   with ray_session():
     pools = _pd_pools(transport=transport)
     engines = RayEngines(*pools)
@@ -287,10 +287,7 @@ def test_a_corrupted_handoff_fails_its_request_and_frees_the_pages():
       assert metrics.handoff_failures.labels("tiny", "ChecksumMismatch")._value.get() == 1
       assert [_in_use(pool.actors[0]) for pool in pools] == [0, 0]
       ray.get(pools[0].actors[0].set_fault.remote(False), timeout=60)
-      engines.add_request("good", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
-      _drain(engines)
-      assert engines.requests["good"].outcome == "completed"
-      assert len(engines.requests["good"].output_token_ids) == 5
+      _assert_completes(engines, "good", prompt, 5)
     finally:
       ray_engines.stop_engines(pools)
 
@@ -322,10 +319,7 @@ def test_a_decode_actor_killed_mid_stream_fails_its_requests_and_comes_back():
       assert _in_use(pools[0].actors[0]) == 0
       wait_until(lambda: engines.step() is not None and 0 not in engines.decode.down_since,
                  120)
-      engines.add_request("after", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
-      _drain(engines)
-      assert engines.requests["after"].outcome == "completed"
-      assert len(engines.requests["after"].output_token_ids) == 4
+      _assert_completes(engines, "after", prompts[0], 4)
       assert _in_use(pools[1].actors[0]) == 0
     finally:
       ray_engines.stop_engines(pools)
@@ -367,10 +361,7 @@ def test_prefill_decode_aborts_at_every_stage_give_every_page_back():
       rids = ("decoding", "transfer", "prefilling", "waiting")
       assert {r: engines.requests[r].outcome for r in rids} == dict.fromkeys(rids, "cancelled")
       wait_until(lambda: [_in_use(pool.actors[0]) for pool in pools] == [0, 0], 30)
-      engines.add_request("after", e, SamplingParams(max_tokens=3, ignore_eos=True))
-      _drain(engines)
-      assert engines.requests["after"].outcome == "completed"
-      assert len(engines.requests["after"].output_token_ids) == 3
+      _assert_completes(engines, "after", e, 3)
     finally:
       ray_engines.stop_engines(pools)
 
@@ -386,18 +377,9 @@ def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode_actors():
   from models.loaders import load_model
 
   cfg, params, tok = load_model("smollm2-135m")
-  config = EngineConfig.preset("cpu_small")
-  texts = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):",
-           "A haiku about the sea:"]
-  prompts = [tok.encode(t) for t in texts]
-  samplings = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + [
-      SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i) for i in range(2)]
-  engine = Engine(cfg, params, config)
-  for i, (p, s) in enumerate(zip(prompts, samplings)):
-    engine.add_request(f"r{i}", p, s)
-  engine.run()
-  want = [engine.requests[f"r{i}"].output_token_ids for i in range(len(prompts))]
-  del engine, params
+  prompts, samplings = smollm2_requests(tok)
+  want = mixed_tokens(params, EngineConfig.preset("cpu_small"), prompts, samplings, cfg=cfg)
+  del params
   argv = ["--model=smollm2-135m", "--engine=cpu_small", "--cache_dir=.cache/iterserve"]
   with ray_session():
     pools = [ray_engines.start_engines(ray_engines.FlagsEngine(argv, False, 0, cwd=ROOT,

@@ -1,4 +1,6 @@
-"""Shared pieces of the engine tests: the tiny model, its prompts and tokenizer."""
+"""Shared pieces of the engine tests: the tiny model, its prompts and
+tokenizer, one mixed engine's tokens (the reference of every split run) and
+the SmolLM2 cross-check's requests."""
 
 import socket
 import time
@@ -9,6 +11,8 @@ from tokenizers import pre_tokenizers
 
 from models.config import get_config
 from models.tokenizer import Tokenizer, build_bpe_tokenizer
+from serving.engine.config import SamplingParams
+from serving.engine.engine import Engine
 
 CFG = get_config("tiny")
 
@@ -17,6 +21,29 @@ def prompts(lengths, seed=0):
   """Random prompts (token ids in [3, vocab)) of the given lengths."""
   rng = np.random.default_rng(seed)
   return [rng.integers(3, CFG.vocab_size, size=n).tolist() for n in lengths]
+
+
+def mixed_tokens(params, config, prompts, samplings, cfg=CFG):
+  """Each request's output tokens (requests ``r0``, ``r1``, ... in order)
+  on one in-process mixed engine of ``cfg`` (default the tiny model)."""
+  engine = Engine(cfg, params, config)
+  reqs = [engine.add_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings))]
+  engine.run()
+  return [r.output_token_ids for r in reqs]
+
+
+SMOLLM2_TEXTS = ("The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):",
+                 "A haiku about the sea:")
+
+
+def smollm2_requests(tok):
+  """The SmolLM2 cross-checks' requests: ``SMOLLM2_TEXTS`` encoded by
+  ``tok``, the first two greedy, the last two seeded (seeds 7, 8) at
+  temperature 0.9, 12 tokens each. Returns ``(prompts, samplings)``."""
+  prompts = [tok.encode(t) for t in SMOLLM2_TEXTS]
+  samplings = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + [
+      SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i) for i in range(2)]
+  return prompts, samplings
 
 
 CHAT_TEMPLATE = (

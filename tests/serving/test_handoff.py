@@ -21,20 +21,13 @@ from serving.engine.sim_executor import VirtualClock
 from serving.kv import pages as kv_pages
 from serving.kv import swap as kv_swap
 from serving.kv import transfer
-from tests.serving.engine_testing import CFG, prompts as _prompts
+from tests.serving.engine_testing import CFG, mixed_tokens, prompts as _prompts, smollm2_requests
 
 BASE = EngineConfig.preset("tiny", min_bucket=8)     # page_size 4, 63 usable pages
 PREFILL = dataclasses.replace(BASE, role="prefill")
 DECODE = dataclasses.replace(BASE, role="decode")
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 LENGTHS = [14, 13, 12, 11, 5, 4]        # whole and partial last pages
-
-
-def _mixed(params, prompts, samplings, config=BASE):
-  engine = Engine(CFG, params, config)
-  reqs = [engine.add_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings))]
-  engine.run()
-  return [r.output_token_ids for r in reqs]
 
 
 def _disaggregated(params, prompts, samplings, prefill=PREFILL, decode=DECODE):
@@ -65,7 +58,7 @@ def _assert_pages_free(engine):
 def test_greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine(params):
   prompts = _prompts(LENGTHS, seed=3)
   samplings = [GREEDY] * len(prompts)
-  reference = _mixed(params, prompts, samplings)
+  reference = mixed_tokens(params, BASE, prompts, samplings)
   tokens, p_engine, d_engine, records = _disaggregated(params, prompts, samplings)
   assert tokens == reference
   assert len(records) == len(prompts)
@@ -88,7 +81,7 @@ def test_greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine(params)
 
 def test_in_process_transport_puts_the_pages_on_the_receivers_device(params):
   prompts = _prompts([9, 6], seed=12)
-  reference = _mixed(params, prompts, [GREEDY] * 2)
+  reference = mixed_tokens(params, BASE, prompts, [GREEDY] * 2)
   p_engine, d_engine = Engine(CFG, params, PREFILL), Engine(CFG, params, DECODE)
   for i, p in enumerate(prompts):
     p_engine.add_request(f"r{i}", p, GREEDY)
@@ -106,7 +99,7 @@ def test_seeded_sampling_continues_exactly_on_the_decode_engine(params):
   prompts = _prompts(LENGTHS, seed=5)
   samplings = [SamplingParams(max_tokens=8, temperature=1.3, top_k=40, seed=100 + i,
                               ignore_eos=True) for i in range(len(prompts))]
-  reference = _mixed(params, prompts, samplings)
+  reference = mixed_tokens(params, BASE, prompts, samplings)
   assert len({tuple(t) for t in reference}) == len(prompts)
   assert _disaggregated(params, prompts, samplings)[0] == reference
 
@@ -118,7 +111,7 @@ def test_decode_engine_preemptions_keep_the_tokens(params, mode):
   tokens still equal the mixed engine's."""
   prompts = _prompts([14, 13, 12, 11], seed=3)
   sampling = SamplingParams(max_tokens=10, ignore_eos=True)
-  reference = _mixed(params, prompts, [sampling] * 4)
+  reference = mixed_tokens(params, BASE, prompts, [sampling] * 4)
   few = dataclasses.replace(DECODE, num_pages=14, preemption_mode=mode)
   tokens, _, d_engine, _ = _disaggregated(params, prompts, [sampling] * 4, decode=few)
   assert d_engine.num_preemptions > 0
@@ -132,7 +125,7 @@ def test_prefix_caching_on_both_sides(params):
   head = _prompts([12], seed=7)[0]
   prompts = [head + t for t in _prompts([3, 5, 2], seed=8)]
   samplings = [GREEDY] * 3
-  reference = _mixed(params, prompts, samplings)
+  reference = mixed_tokens(params, BASE, prompts, samplings)
   cached = dict(enable_prefix_caching=True)
   tokens, p_engine, d_engine, _ = _disaggregated(
       params, prompts, samplings, prefill=dataclasses.replace(PREFILL, **cached),
@@ -144,7 +137,7 @@ def test_prefix_caching_on_both_sides(params):
 
 def test_requests_that_really_end_at_their_first_token_are_not_handed_off(params):
   prompts = _prompts([9, 9], seed=11)
-  first = _mixed(params, prompts[:1], [SamplingParams(max_tokens=1)])[0][0]
+  first = mixed_tokens(params, BASE, prompts[:1], [SamplingParams(max_tokens=1)])[0][0]
   p_engine = Engine(CFG, params, PREFILL)
   one = p_engine.add_request("one", prompts[1], SamplingParams(max_tokens=1))
   stop = p_engine.add_request("stop", prompts[0], SamplingParams(max_tokens=5,
@@ -281,18 +274,7 @@ def test_page_transfer_round_trip(num_pages, taken, seed):
 def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode():
   cfg, params, tok = load_model("smollm2-135m")
   config = EngineConfig.preset("cpu_small")
-  texts = ["The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):",
-           "A haiku about the sea:"]
-  prompts = [tok.encode(t) for t in texts]
-  samplings = [SamplingParams(max_tokens=12, ignore_eos=True)] * 2 + [
-      SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i) for i in range(2)]
-
-  def mixed():
-    engine = Engine(cfg, params, config)
-    reqs = [engine.add_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, samplings))]
-    engine.run()
-    return [r.output_token_ids for r in reqs]
-
+  prompts, samplings = smollm2_requests(tok)
   p_engine = Engine(cfg, params, dataclasses.replace(config, role="prefill"))
   d_engine = Engine(cfg, params, dataclasses.replace(config, role="decode"))
   for i, (p, s) in enumerate(zip(prompts, samplings)):
@@ -303,7 +285,7 @@ def test_smollm2_greedy_and_seeded_tokens_through_prefill_and_decode():
   d_engine.run()
   got = [(d_engine.requests.get(f"r{i}") or p_engine.requests[f"r{i}"]).output_token_ids
          for i in range(len(prompts))]
-  reference = mixed()
+  reference = mixed_tokens(params, config, prompts, samplings, cfg=cfg)
   assert tok.decode(reference[0]).startswith(" Paris")
   assert got == reference
 
