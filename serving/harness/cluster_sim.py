@@ -81,11 +81,12 @@ def _admit(engine: Engine, spec, now_ms: float) -> None:
                      slo_tpot_ms=spec.slo_tpot_ms)
 
 
-def _step_events(engines: Sequence[Engine], held, end_rank: int) -> list:
-  """The engines' step events ``(time ms, rank, engine)``: a step's end
-  (``end_rank``) for an engine whose outputs are ``held``, else a step's
-  start (``end_rank + 1``) for one with work, each at its clock."""
-  events = []
+def _events(specs, i: int, engines: Sequence[Engine], held, end_rank: int) -> list:
+  """The events ``(time ms, rank, engine)`` both replays share: the arrival
+  of ``specs[i]`` (rank 0, engine -1) while one is left; then for each
+  engine a step's end (``end_rank``) where its outputs are ``held``, else a
+  step's start (``end_rank + 1``) where it has work, at its clock."""
+  events = [(specs[i].arrival_s * 1000.0, 0, -1)] if i < len(specs) else []
   for g, e in enumerate(engines):
     if g in held:
       events.append((e.now_ms(), end_rank, g))
@@ -140,9 +141,7 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
   held: Dict[int, list] = {}
   i, end_ms = 0, 0.0
   while True:
-    events = _step_events(engines, held, 1)
-    if i < len(specs):
-      events.append((specs[i].arrival_s * 1000.0, 0, -1))
+    events = _events(specs, i, engines, held, 1)
     if not events:
       if router.num_waiting():
         raise RuntimeError(f"replay_cluster: {router.num_waiting()} requests wait with "
@@ -309,9 +308,7 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
   held: Dict[int, tuple] = {}
   i, end_ms = 0, 0.0
   while True:
-    events = _step_events(engines, held, 2)
-    if i < len(specs):
-      events.append((specs[i].arrival_s * 1000.0, 0, -1))
+    events = _events(specs, i, engines, held, 2)
     if in_flight:
       end, d, _ = min(in_flight, key=lambda t: (t[0], t[1]))
       events.append((end, 1, np_ + d))
