@@ -3,7 +3,9 @@
 A plan alone never advances a counter: ``apply`` publishes completed
 intervals, emitted outputs and their clocks, terminal events, queue intents
 the plan made (admission, recompute preemption) and completed-service debits
-(per client, from the result's completed rows, never from the plan).
+(per client, from the result's completed rows, never from the plan), and
+the speculation facts (draft tokens verified and accepted, per request and
+per client).
 A preempted request keeps the exact KV prefix its preservation fact
 reports (``IterationResult.preserved_end``: pages copied to host memory and
 back) or restarts from 0 (recompute). Completed rows below a
@@ -34,7 +36,9 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   """
   completed = result.completed
   computed = jnp.where(completed, result.completed_end, state.computed)
-  emitted_now = result.emitted.astype(jnp.int32)
+  # A verified row emits its accepted drafts too (speculative decoding).
+  accepted = rec.num_accepted(result)
+  emitted_now = jnp.where(result.emitted, 1 + accepted, 0)
   emitted = state.emitted + emitted_now
   first_token_ms = jnp.where(result.emitted & (state.emitted == 0),
                              result.emit_ms, state.first_token_ms)
@@ -94,7 +98,14 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   extensions = state.num_extensions
   if extensions is not None and plan.extend is not None:
     extensions = extensions + (plan.extend & completed).astype(jnp.int32)
+  drafts = jnp.where(completed, rec.num_draft(plan), 0)
+  taken = jnp.where(completed, accepted, 0)
+  add = lambda a, v: None if a is None else a + v
   successor = state.replace(
+      draft_tokens=add(state.draft_tokens, drafts),
+      accepted_tokens=add(state.accepted_tokens, taken),
+      client_draft_tokens=add(state.client_draft_tokens, per_client(drafts)),
+      client_accepted_tokens=add(state.client_accepted_tokens, per_client(taken)),
       decision_id=state.decision_id + 1,
       state_version=state.state_version + 1,
       now_ms=jnp.maximum(state.now_ms, result.emit_ms),
@@ -175,6 +186,8 @@ def forget_client(state: rec.SchedulerState, index) -> rec.SchedulerState:
       service_rows=zero(state.service_rows), recompute_rows=zero(state.recompute_rows),
       client_completed_requests=zero(state.client_completed_requests),
       client_completed_outputs=zero(state.client_completed_outputs),
+      client_draft_tokens=zero(state.client_draft_tokens),
+      client_accepted_tokens=zero(state.client_accepted_tokens),
       policy_state=rec.restart(state.policy_state, rec.PerClient, index))
 
 
@@ -210,6 +223,9 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
     state = state.replace(rebuild_target=set_(state.rebuild_target, 0))
   if state.num_extensions is not None:
     state = state.replace(num_extensions=set_(state.num_extensions, 0))
+  if state.draft_tokens is not None:
+    state = state.replace(draft_tokens=set_(state.draft_tokens, 0),
+                          accepted_tokens=set_(state.accepted_tokens, 0))
   state = state.replace(policy_state=rec.restart(state.policy_state, rec.PerSlot, slot))
   manifest = manifest.replace(
       request_id=set_(manifest.request_id, request_id),

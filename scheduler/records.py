@@ -191,6 +191,11 @@ class SchedulerState:
       all. With ``client_completed_requests`` the online facts of a
       per-client output-length mean (§0x06; ``scheduler.policy_length``):
       learned only from requests that ended, never a live one's length.
+    draft_tokens, accepted_tokens: i32[R], speculative decoding: the draft
+      tokens the request's rows verified, and those accepted, since it
+      arrived: its acceptance rate, learned online (``IterationResult``).
+    client_draft_tokens, client_accepted_tokens: i32[C], the same per
+      client, over every request of the client in this run.
     policy_state: the running policy's own state, a pytree the scheduler
       carries without reading (``policy.init_state(num_slots, num_clients)``,
       advanced by the policy's ``update`` hook inside ``apply``; None for a
@@ -221,6 +226,10 @@ class SchedulerState:
   num_extensions: Optional[jax.Array] = None
   client_completed_requests: Optional[jax.Array] = None
   client_completed_outputs: Optional[jax.Array] = None
+  draft_tokens: Optional[jax.Array] = None
+  accepted_tokens: Optional[jax.Array] = None
+  client_draft_tokens: Optional[jax.Array] = None
+  client_accepted_tokens: Optional[jax.Array] = None
   policy_state: Any = None
 
 
@@ -279,6 +288,10 @@ class IterationPlan:
       ``scheduler.keys.sort_keys``) and its optional
       ``update(manifest, state, plan, result, successor)`` advances its
       counters inside ``scheduler.apply.apply``.
+    num_draft: i32[R] or None, speculative decoding: the draft tokens a
+      selected decode row verifies (k >= 0; the row's interval is then
+      ``[c, c + 1 + k)``: the last emitted token, then k drafts the
+      engine's proposer writes after it). None or 0: no speculation.
   """
 
   decision_id: jax.Array
@@ -302,6 +315,7 @@ class IterationPlan:
   unschedulable: Optional[jax.Array] = None
   policy: object = flax.struct.field(pytree_node=False, default=None)
   extend: Optional[jax.Array] = None
+  num_draft: Optional[jax.Array] = None
 
 
 @flax.struct.dataclass
@@ -323,6 +337,12 @@ class IterationResult:
       KV prefix ``[0, preserved_end)`` kept by the preservation path (copied
       to host memory, restored before the request runs again) — its frontier
       after the preemption (§0x0C ``T_ready``); 0 (or None) means recompute.
+    accepted: i32[R] or None, speculative decoding: the draft tokens of the
+      slot's row that were verified and emitted (0 <= accepted <=
+      ``plan.num_draft``). An emitting slot emits ``1 + accepted`` tokens,
+      and its computed frontier moves to ``start + 1 + accepted``.
+    tokens: i32[R, 1 + K] or None, with ``accepted``: the tokens emitted, in
+      order (-1 past ``1 + accepted``); ``token`` is the last of them.
   """
 
   decision_id: jax.Array
@@ -337,6 +357,22 @@ class IterationResult:
   failed: jax.Array
   service_rows: jax.Array
   preserved_end: Optional[jax.Array] = None
+  accepted: Optional[jax.Array] = None
+  tokens: Optional[jax.Array] = None
+
+
+def num_draft(plan: IterationPlan):
+  """i32[R]: the plan's draft tokens per slot (zeros without speculation)."""
+  if plan.num_draft is None:
+    return jnp.zeros_like(plan.start)
+  return plan.num_draft
+
+
+def num_accepted(result: IterationResult):
+  """i32[R]: the result's accepted draft tokens (zeros without speculation)."""
+  if result.accepted is None:
+    return jnp.zeros_like(result.completed_end)
+  return result.accepted
 
 
 def empty_manifest(num_slots: int) -> WorkloadManifest:
@@ -390,6 +426,9 @@ def initial_state(num_slots: int, num_clients: int,
       num_extensions=i32(0),
       client_completed_requests=jnp.zeros((num_clients,), jnp.int32),
       client_completed_outputs=jnp.zeros((num_clients,), jnp.int32),
+      draft_tokens=i32(0), accepted_tokens=i32(0),
+      client_draft_tokens=jnp.zeros((num_clients,), jnp.int32),
+      client_accepted_tokens=jnp.zeros((num_clients,), jnp.int32),
       policy_state=None if init is None else init(num_slots, num_clients))
 
 

@@ -138,7 +138,12 @@ class IntervalBeyondPrompt(PlanValidationError):
 
 
 class MultiRowDecode(PlanValidationError):
-  """An ordinary decode interval is not exactly one row."""
+  """A decode interval is not exactly one row plus its draft tokens."""
+
+
+class IllegalDraft(PlanValidationError):
+  """Draft tokens outside a selected decode row, negative, or reaching past
+  the request's ``max_tokens``."""
 
 
 class ForgedPhase(PlanValidationError):
@@ -179,6 +184,11 @@ class UnplannedCompletion(ResultValidationError):
 
 class CompletedEndMismatch(ResultValidationError):
   """A completed interval does not end at the planned end."""
+
+
+class UnverifiedToken(ResultValidationError):
+  """A result emits draft tokens the plan did not verify (speculative
+  decoding): accepted drafts outside [0, num_draft], or without emission."""
 
 
 class FailedCompletion(ResultValidationError):
@@ -235,7 +245,11 @@ PLAN_RULES = {
     "beyond_prompt": (IntervalBeyondPrompt,
                       "prefill/rebuild needs computed < end <= target"),
     "multi_row_decode": (MultiRowDecode,
-                         "ordinary decode is exactly [c, c + 1) with c == p + e - 1"),
+                         "decode is exactly [c, c + 1 + k) with c == p + e - 1 and k "
+                         "the row's draft tokens (plan.num_draft; 0 without speculation)"),
+    "draft": (IllegalDraft,
+              "draft tokens ride only a selected decode row, k >= 0, and e + 1 + k <= "
+              "max_tokens"),
     "forged_kind": (ForgedPhase, "kind must be derived from the state, not chosen"),
     "token_budget": (TokenBudgetOverflow, "selected rows must be <= token_budget"),
     "seq_budget": (SequenceBudgetOverflow, "selected sequences must be <= seq_budget"),
@@ -251,7 +265,11 @@ PLAN_RULES = {
 RESULT_RULES = {
     "binding": (StaleResult, "result decision_id/state version must equal the plan's"),
     "unplanned_completion": (UnplannedCompletion, "only selected slots may complete"),
-    "completed_end": (CompletedEndMismatch, "a completed interval ends at the planned end"),
+    "completed_end": (CompletedEndMismatch,
+                      "a completed interval ends at the planned end (a verified decode "
+                      "row: after its last accepted draft)"),
+    "unverified": (UnverifiedToken,
+                   "accepted drafts are within [0, num_draft] of an emitting row"),
     "failed_completion": (FailedCompletion, "a failed slot completes nothing"),
     "output_clock": (WrongOutputClock,
                      "emit (with a token) iff a decode completes or prefill first reaches p"),
@@ -391,6 +409,7 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   derived = jnp.where(decode_state, rec.DECODE_ROW,
                       jnp.where(e == 0, rec.PREFILL_CHUNK, rec.REBUILD))
   width = jnp.where(sel, plan.end - plan.start, 0)
+  k = rec.num_draft(plan)
   live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
 
   # Identity checks over slots, by counting equal keys along one sort by
@@ -447,7 +466,9 @@ def plan_violations(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                                      | ((state.status == rec.WAITING) & plan.admit)),
       "frontier": sel & (plan.start != c),
       "beyond_prompt": sel & ~decode_state & ~((c < plan.end) & (plan.end <= target)),
-      "multi_row_decode": sel & decode_state & (plan.end - plan.start != 1),
+      "multi_row_decode": sel & decode_state & (plan.end - plan.start != 1 + k),
+      "draft": (k != 0) & ~(sel & decode_state) | (k < 0)
+               | (e + 1 + k > manifest.max_tokens) & (k > 0),
       "forged_kind": sel & (plan.kind != derived),
       "token_budget": scalar(jnp.sum(width) > plan.token_budget),
       "seq_budget": scalar(jnp.sum(sel) > plan.seq_budget),
@@ -473,12 +494,16 @@ def result_violations(plan: rec.IterationPlan, state: rec.SchedulerState,
   done = result.completed
   first_reach = (plan.kind == rec.PREFILL_CHUNK) & (plan.end == manifest.prompt_len)
   should_emit = done & ((plan.kind == rec.DECODE_ROW) | first_reach)
-  rows = plan.end - plan.start
+  accepted = rec.num_accepted(result)
+  rows = plan.end - plan.start - jnp.where(result.emitted, rec.num_draft(plan) - accepted, 0)
   return {
       "binding": scalar((result.decision_id != plan.decision_id)
                         | (result.input_state_version != plan.input_state_version)),
       "unplanned_completion": done & ~plan.selected,
-      "completed_end": done & (result.completed_end != plan.end),
+      "completed_end": done & (result.completed_end != plan.end - jnp.where(
+          result.emitted, rec.num_draft(plan) - accepted, 0)),
+      "unverified": (accepted < 0) | (accepted > rec.num_draft(plan))
+                    | ((accepted != 0) & ~result.emitted),
       "failed_completion": done & result.failed,
       "output_clock": (result.emitted != should_emit)
                       | (result.emitted != (result.token >= 0)),

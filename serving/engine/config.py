@@ -19,6 +19,7 @@ from models.rowgemm import GEMMS as DECODE_GEMMS
 from models.sharding import parse_mesh
 from scheduler.policies import check_policy_name, check_reservation
 from serving.engine import profiles as profile_lib
+from serving.engine.speculative import Speculation
 
 # How every accepted request ends, exactly one of these (the engine's
 # ``Request.outcome``; reports count them in this order).
@@ -131,6 +132,12 @@ class SchedulerConfig:
       full prompt pages are keyed by content and shared; a request starts
       its prefill after the longest cached prefix. On by default, as in
       vLLM; off for ablations.
+    speculative: speculative decoding, "" (off) or "ngram:k=K,n=N"
+      (``serving.engine.speculative.Speculation``: n-gram prompt lookup
+      proposing up to K draft tokens per decode row). The policy is wrapped
+      by ``scheduler.policy_speculative.FixedDraft``, which gives each
+      decode row K drafts while its output cap, the token budget and the
+      free pages allow. Needs the model executor; K + 1 <= the token budget.
   """
 
   max_num_seqs: int = 32
@@ -148,9 +155,15 @@ class SchedulerConfig:
   force_preempt_every: int = 0
   max_preemptions_per_request: int = 64
   enable_prefix_caching: bool = True
+  speculative: str = ""
 
   def __post_init__(self):
     self._check_scheduler(type(self).__name__)
+
+  @property
+  def speculation(self):
+    """The parsed ``speculative`` setting (``Speculation``), or None."""
+    return Speculation.parse(self.speculative)
 
   def _check_scheduler(self, c: str) -> None:
     for f in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
@@ -179,6 +192,10 @@ class SchedulerConfig:
              "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
     _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
              "must be a bool", self.enable_prefix_caching)
+    spec = Speculation.parse(self.speculative, f"{c}.speculative")
+    _require(spec is None or spec.k + 1 <= self.max_num_batched_tokens, c, "speculative",
+             f"k must be <= max_num_batched_tokens - 1 = {self.max_num_batched_tokens - 1} "
+             f"(a decode row and its drafts fit one token budget)", self.speculative)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +372,9 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     self._check_scheduler(c)
     self._check_executor(c)
     self._check_harness(c)
+    _require(not self.speculative or self.executor == "model", c, "speculative",
+             f"needs executor 'model' (the simulated executor prices no draft rows), "
+             f"executor is {self.executor!r}", self.speculative)
     _require(self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
              f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
              f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "

@@ -63,6 +63,7 @@ from serving.engine import programs as programs_lib
 from serving.engine import sim_driver
 from serving.engine import sim_executor
 from serving.engine import sim_loop
+from serving.engine import speculative
 from serving.engine.clocks import DEVICE_REBASE_MS, EngineClocks  # noqa: F401 (re-exported)
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.request_table import RequestTable
@@ -153,6 +154,7 @@ class Engine:
     self.table = RequestTable(c, model_cfg.vocab_size)
     self.num_iterations = 0
     self.num_preemptions = 0
+    self.spec_counts = speculative.SpecCounts(0 if c.speculation is None else c.speculation.k)
     self.prefill_tokens_computed = 0     # prompt and rebuild rows run
     self.buckets_used: Dict[int, int] = {}
     # Set ``record_plans = True`` to keep, per iteration, the plan as host
@@ -590,8 +592,10 @@ class Engine:
       self.pages = self.prefix.after_step(self.table.slots, facts.prefix, facts.failed,
                                           self.pages, self._programs)
 
-    token_logprobs = self.table.take_logprobs(logprobs, facts.emitted, self._fetch)
-    outputs = self._drain(emit_ms, facts.emitted, facts.token, facts.finished,
+    token_logprobs = self.table.take_logprobs(logprobs, facts.emitted, self._fetch, facts.spec)
+    self.spec_counts.add(facts.spec)
+    outputs = self._drain(emit_ms, facts.emitted, speculative.emitted_tokens(facts),
+                          facts.finished,
                           facts.finish_reason, facts.failed, preempt, token_logprobs)
     if facts.handoff is not None:      # before a later program writes the freed pages
       self.handoffs.export([self.table.requests[o.request_id] for o in outputs if o.finished],

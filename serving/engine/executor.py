@@ -34,6 +34,7 @@ from models import quant
 from scheduler import iteration
 from scheduler import records as rec
 from serving.kv import pages as kv_pages
+from serving.engine import speculative
 from serving.engine.pack import pack
 from serving.engine.sampling import MAX_LOGPROBS, raw_logprobs, sample
 
@@ -108,9 +109,10 @@ class StepLogprobs:
   prompt_top: jax.Array
 
 
-def _mask_stops(logits, seq_slots, buffers, emitted, eos_ids):
-  """Suppresses EOS and stop ids for sequences below min_tokens."""
-  early = emitted[seq_slots] < buffers.min_tokens[seq_slots]          # [S]
+def _mask_stops(logits, seq_slots, buffers, output_index, eos_ids):
+  """Suppresses EOS and stop ids in rows drawing an output below
+  min_tokens (``output_index`` i32[S]: the output each row draws)."""
+  early = output_index < buffers.min_tokens[seq_slots]                # [S]
 
   def mask(logits):
     vocab = jnp.arange(logits.shape[-1])
@@ -201,28 +203,36 @@ def _prompt_logprobs(model: ModelRunner, params, hidden, want, target, *, k: int
 
 
 def step_logprobs(model: ModelRunner, params, hidden, logits, token, packed, buffers,
-                  prompt_len, num_slots: int) -> StepLogprobs:
+                  prompt_len, num_slots: int, width: int = 1) -> StepLogprobs:
   """The ``StepLogprobs`` of one executed plan.
 
   Args:
-    hidden: f32[T, d_model] final hidden rows; logits: f32[N, V] the raw
-      logits of the N sampled rows (the sampler's input before its stop
-      mask); token: i32[N] the tokens sampled from them.
+    hidden: f32[T, d_model] final hidden rows; logits: f32[N W, V] the raw
+      logits of the N sampled sequences' last W rows (the sampler's input
+      before its stop mask); token: i32[N W] the tokens sampled from them.
     packed: the ``PackedIteration``; buffers: ``RequestBuffers`` (flags and
       token stream); prompt_len: i32[R] per slot.
+    width: static W, 1 + the most drafts a row verifies (1 without
+      speculation). With W > 1 the per-slot arrays gain an axis W after R:
+      the logprobs of the tokens at a slot's first W rows.
   """
   vocab = logits.shape[-1]
   k = min(MAX_LOGPROBS, vocab)
   sampled = logits.shape[0]
-  slots = packed.seq_slots[:sampled]
-  want = buffers.logprobs[slots] & packed.valid_seq[:sampled]
+  slots = jnp.repeat(packed.seq_slots[:sampled // width], width)
+  want = buffers.logprobs[slots] & jnp.repeat(packed.valid_seq[:sampled // width], width)
   none = (jnp.zeros((sampled,), jnp.float32), jnp.zeros((sampled, k), jnp.int32),
           jnp.zeros((sampled, k), jnp.float32))
   chosen, top_ids, top = jax.lax.cond(
       jnp.any(want), lambda: raw_logprobs(logits, token, k=k), lambda: none)
   index = jnp.where(want, slots, num_slots)            # others -> dropped
-  per_slot = lambda x: jnp.zeros((num_slots,) + x.shape[1:], x.dtype).at[index].set(
-      x, mode="drop")
+  col = jnp.tile(jnp.arange(width), sampled // width)
+
+  def per_slot(x):
+    out = jnp.zeros((num_slots, width) + x.shape[1:], x.dtype).at[index, col].set(
+        x, mode="drop")
+    return out[:, 0] if width == 1 else out
+
   # Prompt rows: position j's logits give the prompt token at j + 1.
   slot, pos = packed.slot_of_row, packed.positions
   rows_want = (packed.valid_row & buffers.prompt_logprobs[slot]
@@ -238,20 +248,35 @@ def step_logprobs(model: ModelRunner, params, hidden, logits, token, packed, buf
 def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
             manifest: rec.WorkloadManifest, state: rec.SchedulerState,
             plan: rec.IterationPlan, *, model, num_rows: int, num_seqs: int,
-            max_model_len: int):
+            max_model_len: int, speculation=None):
   """Runs one plan. Returns ``(kv, pages, buffers, result, logprobs)``
   (``StepLogprobs``).
 
   Args:
     model: static ``ModelRunner`` (forward / compute_logits / eos ids).
     num_rows: static token-row bucket T; num_seqs: static S.
+    speculation: static ``speculative.Speculation`` or None. With it, a
+      decode row carrying ``plan.num_draft`` drafts has them proposed into
+      the stream before packing, the target's token drawn at each of its
+      rows, and the leading drafts equal to them accepted
+      (``speculative``); the result then carries ``accepted`` and
+      ``tokens``, and pages only rejected rows reached are given back.
 
   The LM head runs on the last row of each of the ``min(S, num_rows)``
   sequences that can hold a row (every selected sequence holds at least
   one), in ``llama.row_tiled`` GEMMs over the live ones only: no logits row
   is computed, zero-filled or copied for a sequence that cannot exist.
+  With speculation it runs on each sequence's last ``1 + K`` rows.
   The result's ``emit_ms`` is 0: the host stamps the publication time.
   """
+  width = 1 if speculation is None else 1 + speculation.k
+  k = rec.num_draft(plan)
+  known = manifest.prompt_len + state.emitted
+  if speculation is not None:
+    drafts = speculative.ngram_drafts(buffers.tokens, known, k=speculation.k,
+                                      n=speculation.n)
+    buffers = buffers.replace(tokens=speculative.write_drafts(buffers.tokens, known, k,
+                                                              drafts))
   pages = allocate_for_plan(pages, plan)
   packed = pack(plan, buffers.tokens, pages.page_table, pages.page_size,
                 num_rows=num_rows, num_seqs=num_seqs)
@@ -261,31 +286,50 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   # the head, the stop mask, sampling and the finiteness check run on those
   # rows only (each row's token is its own) and their results are padded to S.
   sampled_rows = min(num_rows, num_seqs)
-  logits = model.compute_logits(params, hidden[packed.last_row[:sampled_rows]],
-                                packed.num_seqs)                      # [N, V]
-  slots = packed.seq_slots[:sampled_rows]
+  seq_slots = packed.seq_slots[:sampled_rows]
+  j = jnp.arange(width, dtype=jnp.int32)
+  # Row j of a sequence with k drafts: its packed row last - k + j (j <= k).
+  seq_k = k[seq_slots]
+  last = packed.last_row[:sampled_rows]
+  rows = jnp.clip(last[:, None] - seq_k[:, None] + jnp.minimum(j[None, :], seq_k[:, None]),
+                  0, num_rows - 1).reshape(-1)                      # [N W]
+  logits = model.compute_logits(params, hidden[rows], packed.num_seqs * width)  # [N W, V]
+  slots = jnp.repeat(seq_slots, width)
+  index = (state.emitted[slots] + jnp.tile(j, sampled_rows)).astype(jnp.int32)
   raw = logits
-  logits = _mask_stops(logits, slots, buffers, state.emitted, model.eos_token_ids)
+  logits = _mask_stops(logits, slots, buffers, index, model.eos_token_ids)
   token = sample(logits, buffers.temperature[slots], buffers.top_k[slots],
-                 buffers.top_p[slots], buffers.seed[slots], state.emitted[slots])
+                 buffers.top_p[slots], buffers.seed[slots], index)
   logprobs = step_logprobs(model, params, hidden, raw, token, packed, buffers,
-                           manifest.prompt_len, plan.selected.shape[0])
+                           manifest.prompt_len, plan.selected.shape[0], width)
   finite = jnp.all(jnp.isfinite(logits) | (logits == -jnp.inf), axis=-1) & jnp.any(
       jnp.isfinite(logits), axis=-1)
+  token = token.reshape(sampled_rows, width)
+  finite = jnp.all(finite.reshape(sampled_rows, width)
+                   | (j[None, :] > seq_k[:, None]), axis=1)
   pad = (0, num_seqs - sampled_rows)
-  token = jnp.pad(token, pad, constant_values=-1)                     # [S]
+  token = jnp.pad(token, (pad, (0, 0)), constant_values=-1)           # [S, W]
   finite = jnp.pad(finite, pad, constant_values=True)
   slots = packed.seq_slots
 
   num_slots = plan.selected.shape[0]
-  per_slot = lambda x, fill: jnp.full((num_slots,), fill, x.dtype).at[
+  per_slot = lambda x, fill: jnp.full((num_slots,) + x.shape[1:], fill, x.dtype).at[
       jnp.where(packed.valid_seq, slots, num_slots)].set(x, mode="drop")
-  slot_token = per_slot(token, -1)
+  slot_token = per_slot(token, -1)                                    # [R, W]
   slot_finite = per_slot(finite, True)
 
-  is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos
+  is_eos = jnp.isin(slot_token, jnp.asarray(model.eos_token_ids)) & ~buffers.ignore_eos[:, None]
+  verified = None
+  if speculation is None:
+    slot_token, is_eos = slot_token[:, 0], is_eos[:, 0]
+  else:
+    # Draft j + 1 sits at stream position known + j (``write_drafts``).
+    col = jnp.minimum(known[:, None] + jnp.arange(speculation.k)[None, :], max_model_len - 1)
+    proposed = jnp.take_along_axis(buffers.tokens, col, axis=1)      # [R, K]
+    verified = speculative.num_verified(proposed, slot_token, k)
   pages, buffers, result = take_tokens(pages, buffers, manifest, state, plan, slot_token,
-                                       slot_finite, is_eos, max_model_len=max_model_len)
+                                       slot_finite, is_eos, max_model_len=max_model_len,
+                                       verified=verified)
   return kv, pages, buffers, result, logprobs
 
 
@@ -309,30 +353,43 @@ def allocate_for_plan(pages: kv_pages.PageState, plan: rec.IterationPlan
 def take_tokens(pages: kv_pages.PageState, buffers: RequestBuffers,
                 manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                 plan: rec.IterationPlan, slot_token, slot_finite, is_eos, *,
-                max_model_len: int):
+                max_model_len: int, verified=None):
   """Takes the tokens one executed plan sampled: its IterationResult by the
   stop rules (``scheduler.iteration.stop_rules``, the one definition), the
   emitted tokens written into the stream, ended slots' pages released.
   Every executor ends its step here.
 
   Args:
-    slot_token: i32[R] the token each slot sampled (-1 where none).
+    slot_token: i32[R] the token each slot sampled (-1 where none), or
+      i32[R, W] with ``verified``: the tokens at a slot's first W rows.
     slot_finite: bool[R] its logits were finite (False: the slot fails).
-    is_eos: bool[R] the token ends the request as EOS (the caller applies
-      ``ignore_eos``; the simulated executor: the recorded length reached).
-  Returns ``(pages, buffers, result)``: the emitted token written after the
-  slot's prompt and outputs, finished and failed slots' pages released.
+    is_eos: bool[R] (bool[R, W]) the token ends the request as EOS (the
+      caller applies ``ignore_eos``; the simulated executor: the recorded
+      length reached).
+    verified: i32[R] leading drafts equal to the target's tokens
+      (speculative decoding), or None.
+  Returns ``(pages, buffers, result)``: the emitted tokens written after
+  the slot's prompt and outputs, pages only rejected draft rows reached
+  given back, finished and failed slots' pages released.
   """
   result = iteration.stop_rules(manifest, state, plan, slot_token, is_eos=is_eos,
                                 stop_ids=buffers.stop_ids, finite=slot_finite,
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len, verified=verified)
   emitted = result.emitted
   num_slots = plan.selected.shape[0]
+  tokens = result.token[:, None] if result.tokens is None else result.tokens   # [R, W]
   if buffers.tokens is not None:      # None: a stream nothing reads (``sim_loop``)
-    write_col = jnp.where(emitted, manifest.prompt_len + state.emitted,
+    j = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    write_col = jnp.where(emitted[:, None] & (tokens >= 0),
+                          (manifest.prompt_len + state.emitted)[:, None] + j[None, :],
                           max_model_len)                             # OOB -> drop
-    tokens = buffers.tokens.at[jnp.arange(num_slots), write_col].set(slot_token, mode="drop")
-    buffers = buffers.replace(tokens=tokens)
+    rows = jnp.broadcast_to(jnp.arange(num_slots)[:, None], write_col.shape)
+    buffers = buffers.replace(tokens=buffers.tokens.at[rows, write_col].set(tokens,
+                                                                            mode="drop"))
+  if result.accepted is not None:
+    spec = result.completed & (rec.num_draft(plan) > 0)
+    every_row = pages.page_table.shape[1] * pages.page_size
+    pages = kv_pages.trim(pages, jnp.where(spec, result.completed_end, every_row))
   pages = kv_pages.deallocate(pages, result.finished | result.failed)
   return pages, buffers, result
 

@@ -118,6 +118,9 @@ class StepFacts:
       i32[R, P] once the plan's pages were allocated, before the step
       released ended slots: where a request that ended "handoff" left its
       pages (``serving.engine.handoffs``); else None.
+    spec: with speculative decoding, (num_draft i32[R], accepted i32[R],
+      tokens i32[R, 1 + K]): each slot's drafts verified and accepted, and
+      the tokens it emitted in order (-1 past them); else None.
   """
 
   pages_low: jax.Array
@@ -132,3 +135,4 @@ class StepFacts:
   features: jax.Array
   prefix: Optional[tuple] = None
   handoff: Optional[jax.Array] = None
+  spec: Optional[tuple] = None

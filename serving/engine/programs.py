@@ -43,6 +43,7 @@ from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import Budgets, make_policy
 from scheduler.policy_forced import ForcedPreemption
+from scheduler.policy_speculative import FixedDraft
 from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
 from serving.engine.config import EngineConfig, ExecutorConfig
@@ -146,11 +147,12 @@ def bound_executor(model_cfg, config: EngineConfig) -> Callable:
   bucket) is left to the caller."""
   run = _simulated_execute if config.executor == "simulated" else execute
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
+  spec = {} if config.speculation is None else {"speculation": config.speculation}
   return functools.partial(
       run, model=ModelRunner(model_cfg, config.attention_impl, mesh,
                               config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
       num_seqs=config.max_num_seqs,
-      max_model_len=config.max_model_len)
+      max_model_len=config.max_model_len, **spec)
 
 
 def _simulated_execute(*args, **kwargs):
@@ -181,12 +183,13 @@ def _execution_view(plan: rec.IterationPlan) -> rec.IterationPlan:
 
 
 def plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_ms,
-              fix_emitted, fix_stamp, fix_actual):
+              fix_emitted, fix_stamp, fix_actual, max_draft: int = 0):
   """The ``plan`` program: tick, then the iteration's one plan and the facts
   the host acts on; compiled once per slot-table size, it runs no model.
 
   Args:
-    policy, prefix_caching: static.
+    policy, prefix_caching: static; max_draft: static, the most draft
+      tokens a decode row may verify (``Speculation.k``; 0 without).
     manifest, state, pages: the slot tables (``state`` as last published).
     prefix_hits: i32[R] or None (``AllocatorView.prefix_hit_tokens``).
     now_ms: f32[] this iteration's launch time (device ms).
@@ -216,7 +219,7 @@ def plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_m
                     preempt=plan.preempt, num_tokens=plan.num_tokens,
                     num_seqs=plan.num_seqs,
                     rows_bound=_rows_bound(manifest, ticked, plan.token_budget,
-                                           plan.seq_budget),
+                                           plan.seq_budget, max_draft),
                     evict=evict)
   return ticked, plan, facts, refcount
 
@@ -233,12 +236,13 @@ def _pages_to_evict(plan, pages):
   return jnp.maximum(need - released.num_free, 0).astype(jnp.int32), released.refcount
 
 
-def _rows_bound(manifest, state, token_budget, seq_budget):
+def _rows_bound(manifest, state, token_budget, seq_budget, max_draft=0):
   """i32[]: the most token rows a valid plan on ``state`` can schedule: the
   token bucket an iteration runs in (``PlanFacts.rows_bound``).
 
   The plan rules (``validate.plan_violations``) allow a live slot one row
-  in decode state and at most ``prefill_target - computed`` rows otherwise,
+  in decode state (plus its drafts: at most ``max_draft`` and its output
+  cap's room) and at most ``prefill_target - computed`` rows otherwise,
   at most ``seq_budget`` slots and ``token_budget`` rows in all; so the
   bound is the sum of the ``seq_budget`` largest per-slot widths, capped
   by the token budget, whatever the policy.
@@ -249,7 +253,8 @@ def _rows_bound(manifest, state, token_budget, seq_budget):
   p, e, c = manifest.prompt_len, state.emitted, state.computed
   live = (state.status == rec.WAITING) | (state.status == rec.RUNNING)
   decode = (e >= 1) & (c == p + e - 1)
-  width = jnp.where(live, jnp.where(decode, 1, jnp.maximum(
+  drafts = jnp.clip(manifest.max_tokens - e - 1, 0, max_draft)
+  width = jnp.where(live, jnp.where(decode, 1 + drafts, jnp.maximum(
       rec.prefill_target(manifest, state) - c, 0)), 0)
   widest = -jnp.sort(-width)
   top = jnp.sum(jnp.where(jnp.arange(width.shape[0]) < seq_budget, widest, 0))
@@ -322,7 +327,9 @@ def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buff
       decodes=jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW)),
       features=cost_lib.plan_stats(plan, windows, manifest.prompt_len),
       prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None,
-      handoff=table)
+      handoff=table,
+      spec=None if result.accepted is None else (rec.num_draft(plan), result.accepted,
+                                                 result.tokens))
   return kv, pages, buffers, published, (plan, result, logprobs), facts
 
 
@@ -479,6 +486,9 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
       reservation_quantile=config.reservation_quantile))
   if config.force_preempt_every:
     policy = ForcedPreemption(policy, config.force_preempt_every)
+  spec = config.speculation
+  if spec is not None:
+    policy = FixedDraft(policy, spec.k)
   traces: Dict[str, int] = {}
   placement = sharding.Placement(model_cfg, sharding.make_mesh(config.mesh))
   jit = functools.partial(counting_jit, traces=traces, **placement.pinned())
@@ -487,7 +497,8 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
   return _Programs(
       policy=policy,
       plan=jit("plan", functools.partial(plan_step, policy,
-                                         config.enable_prefix_caching)),
+                                         config.enable_prefix_caching,
+                                         max_draft=0 if spec is None else spec.k)),
       step=jit("step", functools.partial(
           execute_step, bound_executor(model_cfg, config), config.token_buckets[-1],
           config.enable_prefix_caching, windows=model_cfg.window_kinds,

@@ -299,7 +299,9 @@ class RequestTable:
   def drain(self, emit_ms: float, emitted, token, finished, reason, failed, preempt,
             token_logprobs: Dict[int, TokenLogprobs], extensions: Callable,
             max_preemptions: int):
-    """One step's news, per slot (host arrays over R: the ``StepFacts``):
+    """One step's news, per slot (host arrays over R: the ``StepFacts``;
+    ``token`` may be a list over R of each slot's emitted tokens, and
+    ``token_logprobs`` a slot's list of them, with speculative decoding):
     preemptions counted, new tokens and logprobs recorded (``take_news``),
     ended requests' slots vacated. ``extensions()`` fetches i32[R] §0x06
     extensions (once, when a request ended). A request preempted more than
@@ -327,9 +329,11 @@ class RequestTable:
           continue
       new, new_logprobs = [], None
       if emitted[slot]:
-        new = [int(token[slot])]
+        got = token[slot]
+        new = [int(t) for t in got] if isinstance(got, list) else [int(got)]
         if req.want_logprobs:
-          new_logprobs = [token_logprobs[slot]]
+          got = token_logprobs[slot]
+          new_logprobs = got[:len(new)] if isinstance(got, list) else [got]
           req.output_logprobs.extend(new_logprobs)
       self.take_news(req, new, [emit_ms] * len(new), failed[slot], finished[slot],
                      reason[slot], lambda: extensions_of(slot))
@@ -342,7 +346,8 @@ class RequestTable:
     return outputs, release, thrashing
 
   # --------------------------------------------------------- step records
-  def take_logprobs(self, logprobs, emitted, fetch: Callable) -> Dict[int, TokenLogprobs]:
+  def take_logprobs(self, logprobs, emitted, fetch: Callable, spec=None
+                    ) -> Dict[int, TokenLogprobs]:
     """Fetches a step's ``StepLogprobs`` (with ``fetch``) when a request that
     asked used them (one more fetch; none otherwise): records the prompt rows of
     requests still in their prompt, and returns each emitting slot's
@@ -352,7 +357,9 @@ class RequestTable:
     (vLLM's default "raw_logprobs": before the stop mask, temperature and
     top-k/top-p), float32, from the rows the step ran
     (``serving.engine.executor.StepLogprobs``); a request that wants prompt
-    logprobs takes no prefix hit, so every prompt row runs and is scored."""
+    logprobs takes no prefix hit, so every prompt row runs and is scored.
+    With speculative decoding (``spec``, the ``StepFacts.spec`` on the host)
+    a slot's value is the list of its emitted tokens' logprobs."""
     if logprobs is None:
       return {}
     out = [s for s in np.flatnonzero(emitted)
@@ -381,6 +388,11 @@ class RequestTable:
     if not out:
       return {}
     chosen, top_ids, top = got["out"]
+    if spec is not None:
+      accepted = spec[1]
+      return {int(s): [TokenLogprobs(float(chosen[s, j]), np.array(top_ids[s, j]),
+                                     np.array(top[s, j])) for j in range(1 + int(accepted[s]))]
+              for s in out}
     return {int(s): TokenLogprobs(float(chosen[s]), np.array(top_ids[s]), np.array(top[s]))
             for s in out}
 

@@ -238,6 +238,31 @@ def deallocate(pages: PageState, release) -> PageState:
                             (pages, jnp.asarray(release, bool)))[0]
 
 
+def trim(pages: PageState, rows_kept) -> PageState:
+  """Each slot keeps the pages of its first ``rows_kept`` (i32[R]) rows and
+  drops its references to the pages after them (a slot holding fewer is
+  unchanged): the pages a verified decode row took for drafts that were
+  rejected (speculative decoding). A page whose last reference goes returns
+  to the free stack (ascending ids) unless it is cached, as in
+  ``deallocate``. O(R x pages_per_seq), under a cond that skips it when no
+  slot holds a page past its rows."""
+  pages_per_seq = pages.page_table.shape[1]
+  j = jnp.arange(pages_per_seq, dtype=jnp.int32)
+  keep = jnp.minimum(pages_for(rows_kept, pages.page_size), pages.pages_held)
+
+  def drop(pages):
+    out = (j[None, :] >= keep[:, None]) & (j[None, :] < pages.pages_held[:, None])
+    ids = jnp.where(out, pages.page_table, pages.num_pages).reshape(-1)
+    refcount = pages.refcount.at[ids].add(-1, mode="drop")
+    dropped = jnp.zeros((pages.num_pages,), bool).at[ids].set(True, mode="drop")
+    freed = dropped & (refcount == 0) & ~pages.cached
+    pages = pages.replace(page_table=jnp.where(out, NULL_PAGE, pages.page_table),
+                          pages_held=keep.astype(pages.pages_held.dtype), refcount=refcount)
+    return _push_free(pages, freed)
+
+  return jax.lax.cond(jnp.any(keep < pages.pages_held), drop, lambda p: p, pages)
+
+
 def map_prefix(pages: PageState, slot, page_ids, num_hit) -> PageState:
   """Maps cached pages into an empty slot's table (a prefix hit).
 

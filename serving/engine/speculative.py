@@ -1,0 +1,192 @@
+"""Speculative decoding's engine half: the setting, the n-gram proposer and
+the verification of draft tokens (Leviathan et al. 2023, "Fast Inference
+from Transformers via Speculative Decoding"; vLLM's ``ngram`` proposer).
+
+How many drafts a request verifies is the policy's decision
+(``IterationPlan.num_draft``, ``scheduler.policy_speculative``); the
+executor proposes them (``write_drafts``), runs the verify rows in the one
+ragged step beside prefill chunks and decode rows, and keeps the leading
+drafts equal to the target's own tokens (``num_verified``).
+
+The drafts here are deterministic (the n-gram proposer's continuation), so
+the draft distribution q is one-hot. Then the rejection rule of Leviathan
+et al. (accept draft d with probability min(1, p(d) / q(d)) = p(d), else
+draw from the residual, p without d, renormalized) is exactly: draw the
+target's token t from p with the request's seed at that output index, and
+accept d iff t == d (t is then the token that follows). That draw is the
+one a step without speculation makes for the same output index, from the
+same logits, so a request's tokens are the same with and without
+speculation, greedy or seeded (``sampling.sample`` keys each draw by the
+request's seed and output index only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+  """A speculative-decoding setting (``EngineConfig.speculative``).
+
+  Attributes:
+    method: "ngram": prompt lookup, no draft model (vLLM's ``ngram``).
+    k: the most draft tokens one decode row verifies (>= 1).
+    n: the longest n-gram matched (>= 1); the proposer tries n, n - 1, ...,
+      1 and takes the longest suffix that occurred before.
+  """
+
+  method: str = "ngram"
+  k: int = 4
+  n: int = 3
+
+  @classmethod
+  def parse(cls, text: str, field: str = "EngineConfig.speculative") -> "Speculation | None":
+    """``"ngram:k=4,n=3"`` -> ``Speculation``; ``""`` -> None (off).
+
+    Raises:
+      ValueError: naming ``field`` and the rule broken (unknown method or
+        option, a value that is not an int >= 1).
+    """
+    if not text:
+      return None
+    method, _, opts = text.partition(":")
+    if method == "draft":
+      raise ValueError(f"{field} method 'draft' (a draft model) is not available; "
+                       f"use one of {METHODS}, got {text!r}")
+    if method not in METHODS:
+      raise ValueError(f"{field} must be METHOD[:k=K,n=N] with METHOD one of {METHODS}, "
+                       f"got {text!r}")
+    values = {}
+    for item in filter(None, opts.split(",")):
+      key, eq, value = item.partition("=")
+      if key not in ("k", "n") or not eq:
+        raise ValueError(f"{field} options are k=K and n=N, got {item!r} in {text!r}")
+      try:
+        values[key] = int(value)
+      except ValueError:
+        raise ValueError(f"{field} {key} must be an int >= 1, got {value!r}") from None
+      if values[key] < 1:
+        raise ValueError(f"{field} {key} must be >= 1, got {values[key]}")
+    return cls(method=method, **values)
+
+  def __str__(self) -> str:
+    return f"{self.method}:k={self.k},n={self.n}"
+
+
+def ngram_drafts(stream, length, *, k: int, n: int):
+  """The n-gram proposer: i32[R, k] drafts for each slot.
+
+  For each slot, the longest suffix of its known tokens ``stream[:length]``
+  of at most ``n`` tokens that also occurred earlier, at its latest earlier
+  occurrence, proposes the tokens that followed it there (clipped at the
+  last known token). With no earlier occurrence of even the last token,
+  the last token is proposed k times.
+
+  Args:
+    stream: i32[R, M] prompt then output tokens; length: i32[R] tokens
+      known (prompt + emitted), >= 1 for a slot that speculates.
+    k, n: static draft count and longest n-gram.
+  """
+  num_slots, width = stream.shape
+  pos = jnp.arange(width, dtype=jnp.int32)
+
+  def one(row, size):
+    follow = jnp.int32(-1)
+    for m in range(1, n + 1):     # a longer match found later overrides
+      suffix = jax.lax.dynamic_slice(row, (jnp.maximum(size - m, 0),), (m,))
+      hit = jnp.ones((width,), bool)
+      for t in range(m):
+        hit = hit & (jnp.roll(row, -t) == suffix[t])
+      # An occurrence ending before the suffix starts and followed by a
+      # known token: i + m <= size - 1.
+      hit = hit & (pos + m <= size - 1) & (size > m)
+      latest = jnp.max(jnp.where(hit, pos, -1))
+      follow = jnp.where(latest >= 0, latest + m, follow)
+    start = jnp.where(follow >= 0, follow, size - 1)
+    at = jnp.minimum(start + jnp.arange(k, dtype=jnp.int32), size - 1)
+    return row[jnp.clip(at, 0, width - 1)]
+
+  return jax.vmap(one)(stream, length.astype(jnp.int32))
+
+
+def write_drafts(stream, length, num_draft, drafts):
+  """``stream`` with each slot's first ``num_draft`` drafts written at
+  positions ``[length, length + num_draft)``, where the verify row reads
+  them (``pack``); positions past the context are dropped.
+
+  Args:
+    stream: i32[R, M]; length: i32[R] known tokens (p + e); num_draft:
+      i32[R]; drafts: i32[R, K].
+  """
+  num_slots, k = drafts.shape
+  j = jnp.arange(k, dtype=jnp.int32)
+  col = jnp.where(j[None, :] < num_draft[:, None], length[:, None] + j[None, :],
+                  stream.shape[1])
+  rows = jnp.broadcast_to(jnp.arange(num_slots)[:, None], col.shape)
+  return stream.at[rows, col].set(drafts, mode="drop")
+
+
+def num_verified(drafts, target, num_draft):
+  """i32[N]: leading drafts equal to the target's tokens.
+
+  Args:
+    drafts: i32[N, K] the drafts a row verified; target: i32[N, K + 1] the
+      target's tokens at its rows (row j's token follows draft j); num_draft:
+      i32[N] drafts the row carried.
+  """
+  k = drafts.shape[1]
+  match = (drafts == target[:, :k]) & (jnp.arange(k)[None, :] < num_draft[:, None])
+  return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def emitted_tokens(facts):
+  """A step's emitted tokens per slot, from its ``StepFacts`` on the host:
+  ``facts.token`` (i32[R], one token each) without speculation, else a list
+  over R of each slot's tokens in order."""
+  if facts.spec is None:
+    return facts.token
+  _, accepted, tokens = facts.spec
+  return [row[:1 + a].tolist() for row, a in zip(tokens, accepted)]
+
+
+class SpecCounts:
+  """Host counters of the drafts an engine verified (vLLM's metric names:
+  ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+  ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``).
+
+  Attributes:
+    num_drafts: decode rows that carried drafts.
+    num_draft_tokens: draft tokens verified.
+    num_accepted_tokens: draft tokens accepted and emitted.
+    accepted_per_pos: list[int] of length K: accepted drafts at each draft
+      position (position 0 is the first draft after the last emitted token).
+  """
+
+  def __init__(self, k: int):
+    self.num_drafts = 0
+    self.num_draft_tokens = 0
+    self.num_accepted_tokens = 0
+    self.accepted_per_pos = [0] * k
+
+  def add(self, spec) -> None:
+    """Counts one step's ``StepFacts.spec`` (host arrays; None: nothing)."""
+    if spec is None:
+      return
+    for k, a in zip(spec[0], spec[1]):
+      if k > 0:
+        self.num_drafts += 1
+        self.num_draft_tokens += int(k)
+        self.num_accepted_tokens += int(a)
+        for pos in range(int(a)):
+          self.accepted_per_pos[pos] += 1
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted / verified draft tokens (0.0 before any)."""
+    return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

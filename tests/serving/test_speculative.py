@@ -1,0 +1,201 @@
+"""Speculative decoding through the engine: n-gram drafts verified in the
+one ragged step leave every request's tokens as they are without
+speculation (greedy and seeded, with prefix caching and preemptions), the
+drafts that match are accepted, and a request's seeded tokens follow the
+same distribution."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from models import llama
+from serving.engine import speculative
+from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.engine import Engine
+from tests.serving.engine_testing import CFG
+
+BASE = EngineConfig.preset("tiny", min_bucket=8)     # page_size 4, 63 usable pages
+SPEC = dataclasses.replace(BASE, speculative="ngram:k=3,n=2")
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=3)
+
+
+def _repetitive_prompts(lengths, seed=0):
+  """Prompts repeating a 3-token phrase: the n-gram proposer finds matches."""
+  rng = np.random.default_rng(seed)
+  return [(rng.integers(3, CFG.vocab_size, size=3).tolist() * 10)[:n] for n in lengths]
+
+
+PROMPTS = _repetitive_prompts([14, 13, 12, 11, 5, 4])
+
+
+def _run(params, config, sampling, prompts=PROMPTS, **kwargs):
+  engine = Engine(CFG, params, config)
+  reqs = [engine.add_request(f"r{i}", p, sampling, **kwargs) for i, p in enumerate(prompts)]
+  engine.run()
+  return [r.output_token_ids for r in reqs], engine, reqs
+
+
+def _assert_pages_free(engine):
+  pages = engine.pages
+  assert int(jnp.sum(pages.pages_held)) == 0
+  assert not np.asarray(pages.refcount).any()
+  free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
+  cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
+  assert sorted(free + cached) == list(range(1, engine.config.num_pages))
+
+
+@pytest.fixture(scope="module")
+def plain(params):
+  return {name: _run(params, BASE, s)[0] for name, s in (("greedy", GREEDY),
+                                                          ("seeded", SEEDED))}
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"enable_prefix_caching": False}, {"force_preempt_every": 3},
+    {"force_preempt_every": 3, "preemption_mode": "swap"}],
+    ids=["prefix_caching", "no_prefix_caching", "recompute", "swap"])
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_tokens_with_speculation_equal_the_tokens_without(params, plain, kind, extra):
+  sampling = GREEDY if kind == "greedy" else SEEDED
+  tokens, engine, reqs = _run(params, dataclasses.replace(SPEC, **extra), sampling)
+  assert tokens == plain[kind]
+  assert all(len(t) == 16 for t in tokens)
+  assert all(r.outcome == "completed" for r in reqs)
+  counts = engine.spec_counts
+  assert counts.num_draft_tokens > 0
+  assert counts.num_accepted_tokens <= counts.num_draft_tokens
+  # Position j accepted only after positions < j: a non-increasing profile.
+  per_pos = counts.accepted_per_pos
+  assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+  assert sum(per_pos) == counts.num_accepted_tokens
+  if kind == "greedy":     # the repeated phrases make drafts match
+    assert counts.num_accepted_tokens > 0
+  if "force_preempt_every" in extra:
+    assert engine.num_preemptions > 0
+  _assert_pages_free(engine)
+
+
+def test_each_accepted_draft_saves_one_decode_row(params):
+  """Over all requests, the decode rows scheduled with speculation are the
+  rows without it less the drafts accepted (each verified row emits its
+  accepted drafts and one token more)."""
+  def decode_rows(config):
+    engine = Engine(CFG, params, config)
+    engine.record_plans = True
+    for i, p in enumerate(PROMPTS):
+      engine.add_request(f"r{i}", p, GREEDY)
+    engine.run()
+    rows = sum(kind == "decode_row" for entry in engine.plan_log
+               for _, _, _, kind in entry["scheduled"])
+    return rows, engine
+
+  plain_rows, _ = decode_rows(BASE)
+  spec_rows, engine = decode_rows(SPEC)
+  accepted = engine.spec_counts.num_accepted_tokens
+  assert accepted > 0
+  assert spec_rows == plain_rows - accepted
+
+
+def test_acceptance_facts_are_learned_per_request_and_client(params):
+  _, engine, _ = _run(params, SPEC, GREEDY)
+  state = engine.state
+  counts = engine.spec_counts
+  # Slots are reused, so per-request counters restart; the per-client
+  # totals (every request is client 0) hold every verified draft.
+  assert int(state.client_draft_tokens[0]) == counts.num_draft_tokens
+  assert int(state.client_accepted_tokens[0]) == counts.num_accepted_tokens
+
+
+def test_logprobs_with_speculation_equal_the_logprobs_without(params):
+  _, _, plain_reqs = _run(params, BASE, GREEDY, logprobs=True)
+  _, engine, spec_reqs = _run(params, SPEC, GREEDY, logprobs=True)
+  assert engine.spec_counts.num_accepted_tokens > 0
+  for a, b in zip(plain_reqs, spec_reqs):
+    assert len(b.output_logprobs) == len(b.output_token_ids) == 16
+    np.testing.assert_allclose([x.logprob for x in b.output_logprobs],
+                               [x.logprob for x in a.output_logprobs], rtol=0, atol=1e-5)
+    assert [x.top_ids.tolist() for x in b.output_logprobs] == [
+        x.top_ids.tolist() for x in a.output_logprobs]
+
+
+def test_stop_tokens_inside_accepted_drafts_end_the_request_there(params, plain):
+  """A stop id among the tokens a verified row offers ends the request at
+  it: nothing after it is published."""
+  want = plain["greedy"][0]
+  stop = want[5]
+  first = want.index(stop)
+  sampling = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=(stop,))
+  tokens, engine, reqs = _run(params, SPEC, sampling, prompts=PROMPTS[:1])
+  assert tokens[0] == want[:first + 1]
+  assert reqs[0].finish_reason == "stop"
+  _assert_pages_free(engine)
+
+
+def test_seeded_speculation_draws_from_the_same_distribution():
+  """Requests with seeds 0..N-1 under speculation and seeds N..2N-1
+  without: the tokens they draw at output indices 2 and 3 (which verified
+  drafts produce) are two independent samples of one distribution each if
+  speculation keeps the sampling distribution (chi-square tests of
+  homogeneity, tokens seen fewer than 5 times pooled). The model is the
+  tiny one at its default scale, peaked enough that drafts are accepted
+  under top-k 3 sampling at temperature 1."""
+  params = llama.init_params(CFG, jax.random.PRNGKey(0))
+  n = 150
+
+  def draws(config, seeds):
+    engine = Engine(CFG, params, dataclasses.replace(config, max_request_slots=64))
+    reqs = [engine.add_request(f"s{s}", PROMPTS[0], SamplingParams(
+        max_tokens=4, ignore_eos=True, temperature=1.0, top_k=3, seed=s)) for s in seeds]
+    engine.run()
+    return np.array([r.output_token_ids for r in reqs]), engine
+
+  spec, engine = draws(SPEC, range(n))
+  base, _ = draws(BASE, range(n, 2 * n))
+  assert engine.spec_counts.num_accepted_tokens >= 10
+  for index in (2, 3):
+    a, b = spec[:, index], base[:, index]
+    tokens, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+    common = tokens[counts >= 5]
+    table = np.array([[np.sum(x == t) for t in common] + [np.sum(~np.isin(x, common))]
+                      for x in (a, b)])
+    table = table[:, table.sum(axis=0) > 0]
+    assert table.shape[1] >= 3, table          # a distribution, not one token
+    _, p_value, _, _ = stats.chi2_contingency(table)
+    assert p_value > 1e-3, (index, p_value, table)
+
+
+def test_ngram_proposer_takes_the_longest_latest_match():
+  stream = jnp.array([[5, 6, 7, 9, 5, 6, 8, 5, 6, 0, 0, 0],
+                      [1, 2, 3, 4, 0, 0, 0, 0, 0, 0, 0, 0],
+                      [7, 8, 7, 8, 7, 0, 0, 0, 0, 0, 0, 0]], jnp.int32)
+  length = jnp.array([9, 4, 5])
+  drafts = speculative.ngram_drafts(stream, length, k=3, n=2)
+  # Row 0: suffix (5, 6) last occurred at 4 -> 8, 5, 6. Row 1: no earlier
+  # occurrence of 4 -> 4, 4, 4. Row 2: suffix (8, 7) at 1 -> 8, 7 and the
+  # known tokens end there (clipped to the last known token, 7).
+  assert drafts.tolist() == [[8, 5, 6], [4, 4, 4], [8, 7, 7]]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ngram:k=0", "k must be >= 1"),
+    ("ngram:k=x", "k must be an int"),
+    ("ngram:m=2", "options are k=K and n=N"),
+    ("medusa", "must be METHOD"),
+    ("draft:/some/model,k=4", "method 'draft'"),
+    ("ngram:k=256", "max_num_batched_tokens - 1"),
+])
+def test_bad_settings_are_refused_naming_the_field(text, message):
+  with pytest.raises(ValueError, match="EngineConfig.speculative") as err:
+    dataclasses.replace(BASE, speculative=text)
+  assert message in str(err.value)
+
+
+def test_the_simulated_executor_is_refused():
+  with pytest.raises(ValueError, match="speculative needs executor 'model'"):
+    dataclasses.replace(BASE, speculative="ngram:k=2", executor="simulated")
+
