@@ -400,6 +400,11 @@ def _plan(policy, manifest, state, held, num_pages, now_ms, *, page_size):
   return state, plan.replace(policy=None, policy_id="", policy_version=""), keys, hidden_bad
 
 
+# The most drafts the fixture executor verifies in one row (a plan asking
+# more breaks validate's rules first: a kit request's max_tokens is smaller).
+_MAX_DRAFT = 16
+
+
 def fixture_execute(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                     plan: rec.IterationPlan, emit_ms, fail=None) -> rec.IterationResult:
   """Simulated execution of a plan (pure, jit-able).
@@ -413,13 +418,28 @@ def fixture_execute(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   Returns:
     IterationResult by the executors' one set of stop rules
     (``iteration.stop_rules``); token ids are ``(request_id * 31 + e) % 1000``
-    >= 0.
+    >= 0. A plan carrying drafts (``num_draft``) is verified with
+    ``(request_id + e) % (k + 1)`` of a row's k drafts accepted: a fixed
+    acceptance pattern, so runs repeat.
   """
-  new_e = state.emitted + 1
   truth = manifest.hidden_realized_output_tokens
-  is_eos = new_e >= truth if truth is not None else jnp.zeros_like(plan.selected)
-  return iteration.stop_rules(manifest, state, plan, (manifest.request_id * 31 + new_e) % 1000,
-                              is_eos=is_eos, emit_ms=emit_ms, fail=fail)
+  if plan.num_draft is None:
+    new_e = state.emitted + 1
+    is_eos = new_e >= truth if truth is not None else jnp.zeros_like(plan.selected)
+    return iteration.stop_rules(manifest, state, plan,
+                                (manifest.request_id * 31 + new_e) % 1000,
+                                is_eos=is_eos, emit_ms=emit_ms, fail=fail)
+  width = 1 + _MAX_DRAFT
+  new_e = state.emitted[:, None] + 1 + jnp.arange(width)[None, :]
+  is_eos = (new_e >= truth[:, None] if truth is not None
+            else jnp.zeros(new_e.shape, bool))
+  k = plan.num_draft
+  verified = jnp.minimum((manifest.request_id + state.emitted) % (jnp.maximum(k, 0) + 1),
+                         _MAX_DRAFT)
+  return iteration.stop_rules(manifest, state, plan,
+                              (manifest.request_id[:, None] * 31 + new_e) % 1000,
+                              is_eos=is_eos, emit_ms=emit_ms, fail=fail,
+                              verified=jnp.where(k > 0, verified, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("updater", "page_size"),
@@ -448,7 +468,8 @@ def _publish(updater, manifest, state, plan, keys, held, num_pages, emit_ms, *,
   # The page ledger: a preemption (recompute) returns every page; a
   # completed interval holds the pages of its end; an ended request none.
   held = jnp.where(plan.preempt, 0, held)
-  grown = jnp.maximum(pages_for(plan.end, page_size), held)
+  # (a verified row keeps the pages of its accepted rows only).
+  grown = jnp.maximum(pages_for(result.completed_end, page_size), held)
   held = jnp.where(result.completed, grown, held)
   held = jnp.where(successor.status == rec.FINISHED, 0, held).astype(jnp.int32)
   return successor, held, result, plan_bad, result_bad, num_pages - jnp.sum(held)
@@ -548,7 +569,8 @@ def run(policy, workload: Workload, *, kit: Kit = PROFILES["fast"],
      reason, failed, plan_bad, result_bad, hidden_bad, free, held_now,
      status) = jax.device_get((
          plan.selected, plan.start, plan.end, plan.kind, plan.rank, plan.admit,
-         plan.preempt, plan.unschedulable, result.emitted, result.token,
+         plan.preempt, plan.unschedulable, result.emitted,
+         result.token if result.tokens is None else result.tokens,
          result.finished, result.finish_reason, result.failed, plan_bad, result_bad,
          hidden_bad, free, held, state.status))
     rows = tuple((int(owner[s]), int(start[s]), int(end[s]), int(kind[s]))
@@ -570,7 +592,7 @@ def run(policy, workload: Workload, *, kit: Kit = PROFILES["fast"],
       t.preemptions[int(owner[s])] += 1
     for s in np.flatnonzero(emitted):
       i = int(owner[s])
-      t.tokens[i].append(int(token[s]))
+      t.tokens[i].extend(int(x) for x in np.atleast_1d(token[s]) if x >= 0)
       if t.first_token_iter[i] is None:
         t.first_token_iter[i] = it
     for s in np.flatnonzero(finished | failed):

@@ -85,6 +85,8 @@ def define_engine_flags() -> None:
   flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
   flags.DEFINE_integer("force_preempt_every", None, "Override: preempt one decoding "
                        "request every N decisions (0 = off).")
+  flags.DEFINE_string("speculative", None, "Override: speculative decoding 'ngram:k=K,n=N' "
+                      "(n-gram drafts, docs/speculative-decoding.md) or '' (off).")
   flags.DEFINE_enum("executor", None, ["model", "simulated"], "Override: 'simulated' "
                     "replaces only the model call (recorded output lengths, cost-model "
                     "step times on a virtual clock).")
@@ -298,19 +300,17 @@ def engine_config(**overrides) -> EngineConfig:
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
-  fields = dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len,
-                weights=FLAGS.weights, int8_gemm=FLAGS.int8_gemm,
-                decode_gemm=FLAGS.decode_gemm,
+  fields = dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, weights=FLAGS.weights,
+                int8_gemm=FLAGS.int8_gemm, decode_gemm=FLAGS.decode_gemm,
                 kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
                 max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                 long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
                 attention_impl=FLAGS.attention_impl,
                 prefill_chunk_rows=FLAGS.prefill_chunk_rows, num_pages=FLAGS.num_pages,
                 preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
-                reservation=FLAGS.reservation,
-                reservation_quantile=FLAGS.reservation_quantile,
+                reservation=FLAGS.reservation, reservation_quantile=FLAGS.reservation_quantile,
                 watermark_pages=FLAGS.watermark_pages,
-                force_preempt_every=FLAGS.force_preempt_every,
+                force_preempt_every=FLAGS.force_preempt_every, speculative=FLAGS.speculative,
                 executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                 enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
   fields.update(overrides)

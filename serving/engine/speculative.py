@@ -57,8 +57,8 @@ class Speculation:
       return None
     method, _, opts = text.partition(":")
     if method == "draft":
-      raise ValueError(f"{field} method 'draft' (a draft model) is not available; "
-                       f"use one of {METHODS}, got {text!r}")
+      raise ValueError(f"{field} method 'draft' (a draft model) is not available; use "
+                       f"one of {METHODS}, got {text!r}")
     if method not in METHODS:
       raise ValueError(f"{field} must be METHOD[:k=K,n=N] with METHOD one of {METHODS}, "
                        f"got {text!r}")
@@ -66,13 +66,10 @@ class Speculation:
     for item in filter(None, opts.split(",")):
       key, eq, value = item.partition("=")
       if key not in ("k", "n") or not eq:
-        raise ValueError(f"{field} options are k=K and n=N, got {item!r} in {text!r}")
-      try:
-        values[key] = int(value)
-      except ValueError:
-        raise ValueError(f"{field} {key} must be an int >= 1, got {value!r}") from None
-      if values[key] < 1:
-        raise ValueError(f"{field} {key} must be >= 1, got {values[key]}")
+        raise ValueError(f"{field} options are k=K and n=N (not {item!r}), got {text!r}")
+      if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{field} {key} must be an int >= 1, got {text!r}")
+      values[key] = int(value)
     return cls(method=method, **values)
 
   def __str__(self) -> str:
@@ -185,6 +182,13 @@ class SpecCounts:
         self.num_accepted_tokens += int(a)
         for pos in range(int(a)):
           self.accepted_per_pos[pos] += 1
+
+  def stats(self) -> dict:
+    """The counters and the acceptance rate as a JSON-ready dict."""
+    return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.acceptance_rate}
 
   @property
   def acceptance_rate(self) -> float:

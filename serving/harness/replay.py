@@ -207,7 +207,8 @@ def _record(engine: Engine, spec, origin_ms: float) -> RequestRecord:
 OUTCOME_KEYS = ("iterations", "bucket_histogram", "compiled_programs", "num_slots",
                 "preemptions", "extensions", "recompute_tokens", "swap",
                 "prefill_tokens_computed", "prefix_cache_queries", "prefix_cache_hits",
-                "prefix_cache_hit_rate", "prefix_cache_evictions", "prefix_cache_pages")
+                "prefix_cache_hit_rate", "prefix_cache_evictions", "prefix_cache_pages",
+                "spec_decode")
 
 
 def run_config(engine: Engine, model_name: str) -> dict:
@@ -244,6 +245,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "reservation_estimator": estimator_name(c.reservation, c.reservation_quantile),
       "watermark_pages": c.watermark_pages,
       "force_preempt_every": c.force_preempt_every,
+      "speculative": c.speculative,
       "max_preemptions_per_request": c.max_preemptions_per_request,
       "executor": c.executor,
       "clock": "virtual" if engine.cost_model is not None else "wall",
@@ -256,8 +258,9 @@ def run_outcomes(engine: Engine) -> dict:
   """The engine's measured totals after a run (``OUTCOME_KEYS``): iterations
   and the token buckets they used, programs compiled and slot-table size
   reached, preemptions, §0x06 extensions, recomputed and swapped KV, prompt
-  rows computed, and the prefix cache's counters (vLLM's names; tokens,
-  except ``prefix_cache_evictions`` and ``prefix_cache_pages``, in pages).
+  rows computed, the prefix cache's counters (vLLM's names; tokens,
+  except ``prefix_cache_evictions`` and ``prefix_cache_pages``, in pages)
+  and speculative decoding's (``SpecCounts.stats``; zeros without it).
   Outcomes differ between the runs a comparison ranks; they are never
   comparison coordinates."""
   return {
@@ -271,6 +274,7 @@ def run_outcomes(engine: Engine) -> dict:
       "swap": engine.swap.stats(),
       "prefill_tokens_computed": engine.prefill_tokens_computed,
       **engine.prefix_cache_stats(),
+      "spec_decode": engine.spec_counts.stats(),
   }
 
 

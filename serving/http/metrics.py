@@ -69,6 +69,16 @@ class ServerMetrics:
     self.kv_pages_peak = gauge("iterserve:kv_pages_used_peak",
                                "Most KV pages requests held at the end of an iteration, "
                                "since the engine last went from idle to busy.")
+    self.spec_drafts = count("vllm:spec_decode_num_drafts",
+                             "Decode rows that verified draft tokens.")
+    self.spec_draft_tokens = count("vllm:spec_decode_num_draft_tokens",
+                                   "Draft tokens verified.")
+    self.spec_accepted = count("vllm:spec_decode_num_accepted_tokens",
+                               "Draft tokens accepted.")
+    self._spec_per_pos = prom.Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position.",
+                                      L + ["position"], registry=r)
+    self._spec_seen = None
     self._model = model_name
     self._preemptions_seen = 0
     self._prefix_seen = (0, 0)
@@ -151,4 +161,17 @@ class ServerMetrics:
     self.prefix_queries.inc(queries - self._prefix_seen[0])
     self.prefix_hits.inc(hits - self._prefix_seen[1])
     self._prefix_seen = (queries, hits)
+    self._observe_spec(engine.spec_counts.stats())
+
+  def _observe_spec(self, spec: dict) -> None:
+    """Speculative decoding's counters (``SpecCounts``) since the last call."""
+    seen = self._spec_seen or {k: 0 for k in spec}
+    self.spec_drafts.inc(spec["num_drafts"] - seen["num_drafts"])
+    self.spec_draft_tokens.inc(spec["num_draft_tokens"] - seen["num_draft_tokens"])
+    self.spec_accepted.inc(spec["num_accepted_tokens"] - seen["num_accepted_tokens"])
+    before = seen["accepted_per_pos"] or [0] * len(spec["accepted_per_pos"])
+    for pos, (now, was) in enumerate(zip(spec["accepted_per_pos"], before)):
+      if now > was:
+        self._spec_per_pos.labels(self._model, str(pos)).inc(now - was)
+    self._spec_seen = spec
 

@@ -383,6 +383,19 @@ def test_tokens_alone_equal_mixed_chunked_and_after_prefix_hit(name, engine_runs
   assert len({tuple(t) for t in runs["alone"]}) == len(runs["alone"])
 
 
+@pytest.mark.parametrize("name", ENGINE_FAMILIES)
+def test_speculative_decoding_keeps_the_greedy_tokens(name, models, engine_runs):
+  """n-gram drafts verified in the step leave the batch's greedy tokens as
+  they are without speculation (serving.engine.speculative)."""
+  m = models(name)
+  engine = Engine(m["cfg"], m["params"],
+                  dataclasses.replace(ENGINE, speculative="ngram:k=3,n=2"))
+  got = [r.output_token_ids for r in engine.generate(
+      m["prompts"], SamplingParams(max_tokens=NUM_NEW, ignore_eos=True))]
+  assert got == engine_runs(name)["mixed"]
+  assert engine.spec_counts.num_draft_tokens > 0
+
+
 # --------------------------------------------------------------------------
 # Each switch is live
 

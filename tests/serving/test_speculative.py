@@ -182,8 +182,9 @@ def test_ngram_proposer_takes_the_longest_latest_match():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("ngram:k=0", "k must be >= 1"),
-    ("ngram:k=x", "k must be an int"),
+    ("ngram:k=0", "k must be an int >= 1, got 'ngram:k=0'"),
+    ("ngram:k=x", "k must be an int >= 1"),
+    ("ngram:n=-1", "n must be an int >= 1"),
     ("ngram:m=2", "options are k=K and n=N"),
     ("medusa", "must be METHOD"),
     ("draft:/some/model,k=4", "method 'draft'"),
@@ -199,3 +200,40 @@ def test_the_simulated_executor_is_refused():
   with pytest.raises(ValueError, match="speculative needs executor 'model'"):
     dataclasses.replace(BASE, speculative="ngram:k=2", executor="simulated")
 
+
+
+def test_server_streams_every_accepted_token_and_counts_drafts(params, plain):
+  """Over HTTP, a completion with speculation streams the tokens of one
+  without (usage counts them all), and /metrics carries vLLM's
+  speculative-decoding counters, equal to the engine's."""
+  from prometheus_client.parser import text_string_to_metric_families
+
+  from serving.http.server import OpenAIServer
+  from tests.serving.engine_testing import HttpApp, tiny_tokenizer
+
+  tok = tiny_tokenizer()
+  engine = Engine(CFG, params, SPEC)
+  app = HttpApp(OpenAIServer(engine, tok, "tiny").app, join_timeout_s=30)
+  try:
+    for i, prompt in enumerate(PROMPTS[:3]):
+      r = app.http.post("/v1/completions", json={
+          "model": "tiny", "prompt": prompt, "max_tokens": 16, "ignore_eos": True,
+          "temperature": 0})
+      assert r.status_code == 200, r.text
+      body = r.json()
+      assert body["usage"]["completion_tokens"] == 16
+      assert body["choices"][0]["text"] == tok.decode(plain["greedy"][i],
+                                                      skip_special_tokens=True)
+    text = app.http.get("/metrics").text
+    samples = {(s.name, s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    counts = engine.spec_counts
+    assert counts.num_accepted_tokens > 0
+    assert samples["vllm:spec_decode_num_drafts_total", None] == counts.num_drafts
+    assert samples["vllm:spec_decode_num_draft_tokens_total", None] == counts.num_draft_tokens
+    assert samples["vllm:spec_decode_num_accepted_tokens_total", None] == (
+        counts.num_accepted_tokens)
+    assert samples["vllm:spec_decode_num_accepted_tokens_per_pos_total", "0"] == (
+        counts.accepted_per_pos[0])
+  finally:
+    app.close()

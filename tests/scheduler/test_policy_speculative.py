@@ -1,0 +1,161 @@
+"""Speculation as a plan decision (``scheduler.policy_speculative``): drafts
+granted in rank order within output caps, the token budget and free pages;
+speculating plans pass the conformance kit; plans and results that break
+the draft rules are refused."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scheduler import conformance
+from scheduler import records as rec
+from scheduler import validate
+from scheduler.policies import make_policy
+from scheduler.policy_speculative import FixedDraft, grant_drafts
+from scheduler.registry import POLICIES
+
+KIT = conformance.PROFILES["fast"]
+FAST = ("sarathi_serve", "vtc")      # a stateless and a stateful policy
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[] if n in FAST else [pytest.mark.extended])
+    for n in sorted(POLICIES)])
+def test_every_registered_policy_conforms_while_speculating(name):
+  """The kit's rules hold for each policy wrapped in FixedDraft (its
+  executor accepts a fixed pattern of the drafts, and every plan and
+  result passes validate's draft rules)."""
+  policy = FixedDraft(make_policy(name, KIT.budgets), 2)
+  report = conformance.check_policy(policy)
+  assert report.policy_id == f"{name}+draft_2"
+  assert "plans_validate" in report.rules
+
+
+def _decode_state(num_slots=4):
+  """Four running requests at their decode frontier: prompt 4, emitted
+  1, 2, 3 and 1, max_tokens 8, 8, 5 and 8; pages of 4 rows."""
+  p = jnp.array([4, 4, 4, 4])
+  e = jnp.array([1, 2, 3, 1])
+  manifest = rec.empty_manifest(num_slots).replace(
+      request_id=jnp.arange(num_slots), prompt_len=p, max_tokens=jnp.array([8, 8, 5, 8]),
+      arrival_seq=jnp.arange(num_slots))
+  state = rec.initial_state(num_slots, 1).replace(
+      status=jnp.full((num_slots,), rec.RUNNING), emitted=e, computed=p + e - 1,
+      committed=p + e - 1, ready=jnp.ones((num_slots,), bool))
+  return manifest, state
+
+
+def _plan(manifest, state, token_budget):
+  c = state.computed
+  return rec.IterationPlan(
+      decision_id=state.decision_id, input_state_version=state.state_version,
+      selected=jnp.ones((4,), bool), generation=state.generation,
+      snapshot_version=state.snapshot_version, start=c, end=c + 1,
+      kind=jnp.full((4,), rec.DECODE_ROW), rank=jnp.arange(4),
+      admit=jnp.zeros((4,), bool), preempt=jnp.zeros((4,), bool),
+      sort_key=jnp.zeros((4, rec.NUM_SORT_KEYS), jnp.int32), num_tokens=jnp.int32(4),
+      num_seqs=jnp.int32(4), token_budget=token_budget, seq_budget=4)
+
+
+def test_drafts_go_in_rank_order_within_caps_budget_and_pages():
+  """Hand-worked, pages of 4 rows. Computed frontiers 4, 5, 6, 4; held 1,
+  2, 2, 1 pages; the decode rows end at 5, 6, 7, 5, so the plan itself
+  takes 2 of the 3 free pages (slots 0 and 3) and 1 is left. Want 3 drafts
+  each; slot 2's output cap allows 5 - 3 - 1 = 1. Token budget 11: 7 rows
+  left. Rank order: slot 0 takes 3 (rows to 8, in its 2 pages), slot 1
+  takes 3 (rows to 9: the last free page), slot 2 takes 1 (rows to 8, in
+  its 2 pages), slot 3 none (no rows left)."""
+  manifest, state = _decode_state()
+  view = rec.AllocatorView(free_pages=jnp.int32(3), pages_held=jnp.array([1, 2, 2, 1]),
+                           page_size=4)
+  plan = grant_drafts(_plan(manifest, state, 11), manifest, state, view,
+                      jnp.full((4,), 3, jnp.int32))
+  assert plan.num_draft.tolist() == [3, 3, 1, 0]
+  assert (plan.end - plan.start).tolist() == [4, 4, 2, 1]
+  assert int(plan.num_tokens) == 11
+  violations = validate.plan_violations(manifest, state, plan, view)
+  for rule in ("draft", "multi_row_decode", "token_budget", "ledger_drift"):
+    assert not violations[rule].any(), rule
+
+
+@pytest.mark.parametrize("watermark, want", [(0, [3, 3, 1, 3]), (1, [3, 2, 1, 3])])
+def test_the_watermark_is_kept_free(watermark, want):
+  """As above with 12 rows left: with a watermark of 1 page the last free
+  page is kept, so slot 1 stops at the end of its own pages (2 drafts)."""
+  manifest, state = _decode_state()
+  view = rec.AllocatorView(free_pages=jnp.int32(3), pages_held=jnp.array([1, 2, 2, 1]),
+                           page_size=4)
+  plan = grant_drafts(_plan(manifest, state, 16), manifest, state, view,
+                      jnp.full((4,), 3, jnp.int32), watermark_pages=watermark)
+  assert plan.num_draft.tolist() == want
+
+
+@pytest.mark.parametrize("change, rule", [
+    (lambda p: p.replace(num_draft=jnp.array([1, 0, 0, 0])), "multi_row_decode"),
+    (lambda p: p.replace(num_draft=jnp.array([5, 0, 0, 0]), end=p.end.at[0].add(5),
+                         num_tokens=p.num_tokens + 5), "draft"),
+    (lambda p: p.replace(num_draft=jnp.array([-1, 0, 0, 0]), end=p.end.at[0].add(-1),
+                         num_tokens=p.num_tokens - 1), "draft"),
+])
+def test_plans_breaking_the_draft_rules_are_refused(change, rule):
+  """A draft needs its row (end = start + 1 + k), k >= 0, and room under
+  max_tokens: slot 0 has emitted 1 of 6, so at most 6 - 1 - 1 = 4 drafts."""
+  manifest, state = _decode_state()
+  manifest = manifest.replace(max_tokens=jnp.array([6, 8, 5, 8]))   # slot 0: k <= 4
+  plan = change(_plan(manifest, state, 16))
+  violations = validate.plan_violations(manifest, state, plan)
+  assert bool(violations[rule][0])
+  with pytest.raises(validate.PlanValidationError, match=rule):
+    validate.validate_plan(manifest, state, plan)
+
+
+def test_a_result_emitting_an_unverified_draft_is_refused():
+  """A row that verified 1 draft cannot report 2 accepted."""
+  manifest, state = _decode_state()
+  plan = _plan(manifest, state, 16)
+  plan = plan.replace(num_draft=jnp.array([1, 0, 0, 0]), end=plan.end.at[0].add(1),
+                      num_tokens=plan.num_tokens + 1)
+  from scheduler import iteration
+  tokens = jnp.arange(8).reshape(4, 2) + 10
+  result = iteration.stop_rules(manifest, state, plan, tokens,
+                                is_eos=jnp.zeros((4, 2), bool), verified=jnp.array([1, 0, 0, 0]))
+  assert result.accepted.tolist() == [1, 0, 0, 0]
+  assert result.tokens[0].tolist() == [10, 11] and result.token.tolist() == [11, 12, 14, 16]
+  assert result.completed_end.tolist() == [6, 6, 7, 5]
+  assert not validate.any_violation(validate.result_violations(plan, state, manifest, result))
+  forged = result.replace(accepted=jnp.array([2, 0, 0, 0]),
+                          completed_end=result.completed_end.at[0].add(1))
+  violations = validate.result_violations(plan, state, manifest, forged)
+  assert bool(violations["unverified"][0])
+  with pytest.raises(validate.ResultValidationError, match="unverified"):
+    validate.validate_result(plan, state, manifest, forged)
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there():
+  """Slot 0 verified 2 drafts; its second token is a stop id: it emits 2
+  tokens (accepted 1), finishes 'stop', and its frontier moves 2 rows."""
+  manifest, state = _decode_state()
+  plan = _plan(manifest, state, 16)
+  plan = plan.replace(num_draft=jnp.array([2, 0, 0, 0]), end=plan.end.at[0].add(2),
+                      num_tokens=plan.num_tokens + 2)
+  from scheduler import iteration
+  tokens = jnp.array([[20, 21, 22], [30, 0, 0], [40, 0, 0], [50, 0, 0]])
+  stop_ids = jnp.full((4, 2), -1).at[0, 0].set(21)
+  result = iteration.stop_rules(manifest, state, plan, tokens,
+                                is_eos=jnp.zeros((4, 3), bool), stop_ids=stop_ids,
+                                verified=jnp.array([2, 0, 0, 0]))
+  assert result.accepted.tolist() == [1, 0, 0, 0]
+  assert result.tokens[0].tolist() == [20, 21, -1]
+  assert bool(result.finished[0]) and int(result.finish_reason[0]) == rec.FINISH_STOP
+  assert int(result.completed_end[0]) == 4 + 2
+  np.testing.assert_array_equal(result.service_rows, [2, 1, 1, 1])
+  assert not validate.any_violation(validate.result_violations(plan, state, manifest, result))
+
+
+def test_fixed_draft_refuses_k_below_one():
+  with pytest.raises(ValueError, match="FixedDraft.k must be >= 1"):
+    FixedDraft(make_policy("fcfs", KIT.budgets) if "fcfs" in POLICIES
+               else make_policy("sarathi_serve", KIT.budgets), 0)
+  assert dataclasses.is_dataclass(FixedDraft)
