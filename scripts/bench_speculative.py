@@ -1,6 +1,7 @@
 """Speculative decoding against none on a prompt-copying workload, in one run.
 
-  python scripts/bench_speculative.py --model=smollm2-135m --out=runs/bench_speculative.json
+  python scripts/bench_speculative.py --model=smollm2-135m --concurrency=1,8 \
+      --speculative=,ngram:k=4,n=3 --out=runs/bench_speculative.json
 
 (on an idle machine: a 1-minute load average above ``--max_load`` at the
 start writes ``"refused": reason`` instead of timings, and exits 2).
@@ -12,7 +13,8 @@ each concurrency c in ``--concurrency`` it then runs ``--num_requests``
 greedy requests (EOS honoured, at most ``--max_tokens`` tokens) in a closed
 loop of c live requests (``serving.harness.closed_loop``). Each asks the
 model to repeat a passage of ``--passage_words`` words cut from the MT-Bench
-questions in ``--prompts`` word for word. Per (setting, c): output tokens/s
+questions in ``--prompts`` word for word, its answer begun with the
+passage's first ``--prime_words`` words. Per (setting, c): output tokens/s
 (wall), mean TPOT, iterations, the acceptance rate and the spec-decode
 counts of that run (``Engine.spec_counts``), the XLA compiles during it
 (none expected after warm-up) and whether every request's tokens equal
@@ -50,6 +52,9 @@ flags.DEFINE_list("concurrency", ["1", "8"], "Requests live at a time (a run eac
 flags.DEFINE_integer("num_requests", 8, "Requests per concurrency level.")
 flags.DEFINE_integer("max_tokens", 128, "Output tokens per request at most.")
 flags.DEFINE_integer("passage_words", 96, "Words of each passage to repeat.")
+flags.DEFINE_integer("prime_words", 4, "The answer begins with the passage's first N words "
+                     "(in the prompt; 0: none): SmolLM2-135M otherwise tends to answer the "
+                     "question the passage asks instead of repeating it.")
 flags.DEFINE_float("max_load", 1.5, "Refuse (no timings) when the 1-minute load average "
                    "at the start is above this.")
 launch.define_engine_flags()
@@ -102,6 +107,8 @@ def _check_flags():
   for name in ("num_requests", "max_tokens", "passage_words"):
     if FLAGS[name].value < 1:
       raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+  if not 0 <= FLAGS.prime_words < FLAGS.passage_words:
+    raise ValueError(f"--prime_words must be in [0, --passage_words), got {FLAGS.prime_words}")
   if not FLAGS.max_load > 0:
     raise ValueError(f"--max_load must be > 0, got {FLAGS.max_load}")
   if not os.path.isfile(FLAGS.prompts):
@@ -179,7 +186,7 @@ def main(argv):
   cfg, params, tokenizer = launch.load_flags_model(base)
   if FLAGS.autotune_budget_s > 0 and FLAGS.cache_dir:    # "auto" kernels by measurement
     base = autotune.choose(cfg, base, FLAGS.cache_dir, FLAGS.autotune_budget_s)[0]
-  prompts = [closed_loop.copy_prompt_ids(tokenizer, p) for p in passages]
+  prompts = [closed_loop.copy_prompt_ids(tokenizer, p, FLAGS.prime_words) for p in passages]
   longest = max(map(len, prompts))
   if longest + FLAGS.max_tokens > base.max_model_len:
     raise ValueError(f"--max_tokens={FLAGS.max_tokens} after the longest prompt "
@@ -187,7 +194,8 @@ def main(argv):
                      f"{base.max_model_len} (lower --passage_words or --max_tokens)")
   out.update(model=FLAGS.model, engine_preset=FLAGS.engine, prompts=FLAGS.prompts,
              num_requests=FLAGS.num_requests, max_tokens=FLAGS.max_tokens,
-             passage_words=FLAGS.passage_words, prompt_tokens=[len(p) for p in prompts],
+             passage_words=FLAGS.passage_words,
+             prime_words=FLAGS.prime_words, prompt_tokens=[len(p) for p in prompts],
              token_buckets=list(base.token_buckets), device=str(jax.devices()[0]))
   jax.monitoring.register_event_duration_secs_listener(_count_compile)
   rows, tokens = [], {}

@@ -21,10 +21,11 @@ COPY_INSTRUCTION = "Repeat the following passage word for word, and write nothin
 
 
 def copy_passages(path: str, num: int, words: int) -> List[str]:
-  """``num`` passages of ``words`` words each, cut in order from the first
-  turns of an MT-Bench question file (JSON lines with a ``turns`` list),
-  joined into one stream of words; passage i starts at word ``i * words``
-  of it (modulo its length: past the end the passages repeat).
+  """``num`` passages of ``words`` words each from the first turns of an
+  MT-Bench question file (JSON lines with a ``turns`` list), joined in file
+  order into one stream of words (wrapping round at its end): passage i
+  starts with question ``i`` (modulo the number of questions: past it the
+  passages repeat) and runs on into the questions after it.
 
   Raises:
     ValueError: naming the file (and line): it does not read, a row that is
@@ -35,7 +36,7 @@ def copy_passages(path: str, num: int, words: int) -> List[str]:
       lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
   except OSError as e:
     raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-  stream = []
+  stream, starts = [], []
   for i, line in lines:
     try:
       turn = json.loads(line)["turns"][0]
@@ -44,21 +45,25 @@ def copy_passages(path: str, num: int, words: int) -> List[str]:
                        f"list") from None
     if not isinstance(turn, str) or not turn.strip():
       raise ValueError(f"{path}:{i}: turns[0] must be non-empty text")
+    starts.append(len(stream))
     stream += turn.split()
   if not stream:
     raise ValueError(f"{path}: no questions")
-  return [" ".join(stream[(i * words + j) % len(stream)] for j in range(words))
+  return [" ".join(stream[(starts[i % len(starts)] + j) % len(stream)] for j in range(words))
           for i in range(num)]
 
 
-def copy_prompt_ids(tokenizer, passage: str) -> List[int]:
+def copy_prompt_ids(tokenizer, passage: str, prime_words: int = 0) -> List[int]:
   """The chat prompt asking to repeat ``passage`` (``COPY_INSTRUCTION``),
-  rendered by the model's chat template, as token ids (the rendered text
+  rendered by the model's chat template, its answer begun with the
+  passage's first ``prime_words`` words (a small model otherwise tends to
+  answer the question the passage asks), as token ids (the rendered text
   holds its special tokens: none added again)."""
   text = tokenizer.apply_chat_template(
       [{"role": "user", "content": f"{COPY_INSTRUCTION}\n\n{passage}"}],
       add_generation_prompt=True)
-  return tokenizer.encode(text, add_special_tokens=False)
+  return tokenizer.encode(text + " ".join(passage.split()[:prime_words]),
+                          add_special_tokens=False)
 
 
 @dataclasses.dataclass(frozen=True)

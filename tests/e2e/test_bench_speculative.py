@@ -91,6 +91,8 @@ def test_a_busy_machine_writes_the_refusal_and_no_timings(tmp_path):
     (["--concurrency=1,x"], "error: --concurrency must be integers >= 1, got '1,x'"),
     (["--num_requests=0"], "error: --num_requests must be >= 1, got 0"),
     (["--max_load=0"], "error: --max_load must be > 0, got 0.0"),
+    (["--passage_words=4", "--prime_words=4"],
+     "error: --prime_words must be in [0, --passage_words), got 4"),
     (["--prompts=/nonexist.jsonl"], "error: --prompts '/nonexist.jsonl' is not a file"),
 ])
 def test_bad_flags_are_refused_by_name_before_anything_loads(tmp_path, args, line):

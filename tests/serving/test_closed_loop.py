@@ -9,7 +9,7 @@ import pytest
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.harness import closed_loop
-from tests.serving.engine_testing import CFG, mixed_tokens, prompts
+from tests.serving.engine_testing import CFG, mixed_tokens, prompts, tiny_tokenizer
 
 CONFIG = EngineConfig.preset("tiny")
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -40,6 +40,15 @@ def test_closed_loop_refuses_no_concurrency(params):
     closed_loop.run_closed_loop(Engine(CFG, params, CONFIG), PROMPTS, GREEDY, 0)
 
 
+def test_copy_prompt_begins_the_answer_with_the_first_words():
+  tok = tiny_tokenizer()
+  plain = closed_loop.copy_prompt_ids(tok, "a b c")
+  primed = closed_loop.copy_prompt_ids(tok, "a b c", prime_words=2)
+  text = tok.decode(plain)
+  assert closed_loop.COPY_INSTRUCTION + "\n\na b c" in text
+  assert tok.decode(primed) == text + "a b"
+
+
 def test_mean_tpot_is_over_requests_of_two_tokens_or_more():
   run = closed_loop.ClosedLoopRun({"a": [1, 2, 3], "b": [4]},
                                   {"a": [0.0, 10.0, 30.0], "b": [5.0]}, 1.0, 3, 2)
@@ -47,12 +56,12 @@ def test_mean_tpot_is_over_requests_of_two_tokens_or_more():
   assert closed_loop.ClosedLoopRun({"b": [4]}, {"b": [5.0]}, 1.0, 1, 1).mean_tpot_ms is None
 
 
-def test_copy_passages_cut_the_first_turns_in_order_and_wrap(tmp_path):
+def test_copy_passages_start_at_each_question_and_run_on(tmp_path):
   path = tmp_path / "q.jsonl"
   path.write_text("\n".join(json.dumps({"turns": t}) for t in
-                            (["a b  c", "ignored second turn"], ["d\ne"])) + "\n\n")
-  assert closed_loop.copy_passages(str(path), 3, 2) == ["a b", "c d", "e a"]
-  assert closed_loop.copy_passages(str(path), 1, 7) == ["a b c d e a b"]
+                            (["a b  c", "ignored second turn"], ["d\ne"], ["f"])) + "\n\n")
+  assert closed_loop.copy_passages(str(path), 4, 2) == ["a b", "d e", "f a", "a b"]
+  assert closed_loop.copy_passages(str(path), 2, 8) == ["a b c d e f a b", "d e f a b c d e"]
   path.write_text('{"turns": ["x"]}\n{"turns": []}\n')
   with pytest.raises(ValueError, match=r"q.jsonl:2: each row must be JSON with a non-empty "):
     closed_loop.copy_passages(str(path), 1, 2)
