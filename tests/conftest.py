@@ -8,10 +8,13 @@ freed, and a test worker compiles thousands of programs. One worker held
 64,486 mappings at 85% of a run and died in its next compile: at the
 kernel's limit (``vm.max_map_count``, 65,530 by default) ``mmap`` fails and
 XLA aborts or segfaults (CI lost a worker in both runs of one submission).
-After a test that leaves a worker above ``_MAX_MAPS``, JAX's caches are
-cleared so unreferenced executables unmap. Earlier crashes in compiles and
-in cache reads, blamed on the persistent cache and on Ray's
-extension, came late in runs too and were most likely the same limit.
+When a worker is above ``_MAX_MAPS`` at the end of a test file, JAX's
+caches and the engine's program caches are cleared, so unreferenced
+executables unmap (no file adds more than about 20,000). Only between
+files: an engine a module fixture holds counts its compiles, and tests
+assert those counts. Earlier crashes in compiles and in cache reads,
+blamed on the persistent cache and on Ray's extension, came late in runs
+too and were most likely the same limit.
 
 Launchers started by tests choose "auto" kernels by rule, not by a timing
 (``serving.engine.autotune``; the tests of the measurement say so).
@@ -22,8 +25,7 @@ import os
 
 import jax
 
-_MAX_MAPS = 24_000
-_clear_above = [_MAX_MAPS]
+_MAX_MAPS = 20_000
 
 
 def _num_maps():
@@ -38,13 +40,15 @@ def pytest_configure(config):
 
 
 def pytest_runtest_teardown(item, nextitem):
-  del item, nextitem
-  if os.path.exists("/proc/self/maps") and _num_maps() > _clear_above[0]:
+  if nextitem is not None and nextitem.path == item.path:
+    return
+  if os.path.exists("/proc/self/maps") and _num_maps() > _MAX_MAPS:
+    from serving.engine import programs, sim_loop
+    programs.programs.cache_clear()
+    programs._executor.cache_clear()
+    sim_loop.loop_program.cache_clear()
     jax.clear_caches()
     gc.collect()
-    # Programs a live fixture still holds stay mapped: clear again only
-    # after another _MAX_MAPS // 2 mappings, not after every test.
-    _clear_above[0] = max(_MAX_MAPS, _num_maps() + _MAX_MAPS // 2)
 
 
 # tests/ray imports Ray, whose native extension would share each test worker

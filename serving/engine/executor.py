@@ -87,8 +87,10 @@ class StepLogprobs:
 
   Attributes:
     token: f32[R] per slot: the logprob of the token it emitted (0 where the
-      slot emitted nothing or did not ask).
-    top_ids: i32[R, K], top: f32[R, K]: its K most likely tokens, descending.
+      slot emitted nothing or did not ask); f32[R, W] with speculative
+      decoding: the token at each of the slot's first W rows.
+    top_ids: i32[R, K], top: f32[R, K]: its K most likely tokens, descending
+      ([R, W, K] with speculative decoding).
     num_prompt: i32[] prompt rows scored; entries [0, num_prompt) of the
       ``prompt_*`` arrays hold them (the rest is padding).
     prompt_slot, prompt_pos: i32[T] the slot and position of each scored
