@@ -95,3 +95,14 @@ class HttpApp:
     self.http.close()
     self.uvicorn.should_exit = True
     self.thread.join(timeout=self._join_timeout_s)
+
+
+def assert_pages_free(engine):
+  """Every page of ``engine`` is free or cached (held by no request): the
+  free stack and the cached pages are together pages 1..num_pages - 1."""
+  pages = engine.pages
+  assert int(np.sum(np.asarray(pages.pages_held))) == 0
+  assert not np.asarray(pages.refcount).any()
+  free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
+  cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
+  assert sorted(free + cached) == list(range(1, engine.config.num_pages))

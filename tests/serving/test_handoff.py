@@ -21,7 +21,8 @@ from serving.engine.sim_executor import VirtualClock
 from serving.kv import pages as kv_pages
 from serving.kv import swap as kv_swap
 from serving.kv import transfer
-from tests.serving.engine_testing import CFG, mixed_tokens, prompts as _prompts, smollm2_requests
+from tests.serving.engine_testing import CFG, assert_pages_free, mixed_tokens, smollm2_requests
+from tests.serving.engine_testing import prompts as _prompts
 
 BASE = EngineConfig.preset("tiny", min_bucket=8)     # page_size 4, 63 usable pages
 PREFILL = dataclasses.replace(BASE, role="prefill")
@@ -46,15 +47,6 @@ def _disaggregated(params, prompts, samplings, prefill=PREFILL, decode=DECODE):
   return tokens, p_engine, d_engine, records
 
 
-def _assert_pages_free(engine):
-  pages = engine.pages
-  assert int(jnp.sum(pages.pages_held)) == 0
-  assert not np.asarray(pages.refcount).any()
-  free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
-  cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
-  assert sorted(free + cached) == list(range(1, engine.config.num_pages))
-
-
 def test_greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine(params):
   prompts = _prompts(LENGTHS, seed=3)
   samplings = [GREEDY] * len(prompts)
@@ -75,8 +67,8 @@ def test_greedy_tokens_through_prefill_and_decode_equal_one_mixed_engine(params)
   # The decode engine ran no prompt row: only one decode row per later token.
   assert d_engine.prefill_tokens_computed == 0
   assert d_engine.handoffs.stats()["handoffs_received"] == len(prompts)
-  _assert_pages_free(p_engine)
-  _assert_pages_free(d_engine)
+  assert_pages_free(p_engine)
+  assert_pages_free(d_engine)
 
 
 def test_in_process_transport_puts_the_pages_on_the_receivers_device(params):
@@ -116,7 +108,7 @@ def test_decode_engine_preemptions_keep_the_tokens(params, mode):
   tokens, _, d_engine, _ = _disaggregated(params, prompts, [sampling] * 4, decode=few)
   assert d_engine.num_preemptions > 0
   assert tokens == reference
-  _assert_pages_free(d_engine)
+  assert_pages_free(d_engine)
 
 
 def test_prefix_caching_on_both_sides(params):
@@ -195,8 +187,8 @@ def test_aborts_at_each_stage_give_every_page_back(params):
   d_engine.run()
   assert [d_engine.requests[r].outcome for r in ("r1", "r2")] == ["cancelled"] * 2
   assert d_engine.handoffs.received == {}
-  _assert_pages_free(p_engine)
-  _assert_pages_free(d_engine)
+  assert_pages_free(p_engine)
+  assert_pages_free(d_engine)
 
 
 def test_simulated_engines_hand_off_page_counts_without_bytes():
@@ -326,8 +318,8 @@ def test_every_policy_runs_on_both_roles(policy):
   for rid, req in mixed.requests.items():
     other = d_engine.requests.get(rid) or p_engine.requests[rid]
     assert (other.outcome, other.output_token_ids) == (req.outcome, req.output_token_ids)
-  _assert_pages_free(p_engine)
-  _assert_pages_free(d_engine)
+  assert_pages_free(p_engine)
+  assert_pages_free(d_engine)
 
 
 def test_a_decode_engine_warms_up_through_a_zero_handoff(params):
@@ -340,5 +332,5 @@ def test_a_decode_engine_warms_up_through_a_zero_handoff(params):
   assert set(seconds) == set(DECODE.token_buckets)
   h = transfer.zero_handoff("z", [5, 6, 7, 8, 9], GREEDY, engine)
   assert h.num_pages == 2 and not h.k.any() and h.checksum == h.digest()
-  _assert_pages_free(engine)
+  assert_pages_free(engine)
 

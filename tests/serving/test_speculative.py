@@ -16,7 +16,7 @@ from models import llama
 from serving.engine import speculative
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
-from tests.serving.engine_testing import CFG
+from tests.serving.engine_testing import CFG, assert_pages_free
 
 BASE = EngineConfig.preset("tiny", min_bucket=8)     # page_size 4, 63 usable pages
 SPEC = dataclasses.replace(BASE, speculative="ngram:k=3,n=2")
@@ -38,15 +38,6 @@ def _run(params, config, sampling, prompts=PROMPTS, **kwargs):
   reqs = [engine.add_request(f"r{i}", p, sampling, **kwargs) for i, p in enumerate(prompts)]
   engine.run()
   return [r.output_token_ids for r in reqs], engine, reqs
-
-
-def _assert_pages_free(engine):
-  pages = engine.pages
-  assert int(jnp.sum(pages.pages_held)) == 0
-  assert not np.asarray(pages.refcount).any()
-  free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
-  cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
-  assert sorted(free + cached) == list(range(1, engine.config.num_pages))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +68,7 @@ def test_tokens_with_speculation_equal_the_tokens_without(params, plain, kind, e
     assert counts.num_accepted_tokens > 0
   if "force_preempt_every" in extra:
     assert engine.num_preemptions > 0
-  _assert_pages_free(engine)
+  assert_pages_free(engine)
 
 
 def test_each_accepted_draft_saves_one_decode_row(params):
@@ -133,7 +124,7 @@ def test_stop_tokens_inside_accepted_drafts_end_the_request_there(params, plain)
   tokens, engine, reqs = _run(params, SPEC, sampling, prompts=PROMPTS[:1])
   assert tokens[0] == want[:first + 1]
   assert reqs[0].finish_reason == "stop"
-  _assert_pages_free(engine)
+  assert_pages_free(engine)
 
 
 def test_seeded_speculation_draws_from_the_same_distribution():
