@@ -46,11 +46,17 @@ def plain(params):
                                                           ("seeded", SEEDED))}
 
 
-@pytest.mark.parametrize("extra", [
-    {}, {"enable_prefix_caching": False}, {"force_preempt_every": 3},
-    {"force_preempt_every": 3, "preemption_mode": "swap"}],
-    ids=["prefix_caching", "no_prefix_caching", "recompute", "swap"])
-@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+EXTRAS = {"prefix_caching": {}, "no_prefix_caching": {"enable_prefix_caching": False},
+          "recompute": {"force_preempt_every": 3},
+          "swap": {"force_preempt_every": 3, "preemption_mode": "swap"}}
+# The default suite runs three of the eight pairs; -m extended the rest.
+DEFAULT_PAIRS = {("greedy", "prefix_caching"), ("greedy", "swap"), ("seeded", "recompute")}
+
+
+@pytest.mark.parametrize("kind, extra", [
+    pytest.param(kind, EXTRAS[name], id=f"{kind}-{name}",
+                 marks=[] if (kind, name) in DEFAULT_PAIRS else [pytest.mark.extended])
+    for kind in ("greedy", "seeded") for name in EXTRAS])
 def test_tokens_with_speculation_equal_the_tokens_without(params, plain, kind, extra):
   sampling = GREEDY if kind == "greedy" else SEEDED
   tokens, engine, reqs = _run(params, dataclasses.replace(SPEC, **extra), sampling)
