@@ -11,7 +11,12 @@ the policy's watermark (a draft row may take a page; the executor gives
 back pages only rejected rows reached). A row that gets none stays an
 ordinary decode row. The acceptance facts ``apply`` learns
 (``SchedulerState.draft_tokens`` / ``accepted_tokens``, per request and
-per client) are there for a policy that sets k by them.
+per client) are there for a policy that sets k by them:
+``AdaptiveDraft(inner, k_max, step_ms_fixed, step_ms_per_row)`` picks one
+k per iteration for the plan's decode rows by expected goodput (SmartSpec,
+Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
+Language Models Using Goodput"), each row's acceptance its client's learned
+rate.
 """
 
 from __future__ import annotations
@@ -59,28 +64,9 @@ def grant_drafts(plan: rec.IterationPlan, manifest: rec.WorkloadManifest,
                       num_tokens=(plan.num_tokens + jnp.sum(k)).astype(jnp.int32))
 
 
-@dataclasses.dataclass(frozen=True)
-class FixedDraft:
-  """Wraps ``inner``; offers every decode row ``k`` draft tokens.
-
-  Attributes:
-    inner: a registered policy.
-    k: drafts offered per decode row (>= 1).
-
-  Raises:
-    ValueError: ``k < 1``.
-  """
-
-  inner: object
-  k: int
-
-  def __post_init__(self):
-    if self.k < 1:
-      raise ValueError(f"FixedDraft.k must be >= 1, got {self.k}")
-
-  @property
-  def policy_id(self) -> str:
-    return f"{self.inner.policy_id}+draft_{self.k}"
+class _Wrapper:
+  """What a draft wrapper keeps of ``self.inner``: its version, budgets,
+  tie-break, keys, state and ``update``."""
 
   @property
   def version(self) -> str:
@@ -110,11 +96,142 @@ class FixedDraft:
       return successor.policy_state
     return update(manifest, state, plan, result, successor)
 
+  def _watermark(self) -> int:
+    budgets = getattr(self.inner, "budgets", None)
+    return 0 if budgets is None else budgets.watermark_pages
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedDraft(_Wrapper):
+  """Wraps ``inner``; offers every decode row ``k`` draft tokens.
+
+  Attributes:
+    inner: a registered policy.
+    k: drafts offered per decode row (>= 1).
+
+  Raises:
+    ValueError: ``k < 1``.
+  """
+
+  inner: object
+  k: int
+
+  def __post_init__(self):
+    if self.k < 1:
+      raise ValueError(f"FixedDraft.k must be >= 1, got {self.k}")
+
+  @property
+  def policy_id(self) -> str:
+    return f"{self.inner.policy_id}+draft_{self.k}"
+
   def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                view: rec.AllocatorView) -> rec.IterationPlan:
     plan = self.inner(manifest, state, view)
-    budgets = getattr(self.inner, "budgets", None)
-    watermark = 0 if budgets is None else budgets.watermark_pages
     plan = grant_drafts(plan, manifest, state, view,
-                        jnp.full(plan.selected.shape, self.k, jnp.int32), watermark)
+                        jnp.full(plan.selected.shape, self.k, jnp.int32), self._watermark())
+    return plan.replace(policy_id=self.policy_id, policy=self)
+
+
+def client_acceptance(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+                      prior_alpha: float, prior_drafts: float):
+  """f32[R]: each slot's client's per-token acceptance estimate, its
+  accepted / verified draft tokens (``SchedulerState.client_*``) with
+  ``prior_drafts`` pseudo-drafts accepted at ``prior_alpha`` added (the
+  prior until the client's drafts outweigh it)."""
+  if state.client_draft_tokens is None:
+    return jnp.full(manifest.client.shape, prior_alpha, jnp.float32)
+  drafts = state.client_draft_tokens[manifest.client].astype(jnp.float32)
+  accepted = state.client_accepted_tokens[manifest.client].astype(jnp.float32)
+  return (accepted + prior_alpha * prior_drafts) / (drafts + prior_drafts)
+
+
+def expected_goodput(alpha, room, decode, emits_other, other_rows, k: int,
+                     step_ms_fixed: float, step_ms_per_row: float):
+  """f32[]: expected tokens per ms of a plan whose decode rows verify k
+  drafts each (fewer where ``room`` caps them).
+
+  A row verifying k' drafts accepted independently at per-token rate
+  alpha emits ``sum_{j=0}^{k'} alpha^j = (1 - alpha^(k'+1)) / (1 - alpha)``
+  tokens in expectation (SmartSpec, Liu et al. 2024); the step takes
+  ``step_ms_fixed + step_ms_per_row * rows``.
+
+  Args:
+    alpha: f32[R] acceptance; room: i32[R] drafts a row may take; decode:
+      bool[R] the plan's decode rows; emits_other: f32[] tokens the plan's
+      other rows emit; other_rows: f32[] the plan's rows before drafts;
+      k: static drafts per decode row.
+  """
+  kk = jnp.where(decode, jnp.minimum(k, room), 0)
+  powers = alpha[:, None] ** jnp.arange(k + 1, dtype=jnp.float32)[None, :]
+  tokens = jnp.sum(jnp.where(jnp.arange(k + 1)[None, :] <= kk[:, None], powers, 0.0), axis=1)
+  emitted = emits_other + jnp.sum(jnp.where(decode, tokens, 0.0))
+  rows = other_rows + jnp.sum(kk).astype(jnp.float32)
+  return emitted / (step_ms_fixed + step_ms_per_row * rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDraft(_Wrapper):
+  """Wraps ``inner``; each iteration offers every decode row the one k in
+  [0, ``k_max``] that maximizes the plan's expected goodput
+  (``expected_goodput``: tokens emitted per ms of a step time linear in
+  its rows), with each row's acceptance its client's learned rate
+  (``client_acceptance``); ties go to the smaller k. Then as
+  ``FixedDraft`` with that k (``grant_drafts``).
+
+  Attributes:
+    inner: a registered policy.
+    k_max: the most drafts per decode row (>= 1).
+    step_ms_fixed: ms of a step whatever its rows (> 0).
+    step_ms_per_row: ms per token row (>= 0).
+    prior_alpha: the acceptance assumed before drafts were seen, in (0, 1).
+    prior_drafts: the pseudo-drafts it weighs as (> 0).
+
+  Raises:
+    ValueError: a field outside its range, naming it.
+  """
+
+  inner: object
+  k_max: int
+  step_ms_fixed: float
+  step_ms_per_row: float
+  prior_alpha: float = 0.5
+  prior_drafts: float = 16.0
+
+  def __post_init__(self):
+    checks = (("k_max", self.k_max >= 1, ">= 1"),
+              ("step_ms_fixed", self.step_ms_fixed > 0, "> 0"),
+              ("step_ms_per_row", self.step_ms_per_row >= 0, ">= 0"),
+              ("prior_alpha", 0 < self.prior_alpha < 1, "in (0, 1)"),
+              ("prior_drafts", self.prior_drafts > 0, "> 0"))
+    for name, ok, rule in checks:
+      if not ok:
+        raise ValueError(f"AdaptiveDraft.{name} must be {rule}, got {getattr(self, name)!r}")
+
+  @property
+  def policy_id(self) -> str:
+    return f"{self.inner.policy_id}+adaptive_{self.k_max}"
+
+  def choose_k(self, plan: rec.IterationPlan, manifest: rec.WorkloadManifest,
+               state: rec.SchedulerState):
+    """i32[]: the k in [0, k_max] of the highest expected goodput for
+    ``plan``'s decode rows (the smallest on ties)."""
+    decode = plan.selected & (plan.kind == rec.DECODE_ROW)
+    room = jnp.maximum(manifest.max_tokens - state.emitted - 1, 0)
+    alpha = client_acceptance(manifest, state, self.prior_alpha, self.prior_drafts)
+    last_chunk = plan.selected & (plan.kind == rec.PREFILL_CHUNK) & (
+        plan.end == manifest.prompt_len)
+    emits_other = jnp.sum(last_chunk).astype(jnp.float32)
+    other_rows = jnp.asarray(plan.num_tokens, jnp.float32)
+    goodput = jnp.stack([
+        expected_goodput(alpha, room, decode, emits_other, other_rows, k,
+                         self.step_ms_fixed, self.step_ms_per_row)
+        for k in range(self.k_max + 1)])
+    return jnp.argmax(goodput).astype(jnp.int32)
+
+  def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+               view: rec.AllocatorView) -> rec.IterationPlan:
+    plan = self.inner(manifest, state, view)
+    k = self.choose_k(plan, manifest, state)
+    plan = grant_drafts(plan, manifest, state, view,
+                        jnp.full(plan.selected.shape, k, jnp.int32), self._watermark())
     return plan.replace(policy_id=self.policy_id, policy=self)

@@ -87,6 +87,11 @@ def define_engine_flags() -> None:
                        "request every N decisions (0 = off).")
   flags.DEFINE_string("speculative", None, "Override: speculative decoding 'ngram:k=K,n=N' "
                       "(n-gram drafts, docs/speculative-decoding.md) or '' (off).")
+  flags.DEFINE_float("spec_acceptance", None, "Override: the simulated executor's "
+                     "per-token draft acceptance rate in (0, 1] (with --speculative and "
+                     "--executor=simulated; docs/speculative-decoding.md).")
+  flags.DEFINE_integer("spec_seed", None, "Override: the seed of the simulated draft "
+                       "acceptance draws (>= 0).")
   flags.DEFINE_enum("executor", None, ["model", "simulated"], "Override: 'simulated' "
                     "replaces only the model call (recorded output lengths, cost-model "
                     "step times on a virtual clock).")
@@ -300,19 +305,13 @@ def engine_config(**overrides) -> EngineConfig:
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
                      f"got {FLAGS.num_pages}")
-  fields = dict(dtype=FLAGS.dtype, max_model_len=FLAGS.max_model_len, weights=FLAGS.weights,
-                int8_gemm=FLAGS.int8_gemm, decode_gemm=FLAGS.decode_gemm,
-                kv_dtype=FLAGS.kv_dtype, policy=FLAGS.policy, max_num_seqs=FLAGS.max_num_seqs,
-                max_num_batched_tokens=FLAGS.max_num_batched_tokens,
-                long_prefill_token_threshold=FLAGS.long_prefill_token_threshold,
-                attention_impl=FLAGS.attention_impl,
-                prefill_chunk_rows=FLAGS.prefill_chunk_rows, num_pages=FLAGS.num_pages,
-                preemption_mode=FLAGS.preemption_mode, swap_space_mb=FLAGS.swap_space_mb,
-                reservation=FLAGS.reservation, reservation_quantile=FLAGS.reservation_quantile,
-                watermark_pages=FLAGS.watermark_pages,
-                force_preempt_every=FLAGS.force_preempt_every, speculative=FLAGS.speculative,
-                executor=FLAGS.executor, cost_model=FLAGS.cost_model,
-                enable_prefix_caching=FLAGS.enable_prefix_caching, mesh=FLAGS.mesh)
+  names = ("dtype", "max_model_len", "weights", "int8_gemm", "decode_gemm", "kv_dtype", "policy",
+           "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+           "attention_impl", "prefill_chunk_rows", "num_pages", "preemption_mode",
+           "swap_space_mb", "reservation", "reservation_quantile", "watermark_pages",
+           "force_preempt_every", "speculative", "spec_acceptance", "spec_seed", "executor",
+           "cost_model", "enable_prefix_caching", "mesh")
+  fields = {name: getattr(FLAGS, name) for name in names}
   fields.update(overrides)
   config = EngineConfig.preset(FLAGS.engine, **fields)
   check_cost_model()

@@ -137,7 +137,10 @@ class SchedulerConfig:
       proposing up to K draft tokens per decode row). The policy is wrapped
       by ``scheduler.policy_speculative.FixedDraft``, which gives each
       decode row K drafts while its output cap, the token budget and the
-      free pages allow. Needs the model executor; K + 1 <= the token budget.
+      free pages allow; with ",adaptive=1,fixed_ms=F,row_ms=R" by
+      ``AdaptiveDraft``, which picks one k' <= K per iteration by expected
+      goodput. K + 1 <= the token budget. The simulated executor draws
+      acceptance at ``spec_acceptance``.
   """
 
   max_num_seqs: int = 32
@@ -327,11 +330,20 @@ class HarnessConfig:
       "handoff", ``Engine.take_handoffs``); "decode" takes handed-off
       requests (``Engine.add_handoff``) and runs their decode rows
       (``serving.kv.transfer``; docs/scale-out.md).
+    spec_acceptance: the simulated executor's per-token draft acceptance
+      rate alpha, in (0, 1] with ``speculative`` set and the simulated
+      executor (a verified row accepts the leading successes of
+      Bernoulli(alpha) draws, ``sim_executor.accepted_drafts``); 0 (unset)
+      otherwise: the model executor's drafts are accepted by its tokens.
+    spec_seed: the seed of those draws (>= 0; with the request id and the
+      output index it fixes each draw).
   """
 
   executor: str = "model"
   cost_model: str = ""
   role: str = "mixed"
+  spec_acceptance: float = 0.0
+  spec_seed: int = 0
 
   def __post_init__(self):
     self._check_harness(type(self).__name__)
@@ -340,6 +352,10 @@ class HarnessConfig:
     _require(self.executor in EXECUTORS, c, "executor", f"must be one of {EXECUTORS}",
              self.executor)
     _require(self.role in ROLES, c, "role", f"must be one of {ROLES}", self.role)
+    _require(0.0 <= self.spec_acceptance <= 1.0, c, "spec_acceptance",
+             "must be in [0, 1] (0: unset)", self.spec_acceptance)
+    _require(isinstance(self.spec_seed, int) and self.spec_seed >= 0, c, "spec_seed",
+             "must be an int >= 0", self.spec_seed)
     _require(isinstance(self.cost_model, str), c, "cost_model",
              "must be a str (a calibration JSON path, 'profile:NAME' or '')", self.cost_model)
     if self.cost_model.startswith("profile:"):
@@ -372,9 +388,14 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     self._check_scheduler(c)
     self._check_executor(c)
     self._check_harness(c)
-    _require(not self.speculative or self.executor == "model", c, "speculative",
-             f"needs executor 'model' (the simulated executor prices no draft rows), "
-             f"executor is {self.executor!r}", self.speculative)
+    simulated_spec = bool(self.speculative) and self.executor == "simulated"
+    _require(not simulated_spec or 0.0 < self.spec_acceptance <= 1.0, c, "spec_acceptance",
+             f"must be in (0, 1] with executor 'simulated' and speculative "
+             f"{self.speculative!r} (the simulated drafts' acceptance rate)",
+             self.spec_acceptance)
+    _require(simulated_spec or self.spec_acceptance == 0.0, c, "spec_acceptance",
+             "must be 0 (unset) unless executor is 'simulated' and speculative is set "
+             "(the model executor's tokens decide acceptance)", self.spec_acceptance)
     _require(self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
              f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
              f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "

@@ -256,7 +256,9 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
       non-decode row counts as a prompt row.
   Returns:
     f32[4 + 2 * len(windows)]: prefill rows (prompt and rebuild rows),
-    decode rows, scheduled sequences, rows at prompt positions (below the
+    decode rows (a decode row and its drafts: ``IterationPlan.num_draft``),
+    rows that sample (one per scheduled sequence, and each draft row of a
+    verified decode row), rows at prompt positions (below the
     request's prompt length); then per window w the query-key pairs
     one block of that window computes (a row at position j sees
     ``min(j + 1, w)`` keys, all ``j + 1`` for w = 0); then per window the
@@ -273,8 +275,11 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
   else:
     below = jnp.maximum(jnp.minimum(end, prompt_len.astype(jnp.float32)) - start, 0.0)
     prompt_rows = jnp.sum(jnp.where(sel, below, 0.0))
-  out = [prefill, jnp.sum(decode).astype(jnp.float32), jnp.sum(sel).astype(jnp.float32),
-         prompt_rows]
+  # A decode row verifying k drafts runs 1 + k generated rows, each with
+  # its context (the pairs below) and its own LM head row.
+  decode_rows = jnp.sum(jnp.where(decode, rows, 0.0))
+  drafts = decode_rows - jnp.sum(decode).astype(jnp.float32)
+  out = [prefill, decode_rows, jnp.sum(sel).astype(jnp.float32) + drafts, prompt_rows]
   pairs, keys = [], []
   for w in windows:
     if w == 0:

@@ -401,7 +401,7 @@ class Engine:
   @property
   def last_step_rows(self):
     """(prefill rows, decode rows) of the last committed step (None before
-    one): prompt and rebuild rows, and one row per decoding sequence, from
+    one): prompt and rebuild rows, and decode rows (drafts included), from
     its plan statistics (``cost_model.plan_stats``)."""
     if self._last_plan_stats is None:
       return None

@@ -43,7 +43,7 @@ from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import Budgets, make_policy
 from scheduler.policy_forced import ForcedPreemption
-from scheduler.policy_speculative import FixedDraft
+from scheduler.policy_speculative import AdaptiveDraft, FixedDraft
 from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
 from serving.engine.config import EngineConfig, ExecutorConfig
@@ -148,6 +148,8 @@ def bound_executor(model_cfg, config: EngineConfig) -> Callable:
   run = _simulated_execute if config.executor == "simulated" else execute
   mesh = sharding.attention_mesh(model_cfg, sharding.make_mesh(config.mesh))
   spec = {} if config.speculation is None else {"speculation": config.speculation}
+  if spec and config.executor == "simulated":
+    spec.update(acceptance=config.spec_acceptance, seed=config.spec_seed)
   return functools.partial(
       run, model=ModelRunner(model_cfg, config.attention_impl, mesh,
                               config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
@@ -324,7 +326,8 @@ def execute_step(executor, token_budget, prefix_caching, params, kv, pages, buff
       emitted=result.emitted, token=result.token, finished=result.finished,
       finish_reason=result.finish_reason, failed=result.failed,
       num_tokens=plan.num_tokens,
-      decodes=jnp.sum(plan.selected & (plan.kind == rec.DECODE_ROW)),
+      decodes=jnp.sum(jnp.where(plan.selected & (plan.kind == rec.DECODE_ROW),
+                                plan.end - plan.start, 0)),
       features=cost_lib.plan_stats(plan, windows, manifest.prompt_len),
       prefix=(published.computed,) + _registrable(held, pages) if prefix_caching else None,
       handoff=table,
@@ -487,7 +490,9 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
   if config.force_preempt_every:
     policy = ForcedPreemption(policy, config.force_preempt_every)
   spec = config.speculation
-  if spec is not None:
+  if spec is not None and spec.adaptive:
+    policy = AdaptiveDraft(policy, spec.k, spec.fixed_ms, spec.row_ms)
+  elif spec is not None:
     policy = FixedDraft(policy, spec.k)
   traces: Dict[str, int] = {}
   placement = sharding.Placement(model_cfg, sharding.make_mesh(config.mesh))

@@ -99,6 +99,10 @@ def refusal(config: EngineConfig, virtual: bool, record_plans: bool) -> Optional
     return f"EngineConfig.mesh must be '' for the loop (one device), got {config.mesh!r}"
   if record_plans:
     return "Engine.record_plans must be False for the loop (its plans stay on the device)"
+  if config.speculative:
+    return (f"EngineConfig.speculative must be '' for the loop (its log carries one token "
+            f"per slot and iteration; a verified row emits several), got "
+            f"{config.speculative!r}")
   if config.role != "mixed":
     return (f"EngineConfig.role must be 'mixed' for the loop (a handoff leaves the engine "
             f"between iterations), got {config.role!r}")

@@ -23,6 +23,7 @@ request's seed and output index only).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,19 +40,31 @@ class Speculation:
     k: the most draft tokens one decode row verifies (>= 1).
     n: the longest n-gram matched (>= 1); the proposer tries n, n - 1, ...,
       1 and takes the longest suffix that occurred before.
+    adaptive: 0: every decode row is offered k drafts
+      (``scheduler.policy_speculative.FixedDraft``); 1: each iteration
+      picks one k' in [0, k] for its decode rows by expected goodput
+      (``AdaptiveDraft``), with the step time ``fixed_ms + row_ms * rows``.
+    fixed_ms, row_ms: that step-time model's coefficients (ms per step,
+      ms per token row); needed with adaptive=1, 0 otherwise.
   """
 
   method: str = "ngram"
   k: int = 4
   n: int = 3
+  adaptive: int = 0
+  fixed_ms: float = 0.0
+  row_ms: float = 0.0
 
   @classmethod
   def parse(cls, text: str, field: str = "EngineConfig.speculative") -> "Speculation | None":
     """``"ngram:k=4,n=3"`` -> ``Speculation``; ``""`` -> None (off).
+    ``"ngram:k=4,n=3,adaptive=1,fixed_ms=F,row_ms=R"`` sets k per iteration.
 
     Raises:
       ValueError: naming ``field`` and the rule broken (unknown method or
-        option, a value that is not an int >= 1).
+        option, k or n not an int >= 1, adaptive not 0 or 1, fixed_ms not a
+        number > 0 or row_ms not a number >= 0 with adaptive=1, either given
+        without it).
     """
     if not text:
       return None
@@ -65,15 +78,41 @@ class Speculation:
     values = {}
     for item in filter(None, opts.split(",")):
       key, eq, value = item.partition("=")
-      if key not in ("k", "n") or not eq:
-        raise ValueError(f"{field} options are k=K and n=N (not {item!r}), got {text!r}")
-      if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{field} {key} must be an int >= 1, got {text!r}")
-      values[key] = int(value)
-    return cls(method=method, **values)
+      if key not in ("k", "n", "adaptive", "fixed_ms", "row_ms") or not eq:
+        raise ValueError(f"{field} options are k=K, n=N, adaptive=0|1, fixed_ms=F and "
+                         f"row_ms=F (not {item!r}), got {text!r}")
+      if key in ("k", "n"):
+        if not value.isdigit() or int(value) < 1:
+          raise ValueError(f"{field} {key} must be an int >= 1, got {text!r}")
+        values[key] = int(value)
+      elif key == "adaptive":
+        if value not in ("0", "1"):
+          raise ValueError(f"{field} adaptive must be 0 or 1, got {text!r}")
+        values[key] = int(value)
+      else:
+        try:
+          number = float(value)
+        except ValueError:
+          number = math.nan
+        if not (number > 0 if key == "fixed_ms" else number >= 0) or math.isinf(number):
+          rule = "> 0" if key == "fixed_ms" else ">= 0"
+          raise ValueError(f"{field} {key} must be a finite number {rule}, got {text!r}")
+        values[key] = number
+    spec = cls(method=method, **values)
+    timed = "fixed_ms" in values and "row_ms" in values
+    if spec.adaptive and not timed:
+      raise ValueError(f"{field} adaptive=1 needs fixed_ms=F and row_ms=F (the step time "
+                       f"fixed_ms + row_ms * rows it maximizes goodput over), got {text!r}")
+    if not spec.adaptive and ("fixed_ms" in values or "row_ms" in values):
+      raise ValueError(f"{field} fixed_ms and row_ms apply only with adaptive=1, "
+                       f"got {text!r}")
+    return spec
 
   def __str__(self) -> str:
-    return f"{self.method}:k={self.k},n={self.n}"
+    text = f"{self.method}:k={self.k},n={self.n}"
+    if self.adaptive:
+      text += f",adaptive=1,fixed_ms={self.fixed_ms:g},row_ms={self.row_ms:g}"
+    return text
 
 
 def ngram_drafts(stream, length, *, k: int, n: int):

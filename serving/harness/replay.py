@@ -246,6 +246,9 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "watermark_pages": c.watermark_pages,
       "force_preempt_every": c.force_preempt_every,
       "speculative": c.speculative,
+      # The simulated drafts' acceptance and seed (only where they are set).
+      **({"spec_acceptance": c.spec_acceptance, "spec_seed": c.spec_seed}
+         if c.spec_acceptance else {}),
       "max_preemptions_per_request": c.max_preemptions_per_request,
       "executor": c.executor,
       "clock": "virtual" if engine.cost_model is not None else "wall",

@@ -4,6 +4,7 @@ speculating plans pass the conformance kit; plans and results that break
 the draft rules are refused."""
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ from scheduler import conformance
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import make_policy
-from scheduler.policy_speculative import FixedDraft, grant_drafts
+from scheduler.policy_speculative import AdaptiveDraft, FixedDraft, grant_drafts
 from scheduler.registry import POLICIES
 
 KIT = conformance.PROFILES["fast"]
@@ -30,6 +31,19 @@ def test_every_registered_policy_conforms_while_speculating(name):
   policy = FixedDraft(make_policy(name, KIT.budgets), 2)
   report = conformance.check_policy(policy)
   assert report.policy_id == f"{name}+draft_2"
+  assert "plans_validate" in report.rules
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[] if n in FAST else [pytest.mark.extended])
+    for n in sorted(POLICIES)])
+def test_every_registered_policy_conforms_while_speculating_adaptively(name):
+  """As above with AdaptiveDraft (a cheap fixed step: it speculates while
+  the prior and the kit's acceptance make drafts pay)."""
+  policy = AdaptiveDraft(make_policy(name, KIT.budgets), 3, step_ms_fixed=20.0,
+                         step_ms_per_row=0.1)
+  report = conformance.check_policy(policy)
+  assert report.policy_id == f"{name}+adaptive_3"
   assert "plans_validate" in report.rules
 
 
@@ -159,3 +173,77 @@ def test_fixed_draft_refuses_k_below_one():
     FixedDraft(make_policy("fcfs", KIT.budgets) if "fcfs" in POLICIES
                else make_policy("sarathi_serve", KIT.budgets), 0)
   assert dataclasses.is_dataclass(FixedDraft)
+
+
+def _learned(state, drafts, accepted):
+  """``state`` whose one client verified ``drafts`` and accepted ``accepted``."""
+  return state.replace(client_draft_tokens=jnp.array([drafts], jnp.int32),
+                       client_accepted_tokens=jnp.array([accepted], jnp.int32))
+
+
+class _HandPlan:
+  """A policy that plans ``_plan``: the four decode rows, budget 64."""
+
+  policy_id, version, budgets, tie_break = "hand", "1", None, None
+
+  def __call__(self, manifest, state, view):
+    return _plan(manifest, state, 64)
+
+
+@pytest.mark.parametrize("drafts, accepted, fixed_ms, row_ms, k_max, want", [
+    # alpha ~ 0.01 (the prior of 16 drafts at 0.5 is negligible), fixed
+    # 10 ms, 1 ms a row: k=0 gives 4 tokens / (10 + 4) = 0.286 per ms,
+    # k=1 4 * 1.01 / (10 + 8) = 0.224.
+    (10**6, 10**4, 10.0, 1.0, 4, 0),
+    # alpha 0.8 but the rows dominate (0.01 ms fixed, 10 ms a row): k=0
+    # 4 / 40.01 = 0.09998, k=1 (3 * 1.8 + 1.8) / 80.01 = 0.090.
+    (10**6, 8 * 10**5, 0.01, 10.0, 4, 0),
+    # alpha ~ 1 and the fixed cost dominates (100 ms, 0.01 ms a row): k=4
+    # gives 5 + 5 + 2 + 5 = 17 tokens (slot 2's cap leaves it 1 draft) in
+    # 100.17 ms = 0.170 per ms, k=0 4 / 100.04 = 0.040.
+    (10**6, 10**6, 100.0, 0.01, 4, 4),
+    # No drafts seen: the prior alpha 0.5. Fixed 10 ms, 1 ms a row: k=0
+    # 4 / 14 = 0.286; k=1 4 * 1.5 / 18 = 0.333; k=2 (3 * 1.75 + 1.5) / 21
+    # = 0.321 (slot 2 takes 1); k=3 (3 * 1.875 + 1.5) / 24 = 0.297.
+    (0, 0, 10.0, 1.0, 4, 1),
+])
+def test_adaptive_draft_picks_the_k_of_the_highest_expected_goodput(
+    drafts, accepted, fixed_ms, row_ms, k_max, want):
+  """Four decode rows (output caps leave 6, 5, 1 and 6 drafts), one
+  client whose learned acceptance is ``accepted / drafts``; hand-worked
+  goodputs in the cases."""
+  manifest, state = _decode_state()
+  state = _learned(state, drafts, accepted)
+  policy = AdaptiveDraft(_HandPlan(), k_max, fixed_ms, row_ms)
+  assert int(policy.choose_k(_plan(manifest, state, 64), manifest, state)) == want
+  view = rec.AllocatorView(free_pages=jnp.int32(64), pages_held=jnp.array([2, 2, 2, 2]),
+                           page_size=4)
+  plan = policy(manifest, state, view)
+  np.testing.assert_array_equal(plan.num_draft, np.minimum(want, [6, 5, 1, 6]))
+  assert plan.policy_id == "hand+adaptive_%d" % k_max
+  violations = validate.plan_violations(manifest, state, plan, view)
+  for rule in ("draft", "multi_row_decode", "token_budget", "ledger_drift"):
+    assert not violations[rule].any(), rule
+
+
+def test_expected_goodput_equals_the_closed_form():
+  """sum_{j<=k} alpha^j = (1 - alpha^(k+1)) / (1 - alpha), over rows."""
+  from scheduler.policy_speculative import expected_goodput
+  alpha = jnp.array([0.3, 0.9, 0.6])
+  for k in range(5):
+    got = float(expected_goodput(alpha, jnp.array([9, 9, 9]), jnp.ones(3, bool),
+                                 jnp.float32(2.0), jnp.float32(7.0), k, 3.0, 0.5))
+    tokens = 2.0 + sum((1 - a ** (k + 1)) / (1 - a) for a in (0.3, 0.9, 0.6))
+    assert got == pytest.approx(tokens / (3.0 + 0.5 * (7 + 3 * k)), rel=1e-6)
+
+
+@pytest.mark.parametrize("field, kwargs, rule", [
+    ("k_max", dict(k_max=0), ">= 1"), ("step_ms_fixed", dict(step_ms_fixed=0.0), "> 0"),
+    ("step_ms_per_row", dict(step_ms_per_row=-1.0), ">= 0"),
+    ("prior_alpha", dict(prior_alpha=1.0), "in (0, 1)"),
+    ("prior_drafts", dict(prior_drafts=0.0), "> 0")])
+def test_adaptive_draft_refuses_bad_fields_naming_them(field, kwargs, rule):
+  args = dict(inner=make_policy("sarathi_serve", KIT.budgets), k_max=4, step_ms_fixed=10.0,
+              step_ms_per_row=0.1)
+  with pytest.raises(ValueError, match=rf"AdaptiveDraft\.{field} must be {re.escape(rule)}"):
+    AdaptiveDraft(**{**args, **kwargs})

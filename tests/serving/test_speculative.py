@@ -182,7 +182,13 @@ def test_ngram_proposer_takes_the_longest_latest_match():
     ("ngram:k=0", "k must be an int >= 1, got 'ngram:k=0'"),
     ("ngram:k=x", "k must be an int >= 1"),
     ("ngram:n=-1", "n must be an int >= 1"),
-    ("ngram:m=2", "options are k=K and n=N"),
+    ("ngram:m=2", "options are k=K, n=N, adaptive=0|1"),
+    ("ngram:k=4,adaptive=2", "adaptive must be 0 or 1"),
+    ("ngram:k=4,adaptive=1", "adaptive=1 needs fixed_ms=F and row_ms=F"),
+    ("ngram:k=4,adaptive=1,fixed_ms=0,row_ms=1", "fixed_ms must be a finite number > 0"),
+    ("ngram:k=4,adaptive=1,fixed_ms=5,row_ms=-1", "row_ms must be a finite number >= 0"),
+    ("ngram:k=4,adaptive=1,fixed_ms=inf,row_ms=1", "fixed_ms must be a finite number > 0"),
+    ("ngram:k=4,fixed_ms=5,row_ms=1", "fixed_ms and row_ms apply only with adaptive=1"),
     ("medusa", "must be METHOD"),
     ("draft:/some/model,k=4", "method 'draft'"),
     ("ngram:k=256", "max_num_batched_tokens - 1"),
@@ -193,10 +199,21 @@ def test_bad_settings_are_refused_naming_the_field(text, message):
   assert message in str(err.value)
 
 
-def test_the_simulated_executor_is_refused():
-  with pytest.raises(ValueError, match="speculative needs executor 'model'"):
-    dataclasses.replace(BASE, speculative="ngram:k=2", executor="simulated")
-
+def test_the_adaptive_setting_round_trips_and_wraps_the_policy(params):
+  """``adaptive=1`` wraps the policy in AdaptiveDraft with the stated step
+  time; its tokens are those without speculation."""
+  from scheduler.policy_speculative import AdaptiveDraft
+  text = "ngram:k=3,n=2,adaptive=1,fixed_ms=20,row_ms=0.1"
+  spec = speculative.Speculation.parse(text)
+  assert (spec.k, spec.n, spec.adaptive, spec.fixed_ms, spec.row_ms) == (3, 2, 1, 20.0, 0.1)
+  assert str(spec) == text
+  tokens, engine, _ = _run(params, dataclasses.replace(BASE, speculative=text), GREEDY,
+                           prompts=PROMPTS[:3])
+  policy = engine.policy
+  assert isinstance(policy, AdaptiveDraft)
+  assert (policy.k_max, policy.step_ms_fixed, policy.step_ms_per_row) == (3, 20.0, 0.1)
+  assert tokens == _run(params, BASE, GREEDY, prompts=PROMPTS[:3])[0]
+  assert engine.spec_counts.num_draft_tokens > 0
 
 
 def test_server_streams_every_accepted_token_and_counts_drafts(params, plain):
