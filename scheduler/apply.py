@@ -100,12 +100,16 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
     extensions = extensions + (plan.extend & completed).astype(jnp.int32)
   drafts = jnp.where(completed, rec.num_draft(plan), 0)
   taken = jnp.where(completed, accepted, 0)
+  # A row that did not end its request stopped accepting at a rejection.
+  rejected = (completed & ~result.finished & (taken < drafts)).astype(jnp.int32)
   add = lambda a, v: None if a is None else a + v
   successor = state.replace(
       draft_tokens=add(state.draft_tokens, drafts),
       accepted_tokens=add(state.accepted_tokens, taken),
+      draft_rejections=add(state.draft_rejections, rejected),
       client_draft_tokens=add(state.client_draft_tokens, per_client(drafts)),
       client_accepted_tokens=add(state.client_accepted_tokens, per_client(taken)),
+      client_draft_rejections=add(state.client_draft_rejections, per_client(rejected)),
       decision_id=state.decision_id + 1,
       state_version=state.state_version + 1,
       now_ms=jnp.maximum(state.now_ms, result.emit_ms),
@@ -188,6 +192,7 @@ def forget_client(state: rec.SchedulerState, index) -> rec.SchedulerState:
       client_completed_outputs=zero(state.client_completed_outputs),
       client_draft_tokens=zero(state.client_draft_tokens),
       client_accepted_tokens=zero(state.client_accepted_tokens),
+      client_draft_rejections=zero(state.client_draft_rejections),
       policy_state=rec.restart(state.policy_state, rec.PerClient, index))
 
 
@@ -225,7 +230,8 @@ def arrive(manifest: rec.WorkloadManifest, state: rec.SchedulerState, slot,
     state = state.replace(num_extensions=set_(state.num_extensions, 0))
   if state.draft_tokens is not None:
     state = state.replace(draft_tokens=set_(state.draft_tokens, 0),
-                          accepted_tokens=set_(state.accepted_tokens, 0))
+                          accepted_tokens=set_(state.accepted_tokens, 0),
+                          draft_rejections=set_(state.draft_rejections, 0))
   state = state.replace(policy_state=rec.restart(state.policy_state, rec.PerSlot, slot))
   manifest = manifest.replace(
       request_id=set_(manifest.request_id, request_id),

@@ -134,15 +134,18 @@ class FixedDraft(_Wrapper):
 
 def client_acceptance(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                       prior_alpha: float, prior_drafts: float):
-  """f32[R]: each slot's client's per-token acceptance estimate, its
-  accepted / verified draft tokens (``SchedulerState.client_*``) with
-  ``prior_drafts`` pseudo-drafts accepted at ``prior_alpha`` added (the
-  prior until the client's drafts outweigh it)."""
-  if state.client_draft_tokens is None:
+  """f32[R]: each slot's client's per-token acceptance estimate: accepted
+  drafts over accepted drafts plus rejections (``SchedulerState.client_*``;
+  a verified row is Bernoulli trials up to its first failure, so this is
+  the maximum-likelihood estimate, where accepted / verified drafts would
+  count every draft after a rejection as one), with ``prior_drafts``
+  pseudo-trials at ``prior_alpha`` added (the prior until the client's
+  drafts outweigh it)."""
+  if state.client_draft_rejections is None:
     return jnp.full(manifest.client.shape, prior_alpha, jnp.float32)
-  drafts = state.client_draft_tokens[manifest.client].astype(jnp.float32)
   accepted = state.client_accepted_tokens[manifest.client].astype(jnp.float32)
-  return (accepted + prior_alpha * prior_drafts) / (drafts + prior_drafts)
+  rejected = state.client_draft_rejections[manifest.client].astype(jnp.float32)
+  return (accepted + prior_alpha * prior_drafts) / (accepted + rejected + prior_drafts)
 
 
 def expected_goodput(alpha, room, decode, emits_other, other_rows, k: int,

@@ -194,8 +194,14 @@ class SchedulerState:
     draft_tokens, accepted_tokens: i32[R], speculative decoding: the draft
       tokens the request's rows verified, and those accepted, since it
       arrived: its acceptance rate, learned online (``IterationResult``).
-    client_draft_tokens, client_accepted_tokens: i32[C], the same per
-      client, over every request of the client in this run.
+    draft_rejections: i32[R], its verified rows that rejected a draft (that
+      did not end the request, so the first unaccepted draft was a
+      rejection): accepted / (accepted + rejections) is the per-token
+      acceptance's maximum-likelihood estimate (each row a run of
+      Bernoulli trials stopped at the first failure or after k).
+    client_draft_tokens, client_accepted_tokens, client_draft_rejections:
+      i32[C], the same per client, over every request of the client in
+      this run.
     policy_state: the running policy's own state, a pytree the scheduler
       carries without reading (``policy.init_state(num_slots, num_clients)``,
       advanced by the policy's ``update`` hook inside ``apply``; None for a
@@ -228,8 +234,10 @@ class SchedulerState:
   client_completed_outputs: Optional[jax.Array] = None
   draft_tokens: Optional[jax.Array] = None
   accepted_tokens: Optional[jax.Array] = None
+  draft_rejections: Optional[jax.Array] = None
   client_draft_tokens: Optional[jax.Array] = None
   client_accepted_tokens: Optional[jax.Array] = None
+  client_draft_rejections: Optional[jax.Array] = None
   policy_state: Any = None
 
 
@@ -426,9 +434,10 @@ def initial_state(num_slots: int, num_clients: int,
       num_extensions=i32(0),
       client_completed_requests=jnp.zeros((num_clients,), jnp.int32),
       client_completed_outputs=jnp.zeros((num_clients,), jnp.int32),
-      draft_tokens=i32(0), accepted_tokens=i32(0),
+      draft_tokens=i32(0), accepted_tokens=i32(0), draft_rejections=i32(0),
       client_draft_tokens=jnp.zeros((num_clients,), jnp.int32),
       client_accepted_tokens=jnp.zeros((num_clients,), jnp.int32),
+      client_draft_rejections=jnp.zeros((num_clients,), jnp.int32),
       policy_state=None if init is None else init(num_slots, num_clients))
 
 

@@ -176,9 +176,11 @@ def test_fixed_draft_refuses_k_below_one():
 
 
 def _learned(state, drafts, accepted):
-  """``state`` whose one client verified ``drafts`` and accepted ``accepted``."""
+  """``state`` whose one client's drafts were ``accepted`` successes and
+  ``drafts - accepted`` rejections (its estimate ``accepted / drafts``)."""
   return state.replace(client_draft_tokens=jnp.array([drafts], jnp.int32),
-                       client_accepted_tokens=jnp.array([accepted], jnp.int32))
+                       client_accepted_tokens=jnp.array([accepted], jnp.int32),
+                       client_draft_rejections=jnp.array([drafts - accepted], jnp.int32))
 
 
 class _HandPlan:

@@ -118,6 +118,16 @@ def test_first_draft_acceptance_through_the_engine_is_binomial(cost_file):
   assert all(len(r.output_token_ids) == 50 for r in reqs)
   sigma = math.sqrt(alpha * (1 - alpha) / rows)
   assert abs(counts.accepted_per_pos[0] / rows - alpha) < 4 * sigma
+  # The learned facts: accepted / (accepted + rejections) estimates alpha
+  # (rows are Bernoulli runs to the first failure); accepted / verified
+  # drafts sits well below it.
+  state = engine.state
+  accepted = int(state.client_accepted_tokens[0])
+  rejected = int(state.client_draft_rejections[0])
+  assert accepted == counts.num_accepted_tokens
+  trials = accepted + rejected
+  assert abs(accepted / trials - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / trials)
+  assert accepted / counts.num_draft_tokens < alpha - 0.1
 
 
 def test_verify_rows_are_charged_as_generated_rows_with_their_context(cost_file):
