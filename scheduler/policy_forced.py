@@ -24,12 +24,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from scheduler import ledger as base
 from scheduler import records as rec
+from scheduler.wrapper import PolicyWrapper
 
 
 @dataclasses.dataclass(frozen=True)
-class ForcedPreemption:
+class ForcedPreemption(PolicyWrapper):
   """Wraps ``inner``; preempts one decoding request every ``every`` decisions.
 
   Attributes:
@@ -51,34 +51,6 @@ class ForcedPreemption:
   @property
   def policy_id(self) -> str:
     return f"{self.inner.policy_id}+preempt_every_{self.every}"
-
-  @property
-  def version(self) -> str:
-    return self.inner.version
-
-  @property
-  def budgets(self):
-    return self.inner.budgets
-
-  @property
-  def tie_break(self):
-    return self.inner.tie_break
-
-  def sort_keys(self, manifest, state, view=None):
-    keyer = getattr(self.inner, "sort_keys", None)
-    if keyer is None:
-      return base.sort_keys(manifest, state)
-    return keyer(manifest, state, view)
-
-  def init_state(self, num_slots, num_clients):
-    init = getattr(self.inner, "init_state", None)
-    return None if init is None else init(num_slots, num_clients)
-
-  def update(self, manifest, state, plan, result, successor):
-    update = getattr(self.inner, "update", None)
-    if update is None:
-      return successor.policy_state
-    return update(manifest, state, plan, result, successor)
 
   def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                alloc: rec.AllocatorView) -> rec.IterationPlan:

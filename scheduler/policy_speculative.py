@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from scheduler import ledger as base
 from scheduler import records as rec
+from scheduler.wrapper import PolicyWrapper
 
 
 def grant_drafts(plan: rec.IterationPlan, manifest: rec.WorkloadManifest,
@@ -64,45 +65,8 @@ def grant_drafts(plan: rec.IterationPlan, manifest: rec.WorkloadManifest,
                       num_tokens=(plan.num_tokens + jnp.sum(k)).astype(jnp.int32))
 
 
-class _Wrapper:
-  """What a draft wrapper keeps of ``self.inner``: its version, budgets,
-  tie-break, keys, state and ``update``."""
-
-  @property
-  def version(self) -> str:
-    return self.inner.version
-
-  @property
-  def budgets(self):
-    return self.inner.budgets
-
-  @property
-  def tie_break(self):
-    return self.inner.tie_break
-
-  def sort_keys(self, manifest, state, view=None):
-    keyer = getattr(self.inner, "sort_keys", None)
-    if keyer is None:
-      return base.sort_keys(manifest, state)
-    return keyer(manifest, state, view)
-
-  def init_state(self, num_slots, num_clients):
-    init = getattr(self.inner, "init_state", None)
-    return None if init is None else init(num_slots, num_clients)
-
-  def update(self, manifest, state, plan, result, successor):
-    update = getattr(self.inner, "update", None)
-    if update is None:
-      return successor.policy_state
-    return update(manifest, state, plan, result, successor)
-
-  def _watermark(self) -> int:
-    budgets = getattr(self.inner, "budgets", None)
-    return 0 if budgets is None else budgets.watermark_pages
-
-
 @dataclasses.dataclass(frozen=True)
-class FixedDraft(_Wrapper):
+class FixedDraft(PolicyWrapper):
   """Wraps ``inner``; offers every decode row ``k`` draft tokens.
 
   Attributes:
@@ -128,7 +92,7 @@ class FixedDraft(_Wrapper):
                view: rec.AllocatorView) -> rec.IterationPlan:
     plan = self.inner(manifest, state, view)
     plan = grant_drafts(plan, manifest, state, view,
-                        jnp.full(plan.selected.shape, self.k, jnp.int32), self._watermark())
+                        jnp.full(plan.selected.shape, self.k, jnp.int32), self.watermark_pages())
     return plan.replace(policy_id=self.policy_id, policy=self)
 
 
@@ -173,7 +137,7 @@ def expected_goodput(alpha, room, decode, emits_other, other_rows, k: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptiveDraft(_Wrapper):
+class AdaptiveDraft(PolicyWrapper):
   """Wraps ``inner``; each iteration offers every decode row the one k in
   [0, ``k_max``] that maximizes the plan's expected goodput
   (``expected_goodput``: tokens emitted per ms of a step time linear in
@@ -236,5 +200,5 @@ class AdaptiveDraft(_Wrapper):
     plan = self.inner(manifest, state, view)
     k = self.choose_k(plan, manifest, state)
     plan = grant_drafts(plan, manifest, state, view,
-                        jnp.full(plan.selected.shape, k, jnp.int32), self._watermark())
+                        jnp.full(plan.selected.shape, k, jnp.int32), self.watermark_pages())
     return plan.replace(policy_id=self.policy_id, policy=self)

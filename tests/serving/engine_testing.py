@@ -106,3 +106,27 @@ def assert_pages_free(engine):
   free = np.asarray(pages.free_stack)[: int(pages.num_free)].tolist()
   cached = np.flatnonzero(np.asarray(pages.cached)).tolist()
   assert sorted(free + cached) == list(range(1, engine.config.num_pages))
+
+
+# The simulator tests' cost model (ms per step, per row, per attention
+# GFLOP, per GB of KV read) and, worked out by hand for the tiny model (2
+# layers, 4 query and 2 KV heads of 16, float32), its FLOPs per query-key
+# pair (4 * 4 * 16 per layer) and KV bytes per cached token (2 * 2 * 16 * 4
+# per layer).
+STEP_MS, ROW_MS, ATTN_MS_PER_GFLOP, KV_MS_PER_GB = 5.0, 0.5, 2000.0, 400.0
+PAIR_FLOPS, KV_BYTES = 2 * 4 * 4 * 16, 2 * 2 * 2 * 16 * 4
+
+
+def step_ms(rows, pairs, keys):
+  """The test cost model's step time (ms) for ``rows`` token rows,
+  ``pairs`` query-key pairs and ``keys`` cached tokens read."""
+  return (STEP_MS + ROW_MS * rows + ATTN_MS_PER_GFLOP * pairs * PAIR_FLOPS / 1e9
+          + KV_MS_PER_GB * keys * KV_BYTES / 1e9)
+
+
+def save_test_cost_model(path) -> str:
+  """Writes the test cost model to ``path``; returns it as a str."""
+  from serving.engine import cost_model as cost_lib
+  cost_lib.CostModel.of(step=STEP_MS, rows=ROW_MS, attention_gflop=ATTN_MS_PER_GFLOP,
+                        kv_read_gb=KV_MS_PER_GB).save(path)
+  return str(path)

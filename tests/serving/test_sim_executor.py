@@ -13,27 +13,12 @@ from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.harness.replay import replay, run_config
 from serving.engine.sim_executor import VirtualClock
-from tests.serving.engine_testing import CFG, prompts
-
-# The test cost model (ms per step, per row, per attention GFLOP, per GB of
-# KV read) and, worked out by hand for the tiny model (2 layers, 4 query and
-# 2 KV heads of 16, float32), its FLOPs per query-key pair (4 * 4 * 16 per
-# layer) and KV bytes per cached token (2 * 2 * 16 * 4 per layer).
-STEP_MS, ROW_MS, ATTN_MS_PER_GFLOP, KV_MS_PER_GB = 5.0, 0.5, 2000.0, 400.0
-PAIR_FLOPS, KV_BYTES = 2 * 4 * 4 * 16, 2 * 2 * 2 * 16 * 4
-
-
-def _step_ms(rows, pairs, keys):
-  return (STEP_MS + ROW_MS * rows + ATTN_MS_PER_GFLOP * pairs * PAIR_FLOPS / 1e9
-          + KV_MS_PER_GB * keys * KV_BYTES / 1e9)
+from tests.serving.engine_testing import CFG, prompts, save_test_cost_model, step_ms
 
 
 @pytest.fixture(scope="module")
 def cost_file(tmp_path_factory):
-  path = tmp_path_factory.mktemp("cost") / "cost.json"
-  cost_lib.CostModel.of(step=STEP_MS, rows=ROW_MS, attention_gflop=ATTN_MS_PER_GFLOP,
-                        kv_read_gb=KV_MS_PER_GB).save(path)
-  return str(path)
+  return save_test_cost_model(tmp_path_factory.mktemp("cost") / "cost.json")
 
 
 def _sim_engine(params, cost_file, **overrides):
@@ -80,11 +65,11 @@ def test_simulated_replays_are_byte_identical_and_admit_by_virtual_time(
   engine = _sim_engine(params, cost_file)
   req = engine.add_request("solo", prompts([20])[0], SamplingParams(max_tokens=2))
   engine.run()
-  t_ms = sum(_step_ms(n, pairs, keys) for n, pairs, keys in ((8, 36, 8), (8, 100, 16),
+  t_ms = sum(step_ms(n, pairs, keys) for n, pairs, keys in ((8, 36, 8), (8, 100, 16),
                                                               (4, 74, 20)))
   assert req.token_times_ms[0] == pytest.approx(t_ms, rel=1e-6)
   assert req.token_times_ms[1] - req.token_times_ms[0] == pytest.approx(
-      _step_ms(1, 21, 21), rel=1e-6)
+      step_ms(1, 21, 21), rel=1e-6)
   report = json.loads(a)
   assert report["config"]["executor"] == "simulated"
   assert report["config"]["clock"] == "virtual"

@@ -13,33 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.harness import metrics
 from serving.harness import synthetic
 from serving.harness.replay import path, replay, run_config, run_outcomes
-from tests.serving.engine_testing import CFG
-
-# The test cost model: ms per step, per row, per attention GFLOP, per GB
-# of KV read; the tiny model's FLOPs per query-key pair and KV bytes per
-# cached token (2 layers, 4 query and 2 KV heads of 16, float32).
-STEP_MS, ROW_MS, ATTN_MS_PER_GFLOP, KV_MS_PER_GB = 5.0, 0.5, 2000.0, 400.0
-PAIR_FLOPS, KV_BYTES = 2 * 4 * 4 * 16, 2 * 2 * 2 * 16 * 4
-
-
-def _step_ms(rows, pairs, keys):
-  return (STEP_MS + ROW_MS * rows + ATTN_MS_PER_GFLOP * pairs * PAIR_FLOPS / 1e9
-          + KV_MS_PER_GB * keys * KV_BYTES / 1e9)
+from tests.serving.engine_testing import CFG, save_test_cost_model, step_ms
 
 
 @pytest.fixture(scope="module")
 def cost_file(tmp_path_factory):
-  path = tmp_path_factory.mktemp("cost") / "cost.json"
-  cost_lib.CostModel.of(step=STEP_MS, rows=ROW_MS, attention_gflop=ATTN_MS_PER_GFLOP,
-                        kv_read_gb=KV_MS_PER_GB).save(path)
-  return str(path)
+  return save_test_cost_model(tmp_path_factory.mktemp("cost") / "cost.json")
 
 
 def _config(cost_file, speculative="ngram:k=3,n=2", alpha=0.6, **overrides):
@@ -147,7 +132,7 @@ def test_verify_rows_are_charged_as_generated_rows_with_their_context(cost_file)
     stats = np.asarray(engine.last_step_stats[0])
     times.append((engine.now_ms() - start, stats[:4].tolist()))
   assert [t[1] for t in times] == [[6, 0, 1, 6], [0, 4, 4, 0], [0, 3, 3, 0]]
-  want = [_step_ms(6, 21, 6), _step_ms(4, 34, 10), _step_ms(3, 36, 13)]
+  want = [step_ms(6, 21, 6), step_ms(4, 34, 10), step_ms(3, 36, 13)]
   np.testing.assert_allclose([t[0] for t in times], want, rtol=1e-9)
   assert len(req.output_token_ids) == 8
   assert engine.spec_counts.num_accepted_tokens == 5
