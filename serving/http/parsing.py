@@ -184,8 +184,9 @@ class RequestParser:
     if score_only:     # the engine computes one token (the prompt's last row samples)
       max_tokens = 1
     if max_tokens is not None and max_tokens < 1:
-      raise BadRequest(f"'{field}' must be >= 1 (0 only with 'echo': true, a request "
-                       f"that scores its prompt), got {max_tokens}", field)
+      # Only completions read `echo`: a chat body has no exception to name.
+      rule = "" if chat else " (0 only with 'echo': true, a request that scores its prompt)"
+      raise BadRequest(f"'{field}' must be >= 1{rule}, got {max_tokens}", field)
     prompt_field = "messages" if chat else "prompt"
     lengths = []          # each prompt's max_tokens (the body's, or the default)
     for i, ids in enumerate(prompts):

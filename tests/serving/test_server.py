@@ -218,6 +218,17 @@ def test_unknown_chat_role_is_400_naming_the_message(served):
   assert error["param"] == "messages[1].role" and "must be one of" in error["message"]
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_chat_max_tokens_below_1_is_400_without_the_echo_exception(served, field):
+  """Chat bodies take no `echo`, so the rule names no echo exception."""
+  r = served.http.post("/v1/chat/completions", json={
+      "model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: -5})
+  assert r.status_code == 400, r.text
+  error = r.json()["error"]
+  assert error["param"] == field
+  assert error["message"] == f"'{field}' must be >= 1, got -5"
+
+
 @pytest.mark.parametrize("content,param", [
     ('"a\\ud800b"', "messages[1].content"),
     ('[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udc00"}]',
