@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 
 METHODS = ("ngram",)
+# The longest n-gram the proposer matches: its program unrolls a compare
+# per length and position, O(n^2) (vLLM's prompt lookup defaults to 5).
+MAX_NGRAM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +41,8 @@ class Speculation:
   Attributes:
     method: "ngram": prompt lookup, no draft model (vLLM's ``ngram``).
     k: the most draft tokens one decode row verifies (>= 1).
-    n: the longest n-gram matched (>= 1); the proposer tries n, n - 1, ...,
-      1 and takes the longest suffix that occurred before.
+    n: the longest n-gram matched (in [1, MAX_NGRAM]); the proposer tries
+      n, n - 1, ..., 1 and takes the longest suffix that occurred before.
     adaptive: 0: every decode row is offered k drafts
       (``scheduler.policy_speculative.FixedDraft``); 1: each iteration
       picks one k' in [0, k] for its decode rows by expected goodput
@@ -62,7 +65,8 @@ class Speculation:
 
     Raises:
       ValueError: naming ``field`` and the rule broken (unknown method or
-        option, k or n not an int >= 1, adaptive not 0 or 1, fixed_ms not a
+        option or one given twice, k not an int >= 1, n not in [1,
+        MAX_NGRAM], adaptive not 0 or 1, fixed_ms not a
         number > 0 or row_ms not a number >= 0 with adaptive=1, either given
         without it).
     """
@@ -81,9 +85,16 @@ class Speculation:
       if key not in ("k", "n", "adaptive", "fixed_ms", "row_ms") or not eq:
         raise ValueError(f"{field} options are k=K, n=N, adaptive=0|1, fixed_ms=F and "
                          f"row_ms=F (not {item!r}), got {text!r}")
-      if key in ("k", "n"):
+      if key in values:
+        raise ValueError(f"{field} gives {key} twice, got {text!r}")
+      if key == "k":
         if not value.isdigit() or int(value) < 1:
-          raise ValueError(f"{field} {key} must be an int >= 1, got {text!r}")
+          raise ValueError(f"{field} k must be an int >= 1, got {text!r}")
+        values[key] = int(value)
+      elif key == "n":
+        if not value.isdigit() or not 1 <= int(value) <= MAX_NGRAM:
+          raise ValueError(f"{field} n must be an int in [1, {MAX_NGRAM}] (the proposer "
+                           f"compares every n-gram length up to n), got {text!r}")
         values[key] = int(value)
       elif key == "adaptive":
         if value not in ("0", "1"):

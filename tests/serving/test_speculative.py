@@ -181,7 +181,9 @@ def test_ngram_proposer_takes_the_longest_latest_match():
 @pytest.mark.parametrize("text, message", [
     ("ngram:k=0", "k must be an int >= 1, got 'ngram:k=0'"),
     ("ngram:k=x", "k must be an int >= 1"),
-    ("ngram:n=-1", "n must be an int >= 1"),
+    ("ngram:n=-1", "n must be an int in [1, 16]"),
+    ("ngram:n=99999999999", "n must be an int in [1, 16]"),
+    ("ngram:k=4,k=5", "gives k twice"),
     ("ngram:m=2", "options are k=K, n=N, adaptive=0|1"),
     ("ngram:k=4,adaptive=2", "adaptive must be 0 or 1"),
     ("ngram:k=4,adaptive=1", "adaptive=1 needs fixed_ms=F and row_ms=F"),
