@@ -284,7 +284,7 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
     ("generate.py", ["--prompt=hi", "--speculative=draft:/m,k=2"],
      "error: --speculative method 'draft' (a draft model) is not available"),
     ("replay.py", ["--executor=simulated", "--speculative=ngram:k=2"],
-     "error: --speculative needs executor 'model'"),
+     "error: EngineConfig.spec_acceptance must be in (0, 1] with executor 'simulated'"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
      "error: --cache_dir '/proc/nope' cannot be "),
     ("replay.py", ["--out=/proc/nope/x.json", "--executor=simulated", "--num_requests=2"],
