@@ -274,11 +274,11 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   width = 1 if speculation is None else 1 + speculation.k
   k = rec.num_draft(plan)
   known = manifest.prompt_len + state.emitted
-  if speculation is not None:
-    drafts = speculative.ngram_drafts(buffers.tokens, known, k=speculation.k,
-                                      n=speculation.n)
-    buffers = buffers.replace(tokens=speculative.write_drafts(buffers.tokens, known, k,
-                                                              drafts))
+  if speculation is not None:      # the proposer runs only when a row drafts
+    propose = lambda stream: speculative.write_drafts(stream, known, k, speculative.ngram_drafts(
+        stream, known, k=speculation.k, n=speculation.n))
+    buffers = buffers.replace(tokens=jax.lax.cond(jnp.any(k > 0), propose, lambda s: s,
+                                                  buffers.tokens))
   pages = allocate_for_plan(pages, plan)
   packed = pack(plan, buffers.tokens, pages.page_table, pages.page_size,
                 num_rows=num_rows, num_seqs=num_seqs)
