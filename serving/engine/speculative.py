@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 # The longest n-gram the proposer matches: its program unrolls a compare
 # per length and position, O(n^2) (vLLM's prompt lookup defaults to 5).
 MAX_NGRAM = 16
@@ -39,10 +39,15 @@ class Speculation:
   """A speculative-decoding setting (``EngineConfig.speculative``).
 
   Attributes:
-    method: "ngram": prompt lookup, no draft model (vLLM's ``ngram``).
+    method: "ngram": prompt lookup, no draft model (vLLM's ``ngram``);
+      "draft": a smaller model of the target's vocabulary proposes greedily
+      (``draft_forward``).
     k: the most draft tokens one decode row verifies (>= 1).
     n: the longest n-gram matched (in [1, MAX_NGRAM]); the proposer tries
-      n, n - 1, ..., 1 and takes the longest suffix that occurred before.
+      n, n - 1, ..., 1 and takes the longest suffix that occurred before
+      (0 with method "draft").
+    draft: the draft model (a preset name, an HF directory or a GGUF file,
+      as ``models.loaders.load_model`` takes) with method "draft"; "" else.
     adaptive: 0: every decode row is offered k drafts
       (``scheduler.policy_speculative.FixedDraft``); 1: each iteration
       picks one k' in [0, k] for its decode rows by expected goodput
@@ -57,34 +62,42 @@ class Speculation:
   adaptive: int = 0
   fixed_ms: float = 0.0
   row_ms: float = 0.0
+  draft: str = ""
 
   @classmethod
   def parse(cls, text: str, field: str = "EngineConfig.speculative") -> "Speculation | None":
     """``"ngram:k=4,n=3"`` -> ``Speculation``; ``""`` -> None (off).
-    ``"ngram:k=4,n=3,adaptive=1,fixed_ms=F,row_ms=R"`` sets k per iteration.
+    ``"draft:PATH,k=4"``: the model at PATH drafts (no ``n``).
+    ``"...,adaptive=1,fixed_ms=F,row_ms=R"`` sets k per iteration.
 
     Raises:
       ValueError: naming ``field`` and the rule broken (unknown method or
-        option or one given twice, k not an int >= 1, n not in [1,
-        MAX_NGRAM], adaptive not 0 or 1, fixed_ms not a
-        number > 0 or row_ms not a number >= 0 with adaptive=1, either given
-        without it).
+        option or one given twice, "draft" without a model or with n, k not
+        an int >= 1, n not in [1, MAX_NGRAM], adaptive not 0 or 1, fixed_ms
+        not a number > 0 or row_ms not a number >= 0 with adaptive=1, either
+        given without it).
     """
     if not text:
       return None
     method, _, opts = text.partition(":")
-    if method == "draft":
-      raise ValueError(f"{field} method 'draft' (a draft model) is not available; use "
-                       f"one of {METHODS}, got {text!r}")
     if method not in METHODS:
-      raise ValueError(f"{field} must be METHOD[:k=K,n=N] with METHOD one of {METHODS}, "
+      raise ValueError(f"{field} must be ngram[:k=K,n=N] or draft:MODEL[,k=K], "
                        f"got {text!r}")
+    draft = ""
+    if method == "draft":
+      draft, _, opts = opts.partition(",")
+      if not draft or "=" in draft:
+        raise ValueError(f"{field} draft needs its model first (draft:MODEL[,k=K], MODEL a "
+                         f"preset, HF directory or GGUF file), got {text!r}")
     values = {}
     for item in filter(None, opts.split(",")):
       key, eq, value = item.partition("=")
       if key not in ("k", "n", "adaptive", "fixed_ms", "row_ms") or not eq:
         raise ValueError(f"{field} options are k=K, n=N, adaptive=0|1, fixed_ms=F and "
                          f"row_ms=F (not {item!r}), got {text!r}")
+      if key == "n" and method == "draft":
+        raise ValueError(f"{field} n applies to ngram only (a draft model proposes "
+                         f"without n-grams), got {text!r}")
       if key in values:
         raise ValueError(f"{field} gives {key} twice, got {text!r}")
       if key == "k":
@@ -109,6 +122,8 @@ class Speculation:
           rule = "> 0" if key == "fixed_ms" else ">= 0"
           raise ValueError(f"{field} {key} must be a finite number {rule}, got {text!r}")
         values[key] = number
+    if method == "draft":
+      values.update(n=0, draft=draft)
     spec = cls(method=method, **values)
     timed = "fixed_ms" in values and "row_ms" in values
     if spec.adaptive and not timed:
@@ -120,7 +135,8 @@ class Speculation:
     return spec
 
   def __str__(self) -> str:
-    text = f"{self.method}:k={self.k},n={self.n}"
+    text = (f"draft:{self.draft},k={self.k}" if self.method == "draft"
+            else f"{self.method}:k={self.k},n={self.n}")
     if self.adaptive:
       text += f",adaptive=1,fixed_ms={self.fixed_ms:g},row_ms={self.row_ms:g}"
     return text

@@ -191,8 +191,10 @@ def test_ngram_proposer_takes_the_longest_latest_match():
     ("ngram:k=4,adaptive=1,fixed_ms=5,row_ms=-1", "row_ms must be a finite number >= 0"),
     ("ngram:k=4,adaptive=1,fixed_ms=inf,row_ms=1", "fixed_ms must be a finite number > 0"),
     ("ngram:k=4,fixed_ms=5,row_ms=1", "fixed_ms and row_ms apply only with adaptive=1"),
-    ("medusa", "must be METHOD"),
-    ("draft:/some/model,k=4", "method 'draft'"),
+    ("medusa", "must be ngram"),
+    ("draft:,k=4", "draft needs its model first"),
+    ("draft:k=4", "draft needs its model first"),
+    ("draft:/some/model,k=4,n=2", "n applies to ngram only"),
     ("ngram:k=256", "max_num_batched_tokens - 1"),
 ])
 def test_bad_settings_are_refused_naming_the_field(text, message):
