@@ -349,11 +349,15 @@ class KVCache:
     v: [n_layers, num_pages, page_size, n_kv_heads, head_dim] values.
     Both float32, or ``attention.ragged.KV_BITS`` (uint16) holding bfloat16
     bits: XLA:CPU would widen a bfloat16 cache to float32 for every gather.
+    draft: with a draft model (speculative decoding), its own ``KVCache``
+      of the same pages (its layers and heads), addressed by the same page
+      table; None without. ``forward`` keeps it as it is.
   Page ``p`` of a sequence's page table addresses ``k[:, p]`` in every layer.
   """
 
   k: jax.Array
   v: jax.Array
+  draft: "KVCache | None" = None
 
   @property
   def num_pages(self) -> int:
@@ -861,8 +865,8 @@ def forward(params, cfg: ModelConfig, kv: KVCache, tokens, positions,
     hidden, k_pool, v_pool = run(*args)
   else:
     hidden, k_pool, v_pool = _scanned_chunks(run, chunk_rows, *args)
-  return hidden.astype(jnp.float32), KVCache(k=k_pool.reshape(kv.k.shape),
-                                             v=v_pool.reshape(kv.v.shape))
+  return hidden.astype(jnp.float32), kv.replace(k=k_pool.reshape(kv.k.shape),
+                                                v=v_pool.reshape(kv.v.shape))
 
 
 def _unscanned_weights(params):

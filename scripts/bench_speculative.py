@@ -60,7 +60,8 @@ flags.DEFINE_float("max_load", 1.5, "Refuse (no timings) when the 1-minute load 
 launch.define_engine_flags()
 delattr(FLAGS, "speculative")    # the engine flags' single setting: here a list of them
 flags.DEFINE_string("speculative", ",ngram:k=4,n=3", "Settings compared, comma separated: "
-                    "'' (off, needed: the reference of the tokens) or ngram:k=K,n=N.")
+                    "'' (off, needed: the reference of the tokens), ngram:k=K,n=N or "
+                    "draft:MODEL,k=K.")
 
 _COMPILES = [0]     # XLA backend compiles seen by this process
 

@@ -24,7 +24,7 @@ from serving import cli
 from serving.cli import hostmem
 from serving.harness import traces, workloads
 from serving.harness import synthetic as synthetic_workloads
-from serving.engine import autotune
+from serving.engine import autotune, speculative
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, SamplingParams
@@ -85,8 +85,8 @@ def define_engine_flags() -> None:
   flags.DEFINE_float("swap_space_mb", None, "Override: host memory for swapped KV (MiB).")
   flags.DEFINE_integer("force_preempt_every", None, "Override: preempt one decoding "
                        "request every N decisions (0 = off).")
-  flags.DEFINE_string("speculative", None, "Override: speculative decoding 'ngram:k=K,n=N' "
-                      "(n-gram drafts, docs/speculative-decoding.md) or '' (off).")
+  flags.DEFINE_string("speculative", None, "Override: speculative decoding 'ngram:k=K,n=N', "
+                      "'draft:MODEL,k=K' (docs/speculative-decoding.md) or '' (off).")
   flags.DEFINE_float("spec_acceptance", None, "Override: the simulated executor's "
                      "per-token draft acceptance rate in (0, 1] (with --speculative and "
                      "--executor=simulated; docs/speculative-decoding.md).")
@@ -314,6 +314,7 @@ def engine_config(**overrides) -> EngineConfig:
   fields = {name: getattr(FLAGS, name) for name in names}
   fields.update(overrides)
   config = EngineConfig.preset(FLAGS.engine, **fields)
+  speculative.check_draft_model(FLAGS.model, config.speculative)
   check_cost_model()
   virtual = config.executor == "simulated" or FLAGS.clock == "virtual"
   if virtual and not config.cost_model and FLAGS.cache_dir:

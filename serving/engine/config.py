@@ -393,6 +393,11 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
              f"must be in (0, 1] with executor 'simulated' and speculative "
              f"{self.speculative!r} (the simulated drafts' acceptance rate)",
              self.spec_acceptance)
+    draft = bool(self.speculative) and self.speculation.method == "draft"
+    _require(not draft or self.executor == "simulated" or (not self.mesh and self.role == "mixed"),
+             c, "speculative", "with a draft model runs on one device in a mixed engine (a "
+             "mesh or a prefill/decode role would need the draft's KV split or handed off)",
+             self.speculative)
     _require(simulated_spec or self.spec_acceptance == 0.0, c, "spec_acceptance",
              "must be 0 (unset) unless executor is 'simulated' and speculative is set "
              "(the model executor's tokens decide acceptance)", self.spec_acceptance)

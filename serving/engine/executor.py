@@ -135,10 +135,18 @@ class ModelRunner:
   mesh: object = None    # a Mesh splitting attention (``models.sharding.attention_mesh``)
   chunk_rows: int = 0    # scan a bucket of more rows in chunks of this many (0: never)
   decode_gemm: str = "xla"   # generated rows' float32 GEMM (``llama.forward``)
+  draft_cfg: object = None   # the draft model's config (speculative "draft"), or None
 
   @property
   def eos_token_ids(self):
     return tuple(self.cfg.eos_token_ids)
+
+  @property
+  def draft(self) -> "ModelRunner | None":
+    """The draft model's runner (its config, the same kernels), or None."""
+    if self.draft_cfg is None:
+      return None
+    return dataclasses.replace(self, cfg=self.draft_cfg, draft_cfg=None)
 
   def forward(self, params, kv, packed, prompt_len):
     """``llama.forward`` over a packed iteration; ``prompt_len`` i32[R] (per
@@ -247,6 +255,76 @@ def step_logprobs(model: ModelRunner, params, hidden, logits, token, packed, buf
                       prompt_token=p_chosen, prompt_top_ids=p_ids, prompt_top=p_top)
 
 
+def draft_propose(draft: ModelRunner, params, kv, packed, num_draft, known, prompt_len, *,
+                  k: int, num_rows: int, num_seqs: int):
+  """A draft model's greedy proposals, its KV cache kept in step with the
+  target's (speculative method "draft"; Leviathan et al. 2023, Chen et al.
+  2023).
+
+  The draft runs once over the step's packed rows (prefill chunks, decode
+  rows, verify rows: it computes the K/V of every row the target computes;
+  a verify row's token is a placeholder here, its K/V rewritten below), and
+  row ``last - k_s`` of a sequence with ``k_s`` drafts gives draft 1. Then
+  ``k`` passes of one row per drafting sequence: pass j runs draft j at
+  position ``known - 1 + j``, writes its K/V and gives draft j + 1 (the
+  k-th pass only writes). So after the step the draft's cache holds every
+  position the target's does, whichever drafts are accepted. The draft's
+  K/V sit in the target's pages (``kv.draft``, the same page table).
+
+  Args:
+    draft: static runner of the draft model; params: its parameters.
+    kv: the ``KVCache`` with ``kv.draft`` set.
+    packed: the step's ``PackedIteration``; num_draft: i32[R] drafts per
+      slot; known: i32[R] tokens known per slot (p + e); prompt_len: i32[R].
+    k: static, the most drafts a row carries; num_rows, num_seqs: static
+      bucket T and sequence capacity S.
+
+  Returns ``(kv, drafts)``: ``drafts`` i32[R, k] per slot (rows past a
+  slot's ``num_draft`` are unspecified).
+  """
+  hidden, dkv = draft.forward(params, kv.draft, packed, prompt_len)
+  n = min(num_rows, num_seqs)
+  seq_slots = packed.seq_slots[:n]
+  seq_k = jnp.where(packed.valid_seq[:n], num_draft[seq_slots], 0)
+  ps = kv.k.shape[2]
+  num_slots = num_draft.shape[0]
+
+  def propose(dkv):
+    x_row = jnp.clip(packed.last_row[:n] - seq_k, 0, num_rows - 1)
+    logits = draft.compute_logits(params, hidden[x_row], packed.num_seqs)
+    tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)                 # [n]
+    # Drafting sequences first, in order: pass j's rows and sequences.
+    order = jnp.argsort(seq_k == 0, stable=True).astype(jnp.int32)
+    live = jnp.sum(seq_k > 0).astype(jnp.int32)
+    i = jnp.arange(n, dtype=jnp.int32)
+    table = packed.page_table[:n][order]
+    base = (known[seq_slots] - 1)[order]
+    cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                 jnp.cumsum(i < live).astype(jnp.int32)])
+
+    def one_pass(carry, j):
+      dkv, tok = carry
+      valid = (i < live) & (j <= seq_k[order])
+      pos = jnp.where(valid, base + j, 0)
+      page = table[i, jnp.clip(pos // ps, 0, table.shape[1] - 1)]
+      slot_mapping = jnp.where(valid, page * ps + pos % ps, -1)
+      kv_lens = jnp.where(i < live, jnp.where(valid, pos + 1, 1), 0)
+      h, dkv = llama.forward(params, draft.cfg, dkv, tok[order], pos, slot_mapping, kv_lens,
+                             table, cu_q_lens, live, attention_impl=draft.attention_impl,
+                             decode_gemm=draft.decode_gemm)
+      nxt = jnp.argmax(draft.compute_logits(params, h, live), axis=-1).astype(jnp.int32)
+      return (dkv, tok.at[order].set(nxt)), tok
+
+    (dkv, _), drafts = jax.lax.scan(one_pass, (dkv, tok), jnp.arange(1, k + 1))
+    return dkv, drafts.T                                                  # [n, k]
+
+  dkv, drafts = jax.lax.cond(jnp.any(seq_k > 0), propose,
+                             lambda d: (d, jnp.zeros((n, k), jnp.int32)), dkv)
+  index = jnp.where(packed.valid_seq[:n], seq_slots, num_slots)
+  per_slot = jnp.zeros((num_slots, k), jnp.int32).at[index].set(drafts, mode="drop")
+  return kv.replace(draft=dkv), per_slot
+
+
 def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
             manifest: rec.WorkloadManifest, state: rec.SchedulerState,
             plan: rec.IterationPlan, *, model, num_rows: int, num_seqs: int,
@@ -274,7 +352,9 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   width = 1 if speculation is None else 1 + speculation.k
   k = rec.num_draft(plan)
   known = manifest.prompt_len + state.emitted
-  if speculation is not None:      # the proposer runs only when a row drafts
+  draft_params = params.get("draft")
+  params = {name: p for name, p in params.items() if name != "draft"}
+  if speculation is not None and speculation.method == "ngram":   # only when a row drafts
     propose = lambda stream: speculative.write_drafts(stream, known, k, speculative.ngram_drafts(
         stream, known, k=speculation.k, n=speculation.n))
     buffers = buffers.replace(tokens=jax.lax.cond(jnp.any(k > 0), propose, lambda s: s,
@@ -282,6 +362,17 @@ def execute(params, kv, pages: kv_pages.PageState, buffers: RequestBuffers,
   pages = allocate_for_plan(pages, plan)
   packed = pack(plan, buffers.tokens, pages.page_table, pages.page_size,
                 num_rows=num_rows, num_seqs=num_seqs)
+  if model.draft is not None:
+    kv, drafts = draft_propose(model.draft, draft_params, kv, packed, k, known,
+                               manifest.prompt_len, k=speculation.k, num_rows=num_rows,
+                               num_seqs=num_seqs)
+    buffers = buffers.replace(tokens=speculative.write_drafts(buffers.tokens, known, k, drafts))
+    # The verify rows read their drafts: draft j + 1 sits at position known + j.
+    slot, pos = packed.slot_of_row, packed.positions
+    ahead = pos - known[slot]
+    take = packed.valid_row & (ahead >= 0) & (ahead < k[slot])
+    packed = packed.replace(tokens=jnp.where(
+        take, drafts[slot, jnp.clip(ahead, 0, speculation.k - 1)], packed.tokens))
 
   hidden, kv = model.forward(params, kv, packed, manifest.prompt_len)
   # Sequences at or beyond sampled_rows hold no row (they are padding), so
@@ -401,7 +492,9 @@ def prepare_params(model_cfg, params, config, placement, int8_gemm, decode_gemm)
   ``config.weights`` says so (``int8_gemm``), placed over the mesh, split
   into per-layer buffers (each block's GEMM reads its layer in place:
   ``llama.split_layers``), with the LM head's panels for the native decode
-  GEMM. The simulated executor runs no model: its parameters are ``{}``.
+  GEMM. With a draft model (``Speculation.draft``) its parameters, prepared
+  the same way, are under ``"draft"`` (given there, or read from the
+  model). The simulated executor runs no model: its parameters are ``{}``.
 
   Raises:
     ValueError: ``params`` None with the model executor.
@@ -411,9 +504,32 @@ def prepare_params(model_cfg, params, config, placement, int8_gemm, decode_gemm)
   if params is None:
     raise ValueError("Engine needs model parameters unless EngineConfig.executor is "
                      "'simulated'")
-  if config.weights == "int8":
-    params = quant.quantize_params(params, model_cfg.tie_embeddings, gemm=int8_gemm)
-  params = llama.split_layers(placement.params(params))
-  if decode_gemm == "native":
-    params = llama.with_head_panels(params, model_cfg)
+  spec = config.speculation
+  draft = None
+  if spec is not None and spec.method == "draft":
+    # The draft's weights: given as params["draft"], or read from its model.
+    draft = params.get("draft") if isinstance(params, dict) else None
+    params = {name: p for name, p in params.items() if name != "draft"}
+    draft_cfg = speculative.draft_config(spec.draft)
+    speculative.check_draft(model_cfg, draft_cfg)
+    if draft is None:
+      from models import loaders
+      dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+      _, draft, _ = loaders.load_model(spec.draft, dtype=dtype)
+  params = _prepared(model_cfg, params, config, placement, int8_gemm, decode_gemm)
+  if draft is not None:
+    params["draft"] = _prepared(draft_cfg, draft, config, None, int8_gemm, decode_gemm)
   return params
+
+
+def _prepared(cfg, params, config, placement, int8_gemm, decode_gemm):
+  """One model's parameters as ``prepare_params`` gives them (``placement``
+  None: the default device)."""
+  if config.weights == "int8":
+    params = quant.quantize_params(params, cfg.tie_embeddings, gemm=int8_gemm)
+  params = (jax.device_put(params, jax.local_devices()[0]) if placement is None
+            else placement.params(params))
+  params = llama.split_layers(params)
+  if decode_gemm == "native":
+    params = llama.with_head_panels(params, cfg)
+  return dict(params)

@@ -46,6 +46,7 @@ from scheduler.policy_forced import ForcedPreemption
 from scheduler.policy_speculative import AdaptiveDraft, FixedDraft
 from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
+from serving.engine import speculative
 from serving.engine.config import EngineConfig, ExecutorConfig
 from serving.engine.executor import ModelRunner, allocate_for_plan, execute, init_buffers
 from serving.engine.facts import Arrival, PlanFacts, StepFacts
@@ -152,7 +153,8 @@ def bound_executor(model_cfg, config: EngineConfig) -> Callable:
     spec.update(acceptance=config.spec_acceptance, seed=config.spec_seed)
   return functools.partial(
       run, model=ModelRunner(model_cfg, config.attention_impl, mesh,
-                              config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla"),
+                              config.prefill_chunk_rows, resolve_decode_gemm(config) or "xla",
+                              draft_model_config(model_cfg, config)),
       num_seqs=config.max_num_seqs,
       max_model_len=config.max_model_len, **spec)
 
@@ -423,6 +425,26 @@ def slot_tables(config: EngineConfig, num_slots: int, placement: sharding.Placem
   return placement.tables(tables)
 
 
+def draft_model_config(model_cfg, config: EngineConfig):
+  """The draft model's ``ModelConfig`` when the model executor speculates
+  with one (``Speculation.draft``), else None.
+
+  Raises:
+    ValueError: naming ``EngineConfig.speculative``: the draft cannot be
+      read, or its vocabulary is not the target's.
+  """
+  spec = config.speculation
+  if config.executor == "simulated" or spec is None or spec.method != "draft":
+    return None
+  try:
+    draft_cfg = speculative.draft_config(spec.draft)
+  except ValueError as e:
+    raise ValueError(f"EngineConfig.speculative: the draft model {spec.draft!r} cannot be "
+                     f"read: {e}") from None
+  speculative.check_draft(model_cfg, draft_cfg)
+  return draft_cfg
+
+
 def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
   """A fresh KV cache (``config.num_pages`` pages; 2 for the simulated
   executor, which writes none) committed to the device as every later
@@ -432,7 +454,12 @@ def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
   c = config
   dtype = jnp.bfloat16 if c.kv_cache_dtype == "bfloat16" else jnp.float32
   num_pages = 2 if c.executor == "simulated" else c.num_pages
-  return placement.kv(llama.init_kv_cache(model_cfg, num_pages, c.page_size, dtype))
+  kv = placement.kv(llama.init_kv_cache(model_cfg, num_pages, c.page_size, dtype))
+  draft_cfg = draft_model_config(model_cfg, c)
+  if draft_cfg is not None:    # the draft's K/V in the same pages (no mesh: refused)
+    kv = kv.replace(draft=jax.device_put(
+        llama.init_kv_cache(draft_cfg, num_pages, c.page_size, dtype), jax.local_devices()[0]))
+  return kv
 
 
 def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages, buffers,

@@ -23,6 +23,7 @@ request's seed and output index only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -140,6 +141,58 @@ class Speculation:
     if self.adaptive:
       text += f",adaptive=1,fixed_ms={self.fixed_ms:g},row_ms={self.row_ms:g}"
     return text
+
+
+@functools.lru_cache(maxsize=8)
+def draft_config(model: str):
+  """The draft model's ``ModelConfig`` (``models.loaders.load_config``: its
+  config file only, no weights).
+
+  Raises:
+    ModelLoadError (a ValueError): as ``load_config``.
+  """
+  from models import loaders     # the loaders import this package's users
+  return loaders.load_config(model)[0]
+
+
+def check_draft(target_cfg, draft_cfg, field: str = "EngineConfig.speculative") -> None:
+  """Refuses a draft model the target cannot verify: its vocabulary must be
+  the target's (token ids mean the same in both).
+
+  Raises:
+    ValueError: naming ``field``, the rule and both sizes.
+  """
+  if draft_cfg.vocab_size != target_cfg.vocab_size:
+    raise ValueError(f"{field}: the draft model's vocabulary ({draft_cfg.vocab_size} "
+                     f"tokens, {draft_cfg.name}) must be the target's ({target_cfg.vocab_size}, "
+                     f"{target_cfg.name})")
+
+
+def check_draft_model(target: str, speculative: str, field: str = "--speculative") -> None:
+  """Refuses, before any weights load, a draft model (``draft:MODEL``) whose
+  config or tokenizer cannot be read, or whose vocabulary or tokenizer is
+  not the target's (``target`` a model source as ``load_config`` takes;
+  a ``random:`` target is checked by vocabulary size when the engine
+  starts). Nothing happens for other settings.
+
+  Raises:
+    ValueError: naming ``field`` and the rule.
+  """
+  spec = Speculation.parse(speculative, field)
+  if spec is None or spec.method != "draft":
+    return
+  from models import loaders
+  try:
+    draft_cfg, draft_tok = loaders.load_config(spec.draft)
+  except ValueError as e:
+    raise ValueError(f"{field}: the draft model {spec.draft!r} cannot be read: {e}") from None
+  if target.startswith("random:"):
+    return
+  target_cfg, target_tok = loaders.load_config(target)
+  check_draft(target_cfg, draft_cfg, field)
+  if draft_tok.backend.get_vocab() != target_tok.backend.get_vocab():
+    raise ValueError(f"{field}: the draft model's tokenizer ({spec.draft}) must map tokens "
+                     f"to the ids the target's ({target}) does; they differ")
 
 
 def ngram_drafts(stream, length, *, k: int, n: int):

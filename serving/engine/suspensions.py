@@ -77,6 +77,7 @@ class Suspensions:
       release = pre.ReleaseResult(record.binding, pre.READY,
                                   int(held[slot]) * self.page_bytes)
       k = v = preservation = None
+      draft = ()
       if mode == pre.PRESERVE_EXACT:
         n = kv_pages.pages_for(target, self.page_size)
         if n == 0:
@@ -85,8 +86,8 @@ class Suspensions:
           ids = np.full(kv_swap.page_bucket(n, self.pages_per_seq), kv_pages.NULL_PAGE,
                         np.int32)
           ids[:n] = table[slot, :n]
-          k, v = fetch(programs.swap_out(kv, ids))
-          k, v = np.array(k[:, :n]), np.array(v[:, :n])
+          k, v, *draft = (np.array(a[:, :n]) for a in fetch(programs.swap_out(kv, ids)))
+          draft = tuple(draft)
           preservation = pre.PreservationResult(record.binding, pre.READY, target)
         else:
           self.swap.fallbacks += 1
@@ -94,7 +95,7 @@ class Suspensions:
       record = pre.settle(record, intent, release, preservation)
       suspension = kv_swap.Suspension(
           record, intent, release, preservation, k, v,
-          kv_swap.digest(k, v) if k is not None else "")
+          kv_swap.digest(k, v, *draft) if k is not None else "", draft)
       self.swap.put(req.request_id, suspension)
       req.queue_record = record
       preserved[slot] = suspension.ready_tokens
@@ -119,13 +120,13 @@ class Suspensions:
       if ticket is None:
         raise RuntimeError(f"request {req.request_id!r}: resume facts incomplete")
       if s.k is not None:
-        if kv_swap.digest(s.k, s.v) != s.bytes_sha256:
+        if kv_swap.digest(s.k, s.v, *s.draft) != s.bytes_sha256:
           raise pre.StaleReceipt(f"request {req.request_id!r}: preserved KV bytes do "
                                  f"not match their digest; refusing to resume from them")
         n = s.k.shape[1]
         pad = [(0, 0), (0, kv_swap.page_bucket(n, self.pages_per_seq) - n)] + [(0, 0)] * 3
         kv, pages = programs.swap_in(kv, pages, preempt, np.int32(slot), np.int32(n),
-                                     np.pad(s.k, pad), np.pad(s.v, pad))
+                                     *(np.pad(a, pad) for a in (s.k, s.v, *s.draft)))
         self.swap.restored(s)
       req.recompute_tokens += ticket.recompute_overhead_tokens - rehit_tokens.pop(
           req.request_id, 0)

@@ -37,15 +37,20 @@ def page_bucket(num_pages: int, pages_per_seq: int) -> int:
 
 
 def page_bytes(kv: llama.KVCache) -> int:
-  """Bytes of one page across all layers, K and V."""
+  """Bytes of one page across all layers, K and V (and a draft model's)."""
   k = kv.k
-  return 2 * k.shape[0] * int(np.prod(k.shape[2:])) * k.dtype.itemsize
+  own = 2 * k.shape[0] * int(np.prod(k.shape[2:])) * k.dtype.itemsize
+  return own + (0 if kv.draft is None else page_bytes(kv.draft))
 
 
 def gather_pages(kv: llama.KVCache, page_ids):
   """(k, v), each ``[L, n, page_size, kv_heads, head_dim]``: pages ``page_ids``
-  (i32[n]) of every layer."""
-  return kv.k[:, page_ids], kv.v[:, page_ids]
+  (i32[n]) of every layer; with a draft model's cache (``kv.draft``), its
+  pages too: (k, v, draft_k, draft_v)."""
+  pages = (kv.k[:, page_ids], kv.v[:, page_ids])
+  if kv.draft is not None:
+    pages += (kv.draft.k[:, page_ids], kv.draft.v[:, page_ids])
+  return pages
 
 
 def reserve_pages(pages: kv_pages.PageState, release, slot, num_pages, *, bucket: int):
@@ -60,17 +65,22 @@ def reserve_pages(pages: kv_pages.PageState, release, slot, num_pages, *, bucket
 
 
 def restore_pages(kv: llama.KVCache, pages: kv_pages.PageState, release, slot,
-                  num_pages, k, v):
+                  num_pages, k, v, draft_k=None, draft_v=None):
   """Frees the ``release`` slots' pages, then gives ``slot`` ``num_pages``
   fresh pages holding ``k`` / ``v`` (``[L, n_bucket, ...]``, rows beyond
-  ``num_pages`` ignored). Returns ``(kv, pages)``."""
+  ``num_pages`` ignored), and ``draft_k`` / ``draft_v`` in the draft
+  model's cache when given. Returns ``(kv, pages)``."""
   bucket = k.shape[1]
   pages = reserve_pages(pages, release, slot, num_pages, bucket=bucket)
   j = jnp.arange(bucket)
   ids = jnp.where(j < num_pages, pages.page_table[slot, jnp.minimum(
       j, pages.page_table.shape[1] - 1)], kv.k.shape[1])     # OOB -> dropped
-  kv = llama.KVCache(k=kv.k.at[:, ids].set(k.astype(kv.k.dtype), mode="drop"),
-                     v=kv.v.at[:, ids].set(v.astype(kv.v.dtype), mode="drop"))
+  write = lambda cache, k, v: cache.replace(
+      k=cache.k.at[:, ids].set(k.astype(cache.k.dtype), mode="drop"),
+      v=cache.v.at[:, ids].set(v.astype(cache.v.dtype), mode="drop"))
+  kv = write(kv, k, v)
+  if draft_k is not None:
+    kv = kv.replace(draft=write(kv.draft, draft_k, draft_v))
   return kv, pages
 
 
@@ -91,7 +101,9 @@ class Suspension:
       (``preservation`` is None for a recompute intent).
     k, v: host copy ``[L, n_pages, page_size, kv_heads, head_dim]`` of the
       preserved prefix, or None for recompute.
-    bytes_sha256: digest of ``k`` and ``v`` at copy time.
+    draft: the draft model's (k, v) copy of the same pages (speculative
+      decoding with a draft model), or ().
+    bytes_sha256: digest of ``k``, ``v`` and ``draft`` at copy time.
   """
 
   record: pre.QueueRecord
@@ -101,6 +113,7 @@ class Suspension:
   k: np.ndarray | None = None
   v: np.ndarray | None = None
   bytes_sha256: str = ""
+  draft: tuple = ()
 
   @property
   def ready_tokens(self) -> int:
@@ -111,7 +124,7 @@ class Suspension:
 
   @property
   def nbytes(self) -> int:
-    return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+    return 0 if self.k is None else sum(a.nbytes for a in (self.k, self.v, *self.draft))
 
 
 class SwapSpace:

@@ -283,6 +283,8 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
      "error: --speculative k must be an int >= 1, got 'ngram:k=0'"),
     ("generate.py", ["--prompt=hi", "--speculative=draft:k=2"],
      "error: --speculative draft needs its model first"),
+    ("generate.py", ["--prompt=hi", "--speculative=draft:/nope/draft,k=2"],
+     "error: --speculative: the draft model '/nope/draft' cannot be read: unknown model"),
     ("replay.py", ["--executor=simulated", "--speculative=ngram:k=2"],
      "error: EngineConfig.spec_acceptance must be in (0, 1] with executor 'simulated'"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],

@@ -396,6 +396,24 @@ def test_speculative_decoding_keeps_the_greedy_tokens(name, models, engine_runs)
   assert engine.spec_counts.num_draft_tokens > 0
 
 
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ENGINE_FAMILIES)
+def test_the_model_as_its_own_draft_keeps_the_greedy_tokens(name, models, engine_runs):
+  """A draft model (``draft:MODEL``) equal to the target proposes the
+  target's greedy tokens, so its tokens are those without speculation and
+  every draft is accepted: the draft's KV cache, in the target's pages,
+  holds what the target's does."""
+  m = models(name)
+  engine = Engine(m["cfg"], m["params"],
+                  dataclasses.replace(ENGINE, speculative=f"draft:{m['dir']},k=3"))
+  got = [r.output_token_ids for r in engine.generate(
+      m["prompts"], SamplingParams(max_tokens=NUM_NEW, ignore_eos=True))]
+  assert got == engine_runs(name)["mixed"]
+  counts = engine.spec_counts
+  assert counts.num_draft_tokens > 0
+  assert counts.num_accepted_tokens == counts.num_draft_tokens
+
+
 # --------------------------------------------------------------------------
 # Each switch is live
 
