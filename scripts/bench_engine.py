@@ -452,6 +452,7 @@ def main(argv):
   # The launchers' refusals, before any model loads: the flags' combination
   # (EngineConfig), --attention_impl=native and --int8_gemm=amx where their
   # kernels cannot run.
+  cli.check_engine_preset("engine", FLAGS.engine)
   probe = EngineConfig.preset(FLAGS.engine, dtype=FLAGS.dtype, weights=FLAGS.weights,
                               int8_gemm=FLAGS.int8_gemm, decode_gemm=FLAGS.decode_gemm,
                               attention_impl=FLAGS.attention_impl)

@@ -81,6 +81,7 @@ flags.DEFINE_bool("enable_prefix_caching", False, "Automatic prefix caching (the
 def check_flags() -> None:
   """Refuses a bad flag value by name (ValueError) before the trace or a
   model config loads."""
+  cli.check_engine_preset("engine", FLAGS.engine)
   if FLAGS.log_every < 1:
     raise ValueError(f"--log_every must be >= 1, got {FLAGS.log_every}")
   if FLAGS.max_wall_s is not None and not (math.isfinite(FLAGS.max_wall_s)

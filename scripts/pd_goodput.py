@@ -117,6 +117,8 @@ def _check_flags():
     raise ValueError("--time_scale: give --rate_scales instead (gaps divided by each)")
   if FLAGS.executor == "model":
     raise ValueError("--executor=model: pd_goodput.py runs the simulated executor")
+  if FLAGS.decode_engine:
+    cli.check_engine_preset("decode_engine", FLAGS.decode_engine)
   cli.check_creatable("out", FLAGS.out)
   launch.check_workload_flags()
   return splits, sorted(rates), slos

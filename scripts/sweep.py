@@ -257,6 +257,7 @@ def _check_flags():
     raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
                      f"{FLAGS.rate_scales}")
   traces.trace_loader(FLAGS.trace)        # refused here, before any model loads
+  cli.check_engine_preset("engine", FLAGS.engine)
   if FLAGS.max_model_len < 2:
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
                      f"got {FLAGS.max_model_len}")

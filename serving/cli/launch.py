@@ -298,9 +298,10 @@ def engine_config(**overrides) -> EngineConfig:
   """The --engine preset with the flags' overrides.
 
   Raises:
-    ValueError: an unknown preset, a value the config refuses (``cli.run``
-      names an override's flag: ``--prefill_chunk_rows must be ...``), or a
-      ``--cost_model`` that does not read (``check_cost_model``).
+    ValueError: an unknown preset (``cli.check_engine_preset``), a value the
+      config refuses (``cli.run`` names an override's flag:
+      ``--prefill_chunk_rows must be ...``), or a ``--cost_model`` that does
+      not read (``check_cost_model``).
   """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
@@ -313,6 +314,7 @@ def engine_config(**overrides) -> EngineConfig:
            "cost_model", "enable_prefix_caching", "mesh")
   fields = {name: getattr(FLAGS, name) for name in names}
   fields.update(overrides)
+  cli.check_engine_preset("engine", FLAGS.engine)
   config = EngineConfig.preset(FLAGS.engine, **fields)
   speculative.check_draft_model(FLAGS.model, config.speculative)
   check_cost_model()

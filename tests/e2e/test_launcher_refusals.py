@@ -98,6 +98,28 @@ def test_bad_input_is_one_line_and_exit_2(script, args, line):
   assert status == 2 and last.startswith(line), last
 
 
+PRESETS = "['cpu_default', 'cpu_small', 'tiny']"
+
+
+@pytest.mark.parametrize("script,args", [
+    ("replay.py", ["--engine=nope"]),
+    ("generate.py", ["--prompt=hi", "--engine=nope"]),
+    ("bench_sim.py", ["--engine=nope"]),
+    ("sweep.py", ["--engine=nope"]),
+    ("bench_engine.py", ["--engine=nope", "--sections=gemm", "--hf=false"]),
+    ("pd_goodput.py", ["--engine=nope"]),
+    ("pd_goodput.py", ["--decode_engine=nope"]),
+    ("replay.py", ["--engine=no/such/preset.json"]),
+])
+def test_an_unknown_engine_preset_names_its_flag_and_the_presets(script, args):
+  """One rule for every launcher's engine preset flag, refused before a
+  trace or model loads."""
+  flag, name = next(a for a in args if "engine=" in a)[2:].split("=")
+  status, last = _run(script, *args)
+  assert (status, last) == (2, f"error: --{flag} must be a preset in configs/ (one of "
+                               f"{PRESETS}) or an existing *.json file, got {name!r}")
+
+
 def test_native_attention_without_a_compiler_is_refused_before_loading(tmp_path):
   """--attention_impl=native where the kernel cannot build (no compiler, an
   empty kernel cache) is one line naming the flag and the reason."""
