@@ -7,7 +7,7 @@ deadline runs first. Every deadline lies at most ``max_ttft_ms`` after its
 arrival, so a request is overtaken only by requests that arrived less than
 ``max_ttft_ms`` after it: none waits forever.
 
-  python scripts/replay.py --executor=simulated \\
+  .venv/bin/python scripts/replay.py --executor=simulated \\
       --policy=docs/examples/edf_policy.py:EarliestDeadlineFirst
 """
 

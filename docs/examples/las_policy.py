@@ -7,7 +7,7 @@ completed result) adds the rows each completed interval ran, so a failed
 interval adds nothing; ``plan`` reads the counter and orders by it, fewest
 rows first (LAS, or foreground-background scheduling, Kleinrock 1976).
 
-  python scripts/replay.py --executor=simulated \\
+  .venv/bin/python scripts/replay.py --executor=simulated \\
       --policy=docs/examples/las_policy.py:LeastAttainedService
 """
 

@@ -1,6 +1,8 @@
 """The docs name every flag by its canonical name: a flag alias
 (``flags.DEFINE_alias``) defined by a launcher or a module it loads is
-accepted on the command line, but no doc or README writes it."""
+accepted on the command line, but no doc or README writes it. And they run
+Python as ``.venv/bin/python`` (the interpreter scripts/setup.sh makes),
+never a bare ``python`` that may lack the project's packages."""
 
 import ast
 import re
@@ -50,4 +52,35 @@ def test_docs_use_canonical_flag_names():
   found = [f"{path.relative_to(ROOT)}:{number}: {alias} (write {canonical})"
            for path in sorted([ROOT / "README.md", *ROOT.glob("docs/**/*.md")])
            for number, alias, canonical in alias_uses(path.read_text(), aliases)]
+  assert not found, "\n".join(found)
+
+
+# ``python`` (or python3) as a command: before ``-m``, ``-c`` or a *.py file,
+# not part of a path or a name (``.venv/bin/python``, ``llama-cpp-python``).
+BARE_PYTHON = re.compile(r"(?<![\w./-])python3?(?=[ \t]+(?:-[mc](?:\s|$)|\S+\.py\b))")
+
+
+def bare_python_uses(text: str) -> list:
+  """(line number, line) of each line of ``text`` that runs a bare python."""
+  return [(number, line.strip()) for number, line in enumerate(text.splitlines(), 1)
+          if BARE_PYTHON.search(line)]
+
+
+def test_the_scan_finds_a_bare_python_command():
+  text = ("python scripts/replay.py\n"
+          "  .venv/bin/python scripts/replay.py \\\n"
+          "PYTHONPATH=. python3 tests/x.py; `python -m scheduler.conformance`\n"
+          "```python\n"
+          "python -c \"import jax\"\n"
+          "llama-cpp-python server.py, /usr/bin/python x.py, a python API\n")
+  assert bare_python_uses(text) == [
+      (1, "python scripts/replay.py"),
+      (3, "PYTHONPATH=. python3 tests/x.py; `python -m scheduler.conformance`"),
+      (5, 'python -c "import jax"')]
+
+
+def test_docs_run_python_as_the_venvs_interpreter():
+  paths = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("docs/**/*.py")]
+  found = [f"{path.relative_to(ROOT)}:{number}: {line} (write .venv/bin/python)"
+           for path in sorted(paths) for number, line in bare_python_uses(path.read_text())]
   assert not found, "\n".join(found)
