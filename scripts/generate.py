@@ -7,7 +7,9 @@
 Requests run together through the engine (iteration-level batching); each
 answer is printed as its tokens arrive, prefixed by its request id. A
 --max_tokens past what the engine's context (max_model_len) leaves after a
-prompt is clipped to that, with one line saying so.
+prompt is clipped to that, with one line saying so. With --speculative the
+output ends with one line of the drafts, draft tokens and accepted tokens
+and the acceptance rate.
 """
 
 import dataclasses
@@ -22,6 +24,7 @@ from absl import flags
 from serving import cli
 from serving.cli import launch
 from serving.engine.config import SamplingParams
+from serving.harness import metrics
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "Raw text prompt (no chat template).")
@@ -142,6 +145,9 @@ def main(argv):
   for rid, req in engine.requests.items():
     text = detok[rid].text      # == tokenizer.decode(output ids), as streamed
     print(f"\n=== {rid} ({req.outcome}, {len(req.output_token_ids)} tokens)\n{text}")
+  if engine.config.speculation is not None:
+    spec = engine.spec_counts.stats()
+    print("\n" + metrics.format_spec_decode(spec, engine.config.speculative))
 
 
 if __name__ == "__main__":

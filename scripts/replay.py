@@ -20,7 +20,9 @@ preemptions, recomputed tokens and §0x06 KV extensions;
 KV for the unknown output length (the report's ``config.reservation`` and
 ``reservation_estimator``). ``config`` holds what the run was given;
 what it measured (iterations, preemptions, extensions, prompt rows
-computed, prefix-cache counters) is in ``engine_outcomes``.
+computed, prefix-cache counters, speculative decoding's drafts and
+acceptance) is in ``engine_outcomes``; with --speculative the table is
+followed by one line of the drafts and the acceptance rate.
 
   python scripts/replay.py --engine=cpu_small --num_pages=24 --reservation=point
 """
@@ -122,6 +124,9 @@ def main(argv):
   print(f"reservation {config['reservation']} ({config['reservation_estimator']}): "
         f"rejected {report['rejected']}, extensions {report['num_extensions']}, "
         f"preemptions {report['num_preemptions']}")
+  if engine.config.speculation is not None:
+    print(metrics.format_spec_decode(report["engine_outcomes"]["spec_decode"],
+                                     engine.config.speculative))
   if "goodput" in report:
     print(metrics.format_goodput(report["goodput"]))
   metrics.write_report(FLAGS.out, report)

@@ -612,6 +612,19 @@ def format_goodput(g: dict) -> str:
             f"{number_text(g['completion_conditioned_attainment'])}")
 
 
+def format_spec_decode(stats: dict, speculative: str) -> str:
+    """One line of speculative decoding's counters (``SpecCounts.stats``:
+    the report's ``engine_outcomes["spec_decode"]``) under the setting
+    ``speculative``: decode rows that drafted, draft tokens verified, those
+    accepted, and the acceptance rate (accepted / draft tokens, to 4
+    significant digits; n/a before any draft)."""
+    drafted = stats["num_draft_tokens"]
+    rate = stats["num_accepted_tokens"] / drafted if drafted else None
+    return (f"speculative decoding {speculative}: {stats['num_drafts']} drafts, "
+            f"{drafted} draft tokens, {stats['num_accepted_tokens']} accepted, "
+            f"acceptance rate {number_text(rate)}")
+
+
 def write_report(path: str | Path, report: dict) -> None:
     """Writes `report` as indented JSON (NaN/inf rejected), creating parent dirs."""
     path = Path(path)

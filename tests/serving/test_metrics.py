@@ -16,6 +16,7 @@ from serving.harness.metrics import (
     build_report,
     client_service_gap,
     format_goodput,
+    format_spec_decode,
     format_table,
     goodput,
     min_samples_for_percentile,
@@ -163,6 +164,21 @@ def test_goodput_line_rounds_to_4_significant_digits():
                                  "0.2, admitted 0.25, completion-conditioned 0.3333")
     g = dict(g, offered_attainment=0.09424083769633508, admitted_attainment=None)
     assert "attainment offered 0.09424, admitted n/a," in format_goodput(g)
+
+
+def test_spec_decode_line_gives_the_counts_and_the_rate_of_accepted_draft_tokens():
+    """generate.py's and replay.py's speculation line: 10 of 28 draft tokens
+    accepted is 0.3571; no draft yet has no rate (not 0)."""
+    stats = {"num_drafts": 15, "num_draft_tokens": 28, "num_accepted_tokens": 10,
+             "accepted_per_pos": [7, 3], "acceptance_rate": 10 / 28}
+    assert format_spec_decode(stats, "ngram:k=2") == (
+        "speculative decoding ngram:k=2: 15 drafts, 28 draft tokens, 10 accepted, "
+        "acceptance rate 0.3571")
+    none = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+            "accepted_per_pos": [0, 0, 0, 0], "acceptance_rate": 0.0}
+    assert format_spec_decode(none, "ngram:k=4,n=3") == (
+        "speculative decoding ngram:k=4,n=3: 0 drafts, 0 draft tokens, 0 accepted, "
+        "acceptance rate n/a")
 
 
 def test_goodput_denominators_on_hand_example():
