@@ -299,9 +299,8 @@ def engine_config(**overrides) -> EngineConfig:
 
   Raises:
     ValueError: an unknown preset (``cli.check_engine_preset``), a value the
-      config refuses (``cli.run`` names an override's flag:
-      ``--prefill_chunk_rows must be ...``), or a ``--cost_model`` that does
-      not read (``check_cost_model``).
+      config refuses (``cli.run`` names an override's flag), a draft model
+      refused (``check_draft_model``) or a bad ``--cost_model``.
   """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
     raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
@@ -312,8 +311,7 @@ def engine_config(**overrides) -> EngineConfig:
            "swap_space_mb", "reservation", "reservation_quantile", "watermark_pages",
            "force_preempt_every", "speculative", "spec_acceptance", "spec_seed", "executor",
            "cost_model", "enable_prefix_caching", "mesh")
-  fields = {name: getattr(FLAGS, name) for name in names}
-  fields.update(overrides)
+  fields = {**{name: getattr(FLAGS, name) for name in names}, **overrides}
   cli.check_engine_preset("engine", FLAGS.engine)
   config = EngineConfig.preset(FLAGS.engine, **fields)
   speculative.check_draft_model(FLAGS.model, config.speculative)
