@@ -11,13 +11,17 @@ prefill and decode pools.
 Each replica is an engine on the simulated executor (the --engine preset and
 overrides, the cost model of --cost_model); ``serving.harness.cluster_sim`` runs
 them on one virtual timeline behind ``serving.http.router.Router``, the router
-``serve.py --replicas`` uses (``--router``: prefix_aware or round_robin;
-``--route`` is the same flag). With ``--prefill_replicas=P
+``serve.py --replicas`` uses (``--router``: prefix_aware or round_robin).
+Mixed replicas the simulated loop covers (``Engine.loop_refusal``: e.g.
+``--noenable_prefix_caching``) run many iterations per program call between
+the router's events (``--noloop``: one step at a time; the same outcomes);
+each run's ``path`` in the JSON says which path ran and why. With ``--prefill_replicas=P
 --decode_replicas=D`` (both, each >= 1) it runs P engines of role "prefill"
 and D of role "decode" behind the P/D router ``--router`` (a
 ``serving.http.router.PD_ROUTERS`` name: round_robin, prefix_aware,
 distserve), each handoff a transfer over the cost model's ``--link``
-(intra-node or inter-node: ``serving.engine.profiles.transfer_link``).
+(intra-node or inter-node: ``serving.engine.profiles.transfer_link``); P/D
+pools step one event at a time (their ``path`` says why).
 ``--time_scale`` < 1 compresses the trace's gaps (0.1 = ten times its rate).
 Every engine runs ``--policy``: a registered name, or your own as
 ``path/to/file.py:Class`` / ``module:Class`` (docs/writing-a-policy.md).
@@ -54,6 +58,10 @@ flags.DEFINE_string("router", "prefix_aware", "Router: for --replicas one of "
                     f"{sorted(router_lib.POLICIES)}; for --prefill_replicas/--decode_replicas "
                     f"one of {sorted(router_lib.PD_ROUTERS)}.")
 flags.DEFINE_alias("route", "router")
+flags.DEFINE_bool("loop", True, "Mixed replicas: many iterations per program call between "
+                  "the router's events where the loop covers the engine config "
+                  "(Engine.loop_refusal); --noloop steps every iteration. The run's "
+                  "\"path\" in the JSON says which ran and why.")
 flags.DEFINE_integer("prefill_replicas", None, "Prefill engines (with --decode_replicas).")
 flags.DEFINE_integer("decode_replicas", None, "Decode engines (with --prefill_replicas).")
 flags.DEFINE_enum("link", "intra", list(profiles.LINKS), "The link a KV handoff crosses: "
@@ -139,13 +147,15 @@ def main(argv):
             f"{tr['count']} transfers, mean {(tr['mean_ms'] or 0):.3f} ms; "
             f"{_latencies(report)}")
       continue
-    run, _ = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, n, FLAGS.router, FLAGS.model)
+    run, _ = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, n, FLAGS.router, FLAGS.model,
+                                        loop=FLAGS.loop)
     runs.append(run)
-    report, per_replica = run["report"], run["per_replica"]
+    report, per_replica, path = run["report"], run["per_replica"], run["path"]
     print(f"replicas {n:3d}: {report['completed']}/{len(workload)} completed in "
           f"{report['duration_s']:.1f} virtual s ({run['iterations']} iterations, "
-          f"{run['wall_s']:.1f} s wall); per replica {[r['completed'] for r in per_replica]}; "
-          f"{_latencies(report)}")
+          f"{run['wall_s']:.1f} s wall, {path['path']} path"
+          f"{': ' + path['why'] if path['why'] else ''}); per replica "
+          f"{[r['completed'] for r in per_replica]}; {_latencies(report)}")
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump({"route": FLAGS.router, "runs": runs}, f, indent=1)

@@ -51,8 +51,16 @@ def add_future_request(engine, request_id, prompt_token_ids, sampling, arrival_m
 
 
 def simulate(engine, stop_ms: float, max_iterations: Optional[int],
-             iterations_per_call: int) -> None:
-  """``Engine.simulate`` (which documents it) on ``engine``."""
+             iterations_per_call: int, marks: Optional[list] = None) -> None:
+  """``Engine.simulate`` (which documents it) on ``engine``.
+
+  ``marks``, when a list, gets ``(ms, request_id, kind)`` for each
+  request's first output token (kind "first_token") and for its end
+  ("finished", any outcome), ``ms`` the end of the iteration that brought
+  it (engine ms): what a caller of ``Engine.step`` reads from its outputs
+  (a token in a request's first output; ``RequestOutput.finished``), at the
+  time the step ended, which a router needs (``serving.harness.cluster_sim``).
+  """
   reason = engine.loop_refusal()
   if reason is not None:
     raise ValueError(f"Engine.simulate: {reason}; use Engine.step()")
@@ -71,10 +79,24 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       continue
     engine._fill_slots()
     engine._rebase_device_clock(engine.now_ms())
-    if _call(engine, stop_ms, iterations_per_call) in (sim_loop.LoopExit.HOST,
-                                                       sim_loop.LoopExit.REBASE):
+    if _call(engine, stop_ms, iterations_per_call, marks) in (sim_loop.LoopExit.HOST,
+                                                              sim_loop.LoopExit.REBASE):
       table.take_arrived(engine.now_ms())
-      engine.step()
+      outputs = engine.step()
+      if marks is not None:
+        step_marks(engine, outputs, marks)
+
+
+def step_marks(engine, outputs, marks: list) -> None:
+  """Appends to ``marks`` (``simulate``'s) what ``outputs``, the news of
+  the ``Engine.step`` that just ran, bring: at its end, ``engine.now_ms()``."""
+  ms = engine.now_ms()
+  for out in outputs:
+    if out.new_token_ids and len(engine.requests[out.request_id].output_token_ids) == len(
+        out.new_token_ids):
+      marks.append((ms, out.request_id, "first_token"))
+    if out.finished:
+      marks.append((ms, out.request_id, "finished"))
 
 
 def _advance_to(engine, ms: float) -> None:
@@ -84,9 +106,9 @@ def _advance_to(engine, ms: float) -> None:
     clock.advance(max((ms - engine.now_ms()) / 1000.0, math.ulp(clock())))
 
 
-def _call(engine, stop_ms: float, iterations: int) -> int:
-  """One ``loop`` program call from the engine's tables; takes its log.
-  Returns its exit code (``sim_loop.LoopExit``)."""
+def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None) -> int:
+  """One ``loop`` program call from the engine's tables; takes its log
+  (``marks``: ``simulate``'s). Returns its exit code (``sim_loop.LoopExit``)."""
   c, table = engine.config, engine.table
   loop = sim_loop.loop_program(engine.model_cfg, c, engine.cost_model, engine.model_costs,
                                iterations)
@@ -116,16 +138,18 @@ def _call(engine, stop_ms: float, iterations: int) -> int:
       bits(epoch), bits(stop_ms), bits(clocks.DEVICE_REBASE_MS))
   engine.buffers = buffers.replace(tokens=tokens)
   log = engine._fetch(log)
-  take_log(engine, log, queued)
+  take_log(engine, log, queued, marks)
   engine.clock.advance_to(float(sim_loop.from_bits(log.clock)))
   return int(log.code)
 
 
-def take_log(engine, log: sim_loop.SimLog, queued: List[Request]) -> None:
+def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
+             marks: Optional[list] = None) -> None:
   """The host's side of a ``loop`` call's iterations, as ``Engine.step``
   keeps them: the admitted requests' slots, each request's news
   (``RequestTable.take_news``: tokens, their times, outcomes), released slots,
-  counters."""
+  counters; ``marks`` (``simulate``'s) gets each request's first token and
+  end, at the emission time of the iteration that brought it."""
   table = engine.table
   live = table.live()
   admitted = queued[:int(log.num_admitted)]
@@ -149,8 +173,14 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request]) -> None:
   for u, a, b in zip(uids.tolist(), starts.tolist(), ends):
     req, last = by_uid[u], b - 1
     emitted = last if failed[last] else b      # a failed event emits nothing
+    first = not req.output_token_ids and emitted > a
     table.take_news(req, tokens[a:emitted], times[a:emitted], failed[last],
                     finished[last], reason[last], lambda: extensions[last])
+    if marks is not None:
+      if first:
+        marks.append((times[a], req.request_id, "first_token"))
+      if req.finished:
+        marks.append((times[last], req.request_id, "finished"))
   for req in live:              # before the admitted: a slot may be taken again
     if req.finished:
       table.vacate(req.slot)

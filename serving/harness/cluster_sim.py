@@ -24,22 +24,34 @@ the placement time; one placed on a busy replica waits for its next step
 Same inputs, same outputs: no wall clock is read, so a cluster replay is
 bit-for-bit repeatable.
 
+Two paths (``cluster_path``; runs record which ran and why): the step path
+runs one ``engine.step()`` per step's start; the loop path, for replicas
+``Engine.simulate`` covers (``Engine.loop_refusal``), runs each replica
+alone, many iterations per program call, up to the next arrival while no
+request waits at the router, and steps only while one does
+(``replay_cluster``). Both give the same placements, decisions, tokens,
+outcomes and iteration counts, times to the last bit of a float64 step
+time (``serving.engine.sim_loop``).
+
 ``replay_pd`` does the same for prefill/decode pools (below): a prefill
 engine's finished prompt becomes a ``KVHandoff``, which the
 ``serving.http.router.PDRouter`` (the P/D front's router) sends to a decode
 engine through a transfer event lasting the link's latency + bytes /
-bandwidth.
+bandwidth. P/D pools always take the step path (``pd_path`` says why).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from serving.engine import calibrations
 from serving.engine import profiles
+from serving.engine import sim_driver
+from serving.engine import sim_loop
 from serving.engine.config import SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.requests import QueueFull
@@ -95,20 +107,64 @@ def _events(specs, i: int, engines: Sequence[Engine], held, end_rank: int) -> li
   return events
 
 
-def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
-                   ) -> Tuple[List[RequestRecord], float, Dict[str, int], List[dict]]:
+def cluster_path(engines: Sequence[Engine], *, loop: bool = True) -> Tuple[str, str]:
+  """Which path ``replay_cluster`` takes over ``engines``, and why: ("loop",
+  "") runs each replica many iterations per program call between the
+  events the router acts on (``sim_driver.simulate``); ("step", reason)
+  runs one ``engine.step()`` per event. Reports record it (``{"path":
+  ..., "why": ...}``)."""
+  if not loop:
+    return "step", "loop=False was asked for"
+  for r, e in enumerate(engines):
+    refusal = e.loop_refusal()
+    if refusal is not None:
+      return "step", f"replica {r}: {refusal}"
+  return "loop", ""
+
+
+def _tell(router: Router, marks) -> None:
+  """Hands the router a replica's first tokens and endings (``marks``:
+  ``(ms, request_id, kind)``, ``sim_driver.simulate``'s)."""
+  for _, rid, kind in marks:
+    if kind == "first_token":
+      router.first_token(rid)
+    else:
+      router.finished(rid)
+
+
+def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload, *,
+                   loop: bool = True
+                   ) -> Tuple[List[RequestRecord], float, Dict[str, int], List[dict], dict]:
   """Replays ``workload`` over the replicas (see the module docstring).
+
+  The loop path (``cluster_path``): while no request waits at the router,
+  the replicas share nothing until the next arrival (an ending frees a
+  place, a first token ends a prefill in the router's model, and neither
+  places anything), so each replica runs alone up to it
+  (``sim_driver.simulate(stop_ms=<the arrival>)``, the iterations that start
+  before it, as the step path runs them); its first tokens and endings
+  reach the router as the step path hands them: those of iterations that
+  ended before the arrival at once (their order does not matter: each
+  touches only its own request), those of the last one, ending at or after
+  it, held until its end. While a request waits at the router, its
+  placement happens at a step's end, so the replicas step one event at a
+  time as on the step path. Same records, placements, decisions, times and
+  iterations as the step path (``tests/serving/test_cluster_sim.py``).
 
   Args:
     engines: fresh engines on ``VirtualClock`` clocks at time 0, equal page
       sizes (one per replica).
     router: a fresh ``Router`` over them (``router_for``).
     workload: the requests, arrivals in s from the start.
+    loop: allow the loop path (False: one ``engine.step()`` per event).
 
   Returns:
-    ``(records, duration_s, placement, route_log)``: one RequestRecord per
-    request in workload order (times in s from the start); the time of the
-    last event (s); request id -> replica; the router's decisions in order.
+    ``(records, duration_s, placement, route_log, path)``: one
+    RequestRecord per request in workload order (times in s from the
+    start); the time of the last event (s); request id -> replica; the
+    router's decisions in order; ``{"path", "why"}`` (``cluster_path``) and
+    ``iterations_stepped``, the iterations run one ``engine.step()`` at a
+    time (on the loop path: while a request waited at the router).
 
   Raises:
     ValueError: an engine without a virtual clock, or clocks not at 0.
@@ -116,12 +172,13 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
   for i, e in enumerate(engines):
     if not isinstance(e.clock, VirtualClock) or e.now_ms() != 0.0:
       raise ValueError(f"replay_cluster: engine {i} needs a fresh VirtualClock clock at 0")
+  path, why = cluster_path(engines, loop=loop)
   specs = sorted(workload.requests, key=lambda s: (s.arrival_s, s.request_id))
   by_id = {s.request_id: s for s in specs}
   placement: Dict[str, int] = {}
   refused: Dict[str, str] = {}
   route_log: List[dict] = []
-  seen_first = set()
+  stepped = 0
 
   def place(now_ms: float) -> None:
     for d in router.dispatch(now_ms):
@@ -133,14 +190,38 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
       except (ValueError, QueueFull) as e:
         refused[spec.request_id] = str(e)
         router.finished(spec.request_id)
+      else:
+        if engines[r].requests[spec.request_id].finished:   # rejected at once (never fits)
+          router.finished(spec.request_id)
 
   # Events (time ms, rank, replica): 0 an arrival, 1 a step's end (its
   # outputs reach the router), 2 a step's start. A step runs the engine at
-  # once (its clock moves to the step's end) and holds its outputs until
-  # then, so the router never hears of an ending before its time.
+  # once (its clock moves to the step's end) and holds its news (marks)
+  # until then, so the router never hears of an ending before its time.
   held: Dict[int, list] = {}
   i, end_ms = 0, 0.0
   while True:
+    if path == "loop" and not router.num_waiting():
+      # Every replica alone up to the next arrival (see above).
+      stop = specs[i].arrival_s * 1000.0 if i < len(specs) else math.inf
+      for r, e in enumerate(engines):
+        if r in held and e.now_ms() < stop:
+          _tell(router, held.pop(r))
+        if r in held or not e.has_unfinished() or e.now_ms() >= stop:
+          continue
+        marks: list = []
+        sim_driver.simulate(e, stop, None, sim_loop.LOOP_ITERATIONS, marks)
+        _tell(router, [m for m in marks if m[0] < stop])
+        if e.now_ms() >= stop:       # its last step ends at or after the arrival
+          held[r] = [m for m in marks if m[0] >= stop]
+      if i == len(specs):
+        break
+      spec = specs[i]
+      i += 1
+      end_ms = max(end_ms, stop)
+      router.submit(spec.request_id, spec.prompt_token_ids, spec.max_tokens, stop)
+      place(stop)
+      continue
     events = _events(specs, i, engines, held, 1)
     if not events:
       if router.num_waiting():
@@ -154,21 +235,21 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
       i += 1
       router.submit(spec.request_id, spec.prompt_token_ids, spec.max_tokens, now)
     elif kind == 2:
-      held[r] = engines[r].step()
+      held[r] = []
+      sim_driver.step_marks(engines[r], engines[r].step(), held[r])
+      stepped += 1
       continue
     else:
-      for out in held.pop(r):
-        rid = out.request_id
-        if out.new_token_ids and rid not in seen_first:
-          seen_first.add(rid)
-          router.first_token(rid)
-        if out.finished:
-          router.finished(rid)
+      _tell(router, held.pop(r))
     place(now)
+  # The last event: a step's end is each replica's clock (the step path
+  # met every one as an event).
+  end_ms = max([end_ms] + [e.now_ms() for e in engines])
   records = [_refused(s, refused[s.request_id]) if s.request_id in refused
              else _record(engines[placement[s.request_id]], s, 0.0)
              for s in workload.requests]
-  return records, end_ms / 1000.0, placement, route_log
+  return (records, end_ms / 1000.0, placement, route_log,
+          {"path": path, "why": why, "iterations_stepped": stepped})
 
 
 # ------------------------------------------------------ prefill/decode pools
@@ -235,6 +316,21 @@ def _pd_record(spec, pre: Engine, dec: Engine) -> RequestRecord:
       num_extensions=req.num_extensions, clipped=spec.clipped,
       output_token_ids=list(req.output_token_ids), prefix_hit_tokens=first.prefix_hit_tokens,
       slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
+
+
+def pd_path(prefill: Sequence[Engine]) -> dict:
+  """The path ``replay_pd`` takes: always one ``engine.step()`` per event.
+  ``why``: the loop refuses a prefill or decode engine
+  (``Engine.loop_refusal``: a handoff leaves a prefill engine, and enters a
+  decode engine, between iterations), and a loop could not run a pool
+  alone between router events anyway: each prefill step that finishes a
+  prompt is such an event (its handoff is routed to a decode engine at
+  that step's end, and a decode engine's next steps depend on when it
+  arrives)."""
+  refusal = prefill[0].loop_refusal() if prefill else None
+  return {"path": "step",
+          "why": (f"P/D pools: {refusal}" if refusal else "P/D pools") +
+                 "; each finished prompt's handoff is routed at its prefill step's end"}
 
 
 def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workload: Workload,
@@ -394,15 +490,17 @@ def route_counts(log) -> dict:
 
 
 def simulate_mixed(cfg, engine_cfg, workload: Workload, n: int, policy: str,
-                   model_name: str) -> Tuple[dict, List[RequestRecord]]:
+                   model_name: str, *, loop: bool = True) -> Tuple[dict, List[RequestRecord]]:
   """One run of ``n`` mixed replicas (``engine_cfg``, simulated) behind the
   ``Router`` of ``policy``: ``(run, records)``, the run a JSON-ready dict
-  (the global report, one per replica, iterations and the simulation's wall
-  time)."""
+  (the global report, one per replica, iterations, the simulation's wall
+  time, and ``path``: which path ``replay_cluster`` took and why, with
+  ``loop`` as it has it)."""
   engines = [Engine(cfg, None, engine_cfg, clock=VirtualClock()) for _ in range(n)]
   router = router_for(engines, policy)
   t = time.perf_counter()
-  records, duration_s, placement, _ = replay_cluster(engines, router, workload)
+  records, duration_s, placement, _, path = replay_cluster(engines, router, workload,
+                                                           loop=loop)
   wall_s = time.perf_counter() - t
   config = {**run_config(engines[0], model_name), "replicas": n, "route": policy,
             "workload": workload.describe()}
@@ -416,7 +514,7 @@ def simulate_mixed(cfg, engine_cfg, workload: Workload, n: int, policy: str,
   iterations = sum(e.num_iterations for e in engines)
   return ({"replicas": n, "gpus": n, "wall_s": wall_s, "iterations": iterations,
            "iterations_per_s": iterations / max(wall_s, 1e-9), "load_avg": os.getloadavg(),
-           "report": report, "per_replica": per_replica}, records)
+           "path": path, "report": report, "per_replica": per_replica}, records)
 
 
 def simulate_pd(cfg, engine_cfg, workload: Workload, p: int, d: int, policy: str, link,
@@ -426,7 +524,8 @@ def simulate_pd(cfg, engine_cfg, workload: Workload, p: int, d: int, policy: str
   with its role set; ``decode_cfg``, when given, for the decode engines)
   behind ``PD_ROUTERS[policy]``, handoffs over ``link``: ``(run,
   records)``, the run a JSON-ready dict (the global report, one per engine,
-  the transfers, the router's choices per engine)."""
+  the transfers, the router's choices per engine, and ``path``: always the
+  step path, ``pd_path``)."""
   pre_cfg = dataclasses.replace(engine_cfg, role="prefill")
   dec_cfg = dataclasses.replace(decode_cfg or engine_cfg, role="decode")
   prefill = [Engine(cfg, None, pre_cfg, clock=VirtualClock()) for _ in range(p)]
@@ -454,7 +553,8 @@ def simulate_pd(cfg, engine_cfg, workload: Workload, p: int, d: int, policy: str
   iterations = sum(e.num_iterations for e in prefill + decode)
   return ({"prefill_replicas": p, "decode_replicas": d, "gpus": p + d, "wall_s": wall_s,
            "iterations": iterations, "iterations_per_s": iterations / max(wall_s, 1e-9),
-           "load_avg": os.getloadavg(), "report": report, "per_engine": per_engine,
+           "load_avg": os.getloadavg(), "path": pd_path(prefill),
+           "report": report, "per_engine": per_engine,
            "transfers": transfer_summary(transfers),
            "transfer_ms": {t.request_id: t.end_ms - t.start_ms for t in transfers},
            "routes": route_counts(router.log)}, records)

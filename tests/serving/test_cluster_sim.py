@@ -1,5 +1,7 @@
 """Simulated replicas behind the router on one virtual timeline
-(``serving.harness.cluster_sim``), on the tiny model's config (no weights)."""
+(``serving.harness.cluster_sim``), on the tiny model's config (no weights):
+the step path, and the loop path (``sim_driver.simulate`` between the
+router's events) against it."""
 
 import dataclasses
 
@@ -8,7 +10,9 @@ import pytest
 
 from serving.engine import cost_model as cost_lib
 from serving.harness import synthetic
+from serving.harness import cluster_sim
 from serving.harness.cluster_sim import replay_cluster, router_for
+from serving.http.router import Router
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from serving.harness.replay import replay
@@ -23,8 +27,14 @@ def cost_file(tmp_path_factory):
   return str(path)
 
 
-def _engines(n, cost_file):
-  cfg = EngineConfig.preset("tiny", executor="simulated", cost_model=cost_file)
+# Token times of the two paths agree to this (ms): the loop runs the host's
+# float64 clock arithmetic on the device, where XLA may round a step time's
+# last bit otherwise (``serving.engine.sim_loop``; seen: <= 2e-13 ms here).
+TIME_TOL_MS = 1e-9
+
+
+def _engines(n, cost_file, **overrides):
+  cfg = EngineConfig.preset("tiny", executor="simulated", cost_model=cost_file, **overrides)
   return [Engine(CFG, None, cfg, clock=VirtualClock()) for _ in range(n)]
 
 
@@ -41,8 +51,9 @@ def test_one_replica_replays_exactly_as_the_engine_alone(cost_file):
   wl = _workload()
   alone, alone_s = replay(_engines(1, cost_file)[0], wl)
   engines = _engines(1, cost_file)
-  records, duration_s, placement, _ = replay_cluster(engines, router_for(engines,
-                                                                          "round_robin"), wl)
+  records, duration_s, placement, _, path = replay_cluster(
+      engines, router_for(engines, "round_robin"), wl)
+  assert path["path"] == "step" and "enable_prefix_caching" in path["why"]
   assert set(placement.values()) == {0}
   for a, b in zip(records, alone):
     assert a.output_token_ids == b.output_token_ids
@@ -56,7 +67,7 @@ def test_round_robin_alternates_and_replays_repeat(cost_file):
   runs = []
   for _ in range(2):
     engines = _engines(2, cost_file)
-    records, duration_s, placement, log = replay_cluster(
+    records, duration_s, placement, log, _ = replay_cluster(
         engines, router_for(engines, "round_robin"), wl)
     runs.append(([r.token_times_s for r in records], duration_s, placement))
   assert runs[0] == runs[1]
@@ -72,7 +83,7 @@ def test_more_replicas_shorten_a_backlog(cost_file):
   results = {}
   for n in (1, 4):
     engines = _engines(n, cost_file)
-    records, duration_s, placement, _ = replay_cluster(
+    records, duration_s, placement, _, _ = replay_cluster(
         engines, router_for(engines, "prefix_aware"), wl)
     assert all(r.outcome == "completed" for r in records)
     assert len(set(placement.values())) == n
@@ -107,3 +118,97 @@ def test_the_front_and_cluster_sim_build_the_same_router(cost_file):
     pd = cluster_sim.pd_router_for(engines[:1], engines[1:], name)
     assert type(pd) is cls and type(router_lib.pd_router_for(
         [facts[0]], [facts[1]], name)) is cls
+
+
+def _both_paths(cost_file, n, wl, router=None):
+  """``replay_cluster`` on the step path and on the loop path, over ``n``
+  tiny replicas the loop covers (prefix caching off; 16 KV pages; a forced
+  preemption every 7th decision, which the loop hands to ``Engine.step``)
+  behind ``router(engines)`` (default: ``prefix_aware``): ``{loop:
+  (records, duration_s, placement, route_log, path, engines)}``."""
+  out = {}
+  for loop in (False, True):
+    engines = _engines(n, cost_file, enable_prefix_caching=False, num_pages=16,
+                       force_preempt_every=7)
+    made = router(engines) if router else router_for(engines, "prefix_aware")
+    out[loop] = replay_cluster(engines, made, wl, loop=loop) + (engines,)
+  return out
+
+
+def test_mixed_replicas_take_the_loop_with_the_step_paths_outcomes(cost_file):
+  """The loop path places every request on the same replica by the same
+  decision, and each replica runs the same iterations: the same tokens,
+  outcomes, preemptions and iteration counts, times to a step time's last
+  bit. The burst queues at the router at times (2 x 8 places), where the
+  loop path steps; elsewhere each replica runs alone in program calls."""
+  wl = _workload(n=24, rate_scale=30.0, seed=6)
+  out = _both_paths(cost_file, 2, wl)
+  step, loop = out[False], out[True]
+  total = sum(e.num_iterations for e in loop[5])
+  assert step[4] == {"path": "step", "why": "loop=False was asked for",
+                     "iterations_stepped": total}
+  assert loop[4]["path"] == "loop" and loop[4]["why"] == ""
+  assert 0 < loop[4]["iterations_stepped"] < total / 2
+  assert [e.num_iterations for e in loop[5]] == [e.num_iterations for e in step[5]]
+  assert [e.num_preemptions for e in loop[5]] == [e.num_preemptions for e in step[5]]
+  assert min(e.num_preemptions for e in loop[5]) > 0
+  assert loop[2] == step[2] and set(step[2].values()) == {0, 1}
+  key = lambda d: (d["request_id"], d["replica"], d["tie_key"])
+  assert [key(d) for d in loop[3]] == [key(d) for d in step[3]]
+  assert max(d["waited_ms"] for d in step[3]) > 0
+  np.testing.assert_allclose([d["waited_ms"] for d in loop[3]],
+                             [d["waited_ms"] for d in step[3]], rtol=0, atol=TIME_TOL_MS)
+  assert loop[1] == pytest.approx(step[1], abs=TIME_TOL_MS / 1000.0)
+  assert [r.request_id for r in loop[0]] == [s.request_id for s in wl.requests]
+  for a, b in zip(step[0], loop[0]):
+    assert (a.outcome, a.finish_reason, a.output_token_ids, a.num_preemptions) == (
+        b.outcome, b.finish_reason, b.output_token_ids, b.num_preemptions), a.request_id
+    assert a.outcome == "completed"
+    np.testing.assert_allclose(b.token_times_s, a.token_times_s, rtol=0,
+                               atol=TIME_TOL_MS / 1000.0)
+    assert b.ttft_s == pytest.approx(a.ttft_s, abs=TIME_TOL_MS / 1000.0)
+    assert (a.tpot_s is None) == (b.tpot_s is None)
+    if a.tpot_s is not None:
+      assert b.tpot_s == pytest.approx(a.tpot_s, abs=TIME_TOL_MS / 1000.0)
+
+
+def test_a_request_that_never_fits_frees_its_place_on_both_paths(cost_file):
+  """A prompt whose KV pages exceed the cache (60 + 4 - 1 rows: 16 pages of
+  4, one more than the 15 there are) is ended at once by the engine
+  (``rejected``): its router place frees at its placement, so the requests
+  behind it run on the one place there is (before, they waited with the
+  replica idle)."""
+  wl = _workload(n=6, rate_scale=50.0, seed=2)
+  long = dataclasses.replace(wl.requests[0], prompt_token_ids=[2] * 60, max_tokens=4)
+  wl = dataclasses.replace(wl, requests=(long,) + wl.requests[1:])
+  one_place = lambda engines: Router([1], [0], engines[0].config.page_size, "round_robin")
+  out = _both_paths(cost_file, 1, wl, one_place)
+  for records, *_ in out.values():
+    assert records[0].outcome == "rejected"
+    assert [r.outcome for r in records[1:]] == ["completed"] * 5
+  assert out[True][4]["path"] == "loop"
+  for a, b in zip(out[False][0], out[True][0]):
+    assert a.output_token_ids == b.output_token_ids
+    np.testing.assert_allclose(b.token_times_s, a.token_times_s, rtol=0,
+                               atol=TIME_TOL_MS / 1000.0)
+
+
+def test_runs_record_their_path(cost_file):
+  """``simulate_mixed`` records the path it took (``loop`` as given); the
+  refusal that keeps the loop away is the path's ``why`` (prefix caching:
+  ``test_one_replica_replays_exactly_as_the_engine_alone``). P/D pools
+  always step and say why (the role)."""
+  wl = _workload(n=3)
+  cfg = EngineConfig.preset("tiny", executor="simulated", cost_model=cost_file,
+                            enable_prefix_caching=False, num_pages=16, force_preempt_every=7)
+  runs = [cluster_sim.simulate_mixed(CFG, cfg, wl, 2, "round_robin", "tiny", loop=loop)[0]
+          for loop in (True, False)]
+  assert runs[0]["path"] == {"path": "loop", "why": "", "iterations_stepped": 0}
+  assert runs[1]["path"]["path"] == "step"
+  assert runs[0]["iterations"] == runs[1]["iterations"] == runs[1]["path"][
+      "iterations_stepped"] > 0
+  prefill = [Engine(CFG, None, dataclasses.replace(cfg, role="prefill"),
+                    clock=VirtualClock())]
+  path = cluster_sim.pd_path(prefill)
+  assert path["path"] == "step"
+  assert path["why"].startswith("P/D pools: EngineConfig.role must be 'mixed' for the loop")
