@@ -20,7 +20,9 @@ the highest offered rate (req/s) up to which every tested rate keeps
 ``--attainment`` of the requests valid (DistServe's 90%), bracketed by the
 first rate that fails; a split stops once every pair has failed. Per GPU it
 is divided by the split's engines (one GPU each). The JSON holds each run's
-attainments, TTFT and TPOT percentiles and transfer figures; the tables are
+attainments, TTFT and TPOT percentiles, transfer figures and the path the
+simulation took (``path``: mixed replicas the loop covers run many
+iterations per program call, ``cluster_sim.replay_cluster``); the tables are
 printed at the end. Every engine runs the ``--engine`` preset
 (``--decode_engine``, when given, for decode engines).
 """
@@ -138,7 +140,7 @@ def _summary(run: dict, records, workload, slos) -> dict:
           "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms")
   out = {k: report.get(k) for k in keys}
   out.update(offered=len(records), offered_rate=len(workload) / workload.duration_s,
-             gpus=run["gpus"], iterations=run["iterations"], slos={})
+             gpus=run["gpus"], iterations=run["iterations"], path=run["path"], slos={})
   done = [r for r in records if r.outcome == "completed"]
   for ttft, tpot in slos:
     g = metrics.goodput(records, ttft_ms=ttft, tpot_ms=tpot, duration_s=report["duration_s"])
