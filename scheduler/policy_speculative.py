@@ -16,7 +16,8 @@ per client) are there for a policy that sets k by them:
 k per iteration for the plan's decode rows by expected goodput (SmartSpec,
 Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
 Language Models Using Goodput"), each row's acceptance its client's learned
-rate.
+rate; with ``per_row=True`` a k per decode row, each at its request's own
+learned rate.
 """
 
 from __future__ import annotations
@@ -112,6 +113,60 @@ def client_acceptance(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   return (accepted + prior_alpha * prior_drafts) / (accepted + rejected + prior_drafts)
 
 
+def request_acceptance(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
+                       prior_alpha: float, prior_drafts: float):
+  """f32[R]: each slot's own per-token acceptance estimate, as
+  ``client_acceptance`` over the request's own drafts
+  (``SchedulerState.accepted_tokens`` / ``draft_rejections``) with its
+  client's estimate as the prior (``prior_drafts`` pseudo-trials): a new
+  request starts at its client's rate and moves to its own."""
+  client = client_acceptance(manifest, state, prior_alpha, prior_drafts)
+  if state.draft_rejections is None:
+    return client
+  accepted = state.accepted_tokens.astype(jnp.float32)
+  rejected = state.draft_rejections.astype(jnp.float32)
+  return (accepted + client * prior_drafts) / (accepted + rejected + prior_drafts)
+
+
+def per_row_drafts(alpha, room, decode, rank, emits_other, other_rows, k_max: int,
+                   step_ms_fixed: float, step_ms_per_row: float):
+  """i32[R]: drafts per decode row maximizing the plan's expected goodput
+  (tokens per ms, as ``expected_goodput``) when each row may take its own
+  count, up to ``min(k_max, room)``.
+
+  Row i's j-th draft adds ``alpha_i^j`` expected tokens and one row
+  (``step_ms_per_row``), and a row's gains fall with j. For a ratio
+  ``(a + sum of gains) / (b + c * n)`` the best set of n drafts is the n
+  largest gains, so the optimum is the best prefix of all gains sorted in
+  descending order (ties: the higher-ranked row, then the lower j; the
+  shorter prefix on equal goodput). A uniform k is one such set, so this
+  is at least as good as ``AdaptiveDraft``'s best k.
+
+  Args:
+    alpha: f32[R]; room: i32[R] drafts a row may take; decode: bool[R];
+      rank: i32[R] the plan's order; emits_other, other_rows: f32[] as
+      ``expected_goodput``; k_max: static.
+  """
+  num_slots = alpha.shape[0]
+  j = jnp.arange(1, k_max + 1, dtype=jnp.int32)
+  ok = decode[:, None] & (j[None, :] <= jnp.minimum(room, k_max)[:, None])
+  gain = jnp.where(ok, alpha[:, None] ** j[None, :].astype(jnp.float32), -1.0).reshape(-1)
+  row = jnp.repeat(jnp.arange(num_slots, dtype=jnp.int32), k_max)
+  order = jnp.lexsort((jnp.tile(j, num_slots), rank[row], -gain))
+  sorted_gain = gain[order]
+  base_tokens = emits_other + jnp.sum(decode).astype(jnp.float32)
+  n = jnp.arange(1, gain.shape[0] + 1, dtype=jnp.float32)
+  goodput = jnp.concatenate([
+      (base_tokens / (step_ms_fixed + step_ms_per_row * other_rows))[None],
+      (base_tokens + jnp.cumsum(jnp.maximum(sorted_gain, 0.0)))
+      / (step_ms_fixed + step_ms_per_row * (other_rows + n))])
+  goodput = jnp.where(jnp.concatenate([jnp.ones((1,), bool), sorted_gain >= 0]), goodput,
+                      -jnp.inf)
+  best = jnp.argmax(goodput)               # the first (shortest) of equal maxima
+  taken = jnp.arange(gain.shape[0]) < best
+  return jnp.zeros((num_slots,), jnp.int32).at[row[order]].add(taken.astype(jnp.int32))
+
+
 def expected_goodput(alpha, room, decode, emits_other, other_rows, k: int,
                      step_ms_fixed: float, step_ms_per_row: float):
   """f32[]: expected tokens per ms of a plan whose decode rows verify k
@@ -143,7 +198,9 @@ class AdaptiveDraft(PolicyWrapper):
   (``expected_goodput``: tokens emitted per ms of a step time linear in
   its rows), with each row's acceptance its client's learned rate
   (``client_acceptance``); ties go to the smaller k. Then as
-  ``FixedDraft`` with that k (``grant_drafts``).
+  ``FixedDraft`` with that k (``grant_drafts``). With ``per_row`` each
+  decode row gets its own count instead (``per_row_drafts``), from the
+  request's own learned rate (``request_acceptance``).
 
   Attributes:
     inner: a registered policy.
@@ -152,6 +209,7 @@ class AdaptiveDraft(PolicyWrapper):
     step_ms_per_row: ms per token row (>= 0).
     prior_alpha: the acceptance assumed before drafts were seen, in (0, 1).
     prior_drafts: the pseudo-drafts it weighs as (> 0).
+    per_row: a k per decode row (True) or one for the plan (False).
 
   Raises:
     ValueError: a field outside its range, naming it.
@@ -163,6 +221,7 @@ class AdaptiveDraft(PolicyWrapper):
   step_ms_per_row: float
   prior_alpha: float = 0.5
   prior_drafts: float = 16.0
+  per_row: bool = False
 
   def __post_init__(self):
     checks = (("k_max", self.k_max >= 1, ">= 1"),
@@ -176,7 +235,7 @@ class AdaptiveDraft(PolicyWrapper):
 
   @property
   def policy_id(self) -> str:
-    return f"{self.inner.policy_id}+adaptive_{self.k_max}"
+    return f"{self.inner.policy_id}+adaptive_{self.k_max}" + ("_per_row" if self.per_row else "")
 
   def choose_k(self, plan: rec.IterationPlan, manifest: rec.WorkloadManifest,
                state: rec.SchedulerState):
@@ -198,7 +257,23 @@ class AdaptiveDraft(PolicyWrapper):
   def __call__(self, manifest: rec.WorkloadManifest, state: rec.SchedulerState,
                view: rec.AllocatorView) -> rec.IterationPlan:
     plan = self.inner(manifest, state, view)
-    k = self.choose_k(plan, manifest, state)
-    plan = grant_drafts(plan, manifest, state, view,
-                        jnp.full(plan.selected.shape, k, jnp.int32), self.watermark_pages())
+    if self.per_row:
+      want = self.choose_per_row(plan, manifest, state)
+    else:
+      want = jnp.full(plan.selected.shape, self.choose_k(plan, manifest, state), jnp.int32)
+    plan = grant_drafts(plan, manifest, state, view, want, self.watermark_pages())
     return plan.replace(policy_id=self.policy_id, policy=self)
+
+  def choose_per_row(self, plan: rec.IterationPlan, manifest: rec.WorkloadManifest,
+                     state: rec.SchedulerState):
+    """i32[R]: each decode row's drafts of the highest expected goodput
+    (``per_row_drafts``) at its request's learned rate."""
+    decode = plan.selected & (plan.kind == rec.DECODE_ROW)
+    room = jnp.maximum(manifest.max_tokens - state.emitted - 1, 0)
+    alpha = request_acceptance(manifest, state, self.prior_alpha, self.prior_drafts)
+    last_chunk = plan.selected & (plan.kind == rec.PREFILL_CHUNK) & (
+        plan.end == manifest.prompt_len)
+    return per_row_drafts(alpha, room, decode, plan.rank,
+                          jnp.sum(last_chunk).astype(jnp.float32),
+                          jnp.asarray(plan.num_tokens, jnp.float32), self.k_max,
+                          self.step_ms_fixed, self.step_ms_per_row)

@@ -518,7 +518,8 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
     policy = ForcedPreemption(policy, config.force_preempt_every)
   spec = config.speculation
   if spec is not None and spec.adaptive:
-    policy = AdaptiveDraft(policy, spec.k, spec.fixed_ms, spec.row_ms)
+    policy = AdaptiveDraft(policy, spec.k, spec.fixed_ms, spec.row_ms,
+                           per_row=bool(spec.per_row))
   elif spec is not None:
     policy = FixedDraft(policy, spec.k)
   traces: Dict[str, int] = {}

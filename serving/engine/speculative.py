@@ -55,6 +55,9 @@ class Speculation:
       (``AdaptiveDraft``), with the step time ``fixed_ms + row_ms * rows``.
     fixed_ms, row_ms: that step-time model's coefficients (ms per step,
       ms per token row); needed with adaptive=1, 0 otherwise.
+    per_row: with adaptive=1, 1: each decode row gets its own k' at its
+      request's learned rate (``AdaptiveDraft.per_row``); 0: one k' per
+      iteration.
   """
 
   method: str = "ngram"
@@ -64,12 +67,14 @@ class Speculation:
   fixed_ms: float = 0.0
   row_ms: float = 0.0
   draft: str = ""
+  per_row: int = 0
 
   @classmethod
   def parse(cls, text: str, field: str = "EngineConfig.speculative") -> "Speculation | None":
     """``"ngram:k=4,n=3"`` -> ``Speculation``; ``""`` -> None (off).
     ``"draft:PATH,k=4"``: the model at PATH drafts (no ``n``).
-    ``"...,adaptive=1,fixed_ms=F,row_ms=R"`` sets k per iteration.
+    ``"...,adaptive=1,fixed_ms=F,row_ms=R"`` sets k per iteration
+    (``,per_row=1``: per decode row).
 
     Raises:
       ValueError: naming ``field`` and the rule broken (unknown method or
@@ -93,9 +98,9 @@ class Speculation:
     values = {}
     for item in filter(None, opts.split(",")):
       key, eq, value = item.partition("=")
-      if key not in ("k", "n", "adaptive", "fixed_ms", "row_ms") or not eq:
-        raise ValueError(f"{field} options are k=K, n=N, adaptive=0|1, fixed_ms=F and "
-                         f"row_ms=F (not {item!r}), got {text!r}")
+      if key not in ("k", "n", "adaptive", "fixed_ms", "row_ms", "per_row") or not eq:
+        raise ValueError(f"{field} options are k=K, n=N, adaptive=0|1, fixed_ms=F, "
+                         f"row_ms=F and per_row=0|1 (not {item!r}), got {text!r}")
       if key == "n" and method == "draft":
         raise ValueError(f"{field} n applies to ngram only (a draft model proposes "
                          f"without n-grams), got {text!r}")
@@ -110,9 +115,9 @@ class Speculation:
           raise ValueError(f"{field} n must be an int in [1, {MAX_NGRAM}] (the proposer "
                            f"compares every n-gram length up to n), got {text!r}")
         values[key] = int(value)
-      elif key == "adaptive":
+      elif key in ("adaptive", "per_row"):
         if value not in ("0", "1"):
-          raise ValueError(f"{field} adaptive must be 0 or 1, got {text!r}")
+          raise ValueError(f"{field} {key} must be 0 or 1, got {text!r}")
         values[key] = int(value)
       else:
         try:
@@ -130,8 +135,9 @@ class Speculation:
     if spec.adaptive and not timed:
       raise ValueError(f"{field} adaptive=1 needs fixed_ms=F and row_ms=F (the step time "
                        f"fixed_ms + row_ms * rows it maximizes goodput over), got {text!r}")
-    if not spec.adaptive and ("fixed_ms" in values or "row_ms" in values):
-      raise ValueError(f"{field} fixed_ms and row_ms apply only with adaptive=1, "
+    if not spec.adaptive and ("fixed_ms" in values or "row_ms" in values
+                              or "per_row" in values):
+      raise ValueError(f"{field} fixed_ms, row_ms and per_row apply only with adaptive=1, "
                        f"got {text!r}")
     return spec
 
@@ -140,6 +146,7 @@ class Speculation:
             else f"{self.method}:k={self.k},n={self.n}")
     if self.adaptive:
       text += f",adaptive=1,fixed_ms={self.fixed_ms:g},row_ms={self.row_ms:g}"
+      text += ",per_row=1" if self.per_row else ""
     return text
 
 

@@ -14,7 +14,8 @@ from scheduler import conformance
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import make_policy
-from scheduler.policy_speculative import AdaptiveDraft, FixedDraft, grant_drafts
+from scheduler.policy_speculative import (AdaptiveDraft, FixedDraft, expected_goodput,
+                                          grant_drafts, per_row_drafts)
 from scheduler.registry import POLICIES
 
 KIT = conformance.PROFILES["fast"]
@@ -44,6 +45,15 @@ def test_every_registered_policy_conforms_while_speculating_adaptively(name):
                          step_ms_per_row=0.1)
   report = conformance.check_policy(policy)
   assert report.policy_id == f"{name}+adaptive_3"
+  assert "plans_validate" in report.rules
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_policies_conform_with_a_k_per_row(name):
+  policy = AdaptiveDraft(make_policy(name, KIT.budgets), 3, step_ms_fixed=20.0,
+                         step_ms_per_row=0.1, per_row=True)
+  report = conformance.check_policy(policy)
+  assert report.policy_id == f"{name}+adaptive_3_per_row"
   assert "plans_validate" in report.rules
 
 
@@ -230,7 +240,6 @@ def test_adaptive_draft_picks_the_k_of_the_highest_expected_goodput(
 
 def test_expected_goodput_equals_the_closed_form():
   """sum_{j<=k} alpha^j = (1 - alpha^(k+1)) / (1 - alpha), over rows."""
-  from scheduler.policy_speculative import expected_goodput
   alpha = jnp.array([0.3, 0.9, 0.6])
   for k in range(5):
     got = float(expected_goodput(alpha, jnp.array([9, 9, 9]), jnp.ones(3, bool),
@@ -249,3 +258,71 @@ def test_adaptive_draft_refuses_bad_fields_naming_them(field, kwargs, rule):
               step_ms_per_row=0.1)
   with pytest.raises(ValueError, match=rf"AdaptiveDraft\.{field} must be {re.escape(rule)}"):
     AdaptiveDraft(**{**args, **kwargs})
+
+
+def _per_slot_learned(state, drafts, accepted):
+  """``state`` whose slots' own drafts were ``accepted`` successes of
+  ``drafts`` (lists over the four slots), the client having seen none."""
+  drafts, accepted = jnp.array(drafts, jnp.int32), jnp.array(accepted, jnp.int32)
+  return state.replace(draft_tokens=drafts, accepted_tokens=accepted,
+                       draft_rejections=drafts - accepted)
+
+
+def test_per_row_drafts_go_to_the_rows_that_accept():
+  """Slots' own rates ~0.99, ~0.01, ~0.99 (cap: 1 draft) and ~0.5;
+  fixed 10 ms, 1 ms a row. The gains sorted: 0.99, 0.99 (slot 0 j=1, slot
+  2 j=1; rank breaks the tie), 0.98, 0.97, 0.96, 0.5 (slot 3 j=1), 0.25,
+  ... Goodput with the first n: 4 / 14 = 0.2857; +0.99 -> 4.99 / 15 =
+  0.333; +0.99 -> 5.98 / 16 = 0.374; +0.98 -> 6.96 / 17 = 0.409; +0.97 ->
+  7.93 / 18 = 0.441; +0.96 -> 8.89 / 19 = 0.468 (slot 0 at k_max 4); +0.5
+  -> 9.39 / 20 = 0.470; +0.25 -> 9.64 / 21 = 0.459. So slot 0 takes 4,
+  slot 2 its one, slot 3 one, slot 1 none."""
+  manifest, state = _decode_state()
+  n = 10**6
+  state = _per_slot_learned(state, [n, n, n, n], [n - n // 100, n // 100, n - n // 100, n // 2])
+  policy = AdaptiveDraft(_HandPlan(), 4, 10.0, 1.0, per_row=True)
+  plan = _plan(manifest, state, 64)
+  np.testing.assert_array_equal(policy.choose_per_row(plan, manifest, state), [4, 0, 1, 1])
+  view = rec.AllocatorView(free_pages=jnp.int32(64), pages_held=jnp.array([2, 2, 2, 2]),
+                           page_size=4)
+  planned = policy(manifest, state, view)
+  np.testing.assert_array_equal(planned.num_draft, [4, 0, 1, 1])
+  assert planned.policy_id == "hand+adaptive_4_per_row"
+  violations = validate.plan_violations(manifest, state, planned, view)
+  for rule in ("draft", "multi_row_decode", "token_budget", "ledger_drift"):
+    assert not violations[rule].any(), rule
+
+
+def test_a_new_request_starts_at_its_clients_rate():
+  """With no drafts of its own, a request's estimate is its client's."""
+  from scheduler.policy_speculative import client_acceptance, request_acceptance
+  manifest, state = _decode_state()
+  state = _learned(state, 1000, 900)
+  state = _per_slot_learned(state, [0, 0, 0, 0], [0, 0, 0, 0])
+  np.testing.assert_allclose(request_acceptance(manifest, state, 0.5, 16.0),
+                             client_acceptance(manifest, state, 0.5, 16.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_per_row_drafts_are_at_least_as_good_as_any_one_k(seed):
+  """The per-row optimum over random rates, caps and step costs is never
+  below the best uniform k's expected goodput (a uniform k is one of the
+  sets it chooses among), and never gives a row more than its cap."""
+  rng = np.random.default_rng(seed)
+  num_slots, k_max = 6, 4
+  alpha = jnp.asarray(rng.uniform(0.0, 0.99, num_slots), jnp.float32)
+  room = jnp.asarray(rng.integers(0, 7, num_slots), jnp.int32)
+  decode = jnp.asarray(rng.random(num_slots) < 0.8)
+  fixed_ms, row_ms = float(rng.uniform(0.5, 50)), float(rng.uniform(0.01, 5))
+  emits, rows = jnp.float32(rng.integers(0, 3)), jnp.float32(rng.integers(0, 20) + decode.sum())
+  k = per_row_drafts(alpha, room, decode, jnp.arange(num_slots), emits, rows, k_max,
+                     fixed_ms, row_ms)
+  assert np.all(np.asarray(k) <= np.minimum(np.asarray(room), k_max))
+  assert np.all(np.asarray(k)[~np.asarray(decode)] == 0)
+  powers = np.asarray(alpha)[:, None] ** np.arange(1, k_max + 1)[None, :]
+  tokens = float(emits) + float(decode.sum()) + sum(
+      powers[i, :int(k[i])].sum() for i in range(num_slots))
+  got = tokens / (fixed_ms + row_ms * (float(rows) + int(np.sum(k))))
+  best_uniform = max(float(expected_goodput(alpha, room, decode, emits, rows, u, fixed_ms,
+                                            row_ms)) for u in range(k_max + 1))
+  assert got >= best_uniform * (1 - 1e-5)
