@@ -224,7 +224,7 @@ def find_calibration(directory, fingerprint: dict, dtype: str,
 
 # ModelCosts fields a calibration's stored models may lack (written before
 # them) or that do not change what a calibration predicts.
-_NOT_KEYED = ("weight_bytes", "tp", "row_bytes_per_row", "all_reduce_bytes_per_row")
+_NOT_KEYED = ("weight_bytes", "tp", "row_bytes_per_row", "all_reduce_bytes_per_row", "draft")
 
 
 def _costs_key(costs: dict) -> dict:
@@ -266,7 +266,9 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     fingerprint: this device's (default ``device_fingerprint()``).
     say: where the one-line notes go.
   Returns:
-    ``model``, a profile charged for ``costs``' model (``for_model``).
+    ``model``, a profile charged for ``costs``' model (``for_model``);
+    with a draft model (``costs.draft``), its ``draft`` the same model
+    charged for the draft's (the same checks hold for it).
   Raises:
     ValueError: a one-model calibration for another model, naming both.
   """
@@ -282,19 +284,11 @@ def resolve(model: CostModel, costs: ModelCosts, *,
       say(f"cost model: {path.name}, the shipped calibration for this machine "
           f"({_kind_words(machine_kind(fp))})")
       fingerprint = fp
-  seen = [_costs_key(m) for m in model.models]
-  here = _costs_key(costs.to_json())
   where = model.meta.get("path") or model.meta.get("profile") or "the cost model"
-  if len(seen) == 1 and seen[0] != here:
-    raise ValueError(
-        f"cost model {where} was fitted on one model only ({model.meta.get('model', '?')}: "
-        f"its weight reads are folded into the per-step term) and cannot predict this model "
-        f"(gemm_flops_per_row {here['gemm_flops_per_row']} vs "
-        f"{seen[0].get('gemm_flops_per_row')}); calibrate on this model, or on two models "
-        f"(scripts/calibrate.py --second_model)")
-  if len(seen) > 1 and here not in seen:
-    say(f"cost model: {where} was fitted on {len(seen)} other models; predicting this one "
-        f"from its cost features")
+  _check_predicts(model, costs, where, "this model", say)
+  if costs.draft is not None:
+    _check_predicts(model, costs.draft, where, "the draft model (EngineConfig.speculative)",
+                    say)
   if model.meta.get("provisional"):
     say(f"cost model: {where} is provisional: {model.meta['provisional']}")
   if model.meta.get("uncalibrated"):
@@ -311,4 +305,25 @@ def resolve(model: CostModel, costs: ModelCosts, *,
       how = device_difference(made, fp) or "another fingerprint"
       say(f"cost model: {where} was calibrated on another device than this one: {how} "
           f"(id {made.get('id')} vs {fp['id']}): its times may not hold here")
-  return for_model(model, costs)
+  charged = for_model(model, costs)
+  if costs.draft is not None:
+    charged = dataclasses.replace(charged, draft=for_model(model, costs.draft))
+  return charged
+
+
+def _check_predicts(model: CostModel, costs: ModelCosts, where: str, what: str,
+                    say: Callable[[str], None]) -> None:
+  """``resolve``'s rule for one model (``what``): a calibration fitted on
+  one other model refuses it; one fitted on others predicts it, said."""
+  seen = [_costs_key(m) for m in model.models]
+  here = _costs_key(costs.to_json())
+  if len(seen) == 1 and seen[0] != here:
+    raise ValueError(
+        f"cost model {where} was fitted on one model only ({model.meta.get('model', '?')}: "
+        f"its weight reads are folded into the per-step term) and cannot predict {what} "
+        f"(gemm_flops_per_row {here['gemm_flops_per_row']} vs "
+        f"{seen[0].get('gemm_flops_per_row')}); calibrate on this model, or on two models "
+        f"(scripts/calibrate.py --second_model)")
+  if len(seen) > 1 and here not in seen:
+    say(f"cost model: {where} was fitted on {len(seen)} other models; predicting "
+        f"{'this one' if what == 'this model' else what} from its cost features")

@@ -66,6 +66,15 @@ fits per operator; the roofline bound is Williams et al. (CACM 2009).
 ``model_costs(cfg)`` derives a model's cost features from its
 ``ModelConfig`` alone (FLOPs per row, weight and KV bytes, attention FLOPs
 per query-key pair).
+
+Speculation with a draft model (``speculative="draft:MODEL,..."``, the
+simulated executor): a step also runs the draft's forward over the same
+packed rows and one single-row forward per draft a decode row carries.
+``engine_model_costs`` adds the draft's ``ModelCosts`` (``draft_config``
+reads its config, no weights, and refuses another vocabulary),
+``plan_stats`` counts the passes, ``step_features`` gives one row of
+``FEATURES`` per forward and ``CostModel.predict_ms`` prices the draft's
+with the same terms charged for the draft's shape (``CostModel.draft``).
 """
 
 from __future__ import annotations
@@ -144,6 +153,10 @@ class ModelCosts:
     all_reduce_bytes_per_row: bytes one row adds to each of a block's
       ``profiles.ALL_REDUCES_PER_BLOCK`` all-reduces under TP (``d_model`` in the
       activation dtype).
+    draft: the draft model's ``ModelCosts`` (in the same dtypes and TP
+      degree) when a draft model speculates in the simulator
+      (``engine_model_costs``); None else. ``step_features`` then adds the
+      draft's passes (see "A draft model's passes" there).
   """
 
   gemm_flops_per_row: int
@@ -159,6 +172,7 @@ class ModelCosts:
   tp: int = 1
   row_bytes_per_row: int = 0
   all_reduce_bytes_per_row: int = 0
+  draft: Optional["ModelCosts"] = None
 
   def attention_flops(self, num_keys: int) -> int:
     """FLOPs of one query row that attends ``num_keys`` cached keys (its own
@@ -167,7 +181,12 @@ class ModelCosts:
     return sum(per_block * (min(num_keys, w) if w else num_keys) for w in self.windows)
 
   def to_json(self) -> dict:
-    return {**dataclasses.asdict(self), "windows": list(self.windows)}
+    """The fields as JSON; ``draft`` only when set (its own ``to_json``)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "draft"}
+    out["windows"] = list(self.windows)
+    if self.draft is not None:
+      out["draft"] = self.draft.to_json()
+    return out
 
 
 def activation_dtype(weight_dtype: str) -> str:
@@ -233,14 +252,53 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
       all_reduce_bytes_per_row=d * ab)
 
 
+def draft_config(target: ModelConfig, model: str,
+                 field: str = "EngineConfig.speculative") -> ModelConfig:
+  """The ``ModelConfig`` of a draft model (``Speculation.draft``: a preset,
+  an HF directory or a GGUF file; ``models.loaders.load_config``, no
+  weights read), checked against the ``target`` it drafts for.
+
+  Raises:
+    ValueError: naming ``field``: the model cannot be read; its vocabulary
+      is not the target's (a draft proposes the target's token ids); or it
+      has an attention window the target lacks (its attention is charged
+      from the target's plan statistics, one column per window kind).
+  """
+  from models import loaders     # pylint: disable=import-outside-toplevel
+  try:
+    cfg, _ = loaders.load_config(model)
+  except (OSError, ValueError) as e:     # ModelLoadError is a ValueError
+    raise ValueError(f"{field} draft model {model!r} cannot be read: {e}") from e
+  if cfg.vocab_size != target.vocab_size:
+    raise ValueError(f"{field} draft model {model!r} has a vocabulary of {cfg.vocab_size} "
+                     f"tokens, the target {target.name!r} {target.vocab_size}: a draft "
+                     f"proposes the target's token ids, the vocabularies must be equal")
+  extra = sorted(set(cfg.window_kinds) - set(target.window_kinds))
+  if extra:
+    raise ValueError(f"{field} draft model {model!r} has attention window(s) {extra} the "
+                     f"target {target.name!r} lacks ({list(target.window_kinds)}): the "
+                     f"simulator charges a draft's attention by the target's window kinds")
+  return cfg
+
+
 def engine_model_costs(cfg: ModelConfig, engine_config) -> ModelCosts:
   """``model_costs`` of ``cfg`` in an ``EngineConfig``'s weight and KV dtypes
   (int8 weights when ``engine_config.weights`` is "int8", else its
   ``dtype``; the cache in ``kv_cache_dtype``) and its mesh's model axis
-  (the TP degree)."""
+  (the TP degree). With the simulated executor and a draft model
+  (``speculative="draft:MODEL,..."``), ``draft`` holds that model's costs
+  in the same dtypes and TP degree (``draft_config``; raises its
+  ValueError)."""
   weights = "int8" if engine_config.weights == "int8" else engine_config.dtype
   tp = parse_mesh(getattr(engine_config, "mesh", "") or "")["model"]
-  return model_costs(cfg, weights, engine_config.kv_cache_dtype, tp=tp)
+  costs = model_costs(cfg, weights, engine_config.kv_cache_dtype, tp=tp)
+  spec = getattr(engine_config, "speculation", None)
+  if (spec is not None and spec.method == "draft"
+      and getattr(engine_config, "executor", "") == "simulated"):
+    draft = draft_config(cfg, spec.draft)
+    costs = dataclasses.replace(
+        costs, draft=model_costs(draft, weights, engine_config.kv_cache_dtype, tp=tp))
+  return costs
 
 
 def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
@@ -255,14 +313,25 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
       splits rows into the prompt and generated GEMM classes; None: every
       non-decode row counts as a prompt row.
   Returns:
-    f32[4 + 2 * len(windows)]: prefill rows (prompt and rebuild rows),
+    f32[8 + 3 * len(windows)]: prefill rows (prompt and rebuild rows),
     decode rows (a decode row and its drafts: ``IterationPlan.num_draft``),
     rows that sample (one per scheduled sequence, and each draft row of a
     verified decode row), rows at prompt positions (below the
     request's prompt length); then per window w the query-key pairs
     one block of that window computes (a row at position j sees
     ``min(j + 1, w)`` keys, all ``j + 1`` for w = 0); then per window the
-    cached keys one block reads (``min(end, w)`` per sequence).
+    cached keys one block reads (``min(end, w)`` per sequence). Then what
+    a draft model's single-row passes run (``DRAFT_STATS``; a decode row
+    at ``start`` with d drafts runs d passes, pass j's row at position
+    ``start + 1 + j``, the draft it writes): the decode rows that carry
+    drafts, the draft tokens (one row each), the passes (the most drafts
+    on a row), the GEMM passes past the first of each pass (its rows in
+    tiles of ``ROW_TILE``: ``sum_j max(ceil(rows_j / ROW_TILE) - 1, 0)``);
+    then per window the keys the passes' rows see, which is both their
+    query-key pairs and their keys read, per block
+    (``sum over k in [start + 2, start + 1 + d] of min(k, w)``). The first
+    ``4 + 2 * len(windows)`` values are the statistics of a plan before
+    draft models (a step log's ``plan_stats`` may hold only those).
   """
   sel = plan.selected
   start = plan.start.astype(jnp.float32)
@@ -282,17 +351,36 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
   out = [prefill, decode_rows, jnp.sum(sel).astype(jnp.float32) + drafts, prompt_rows]
   pairs, keys = [], []
   for w in windows:
-    if w == 0:
-      pair = rows * (start + end + 1.0) / 2.0
-      key = end
-    else:       # sum over k in [start + 1, end] of min(k, w)
-      lo, top = start + 1.0, jnp.minimum(end, float(w))
-      ramp = jnp.where(top >= lo, (lo + top) * (top - lo + 1.0) / 2.0, 0.0)
-      flat = jnp.maximum(end - jnp.maximum(start, float(w)), 0.0) * float(w)
-      pair, key = ramp + flat, jnp.minimum(end, float(w))
-    pairs.append(jnp.sum(jnp.where(sel, pair, 0.0)))
-    keys.append(jnp.sum(jnp.where(sel, key, 0.0)))
-  return jnp.stack(out + pairs + keys)
+    pairs.append(jnp.sum(jnp.where(sel, _keys_seen(start, end, w), 0.0)))
+    keys.append(jnp.sum(jnp.where(sel, end if w == 0 else jnp.minimum(end, float(w)), 0.0)))
+  # A draft model's single-row passes: pass j runs the rows with more than
+  # j drafts, so with the drafts sorted descending, rows_j > c * ROW_TILE
+  # iff the (c * ROW_TILE)-th most drafts exceeds j, and the sum over j of
+  # ceil(rows_j / ROW_TILE) is the sum over c of that count.
+  num_draft = jnp.where(decode, rec.num_draft(plan), 0)
+  most = jnp.sort(num_draft)[::-1].astype(jnp.float32)
+  carrying = decode & (num_draft > 0)
+  tail = [jnp.sum(carrying).astype(jnp.float32), jnp.sum(num_draft).astype(jnp.float32),
+          most[0], jnp.sum(most[ROW_TILE::ROW_TILE])]
+  for w in windows:
+    tail.append(jnp.sum(jnp.where(carrying, _keys_seen(start + 1.0, end, w), 0.0)))
+  return jnp.stack(out + pairs + keys + tail)
+
+
+# The draft-pass statistics ``plan_stats`` appends (then one per window).
+DRAFT_STATS = ("draft_rows", "draft_tokens", "draft_passes", "draft_extra_gemm_passes")
+
+
+def _keys_seen(start, end, w: int):
+  """f32[R]: the query-key pairs of rows at positions ``[start, end)`` in one
+  block of window ``w`` (0: global): the sum over k in [start + 1, end] of
+  ``min(k, w)``."""
+  if w == 0:
+    return (end - start) * (start + end + 1.0) / 2.0
+  lo, top = start + 1.0, jnp.minimum(end, float(w))
+  ramp = jnp.where(top >= lo, (lo + top) * (top - lo + 1.0) / 2.0, 0.0)
+  flat = jnp.maximum(end - jnp.maximum(start, float(w)), 0.0) * float(w)
+  return ramp + flat
 
 
 def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
@@ -301,8 +389,22 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
   (float64 in a ``jax.enable_x64`` scope, where the simulated loop charges
   its steps on the device by this same definition).
 
+  A draft model's passes: with ``costs.draft`` set, f64[3, len(FEATURES)],
+  one row per pass the step runs, each priced by its own model
+  (``CostModel.predict_ms``): the target's step as above; the draft's
+  forward over the same packed rows (the same statistics and bucket with
+  the draft's costs, so its KV cache keeps step with the target's); and
+  the draft's single-row passes together (``plan_stats``' draft tail: a
+  decode row carrying d drafts runs d one-row forwards, the first d - 1
+  sampling the next draft, the last writing the last draft's KV): a
+  ``step`` and one weight read per pass, the draft tokens as rows and
+  GEMM rows (the live rows: a pass runs no padded bucket), the GEMM
+  passes past the first of each pass, and their keys.
+
   Args:
-    stats: ``plan_stats`` of the step's plan (for ``costs``' windows).
+    stats: ``plan_stats`` of the step's plan (for ``costs``' windows; its
+      first ``4 + 2 * len(window kinds)`` values alone are a step without
+      the draft tail, as a step log written before it holds).
     bucket: the token-row bucket the step needs (its GEMMs run every row).
     costs: the model's ``ModelCosts`` (in the engine's dtypes).
     xp: ``numpy`` (host) or ``jax.numpy`` (device).
@@ -313,21 +415,50 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
   dtype = xp.result_type(float)
   stats = xp.asarray(stats, dtype)
   bucket = xp.asarray(bucket, dtype)
-  if stats.shape != (4 + 2 * len(kinds),):
+  head = 4 + 2 * len(kinds)
+  if stats.shape not in ((head,), (head + len(DRAFT_STATS) + len(kinds),)):
     raise ValueError(f"step_features: stats of shape {stats.shape} do not match the model's "
                      f"{len(kinds)} window kind(s) {kinds}")
-  prefill, decode, seqs, prompt = stats[:4]
-  pairs, keys = stats[4:4 + len(kinds)], stats[4 + len(kinds):]
+  target = _pass_features(stats[:4], stats[4:4 + len(kinds)], stats[4 + len(kinds):head],
+                          kinds, bucket, costs, xp)
+  if costs.draft is None:
+    return target
+  draft = costs.draft
+  mine = tuple(sorted(set(draft.windows)))
+  if not set(mine) <= set(kinds):
+    raise ValueError(f"step_features: the draft model's window kinds {mine} are not among "
+                     f"the target's {kinds}")
+  at = [kinds.index(k) for k in mine]
+  rows_pass = _pass_features(stats[:4], stats[4:4 + len(kinds)][at],
+                             stats[4 + len(kinds):head][at], mine, bucket, draft, xp)
+  if stats.shape[0] == head:
+    tail = xp.zeros((len(DRAFT_STATS) + len(kinds),), dtype)
+  else:
+    tail = stats[head:]
+  return xp.stack([target, rows_pass, _draft_passes_features(tail, kinds, mine, draft, xp)])
+
+
+def _per_block(costs: ModelCosts, kinds: tuple, xp, dtype):
+  """(FLOPs per pair, bytes per key) of the blocks of each window kind."""
+  blocks = np.array([sum(1 for w in costs.windows if w == k) for k in kinds], np.float64)
+  layers = len(costs.windows)
+  return (xp.asarray(blocks * (costs.attention_flops_per_pair / layers), dtype),
+          xp.asarray(blocks * (costs.kv_bytes_per_token / layers), dtype))
+
+
+def _pass_features(rows, pairs, keys, kinds: tuple, bucket, costs: ModelCosts, xp):
+  """One forward's ``FEATURES`` from its plan statistics: ``rows`` (prefill,
+  decode, sampling and prompt rows), ``pairs`` and ``keys`` per window kind
+  ``kinds`` of ``costs``' model."""
+  dtype = xp.result_type(float)
+  prefill, decode, seqs, prompt = rows
   generated = prefill + decode - prompt        # decode rows, recomputed outputs
   if costs.weight_dtype == "int8":      # one GEMM over every row (rowwise(exact=True))
     prompt_rows, passes = bucket, 1.0
   else:
     prompt_rows = xp.where(prompt > 0, xp.maximum(bucket, LARGE_GEMM_ROWS), 0.0)
     passes = (prompt > 0) + xp.ceil(generated / ROW_TILE)
-  blocks = np.array([sum(1 for w in costs.windows if w == k) for k in kinds], np.float64)
-  layers = len(costs.windows)
-  pair_flops = xp.asarray(blocks * (costs.attention_flops_per_pair / layers), dtype)
-  key_bytes = xp.asarray(blocks * (costs.kv_bytes_per_token / layers), dtype)
+  pair_flops, key_bytes = _per_block(costs, kinds, xp, dtype)
   return xp.stack([xp.asarray(v, dtype) for v in (
       1.0,
       prefill + decode,
@@ -338,6 +469,34 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
       costs.weight_bytes_per_step / 1e9,
       prompt_rows * costs.gemm_flops_per_row / 1e9,
       xp.maximum(passes - 1.0, 0.0) * costs.weight_bytes_per_step / 1e9,
+  )])
+
+
+def _draft_passes_features(tail, kinds: tuple, mine: tuple, draft: ModelCosts, xp):
+  """The ``FEATURES`` of a draft model's single-row passes, summed over the
+  passes, from ``plan_stats``' draft tail (``DRAFT_STATS``, then the keys
+  per target window kind ``kinds``; the draft's are ``mine``). Pass j
+  runs ``rows_j`` rows, all generated rows: its features are
+  ``_pass_features`` of ``rows_j`` decode rows in a bucket of ``rows_j``,
+  ``rows_j`` less those writing their last draft sampling; summed over the
+  passes each term is linear in ``rows_j`` but the ``step`` and the weight
+  reads (one per pass) and the extra GEMM passes, which the tail counts."""
+  dtype = xp.result_type(float)
+  carrying, tokens, passes, extra = tail[:len(DRAFT_STATS)]
+  keys = tail[len(DRAFT_STATS):][[kinds.index(k) for k in mine]]
+  pair_flops, key_bytes = _per_block(draft, mine, xp, dtype)
+  gemm = tokens * draft.gemm_flops_per_row / 1e9
+  int8 = draft.weight_dtype == "int8"     # one GEMM over every row, one pass
+  return xp.stack([xp.asarray(v, dtype) for v in (
+      passes,
+      tokens,
+      gemm,
+      (tokens - carrying) * draft.lm_head_flops_per_row / 1e9,
+      (keys @ pair_flops) / 1e9,
+      (keys @ key_bytes) / 1e9,
+      passes * draft.weight_bytes_per_step / 1e9,
+      gemm if int8 else 0.0,
+      0.0 if int8 else extra * draft.weight_bytes_per_step / 1e9,
   )])
 
 
@@ -372,10 +531,15 @@ class CostModel:
       ``device`` (``calibrations.device_fingerprint``), dtype, engine preset, load
       average, grid, residuals, ``uncalibrated`` for a profile; carried
       into reports.
+    draft: None, or the cost model of a draft model's passes
+      (``calibrations.resolve`` sets it, this model charged for the draft
+      model's costs): ``predict_ms`` of a step's three passes
+      (``step_features`` with a draft) prices the first with this model,
+      the draft's two with it.
   Raises:
     ValueError: a coefficient count other than ``len(FEATURES)``, a
-      negative coefficient, an unknown ``combine``, ``min_step_ms < 0`` or
-      ``roofline_p < 1``.
+      negative coefficient, an unknown ``combine``, ``min_step_ms < 0``,
+      ``roofline_p < 1`` or a ``draft`` that is not a ``CostModel``.
   """
 
   coef_ms: tuple
@@ -385,6 +549,7 @@ class CostModel:
   roofline_p: float = math.inf
   tile: tuple = ()
   row_gemm_gflop: float = 0.0
+  draft: Optional["CostModel"] = None
 
   def __post_init__(self):
     if len(self.coef_ms) != len(FEATURES):
@@ -404,6 +569,8 @@ class CostModel:
     if not self.row_gemm_gflop >= 0:
       raise ValueError(f"CostModel.row_gemm_gflop must be >= 0 (0: the bucket's rows), "
                        f"got {self.row_gemm_gflop}")
+    if self.draft is not None and not isinstance(self.draft, CostModel):
+      raise ValueError(f"CostModel.draft must be None or a CostModel, got {self.draft!r}")
     object.__setattr__(self, "row_gemm_gflop", float(self.row_gemm_gflop))
     object.__setattr__(self, "tile", tuple(float(t) for t in self.tile))
     object.__setattr__(self, "coef_ms", tuple(float(c) for c in self.coef_ms))
@@ -437,7 +604,32 @@ class CostModel:
     """Modelled step time (ms) of one step's ``FEATURES`` values: a float
     on the host; with ``xp`` ``jax.numpy``, a traced scalar (the simulated
     loop's step time on the device, float64 in its ``jax.enable_x64``
-    scope, by the same definition)."""
+    scope, by the same definition).
+
+    With a draft model, ``features`` is f64[3, len(FEATURES)]
+    (``step_features``): the target's forward priced by this model, the
+    draft's forward over the packed rows and its single-row passes by
+    ``draft``, each combined on its own ("roofline": each pass bound by
+    its own compute or memory) and added; ``min_step_ms`` floors the sum.
+
+    Raises:
+      ValueError: a profile not charged for its model (``resolve``), or
+        the passes of a draft model without ``draft``.
+    """
+    ndim = features.ndim if hasattr(features, "ndim") else np.ndim(features)
+    if ndim == 2:
+      if self.draft is None:
+        raise ValueError("cost model: features of a draft model's passes need "
+                         "CostModel.draft (calibrations.resolve with the draft's ModelCosts)")
+      total = (self._unfloored_ms(features[0], xp) + self.draft._unfloored_ms(features[1], xp)
+               + self.draft._unfloored_ms(features[2], xp))
+    else:
+      total = self._unfloored_ms(features, xp)
+    total = xp.maximum(self.min_step_ms, total)
+    return float(total) if xp is np else total
+
+  def _unfloored_ms(self, features, xp):
+    """``predict_ms`` of one forward's ``FEATURES`` before the floor."""
     if self.meta.get("per_model") and not self.meta.get("for_model"):
       raise ValueError(f"cost model {self.meta.get('profile', '')!r} has per-model terms "
                        f"(fitted operator and collective costs): resolve(model, costs) "
@@ -453,8 +645,7 @@ class CostModel:
         p = self.roofline_p
         bound = (compute ** p + memory ** p) ** (1.0 / p)
       total = t["step"] + t["rows"] + bound
-    total = xp.maximum(self.min_step_ms, total)
-    return float(total) if xp is np else total
+    return total
 
   def efficiencies(self) -> Dict[str, float]:
     """Throughput each GFLOP / GB term stands for (GFLOP/s or GB/s:
@@ -476,6 +667,8 @@ class CostModel:
       out["tile"] = dict(zip(FEATURES, self.tile))
     if self.row_gemm_gflop > 0:
       out["row_gemm_gflop"] = self.row_gemm_gflop
+    if self.draft is not None:
+      out["draft"] = self.draft.to_json()
     return out
 
   def save(self, path) -> None:
@@ -502,7 +695,8 @@ def from_json(d: dict, where: str) -> CostModel:
                    float(d.get("min_step_ms", 0.0)), dict(d.get("meta", {})),
                    float(d.get("roofline_p", math.inf)),
                    tuple(d["tile"].get(f, 0.0) for f in FEATURES) if d.get("tile") else (),
-                   float(d.get("row_gemm_gflop", 0.0)))
+                   float(d.get("row_gemm_gflop", 0.0)),
+                   from_json(d["draft"], f"{where} (draft)") if d.get("draft") else None)
 
 
 def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float = 0.0,
