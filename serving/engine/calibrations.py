@@ -178,7 +178,8 @@ def select_calibration(fingerprint: dict, costs: Optional[ModelCosts] = None,
 
   A calibration holds when its machine kind (``machine_kind``: CPU model,
   CPU count, vector ISA) is this fingerprint's, and it can predict
-  ``costs``' model (fitted on two or more models, or on this one). One made
+  ``costs``' model (fitted on two or more models, or on this one), and
+  its draft model where ``costs.draft`` is set. One made
   on this very fingerprint (``id``) first, then one fitted on more models.
   """
   here = machine_kind(fingerprint)
@@ -189,7 +190,8 @@ def select_calibration(fingerprint: dict, costs: Optional[ModelCosts] = None,
     if kind != here:
       continue
     models = [_costs_key(m) for m in meta.get("models", [])]
-    if costs is not None and len(models) == 1 and models[0] != _costs_key(costs.to_json()):
+    predicted = [] if costs is None else [costs] + ([costs.draft] if costs.draft else [])
+    if len(models) == 1 and any(models[0] != _costs_key(c.to_json()) for c in predicted):
       one_model.append(f"{path.name} (fitted on {meta.get('model', '?')} only)")
       continue
     found.append((meta.get("device", {}).get("id") == fingerprint.get("id"),

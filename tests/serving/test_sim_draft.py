@@ -245,6 +245,25 @@ def test_a_one_model_calibration_refuses_the_draft(cost_file, draft):
                          say=lambda line: None).draft is None
 
 
+def test_the_default_calibration_is_one_that_predicts_the_draft_too():
+  """On a machine whose shipped calibration was fitted on one model (the
+  target's), a draft model of another shape makes it not hold: the default
+  calibration (fitted on two models) is kept, and it predicts both."""
+  from models.config import get_config
+  fp = {"backend": "cpu", "kind": "cpu", "count": 1, "cpu": "AMD EPYC", "cpus": 2,
+        "id": "not-shipped", "flags": ["fpu", "sse2", "avx", "fma", "avx2"]}
+  target = cost_lib.model_costs(get_config("smollm2-135m"), "float32")
+  assert cal_lib.select_calibration(fp, target)[0].name == "cost_model_cpu_avx2.json"
+  costs = dataclasses.replace(target, draft=cost_lib.model_costs(CFG, "float32"))
+  path, line = cal_lib.select_calibration(fp, costs)
+  assert path is None and "cost_model_cpu_avx2.json (fitted on smollm2-135m only)" in line
+  lines = []
+  model = cal_lib.resolve(cal_lib.load(), costs, fingerprint=fp, say=lines.append)
+  assert model.meta["path"] == "cost_model_cpu.json" and model.draft is not None
+  assert any("predicting the draft model (EngineConfig.speculative) from its cost features"
+             in line for line in lines)
+
+
 def test_a_draft_of_another_vocabulary_or_unreadable_is_refused(cost_file, tmp_path):
   other = write_draft(tmp_path / "vocab-384", 384, weights=False)
   with pytest.raises(ValueError, match=r"EngineConfig.speculative draft model .*vocab-384.* "
