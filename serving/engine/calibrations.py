@@ -226,7 +226,8 @@ def find_calibration(directory, fingerprint: dict, dtype: str,
 
 # ModelCosts fields a calibration's stored models may lack (written before
 # them) or that do not change what a calibration predicts.
-_NOT_KEYED = ("weight_bytes", "tp", "row_bytes_per_row", "all_reduce_bytes_per_row", "draft")
+_NOT_KEYED = ("weight_bytes", "tp", "row_bytes_per_row", "all_reduce_bytes_per_row", "draft",
+              "draft_passes")
 
 
 def _costs_key(costs: dict) -> dict:

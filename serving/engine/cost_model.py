@@ -69,7 +69,8 @@ per query-key pair).
 
 Speculation with a draft model (``speculative="draft:MODEL,..."``, the
 simulated executor): a step also runs the draft's forward over the same
-packed rows and one single-row forward per draft a decode row carries.
+packed rows and, where rows carry drafts, k single-row forwards over the
+decode rows that do (``executor.draft_propose``).
 ``engine_model_costs`` adds the draft's ``ModelCosts`` (``draft_config``
 reads its config, no weights, and refuses another vocabulary),
 ``plan_stats`` counts the passes, ``step_features`` gives one row of
@@ -156,7 +157,10 @@ class ModelCosts:
     draft: the draft model's ``ModelCosts`` (in the same dtypes and TP
       degree) when a draft model speculates in the simulator
       (``engine_model_costs``); None else. ``step_features`` then adds the
-      draft's passes (see "A draft model's passes" there).
+      draft's forwards (see "A draft model's forwards" there).
+    draft_passes: with ``draft``, the single-row forwards a step whose
+      rows carry drafts runs (``Speculation.k``: the executor's
+      ``draft_propose`` runs all k over every drafting sequence).
   """
 
   gemm_flops_per_row: int
@@ -173,6 +177,7 @@ class ModelCosts:
   row_bytes_per_row: int = 0
   all_reduce_bytes_per_row: int = 0
   draft: Optional["ModelCosts"] = None
+  draft_passes: int = 0
 
   def attention_flops(self, num_keys: int) -> int:
     """FLOPs of one query row that attends ``num_keys`` cached keys (its own
@@ -181,11 +186,14 @@ class ModelCosts:
     return sum(per_block * (min(num_keys, w) if w else num_keys) for w in self.windows)
 
   def to_json(self) -> dict:
-    """The fields as JSON; ``draft`` only when set (its own ``to_json``)."""
-    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "draft"}
+    """The fields as JSON; ``draft`` (its own ``to_json``) and
+    ``draft_passes`` only with a draft model."""
+    speculative = ("draft", "draft_passes")
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+           if f.name not in speculative}
     out["windows"] = list(self.windows)
     if self.draft is not None:
-      out["draft"] = self.draft.to_json()
+      out.update(draft=self.draft.to_json(), draft_passes=self.draft_passes)
     return out
 
 
@@ -286,9 +294,9 @@ def engine_model_costs(cfg: ModelConfig, engine_config) -> ModelCosts:
   (int8 weights when ``engine_config.weights`` is "int8", else its
   ``dtype``; the cache in ``kv_cache_dtype``) and its mesh's model axis
   (the TP degree). With the simulated executor and a draft model
-  (``speculative="draft:MODEL,..."``), ``draft`` holds that model's costs
+  (``speculative="draft:MODEL,k=K"``), ``draft`` holds that model's costs
   in the same dtypes and TP degree (``draft_config``; raises its
-  ValueError)."""
+  ValueError) and ``draft_passes`` K."""
   weights = "int8" if engine_config.weights == "int8" else engine_config.dtype
   tp = parse_mesh(getattr(engine_config, "mesh", "") or "")["model"]
   costs = model_costs(cfg, weights, engine_config.kv_cache_dtype, tp=tp)
@@ -297,7 +305,8 @@ def engine_model_costs(cfg: ModelConfig, engine_config) -> ModelCosts:
       and getattr(engine_config, "executor", "") == "simulated"):
     draft = draft_config(cfg, spec.draft)
     costs = dataclasses.replace(
-        costs, draft=model_costs(draft, weights, engine_config.kv_cache_dtype, tp=tp))
+        costs, draft=model_costs(draft, weights, engine_config.kv_cache_dtype, tp=tp),
+        draft_passes=spec.k)
   return costs
 
 
@@ -313,7 +322,7 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
       splits rows into the prompt and generated GEMM classes; None: every
       non-decode row counts as a prompt row.
   Returns:
-    f32[8 + 3 * len(windows)]: prefill rows (prompt and rebuild rows),
+    f32[6 + 3 * len(windows)]: prefill rows (prompt and rebuild rows),
     decode rows (a decode row and its drafts: ``IterationPlan.num_draft``),
     rows that sample (one per scheduled sequence, and each draft row of a
     verified decode row), rows at prompt positions (below the
@@ -321,14 +330,11 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
     one block of that window computes (a row at position j sees
     ``min(j + 1, w)`` keys, all ``j + 1`` for w = 0); then per window the
     cached keys one block reads (``min(end, w)`` per sequence). Then what
-    a draft model's single-row passes run (``DRAFT_STATS``; a decode row
-    at ``start`` with d drafts runs d passes, pass j's row at position
-    ``start + 1 + j``, the draft it writes): the decode rows that carry
-    drafts, the draft tokens (one row each), the passes (the most drafts
-    on a row), the GEMM passes past the first of each pass (its rows in
-    tiles of ``ROW_TILE``: ``sum_j max(ceil(rows_j / ROW_TILE) - 1, 0)``);
-    then per window the keys the passes' rows see, which is both their
-    query-key pairs and their keys read, per block
+    a draft model's single-row forwards need (``DRAFT_STATS``): the decode
+    rows that carry drafts and their draft tokens; then per window the
+    keys their drafts' rows see (a decode row at ``start`` with d drafts:
+    draft j + 1 at position ``start + 1 + j`` sees ``start + 2 + j``),
+    which is both their query-key pairs and their keys read, per block
     (``sum over k in [start + 2, start + 1 + d] of min(k, w)``). The first
     ``4 + 2 * len(windows)`` values are the statistics of a plan before
     draft models (a step log's ``plan_stats`` may hold only those).
@@ -353,22 +359,16 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
   for w in windows:
     pairs.append(jnp.sum(jnp.where(sel, _keys_seen(start, end, w), 0.0)))
     keys.append(jnp.sum(jnp.where(sel, end if w == 0 else jnp.minimum(end, float(w)), 0.0)))
-  # A draft model's single-row passes: pass j runs the rows with more than
-  # j drafts, so with the drafts sorted descending, rows_j > c * ROW_TILE
-  # iff the (c * ROW_TILE)-th most drafts exceeds j, and the sum over j of
-  # ceil(rows_j / ROW_TILE) is the sum over c of that count.
   num_draft = jnp.where(decode, rec.num_draft(plan), 0)
-  most = jnp.sort(num_draft)[::-1].astype(jnp.float32)
   carrying = decode & (num_draft > 0)
-  tail = [jnp.sum(carrying).astype(jnp.float32), jnp.sum(num_draft).astype(jnp.float32),
-          most[0], jnp.sum(most[ROW_TILE::ROW_TILE])]
+  tail = [jnp.sum(carrying).astype(jnp.float32), jnp.sum(num_draft).astype(jnp.float32)]
   for w in windows:
     tail.append(jnp.sum(jnp.where(carrying, _keys_seen(start + 1.0, end, w), 0.0)))
   return jnp.stack(out + pairs + keys + tail)
 
 
 # The draft-pass statistics ``plan_stats`` appends (then one per window).
-DRAFT_STATS = ("draft_rows", "draft_tokens", "draft_passes", "draft_extra_gemm_passes")
+DRAFT_STATS = ("draft_rows", "draft_tokens")
 
 
 def _keys_seen(start, end, w: int):
@@ -389,17 +389,21 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
   (float64 in a ``jax.enable_x64`` scope, where the simulated loop charges
   its steps on the device by this same definition).
 
-  A draft model's passes: with ``costs.draft`` set, f64[3, len(FEATURES)],
-  one row per pass the step runs, each priced by its own model
-  (``CostModel.predict_ms``): the target's step as above; the draft's
-  forward over the same packed rows (the same statistics and bucket with
-  the draft's costs, so its KV cache keeps step with the target's); and
-  the draft's single-row passes together (``plan_stats``' draft tail: a
-  decode row carrying d drafts runs d one-row forwards, the first d - 1
-  sampling the next draft, the last writing the last draft's KV): a
-  ``step`` and one weight read per pass, the draft tokens as rows and
-  GEMM rows (the live rows: a pass runs no padded bucket), the GEMM
-  passes past the first of each pass, and their keys.
+  A draft model's forwards (``executor.draft_propose``): with
+  ``costs.draft`` set, f64[3, len(FEATURES)], one row per kind of forward
+  the step runs, each priced by its own model (``CostModel.predict_ms``):
+
+  * the target's forward, as above;
+  * the draft's forward over the same packed rows (the same statistics
+    and bucket with the draft's costs: its KV cache keeps step with the
+    target's), whose LM head runs one row per scheduled sequence, and
+    only in a step whose rows carry drafts (the row giving draft 1);
+  * in such a step, the draft's ``costs.draft_passes`` (k) single-row
+    forwards together: each runs one row per decode row carrying drafts
+    (D of them, the live rows: no padded bucket), draft j + 1 of a row at
+    its position, or a one-key row past the row's own drafts, and samples
+    each row; per forward a ``step``, a weight read and the GEMM passes
+    of D rows in tiles of ``ROW_TILE``.
 
   Args:
     stats: ``plan_stats`` of the step's plan (for ``costs``' windows; its
@@ -429,13 +433,18 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
     raise ValueError(f"step_features: the draft model's window kinds {mine} are not among "
                      f"the target's {kinds}")
   at = [kinds.index(k) for k in mine]
-  rows_pass = _pass_features(stats[:4], stats[4:4 + len(kinds)][at],
-                             stats[4 + len(kinds):head][at], mine, bucket, draft, xp)
   if stats.shape[0] == head:
     tail = xp.zeros((len(DRAFT_STATS) + len(kinds),), dtype)
   else:
     tail = stats[head:]
-  return xp.stack([target, rows_pass, _draft_passes_features(tail, kinds, mine, draft, xp)])
+  carrying, tokens = tail[0], tail[1]
+  sampled = xp.where(carrying > 0, stats[2] - tokens, 0.0)    # one row per sequence
+  rows_pass = _pass_features((stats[0], stats[1], sampled, stats[3]),
+                             stats[4:4 + len(kinds)][at], stats[4 + len(kinds):head][at],
+                             mine, bucket, draft, xp)
+  passes = _draft_passes_features(carrying, tokens, tail[len(DRAFT_STATS):][at],
+                                  costs.draft_passes, draft, xp)
+  return xp.stack([target, rows_pass, passes])
 
 
 def _per_block(costs: ModelCosts, kinds: tuple, xp, dtype):
@@ -472,26 +481,26 @@ def _pass_features(rows, pairs, keys, kinds: tuple, bucket, costs: ModelCosts, x
   )])
 
 
-def _draft_passes_features(tail, kinds: tuple, mine: tuple, draft: ModelCosts, xp):
-  """The ``FEATURES`` of a draft model's single-row passes, summed over the
-  passes, from ``plan_stats``' draft tail (``DRAFT_STATS``, then the keys
-  per target window kind ``kinds``; the draft's are ``mine``). Pass j
-  runs ``rows_j`` rows, all generated rows: its features are
-  ``_pass_features`` of ``rows_j`` decode rows in a bucket of ``rows_j``,
-  ``rows_j`` less those writing their last draft sampling; summed over the
-  passes each term is linear in ``rows_j`` but the ``step`` and the weight
-  reads (one per pass) and the extra GEMM passes, which the tail counts."""
+def _draft_passes_features(carrying, tokens, keys, k: int, draft: ModelCosts, xp):
+  """The ``FEATURES`` of a draft model's k single-row forwards, summed, in a
+  step where ``carrying`` decode rows carry ``tokens`` drafts whose rows
+  see ``keys`` keys per window kind of ``draft`` (``plan_stats``' draft
+  tail); none where no row carries drafts. Each forward runs the
+  ``carrying`` rows (all generated rows, in tiles of ``ROW_TILE``); the
+  ``k * carrying - tokens`` rows past their own drafts see one key."""
   dtype = xp.result_type(float)
-  carrying, tokens, passes, extra = tail[:len(DRAFT_STATS)]
-  keys = tail[len(DRAFT_STATS):][[kinds.index(k) for k in mine]]
-  pair_flops, key_bytes = _per_block(draft, mine, xp, dtype)
-  gemm = tokens * draft.gemm_flops_per_row / 1e9
+  passes = xp.where(carrying > 0, float(k), 0.0)
+  rows = passes * carrying
+  keys = keys + (rows - tokens)
+  pair_flops, key_bytes = _per_block(draft, tuple(sorted(set(draft.windows))), xp, dtype)
+  gemm = rows * draft.gemm_flops_per_row / 1e9
+  extra = passes * xp.maximum(xp.ceil(carrying / ROW_TILE) - 1.0, 0.0)
   int8 = draft.weight_dtype == "int8"     # one GEMM over every row, one pass
   return xp.stack([xp.asarray(v, dtype) for v in (
       passes,
-      tokens,
+      rows,
       gemm,
-      (tokens - carrying) * draft.lm_head_flops_per_row / 1e9,
+      rows * draft.lm_head_flops_per_row / 1e9,
       (keys @ pair_flops) / 1e9,
       (keys @ key_bytes) / 1e9,
       passes * draft.weight_bytes_per_step / 1e9,

@@ -1,7 +1,8 @@
 """A draft model's speculation in the simulator: each step pays, beside the
-target's forward, the draft model's forward over the same packed rows and
-its single-row passes (one per draft a decode row carries), each priced by
-the cost model's terms on the draft's shape; the no-speculation and n-gram
+target's forward, the draft model's forward over the same packed rows and,
+where rows carry drafts, its k single-row forwards over those rows (as
+``executor.draft_propose`` runs them), each priced by the cost model's
+terms on the draft's shape; the no-speculation and n-gram
 figures are unchanged; a draft of another vocabulary, or one that cannot be
 read, is refused naming ``EngineConfig.speculative``."""
 
@@ -92,21 +93,23 @@ def test_a_draft_step_pays_the_draft_forward_and_its_passes(cost_file, draft):
   """One request, prompt 6, 8 outputs, k = 3, alpha 1, as the n-gram case
   of test_sim_speculative. Step 1: the prompt [0, 6): the target's 6 rows
   (21 pairs, 6 keys), and the draft's forward over the same rows; no
-  drafts, no passes. Step 2: the decode row at 6 with 3 drafts [6, 10):
-  target and draft forwards over its 4 rows (34 pairs, 10 keys), then 3
-  single-row passes at positions 7, 8, 9 (8 + 9 + 10 = 27 keys seen, each
-  pair one key read). Step 3: 2 drafts [10, 13) (11 + 12 + 13 = 36
-  pairs, 13 keys), 2 passes at 11, 12 (12 + 13 = 25)."""
+  drafts, no single-row forwards. Step 2: the decode row at 6 with 3
+  drafts [6, 10): target and draft forwards over its 4 rows (34 pairs, 10
+  keys), then 3 single-row forwards at positions 7, 8, 9 (8 + 9 + 10 = 27
+  keys seen, each pair one key read). Step 3: the cap leaves 2 drafts
+  [10, 13) (11 + 12 + 13 = 36 pairs, 13 keys); still 3 forwards: at 11
+  and 12 (12 + 13 keys), and a third past the row's drafts (1 key)."""
   engine, steps = _step_times(_config(cost_file, f"draft:{draft},k=3"))
   assert engine.model_costs.draft.gemm_flops_per_row == 2 * (32 * (32 + 2 * 16) + 32 * 32
                                                              + 3 * 32 * 64)
+  assert engine.model_costs.draft_passes == 3
   want = [step_ms(6, 21, 6) + draft_ms(6, 21, 6),
           step_ms(4, 34, 10) + draft_ms(4, 34, 10) + draft_ms(3, 27, 27, passes=3),
-          step_ms(3, 36, 13) + draft_ms(3, 36, 13) + draft_ms(2, 25, 25, passes=2)]
+          step_ms(3, 36, 13) + draft_ms(3, 36, 13) + draft_ms(3, 26, 26, passes=3)]
   np.testing.assert_allclose([s[0] for s in steps], want, rtol=1e-9)
-  # The draft tail of plan_stats: rows carrying drafts, drafts, passes,
-  # GEMM passes past the first, keys seen by the passes.
-  assert [s[1][6:] for s in steps] == [[0, 0, 0, 0, 0], [1, 3, 3, 0, 27], [1, 2, 2, 0, 25]]
+  # The draft tail of plan_stats: rows carrying drafts, drafts, keys seen
+  # by the drafts' rows.
+  assert [s[1][6:] for s in steps] == [[0, 0, 0], [1, 3, 27], [1, 2, 25]]
   assert all(s[2].shape == (3, len(cost_lib.FEATURES)) for s in steps)
   assert engine.spec_counts.num_accepted_tokens == 5
 
@@ -122,31 +125,6 @@ def test_plain_and_ngram_step_costs_are_unchanged(cost_file):
                              [step_ms(6, 21, 6), step_ms(4, 34, 10), step_ms(3, 36, 13)],
                              rtol=1e-9)
   assert all(s[2].shape == (len(cost_lib.FEATURES),) for s in plain + ngram)
-
-
-def test_more_drafts_cost_more(cost_file, draft):
-  """Requests of prompt 6 run one after another at k = 3, alpha 1, their
-  caps leaving d = 1, 2, 3 drafts to the first decode row (max_tokens - 2):
-  that step's draft share (the step less the target's forward over the
-  decode row at 6 and its d drafts) is the draft's forward over those
-  1 + d rows and d single-row passes, and grows with d."""
-  engine = Engine(CFG, None, _config(cost_file, f"draft:{draft},k=3"))
-  share = []
-  for d in (1, 2, 3):
-    req = engine.add_request(f"r{d}", [20 + d] * 6, SamplingParams(max_tokens=2 + d,
-                                                                   ignore_eos=True))
-    times = []
-    while not req.finished:
-      start = engine.now_ms()
-      engine.step()
-      times.append(engine.now_ms() - start)
-    pairs = sum(range(7, 7 + d + 1))     # rows 6 .. 6 + d see 7 .. 7 + d keys
-    seen = sum(range(8, 8 + d))          # pass j's row at 7 + j sees 8 + j keys
-    share.append(times[1] - step_ms(1 + d, pairs, 7 + d))
-    np.testing.assert_allclose(share[-1], draft_ms(1 + d, pairs, 7 + d)
-                               + draft_ms(d, seen, seen, passes=d), rtol=1e-9)
-    assert len(times) == 2 and len(req.output_token_ids) == 2 + d
-  assert share[0] < share[1] < share[2]
 
 
 def _plan(intervals, num_slots=40):
@@ -168,38 +146,42 @@ def _tiny_cfg(**kw):
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
-def test_the_passes_features_by_hand(weights):
+def test_the_draft_forwards_features_by_hand(weights):
   """34 decode rows carrying drafts (one at 20 with 4, 33 at 10 with 2)
-  and a prompt chunk [0, 8): pass 0 and 1 run 34 rows (2 tiles of 32: one
-  GEMM pass more each), passes 2 and 3 one row. 4 passes, 70 draft rows,
-  70 - 34 rows sampling (a row's last pass writes KV only); the keys seen:
-  22 + 23 + 24 + 25 for the long row, 12 + 13 for each other."""
+  and a prompt chunk [0, 8), k = 4: the draft's forward over the packed
+  rows samples one row per sequence (35); 4 single-row forwards of 34
+  rows each (2 tiles of 32: one GEMM pass more each), 136 rows, all
+  sampling; the drafts' rows see 22 + 23 + 24 + 25 keys (the long row)
+  and 12 + 13 (each other), and the 136 - 70 rows past their drafts one
+  key each."""
   plan = _plan([(0, 8, "prefill", 0), (20, 25, "decode", 4)]
                + [(10, 13, "decode", 2)] * 33)
   stats = np.asarray(cost_lib.plan_stats(plan, (0,)))
   keys = 22 + 23 + 24 + 25 + 33 * (12 + 13)
-  assert stats[6:].tolist() == [34, 70, 4, 2, keys]
+  assert stats[:3].tolist() == [8, 34 + 70, 35 + 70] and stats[6:].tolist() == [34, 70, keys]
   target = cost_lib.model_costs(_tiny_cfg(), weights)
   small = cost_lib.model_costs(_tiny_cfg(n_layers=1, n_heads=2, n_kv_heads=1), weights)
-  costs = dataclasses.replace(target, draft=small)
+  costs = dataclasses.replace(target, draft=small, draft_passes=4)
   f = cost_lib.step_features(stats, 128, costs)
   assert f.shape == (3, len(cost_lib.FEATURES))
   np.testing.assert_array_equal(f[0], cost_lib.step_features(stats[:6], 128, target))
-  np.testing.assert_array_equal(f[1], cost_lib.step_features(stats[:6], 128, small))
+  one_per_sequence = stats[:6].copy()
+  one_per_sequence[2] = 35
+  np.testing.assert_array_equal(f[1], cost_lib.step_features(one_per_sequence, 128, small))
   passes = dict(zip(cost_lib.FEATURES, f[2]))
-  gemm = 70 * small.gemm_flops_per_row / 1e9
-  assert passes["step"] == 4 and passes["rows"] == 70
+  gemm = 136 * small.gemm_flops_per_row / 1e9
+  assert passes["step"] == 4 and passes["rows"] == 136
   assert passes["gemm_gflop"] == pytest.approx(gemm)
-  assert passes["lm_head_gflop"] == pytest.approx(36 * 2 * 32 * 100 / 1e9)
-  assert passes["attention_gflop"] == pytest.approx(keys * 4 * 2 * 16 / 1e9)
-  assert passes["kv_read_gb"] == pytest.approx(keys * small.kv_bytes_per_token / 1e9)
+  assert passes["lm_head_gflop"] == pytest.approx(136 * 2 * 32 * 100 / 1e9)
+  assert passes["attention_gflop"] == pytest.approx((keys + 66) * 4 * 2 * 16 / 1e9)
+  assert passes["kv_read_gb"] == pytest.approx((keys + 66) * small.kv_bytes_per_token / 1e9)
   assert passes["weight_read_gb"] == pytest.approx(4 * small.weight_bytes_per_step / 1e9)
-  if weights == "int8":        # one GEMM over every row of a pass
+  if weights == "int8":        # one GEMM over every row of a forward
     assert passes["prompt_gemm_gflop"] == pytest.approx(gemm)
     assert passes["extra_weight_read_gb"] == 0
   else:
     assert passes["prompt_gemm_gflop"] == 0
-    assert passes["extra_weight_read_gb"] == pytest.approx(2 * small.weight_bytes_per_step / 1e9)
+    assert passes["extra_weight_read_gb"] == pytest.approx(4 * small.weight_bytes_per_step / 1e9)
   # Every coefficient set: the step is the three forwards' sums, each
   # coefficient times its feature, the draft's two by the draft's model.
   coef = dict(zip(cost_lib.FEATURES, (5.0, 0.5, 3.0, 7.0, 11.0, 13.0, 17.0, 19.0, 23.0)))
@@ -207,10 +189,19 @@ def test_the_passes_features_by_hand(weights):
   model = cost_lib.CostModel(model.coef_ms, draft=model)
   hand = sum(c * f[p][i] for p in range(3) for i, c in enumerate(coef.values()))
   assert model.predict_ms(f) == pytest.approx(hand, rel=1e-12)
-  # Fewer drafts, a cheaper step.
+  # More drafts cost more: k = 2 forwards instead of 4; fewer drafts per
+  # row at k = 4.
+  k2 = cost_lib.step_features(stats, 128, dataclasses.replace(costs, draft_passes=2))
   fewer = _plan([(0, 8, "prefill", 0), (20, 23, "decode", 2)] + [(10, 12, "decode", 1)] * 33)
-  f_fewer = cost_lib.step_features(np.asarray(cost_lib.plan_stats(fewer, (0,))), 128, costs)
-  assert model.predict_ms(f_fewer) < model.predict_ms(f)
+  fewer = cost_lib.step_features(np.asarray(cost_lib.plan_stats(fewer, (0,))), 128, costs)
+  assert model.predict_ms(k2) < model.predict_ms(f)
+  assert model.predict_ms(fewer) < model.predict_ms(f)
+  # No row carrying drafts: the draft's forward over the rows, no sampling,
+  # no single-row forwards.
+  plain = np.asarray(cost_lib.plan_stats(_plan([(0, 8, "prefill", 0), (9, 10, "decode", 0)]),
+                                         (0,)))
+  h = cost_lib.step_features(plain, 128, costs)
+  assert h[1][cost_lib.FEATURES.index("lm_head_gflop")] == 0 and not h[2].any()
 
 
 def test_roofline_bounds_each_forward_on_its_own():
