@@ -128,6 +128,10 @@ LONG_MODULES = {
                                 "counters, the prefill/decode handoff verbs) composing the "
                                 "request table, clocks, prefix book, suspensions and "
                                 "handoffs; bounded by ENGINE_LINES instead",
+    "serving/engine/cost_model.py": "one step-time definition: the plan statistics, the "
+                                    "features of each forward (a draft model's included) and "
+                                    "their pricing, which the host and the simulated loop's "
+                                    "device program both evaluate",
     "serving/http/replicas.py": "ReplicaFront is one state machine on one event loop whose "
                                 "steps share the router's replica and placement state",
 }

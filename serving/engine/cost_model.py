@@ -262,28 +262,26 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
 
 def draft_config(target: ModelConfig, model: str,
                  field: str = "EngineConfig.speculative") -> ModelConfig:
-  """The ``ModelConfig`` of a draft model (``Speculation.draft``: a preset,
-  an HF directory or a GGUF file; ``models.loaders.load_config``, no
-  weights read), checked against the ``target`` it drafts for.
+  """The ``ModelConfig`` of a draft model (``Speculation.draft``; read and
+  checked against the ``target`` by ``speculative.draft_config`` and
+  ``check_draft``, the model executor's own rules), which the simulator
+  can price.
 
   Raises:
     ValueError: naming ``field``: the model cannot be read; its vocabulary
-      is not the target's (a draft proposes the target's token ids); or it
-      has an attention window the target lacks (its attention is charged
-      from the target's plan statistics, one column per window kind).
+      is not the target's; or it has an attention window the target lacks
+      (its attention is charged from the target's plan statistics, one
+      column per window kind).
   """
-  from models import loaders     # pylint: disable=import-outside-toplevel
+  from serving.engine import speculative   # pylint: disable=import-outside-toplevel
   try:
-    cfg, _ = loaders.load_config(model)
+    cfg = speculative.draft_config(model)
   except (OSError, ValueError) as e:     # ModelLoadError is a ValueError
-    raise ValueError(f"{field} draft model {model!r} cannot be read: {e}") from e
-  if cfg.vocab_size != target.vocab_size:
-    raise ValueError(f"{field} draft model {model!r} has a vocabulary of {cfg.vocab_size} "
-                     f"tokens, the target {target.name!r} {target.vocab_size}: a draft "
-                     f"proposes the target's token ids, the vocabularies must be equal")
+    raise ValueError(f"{field}: the draft model {model!r} cannot be read: {e}") from None
+  speculative.check_draft(target, cfg, field)
   extra = sorted(set(cfg.window_kinds) - set(target.window_kinds))
   if extra:
-    raise ValueError(f"{field} draft model {model!r} has attention window(s) {extra} the "
+    raise ValueError(f"{field}: the draft model {model!r} has attention window(s) {extra} the "
                      f"target {target.name!r} lacks ({list(target.window_kinds)}): the "
                      f"simulator charges a draft's attention by the target's window kinds")
   return cfg

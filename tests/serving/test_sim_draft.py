@@ -257,15 +257,15 @@ def test_the_default_calibration_is_one_that_predicts_the_draft_too():
 
 def test_a_draft_of_another_vocabulary_or_unreadable_is_refused(cost_file, tmp_path):
   other = write_draft(tmp_path / "vocab-384", 384, weights=False)
-  with pytest.raises(ValueError, match=r"EngineConfig.speculative draft model .*vocab-384.* "
-                                       r"has a vocabulary of 384 tokens, the target 'tiny' 512"):
+  with pytest.raises(ValueError, match=r"EngineConfig.speculative: the draft model's vocabulary "
+                                       r"\(384 tokens.*must be the target's \(512, tiny\)"):
     Engine(CFG, None, _config(cost_file, f"draft:{other},k=2"))
   missing = tmp_path / "no-such-model"
-  with pytest.raises(ValueError, match=r"EngineConfig.speculative draft model .*no-such-model.* "
-                                       r"cannot be read"):
+  with pytest.raises(ValueError, match=r"EngineConfig.speculative: the draft model "
+                                       r".*no-such-model.* cannot be read"):
     Engine(CFG, None, _config(cost_file, f"draft:{missing},k=2"))
   windowed = write_draft(tmp_path / "windowed", CFG.vocab_size, weights=False,
                          config_class="MistralConfig", sliding_window=8)
-  with pytest.raises(ValueError, match=r"EngineConfig.speculative draft model .*windowed.* "
+  with pytest.raises(ValueError, match=r"EngineConfig.speculative: the draft model .*windowed.* "
                                        r"has attention window\(s\) \[8\] the target 'tiny' lacks"):
     Engine(CFG, None, _config(cost_file, f"draft:{windowed},k=2"))
