@@ -320,7 +320,7 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
       splits rows into the prompt and generated GEMM classes; None: every
       non-decode row counts as a prompt row.
   Returns:
-    f32[6 + 3 * len(windows)]: prefill rows (prompt and rebuild rows),
+    f32[7 + 3 * len(windows)]: prefill rows (prompt and rebuild rows),
     decode rows (a decode row and its drafts: ``IterationPlan.num_draft``),
     rows that sample (one per scheduled sequence, and each draft row of a
     verified decode row), rows at prompt positions (below the
@@ -329,7 +329,8 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
     ``min(j + 1, w)`` keys, all ``j + 1`` for w = 0); then per window the
     cached keys one block reads (``min(end, w)`` per sequence). Then what
     a draft model's single-row forwards need (``DRAFT_STATS``): the decode
-    rows that carry drafts and their draft tokens; then per window the
+    rows that carry drafts, their draft tokens and the most drafts one
+    row carries (the forwards the step runs); then per window the
     keys their drafts' rows see (a decode row at ``start`` with d drafts:
     draft j + 1 at position ``start + 1 + j`` sees ``start + 2 + j``),
     which is both their query-key pairs and their keys read, per block
@@ -359,14 +360,15 @@ def plan_stats(plan: rec.IterationPlan, windows: tuple = (0,), prompt_len=None):
     keys.append(jnp.sum(jnp.where(sel, end if w == 0 else jnp.minimum(end, float(w)), 0.0)))
   num_draft = jnp.where(decode, rec.num_draft(plan), 0)
   carrying = decode & (num_draft > 0)
-  tail = [jnp.sum(carrying).astype(jnp.float32), jnp.sum(num_draft).astype(jnp.float32)]
+  tail = [jnp.sum(carrying).astype(jnp.float32), jnp.sum(num_draft).astype(jnp.float32),
+          jnp.max(num_draft).astype(jnp.float32)]
   for w in windows:
     tail.append(jnp.sum(jnp.where(carrying, _keys_seen(start + 1.0, end, w), 0.0)))
   return jnp.stack(out + pairs + keys + tail)
 
 
 # The draft-pass statistics ``plan_stats`` appends (then one per window).
-DRAFT_STATS = ("draft_rows", "draft_tokens")
+DRAFT_STATS = ("draft_rows", "draft_tokens", "draft_max")
 
 
 def _keys_seen(start, end, w: int):
@@ -396,12 +398,13 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
     and bucket with the draft's costs: its KV cache keeps step with the
     target's), whose LM head runs one row per scheduled sequence, and
     only in a step whose rows carry drafts (the row giving draft 1);
-  * in such a step, the draft's ``costs.draft_passes`` (k) single-row
-    forwards together: each runs one row per decode row carrying drafts
-    (D of them, the live rows: no padded bucket), draft j + 1 of a row at
-    its position, or a one-key row past the row's own drafts, and samples
-    each row; per forward a ``step``, a weight read and the GEMM passes
-    of D rows in tiles of ``ROW_TILE``.
+  * in such a step, the draft's single-row forwards together, as many as
+    the most drafts a row carries (m <= ``costs.draft_passes``, k): each
+    runs one row per decode row carrying drafts (D of them, the live rows:
+    no padded bucket), draft j of a row at its position, or a one-key row
+    past the row's own drafts; all but the last sample each row (the last
+    only writes K/V); per forward a ``step``, a weight read and the GEMM
+    passes of D rows in tiles of ``ROW_TILE``.
 
   Args:
     stats: ``plan_stats`` of the step's plan (for ``costs``' windows; its
@@ -435,13 +438,13 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
     tail = xp.zeros((len(DRAFT_STATS) + len(kinds),), dtype)
   else:
     tail = stats[head:]
-  carrying, tokens = tail[0], tail[1]
+  carrying, tokens, most = tail[0], tail[1], tail[2]
   sampled = xp.where(carrying > 0, stats[2] - tokens, 0.0)    # one row per sequence
   rows_pass = _pass_features((stats[0], stats[1], sampled, stats[3]),
                              stats[4:4 + len(kinds)][at], stats[4 + len(kinds):head][at],
                              mine, bucket, draft, xp)
-  passes = _draft_passes_features(carrying, tokens, tail[len(DRAFT_STATS):][at],
-                                  costs.draft_passes, draft, xp)
+  passes = _draft_passes_features(carrying, tokens, most, tail[len(DRAFT_STATS):][at],
+                                  draft, xp)
   return xp.stack([target, rows_pass, passes])
 
 
@@ -479,16 +482,18 @@ def _pass_features(rows, pairs, keys, kinds: tuple, bucket, costs: ModelCosts, x
   )])
 
 
-def _draft_passes_features(carrying, tokens, keys, k: int, draft: ModelCosts, xp):
-  """The ``FEATURES`` of a draft model's k single-row forwards, summed, in a
-  step where ``carrying`` decode rows carry ``tokens`` drafts whose rows
-  see ``keys`` keys per window kind of ``draft`` (``plan_stats``' draft
-  tail); none where no row carries drafts. Each forward runs the
-  ``carrying`` rows (all generated rows, in tiles of ``ROW_TILE``); the
-  ``k * carrying - tokens`` rows past their own drafts see one key."""
+def _draft_passes_features(carrying, tokens, most, keys, draft: ModelCosts, xp):
+  """The ``FEATURES`` of a draft model's single-row forwards, summed, in a
+  step where ``carrying`` decode rows carry ``tokens`` drafts, at most
+  ``most`` each, whose rows see ``keys`` keys per window kind of ``draft``
+  (``plan_stats``' draft tail); none where no row carries drafts. ``most``
+  forwards each run the ``carrying`` rows (all generated rows, in tiles of
+  ``ROW_TILE``); the ``most * carrying - tokens`` rows past their own
+  drafts see one key; the last forward computes no logits."""
   dtype = xp.result_type(float)
-  passes = xp.where(carrying > 0, float(k), 0.0)
+  passes = most
   rows = passes * carrying
+  sampled = xp.maximum(passes - 1.0, 0.0) * carrying
   keys = keys + (rows - tokens)
   pair_flops, key_bytes = _per_block(draft, tuple(sorted(set(draft.windows))), xp, dtype)
   gemm = rows * draft.gemm_flops_per_row / 1e9
@@ -498,7 +503,7 @@ def _draft_passes_features(carrying, tokens, keys, k: int, draft: ModelCosts, xp
       passes,
       rows,
       gemm,
-      rows * draft.lm_head_flops_per_row / 1e9,
+      sampled * draft.lm_head_flops_per_row / 1e9,
       (keys @ pair_flops) / 1e9,
       (keys @ key_bytes) / 1e9,
       passes * draft.weight_bytes_per_step / 1e9,

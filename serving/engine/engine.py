@@ -378,7 +378,7 @@ class Engine:
 
   @property
   def last_step_stats(self):
-    """(f64[4 + 2 * len(window kinds)] plan statistics, int bucket) of the
+    """(f64[7 + 3 * len(window kinds)] plan statistics, int bucket) of the
     last committed step (None before one): ``cost_model.plan_stats`` of its
     plan and the token bucket it ran in, from which ``last_step_features``
     is computed (a step log keeps them, so the features can be computed
@@ -390,9 +390,9 @@ class Engine:
 
   @property
   def last_step_features(self):
-    """f64[len(cost_model.FEATURES)] of the last committed step (None before
-    one), computed when read: ``cost_model.step_features`` of its plan
-    statistics and the bucket its plan needed."""
+    """f64[len(cost_model.FEATURES)] (f64[3, ...] with a draft model) of the
+    last committed step (None before one), computed when read:
+    ``cost_model.step_features`` of its plan statistics and bucket."""
     if self._last_plan_stats is None:
       return None
     stats, bucket = self._last_plan_stats

@@ -265,11 +265,12 @@ def draft_propose(draft: ModelRunner, params, kv, packed, num_draft, known, prom
   rows, verify rows: it computes the K/V of every row the target computes;
   a verify row's token is a placeholder here, its K/V rewritten below), and
   row ``last - k_s`` of a sequence with ``k_s`` drafts gives draft 1. Then
-  ``k`` passes of one row per drafting sequence: pass j runs draft j at
-  position ``known - 1 + j``, writes its K/V and gives draft j + 1 (the
-  k-th pass only writes). So after the step the draft's cache holds every
-  position the target's does, whichever drafts are accepted. The draft's
-  K/V sit in the target's pages (``kv.draft``, the same page table).
+  ``m = max k_s`` passes of one row per drafting sequence: pass j runs
+  draft j at position ``known - 1 + j``, writes its K/V and gives draft
+  j + 1 (the m-th pass only writes; a row past its own drafts writes
+  nothing). So after the step the draft's cache holds every position the
+  target's does, whichever drafts are accepted. The draft's K/V sit in the
+  target's pages (``kv.draft``, the same page table).
 
   Args:
     draft: static runner of the draft model; params: its parameters.
@@ -301,9 +302,11 @@ def draft_propose(draft: ModelRunner, params, kv, packed, num_draft, known, prom
     base = (known[seq_slots] - 1)[order]
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                  jnp.cumsum(i < live).astype(jnp.int32)])
+    most = jnp.max(seq_k)
 
-    def one_pass(carry, j):
-      dkv, tok = carry
+    def one_pass(j, carry):
+      dkv, tok, drafts = carry
+      drafts = jax.lax.dynamic_update_slice(drafts, tok[:, None], (0, j - 1))
       valid = (i < live) & (j <= seq_k[order])
       pos = jnp.where(valid, base + j, 0)
       page = table[i, jnp.clip(pos // ps, 0, table.shape[1] - 1)]
@@ -312,11 +315,15 @@ def draft_propose(draft: ModelRunner, params, kv, packed, num_draft, known, prom
       h, dkv = llama.forward(params, draft.cfg, dkv, tok[order], pos, slot_mapping, kv_lens,
                              table, cu_q_lens, live, attention_impl=draft.attention_impl,
                              decode_gemm=draft.decode_gemm)
-      nxt = jnp.argmax(draft.compute_logits(params, h, live), axis=-1).astype(jnp.int32)
-      return (dkv, tok.at[order].set(nxt)), tok
+      # The last forward only writes draft ``most``'s K/V: no logits.
+      nxt = jax.lax.cond(
+          j < most, lambda: jnp.argmax(draft.compute_logits(params, h, live),
+                                       axis=-1).astype(jnp.int32), lambda: jnp.zeros_like(tok))
+      return dkv, tok.at[order].set(nxt), drafts
 
-    (dkv, _), drafts = jax.lax.scan(one_pass, (dkv, tok), jnp.arange(1, k + 1))
-    return dkv, drafts.T                                                  # [n, k]
+    dkv, _, drafts = jax.lax.fori_loop(1, most + 1, one_pass,
+                                       (dkv, tok, jnp.zeros((n, k), jnp.int32)))
+    return dkv, drafts                                                    # [n, k]
 
   dkv, drafts = jax.lax.cond(jnp.any(seq_k > 0), propose,
                              lambda d: (d, jnp.zeros((n, k), jnp.int32)), dkv)

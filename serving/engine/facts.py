@@ -111,7 +111,7 @@ class StepFacts:
       the result's emissions and endings, drained into ``RequestOutput``s.
     num_tokens, decodes: i32[], the plan's token rows and decode rows (a
       decode row's drafts included).
-    features: f32[6 + 3 W], ``cost_model.plan_stats`` of the plan.
+    features: f32[7 + 3 W], ``cost_model.plan_stats`` of the plan.
     prefix: with prefix caching, (computed i32[R], pages_held i32[R],
       page_table i32[R, P], marked bool[]) for registering computed prompt
       pages (``_registrable``); else None.

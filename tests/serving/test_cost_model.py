@@ -107,15 +107,15 @@ def test_plan_stats_by_hand():
   # pairs, chunk [4, 8) 5+6+7+8. Under a window of 6: 6, 10, 5+6+6+6.
   plan = _plan([(9, 10, "decode"), (0, 4, "prefill"), (4, 8, "prefill")])
   stats = np.asarray(cost_lib.plan_stats(plan, (0, 6)))
-  # No drafts: the draft tail (2 counts, then keys per window) is zero.
+  # No drafts: the draft tail (3 counts, then keys per window) is zero.
   np.testing.assert_array_equal(stats, [8, 1, 3, 8, 10 + 10 + 26, 6 + 10 + 23,
-                                        10 + 4 + 8, 6 + 4 + 6] + [0] * 4)
+                                        10 + 4 + 8, 6 + 4 + 6] + [0] * 5)
   # Prompts of 5, 6 and 6 tokens: the decode row (position 9) is generated,
   # chunk [0, 4) is all prompt, chunk [4, 8) has 2 prompt rows (a rebuild
   # of outputs past position 6 runs with the generated rows).
   prompt_len = jnp.asarray([5, 6, 6] + [0] * 3, jnp.int32)
   stats = np.asarray(cost_lib.plan_stats(plan, (0,), prompt_len))
-  np.testing.assert_array_equal(stats, [8, 1, 3, 6, 10 + 10 + 26, 10 + 4 + 8] + [0] * 3)
+  np.testing.assert_array_equal(stats, [8, 1, 3, 6, 10 + 10 + 26, 10 + 4 + 8] + [0] * 4)
 
 
 @pytest.mark.parametrize("window", [0, 1, 3, 7, 50])

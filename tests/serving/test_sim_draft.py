@@ -97,19 +97,19 @@ def test_a_draft_step_pays_the_draft_forward_and_its_passes(cost_file, draft):
   drafts [6, 10): target and draft forwards over its 4 rows (34 pairs, 10
   keys), then 3 single-row forwards at positions 7, 8, 9 (8 + 9 + 10 = 27
   keys seen, each pair one key read). Step 3: the cap leaves 2 drafts
-  [10, 13) (11 + 12 + 13 = 36 pairs, 13 keys); still 3 forwards: at 11
-  and 12 (12 + 13 keys), and a third past the row's drafts (1 key)."""
+  [10, 13) (11 + 12 + 13 = 36 pairs, 13 keys); 2 forwards, as many as
+  the most drafts a row carries: at 11 and 12 (12 + 13 keys)."""
   engine, steps = _step_times(_config(cost_file, f"draft:{draft},k=3"))
   assert engine.model_costs.draft.gemm_flops_per_row == 2 * (32 * (32 + 2 * 16) + 32 * 32
                                                              + 3 * 32 * 64)
   assert engine.model_costs.draft_passes == 3
   want = [step_ms(6, 21, 6) + draft_ms(6, 21, 6),
           step_ms(4, 34, 10) + draft_ms(4, 34, 10) + draft_ms(3, 27, 27, passes=3),
-          step_ms(3, 36, 13) + draft_ms(3, 36, 13) + draft_ms(3, 26, 26, passes=3)]
+          step_ms(3, 36, 13) + draft_ms(3, 36, 13) + draft_ms(2, 25, 25, passes=2)]
   np.testing.assert_allclose([s[0] for s in steps], want, rtol=1e-9)
-  # The draft tail of plan_stats: rows carrying drafts, drafts, keys seen
-  # by the drafts' rows.
-  assert [s[1][6:] for s in steps] == [[0, 0, 0], [1, 3, 27], [1, 2, 25]]
+  # The draft tail of plan_stats: rows carrying drafts, drafts, the most
+  # drafts of a row, keys seen by the drafts' rows.
+  assert [s[1][6:] for s in steps] == [[0, 0, 0, 0], [1, 3, 3, 27], [1, 2, 2, 25]]
   assert all(s[2].shape == (3, len(cost_lib.FEATURES)) for s in steps)
   assert engine.spec_counts.num_accepted_tokens == 5
 
@@ -150,15 +150,15 @@ def test_the_draft_forwards_features_by_hand(weights):
   """34 decode rows carrying drafts (one at 20 with 4, 33 at 10 with 2)
   and a prompt chunk [0, 8), k = 4: the draft's forward over the packed
   rows samples one row per sequence (35); 4 single-row forwards of 34
-  rows each (2 tiles of 32: one GEMM pass more each), 136 rows, all
-  sampling; the drafts' rows see 22 + 23 + 24 + 25 keys (the long row)
+  rows each (2 tiles of 32: one GEMM pass more each), 136 rows, all but
+  the last forward's 34 sampling; the drafts' rows see 22 + 23 + 24 + 25 keys (the long row)
   and 12 + 13 (each other), and the 136 - 70 rows past their drafts one
   key each."""
   plan = _plan([(0, 8, "prefill", 0), (20, 25, "decode", 4)]
                + [(10, 13, "decode", 2)] * 33)
   stats = np.asarray(cost_lib.plan_stats(plan, (0,)))
   keys = 22 + 23 + 24 + 25 + 33 * (12 + 13)
-  assert stats[:3].tolist() == [8, 34 + 70, 35 + 70] and stats[6:].tolist() == [34, 70, keys]
+  assert stats[:3].tolist() == [8, 34 + 70, 35 + 70] and stats[6:].tolist() == [34, 70, 4, keys]
   target = cost_lib.model_costs(_tiny_cfg(), weights)
   small = cost_lib.model_costs(_tiny_cfg(n_layers=1, n_heads=2, n_kv_heads=1), weights)
   costs = dataclasses.replace(target, draft=small, draft_passes=4)
@@ -172,7 +172,7 @@ def test_the_draft_forwards_features_by_hand(weights):
   gemm = 136 * small.gemm_flops_per_row / 1e9
   assert passes["step"] == 4 and passes["rows"] == 136
   assert passes["gemm_gflop"] == pytest.approx(gemm)
-  assert passes["lm_head_gflop"] == pytest.approx(136 * 2 * 32 * 100 / 1e9)
+  assert passes["lm_head_gflop"] == pytest.approx(102 * 2 * 32 * 100 / 1e9)
   assert passes["attention_gflop"] == pytest.approx((keys + 66) * 4 * 2 * 16 / 1e9)
   assert passes["kv_read_gb"] == pytest.approx((keys + 66) * small.kv_bytes_per_token / 1e9)
   assert passes["weight_read_gb"] == pytest.approx(4 * small.weight_bytes_per_step / 1e9)
@@ -189,13 +189,16 @@ def test_the_draft_forwards_features_by_hand(weights):
   model = cost_lib.CostModel(model.coef_ms, draft=model)
   hand = sum(c * f[p][i] for p in range(3) for i, c in enumerate(coef.values()))
   assert model.predict_ms(f) == pytest.approx(hand, rel=1e-12)
-  # More drafts cost more: k = 2 forwards instead of 4; fewer drafts per
-  # row at k = 4.
-  k2 = cost_lib.step_features(stats, 128, dataclasses.replace(costs, draft_passes=2))
-  fewer = _plan([(0, 8, "prefill", 0), (20, 23, "decode", 2)] + [(10, 12, "decode", 1)] * 33)
-  fewer = cost_lib.step_features(np.asarray(cost_lib.plan_stats(fewer, (0,))), 128, costs)
-  assert model.predict_ms(k2) < model.predict_ms(f)
-  assert model.predict_ms(fewer) < model.predict_ms(f)
+  # More drafts cost more: at most 2 a row (2 forwards instead of 4), and
+  # fewer drafts per row at the same most.
+  def cost(intervals):
+    plan_ = _plan([(0, 8, "prefill", 0)] + intervals)
+    return model.predict_ms(cost_lib.step_features(
+        np.asarray(cost_lib.plan_stats(plan_, (0,))), 128, costs))
+  two = cost([(20, 23, "decode", 2)] + [(10, 12, "decode", 1)] * 33)
+  assert two < model.predict_ms(f)
+  assert cost([(20, 25, "decode", 4)] + [(10, 12, "decode", 1)] * 33) < model.predict_ms(f)
+  assert two < cost([(20, 23, "decode", 2)] + [(10, 13, "decode", 2)] * 33)
   # No row carrying drafts: the draft's forward over the rows, no sampling,
   # no single-row forwards.
   plain = np.asarray(cost_lib.plan_stats(_plan([(0, 8, "prefill", 0), (9, 10, "decode", 0)]),
