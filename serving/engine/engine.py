@@ -309,8 +309,7 @@ class Engine:
         known only at its arrival (``add_request`` it then).
     """
     return sim_driver.add_future_request(self, request_id, prompt_token_ids, sampling,
-                                         arrival_ms, priority, client, slo_ttft_ms,
-                                         slo_tpot_ms)
+                                         arrival_ms, priority, client, slo_ttft_ms, slo_tpot_ms)
 
   def abort(self, request_id: str) -> None:
     """Cancels a request at any lifecycle stage (pages are freed)."""
@@ -633,7 +632,6 @@ class Engine:
     max_tokens when none was recorded); the simulated executor's truth."""
     return self.table.realized(self.realized_output_tokens)
 
-
   def _log_plan(self, plan) -> None:
     self.plan_log.append(self.table.plan_entry(plan, self._fetch((
         plan.selected, plan.start, plan.end, plan.kind, plan.rank, plan.admit,
@@ -668,21 +666,23 @@ class Engine:
     return sim_loop.refusal(self.config, self._virtual, self.record_plans)
 
   def simulate(self, stop_ms: float = math.inf, *, max_iterations: Optional[int] = None,
-               iterations_per_call: int = sim_loop.LOOP_ITERATIONS) -> None:
+               iterations_per_call: int = sim_loop.LOOP_ITERATIONS,
+               marks: Optional[list] = None, until_end: bool = False) -> None:
     """Runs iterations, many per program call (``sim_driver``), until no
     request is live, pending or still to arrive (``add_future_request``),
-    the clock reaches ``stop_ms`` (engine ms), or ``max_iterations`` ran in
-    this call (checked between program calls). The iterations are those
-    ``step`` runs, with the same plans, outputs, counters and times; the
-    requests' records hold the outputs.
+    the clock reaches ``stop_ms`` (engine ms), ``max_iterations`` ran in
+    this call (checked between program calls), or an iteration ended a
+    request (with ``until_end``). The iterations, plans, outputs, counters
+    and times are ``step``'s; the requests' records hold the outputs.
+    ``marks`` (a list) gets a mark ``(ms, request_id, kind)`` per request's
+    first output token ("first_token") and end ("finished", any outcome),
+    ``ms`` the end of the iteration that brought it (engine ms).
 
     Raises:
       ValueError: an engine the loop does not cover (``loop_refusal``).
-      validate.PlanValidationError / ResultValidationError, RuntimeError:
-        as ``step``.
+      validate.PlanValidationError / ResultValidationError, RuntimeError: as ``step``.
     """
-    sim_driver.simulate(self, stop_ms, max_iterations, iterations_per_call)
-
+    sim_driver.simulate(self, stop_ms, max_iterations, iterations_per_call, marks, until_end)
 
   def run(self, max_iterations: Optional[int] = None) -> None:
     """Steps until every accepted request has an outcome. Requests still to

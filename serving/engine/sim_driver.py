@@ -51,7 +51,8 @@ def add_future_request(engine, request_id, prompt_token_ids, sampling, arrival_m
 
 
 def simulate(engine, stop_ms: float, max_iterations: Optional[int],
-             iterations_per_call: int, marks: Optional[list] = None) -> None:
+             iterations_per_call: int, marks: Optional[list] = None,
+             until_end: bool = False) -> None:
   """``Engine.simulate`` (which documents it) on ``engine``.
 
   ``marks``, when a list, gets ``(ms, request_id, kind)`` for each
@@ -60,6 +61,8 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
   it (engine ms): what a caller of ``Engine.step`` reads from its outputs
   (a token in a request's first output; ``RequestOutput.finished``), at the
   time the step ended, which a router needs (``serving.harness.cluster_sim``).
+  ``until_end``: also return after the first iteration that ends a request
+  (the loop's ``LoopExit.END``, or a host step with a finished output).
   """
   reason = engine.loop_refusal()
   if reason is not None:
@@ -79,12 +82,16 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       continue
     engine._fill_slots()
     engine._rebase_device_clock(engine.now_ms())
-    if _call(engine, stop_ms, iterations_per_call, marks) in (sim_loop.LoopExit.HOST,
-                                                              sim_loop.LoopExit.REBASE):
+    code = _call(engine, stop_ms, iterations_per_call, marks, until_end)
+    if code == sim_loop.LoopExit.END:
+      return
+    if code in (sim_loop.LoopExit.HOST, sim_loop.LoopExit.REBASE):
       table.take_arrived(engine.now_ms())
       outputs = engine.step()
       if marks is not None:
         step_marks(engine, outputs, marks)
+      if until_end and any(out.finished for out in outputs):
+        return
 
 
 def step_marks(engine, outputs, marks: list) -> None:
@@ -106,9 +113,11 @@ def _advance_to(engine, ms: float) -> None:
     clock.advance(max((ms - engine.now_ms()) / 1000.0, math.ulp(clock())))
 
 
-def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None) -> int:
+def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
+          until_end: bool = False) -> int:
   """One ``loop`` program call from the engine's tables; takes its log
-  (``marks``: ``simulate``'s). Returns its exit code (``sim_loop.LoopExit``)."""
+  (``marks``, ``until_end``: ``simulate``'s). Returns its exit code
+  (``sim_loop.LoopExit``)."""
   c, table = engine.config, engine.table
   loop = sim_loop.loop_program(engine.model_cfg, c, engine.cost_model, engine.model_costs,
                                iterations)
@@ -135,7 +144,7 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None)
       engine.params, engine.kv, engine.manifest, engine.state, engine.pages,
       engine.buffers.replace(tokens=None), table.realized(engine.realized_output_tokens),
       at_epoch, queue, *engine._pending_stamp(), bits(engine.clock()), bits(engine.clocks.t0),
-      bits(epoch), bits(stop_ms), bits(clocks.DEVICE_REBASE_MS))
+      bits(epoch), bits(stop_ms), bits(clocks.DEVICE_REBASE_MS), np.bool_(until_end))
   engine.buffers = buffers.replace(tokens=tokens)
   log = engine._fetch(log)
   take_log(engine, log, queued, marks)

@@ -22,7 +22,9 @@ pass built from the step path's own pieces (``serving.engine.programs``):
 
 It returns to the host (``SimLog.code``) when the log is full, the clock
 reaches the stop time (the first arrival not queued), nothing is live or
-queued, or an iteration needs the host: a rule violation, a request the
+queued, an iteration ended a request and the call asked to return then
+(``until_end``, a run-time flag: one program for both), or an iteration
+needs the host: a rule violation, a request the
 policy can never schedule, a preemption or the re-admission of a preempted
 request (§0x0C records), an empty plan, or the device epoch to move
 (``clocks.DEVICE_REBASE_MS``). Such an iteration is not committed: the
@@ -73,6 +75,7 @@ class LoopExit(enum.IntEnum):
   IDLE = 3       # nothing live and nothing queued
   HOST = 4       # the next iteration needs the host (``Engine.step`` runs it)
   REBASE = 5     # the device epoch must move (``Engine.step`` runs the iteration)
+  END = 6        # the last iteration ended a request (``until_end`` asked for it)
 
 
 # Iterations one call runs at most (K: the log's capacity).
@@ -214,7 +217,7 @@ class _Carry:
 def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, windows,
                    num_iterations: int, params, kv, manifest, state, pages, buffers, realized,
                    at_epoch, queue: SimQueue, fix_emitted, fix_stamp, fix_actual, clock, t0,
-                   epoch, stop, rebase):
+                   epoch, stop, rebase, until_end):
   """The ``loop`` program: up to ``num_iterations`` engine iterations.
 
   Args:
@@ -232,6 +235,8 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       engine's construction; epoch: u32[2] the device epoch (engine ms);
       stop: u32[2] return once the engine clock reaches it (ms), before that
       iteration; rebase: u32[2] ``DEVICE_REBASE_MS`` (all float64 bits).
+    until_end: bool[], return after an iteration that ends a request
+      (finished or failed: ``LoopExit.END``).
 
   Returns ``(manifest, state, pages, buffers, SimLog)``.
   """
@@ -305,8 +310,9 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       put = lambda a, v: a.at[at].set(v, mode="drop")
       log = log.replace(
           num_iterations=k + 1, clock=clock,
-          code=jnp.where(k + 1 == num_iterations, LoopExit.FULL,
-                         LoopExit.CONTINUE).astype(jnp.int32),
+          code=jnp.where(until_end & jnp.any(ended), LoopExit.END,
+                         jnp.where(k + 1 == num_iterations, LoopExit.FULL,
+                                   LoopExit.CONTINUE)).astype(jnp.int32),
           emit=log.emit.at[k].set(emit), bucket=log.bucket.at[k].set(bucket),
           prefill_rows=log.prefill_rows.at[k].set(step.num_tokens - step.decodes),
           stats=log.stats.at[k].set(step.features),

@@ -8,6 +8,7 @@ import pytest
 
 from serving.engine import cost_model as cost_lib
 from serving.engine import clocks
+from serving.engine import sim_driver
 from serving.engine import sim_loop
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
@@ -262,3 +263,47 @@ def test_a_progress_callback_keeps_the_loop_and_its_records(cost_file, monkeypat
   assert seen[-1] == (engine.num_iterations, len(wl))
   assert [n for n, _ in seen] == sorted(n for n, _ in seen)
   assert len(sampler.samples) >= 2
+
+
+def test_until_end_returns_after_each_ending_with_the_step_paths_marks(cost_file):
+  """``simulate(until_end=True, marks=...)`` returns after exactly the
+  iterations whose step outputs end a request (one loop program for both
+  flag values), and its marks are those the step path's outputs bring
+  (``sim_driver.step_marks``), at the same times. Forced preemptions make
+  some iterations host steps (an ending there returns too)."""
+  lengths = [5, 9, 3, 12, 7, 4, 10, 6]
+  p = prompts(lengths, seed=3)
+  max_tokens = [6, 2, 9, 4, 3, 11, 5, 7]
+
+  def engine_with_requests():
+    engine = _engine(cost_file, force_preempt_every=5)
+    for i, (q, m) in enumerate(zip(p, max_tokens)):
+      engine.realized_output_tokens[f"r{i}"] = m
+      engine.add_request(f"r{i}", q, SamplingParams(max_tokens=m, ignore_eos=True))
+    return engine
+
+  step_engine, step_marks, ends = engine_with_requests(), [], []
+  while step_engine.has_unfinished():
+    outputs = step_engine.step()
+    sim_driver.step_marks(step_engine, outputs, step_marks)
+    if any(out.finished for out in outputs):
+      ends.append((step_engine.num_iterations, step_engine.now_ms()))
+  assert step_engine.num_preemptions > 0 and len(ends) >= 4
+
+  engine, marks, returns = engine_with_requests(), [], []
+  engine.simulate(stop_ms=1.0, marks=marks)       # until_end=False: the first iteration
+  while engine.has_unfinished():
+    engine.simulate(marks=marks, until_end=True)
+    returns.append((engine.num_iterations, engine.now_ms()))
+  assert [n for n, _ in returns] == [n for n, _ in ends]
+  np.testing.assert_allclose([t for _, t in returns], [t for _, t in ends], rtol=0,
+                             atol=TIME_TOL_MS)
+  key = lambda m: (m[1], m[2])
+  loop_marks, step_marks = sorted(marks, key=key), sorted(step_marks, key=key)
+  assert [key(m) for m in loop_marks] == [key(m) for m in step_marks]
+  np.testing.assert_allclose([m[0] for m in loop_marks], [m[0] for m in step_marks], rtol=0,
+                             atol=TIME_TOL_MS)
+  assert {m[2] for m in marks} == {"first_token", "finished"}
+  assert sum(m[2] == "finished" for m in marks) == len(lengths)
+  assert engine.compiled_programs()["loop"] == 1
+  assert _counters(engine) == _counters(step_engine)
