@@ -19,7 +19,10 @@ The earliest event runs first; at equal times an arrival goes before a
 step's end, which goes before a step's start; replicas tie on their
 index. A request placed on an idle replica advances that replica's clock to
 the placement time; one placed on a busy replica waits for its next step
-(its arrival stays its trace time).
+(its arrival stays its trace time). A request the engine ends at once
+(refused, or rejected: it can never fit) frees its place at once, and the
+router places the next waiting one there (as the HTTP front dispatches
+after every ending).
 
 Same inputs, same outputs: no wall clock is read, so a cluster replay is
 bit-for-bit repeatable.
@@ -27,9 +30,9 @@ bit-for-bit repeatable.
 Two paths (``cluster_path``; runs record which ran and why): the step path
 runs one ``engine.step()`` per step's start; the loop path, for replicas
 ``Engine.simulate`` covers (``Engine.loop_refusal``), runs each replica
-alone, many iterations per program call, up to the next arrival while no
-request waits at the router, and steps only while one does
-(``replay_cluster``). Both give the same placements, decisions, tokens,
+alone, many iterations per program call, up to the next arrival and, while
+a request waits at the router, up to its first ending (``replay_cluster``).
+Both give the same placements, decisions, tokens,
 outcomes and iteration counts, times to the last bit of a float64 step
 time (``serving.engine.sim_loop``).
 
@@ -51,7 +54,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from serving.engine import calibrations
 from serving.engine import profiles
 from serving.engine import sim_driver
-from serving.engine import sim_loop
 from serving.engine.config import SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.requests import QueueFull
@@ -93,15 +95,17 @@ def _admit(engine: Engine, spec, now_ms: float) -> None:
                      slo_tpot_ms=spec.slo_tpot_ms)
 
 
-def _events(specs, i: int, engines: Sequence[Engine], held, end_rank: int) -> list:
+def _events(specs, i: int, engines: Sequence[Engine], held: Dict[int, float],
+            end_rank: int) -> list:
   """The events ``(time ms, rank, engine)`` both replays share: the arrival
   of ``specs[i]`` (rank 0, engine -1) while one is left; then for each
-  engine a step's end (``end_rank``) where its outputs are ``held``, else a
-  step's start (``end_rank + 1``) where it has work, at its clock."""
+  engine a step's end (``end_rank``) at ``held[g]`` where it holds outputs
+  not yet handed on, else a step's start (``end_rank + 1``) where it has
+  work, at its clock."""
   events = [(specs[i].arrival_s * 1000.0, 0, -1)] if i < len(specs) else []
   for g, e in enumerate(engines):
     if g in held:
-      events.append((e.now_ms(), end_rank, g))
+      events.append((held[g], end_rank, g))
     elif e.has_unfinished():
       events.append((e.now_ms(), end_rank + 1, g))
   return events
@@ -110,9 +114,9 @@ def _events(specs, i: int, engines: Sequence[Engine], held, end_rank: int) -> li
 def cluster_path(engines: Sequence[Engine], *, loop: bool = True) -> Tuple[str, str]:
   """Which path ``replay_cluster`` takes over ``engines``, and why: ("loop",
   "") runs each replica many iterations per program call between the
-  events the router acts on (``sim_driver.simulate``); ("step", reason)
-  runs one ``engine.step()`` per event. Reports record it (``{"path":
-  ..., "why": ...}``)."""
+  events the router acts on (``Engine.simulate``); ("step", reason) runs
+  one ``engine.step()`` per event. Reports record it (``{"path": ...,
+  "why": ...}``)."""
   if not loop:
     return "step", "loop=False was asked for"
   for r, e in enumerate(engines):
@@ -124,7 +128,7 @@ def cluster_path(engines: Sequence[Engine], *, loop: bool = True) -> Tuple[str, 
 
 def _tell(router: Router, marks) -> None:
   """Hands the router a replica's first tokens and endings (``marks``:
-  ``(ms, request_id, kind)``, ``sim_driver.simulate``'s)."""
+  ``(ms, request_id, kind)``, ``Engine.simulate``'s)."""
   for _, rid, kind in marks:
     if kind == "first_token":
       router.first_token(rid)
@@ -132,24 +136,35 @@ def _tell(router: Router, marks) -> None:
       router.finished(rid)
 
 
+def _by_step(marks) -> List[Tuple[float, list]]:
+  """``marks`` grouped by the iteration that brought them: ``[(its end ms,
+  its marks), ...]`` in time order."""
+  groups: Dict[float, list] = {}
+  for m in marks:
+    groups.setdefault(m[0], []).append(m)
+  return sorted(groups.items())
+
+
 def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload, *,
                    loop: bool = True
                    ) -> Tuple[List[RequestRecord], float, Dict[str, int], List[dict], dict]:
   """Replays ``workload`` over the replicas (see the module docstring).
 
-  The loop path (``cluster_path``): while no request waits at the router,
-  the replicas share nothing until the next arrival (an ending frees a
-  place, a first token ends a prefill in the router's model, and neither
-  places anything), so each replica runs alone up to it
-  (``sim_driver.simulate(stop_ms=<the arrival>)``, the iterations that start
-  before it, as the step path runs them); its first tokens and endings
-  reach the router as the step path hands them: those of iterations that
-  ended before the arrival at once (their order does not matter: each
-  touches only its own request), those of the last one, ending at or after
-  it, held until its end. While a request waits at the router, its
-  placement happens at a step's end, so the replicas step one event at a
-  time as on the step path. Same records, placements, decisions, times and
-  iterations as the step path (``tests/serving/test_cluster_sim.py``).
+  The loop path (``cluster_path``) replaces each step's start by a run of
+  its replica alone, many iterations per program call
+  (``Engine.simulate``), up to the next arrival (the iterations that start
+  before it) and, while a request waits at the router, up to the end of the
+  first iteration that ends one of its requests (``until_end``). Nothing
+  the other replicas do meanwhile can reach it: a request is placed only at
+  an arrival, or at a step's end while requests wait, and then only on a
+  replica with a free place; while one waits every replica is full
+  (``place`` dispatches again after a placement the engine refuses at
+  once), and a full replica's place frees only at its own ending. The
+  run's first tokens and endings (``Engine.simulate``'s marks) are held
+  and reach the router each at its iteration's end, in the step path's
+  order of events, where waiting requests are placed as on the step path.
+  Same records, placements, decisions, times and iterations as the step
+  path (``tests/serving/test_cluster_sim.py``).
 
   Args:
     engines: fresh engines on ``VirtualClock`` clocks at time 0, equal page
@@ -163,8 +178,10 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
     RequestRecord per request in workload order (times in s from the
     start); the time of the last event (s); request id -> replica; the
     router's decisions in order; ``{"path", "why"}`` (``cluster_path``) and
-    ``iterations_stepped``, the iterations run one ``engine.step()`` at a
-    time (on the loop path: while a request waited at the router).
+    ``iterations_stepped``, the iterations run one ``engine.step()`` per
+    step's start (on the loop path: none), and ``runs``, the loop path's
+    ``Engine.simulate`` calls (each one or more iterations; 0 on the step
+    path).
 
   Raises:
     ValueError: an engine without a virtual clock, or clocks not at 0.
@@ -178,51 +195,36 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
   placement: Dict[str, int] = {}
   refused: Dict[str, str] = {}
   route_log: List[dict] = []
-  stepped = 0
+  stepped = runs = 0
 
   def place(now_ms: float) -> None:
-    for d in router.dispatch(now_ms):
-      route_log.append({k: d[k] for k in ("request_id", "replica", "waited_ms", "tie_key")})
-      spec, r = by_id[d["request_id"]], d["replica"]
-      placement[spec.request_id] = r
-      try:
-        _admit(engines[r], spec, now_ms)
-      except (ValueError, QueueFull) as e:
-        refused[spec.request_id] = str(e)
-        router.finished(spec.request_id)
-      else:
-        if engines[r].requests[spec.request_id].finished:   # rejected at once (never fits)
+    # Until nothing is placed: a request the engine ends at once (refused,
+    # or rejected: it never fits) frees its place for the next one now.
+    while True:
+      decisions = router.dispatch(now_ms)
+      if not decisions:
+        return
+      for d in decisions:
+        route_log.append({k: d[k] for k in ("request_id", "replica", "waited_ms", "tie_key")})
+        spec, r = by_id[d["request_id"]], d["replica"]
+        placement[spec.request_id] = r
+        try:
+          _admit(engines[r], spec, now_ms)
+        except (ValueError, QueueFull) as e:
+          refused[spec.request_id] = str(e)
           router.finished(spec.request_id)
+        else:
+          if engines[r].requests[spec.request_id].finished:   # rejected at once (never fits)
+            router.finished(spec.request_id)
 
   # Events (time ms, rank, replica): 0 an arrival, 1 a step's end (its
-  # outputs reach the router), 2 a step's start. A step runs the engine at
-  # once (its clock moves to the step's end) and holds its news (marks)
-  # until then, so the router never hears of an ending before its time.
-  held: Dict[int, list] = {}
+  # outputs reach the router), 2 a step's start. A step (a run, on the loop
+  # path) runs the engine at once and holds its news (marks) until each
+  # iteration's end, so the router never hears of anything before its time.
+  held: Dict[int, List[Tuple[float, list]]] = {}
   i, end_ms = 0, 0.0
   while True:
-    if path == "loop" and not router.num_waiting():
-      # Every replica alone up to the next arrival (see above).
-      stop = specs[i].arrival_s * 1000.0 if i < len(specs) else math.inf
-      for r, e in enumerate(engines):
-        if r in held and e.now_ms() < stop:
-          _tell(router, held.pop(r))
-        if r in held or not e.has_unfinished() or e.now_ms() >= stop:
-          continue
-        marks: list = []
-        sim_driver.simulate(e, stop, None, sim_loop.LOOP_ITERATIONS, marks)
-        _tell(router, [m for m in marks if m[0] < stop])
-        if e.now_ms() >= stop:       # its last step ends at or after the arrival
-          held[r] = [m for m in marks if m[0] >= stop]
-      if i == len(specs):
-        break
-      spec = specs[i]
-      i += 1
-      end_ms = max(end_ms, stop)
-      router.submit(spec.request_id, spec.prompt_token_ids, spec.max_tokens, stop)
-      place(stop)
-      continue
-    events = _events(specs, i, engines, held, 1)
+    events = _events(specs, i, engines, {g: h[0][0] for g, h in held.items()}, 1)
     if not events:
       if router.num_waiting():
         raise RuntimeError(f"replay_cluster: {router.num_waiting()} requests wait with "
@@ -235,12 +237,28 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
       i += 1
       router.submit(spec.request_id, spec.prompt_token_ids, spec.max_tokens, now)
     elif kind == 2:
-      held[r] = []
-      sim_driver.step_marks(engines[r], engines[r].step(), held[r])
-      stepped += 1
+      marks: list = []
+      e = engines[r]
+      if path == "loop":
+        stop = specs[i].arrival_s * 1000.0 if i < len(specs) else math.inf
+        assert not (router.num_waiting() and router.has_room()), "place() left room"
+        before = e.num_iterations
+        e.simulate(stop, marks=marks, until_end=router.num_waiting() > 0)
+        if e.num_iterations == before:
+          raise RuntimeError(f"replay_cluster: replica {r} ran no iteration at {now} ms")
+        steps = _by_step(marks)
+        runs += 1
+      else:
+        sim_driver.step_marks(e, e.step(), marks)
+        steps = [(e.now_ms(), marks)]
+        stepped += 1
+      if steps:
+        held[r] = steps
       continue
     else:
-      _tell(router, held.pop(r))
+      _tell(router, held[r].pop(0)[1])
+      if not held[r]:
+        del held[r]
     place(now)
   # The last event: a step's end is each replica's clock (the step path
   # met every one as an event).
@@ -249,7 +267,7 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
              else _record(engines[placement[s.request_id]], s, 0.0)
              for s in workload.requests]
   return (records, end_ms / 1000.0, placement, route_log,
-          {"path": path, "why": why, "iterations_stepped": stepped})
+          {"path": path, "why": why, "iterations_stepped": stepped, "runs": runs})
 
 
 # ------------------------------------------------------ prefill/decode pools
@@ -404,7 +422,7 @@ def replay_pd(prefill: Sequence[Engine], decode: Sequence[Engine], router, workl
   held: Dict[int, tuple] = {}
   i, end_ms = 0, 0.0
   while True:
-    events = _events(specs, i, engines, held, 2)
+    events = _events(specs, i, engines, {g: engines[g].now_ms() for g in held}, 2)
     if in_flight:
       end, d, _ = min(in_flight, key=lambda t: (t[0], t[1]))
       events.append((end, 1, np_ + d))

@@ -1,7 +1,7 @@
 """Simulated replicas behind the router on one virtual timeline
 (``serving.harness.cluster_sim``), on the tiny model's config (no weights):
-the step path, and the loop path (``sim_driver.simulate`` between the
-router's events) against it."""
+the step path, and the loop path (``Engine.simulate`` between the router's
+events) against it."""
 
 import dataclasses
 
@@ -120,39 +120,42 @@ def test_the_front_and_cluster_sim_build_the_same_router(cost_file):
         [facts[0]], [facts[1]], name)) is cls
 
 
-def _both_paths(cost_file, n, wl, router=None):
+def _both_paths(cost_file, n, wl, router=None, monkeypatch=None):
   """``replay_cluster`` on the step path and on the loop path, over ``n``
   tiny replicas the loop covers (prefix caching off; 16 KV pages; a forced
   preemption every 7th decision, which the loop hands to ``Engine.step``)
   behind ``router(engines)`` (default: ``prefix_aware``): ``{loop:
-  (records, duration_s, placement, route_log, path, engines)}``."""
+  (records, duration_s, placement, route_log, path, engines, steps)}``,
+  ``steps`` the ``Engine.step`` calls (counted through ``monkeypatch``
+  when given, else None)."""
   out = {}
   for loop in (False, True):
     engines = _engines(n, cost_file, enable_prefix_caching=False, num_pages=16,
                        force_preempt_every=7)
     made = router(engines) if router else router_for(engines, "prefix_aware")
-    out[loop] = replay_cluster(engines, made, wl, loop=loop) + (engines,)
+    steps = None
+    if monkeypatch is not None:
+      steps, step = [0], Engine.step
+      def counted(self, step=step, steps=steps):
+        steps[0] += 1
+        return step(self)
+      monkeypatch.setattr(Engine, "step", counted)
+    out[loop] = replay_cluster(engines, made, wl, loop=loop) + (engines, steps and steps[0])
+    if monkeypatch is not None:
+      monkeypatch.undo()
   return out
 
 
-def test_mixed_replicas_take_the_loop_with_the_step_paths_outcomes(cost_file):
-  """The loop path places every request on the same replica by the same
-  decision, and each replica runs the same iterations: the same tokens,
+def _assert_same_outcomes(out, wl):
+  """The loop path placed every request on the same replica by the same
+  decision, and each replica ran the same iterations: the same tokens,
   outcomes, preemptions and iteration counts, times to a step time's last
-  bit. The burst queues at the router at times (2 x 8 places), where the
-  loop path steps; elsewhere each replica runs alone in program calls."""
-  wl = _workload(n=24, rate_scale=30.0, seed=6)
-  out = _both_paths(cost_file, 2, wl)
+  bit (``_both_paths``' ``out``)."""
   step, loop = out[False], out[True]
-  total = sum(e.num_iterations for e in loop[5])
-  assert step[4] == {"path": "step", "why": "loop=False was asked for",
-                     "iterations_stepped": total}
-  assert loop[4]["path"] == "loop" and loop[4]["why"] == ""
-  assert 0 < loop[4]["iterations_stepped"] < total / 2
   assert [e.num_iterations for e in loop[5]] == [e.num_iterations for e in step[5]]
   assert [e.num_preemptions for e in loop[5]] == [e.num_preemptions for e in step[5]]
   assert min(e.num_preemptions for e in loop[5]) > 0
-  assert loop[2] == step[2] and set(step[2].values()) == {0, 1}
+  assert loop[2] == step[2]
   key = lambda d: (d["request_id"], d["replica"], d["tie_key"])
   assert [key(d) for d in loop[3]] == [key(d) for d in step[3]]
   assert max(d["waited_ms"] for d in step[3]) > 0
@@ -172,21 +175,82 @@ def test_mixed_replicas_take_the_loop_with_the_step_paths_outcomes(cost_file):
       assert b.tpot_s == pytest.approx(a.tpot_s, abs=TIME_TOL_MS / 1000.0)
 
 
-def test_a_request_that_never_fits_frees_its_place_on_both_paths(cost_file):
+def test_mixed_replicas_take_the_loop_with_the_step_paths_outcomes(cost_file, monkeypatch):
+  """A burst that queues at the router at times (2 x 8 places): the loop
+  path gives the step path's outcomes, and runs each replica alone in
+  program calls, between arrivals and, while requests wait, up to an
+  ending; ``Engine.step`` runs only the iterations the loop hands to the
+  host (here the forced preemptions), not one per event."""
+  wl = _workload(n=24, rate_scale=30.0, seed=6)
+  out = _both_paths(cost_file, 2, wl, monkeypatch=monkeypatch)
+  step, loop = out[False], out[True]
+  _assert_same_outcomes(out, wl)
+  total = sum(e.num_iterations for e in loop[5])
+  assert step[4] == {"path": "step", "why": "loop=False was asked for",
+                     "iterations_stepped": total, "runs": 0}
+  assert step[6] == total
+  assert loop[4]["path"] == "loop" and loop[4]["why"] == ""
+  assert loop[4]["iterations_stepped"] == 0
+  assert set(step[2].values()) == {0, 1}
+  # Each run stops at an arrival (per replica), an ending, or with nothing left.
+  assert 0 < loop[6] < total / 3 and loop[4]["runs"] <= 3 * len(wl)
+
+
+def test_an_overloaded_replica_takes_the_loop_while_requests_wait(cost_file, monkeypatch):
+  """One replica (8 places) under a burst far above its rate: requests wait
+  at the router most of the time, each placed at the end of the iteration
+  that ends one before it. The loop path runs the replica up to each such
+  ending (``until_end``) with the step path's outcomes, and most
+  iterations in the loop program: ``Engine.step`` runs only those the loop
+  hands to the host (the forced preemptions and their re-admissions, about
+  a quarter here)."""
+  wl = _workload(n=32, rate_scale=50.0, seed=5)
+  out = _both_paths(cost_file, 1, wl, monkeypatch=monkeypatch)
+  step, loop = out[False], out[True]
+  _assert_same_outcomes(out, wl)
+  total = loop[5][0].num_iterations
+  assert step[6] == step[4]["iterations_stepped"] == total
+  waited = sum(d["waited_ms"] > 0 for d in step[3])
+  assert waited > len(wl) / 2
+  assert loop[4]["iterations_stepped"] == 0
+  assert loop[6] < total / 3
+  # Each run stops at an arrival, an ending, or with nothing left.
+  assert loop[4]["runs"] <= 2 * len(wl)
+
+
+@pytest.mark.parametrize("at,replicas", [(0, 1), (3, 2)])
+def test_a_request_that_never_fits_frees_its_place_on_both_paths(cost_file, at, replicas):
   """A prompt whose KV pages exceed the cache (60 + 4 - 1 rows: 16 pages of
   4, one more than the 15 there are) is ended at once by the engine
-  (``rejected``): its router place frees at its placement, so the requests
-  behind it run on the one place there is (before, they waited with the
-  replica idle)."""
+  (``rejected``): its router place frees at its placement, and the router
+  places the next waiting request there at once (before, it waited for the
+  next event; at first, with the replica idle), so the requests behind it
+  run on the places there are (one per replica). Placed from the queue
+  while requests wait (``at`` 3 of a burst over two replicas), the loop
+  path, whose other replica ran ahead to its own ending, agrees."""
   wl = _workload(n=6, rate_scale=50.0, seed=2)
-  long = dataclasses.replace(wl.requests[0], prompt_token_ids=[2] * 60, max_tokens=4)
-  wl = dataclasses.replace(wl, requests=(long,) + wl.requests[1:])
-  one_place = lambda engines: Router([1], [0], engines[0].config.page_size, "round_robin")
-  out = _both_paths(cost_file, 1, wl, one_place)
-  for records, *_ in out.values():
-    assert records[0].outcome == "rejected"
-    assert [r.outcome for r in records[1:]] == ["completed"] * 5
+  order = sorted(wl.requests, key=lambda s: (s.arrival_s, s.request_id))
+  long = dataclasses.replace(order[at], prompt_token_ids=[2] * 60, max_tokens=4)
+  wl = dataclasses.replace(wl, requests=tuple(long if s is order[at] else s
+                                              for s in wl.requests))
+  places = lambda engines: Router([1] * replicas, [0] * replicas,
+                                  engines[0].config.page_size, "round_robin")
+  out = _both_paths(cost_file, replicas, wl, places)
+  for records, _, _, log, *_ in out.values():
+    assert [r.outcome for r in records] == [
+        "rejected" if r.request_id == long.request_id else "completed" for r in records]
+    arrival_ms = {s.request_id: s.arrival_s * 1000.0 for s in wl.requests}
+    placed_ms = [arrival_ms[d["request_id"]] + d["waited_ms"] for d in log]
+    k = [d["request_id"] for d in log].index(long.request_id)
+    if at:        # placed from the queue; the next one took its place at once
+      assert log[k]["waited_ms"] > 0 and log[k + 1]["waited_ms"] > 0
+      assert placed_ms[k + 1] == pytest.approx(placed_ms[k], abs=1e-9)
+      assert log[k + 1]["replica"] == log[k]["replica"]
   assert out[True][4]["path"] == "loop"
+  key = lambda d: (d["request_id"], d["replica"], d["tie_key"])
+  assert [key(d) for d in out[True][3]] == [key(d) for d in out[False][3]]
+  np.testing.assert_allclose([d["waited_ms"] for d in out[True][3]],
+                             [d["waited_ms"] for d in out[False][3]], rtol=0, atol=TIME_TOL_MS)
   for a, b in zip(out[False][0], out[True][0]):
     assert a.output_token_ids == b.output_token_ids
     np.testing.assert_allclose(b.token_times_s, a.token_times_s, rtol=0,
@@ -203,7 +267,8 @@ def test_runs_record_their_path(cost_file):
                             enable_prefix_caching=False, num_pages=16, force_preempt_every=7)
   runs = [cluster_sim.simulate_mixed(CFG, cfg, wl, 2, "round_robin", "tiny", loop=loop)[0]
           for loop in (True, False)]
-  assert runs[0]["path"] == {"path": "loop", "why": "", "iterations_stepped": 0}
+  assert runs[0]["path"]["path"] == "loop" and runs[0]["path"]["why"] == ""
+  assert runs[0]["path"]["iterations_stepped"] == 0 and runs[0]["path"]["runs"] > 0
   assert runs[1]["path"]["path"] == "step"
   assert runs[0]["iterations"] == runs[1]["iterations"] == runs[1]["path"][
       "iterations_stepped"] > 0
