@@ -157,7 +157,7 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   """The host's side of a ``loop`` call's iterations, as ``Engine.step``
   keeps them: the admitted requests' slots, each request's news
   (``RequestTable.take_news``: tokens, their times, outcomes), released slots,
-  counters; ``marks`` (``simulate``'s) gets each request's first token and
+  counters (``Engine.spec_counts`` with speculative decoding); ``marks`` (``simulate``'s) gets each request's first token and
   end, at the emission time of the iteration that brought it."""
   table = engine.table
   live = table.live()
@@ -179,12 +179,20 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
       log.event_finished)
   reason, extensions = take(log.event_reason), take(log.event_extensions)
   times = emit_ms[log.event_iteration[:num_events][order]].tolist()
+  if log.spec is not None:      # a verified row's tokens (speculative.emitted_tokens)
+    rows = log.spec.tokens[:num_events][order]
+    tokens = [row[:1 + n].tolist() for row, n in zip(rows, take(log.spec.accepted))]
+    engine.spec_counts.add_counts(log.spec.counts)
   for u, a, b in zip(uids.tolist(), starts.tolist(), ends):
     req, last = by_uid[u], b - 1
     emitted = last if failed[last] else b      # a failed event emits nothing
     first = not req.output_token_ids and emitted > a
-    table.take_news(req, tokens[a:emitted], times[a:emitted], failed[last],
-                    finished[last], reason[last], lambda: extensions[last])
+    new, new_times = tokens[a:emitted], times[a:emitted]
+    if log.spec is not None:
+      new_times = [t for row, t in zip(new, new_times) for _ in row]
+      new = [token for row in new for token in row]
+    table.take_news(req, new, new_times, failed[last], finished[last], reason[last],
+                    lambda: extensions[last])
     if marks is not None:
       if first:
         marks.append((times[a], req.request_id, "first_token"))

@@ -102,10 +102,6 @@ def refusal(config: EngineConfig, virtual: bool, record_plans: bool) -> Optional
     return f"EngineConfig.mesh must be '' for the loop (one device), got {config.mesh!r}"
   if record_plans:
     return "Engine.record_plans must be False for the loop (its plans stay on the device)"
-  if config.speculative:
-    return (f"EngineConfig.speculative must be '' for the loop (its log carries one token "
-            f"per slot and iteration; a verified row emits several), got "
-            f"{config.speculative!r}")
   if config.role != "mixed":
     return (f"EngineConfig.role must be 'mixed' for the loop (a handoff leaves the engine "
             f"between iterations), got {config.role!r}")
@@ -161,6 +157,26 @@ class SimQueue:
 
 
 @flax.struct.dataclass
+class SpecLog:
+  """A speculating engine's part of ``SimLog`` (E events, K =
+  ``Speculation.k``): what ``speculative.emitted_tokens`` and
+  ``SpecCounts.add`` take from a step's ``StepFacts.spec``.
+
+  Attributes:
+    accepted: i32[E], the drafts each event's row accepted (it emitted
+      1 + accepted tokens; 0 for a row without drafts).
+    tokens: i32[E, 1 + K], the tokens it emitted, in order (-1 past them).
+    counts: i32[3 + K], over the committed iterations: rows that carried
+      drafts, draft tokens verified, draft tokens accepted, then the
+      accepted drafts at each draft position (``SpecCounts``' counters).
+  """
+
+  accepted: jax.Array
+  tokens: jax.Array
+  counts: jax.Array
+
+
+@flax.struct.dataclass
 class SimLog:
   """What one loop call did, fetched once by the host. K iterations at
   most; E = K * max_num_seqs events (an iteration emits or ends at most
@@ -180,6 +196,8 @@ class SimLog:
     event_iteration, event_request (engine uid), event_token (-1: none),
     event_reason (``FINISH_NAMES`` index), event_extensions (§0x06, once
       ended): i32[E]; event_finished, event_failed: bool[E].
+    spec: ``SpecLog`` with speculative decoding (an event's tokens are
+      then its row's, ``event_token`` the first of them); else None.
   """
 
   code: jax.Array
@@ -199,6 +217,7 @@ class SimLog:
   event_reason: jax.Array
   event_failed: jax.Array
   event_extensions: jax.Array
+  spec: Optional[SpecLog] = None
 
 
 @flax.struct.dataclass
@@ -246,6 +265,7 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
   size = queue.due.shape[0]
   capacity = num_iterations * config.max_num_seqs
   no_slots = jnp.zeros((num_slots,), bool)
+  max_draft = 0 if config.speculation is None else config.speculation.k
 
   def plan_and_run(c: _Carry):
     """One iteration on ``c``'s tables, nothing committed: its launch time
@@ -255,7 +275,7 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       launch = (_engine_ms(c.log.clock, t0) - _f64(epoch)).astype(jnp.float32)
     ticked, plan, facts, _ = programs_lib.plan_step(
         policy, False, c.manifest, c.state, c.pages, None, launch, no_slots,
-        jnp.float32(0), jnp.float32(0))
+        jnp.float32(0), jnp.float32(0), max_draft=max_draft)
     bucket = config.iteration_bucket(facts.rows_bound, facts.num_tokens, xp=jnp)
     _, pages, buffers, published, (_, result, _), step = programs_lib.execute_step(
         executor, token_budget, False, params, kv, c.pages, c.buffers, c.manifest, ticked,
@@ -323,7 +343,8 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
           event_finished=put(log.event_finished, step.finished),
           event_reason=put(log.event_reason, step.finish_reason),
           event_failed=put(log.event_failed, step.failed),
-          event_extensions=put(log.event_extensions, state.num_extensions))
+          event_extensions=put(log.event_extensions, state.num_extensions),
+          spec=None if log.spec is None else _log_spec(log.spec, step.spec, put))
       return c.replace(state=state, pages=pages_, buffers=buffers, log=log)
 
     c = when(~host, commit, c)
@@ -369,7 +390,11 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       prefill_rows=i32(num_iterations), stats=None, num_events=jnp.int32(0),
       event_iteration=i32(capacity), event_request=i32(capacity), event_token=i32(capacity, -1),
       event_finished=jnp.zeros((capacity,), bool), event_reason=i32(capacity),
-      event_failed=jnp.zeros((capacity,), bool), event_extensions=i32(capacity))
+      event_failed=jnp.zeros((capacity,), bool), event_extensions=i32(capacity),
+      spec=None if config.speculation is None else SpecLog(
+          accepted=i32(capacity), tokens=jnp.full((capacity, 1 + config.speculation.k), -1,
+                                                  jnp.int32),
+          counts=i32(3 + config.speculation.k)))
   state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
   carry = _Carry(manifest, state, pages, buffers, jnp.asarray(realized, jnp.int32),
                  jnp.asarray(at_epoch, bool), log)
@@ -378,6 +403,22 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       stats=jnp.zeros((num_iterations,) + stats.shape, stats.dtype)))
   carry = jax.lax.while_loop(lambda c: c.log.code == LoopExit.CONTINUE, body, carry)
   return carry.manifest, carry.state, carry.pages, carry.buffers, carry.log
+
+
+def _log_spec(log: SpecLog, spec, put) -> SpecLog:
+  """``log`` with one iteration's ``StepFacts.spec`` (num_draft, accepted,
+  tokens over the R slots): its events' rows (``put``: to their places)
+  and the counts ``SpecCounts.add`` takes from it."""
+  num_draft, accepted, tokens = spec
+  drafted = num_draft > 0
+  total = lambda x: jnp.sum(jnp.where(drafted, x, 0), dtype=jnp.int32)
+  k = log.counts.shape[0] - 3
+  per_pos = jnp.sum(drafted[:, None] & (accepted[:, None] > jnp.arange(k)[None, :]), axis=0,
+                    dtype=jnp.int32)
+  counts = log.counts + jnp.concatenate([
+      jnp.stack([total(1), total(num_draft), total(accepted)]), per_pos])
+  return SpecLog(accepted=put(log.accepted, accepted), tokens=put(log.tokens, tokens),
+                 counts=counts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -309,6 +309,16 @@ class SpecCounts:
         for pos in range(int(a)):
           self.accepted_per_pos[pos] += 1
 
+  def add_counts(self, counts) -> None:
+    """Counts the totals of many steps: i32[3 + K] drafting rows, draft
+    tokens, accepted tokens, then the accepted drafts per position
+    (``sim_loop.SpecLog.counts``)."""
+    counts = [int(x) for x in counts]
+    self.num_drafts += counts[0]
+    self.num_draft_tokens += counts[1]
+    self.num_accepted_tokens += counts[2]
+    self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, counts[3:])]
+
   def stats(self) -> dict:
     """The counters and the acceptance rate as a JSON-ready dict."""
     return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

@@ -167,11 +167,9 @@ def test_same_seed_same_replay_bytes(cost_file, tmp_path):
           != other["engine_outcomes"]["spec_decode"])
 
 
-def test_the_loop_refuses_speculation_and_the_settings_are_checked(cost_file):
+def test_the_loop_takes_speculation_and_the_settings_are_checked(cost_file):
   engine = Engine(CFG, None, _config(cost_file, enable_prefix_caching=False))
-  assert "EngineConfig.speculative must be '' for the loop" in engine.loop_refusal()
-  with pytest.raises(ValueError, match="Engine.simulate: EngineConfig.speculative"):
-    engine.simulate()
+  assert engine.loop_refusal() is None      # test_sim_loop_speculative runs it
   with pytest.raises(ValueError, match=r"EngineConfig.spec_acceptance must be in \(0, 1\] "
                                        r"with executor 'simulated'"):
     _config(cost_file, alpha=0.0)
