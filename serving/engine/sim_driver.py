@@ -157,8 +157,9 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   """The host's side of a ``loop`` call's iterations, as ``Engine.step``
   keeps them: the admitted requests' slots, each request's news
   (``RequestTable.take_news``: tokens, their times, outcomes), released slots,
-  counters (``Engine.spec_counts`` with speculative decoding); ``marks`` (``simulate``'s) gets each request's first token and
-  end, at the emission time of the iteration that brought it."""
+  counters (``Engine.spec_counts`` with speculative decoding); ``marks``
+  (``simulate``'s) gets each request's first token and end, at the
+  emission time of the iteration that brought it."""
   table = engine.table
   live = table.live()
   admitted = queued[:int(log.num_admitted)]

@@ -4,14 +4,14 @@ tokens (several per verified row), outcomes, times, iteration counts and
 draft counters (``Engine.spec_counts``)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
+from serving.engine import sim_driver
 from serving.engine import sim_loop
-from serving.engine.engine import Engine
+from serving.engine.config import SamplingParams
 from serving.harness.replay import replay
 from tests.serving import test_sim_loop as base
 from tests.serving.engine_testing import CFG
@@ -72,30 +72,24 @@ def test_the_loop_runs_the_step_paths_speculative_iterations(cost_file, policy, 
       assert loop_engine.num_preemptions > 0, name
 
 
-def test_the_log_carries_a_verified_rows_tokens(cost_file):
+def test_the_log_carries_a_verified_rows_tokens(cost_file, monkeypatch):
   """Without speculation the log has no ``spec`` part; with k drafts its
   rows are 1 + k tokens wide and its counters k positions long."""
   plain = base._engine(cost_file)
   spec = _spec_engine(cost_file, "sarathi_serve", "ngram:k=4,n=3")
-  logs = []
+  take, logs = sim_driver.take_log, []
+
+  def keep(engine, log, *args, **kwargs):
+    logs.append(log)
+    return take(engine, log, *args, **kwargs)
+
+  monkeypatch.setattr(sim_driver, "take_log", keep)
   for engine in (plain, spec):
-    engine.add_request("r", [5, 6, 7, 5, 6, 7], base.SamplingParams(max_tokens=9,
-                                                                      ignore_eos=True))
+    engine.add_request("r", [5, 6, 7, 5, 6, 7], SamplingParams(max_tokens=9, ignore_eos=True))
     engine.realized_output_tokens["r"] = 9
-    seen = []
-    take = base.sim_driver.take_log
-
-    def keep(engine_, log, *args, **kwargs):
-      seen.append(log)
-      return take(engine_, log, *args, **kwargs)
-
-    base.sim_driver.take_log = keep
-    try:
-      engine.simulate()
-    finally:
-      base.sim_driver.take_log = take
-    logs.append(seen[0])
+    engine.simulate()
     assert engine.requests["r"].output_token_ids and not engine.has_unfinished()
+  assert len(logs) == 2
   assert logs[0].spec is None
   capacity = sim_loop.LOOP_ITERATIONS * spec.config.max_num_seqs
   assert logs[1].spec.tokens.shape == (capacity, 5)
@@ -106,14 +100,28 @@ def test_the_log_carries_a_verified_rows_tokens(cost_file):
   assert spec.spec_counts.num_drafts == spec.num_iterations - 1   # every decode row drafts
 
 
-def test_replay_script_takes_the_loop_with_speculation(cost_file, tmp_path):
+def test_replay_script_takes_the_loop_with_speculation(tmp_path):
+  """The launcher's simulated speculation runs in the loop (prefix caching,
+  on by default, is the one setting to turn off)."""
   out = tmp_path / "report.json"
-  env = dict(os.environ)
   subprocess.run(
-      [sys.executable, "scripts/replay.py", "--executor=simulated", "--model=tiny",
-       "--speculative=ngram:k=4", "--spec_acceptance=0.7", "--noenable_prefix_caching",
-       f"--cost_model={cost_file}", "--num_requests=6", f"--output={out}"],
-      check=True, env=env, capture_output=True)
+      [sys.executable, "scripts/replay.py", "--executor=simulated", "--speculative=ngram:k=4",
+       "--spec_acceptance=0.7", "--noenable_prefix_caching", "--num_requests=4",
+       f"--out={out}"], check=True, capture_output=True, timeout=600)
   report = json.loads(out.read_text())
   assert report["config"]["replay_path"]["path"] == "loop"
   assert report["engine_outcomes"]["spec_decode"]["num_drafts"] > 0
+
+
+def test_the_loop_refuses_a_draft_model(cost_file, tmp_path):
+  """A draft model's forwards are priced on the host only: the step path
+  runs it (test_sim_draft), the loop refuses it, naming the field."""
+  from tests.serving.test_sim_draft import write_draft    # pylint: disable=import-outside-toplevel
+  draft = write_draft(tmp_path / "tiny-draft", CFG.vocab_size, weights=False)
+  engine = _spec_engine(cost_file, "sarathi_serve", f"draft:{draft},k=3")
+  assert "EngineConfig.speculative must not name a draft model" in engine.loop_refusal()
+  with pytest.raises(ValueError, match="Engine.simulate: EngineConfig.speculative"):
+    engine.simulate()
+  records, _ = replay(engine, base._workload(n=3))
+  assert all(r.outcome == "completed" for r in records)
+  assert "loop" not in engine.compiled_programs()
