@@ -17,7 +17,8 @@ pass built from the step path's own pieces (``serving.engine.programs``):
 7. the clock moves by it, and the iteration's emission times move from the
    launch to it (``apply.restamp_emissions``, what the next plan program
    does on the step path);
-8. the iteration and its emitting or ending slots are logged (``SimLog``);
+8. the iteration and its emitting or ending slots are logged (``SimLog``;
+   with speculative decoding each row's tokens and drafts, ``SpecLog``);
 9. finished slots are released (``programs.release_slots``).
 
 It returns to the host (``SimLog.code``) when the log is full, the clock
