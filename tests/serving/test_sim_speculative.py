@@ -2,8 +2,8 @@
 drafts at the stated rate, deterministically from (seed, request id,
 output index); a request's tokens and recorded length are those without
 speculation; the cost model charges every verify row as a generated row
-with its context; the device loop refuses speculation (the step path runs
-it)."""
+with its context; the device loop takes n-gram speculation
+(test_sim_loop_speculative compares it with the step path)."""
 
 import dataclasses
 import json
