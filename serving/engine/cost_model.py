@@ -433,7 +433,7 @@ def step_features(stats, bucket: int, costs: ModelCosts, xp=np) -> np.ndarray:
   if not set(mine) <= set(kinds):
     raise ValueError(f"step_features: the draft model's window kinds {mine} are not among "
                      f"the target's {kinds}")
-  at = [kinds.index(k) for k in mine]
+  at = np.array([kinds.index(k) for k in mine], np.int32)
   if stats.shape[0] == head:
     tail = xp.zeros((len(DRAFT_STATS) + len(kinds),), dtype)
   else:

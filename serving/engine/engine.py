@@ -662,7 +662,7 @@ class Engine:
   def loop_refusal(self) -> Optional[str]:
     """Why ``simulate`` cannot run this engine, None when it can: it needs
     the simulated executor on a virtual clock, prefix caching off, recompute
-    preemption, one device, no draft model, ``record_plans`` off (``sim_loop.refusal``)."""
+    preemption, one device, ``record_plans`` off (``sim_loop.refusal``)."""
     return sim_loop.refusal(self.config, self._virtual, self.record_plans)
 
   def simulate(self, stop_ms: float = math.inf, *, max_iterations: Optional[int] = None,

@@ -103,11 +103,6 @@ def refusal(config: EngineConfig, virtual: bool, record_plans: bool) -> Optional
     return f"EngineConfig.mesh must be '' for the loop (one device), got {config.mesh!r}"
   if record_plans:
     return "Engine.record_plans must be False for the loop (its plans stay on the device)"
-  spec = config.speculation
-  if spec is not None and spec.method == "draft":
-    return (f"EngineConfig.speculative must not name a draft model for the loop (the device "
-            f"does not price a draft model's forwards: cost_model.step_features), got "
-            f"{config.speculative!r}")
   if config.role != "mixed":
     return (f"EngineConfig.role must be 'mixed' for the loop (a handoff leaves the engine "
             f"between iterations), got {config.role!r}")

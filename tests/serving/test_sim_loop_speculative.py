@@ -100,6 +100,7 @@ def test_the_log_carries_a_verified_rows_tokens(cost_file, monkeypatch):
   assert spec.spec_counts.num_drafts == spec.num_iterations - 1   # every decode row drafts
 
 
+@pytest.mark.extended
 def test_replay_script_takes_the_loop_with_speculation(tmp_path):
   """The launcher's simulated speculation runs in the loop (prefix caching,
   on by default, is the one setting to turn off)."""
@@ -113,15 +114,22 @@ def test_replay_script_takes_the_loop_with_speculation(tmp_path):
   assert report["engine_outcomes"]["spec_decode"]["num_drafts"] > 0
 
 
-def test_the_loop_refuses_a_draft_model(cost_file, tmp_path):
-  """A draft model's forwards are priced on the host only: the step path
-  runs it (test_sim_draft), the loop refuses it, naming the field."""
+def test_the_loop_runs_a_draft_models_iterations(cost_file, tmp_path):
+  """A draft model's forwards are priced on the device by the host's
+  definition (``cost_model.step_features``' three rows): loop and step give
+  the same tokens, times and counters."""
   from tests.serving.test_sim_draft import write_draft    # pylint: disable=import-outside-toplevel
   draft = write_draft(tmp_path / "tiny-draft", CFG.vocab_size, weights=False)
-  engine = _spec_engine(cost_file, "sarathi_serve", f"draft:{draft},k=3")
-  assert "EngineConfig.speculative must not name a draft model" in engine.loop_refusal()
-  with pytest.raises(ValueError, match="Engine.simulate: EngineConfig.speculative"):
-    engine.simulate()
-  records, _ = replay(engine, base._workload(n=3))
-  assert all(r.outcome == "completed" for r in records)
-  assert "loop" not in engine.compiled_programs()
+  wl = base._workload(**base.WORKLOADS["burst"])
+  step_engine = _spec_engine(cost_file, "sarathi_serve", f"draft:{draft},k=3")
+  step, step_s = replay(step_engine, wl, loop=False)
+  loop_engine = _spec_engine(cost_file, "sarathi_serve", f"draft:{draft},k=3")
+  assert loop_engine.loop_refusal() is None
+  steps = _counting_steps(loop_engine)
+  loop, loop_s = replay(loop_engine, wl)
+  assert loop_engine.compiled_programs()["loop"] >= 1
+  assert len(steps) < loop_engine.num_iterations // 2
+  base._same(step, loop)
+  assert loop_s == pytest.approx(step_s, abs=base.TIME_TOL_MS / 1000.0)
+  assert loop_engine.num_iterations == step_engine.num_iterations
+  assert loop_engine.spec_counts.stats() == step_engine.spec_counts.stats()
