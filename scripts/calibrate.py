@@ -43,8 +43,9 @@ The protocol (``serving.engine.cost_model`` holds the model it fits):
 ``--quick`` runs a smaller grid (``QUICK_GRID``: 2 batch sizes x 2 prompt
 lengths, 4 output tokens, a held-out replay of 8 requests), meant to fit in
 about 5 minutes on an idle machine where no shipped calibration holds; a
-flag given explicitly wins over it. Its error against the full protocol is
-not yet measured (docs/simulator.md); the JSON's grid says ``quick``.
+flag given explicitly wins over it. Its error against the full protocol
+(about twice it, on one machine) is in docs/simulator.md; the JSON's grid
+says ``quick``.
 
 ``--refit_steps=PATH[,PATH...]`` fits the same features by the same NNLS
 on the steps of real replays instead of the grid: the step logs of
@@ -108,8 +109,8 @@ flags.DEFINE_list("refit_steps", None, "Fit on the steps of real replays (.npz s
 flags.DEFINE_bool("holdout_only", False, "Skip the grid; check the calibration in "
                   "--out on the held-out replay.")
 flags.DEFINE_bool("quick", False, "A smaller grid (QUICK_GRID; flags given explicitly win): "
-                  "about 5 minutes on an idle machine; its error against the full grid is "
-                  "not yet measured.")
+                  "about 5 minutes on an idle machine; its error against the full grid: "
+                  "docs/simulator.md.")
 flags.DEFINE_integer("holdout_requests", 24, "Held-out replay: synthetic Azure-conv "
                      "requests (prompts <= 512, outputs <= 32 tokens).")
 flags.DEFINE_float("holdout_rate_scale", 0.1, "Held-out replay: fraction of the Azure "

@@ -44,6 +44,7 @@ def _spec_lines(lines):
   return found
 
 
+@pytest.mark.extended     # the default run keeps the counts by hand below
 def test_generate_prints_the_acceptance_of_its_drafts():
   """The counts of greedy n-gram drafts on a random model (whose answers
   repeat, so the n-grams match) hold together: a row that drafts verifies
