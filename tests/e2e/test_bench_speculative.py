@@ -29,6 +29,7 @@ def _stop_refusal_servers():
   refusals.stop_servers()
 
 
+@pytest.mark.extended     # the refusal tests below start the script by default
 def test_one_run_compares_every_setting_and_concurrency_with_the_same_tokens(tmp_path):
   out = tmp_path / "spec.json"
   proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_speculative.py"),

@@ -65,6 +65,7 @@ def test_generate_prints_the_acceptance_of_its_drafts():
   assert sum(tokens) - len(tokens) - accepted >= drafts
 
 
+@pytest.mark.extended     # the default run keeps replay's line against its JSON
 def test_generate_simulated_counts_by_hand():
   """The simulated executor accepting every draft: the prefill emits token
   1, then each decode row is offered k = 2 drafts and emits 3 tokens

@@ -265,6 +265,7 @@ def test_a_progress_callback_keeps_the_loop_and_its_records(cost_file, monkeypat
   assert len(sampler.samples) >= 2
 
 
+@pytest.mark.extended     # test_cluster_sim's overloaded case runs until_end by default
 def test_until_end_returns_after_each_ending_with_the_step_paths_marks(cost_file):
   """``simulate(until_end=True, marks=...)`` returns after exactly the
   iterations whose step outputs end a request (one loop program for both

@@ -76,6 +76,7 @@ def test_the_loop_runs_the_step_paths_speculative_iterations(cost_file, policy, 
       assert loop_engine.num_preemptions > 0, name
 
 
+@pytest.mark.extended     # the default run keeps the draft loop's equality below
 def test_the_log_carries_a_verified_rows_tokens(cost_file, monkeypatch):
   """Without speculation the log has no ``spec`` part; with k drafts its
   rows are 1 + k tokens wide and its counters k positions long."""
