@@ -133,6 +133,7 @@ def test_stop_tokens_inside_accepted_drafts_end_the_request_there(params, plain)
   assert_pages_free(engine)
 
 
+@pytest.mark.extended     # 300 seeded runs; the default run keeps the seeded token pair
 def test_seeded_speculation_draws_from_the_same_distribution():
   """Requests with seeds 0..N-1 under speculation and seeds N..2N-1
   without: the tokens they draw at output indices 2 and 3 (which verified
