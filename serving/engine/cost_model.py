@@ -260,12 +260,13 @@ def model_costs(cfg: ModelConfig, weight_dtype: str = "float32",
       all_reduce_bytes_per_row=d * ab)
 
 
-def draft_config(target: ModelConfig, model: str,
-                 field: str = "EngineConfig.speculative") -> ModelConfig:
+def draft_config(target: ModelConfig, model: str, field: str = "EngineConfig.speculative",
+                 same_windows: bool = True) -> ModelConfig:
   """The ``ModelConfig`` of a draft model (``Speculation.draft``; read and
   checked against the ``target`` by ``speculative.draft_config`` and
-  ``check_draft``, the model executor's own rules), which the simulator
-  can price.
+  ``check_draft``, the model executor's own rules). With ``same_windows``
+  (the simulator) its window kinds must be among the target's, which the
+  simulator charges its attention by; the model executor runs any.
 
   Raises:
     ValueError: naming ``field``: the model cannot be read; its vocabulary
@@ -280,7 +281,7 @@ def draft_config(target: ModelConfig, model: str,
     raise ValueError(f"{field}: the draft model {model!r} cannot be read: {e}") from None
   speculative.check_draft(target, cfg, field)
   extra = sorted(set(cfg.window_kinds) - set(target.window_kinds))
-  if extra:
+  if same_windows and extra:
     raise ValueError(f"{field}: the draft model {model!r} has attention window(s) {extra} the "
                      f"target {target.name!r} lacks ({list(target.window_kinds)}): the "
                      f"simulator charges a draft's attention by the target's window kinds")

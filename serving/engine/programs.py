@@ -46,7 +46,6 @@ from scheduler.policy_forced import ForcedPreemption
 from scheduler.policy_speculative import AdaptiveDraft, FixedDraft
 from serving.engine import cost_model as cost_lib
 from serving.engine import sim_executor
-from serving.engine import speculative
 from serving.engine.config import EngineConfig, ExecutorConfig
 from serving.engine.executor import ModelRunner, allocate_for_plan, execute, init_buffers
 from serving.engine.facts import Arrival, PlanFacts, StepFacts
@@ -436,13 +435,7 @@ def draft_model_config(model_cfg, config: EngineConfig):
   spec = config.speculation
   if config.executor == "simulated" or spec is None or spec.method != "draft":
     return None
-  try:
-    draft_cfg = speculative.draft_config(spec.draft)
-  except ValueError as e:
-    raise ValueError(f"EngineConfig.speculative: the draft model {spec.draft!r} cannot be "
-                     f"read: {e}") from None
-  speculative.check_draft(model_cfg, draft_cfg)
-  return draft_cfg
+  return cost_lib.draft_config(model_cfg, spec.draft, same_windows=False)
 
 
 def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
