@@ -126,6 +126,22 @@ _HEALTH_FAILS = 2               # failed checks in a row that mark such a replic
 _AGREE = ("model", "page_size", "vocab_size", "max_model_len")   # a rejoining replica's
 
 
+class _ReplicaTransport(httpx.AsyncHTTPTransport):
+  """httpx's transport, with one more way a dying replica shows: a
+  connection the replica's kernel resets while httpcore opens it can raise
+  ``AttributeError`` from anyio (the socket is gone before its peer name is
+  read). That is a replica not answering, so it is raised as
+  ``httpx.ConnectError`` like a refused connection, and the probe, re-route
+  and failure paths treat it as one."""
+
+  async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    try:
+      return await super().handle_async_request(request)
+    except AttributeError as e:
+      raise httpx.ConnectError(f"connection lost while opening it ({e})",
+                               request=request) from e
+
+
 def relayed_error(replica: int, status: int, content: bytes,
                   headers: Optional[dict] = None) -> Response:
   """A replica's non-200 answer as the front returns it: its OpenAI error
@@ -587,7 +603,8 @@ class ReplicaFront:
     @contextlib.asynccontextmanager
     async def lifespan(_):
       limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-      self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+      self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                    transport=_ReplicaTransport(limits=limits))
       health = asyncio.create_task(self._health())
       yield
       health.cancel()

@@ -181,6 +181,32 @@ def test_a_replica_error_reaches_the_client_in_the_openai_shape():
   assert (same.status_code, same.body, same.headers["x-iterserve-replica"]) == (400, body, "0")
 
 
+def test_a_connection_reset_while_opening_is_a_replica_not_answering(monkeypatch):
+  """A replica killed as the front connects can make anyio raise
+  AttributeError (its socket is gone before its peer name is read): the
+  front's transport raises it as httpx.ConnectError, so the health probe
+  says "not answering" instead of the request failing with HTTP 500; any
+  other error still propagates."""
+  import asyncio
+  import types
+  raised = {"error": AttributeError("'NoneType' object has no attribute 'getpeername'")}
+
+  async def opening(self, request):
+    raise raised["error"]
+
+  monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", opening)
+
+  async def probe():
+    async with httpx.AsyncClient(transport=replicas_module._ReplicaTransport()) as http:
+      front = types.SimpleNamespace(http=http, urls=["http://127.0.0.1:9"])
+      return await ReplicaFront._probe(front, 0)
+
+  assert asyncio.run(probe()) is False
+  raised["error"] = ValueError("a bug of ours")
+  with pytest.raises(ValueError, match="a bug of ours"):
+    asyncio.run(probe())
+
+
 def test_bench_serving_against_a_front_reports_only_its_own_requests(replicas, tmp_path):
   """Two requests before the run, three in it: the report's router section
   counts the three (placements, records and prefix-cache counters since the
