@@ -1,7 +1,13 @@
 """Test-run setup.
 
-No persistent XLA compilation cache in the test processes: each worker
-compiles what its files need.
+One persistent XLA compilation cache per test run, shared by the xdist
+workers: a temporary directory the first process creates
+(``ITERSERVE_TEST_XLA_CACHE``, inherited by the workers) and removes at the
+end. Files compile the same tiny engines' programs again and again (the
+same policies, buckets and model); loading one costs a fraction of
+compiling it, which took the suite from 22.4 to 17.3 minutes on a 2-core
+Xeon. Every program is stored (no minimum compile time). A run starts cold,
+so no test depends on an earlier run's programs.
 
 Each compiled XLA:CPU program holds about 17 memory mappings until it is
 freed, and a test worker compiles thousands of programs. One worker held
@@ -22,10 +28,13 @@ Launchers started by tests choose "auto" kernels by rule, not by a timing
 
 import gc
 import os
+import shutil
+import tempfile
 
 import jax
 
 _MAX_MAPS = 20_000
+_CACHE_ENV = "ITERSERVE_TEST_XLA_CACHE"
 
 
 def _num_maps():
@@ -33,10 +42,24 @@ def _num_maps():
     return sum(1 for _ in f)
 
 
+_OWN_CACHE = []      # the directory this process made (and removes)
+
+
 def pytest_configure(config):
   del config
   os.environ.setdefault("ITERSERVE_AUTOTUNE_BUDGET_S", "0")
-  jax.config.update("jax_enable_compilation_cache", False)
+  if not os.environ.get(_CACHE_ENV):
+    os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="iterserve-test-xla-")
+    _OWN_CACHE.append(os.environ[_CACHE_ENV])
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  del config
+  for path in _OWN_CACHE:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_runtest_teardown(item, nextitem):

@@ -1,16 +1,22 @@
 """The research workflow as README and docs/ablations.md tell it, on the
 simulated executor: sweep -> compare -> plots, and two replays that differ
-only in --policy compared. Subprocesses, as a user runs them; the trace is
-a small Azure-format CSV of long prompts written here, so each run takes
+only in --policy compared. As a user runs them: sweep.py and the replays as
+subprocesses, compare.py's many runs as children forked from one process
+that imported it (``tests/e2e/refusals.py``: its main as ``python
+scripts/compare.py ARGS`` runs it, without a Python start each); the trace
+is a small Azure-format CSV of long prompts written here, so each run takes
 seconds and needs no shared data."""
 
 import importlib.util
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+
+from tests.e2e import refusals
 
 ROOT = Path(__file__).resolve().parents[2]
 # Arrival offset (s), prompt tokens, output tokens: most prompts are longer
@@ -29,9 +35,19 @@ def trace(tmp_path_factory):
   return f"azure:{path}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stop_launcher_servers():
+  yield
+  refusals.stop_servers()
+
+
 def _run(script, *args, expect_rc=0):
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+  if script == "compare.py":
+    status, stdout, stderr = refusals.run(script, *args)
+    proc = types.SimpleNamespace(returncode=status, stdout=stdout, stderr=stderr)
+  else:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
   assert proc.returncode == expect_rc, proc.stdout[-2000:] + proc.stderr[-3000:]
   return proc
 
