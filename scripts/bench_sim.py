@@ -184,6 +184,7 @@ def main(argv):
          "admitted": admitted(),
          "refused_queue_full": queue_full,
          "path": "loop" if refusal is None else "step", "loop_refusal": refusal,
+         "loop_runs": engine.loop_runs.summary(),
          "enable_prefix_caching": FLAGS.enable_prefix_caching,
          "stopped_early": stopped, "wall_s": wall_s,
          "virtual_s": engine.now_ms() / 1000.0, "iterations": engine.num_iterations,

@@ -108,7 +108,8 @@ def main(argv):
   config["family"] = cfg.family
   config["model_costs"] = launch.model_costs(cfg, engine.config)
   config["workload"] = workload.describe()
-  config["replay_path"] = {"path": sim_path, "why": why}
+  config["replay_path"] = {"path": sim_path, "why": why,
+                          "loop_runs": engine.loop_runs.summary()}
   if engine.cost_model is None:     # wall-clock facts stay out of virtual-time reports
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))

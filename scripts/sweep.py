@@ -132,7 +132,8 @@ def run_trial(model_cfg, params, config, wl):
   clients = sorted({r.client for r in records})
   return {
       "duration_s": duration_s, "wall_s": wall_s, "iterations": engine.num_iterations,
-      "replay_path": {"path": sim_path, "why": why},
+      "replay_path": {"path": sim_path, "why": why,
+                      "loop_runs": engine.loop_runs.summary()},
       "iterations_per_s": engine.num_iterations / wall_s,
       "attainment": led["goodput"]["offered_attainment"],
       "admitted_attainment": led["goodput"]["admitted_attainment"],

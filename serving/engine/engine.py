@@ -187,7 +187,7 @@ class Engine:
     self.policy_evaluations = 0
     self._pages_low = False             # the last step's ``StepFacts.pages_low``
     self._program_sets = [self._programs]     # one per slot-table size used
-    self._loop_sets = []                      # ``simulate``'s programs used
+    self.loop_runs = sim_driver.LoopRuns()    # how ``simulate`` ran (its programs too)
 
   @property
   def num_slots(self) -> int:
@@ -734,7 +734,7 @@ class Engine:
     only) by the power-of-two page counts up to ``pages_per_seq``; the
     others, ``simulate``'s ``loop`` among them (per iterations per call), by 1."""
     total: Dict[str, int] = {}
-    for programs in self._program_sets + self._loop_sets:
+    for programs in self._program_sets + self.loop_runs.programs:
       for name, n in programs.cache_sizes().items():
         total[name] = total.get(name, 0) + n
     return total

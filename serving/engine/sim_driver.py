@@ -20,8 +20,10 @@ then are pending.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -29,6 +31,37 @@ from serving.engine import clocks
 from serving.engine import sim_loop
 from serving.engine.facts import Arrival
 from serving.engine.requests import Request
+
+
+@dataclasses.dataclass
+class LoopRuns:
+  """How ``simulate`` ran an engine (``Engine.loop_runs``), so a report can
+  say how much of a simulation the loop covered and why the rest fell back.
+
+  Attributes:
+    programs: the ``loop`` programs used (one per iterations-per-call and
+      slot-table size; ``Engine.compiled_programs`` counts their compiles).
+    calls: loop program calls.
+    loop_iterations: iterations the loop program committed.
+    host_iterations: iterations ``simulate`` ran as ``Engine.step`` because
+      the loop returned for the host (``LoopExit.HOST`` / ``REBASE``).
+    exits: calls per ``LoopExit`` name (why each call returned).
+  """
+
+  programs: list = dataclasses.field(default_factory=list)
+  calls: int = 0
+  loop_iterations: int = 0
+  host_iterations: int = 0
+  exits: Dict[str, int] = dataclasses.field(default_factory=collections.Counter)
+
+  def summary(self) -> dict:
+    """The counts as JSON: calls, loop and host iterations, the loop's
+    share of the iterations (None before any), exits by name."""
+    total = self.loop_iterations + self.host_iterations
+    return {"calls": self.calls, "loop_iterations": self.loop_iterations,
+            "host_iterations": self.host_iterations,
+            "loop_fraction": round(self.loop_iterations / total, 6) if total else None,
+            "exits": dict(sorted(self.exits.items()))}
 
 
 def add_future_request(engine, request_id, prompt_token_ids, sampling, arrival_ms,
@@ -87,7 +120,9 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       return
     if code in (sim_loop.LoopExit.HOST, sim_loop.LoopExit.REBASE):
       table.take_arrived(engine.now_ms())
+      before = engine.num_iterations
       outputs = engine.step()
+      engine.loop_runs.host_iterations += engine.num_iterations - before
       if marks is not None:
         step_marks(engine, outputs, marks)
       if until_end and any(out.finished for out in outputs):
@@ -121,8 +156,9 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
   c, table = engine.config, engine.table
   loop = sim_loop.loop_program(engine.model_cfg, c, engine.cost_model, engine.model_costs,
                                iterations)
-  if loop not in engine._loop_sets:
-    engine._loop_sets.append(loop)
+  runs = engine.loop_runs
+  if loop not in runs.programs:
+    runs.programs.append(loop)
   epoch = engine.clocks.device_epoch_ms
   free = len(table.free_slots())
   queued = table.future[:min(sim_loop.QUEUE_SIZE, free)]
@@ -149,6 +185,9 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
   log = engine._fetch(log)
   take_log(engine, log, queued, marks)
   engine.clock.advance_to(float(sim_loop.from_bits(log.clock)))
+  runs.calls += 1
+  runs.loop_iterations += int(log.num_iterations)
+  runs.exits[sim_loop.LoopExit(int(log.code)).name] += 1
   return int(log.code)
 
 

@@ -267,7 +267,8 @@ def replay_cluster(engines: Sequence[Engine], router: Router, workload: Workload
              else _record(engines[placement[s.request_id]], s, 0.0)
              for s in workload.requests]
   return (records, end_ms / 1000.0, placement, route_log,
-          {"path": path, "why": why, "iterations_stepped": stepped, "runs": runs})
+          {"path": path, "why": why, "iterations_stepped": stepped, "runs": runs,
+           "loop_runs": [e.loop_runs.summary() for e in engines]})
 
 
 # ------------------------------------------------------ prefill/decode pools

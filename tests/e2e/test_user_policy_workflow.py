@@ -99,10 +99,19 @@ def test_replay_sweep_schedule_log_and_compare_by_file_spec(tmp_path):
     assert set(report["ledger"]["fairness"]["by_client"]) == {"c0", "c1"}
     assert report["config"]["replay_path"] == {          # the tiny preset caches prefixes
         "path": "step", "why": "EngineConfig.enable_prefix_caching must be False for the "
-        "loop (it maps no prefix hits and registers no pages), got True"}
+        "loop (it maps no prefix hits and registers no pages), got True",
+        "loop_runs": {"calls": 0, "loop_iterations": 0, "host_iterations": 0,
+                      "loop_fraction": None, "exits": {}}}
   looped = tmp_path / "loop.json"
   _run("replay.py", *common, f"--policy={SPEC}", "--noenable_prefix_caching", f"--out={looped}")
-  assert json.loads(looped.read_text())["config"]["replay_path"] == {"path": "loop", "why": ""}
+  report = json.loads(looped.read_text())
+  path = report["config"]["replay_path"]
+  assert (path["path"], path["why"]) == ("loop", "")
+  # Every iteration of the run is counted once, in the loop or on the host.
+  runs = path["loop_runs"]
+  assert runs["loop_iterations"] + runs["host_iterations"] == report["engine_outcomes"][
+      "iterations"] and runs["loop_iterations"] > 0
+  assert sum(runs["exits"].values()) == runs["calls"] > 0
   table = _run("compare.py", str(runs["fcfs"]), str(runs["las"]),
                "--metric=client_service_gap").stdout
   assert "client_service_gap" in table and "(lower is better)" in table

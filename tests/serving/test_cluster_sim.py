@@ -186,11 +186,20 @@ def test_mixed_replicas_take_the_loop_with_the_step_paths_outcomes(cost_file, mo
   step, loop = out[False], out[True]
   _assert_same_outcomes(out, wl)
   total = sum(e.num_iterations for e in loop[5])
+  unused = {"calls": 0, "loop_iterations": 0, "host_iterations": 0, "loop_fraction": None,
+            "exits": {}}
   assert step[4] == {"path": "step", "why": "loop=False was asked for",
-                     "iterations_stepped": total, "runs": 0}
+                     "iterations_stepped": total, "runs": 0, "loop_runs": [unused] * 2}
   assert step[6] == total
   assert loop[4]["path"] == "loop" and loop[4]["why"] == ""
   assert loop[4]["iterations_stepped"] == 0
+  # Engine.loop_runs: every iteration ran in the loop or was handed to the
+  # host (the forced preemptions), one exit reason per loop call.
+  runs = loop[4]["loop_runs"]
+  assert sum(r["loop_iterations"] + r["host_iterations"] for r in runs) == total
+  assert 0 < sum(r["host_iterations"] for r in runs) <= loop[6]
+  assert all(sum(r["exits"].values()) == r["calls"] > 0 for r in runs)
+  assert sum(r["exits"].get("HOST", 0) for r in runs) > 0
   assert set(step[2].values()) == {0, 1}
   # Each run stops at an arrival (per replica), an ending, or with nothing left.
   assert 0 < loop[6] < total / 3 and loop[4]["runs"] <= 3 * len(wl)
