@@ -34,7 +34,9 @@ _NOT_COORDINATES = {"policy_id", "policy_version", "workload", "compile_seconds_
 
 def coordinates(run: dict) -> Dict[str, str]:
   """The comparison coordinates of a replay report or a sweep trial
-  (each rendered as a canonical JSON string)."""
+  (each rendered as a canonical JSON string). ``rate_scale`` only where the
+  run has one (a sweep's rate grid): a replay report's rate is its
+  workload's ``time_scale``, in ``trace``."""
   config = run.get("config", {})
   cost = config.get("cost_model")
   cost = None if cost is None else {k: cost.get(k) for k in ("coef_ms", "combine",
@@ -49,7 +51,7 @@ def coordinates(run: dict) -> Dict[str, str]:
       "executor": [config.get("executor", "model"), config.get("clock", "wall")],
       "cost_model": cost,
       "trace": workload,
-      "rate_scale": run.get("rate_scale", 1.0),
+      **({"rate_scale": run["rate_scale"]} if "rate_scale" in run else {}),
       "slo": run.get("slo") or run.get("ledger", {}).get("slo"),
       "metric_definitions": run.get("metric_definitions", METRIC_DEFINITIONS),
       "engine_config": engine,

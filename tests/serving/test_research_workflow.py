@@ -124,6 +124,23 @@ def _report(cost_file, policy):
   return json.loads(json.dumps(report))
 
 
+def test_a_replays_rate_is_its_workloads_time_scale_not_a_rate_scale():
+  """A replay report carries its rate in the workload (``time_scale``: 1/20
+  for --rate_scale=20), so its coordinates have no ``rate_scale`` (it used
+  to print 1.0 for every replay); two replays at different rates are refused
+  naming the time scale; a sweep's rate grid stays a coordinate."""
+  replay = lambda scale: {"config": {"model": "m", "workload": {
+      "source": "synthetic", "time_scale": scale}}}
+  coords = ablation.coordinates(replay(0.05))
+  assert "rate_scale" not in coords
+  assert json.loads(coords["trace"]) == {"source": "synthetic", "time_scale": 0.05}
+  with pytest.raises(ValueError, match=r"coordinate 'trace' differs in time_scale "
+                                       r"\(0\.05 vs 10\.0\)"):
+    ablation.check_comparable([replay(0.05), replay(10.0)], ["a.json", "b.json"])
+  sweep = dict(replay(1.0), rate_scale=[0.5, 2])
+  assert json.loads(ablation.coordinates(sweep)["rate_scale"]) == [0.5, 2]
+
+
 def test_outcomes_are_not_coordinates_so_policies_compare(cost_file):
   """Two replays that differ only in the policy measure different outcomes
   (iterations, prompt rows computed, prefix-cache counters) and still
