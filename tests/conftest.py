@@ -6,7 +6,7 @@ workers: a temporary directory the first process creates
 end. Files compile the same tiny engines' programs again and again (the
 same policies, buckets and model); loading one costs a fraction of
 compiling it, which took the suite from 22.4 to 17.3 minutes on a 2-core
-Xeon. Every program is stored (no minimum compile time). A run starts cold,
+Xeon (AVX-512, AMX). Every program is stored (no minimum compile time). A run starts cold,
 so no test depends on an earlier run's programs.
 
 Each compiled XLA:CPU program holds about 17 memory mappings until it is

@@ -41,15 +41,14 @@ class LoopRuns:
   Attributes:
     programs: the ``loop`` programs used (one per iterations-per-call and
       slot-table size; ``Engine.compiled_programs`` counts their compiles).
-    calls: loop program calls.
     loop_iterations: iterations the loop program committed.
     host_iterations: iterations ``simulate`` ran as ``Engine.step`` because
       the loop returned for the host (``LoopExit.HOST`` / ``REBASE``).
-    exits: calls per ``LoopExit`` name (why each call returned).
+    exits: loop program calls per ``LoopExit`` name (why each call
+      returned; their sum is the number of calls).
   """
 
   programs: list = dataclasses.field(default_factory=list)
-  calls: int = 0
   loop_iterations: int = 0
   host_iterations: int = 0
   exits: Dict[str, int] = dataclasses.field(default_factory=collections.Counter)
@@ -58,7 +57,7 @@ class LoopRuns:
     """The counts as JSON: calls, loop and host iterations, the loop's
     share of the iterations (None before any), exits by name."""
     total = self.loop_iterations + self.host_iterations
-    return {"calls": self.calls, "loop_iterations": self.loop_iterations,
+    return {"calls": sum(self.exits.values()), "loop_iterations": self.loop_iterations,
             "host_iterations": self.host_iterations,
             "loop_fraction": round(self.loop_iterations / total, 6) if total else None,
             "exits": dict(sorted(self.exits.items()))}
@@ -185,7 +184,6 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
   log = engine._fetch(log)
   take_log(engine, log, queued, marks)
   engine.clock.advance_to(float(sim_loop.from_bits(log.clock)))
-  runs.calls += 1
   runs.loop_iterations += int(log.num_iterations)
   runs.exits[sim_loop.LoopExit(int(log.code)).name] += 1
   return int(log.code)
