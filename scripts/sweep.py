@@ -26,6 +26,15 @@ so when it cuts. The simulated executor reads only the model's config
 loaded).
 
   python scripts/compare.py OUT/sweep.json --metric=g_star    # the ranking
+
+``--jobs=2`` runs two trials at a time, each in a spawned process; trials
+are handed out rate by rate, so the processes run different policies at
+once. The programs (one loop program per policy and slot-table size; the
+table grows through the same sizes at every rate) are kept in the XLA
+compilation cache under ``--cache_dir``: each compiles once, in whichever
+process needs it first, and a later sweep loads them. Each trial records
+the seconds its replay spent on programs (tracing, compiling or loading:
+``compile``) beside its ``wall_s``.
 """
 
 import dataclasses
@@ -39,6 +48,7 @@ from concurrent import futures
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax
 import numpy as np
 from absl import flags
 
@@ -86,6 +96,10 @@ flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs); cre
 flags.DEFINE_integer("jobs", 1, "Trials run at once, each in a process of its own "
                      "(spawned; every trial is deterministic, so the results do not depend "
                      "on it). 2 uses both cores of a 2-core machine.")
+flags.DEFINE_string("cache_dir", ".cache/iterserve", "XLA compilation cache under "
+                    "CACHE_DIR/xla, shared by the trial processes and later sweeps: a "
+                    "program (one per policy and slot-table size) compiles once, not once "
+                    "per process ('' = none).")
 flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
                   "sweep.json files (same trace, window, SLOs, alpha and trials; "
                   "different rate grids) into --out, recomputing G* and plots.")
@@ -111,15 +125,48 @@ def model_config(name: str):
   return (PRESETS[name] if name in PRESETS else loaders.load_config(name)[0]), None
 
 
+class _CompileTime:
+  """What JAX spent on programs in this process (tracing, lowering, and
+  compiling or loading from the compilation cache; ``jax.monitoring``
+  events), so a trial's record can say how much of its wall time was not
+  simulation."""
+
+  def __init__(self):
+    self.seconds, self.programs, self.loaded = 0.0, 0, 0
+    jax.monitoring.register_event_duration_secs_listener(self._duration)
+    jax.monitoring.register_event_listener(self._event)
+
+  def _duration(self, event: str, seconds: float, **_) -> None:
+    if event.startswith("/jax/core/compile/"):
+      self.seconds += seconds
+      self.programs += event == "/jax/core/compile/backend_compile_duration"
+
+  def _event(self, event: str, **_) -> None:
+    self.loaded += event == "/jax/compilation_cache/cache_hits"
+
+  def since(self, before: tuple) -> dict:
+    """{"seconds", "programs", "loaded_from_cache"} since ``before`` (a
+    ``snapshot()``)."""
+    now = self.snapshot()
+    return {"seconds": round(now[0] - before[0], 3), "programs": now[1] - before[1],
+            "loaded_from_cache": now[2] - before[2]}
+
+  def snapshot(self) -> tuple:
+    return self.seconds, self.programs, self.loaded
+
+
 def run_trial(model_cfg, params, config, wl):
   clock = FLAGS.clock or ("virtual" if config.executor == "simulated" else "wall")
   engine = Engine(model_cfg, params, config,
                   clock=VirtualClock() if clock == "virtual" else time.monotonic)
   sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
   sim_path, why = replay_path(engine)
+  compile_time = _setup()[3]
+  before = compile_time.snapshot()
   t = time.perf_counter()
   records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler)
   wall_s = time.perf_counter() - t
+  compiled = compile_time.since(before)
   led = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=FLAGS.ttft_ms,
                             tpot_ms=FLAGS.tpot_ms, tbt_ms=FLAGS.tpot_ms, engine=engine,
                             sampler=sampler)
@@ -135,6 +182,7 @@ def run_trial(model_cfg, params, config, wl):
       "replay_path": {"path": sim_path, "why": why,
                       "loop_runs": engine.loop_runs.summary()},
       "iterations_per_s": engine.num_iterations / wall_s,
+      "compile": compiled,
       "attainment": led["goodput"]["offered_attainment"],
       "admitted_attainment": led["goodput"]["admitted_attainment"],
       "request_goodput": led["goodput"]["request_goodput"],
@@ -257,6 +305,8 @@ def _check_flags():
   if not rates or any(not r > 0 for r in rates):
     raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
                      f"{FLAGS.rate_scales}")
+  if FLAGS.cache_dir:
+    cli.make_dir("cache_dir", FLAGS.cache_dir)
   traces.trace_loader(FLAGS.trace)        # refused here, before any model loads
   cli.check_engine_preset("engine", FLAGS.engine)
   if FLAGS.max_model_len < 2:
@@ -288,6 +338,7 @@ def main(argv):
             "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
             "policies": FLAGS.policies, "rate_scales": rates,
             "metric_definitions": ablation.METRIC_DEFINITIONS, "jobs": FLAGS.jobs,
+            "compile_cache": f"{FLAGS.cache_dir}/xla" if FLAGS.cache_dir else None,
             "load_avg_start": os.getloadavg(), "trials": [], "points": {}, "g_star": {}}
   tasks = [(policy, rate, k) for policy in FLAGS.policies for rate in rates
            for k in range(FLAGS.trials)]
@@ -298,7 +349,12 @@ def main(argv):
     ctx = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(FLAGS.jobs, mp_context=ctx, initializer=_parse_flags,
                                      initargs=(list(sys.argv),)) as pool:
-      result["trials"] = list(pool.map(trial, *zip(*tasks)))     # in task order
+      # Handed out rate by rate, so the processes run different policies
+      # at once: a policy's program for a slot-table size compiles in one
+      # of them and the other loads it from the compilation cache.
+      spread = sorted(tasks, key=lambda task: (rates.index(task[1]), task[2]))
+      done = dict(zip(spread, pool.map(trial, *zip(*spread))))
+      result["trials"] = [done[task] for task in tasks]
   result["wall_s"] = time.perf_counter() - t
   result["load_avg_end"] = os.getloadavg()
   finish(result)
@@ -311,16 +367,19 @@ def _parse_flags(argv) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _setup():
-  """(base EngineConfig, ModelConfig, params), once per process."""
+  """(base EngineConfig, ModelConfig, params, _CompileTime), once per
+  process, with the compilation cache of --cache_dir turned on in it."""
+  cli.use_compile_cache("cache_dir", FLAGS.cache_dir)
+  compile_time = _CompileTime()
   base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
                              executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                              num_clients=64)
-  return (base,) + model_config(FLAGS.model)
+  return (base,) + model_config(FLAGS.model) + (compile_time,)
 
 
 def trial(policy: str, rate: float, k: int) -> dict:
   """One trial: ``policy`` on trial ``k``'s window at ``rate``; its record."""
-  base, model_cfg, params = _setup()
+  base, model_cfg, params, _ = _setup()
   config = dataclasses.replace(base, policy=policy)
   wl = load(rate, k, model_cfg.vocab_size, config.max_model_len)
   note = workloads.fit_note(wl)
@@ -331,7 +390,8 @@ def trial(policy: str, rate: float, k: int) -> dict:
            offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
            window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
   print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
-        f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s", flush=True)
+        f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s (programs "
+        f"{t['compile']['seconds']:.1f} s)", flush=True)
   return t
 
 

@@ -191,7 +191,7 @@ def test_an_existing_out_file_is_overwritten_not_refused(tmp_path):
 
 
 @pytest.mark.parametrize("script,args", [("generate.py", ["--prompt=hi"]),
-                                         ("bench_sim.py", [])])
+                                         ("bench_sim.py", []), ("sweep.py", [])])
 def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading(script, args):
   status, last = _run(script, *args, "--cache_dir=README.md/cache")
   assert status == 2 and last.startswith(

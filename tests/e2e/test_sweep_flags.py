@@ -72,6 +72,9 @@ def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
           for t in result["trials"]] == [(1.0, 1, 0.5), (4.0, 1, 2.0)]
   assert [p["rate_req_s"] for p in result["points"]["sarathi_serve"]] == [0.5, 2.0]
   assert "G*(sarathi_serve) at alpha=0.9: >= 2 req/s" in proc.stdout
+  # The first trial compiled its programs (a fresh process); the record says so.
+  first = result["trials"][0]["compile"]
+  assert first["programs"] >= 1 and first["seconds"] > 0, first
 
   other = dict(result, rate_scales=[8.0], trials=[
       dict(t, rate_scale=8.0, offered_rate_req_s=4.0) for t in result["trials"][1:]])
@@ -87,7 +90,8 @@ def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
 def test_trials_in_processes_give_the_same_sweep(tmp_path):
   """``--jobs=2`` runs the trials two at a time in spawned processes; every
   trial is deterministic, so the sweep equals the one-process sweep but for
-  wall-clock fields."""
+  wall-clock fields. The two sweeps share ``--cache_dir``: the second's
+  processes load programs the first compiled."""
   trace = tmp_path / "trace.csv"
   trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                    "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:11.0000000,12,6\n"
@@ -99,14 +103,17 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
         [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--trace=azure:{trace}",
          "--engine=tiny", "--max_model_len=64", "--policies=sarathi_serve,vllm_v1",
          "--window_s=4", "--rate_scales=1,2", "--trials=1", f"--jobs={jobs}",
-         "--sample_every=1", f"--out={out}"],
+         "--sample_every=1", f"--cache_dir={tmp_path / 'cache'}", f"--out={out}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     runs.append(json.loads((out / "sweep.json").read_text()))
-  wall = ("wall_s", "iterations_per_s")
+  wall = ("wall_s", "iterations_per_s", "compile")
   strip = lambda r: [{k: v for k, v in t.items() if k not in wall} for t in r["trials"]]
   assert [(t["policy"], t["rate_scale"]) for t in runs[1]["trials"]] == [
       ("sarathi_serve", 1.0), ("sarathi_serve", 2.0), ("vllm_v1", 1.0), ("vllm_v1", 2.0)]
   assert strip(runs[0]) == strip(runs[1])
   assert runs[0]["g_star"] == runs[1]["g_star"] and runs[1]["jobs"] == 2
+  assert runs[1]["compile_cache"] == str(tmp_path / "cache" / "xla")
+  assert sum(t["compile"]["loaded_from_cache"] for t in runs[0]["trials"]) == 0
+  assert sum(t["compile"]["loaded_from_cache"] for t in runs[1]["trials"]) >= 1
 
