@@ -433,6 +433,15 @@ class _Loop:
     return dict(self.traces)
 
 
+# XLA:CPU runs the loop program's ~1,000 small operations an iteration
+# faster when it compiles them with its LLVM IR fusion emitters rather than
+# the newer MLIR ones: 0.29-0.32 -> 0.23-0.24 ms an iteration on a lightly
+# loaded trial of the Azure hour (docs/archive/benchmarks-log.md, "The loop
+# program's fusion emitters"). Set on this program only; the model's
+# programs compile with XLA's defaults. Other backends ignore the option.
+LOOP_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
 @functools.lru_cache(maxsize=16)
 def loop_program(model_cfg, config: EngineConfig, cost_model, costs,
                  num_iterations: int) -> _Loop:
@@ -443,7 +452,8 @@ def loop_program(model_cfg, config: EngineConfig, cost_model, costs,
   fn = functools.partial(simulate_steps, programs_lib.programs(model_cfg, config).policy,
                          programs_lib.bound_executor(model_cfg, config), config, cost_model,
                          costs, model_cfg.window_kinds, num_iterations)
-  return _Loop(programs_lib.counting_jit("loop", fn, traces, donate_argnums=(2, 3, 4, 5)),
+  return _Loop(programs_lib.counting_jit("loop", fn, traces, donate_argnums=(2, 3, 4, 5),
+                                         compiler_options=LOOP_COMPILER_OPTIONS),
                traces)
 
 
