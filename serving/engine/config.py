@@ -274,6 +274,8 @@ class ExecutorConfig:
   def _check_executor(self, c: str) -> None:
     for f in ("page_size", "num_pages", "max_model_len", "min_bucket"):
       _require(getattr(self, f) >= 1, c, f, "must be >= 1", getattr(self, f))
+    _require(self.max_model_len >= 2, c, "max_model_len",
+             "must be >= 2 (one prompt and one output token)", self.max_model_len)
     _require(self.min_bucket >= 2, c, "min_bucket",
              "must be >= 2 (a 1-row GEMM rounds differently on CPU)", self.min_bucket)
     _require(self.num_pages >= 2, c, "num_pages", "must be >= 2 (one is the null page)",

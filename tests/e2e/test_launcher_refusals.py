@@ -68,6 +68,8 @@ def test_a_port_in_use_is_refused_before_loading():
      "error: --prefill_chunk_rows must be 0 (off) or a positive multiple of 8, got 12"),
     ("generate.py", ["--prompt=hi", "--max_model_len=0"],
      "error: --max_model_len must be >= 1, got 0"),
+    ("replay.py", ["--executor=simulated", "--max_model_len=1"],
+     "error: --max_model_len must be >= 2 (one prompt and one output token), got 1"),
     ("generate.py", ["--prompt=hi", "--max_tokens=0"],
      "error: --max_tokens must be in [1, 2**31), got 0"),
     ("generate.py", ["--prompt=hi", "--num_pages=2"],
