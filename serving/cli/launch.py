@@ -303,8 +303,7 @@ def engine_config(**overrides) -> EngineConfig:
       refused (``check_draft_model``) or a bad ``--cost_model``.
   """
   if FLAGS.num_pages is not None and FLAGS.num_pages < 2:
-    raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), "
-                     f"got {FLAGS.num_pages}")
+    raise ValueError(f"--num_pages must be >= 2 (page 0 is the null page), got {FLAGS.num_pages}")
   names = ("dtype", "max_model_len", "weights", "int8_gemm", "decode_gemm", "kv_dtype", "policy",
            "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
            "attention_impl", "prefill_chunk_rows", "num_pages", "preemption_mode",
@@ -313,8 +312,9 @@ def engine_config(**overrides) -> EngineConfig:
            "cost_model", "enable_prefix_caching", "mesh")
   fields = {**{name: getattr(FLAGS, name) for name in names}, **overrides}
   cli.check_engine_preset("engine", FLAGS.engine)
+  speculative.check_draft_model(   # a missing draft is named before the config's rules on it
+      FLAGS.model, fields["speculative"] or EngineConfig.preset(FLAGS.engine).speculative)
   config = EngineConfig.preset(FLAGS.engine, **fields)
-  speculative.check_draft_model(FLAGS.model, config.speculative)
   check_cost_model()
   virtual = config.executor == "simulated" or FLAGS.clock == "virtual"
   if virtual and not config.cost_model and FLAGS.cache_dir:

@@ -311,6 +311,8 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
      "error: --speculative: the draft model '/nope/draft' cannot be read: unknown model"),
     ("replay.py", ["--executor=simulated", "--speculative=ngram:k=2"],
      "error: EngineConfig.spec_acceptance must be in (0, 1] with executor 'simulated'"),
+    ("replay.py", ["--executor=simulated", "--speculative=draft:/nope/draft"],    # named first
+     "error: --speculative: the draft model '/nope/draft' cannot be read: unknown model"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
      "error: --cache_dir '/proc/nope' cannot be "),
     ("replay.py", ["--out=/proc/nope/x.json", "--executor=simulated", "--num_requests=2"],
