@@ -29,8 +29,9 @@ loaded).
 
 ``--jobs=2`` runs two trials at a time, each in a spawned process; trials
 are handed out rate by rate, so the processes run different policies at
-once. The programs (one loop program per policy and slot-table size; the
-table grows through the same sizes at every rate) are kept in the XLA
+once. The programs that take over a second to compile (the loop program,
+one per policy and slot-table size, with prefix caching off; the table
+grows through the same sizes at every rate) are kept in the XLA
 compilation cache under ``--cache_dir``: each compiles once, in whichever
 process needs it first, and a later sweep loads them. Each trial records
 the seconds its replay spent on programs (tracing, compiling or loading:
@@ -95,7 +96,8 @@ flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs); cre
                     "its missing parents, an existing sweep.json in it is overwritten.")
 flags.DEFINE_integer("jobs", 1, "Trials run at once, each in a process of its own "
                      "(spawned; every trial is deterministic, so the results do not depend "
-                     "on it). 2 uses both cores of a 2-core machine.")
+                     "on it, but for wall times and program counts). 2 uses both cores of "
+                     "a 2-core machine.")
 flags.DEFINE_string("cache_dir", ".cache/iterserve", "XLA compilation cache under "
                     "CACHE_DIR/xla, shared by the trial processes and later sweeps: a "
                     "program (one per policy and slot-table size) compiles once, not once "
