@@ -128,17 +128,7 @@ flags.DEFINE_enum("profile_phase", "decode", ["decode", "prefill"],
 flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch sizes.")
 flags.DEFINE_integer("breakdown_context", 320, "Breakdown section KV rows per sequence.")
 
-# XLA backend compiles seen by this process (jax.monitoring).
-_COMPILES = [0]
-
-
-def _count_compile(event, duration_s, **kwargs):
-  del duration_s, kwargs
-  if event == "/jax/core/compile/backend_compile_duration":
-    _COMPILES[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
+_COMPILES = cli.compile_counter()     # XLA backend compiles seen by this process
 
 
 class StepTimer:
@@ -245,13 +235,13 @@ def iterserve_run(cfg, params, prompts, outputs, timer=False, **overrides):
   engine = _engine(cfg, params, **overrides)
   if timer:
     engine.step_timer = StepTimer(engine)
-  compiles = _COMPILES[0]
+  compiles = _COMPILES.programs
   t = time.perf_counter()
   for i, (p, n) in enumerate(zip(prompts, outputs)):
     engine.add_request(f"b{i}", p, SamplingParams(max_tokens=n, ignore_eos=True))
   engine.run()
   seconds = time.perf_counter() - t
-  engine.compiles_during_run = _COMPILES[0] - compiles
+  engine.compiles_during_run = _COMPILES.programs - compiles
   engine.kv = None                 # free the cache before the next engine
   got = [len(r.output_token_ids) for r in engine.requests.values()]
   assert got == list(outputs), "every request must produce its output length"
@@ -485,7 +475,7 @@ def main(argv):
          "token_buckets": list(scratch.config.token_buckets),
          "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),
-         "xla_compiles_during_warmup": _COMPILES[0]}
+         "xla_compiles_during_warmup": _COMPILES.programs}
 
   if "prefill" in FLAGS.sections:
     length = min(512, scratch.config.max_model_len - 1)

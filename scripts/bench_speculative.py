@@ -63,13 +63,7 @@ flags.DEFINE_string("speculative", ",ngram:k=4,n=3", "Settings compared, comma s
                     "'' (off, needed: the reference of the tokens), ngram:k=K,n=N or "
                     "draft:MODEL,k=K.")
 
-_COMPILES = [0]     # XLA backend compiles seen by this process
-
-
-def _count_compile(event, duration_s, **kwargs):
-  del duration_s, kwargs
-  if event == "/jax/core/compile/backend_compile_duration":
-    _COMPILES[0] += 1
+_COMPILES = cli.compile_counter()     # XLA backend compiles seen by this process
 
 
 def speculative_settings(text: str) -> list:
@@ -142,7 +136,7 @@ def measure(engine, prompts, levels, setting):
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens)
   rows, tokens = [], {}
   for c in levels:
-    before, compiles = engine.spec_counts.stats(), _COMPILES[0]
+    before, compiles = engine.spec_counts.stats(), _COMPILES.programs
     run = closed_loop.run_closed_loop(engine, prompts, sampling, c, id_prefix=f"c{c}-",
                                       cache_salt=f"c{c}")     # no prefix hits across levels
     spec = _spec_delta(engine.spec_counts.stats(), before)
@@ -151,7 +145,7 @@ def measure(engine, prompts, levels, setting):
                  "output_tokens_per_s": run.output_tokens / run.seconds,
                  "mean_tpot_ms": run.mean_tpot_ms, "iterations": run.iterations,
                  "acceptance_rate": spec.pop("acceptance_rate"), "spec_decode": spec,
-                 "compiles_during_run": _COMPILES[0] - compiles})
+                 "compiles_during_run": _COMPILES.programs - compiles})
     tokens[c] = list(run.output_token_ids.values())
     print(rows[-1], flush=True)
   return rows, tokens
@@ -198,7 +192,6 @@ def main(argv):
              passage_words=FLAGS.passage_words,
              prime_words=FLAGS.prime_words, prompt_tokens=[len(p) for p in prompts],
              token_buckets=list(base.token_buckets), device=str(jax.devices()[0]))
-  jax.monitoring.register_event_duration_secs_listener(_count_compile)
   rows, tokens = [], {}
   for setting in settings:
     engine = Engine(cfg, params, dataclasses.replace(base, speculative=setting))

@@ -49,7 +49,6 @@ from concurrent import futures
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax
 import numpy as np
 from absl import flags
 
@@ -127,48 +126,20 @@ def model_config(name: str):
   return (PRESETS[name] if name in PRESETS else loaders.load_config(name)[0]), None
 
 
-class _CompileTime:
-  """What JAX spent on programs in this process (tracing, lowering, and
-  compiling or loading from the compilation cache; ``jax.monitoring``
-  events), so a trial's record can say how much of its wall time was not
-  simulation."""
-
-  def __init__(self):
-    self.seconds, self.programs, self.loaded = 0.0, 0, 0
-    jax.monitoring.register_event_duration_secs_listener(self._duration)
-    jax.monitoring.register_event_listener(self._event)
-
-  def _duration(self, event: str, seconds: float, **_) -> None:
-    if event.startswith("/jax/core/compile/"):
-      self.seconds += seconds
-      self.programs += event == "/jax/core/compile/backend_compile_duration"
-
-  def _event(self, event: str, **_) -> None:
-    self.loaded += event == "/jax/compilation_cache/cache_hits"
-
-  def since(self, before: tuple) -> dict:
-    """{"seconds", "programs", "loaded_from_cache"} since ``before`` (a
-    ``snapshot()``)."""
-    now = self.snapshot()
-    return {"seconds": round(now[0] - before[0], 3), "programs": now[1] - before[1],
-            "loaded_from_cache": now[2] - before[2]}
-
-  def snapshot(self) -> tuple:
-    return self.seconds, self.programs, self.loaded
-
-
 def run_trial(model_cfg, params, config, wl):
+  """One replay of ``wl`` on a new engine; its record (without the trial's
+  coordinates, which ``trial`` adds)."""
   clock = FLAGS.clock or ("virtual" if config.executor == "simulated" else "wall")
   engine = Engine(model_cfg, params, config,
                   clock=VirtualClock() if clock == "virtual" else time.monotonic)
   sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
   sim_path, why = replay_path(engine)
-  compile_time = _setup()[3]
-  before = compile_time.snapshot()
+  compiles = cli.compile_counter()
+  before = compiles.snapshot()
   t = time.perf_counter()
   records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler)
   wall_s = time.perf_counter() - t
-  compiled = compile_time.since(before)
+  compiled = compiles.since(before)
   led = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=FLAGS.ttft_ms,
                             tpot_ms=FLAGS.tpot_ms, tbt_ms=FLAGS.tpot_ms, engine=engine,
                             sampler=sampler)
@@ -369,19 +340,18 @@ def _parse_flags(argv) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _setup():
-  """(base EngineConfig, ModelConfig, params, _CompileTime), once per
-  process, with the compilation cache of --cache_dir turned on in it."""
+  """(base EngineConfig, ModelConfig, params), once per process, with the
+  compilation cache of --cache_dir turned on in it."""
   cli.use_compile_cache("cache_dir", FLAGS.cache_dir)
-  compile_time = _CompileTime()
   base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
                              executor=FLAGS.executor, cost_model=FLAGS.cost_model,
                              num_clients=64)
-  return (base,) + model_config(FLAGS.model) + (compile_time,)
+  return (base,) + model_config(FLAGS.model)
 
 
 def trial(policy: str, rate: float, k: int) -> dict:
   """One trial: ``policy`` on trial ``k``'s window at ``rate``; its record."""
-  base, model_cfg, params, _ = _setup()
+  base, model_cfg, params = _setup()
   config = dataclasses.replace(base, policy=policy)
   wl = load(rate, k, model_cfg.vocab_size, config.max_model_len)
   note = workloads.fit_note(wl)

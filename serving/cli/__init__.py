@@ -88,6 +88,44 @@ def use_compile_cache(flag: str, path: str) -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+class CompileCounter:
+  """What JAX spends on programs in this process, from ``jax.monitoring``
+  events: ``seconds`` tracing, lowering and compiling or loading them,
+  ``programs`` compiled or loaded (backend compiles), ``loaded`` from the
+  persistent compilation cache. One per process (``compile_counter``):
+  listeners cannot be removed."""
+
+  def __init__(self):
+    self.seconds, self.programs, self.loaded = 0.0, 0, 0
+    import jax
+    jax.monitoring.register_event_duration_secs_listener(self._duration)
+    jax.monitoring.register_event_listener(self._event)
+
+  def _duration(self, event: str, seconds: float, **_) -> None:
+    if event.startswith("/jax/core/compile/"):
+      self.seconds += seconds
+      self.programs += event == "/jax/core/compile/backend_compile_duration"
+
+  def _event(self, event: str, **_) -> None:
+    self.loaded += event == "/jax/compilation_cache/cache_hits"
+
+  def snapshot(self) -> tuple:
+    return self.seconds, self.programs, self.loaded
+
+  def since(self, before: tuple) -> dict:
+    """{"seconds", "programs", "loaded_from_cache"} since ``before`` (a
+    ``snapshot()``)."""
+    now = self.snapshot()
+    return {"seconds": round(now[0] - before[0], 3), "programs": now[1] - before[1],
+            "loaded_from_cache": now[2] - before[2]}
+
+
+@functools.lru_cache(maxsize=1)
+def compile_counter() -> CompileCounter:
+  """This process's ``CompileCounter``, counting from the first call."""
+  return CompileCounter()
+
+
 def make_dir(flag: str, path: str) -> None:
   """Creates the directory ``path`` (where absent) and writes and removes a
   file in it, so that a directory the process cannot use (a read-only file

@@ -115,6 +115,8 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
   assert strip(runs[0]) == strip(runs[1])
   assert runs[0]["g_star"] == runs[1]["g_star"] and runs[1]["jobs"] == 2
   assert runs[1]["compile_cache"] == str(tmp_path / "cache" / "xla")
-  assert sum(t["compile"]["loaded_from_cache"] for t in runs[0]["trials"]) == 0
-  assert sum(t["compile"]["loaded_from_cache"] for t in runs[1]["trials"]) >= 1
+  # A process may load what it stored itself (one program reached by two
+  # functions); the second sweep loads what the first stored as well.
+  loaded = [sum(t["compile"]["loaded_from_cache"] for t in r["trials"]) for r in runs]
+  assert loaded[1] > loaded[0], loaded
 
