@@ -312,8 +312,8 @@ def engine_config(**overrides) -> EngineConfig:
            "cost_model", "enable_prefix_caching", "mesh")
   fields = {**{name: getattr(FLAGS, name) for name in names}, **overrides}
   cli.check_engine_preset("engine", FLAGS.engine)
-  speculative.check_draft_model(   # a missing draft is named before the config's rules on it
-      FLAGS.model, fields["speculative"] or EngineConfig.preset(FLAGS.engine).speculative)
+  spec = fields["speculative"] or EngineConfig.preset_fields(FLAGS.engine).get("speculative", "")
+  speculative.check_draft_model(FLAGS.model, spec)   # before the config's rules on a draft
   config = EngineConfig.preset(FLAGS.engine, **fields)
   check_cost_model()
   virtual = config.executor == "simulated" or FLAGS.clock == "virtual"

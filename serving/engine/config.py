@@ -470,6 +470,18 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
   @classmethod
   def preset(cls, name: str, **overrides) -> "EngineConfig":
     """Loads ``configs/<name>.json`` (or a JSON path) and applies overrides."""
+    fields = cls.preset_fields(name)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**fields)
+
+  @classmethod
+  def preset_fields(cls, name: str) -> dict:
+    """The fields ``configs/<name>.json`` (or a JSON path) sets, unchecked
+    against each other (``preset`` checks them).
+
+    Raises:
+      ValueError: no such preset, or a field EngineConfig does not have.
+    """
     path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
     if not path.exists():
       known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
@@ -479,5 +491,4 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
       raise ValueError(f"{path}: unknown EngineConfig fields {sorted(unknown)}")
-    fields.update({k: v for k, v in overrides.items() if v is not None})
-    return cls(**fields)
+    return fields
