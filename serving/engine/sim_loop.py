@@ -433,7 +433,7 @@ class _Loop:
     return dict(self.traces)
 
 
-# XLA:CPU runs the loop program's ~1,000 small operations an iteration
+# XLA:CPU runs the loop program's ~600 small operations an iteration
 # faster when it compiles them with its LLVM IR fusion emitters rather than
 # the newer MLIR ones: 0.29-0.32 -> 0.23-0.24 ms an iteration on a lightly
 # loaded trial of the Azure hour (docs/archive/benchmarks-log.md, "The loop
