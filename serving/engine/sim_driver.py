@@ -11,9 +11,11 @@ call, and takes its log (``take_log``) into the same host records
 The loop's iterations are those ``Engine.step`` runs: the same plans,
 outputs and counters, and the same times (the device repeats the host's
 float64 clock arithmetic; XLA may round a step time's last bit otherwise:
-``sim_loop``). The iterations that need the host are a rule violation, a
-never-schedulable request, a preemption or a preempted request's
-re-admission, an empty plan, and the device epoch to move. When
+``sim_loop``). The iterations that need the host are a plan rule
+violation, a never-schedulable request, a preemption or a preempted
+request's re-admission, an empty plan, and the device epoch to move; a
+step whose result breaks a rule ends the call, and ``simulate`` raises
+that rule's error from the tables ``Engine.step`` would raise on. When
 ``simulate`` returns at ``stop_ms``, the requests that have arrived by
 then are pending.
 """
@@ -27,6 +29,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from scheduler import validate
 from serving.engine import clocks
 from serving.engine import sim_loop
 from serving.engine.facts import Arrival
@@ -175,7 +178,7 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
   # The loop carries no token stream: the simulated executor reads none,
   # and the host takes the tokens from the log (sim_loop.simulate_steps).
   tokens = engine.buffers.tokens
-  engine.manifest, engine.state, engine.pages, buffers, log = loop.run(
+  engine.manifest, engine.state, engine.pages, buffers, log, rejected = loop.run(
       engine.params, engine.kv, engine.manifest, engine.state, engine.pages,
       engine.buffers.replace(tokens=None), table.realized(engine.realized_output_tokens),
       at_epoch, queue, *engine._pending_stamp(), bits(engine.clock()), bits(engine.clocks.t0),
@@ -186,6 +189,11 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
   engine.clock.advance_to(float(sim_loop.from_bits(log.clock)))
   runs.loop_iterations += int(log.num_iterations)
   runs.exits[sim_loop.LoopExit(int(log.code)).name] += 1
+  if log.code == sim_loop.LoopExit.RESULT:      # Engine._commit's check, on the same tables
+    engine.policy_evaluations += 1               # the policy planned the rejected step
+    validate.validate_result(rejected.plan, engine.state, engine.manifest, rejected.result)
+    raise RuntimeError("the loop program saw a result rule broken that "
+                       "validate.validate_result does not find")
   return int(log.code)
 
 

@@ -28,9 +28,15 @@ queued, an iteration ended a request and the call asked to return then
 needs the host: a rule violation, a request the
 policy can never schedule, a preemption or the re-admission of a preempted
 request (§0x0C records), an empty plan, or the device epoch to move
-(``clocks.DEVICE_REBASE_MS``). Such an iteration is not committed: the
-tables are those it started from (after its arrivals), and the host runs it
-again as an ordinary ``Engine.step``.
+(``clocks.DEVICE_REBASE_MS``). These are read from the plan's facts before
+the step runs, so such an iteration is not committed: the tables are those
+it started from (after its arrivals), and the host runs it again as an
+ordinary ``Engine.step``. The step then writes the page tables and buffers
+in place (no copy of them is kept); a result that breaks a rule
+(``StepFacts.bad_result``) returns ``LoopExit.RESULT`` with the tables the
+step path has when ``Engine.step`` raises on it (the step's pages and
+buffers, the plan's ticked state) and the plan and result, from which
+``Engine.simulate`` raises the rule's ``ResultValidationError``.
 
 Clocks: the loop keeps the host's clock, the ``VirtualClock``'s float64
 seconds, on the device (carried as its bits, u32[2], computed in a
@@ -77,6 +83,7 @@ class LoopExit(enum.IntEnum):
   HOST = 4       # the next iteration needs the host (``Engine.step`` runs it)
   REBASE = 5     # the device epoch must move (``Engine.step`` runs the iteration)
   END = 6        # the last iteration ended a request (``until_end`` asked for it)
+  RESULT = 7     # the last step's result broke a rule (the host raises; ``Rejected``)
 
 
 # Iterations one call runs at most (K: the log's capacity).
@@ -222,6 +229,17 @@ class SimLog:
 
 
 @flax.struct.dataclass
+class Rejected:
+  """What a ``LoopExit.RESULT`` call returns beside its tables: the last
+  step's ``IterationPlan`` and ``IterationResult`` (zeros on any other
+  exit), which ``validate.validate_result`` checks against the returned
+  state."""
+
+  plan: rec.IterationPlan
+  result: rec.IterationResult
+
+
+@flax.struct.dataclass
 class _Carry:
   """The ``loop`` program's state between iterations."""
 
@@ -232,6 +250,7 @@ class _Carry:
   realized: jax.Array      # i32[R] each slot's recorded output length
   at_epoch: jax.Array      # bool[R] each slot's request arrived at the epoch
   log: SimLog
+  rejected: Rejected
 
 
 def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, windows,
@@ -258,7 +277,7 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
     until_end: bool[], return after an iteration that ends a request
       (finished or failed: ``LoopExit.END``).
 
-  Returns ``(manifest, state, pages, buffers, SimLog)``.
+  Returns ``(manifest, state, pages, buffers, SimLog, Rejected)``.
   """
   num_slots = state.status.shape[0]
   buckets = config.token_buckets
@@ -268,21 +287,25 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
   no_slots = jnp.zeros((num_slots,), bool)
   max_draft = 0 if config.speculation is None else config.speculation.k
 
-  def plan_and_run(c: _Carry):
-    """One iteration on ``c``'s tables, nothing committed: its launch time
-    (f32 device ms), ``PlanFacts``, bucket, the step program's pages,
-    buffers and published state, its ``IterationResult`` and ``StepFacts``."""
+  def plan_iteration(c: _Carry):
+    """The plan program's body on ``c``'s tables: the launch time (f32
+    device ms), the ticked state, the plan, its ``PlanFacts`` and bucket."""
     with _X64():
       launch = (_engine_ms(c.log.clock, t0) - _f64(epoch)).astype(jnp.float32)
     ticked, plan, facts, _ = programs_lib.plan_step(
         policy, False, c.manifest, c.state, c.pages, None, launch, no_slots,
         jnp.float32(0), jnp.float32(0), max_draft=max_draft)
     bucket = config.iteration_bucket(facts.rows_bound, facts.num_tokens, xp=jnp)
+    return launch, ticked, plan, facts, bucket
+
+  def run_step(c: _Carry, ticked, plan):
+    """The step program's body: its pages, buffers (written in place of
+    ``c``'s), published state, ``IterationResult`` and ``StepFacts``."""
     _, pages, buffers, published, (_, result, _), step = programs_lib.execute_step(
         executor, token_budget, False, params, kv, c.pages, c.buffers, c.manifest, ticked,
         plan, c.realized, jnp.zeros((num_slots,), jnp.int32), num_rows=token_budget,
         windows=windows)
-    return launch, facts, bucket, pages, buffers, published, result, step
+    return pages, buffers, published, result, step
 
   def admit(c: _Carry) -> _Carry:
     def due(c):
@@ -307,14 +330,24 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
     return jax.lax.while_loop(due, one, c)
 
   def iterate(c: _Carry) -> _Carry:
-    launch, facts, bucket, pages, buffers, published, result, step = plan_and_run(c)
+    launch, ticked, plan, facts, bucket = plan_iteration(c)
     # The host settles §0x0C records: a preemption, and the re-admission of
-    # a preempted request (``Suspensions.resume_admitted``).
+    # a preempted request (``Suspensions.resume_admitted``). Decided before
+    # the step, which then writes the tables in place.
     resume = facts.admit & (c.state.num_preemptions > 0)
     host = (facts.bad_plan | jnp.any(facts.never) | jnp.any(facts.preempt) | jnp.any(resume)
-            | (facts.num_seqs == 0) | step.bad_result)
+            | (facts.num_seqs == 0))
 
-    def commit(c: _Carry) -> _Carry:
+    def step_and_commit(c: _Carry) -> _Carry:
+      pages, buffers, published, result, step = run_step(c, ticked, plan)
+      c = c.replace(pages=pages, buffers=buffers)
+      reject = lambda c: c.replace(state=ticked, rejected=Rejected(plan, result),
+                                   log=c.log.replace(code=jnp.int32(LoopExit.RESULT)))
+      c = when(step.bad_result, reject, c)
+      return when(~step.bad_result, functools.partial(
+          commit, published=published, result=result, step=step), c)
+
+    def commit(c: _Carry, published, result, step) -> _Carry:
       log, k = c.log, c.log.num_iterations
       with _X64():     # Engine._commit: the clock advances by the prediction, in float64
         features = cost_lib.step_features(step.features, bucket, costs, xp=jnp)
@@ -325,7 +358,7 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       state = apply_lib.restamp_emissions(published, result.emitted, launch, actual)
       ended = step.finished | step.failed
       release = lambda t: programs_lib.release_slots(*t, no_slots, ended)
-      state, pages_ = when(jnp.any(ended), release, (state, pages))
+      state, pages = when(jnp.any(ended), release, (state, c.pages))
       event = step.emitted | ended
       at = jnp.where(event, log.num_events + jnp.cumsum(event) - 1, capacity)
       put = lambda a, v: a.at[at].set(v, mode="drop")
@@ -346,9 +379,9 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
           event_failed=put(log.event_failed, step.failed),
           event_extensions=put(log.event_extensions, state.num_extensions),
           spec=None if log.spec is None else _log_spec(log.spec, step.spec, put))
-      return c.replace(state=state, pages=pages_, buffers=buffers, log=log)
+      return c.replace(state=state, pages=pages, log=log)
 
-    c = when(~host, commit, c)
+    c = when(~host, step_and_commit, c)
     code = jnp.where(host, LoopExit.HOST, c.log.code).astype(jnp.int32)
     return c.replace(log=c.log.replace(code=code))
 
@@ -398,12 +431,19 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
           counts=i32(3 + config.speculation.k)))
   state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
   carry = _Carry(manifest, state, pages, buffers, jnp.asarray(realized, jnp.int32),
-                 jnp.asarray(at_epoch, bool), log)
-  stats = jax.eval_shape(lambda c: plan_and_run(c)[-1].features, carry)
-  carry = carry.replace(log=log.replace(
+                 jnp.asarray(at_epoch, bool), log, None)
+
+  def shapes(c):
+    _, ticked, plan, _, _ = plan_iteration(c)
+    _, _, _, result, step = run_step(c, ticked, plan)
+    return step.features, Rejected(plan, result)
+
+  zeros = lambda t: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), t)
+  stats, rejected = zeros(jax.eval_shape(shapes, carry))
+  carry = carry.replace(rejected=rejected, log=log.replace(
       stats=jnp.zeros((num_iterations,) + stats.shape, stats.dtype)))
   carry = jax.lax.while_loop(lambda c: c.log.code == LoopExit.CONTINUE, body, carry)
-  return carry.manifest, carry.state, carry.pages, carry.buffers, carry.log
+  return carry.manifest, carry.state, carry.pages, carry.buffers, carry.log, carry.rejected
 
 
 def _log_spec(log: SpecLog, spec, put) -> SpecLog:

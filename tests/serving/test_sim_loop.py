@@ -3,9 +3,11 @@
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scheduler import validate
 from serving.engine import cost_model as cost_lib
 from serving.engine import clocks
 from serving.engine import sim_driver
@@ -308,3 +310,49 @@ def test_until_end_returns_after_each_ending_with_the_step_paths_marks(cost_file
   assert sum(m[2] == "finished" for m in marks) == len(lengths)
   assert engine.compiled_programs()["loop"] == 1
   assert _counters(engine) == _counters(step_engine)
+
+
+@pytest.fixture
+def stale_results(monkeypatch):
+  """The simulated executor, its results bound to a stale decision once a
+  request has emitted 3 tokens (``validate.StaleResult``); the programs
+  built with it are dropped afterwards."""
+  from serving.engine import programs as programs_lib
+  real = programs_lib._simulated_execute
+
+  def stale(*args, **kwargs):
+    kv, pages, buffers, result, logprobs = real(*args, **kwargs)
+    late = jnp.any(args[5].emitted >= 3)
+    return kv, pages, buffers, result.replace(
+        decision_id=result.decision_id + late.astype(jnp.int32)), logprobs
+
+  def clear():
+    programs_lib.programs.cache_clear()
+    programs_lib._executor.cache_clear()
+    sim_loop.loop_program.cache_clear()
+
+  clear()
+  monkeypatch.setattr(programs_lib, "_simulated_execute", stale)
+  yield
+  monkeypatch.undo()
+  clear()
+
+
+def test_a_broken_result_raises_at_the_step_paths_iteration(cost_file, stale_results):
+  """The loop decides its host exits before the step writes its tables; a
+  result that breaks a rule ends the call, and ``simulate`` raises the
+  rule's error at the iteration, with the state, ``Engine.step`` raises it."""
+  wl = _workload(n=6, seed=1, rate_scale=3.0)
+  raised = []
+  for loop in (False, True):
+    engine = _engine(cost_file)
+    with pytest.raises(validate.StaleResult) as error:
+      replay(engine, wl, loop=loop)
+    raised.append((str(error.value), engine.num_iterations, engine.policy_evaluations,
+                   np.asarray(engine.state.emitted).tolist(),
+                   np.asarray(engine.state.decision_id).tolist()))
+    if loop:
+      assert engine.loop_runs.exits["RESULT"] == 1
+      assert engine.loop_runs.loop_iterations == engine.num_iterations > 0
+  assert raised[0] == raised[1]
+  assert max(raised[0][3]) == 3       # raised when a request had emitted its third token
