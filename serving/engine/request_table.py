@@ -46,6 +46,9 @@ class RequestTable:
     self.slots: List[Optional[Request]] = [None] * config.max_request_slots
     self.pending: List[Request] = []
     self.future: List[Request] = []        # in arrival order
+    # uid -> (device arrival ms, its ``arrival`` record): the loop's queue
+    # of future requests, kept from one loop call to the next (sim_driver).
+    self.future_arrivals: Dict[int, tuple] = {}
     self.requests: Dict[str, Request] = {}
     self.clients: Dict[str, int] = {}
     self.client_refs: Dict[str, int] = {}   # requests per client in ``requests``

@@ -167,7 +167,7 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
   if len(queued) < len(table.future):      # the next one waits for a free slot
     stop_ms = min(stop_ms, table.future[len(queued)].arrival_ms)
   queue = sim_loop.make_queue(
-      [table.arrival(r, engine.clocks.device_ms(r.arrival_ms)) for r in queued],
+      [record for _, record in _queued_arrivals(engine, queued)],
       [r.arrival_ms for r in queued],
       [engine.realized_output_tokens.get(r.request_id, r.sampling.max_tokens)
        for r in queued],
@@ -195,6 +195,22 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
     raise RuntimeError("the loop program saw a result rule broken that "
                        "validate.validate_result does not find")
   return int(log.code)
+
+
+def _queued_arrivals(engine, queued: List[Request]) -> List[tuple]:
+  """(device arrival ms, ``RequestTable.arrival`` record) of each queued
+  future request; a record made for an earlier call is taken again while
+  the device epoch, and so its device arrival time, has not moved (a
+  future request's record has nothing else that changes)."""
+  table = engine.table
+  made = table.future_arrivals
+  out = []
+  for req in queued:
+    ms = engine.clocks.device_ms(req.arrival_ms)
+    entry = made.get(req.uid)
+    out.append(entry if entry is not None and entry[0] == ms else (ms, table.arrival(req, ms)))
+  table.future_arrivals = {req.uid: entry for req, entry in zip(queued, out)}
+  return out
 
 
 def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
