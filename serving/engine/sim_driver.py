@@ -154,7 +154,8 @@ def _call(engine, stop_ms: float, iterations: int, marks: Optional[list] = None,
           until_end: bool = False) -> int:
   """One ``loop`` program call from the engine's tables; takes its log
   (``marks``, ``until_end``: ``simulate``'s). Returns its exit code
-  (``sim_loop.LoopExit``)."""
+  (``sim_loop.LoopExit``); on ``RESULT`` raises the broken rule's
+  ``ResultValidationError`` (RuntimeError should the host check find none)."""
   c, table = engine.config, engine.table
   loop = sim_loop.loop_program(engine.model_cfg, c, engine.cost_model, engine.model_costs,
                                iterations)

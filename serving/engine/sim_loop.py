@@ -25,7 +25,7 @@ It returns to the host (``SimLog.code``) when the log is full, the clock
 reaches the stop time (the first arrival not queued), nothing is live or
 queued, an iteration ended a request and the call asked to return then
 (``until_end``, a run-time flag: one program for both), or an iteration
-needs the host: a rule violation, a request the
+needs the host: a plan rule violation, a request the
 policy can never schedule, a preemption or the re-admission of a preempted
 request (§0x0C records), an empty plan, or the device epoch to move
 (``clocks.DEVICE_REBASE_MS``). These are read from the plan's facts before

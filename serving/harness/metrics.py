@@ -296,10 +296,8 @@ def build_report(
 
 
 def _record_dict(r: RequestRecord) -> dict:
-    """One request's line of the report (times in s from the replay start).
-    Its fields are scalars and tuples of scalars, taken as they are
-    (``dataclasses.asdict`` deep-copied every token time: most of an hour's
-    report)."""
+    """One request's line of the report (times in s from the replay start);
+    its fields are scalars and tuples of scalars (no ``asdict`` deep copy)."""
     out = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
     out["token_times_s"] = list(r.token_times_s)
     out["output_token_ids"] = list(r.output_token_ids)
@@ -631,32 +629,20 @@ def format_spec_decode(stats: dict, speculative: str) -> str:
 
 def write_report(path: str | Path, report: dict) -> None:
     """Writes `report` as indented JSON (NaN/inf rejected), creating parent
-    dirs; each of its `requests` on one line (json's C encoder: an indented
-    dump of an hour's 19,366 requests took most of the write)."""
+    dirs; its top-level `requests`, one a line (json's fast encoder)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     dump = functools.partial(json.dumps, sort_keys=False, allow_nan=False)
-    requests = report.get("requests")
-    if not isinstance(requests, list) or not requests:
-        path.write_text(dump(report, indent=2) + "\n")
-        return
-    marker = "\0requests"          # no request record dumps to this string
-    text = dump({**report, "requests": marker}, indent=2)
-    rows = ",\n".join("    " + dump(r) for r in requests)
-    path.write_text(text.replace(dump(marker), "[\n" + rows + "\n  ]", 1) + "\n")
+    requests, key = report.get("requests"), '\n  "requests": '
+    text = dump({**report, "requests": None} if requests else report, indent=2)
+    if requests:    # the top-level key: nested keys are indented further
+        rows = ",\n".join("    " + dump(r) for r in requests)
+        text = text.replace(key + "null", key + "[\n" + rows + "\n  ]", 1)
+    path.write_text(text + "\n")
 
 
 __all__ = [
-    "DEFAULT_PERCENTILES",
-    "LATENCY_METRICS",
-    "OUTCOMES",
-    "RequestRecord",
-    "ServiceGap",
-    "build_report",
-    "client_service_gap",
-    "format_table",
-    "goodput",
-    "min_samples_for_percentile",
-    "percentile_nearest_rank",
-    "write_report",
+    "DEFAULT_PERCENTILES", "LATENCY_METRICS", "OUTCOMES", "RequestRecord", "ServiceGap",
+    "build_report", "client_service_gap", "format_table", "goodput", "min_samples_for_percentile",
+    "percentile_nearest_rank", "write_report"
 ]

@@ -350,7 +350,11 @@ def test_a_broken_result_raises_at_the_step_paths_iteration(cost_file, stale_res
       replay(engine, wl, loop=loop)
     raised.append((str(error.value), engine.num_iterations, engine.policy_evaluations,
                    np.asarray(engine.state.emitted).tolist(),
-                   np.asarray(engine.state.decision_id).tolist()))
+                   np.asarray(engine.state.decision_id).tolist(),
+                   np.asarray(engine.pages.page_table).tolist(),
+                   np.asarray(engine.pages.free_stack).tolist(), int(engine.pages.num_free),
+                   engine.now_ms(), dict(engine.buckets_used), engine.clocks.stamp,
+                   [None if r is None else r.request_id for r in engine.table.slots]))
     if loop:
       assert engine.loop_runs.exits["RESULT"] == 1
       assert engine.loop_runs.loop_iterations == engine.num_iterations > 0
