@@ -94,6 +94,7 @@ def check_flags() -> None:
   # The folder is made (and written to) now: one the process cannot use is
   # refused before the run, not after it.
   cli.make_dir("out", os.path.dirname(os.path.abspath(FLAGS.out)))
+  traces.trace_loader(FLAGS.trace, check_file=True)
 
 
 def main(argv):

@@ -144,9 +144,8 @@ def _check_flags() -> None:
   if not FLAGS.traces:
     raise ValueError("--traces is required (KIND:PATH,...)")
   for trace in FLAGS.traces:
-    _, path = traces.trace_loader(trace, "--traces entries")
-    if not os.path.isfile(path):
-      raise ValueError(f"--traces: {path!r} (of {trace!r}) is not a file")
+    traces.trace_loader(trace, "--traces entries")
+    traces.trace_loader(trace, "--traces", check_file=True)
   launch.parse_window(FLAGS.window_s)
   for x in FLAGS.time_scales:
     try:

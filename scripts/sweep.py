@@ -280,7 +280,7 @@ def _check_flags():
                      f"{FLAGS.rate_scales}")
   if FLAGS.cache_dir:
     cli.make_dir("cache_dir", FLAGS.cache_dir)
-  traces.trace_loader(FLAGS.trace)        # refused here, before any model loads
+  traces.trace_loader(FLAGS.trace, check_file=True)   # refused here, before any model loads
   cli.check_engine_preset("engine", FLAGS.engine)
   if FLAGS.max_model_len < 2:
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -201,7 +200,7 @@ def check_workload_flags() -> None:
     if not (math.isfinite(FLAGS.rate_scale) and FLAGS.rate_scale > 0):
       raise ValueError(f"--rate_scale must be finite and > 0, got {FLAGS.rate_scale}")
   else:
-    loader, path = traces.trace_loader(FLAGS.trace)
+    loader, _ = traces.trace_loader(FLAGS.trace)
     blocks = FLAGS.mooncake_block_tokens
     if blocks is not None and loader is not traces.load_mooncake_trace:
       raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
@@ -213,8 +212,7 @@ def check_workload_flags() -> None:
     if not (math.isfinite(FLAGS.time_scale) and FLAGS.time_scale > 0):
       raise ValueError(f"--time_scale must be finite and > 0 (a factor on the trace's "
                        f"gaps), got {FLAGS.time_scale}")
-    if not os.path.isfile(path):
-      raise ValueError(f"--trace: {path!r} (of {FLAGS.trace!r}) is not a file")
+    traces.trace_loader(FLAGS.trace, check_file=True)
   for name in ("max_requests", "max_prompt_len", "max_output_len", "clients", "priorities"):
     value = FLAGS[name].value
     if value is not None and value < 1:

@@ -473,17 +473,22 @@ def load_mooncake_trace(
     )
 
 
-def trace_loader(spec: str, flag: str = "--trace"):
+def trace_loader(spec: str, flag: str = "--trace", *, check_file: bool = False):
   """``(loader, path)`` of a ``KIND:PATH`` trace spec (KIND azure, mooncake
-  or vtc).
+  or vtc); with ``check_file``, PATH must name an existing file (checked
+  before anything loads, where the loaders' own refusal would not name the
+  flag).
 
   Raises:
-    ValueError: naming ``flag``, when KIND is unknown or PATH empty.
+    ValueError: naming ``flag``, when KIND is unknown or PATH empty, or
+      (``check_file``) PATH is not a file.
   """
   loaders = {"azure": load_azure_trace, "mooncake": load_mooncake_trace, "vtc": load_vtc_trace}
   kind, _, path = spec.partition(":")
   if kind not in loaders or not path:
     raise ValueError(f"{flag} must be KIND:PATH with KIND in {sorted(loaders)}, got {spec!r}")
+  if check_file and not Path(path).is_file():
+    raise ValueError(f"{flag}: {path!r} (of {spec!r}) is not a file")
   return loaders[kind], path
 
 

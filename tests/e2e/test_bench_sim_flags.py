@@ -41,3 +41,6 @@ def test_bench_sim_makes_the_out_folder_before_it_runs(tmp_path):
   assert (status, last) == (2, "error: --trace must be KIND:PATH with KIND in ['azure', "
                                 "'mooncake', 'vtc'], got 'nosuch:x'")
   assert out.parent.is_dir() and not out.exists()
+  status, last = refusals.refused("bench_sim.py", f"--out={out}", "--trace=azure:/nonexist.csv")
+  assert (status, last) == (2, "error: --trace: '/nonexist.csv' (of 'azure:/nonexist.csv') "
+                                "is not a file")

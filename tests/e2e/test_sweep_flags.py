@@ -47,6 +47,8 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
        "error: --out 'README.md' cannot be written: it exists and is not a writable directory"),
       (["--sample_every=0"], "error: --sample_every must be >= 1, got 0"),
       (["--jobs=0"], "error: --jobs must be >= 1, got 0"),
+      (["--trace=azure:/nonexist.csv"],
+       "error: --trace: '/nonexist.csv' (of 'azure:/nonexist.csv') is not a file"),
   ]
   for args, line in cases:
     assert refusals.refused("sweep.py", *args) == (2, line), args
