@@ -228,8 +228,8 @@ def parse_window(values) -> tuple:
   try:
     a, b = (float(x) for x in values)
   except ValueError:
-    raise ValueError(f"--window_s must be two numbers A,B (seconds), got "
-                     f"{','.join(values)!r}") from None
+    raise ValueError(f"--window_s must be A,B (seconds after the trace's first arrival) "
+                     f"with 0 <= A < B, got {','.join(values)!r}") from None
   if not 0 <= a < b:
     raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
   return a, b

@@ -339,6 +339,9 @@ def test_calibrate_fidelity_and_replay_refuse_a_bad_flag_before_anything_loads(s
      "error: --time_scale must be finite and > 0 (a factor on the trace's gaps), got 0.0"),
     (["--trace=azure:README.md", "--window_s=5,1"],
      "error: --window_s must be A,B with 0 <= A < B, got 5,1"),
+    (["--trace=azure:README.md", "--window_s=-5"],
+     "error: --window_s must be A,B (seconds after the trace's first arrival) with "
+     "0 <= A < B, got '-5'"),
     (["--trace=azure:README.md", "--max_requests=0"],
      "error: --max_requests must be >= 1, got 0"),
     (["--trace=mooncake:README.md", "--mooncake_block_tokens=0"],
