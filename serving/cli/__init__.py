@@ -33,9 +33,10 @@ def refuse(message: str) -> NoReturn:
 def check_creatable(flag: str, path: str, *, directory: bool = False) -> None:
   """Refuses (ValueError naming ``--flag``) a path that cannot be written:
   an existing one that is not a writable file (with ``directory``: not a
-  writable directory), or a new one whose nearest existing ancestor is not a
-  writable directory. Checked before a model loads, so a run's results are
-  not lost at the end; an existing file is overwritten."""
+  writable directory), or a new one whose nearest existing ancestor is a
+  file (or else not a directory) or a directory the process cannot write.
+  Checked before a model loads, so a run's results are not lost at the end;
+  an existing file is overwritten."""
   target = Path(path).absolute()
   if target.exists():
     if directory:
@@ -50,7 +51,10 @@ def check_creatable(flag: str, path: str, *, directory: bool = False) -> None:
   here = target.parent
   while not here.exists():
     here = here.parent
-  if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+  if not here.is_dir():
+    raise ValueError(f"--{flag} {path!r} cannot be created: {str(here)!r} is "
+                     f"{'a file, ' if here.is_file() else ''}not a directory")
+  if not os.access(here, os.W_OK | os.X_OK):
     raise ValueError(f"--{flag} {path!r} cannot be created: {str(here)!r} is not a "
                      f"writable directory")
 
@@ -134,18 +138,21 @@ def make_dir(flag: str, path: str) -> None:
 
   Raises:
     ValueError: naming ``--flag``: ``check_creatable``'s refusals, or the
-      creation or the write failing (the system's reason).
+      creation or the write failing (naming the directory, which may be
+      the folder of the file the flag names, and the system's reason).
   """
   check_creatable(flag, path, directory=True)
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
-    raise ValueError(f"--{flag} {path!r} cannot be created: {e.strerror or e}") from None
+    raise ValueError(f"--{flag}: the directory {path!r} cannot be made "
+                     f"({e.strerror or e})") from None
   try:
     with tempfile.TemporaryFile(dir=path):
       pass
   except OSError as e:
-    raise ValueError(f"--{flag} {path!r} cannot be written: {e.strerror or e}") from None
+    raise ValueError(f"--{flag}: no file can be created in the directory {path!r} "
+                     f"({e.strerror or e})") from None
 
 
 def parse_flags(argv: List[str]) -> List[str]:

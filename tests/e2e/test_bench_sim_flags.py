@@ -27,7 +27,7 @@ def _stop_refusal_servers():
     (["--out="], "error: --out must be a file path for the report JSON, got ''"),
     (["--out=scripts"], "error: --out must be a file path for the report JSON, got 'scripts'"),
     (["--out=README.md/x.json"], "error: --out 'README.md/x.json' cannot be created: "
-                                 f"'{ROOT}/README.md' is not a writable directory"),
+                                 f"'{ROOT}/README.md' is a file, not a directory"),
 ])
 def test_bench_sim_refuses_a_bad_flag_before_loading(args, line):
   assert refusals.refused("bench_sim.py", *args) == (2, line)

@@ -195,9 +195,10 @@ def test_an_existing_out_file_is_overwritten_not_refused(tmp_path):
 @pytest.mark.parametrize("script,args", [("generate.py", ["--prompt=hi"]),
                                          ("bench_sim.py", []), ("sweep.py", [])])
 def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading(script, args):
+  """A file where a folder of the path should be is named as a file."""
   status, last = _run(script, *args, "--cache_dir=README.md/cache")
-  assert status == 2 and last.startswith(
-      "error: --cache_dir 'README.md/cache' cannot be created: "), last
+  assert (status, last) == (2, "error: --cache_dir 'README.md/cache' cannot be created: "
+                               f"'{ROOT}/README.md' is a file, not a directory")
 
 
 def test_bench_serving_takes_the_v1_url_and_names_an_unreachable_server(tmp_path):
@@ -314,9 +315,11 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
     ("replay.py", ["--executor=simulated", "--speculative=draft:/nope/draft"],    # named first
      "error: --speculative: the draft model '/nope/draft' cannot be read: unknown model"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
-     "error: --cache_dir '/proc/nope' cannot be "),
+     "error: --cache_dir: the directory '/proc/nope' cannot be made ("),
     ("replay.py", ["--out=/proc/nope/x.json", "--executor=simulated", "--num_requests=2"],
-     "error: --out '/proc/nope' cannot be created: "),
+     "error: --out: the directory '/proc/nope' cannot be made ("),
+    ("replay.py", ["--out=/proc/x.json", "--executor=simulated", "--num_requests=2"],
+     "error: --out: no file can be created in the directory '/proc' ("),
 ])
 def test_calibrate_fidelity_and_replay_refuse_a_bad_flag_before_anything_loads(script, args,
                                                                                line):
@@ -382,8 +385,12 @@ def test_a_cache_dir_that_takes_no_file_is_refused(tmp_path):
   from serving import cli
   cli.make_dir("cache_dir", str(tmp_path / "a" / "b"))
   assert (tmp_path / "a" / "b").is_dir() and not list((tmp_path / "a" / "b").iterdir())
-  with pytest.raises(ValueError, match=r"^--cache_dir '/proc/nope' cannot be "):
+  with pytest.raises(ValueError, match=r"^--cache_dir: the directory '/proc/nope' cannot be "
+                                       r"made \("):
     cli.make_dir("cache_dir", "/proc/nope")
+  with pytest.raises(ValueError, match=r"^--cache_dir: no file can be created in the "
+                                       r"directory '/proc' \("):
+    cli.make_dir("cache_dir", "/proc")
 
 
 @pytest.mark.parametrize("script,flag", [("calibrate.py", "--help"),
