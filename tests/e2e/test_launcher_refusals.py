@@ -330,6 +330,25 @@ def test_calibrate_fidelity_and_replay_refuse_a_bad_flag_before_anything_loads(s
   assert status == 2 and last.startswith(line), last
 
 
+DRAFT_ON_ONE_DEVICE = ("--speculative with a draft model runs on one device in a mixed engine "
+                       "(a mesh or a prefill/decode role would need the draft's KV split or "
+                       "handed off), got 'draft:smollm2-135m,k=2'")
+
+
+@needs_smollm2
+@pytest.mark.parametrize("policy", [[], ["--policy=vllm_v1"]])
+def test_a_draft_model_with_a_mesh_or_prefill_decode_pools_is_refused_naming_the_flag(policy):
+  """The engine's rule on a draft model, said of --speculative (the flag
+  typed), not of EngineConfig.speculative nor of --policy."""
+  spec = "--speculative=draft:smollm2-135m,k=2"
+  status, last = _run("serve.py", f"--port={free_port()}", spec, "--prefill_replicas=1",
+                      "--decode_replicas=1", *policy)
+  assert (status, last) == (2, f"error: {DRAFT_ON_ONE_DEVICE} (for the prefill engines of "
+                               f"--prefill_replicas)")
+  status, last = _run("replay.py", spec, "--mesh=model:2", "--executor=model", *policy)
+  assert (status, last) == (2, f"error: {DRAFT_ON_ONE_DEVICE}")
+
+
 @pytest.mark.parametrize("args,line", [
     (["--num_requests=0"], "error: --num_requests must be >= 1, got 0"),
     (["--rate_scale=0"], "error: --rate_scale must be finite and > 0, got 0.0"),
