@@ -15,10 +15,13 @@ sweeps rank by g_star. Values print to 4 significant digits.
 
 Inputs are replay reports (scripts/replay.py) or sweeps (scripts/sweep.py,
 ranked by G*), not both: a mix is refused in one line naming which file is
-which kind. A G* that the sweep's rate grid does not bracket is shown as
-``>= R`` (every rate tried met alpha: a lower bound at the highest rate R)
-or ``< R`` (the lowest rate R missed), and one warning line names those
-policies, which cannot be ranked on it (two lower bounds are not a tie).
+which kind. A sweep's rows are named ``FILE:POLICY``, FILE its file name with
+as many of its folders as tell it apart from the other inputs
+(``a/sweep.json:vllm_v1`` and ``b/sweep.json:vllm_v1``). A G* that the
+sweep's rate grid does not bracket is shown as ``>= R`` (every rate tried
+met alpha: a lower bound at the highest rate R) or ``< R`` (the lowest rate
+R missed), and one warning line names those policies, which cannot be
+ranked on it (two lower bounds are not a tie).
 Runs are ranked only when every comparison coordinate
 (model, executor + cost model, trace + window + rate scale, SLOs, metric
 definitions, engine config apart from the policy) is equal; otherwise the
@@ -33,6 +36,8 @@ never one, so two replays that differ only in ``--policy`` compare.
 import json
 import os
 import sys
+from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -116,10 +121,28 @@ def _g_star(run: dict, policy: str) -> dict:
   return g
 
 
-def rows_of(path: str, run: dict):
+def short_names(paths) -> list:
+  """Each path's last parts, as few as tell it apart from the other paths:
+  its file name, or with as many of its folders as it takes
+  (``runs/a/sweep.json`` and ``runs/b/sweep.json``: ``a/sweep.json`` and
+  ``b/sweep.json``). A path given twice keeps its file name."""
+  parts = [Path(os.path.abspath(p)).parts for p in paths]
+  names = []
+  for mine in parts:
+    others = [q for q in parts if q != mine]
+    n = 1
+    while n < len(mine) and any(q[-n:] == mine[-n:] for q in others):
+      n += 1
+    names.append(os.path.join(*mine[-n:]))
+  return names
+
+
+def rows_of(path: str, run: dict, name: Optional[str] = None):
   """(name, policy, coordinates run, metrics) per run in ``run``: one for a
-  replay report, one per policy for a sweep (its metrics ``g_star`` and
-  ``g_star_interpolated``, and ``g`` the whole ``ablation.g_star`` result)."""
+  replay report, named ``path``; one per policy for a sweep, named
+  ``NAME:POLICY`` (``name``, default the file name; its metrics ``g_star``
+  and ``g_star_interpolated``, and ``g`` the whole ``ablation.g_star``
+  result)."""
   if kind_of(run) == "sweep":   # one row per policy, coordinates per trial
     runs = []
     for p in run["policies"]:
@@ -131,7 +154,7 @@ def rows_of(path: str, run: dict):
           "trace": run["trace"], "window_s": run["window_s"],
           "trials": run["trials_per_point"]})
       g = _g_star(run, p)
-      runs.append((f"{os.path.basename(path)}:{p}", p, coords_run,
+      runs.append((f"{name or os.path.basename(path)}:{p}", p, coords_run,
                    {"g_star": g["g_star"], "g_star_interpolated": g["g_star_interpolated"],
                     "g": g}))
     return runs
@@ -217,8 +240,8 @@ def main(argv):
   check_one_kind(paths, runs)
   metric, note = (FLAGS.metric, None) if FLAGS.metric is not None else default_metric(runs)
   rows, runs_by_name = [], {}
-  for path, run in zip(paths, runs):
-    for row in rows_of(path, run):
+  for path, run, name in zip(paths, runs, short_names(paths)):
+    for row in rows_of(path, run, name):
       if "." in metric and kind_of(run) == "replay report":
         row[3][metric] = lookup(run, metric)
       rows.append(row)

@@ -142,6 +142,20 @@ def test_compare_marks_g_star_the_rate_grid_does_not_bracket(tmp_path):
                                                     "--metric=g_star").stdout
 
 
+def test_compare_names_sweeps_of_one_file_name_by_their_folders(tmp_path):
+  """Two runs/X/sweep.json of sweep.py: each row names its sweep's folder,
+  not only the file name the two share."""
+  attainment = {"sarathi_serve": [1.0, 0.95, 0.85], "vllm_v1": [0.95, 0.5, 0.1]}
+  paths = []
+  for folder in ("a", "b"):
+    (tmp_path / folder).mkdir()
+    paths.append(_sweep_json(tmp_path / folder / "sweep.json", attainment))
+  out = _run("compare.py", *paths).stdout.splitlines()
+  assert sorted(line.split()[0] for line in out[1:5]) == [
+      "a/sweep.json:sarathi_serve", "a/sweep.json:vllm_v1", "b/sweep.json:sarathi_serve",
+      "b/sweep.json:vllm_v1"], out
+
+
 def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
   """A replay report is one rate ranked by its report keys, a sweep a rate
   grid ranked by G*: one line names which file is which and the rule."""
