@@ -12,6 +12,8 @@ build on it.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -50,18 +52,27 @@ def key_order(keys):
   sorted first, then the high one, each word's lowest bits holding the slot
   (or its position after the first sort), so every sort key is unique and
   the two passes give the lexicographic order (LSD radix by words). Keys
-  whose ranges need more than two words fall back to ``jnp.lexsort``; a
-  table's keys usually need ~34 bits (phase, priority, arrival, id,
-  generation over the live ranges).
+  whose ranges need more than two words fall back to ``jnp.lexsort``. A
+  column equal to an earlier one in every slot never decides (the id
+  column is the arrival number's copy for every engine request) and takes
+  no bits; keys that then fit one word take one sort: the default key of a
+  16,384-slot table over an hour of requests needs 17-18 bits (phase 2,
+  arrival 15, generation 0-1) of the 18 the slot leaves ("Fewer sorts over
+  a large slot table" in docs/archive/benchmarks-log.md).
   """
   num_slots, num_keys = keys.shape
+  if num_keys == 0:
+    return jnp.arange(num_slots, dtype=jnp.int32)
   slot_bits = max(1, (num_slots - 1).bit_length())
   digit = 32 - slot_bits
   values = (keys - jnp.min(keys, axis=0)).astype(jnp.uint32)   # unsigned range
+  copies = [jnp.any(jnp.stack([jnp.all(keys[:, i] == keys[:, j]) for i in range(j)]))
+            if j else jnp.bool_(False) for j in range(num_keys)]
+  values = jnp.where(jnp.stack(copies), jnp.uint32(0), values)
   bits = (32 - jax.lax.clz(jnp.max(values, axis=0))).astype(jnp.uint32)
   shift = jnp.cumsum(bits[::-1])[::-1] - bits       # bits of the later columns
 
-  def packed(_):
+  def packed(words, _):
     low = jnp.zeros((num_slots,), jnp.uint32)
     high = jnp.zeros((num_slots,), jnp.uint32)
     for j in range(num_keys):
@@ -74,6 +85,8 @@ def key_order(keys):
     lane = jnp.arange(num_slots, dtype=jnp.uint32)
     mask = jnp.uint32((1 << slot_bits) - 1)
     first = jax.lax.sort((low << slot_bits) | lane) & mask
+    if words == 1:
+      return first.astype(jnp.int32)
     second = jax.lax.sort((high[first] << slot_bits) | lane) & mask
     return first[second].astype(jnp.int32)
 
@@ -81,9 +94,9 @@ def key_order(keys):
     return jnp.lexsort(tuple(keys[:, i] for i in reversed(range(num_keys)))).astype(
         jnp.int32)
 
-  if num_keys == 0:
-    return jnp.arange(num_slots, dtype=jnp.int32)
-  return jax.lax.cond(jnp.sum(bits) <= 2 * digit, packed, lexsort, None)
+  words = jnp.where(jnp.sum(bits) <= digit, 0, jnp.where(jnp.sum(bits) <= 2 * digit, 1, 2))
+  return jax.lax.switch(words, [functools.partial(packed, 1), functools.partial(packed, 2),
+                                lexsort], None)
 
 
 def identity_keys(manifest, state, *leading):

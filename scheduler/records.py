@@ -57,7 +57,9 @@ class WorkloadManifest:
   Attributes:
     request_id: i32[R], engine-unique id; -1 for a free slot.
     arrival_ms: f32[R], original arrival on the engine clock (ms).
-    arrival_seq: i32[R], global arrival order (the FCFS key).
+    arrival_seq: i32[R], global arrival order (the FCFS key); -1 for a slot
+      never used (so that it equals request_id in every slot of an engine
+      table, and ``keys.key_order`` gives the copy no bits).
     prompt_len: i32[R], prompt tokens p.
     max_tokens: i32[R], declared output cap (the only length a policy sees).
     priority: i32[R], lower runs first.
@@ -389,7 +391,7 @@ def empty_manifest(num_slots: int) -> WorkloadManifest:
   inf = jnp.full((num_slots,), jnp.inf, jnp.float32)
   return WorkloadManifest(
       request_id=i32(-1), arrival_ms=jnp.zeros((num_slots,), jnp.float32),
-      arrival_seq=i32(0), prompt_len=i32(0), max_tokens=i32(0),
+      arrival_seq=i32(-1), prompt_len=i32(0), max_tokens=i32(0),
       priority=i32(0), client=i32(0), ttft_ms=inf, tbt_ms=inf)
 
 

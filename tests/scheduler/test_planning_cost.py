@@ -19,6 +19,7 @@ Regenerate the expectations (only when a policy's decisions change on
 purpose): ``PYTHONPATH=. python tests/scheduler/test_planning_cost.py``.
 """
 
+import collections
 import hashlib
 import json
 import pathlib
@@ -34,6 +35,7 @@ from scheduler import validate as v
 from scheduler.ledger import Budgets
 from scheduler.policies import make_policy
 from scheduler.registry import POLICIES
+from serving.engine import programs as programs_lib
 
 EXPECTED = pathlib.Path(__file__).with_name("expected_plans.json")
 PAGE_SIZE = 4
@@ -222,31 +224,35 @@ def test_every_policy_plans_as_recorded():
 
 
 def test_key_order_is_lexsorts_stable_order():
-  """``key_order``'s packed two-word sort gives ``jnp.lexsort``'s order on
-  tables of every kind: ties (small ranges, constant and negative columns),
-  ranges that need both words, and full 32-bit columns (the lexsort
-  fallback), at slot counts with 3, 7, 8 and 9 slot bits."""
+  """``key_order``'s packed sorts (one word or two) give ``jnp.lexsort``'s
+  order on tables of every kind: ties (small ranges, constant and negative
+  columns), ranges that fit one word or need both, full 32-bit columns (the
+  lexsort fallback), and columns that copy an earlier one (which take no
+  bits: a copy of a wide column leaves a table in one word), at slot
+  counts with 3, 7, 8, 9 and 11 slot bits."""
   from scheduler.keys import key_order
   rng = np.random.RandomState(7)
   order = jax.jit(key_order)
   kinds = [lambda n: rng.randint(0, 4, n), lambda n: rng.randint(-3, 3, n),
            lambda n: np.full(n, 5), lambda n: rng.randint(0, 20000, n),
            lambda n: rng.randint(-2**31, 2**31, n, dtype=np.int64)]
-  packed = fallback = 0
-  for n in (5, 96, 256, 300):
-    for _ in range(12):
+  words = collections.Counter()
+  for n in (5, 96, 256, 300, 2000):
+    for _ in range(16):
       num_keys = rng.randint(1, 6)
       keys = np.stack([kinds[rng.randint(len(kinds))](n) for _ in range(num_keys)],
                       axis=1).astype(np.int32)
+      if num_keys >= 2 and rng.rand() < 0.4:      # a later column copies an earlier one
+        j = rng.randint(1, num_keys)
+        keys[:, j] = keys[:, rng.randint(j)]
       want = np.lexsort(keys.T[::-1])
       np.testing.assert_array_equal(np.asarray(order(jnp.asarray(keys))), want)
-      spans = keys.astype(np.int64).max(0) - keys.astype(np.int64).min(0)
-      bits = sum(int(s).bit_length() for s in spans)
-      if bits <= 2 * (32 - max(1, (n - 1).bit_length())):
-        packed += 1
-      else:
-        fallback += 1
-  assert packed > 20 and fallback > 5
+      spans = [int(keys[:, j].astype(np.int64).max() - keys[:, j].astype(np.int64).min())
+               if not any((keys[:, i] == keys[:, j]).all() for i in range(j)) else 0
+               for j in range(num_keys)]
+      bits, digit = sum(s.bit_length() for s in spans), 32 - max(1, (n - 1).bit_length())
+      words[1 if bits <= digit else 2 if bits <= 2 * digit else "lexsort"] += 1
+  assert words[1] > 15 and words[2] > 10 and words["lexsort"] > 5, words
 
 
 # ------------------------------------------------------ decode runs
@@ -379,6 +385,62 @@ def test_pairwise_plan_rules_match_the_quadratic_reference(seed):
   replay_differs = np.any(keys != np.asarray(policy.sort_keys(manifest, state, view)),
                           axis=1)
   np.testing.assert_array_equal(np.asarray(bits["tie_break"]), inverted | replay_differs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pairwise_rules_on_positional_ranks_match_the_reference(seed):
+  """Plans whose ranks are positions (each of 0 .. n-1 once) and whose ids
+  are distinct, as a policy's are: the checks that count instead of sorting
+  (ids modulo 4R, keys compared along the rank order) flag what the O(R^2)
+  definition flags. Keys in rank order (no inversion) or with one adjacent
+  pair swapped; ids 0 .. R-1 (no two in a bucket) or multiples of 4R (all
+  in one bucket, the sorted check decides), one id repeated in odd seeds."""
+  rng = np.random.RandomState(200 + seed)
+  policy = make_policy("vllm_v1_priority", BUDGETS["tight"])
+  manifest, state, view = random_state(seed, 48)
+  n = manifest.num_slots
+  rid = np.arange(n) * (4 * n if seed >= 2 else 1)
+  if seed % 2:
+    rid[7] = rid[3]
+  manifest = manifest.replace(request_id=jnp.asarray(rid, jnp.int32))
+  plan = jax.jit(lambda m, s, a: policy(m, s, a))(manifest, state, view)
+  sel = rng.rand(n) < 0.6
+  rank = np.full(n, -1)
+  rank[sel] = rng.permutation(int(sel.sum()))
+  keys = np.zeros((n, 3), np.int32)
+  keys[sel, 0] = np.sort(rng.randint(0, 5, size=int(sel.sum())))[rank[sel]]
+  keys[:, 1] = rng.randint(0, 3, size=n)
+  keys[sel, 1] = 0                                # equal keys: ties allowed
+  if seed in (0, 3):                              # one inversion
+    first, second = np.flatnonzero(sel)[np.argsort(rank[sel])][[2, 3]]
+    keys[first, 0], keys[second, 0] = 9, 1
+  plan = plan.replace(
+      selected=jnp.asarray(sel), rank=jnp.asarray(rank, jnp.int32),
+      generation=jnp.zeros((n,), jnp.int32), admit=jnp.zeros((n,), bool),
+      sort_key=jnp.asarray(keys))
+  live = np.isin(np.asarray(state.status), (rec.WAITING, rec.RUNNING))
+  member = jnp.asarray(live | sel)
+  shares = bool(v._shares_an_id(jnp.asarray(rid, jnp.int32), member))  # pylint: disable=protected-access
+  assert shares == (seed % 2 == 1 and bool(live[3] | sel[3]) and bool(live[7] | sel[7]))
+  _, _, inverted = _pairwise_reference(manifest, state, plan, keys)
+  assert inverted.any() == (seed in (0, 3))
+  got = v._rank_inverted(jnp.asarray(keys), jnp.asarray(sel), jnp.asarray(rank, jnp.int32),  # pylint: disable=protected-access
+                         v._ranks_are_positions(jnp.asarray(sel), jnp.asarray(rank)))  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(got), inverted)
+
+
+@pytest.mark.parametrize("slots", [64, 600, 2048])
+def test_rows_bound_sum_of_largest_matches_sorting(slots):
+  """``_sum_of_largest`` (a sort up to 512 slots, bitwise selection above)
+  equals numpy's sum of the k largest, ties and k = 0, 1, R and > R
+  included."""
+  rng = np.random.RandomState(slots)
+  width = rng.randint(0, 40, size=slots) * (rng.rand(slots) < 0.7)
+  width[:5] = 2**27 + 3                          # large values, repeated
+  fn = jax.jit(programs_lib._sum_of_largest)     # pylint: disable=protected-access
+  for k in (0, 1, 3, 5, 6, slots // 3, slots, slots + 7):
+    expected = int(np.sort(width)[::-1][:k].sum())
+    assert int(fn(jnp.asarray(width, jnp.int32), jnp.int32(k))) == expected
 
 
 # ------------------------------------------------------- program shape
