@@ -12,8 +12,6 @@ build on it.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -72,7 +70,7 @@ def key_order(keys):
   bits = (32 - jax.lax.clz(jnp.max(values, axis=0))).astype(jnp.uint32)
   shift = jnp.cumsum(bits[::-1])[::-1] - bits       # bits of the later columns
 
-  def packed(words, _):
+  def packed(_):
     low = jnp.zeros((num_slots,), jnp.uint32)
     high = jnp.zeros((num_slots,), jnp.uint32)
     for j in range(num_keys):
@@ -85,18 +83,20 @@ def key_order(keys):
     lane = jnp.arange(num_slots, dtype=jnp.uint32)
     mask = jnp.uint32((1 << slot_bits) - 1)
     first = jax.lax.sort((low << slot_bits) | lane) & mask
-    if words == 1:
-      return first.astype(jnp.int32)
-    second = jax.lax.sort((high[first] << slot_bits) | lane) & mask
-    return first[second].astype(jnp.int32)
+
+    def second_word(_):
+      second = jax.lax.sort((high[first] << slot_bits) | lane) & mask
+      return first[second]
+
+    # An all-zero high word would sort to the identity: one sort is the order.
+    return jax.lax.cond(jnp.any(high != 0), second_word, lambda _: first, None).astype(
+        jnp.int32)
 
   def lexsort(_):
     return jnp.lexsort(tuple(keys[:, i] for i in reversed(range(num_keys)))).astype(
         jnp.int32)
 
-  words = jnp.where(jnp.sum(bits) <= digit, 0, jnp.where(jnp.sum(bits) <= 2 * digit, 1, 2))
-  return jax.lax.switch(words, [functools.partial(packed, 1), functools.partial(packed, 2),
-                                lexsort], None)
+  return jax.lax.cond(jnp.sum(bits) <= 2 * digit, packed, lexsort, None)
 
 
 def identity_keys(manifest, state, *leading):
