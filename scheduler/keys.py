@@ -43,8 +43,8 @@ def key_order(keys):
   XLA:CPU sorts one array with ``std::sort`` on its values, but a sort of
   several (K key columns and an index) calls a compiled comparator per
   comparison: at R = 256, K = 5 ``jnp.lexsort`` took ~85 us a call on this
-  project's 2-core CPU, this function ~14 us (docs/benchmarks-log.md,
-  "Sorting the policy key"). So the key is packed
+  project's 2-core CPU, this function ~14 us (docs/archive/benchmarks-log.md,
+  "Decode runs, the packed policy key and page-allocation lanes"). So the key is packed
   into u32 words: each column less its minimum takes the bits of its range
   (0 for a constant column), the columns in order, the low digit word
   sorted first, then the high one, each word's lowest bits holding the slot

@@ -400,6 +400,8 @@ def _rank_inverted(keys, sel, rank, ranks_ok):
   group of equal keys (a suffix minimum): one sort and two scans,
   O(R log R).
   """
+  if keys.dtype != jnp.int32:          # the sort casts each column; compare as it does
+    return _inverted_in_key_order(keys, sel, rank)
   return jax.lax.cond(ranks_ok & _in_rank_order(keys, sel, rank),
                       lambda _: jnp.zeros(sel.shape, bool),
                       lambda _: _inverted_in_key_order(keys, sel, rank), None)

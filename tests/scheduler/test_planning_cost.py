@@ -429,6 +429,16 @@ def test_pairwise_rules_on_positional_ranks_match_the_reference(seed):
   np.testing.assert_array_equal(np.asarray(got), inverted)
 
 
+def test_rank_inversion_of_keys_other_than_int32_compares_as_the_sort_does():
+  """Keys of another dtype skip the adjacent-rank shortcut: the key-order
+  check casts each column to int32 (0.2 and 0.7 tie, 3 < 5 decides), so the
+  slot ranked second is inverted although its float key is larger."""
+  keys = jnp.asarray([[0.2, 5.0], [0.7, 3.0]], jnp.float32)
+  sel, rank = jnp.asarray([True, True]), jnp.asarray([0, 1], jnp.int32)
+  got = v._rank_inverted(keys, sel, rank, v._ranks_are_positions(sel, rank))  # pylint: disable=protected-access
+  assert np.asarray(got).tolist() == [False, True]
+
+
 @pytest.mark.parametrize("slots", [64, 600, 2048])
 def test_rows_bound_sum_of_largest_matches_sorting(slots):
   """``_sum_of_largest`` (a sort up to 512 slots, bitwise selection above)
