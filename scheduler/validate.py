@@ -349,7 +349,8 @@ def _shares_an_id(rid, member):
   one bucket are the ids sorted. One sort of one array: XLA:CPU sorts it with
   ``std::sort`` on its values, where a sort of several arrays (keys and an
   index) calls a compiled comparator per comparison and moves every element
-  per array; at R = 16,384 one such sort took ~0.4 ms of a ~6 ms iteration."""
+  per array; at R = 16,384 one such sort took ~0.68 ms standalone on this
+  project's 2-core Xeon."""
   buckets = 4 * rid.shape[0]
   hits = jnp.zeros((buckets,), jnp.int32).at[
       jnp.where(member, jnp.remainder(rid, buckets), buckets)].add(1, mode="drop")

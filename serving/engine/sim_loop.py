@@ -479,8 +479,9 @@ class _Loop:
 # loaded trial of the Azure hour (docs/archive/benchmarks-log.md, "The loop
 # program's fusion emitters"). Copy insertion's region analysis drops the
 # two copies of the whole page table ``kv_pages.deallocate``'s loop made
-# per released slot: 0.155 -> 0.147 ms an iteration light, 2.36-2.43 ->
-# 2.27-2.29 ms at 1,024 slots ("Host exits decided before the step").
+# per released slot: 0.155 -> 0.147 ms an iteration light, and 2.36-2.43 ->
+# 2.27-2.29 ms in a 4x trial whose 1,024-slot iterations include that
+# size's compile ("Copy insertion's region analysis").
 # Set on this program only; the model's programs compile with XLA's
 # defaults. Other backends ignore the options.
 LOOP_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False,

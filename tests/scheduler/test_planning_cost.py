@@ -439,9 +439,9 @@ def test_rank_inversion_of_keys_other_than_int32_compares_as_the_sort_does():
   assert np.asarray(got).tolist() == [False, True]
 
 
-@pytest.mark.parametrize("slots", [64, 600, 2048])
+@pytest.mark.parametrize("slots", [64, 1500, 2048])
 def test_rows_bound_sum_of_largest_matches_sorting(slots):
-  """``_sum_of_largest`` (a sort up to 512 slots, bitwise selection above)
+  """``_sum_of_largest`` (a sort up to 1,024 slots, bitwise selection above)
   equals numpy's sum of the k largest, ties and k = 0, 1, R and > R
   included."""
   rng = np.random.RandomState(slots)
