@@ -52,7 +52,7 @@ def time_plan(model_cfg, params, policy: str, num_waiting: int):
     engine.add_request(f"r{i}", [3 + (i + j) % 200 for j in range(8)], sampling,
                        priority=i % 3, client=f"c{i // 16}")
   engine._fill_slots()        # every request into its slot, as a step begins
-  no_stamp = engine._no_stamp()
+  no_stamp = engine.clocks.no_stamp(engine.num_slots, engine._placement)
   run = lambda: jax.block_until_ready(engine._programs.plan(   # tick, plan, checks
       engine.manifest, engine.state, engine.pages, engine._prefix_hits(), np.float32(0),
       no_stamp, np.float32(0), np.float32(0)))

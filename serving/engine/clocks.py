@@ -66,8 +66,12 @@ class EngineClocks:
     last iteration, still to be corrected on the device; a no-op triple
     when none is pending (``placement`` puts its mask on the devices)."""
     if self.stamp is None or self.stamp[0].shape[0] != num_slots:
-      return self.no_stamp(num_slots, placement), np.float32(0), np.float32(0)
+      return self.no_fix(num_slots, placement)
     return self.stamp
+
+  def no_fix(self, num_slots: int, placement):
+    """The no-op correction triple (``no_stamp``, 0, 0)."""
+    return self.no_stamp(num_slots, placement), np.float32(0), np.float32(0)
 
   def no_stamp(self, num_slots: int, placement):
     """bool[R] all False on the devices: no emission to correct."""

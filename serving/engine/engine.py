@@ -18,7 +18,9 @@ An iteration is one path, read top-down in ``Engine.step``:
    swap copies their pages out), a suspended request admitted is resumed;
 4. the ``step`` program (``programs.execute_step``, one per token bucket):
    the plan runs in the bucket of ``PlanFacts.rows_bound``, its result is
-   checked and ``apply`` publishes the next state; one fetch of ``StepFacts``;
+   checked and ``apply`` publishes the next state; the next plan program
+   runs on it (``plan_ahead``); one fetch of both programs' facts, and the
+   next iteration skips step 2 when that plan's inputs are unchanged;
 5. drain: new tokens and outcomes become ``RequestOutput`` news, finished
    slots are released.
 
@@ -59,6 +61,7 @@ from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine import executor as executor_lib
 from serving.engine import handoffs as handoffs_lib
+from serving.engine import plan_ahead as plan_ahead_lib
 from serving.engine import programs as programs_lib
 from serving.engine import sim_driver
 from serving.engine import sim_executor
@@ -180,10 +183,12 @@ class Engine:
     if simulated:
       self.table.ends_at_first = lambda r: self.realized_output_tokens.get(
           r.request_id, r.sampling.max_tokens) <= 1
-    # Blocking device -> host fetches (``_fetch``); an iteration makes two
-    # (its ``PlanFacts`` and its ``StepFacts``).
+    # Blocking device -> host fetches (``_fetch``): an iteration makes two (its
+    # ``PlanFacts``, its ``StepFacts``), one when it takes the plan made ahead
+    # with the last step (``plan_ahead``; ``.enabled = False`` turns it off).
     self.host_fetches = 0
-    # Plan programs run: the policy is evaluated once per iteration.
+    self.plan_ahead = plan_ahead_lib.PlanAhead(enabled=True)
+    # Plans run, one per iteration (``plan_ahead.dropped`` counts the others).
     self.policy_evaluations = 0
     self._pages_low = False             # the last step's ``StepFacts.pages_low``
     self._program_sets = [self._programs]     # one per slot-table size used
@@ -194,9 +199,7 @@ class Engine:
     """Size R of the slot table (doubles up to ``max_queued_requests``)."""
     return len(self.table.slots)
 
-  @property
-  def requests(self) -> Dict[str, Request]:
-    return self.table.requests
+  requests = property(lambda self: self.table.requests)
 
   @property
   def swap(self) -> kv_swap.SwapSpace:
@@ -346,9 +349,7 @@ class Engine:
     return RequestOutput(req.request_id, [], True, req.outcome, req.finish_reason)
 
   def _one_slot(self, slot: int) -> np.ndarray:
-    mask = np.zeros(self.num_slots, bool)
-    mask[slot] = True
-    return mask
+    return np.arange(self.num_slots) == slot
 
   def evict(self, request_id: str) -> Request:
     """Drops a finished request from the host tables and returns it; its
@@ -392,24 +393,19 @@ class Engine:
     """f64[len(cost_model.FEATURES)] (f64[3, ...] with a draft model) of the
     last committed step (None before one), computed when read:
     ``cost_model.step_features`` of its plan statistics and bucket."""
-    if self._last_plan_stats is None:
-      return None
-    stats, bucket = self._last_plan_stats
-    return cost_lib.step_features(stats, bucket, self.model_costs)
+    stats = self._last_plan_stats
+    return None if stats is None else cost_lib.step_features(*stats, self.model_costs)
 
   @property
   def last_step_rows(self):
     """(prefill rows, decode rows) of the last committed step (None before
     one): prompt and rebuild rows, and decode rows (drafts included), from
     its plan statistics (``cost_model.plan_stats``)."""
-    if self._last_plan_stats is None:
-      return None
-    stats = np.asarray(self._last_plan_stats[0])
-    return int(stats[0]), int(stats[1])
+    stats = self.last_step_stats
+    return None if stats is None else (int(stats[0][0]), int(stats[0][1]))
 
   def has_unfinished(self) -> bool:
-    """Whether an accepted request, one still to arrive included, has no
-    outcome yet."""
+    """Whether an accepted request (one still to arrive too) has no outcome."""
     return self.table.has_unfinished()
 
   def _fill_slots(self) -> None:
@@ -518,18 +514,23 @@ class Engine:
     return self._execute(plan, facts, preserved, launch)
 
   def _plan_iteration(self, launch):
-    """The ``plan`` program: publishes the ticked state (the last
-    iteration's emission stamps corrected, ``programs.plan_step``) and returns this
-    iteration's plan (on the device), its ``PlanFacts`` (fetched) and the
-    page refcounts once its preemptions released theirs (on the device;
-    read only to evict)."""
-    fix_emitted, fix_stamp, fix_actual = self._pending_stamp()
-    self.state, plan, facts, refcount = self._programs.plan(
-        self.manifest, self.state, self.pages, self._prefix_hits(), launch,
-        fix_emitted, fix_stamp, fix_actual)
+    """The ``plan`` program, or the plan made ahead (``plan_ahead``):
+    publishes the ticked state (the last iteration's emission stamps
+    corrected, ``programs.ticked_state``) and returns this iteration's plan
+    (device), its ``PlanFacts`` (fetched) and the page refcounts once its
+    preemptions released theirs (device; read only to evict)."""
+    fix, hits = self._pending_stamp(), self._prefix_hits()
+    ahead = self.plan_ahead.take(self.manifest, self.state, self.pages, hits)
+    if ahead is None:
+      self.state, plan, facts, refcount = self._programs.plan(
+          self.manifest, self.state, self.pages, hits, launch, *fix)
+      facts = self._fetch(facts)
+    else:     # planned on these very tables: publish the state planning now would
+      plan, facts, refcount, self.state = *ahead.taken, self._programs.retick(
+          self.state, *fix, launch)
     self.clocks.stamp = None
     self.policy_evaluations += 1
-    return plan, self._fetch(facts), refcount
+    return plan, facts, refcount
 
   def _reject_never(self, never) -> List[RequestOutput]:
     """Rejects the slots (bool[R]) the policy says it can never schedule;
@@ -563,7 +564,11 @@ class Engine:
     (self.kv, self.pages, self.buffers, state, aux, step_facts) = self._programs.step(
         self.params, self.kv, self.pages, self.buffers, self.manifest, self.state,
         plan, realized, preserved, num_rows=bucket)
-    return self._commit(state, aux, self._fetch(step_facts), bucket, launch, facts.preempt)
+    ahead = self.plan_ahead.dispatch(
+        self._programs, self.manifest, state, self.pages, self._prefix_hits(),
+        self._pending_stamp(), likely=self.prefix is None or not facts.prompt_rows)
+    step_facts = self.plan_ahead.fetch(self._fetch, step_facts, ahead)
+    return self._commit(state, aux, step_facts, bucket, launch, facts.preempt)
 
   def _commit(self, state, aux, facts, bucket: int, launch, preempt) -> List[RequestOutput]:
     """Takes a step program's outputs: the published state, the clock,
@@ -604,27 +609,21 @@ class Engine:
   def _pending_stamp(self):
     return self.clocks.pending_stamp(self.num_slots, self._placement)
 
-  def _no_stamp(self):
-    return self.clocks.no_stamp(self.num_slots, self._placement)
-
   def _fetch(self, tree):
     """``jax.device_get`` counted in ``host_fetches`` (blocking round trips)."""
     self.host_fetches += 1
     return jax.device_get(tree)
 
   def compile_buckets(self) -> Dict[int, float]:
-    """Compiles this slot-table size's ``plan`` program and the ``step``
-    program of every token bucket, so that no compile lands in a later
-    measurement: each runs once, the step programs on a plan that selects
-    nothing (every row padding: no page allocated, no K/V written, nothing
-    emitted; the state they publish is dropped). Returns {bucket: seconds}
-    (compile and one run; near zero when XLA's persistent compilation
-    cache holds them)."""
+    """Compiles this slot-table size's ``plan`` program and every token
+    bucket's ``step`` program (``programs.compile_buckets``: each runs once,
+    the steps on a plan selecting nothing), so that no compile lands in a
+    later measurement. Returns {bucket: seconds} (compile and one run)."""
     realized = self._realized() if self.config.executor == "simulated" else None
     self.kv, self.pages, self.buffers, seconds = programs_lib.compile_buckets(
         self._programs, self.config, self.params, self.kv, self.pages, self.buffers,
         self.manifest, self.state, self._prefix_hits(), self.clocks.device_ms(self.now_ms()),
-        self._no_stamp(), realized)
+        self.clocks.no_stamp(self.num_slots, self._placement), realized)
     return seconds
 
   def _realized(self) -> np.ndarray:

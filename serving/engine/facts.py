@@ -79,6 +79,9 @@ class PlanFacts:
     admit, preempt: bool[R], the plan's queue intents (a swapped request
       admitted is written back; a preemption is settled, §0x0C).
     num_tokens, num_seqs: i32[], the plan's token rows and sequences.
+    prompt_rows: bool[], the plan runs prompt or rebuild rows (with prefix
+      caching, the step then registers pages: no plan is made ahead,
+      ``serving.engine.plan_ahead``).
     rows_bound: i32[], the most rows any valid plan on this state could
       schedule (``_rows_bound``): the host runs the plan in this bound's
       token bucket (see ``Engine._execute``).
@@ -93,6 +96,7 @@ class PlanFacts:
   preempt: jax.Array
   num_tokens: jax.Array
   num_seqs: jax.Array
+  prompt_rows: jax.Array
   rows_bound: jax.Array
   evict: jax.Array
 

@@ -70,6 +70,7 @@ class _Programs:
   sync_cached: Callable
   resume_prefix: Callable
   unpin: Callable
+  retick: Callable
 
   traces: Dict[str, int]
   executor_traces: Dict[str, int]
@@ -205,9 +206,7 @@ def plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_m
   i32[num_pages] once the plan's preemptions released their pages (None
   without prefix caching), what eviction reads.
   """
-  # The last iteration's emissions move from its launch stamp to the time
-  # the host published them, before any policy reads them.
-  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
+  state = ticked_state(state, fix_emitted, fix_stamp, fix_actual, now_ms)
   # A victim's credit is its reclaimable pages, not the shared ones
   # (``kv_pages.reclaimable``).
   view = kv_pages.view(pages, prefix_hits)
@@ -221,10 +220,21 @@ def plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_m
   facts = PlanFacts(bad_plan=bad_plan != 0, never=never, admit=plan.admit,
                     preempt=plan.preempt, num_tokens=plan.num_tokens,
                     num_seqs=plan.num_seqs,
+                    prompt_rows=jnp.any(plan.selected & (plan.kind != rec.DECODE_ROW)),
                     rows_bound=_rows_bound(manifest, ticked, plan.token_budget,
                                            plan.seq_budget, max_draft),
                     evict=evict)
   return ticked, plan, facts, refcount
+
+
+def ticked_state(state, fix_emitted, fix_stamp, fix_actual, now_ms):
+  """The state a ``plan`` program publishes (the ``retick`` program): the
+  last iteration's emissions moved from their launch stamp to the time the
+  host published them (``apply.restamp_emissions``), then the clock ticked
+  to ``now_ms`` (f32[], ms; ``apply.tick``). An early plan's step runs on
+  it (``serving.engine.plan_ahead``)."""
+  state = apply_lib.restamp_emissions(state, fix_emitted, fix_stamp, fix_actual)
+  return apply_lib.tick(state, now_ms)
 
 
 def _pages_to_evict(plan, pages):
@@ -475,8 +485,8 @@ def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
 
 def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages, buffers,
                     manifest, state, prefix_hits, launch, no_stamp, realized):
-  """Runs the ``plan`` program and the ``step`` program of every token
-  bucket once (``Engine.compile_buckets``), the step programs on a plan
+  """Runs the ``plan`` and ``retick`` programs and the ``step`` program of
+  every token bucket once (``Engine.compile_buckets``), the step programs on a plan
   that selects nothing (every row padding: no page allocated, no K/V
   written, nothing emitted; the state they publish is dropped).
 
@@ -485,7 +495,8 @@ def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages
   """
   _, plan, facts, _ = programs.plan(manifest, state, pages, prefix_hits, launch,
                                     no_stamp, np.float32(0), np.float32(0))
-  jax.block_until_ready(facts)
+  jax.block_until_ready((facts, programs.retick(state, no_stamp, np.float32(0),
+                                                np.float32(0), launch)))
   none = lambda m: m & False       # on the plan's devices, as it is placed
   nothing = plan.replace(selected=none(plan.selected), admit=none(plan.admit),
                          preempt=none(plan.preempt), num_tokens=plan.num_tokens * 0,
@@ -557,4 +568,5 @@ def programs(model_cfg, config: EngineConfig) -> _Programs:
       sync_cached=jit("sync_cached", kv_pages.sync_cached),
       resume_prefix=jit("resume_prefix", apply_lib.resume_from_prefix),
       unpin=jit("unpin", kv_pages.deallocate),
+      retick=jit("retick", ticked_state),
       traces=traces, executor_traces=executor.traces)

@@ -392,7 +392,8 @@ def test_compiled_programs_are_bounded_by_the_buckets(params):
 def test_an_iteration_plans_once_and_runs_one_step_program(params):
   """Without preemption every iteration is one plan program, one step
   program in the bucket of the rows bound (``PlanFacts.rows_bound``), and two fetches
-  (the plan's facts, the step's); a second engine of the same config
+  (the plan's facts, the step's), one where the plan made with the last
+  step was taken (``plan_ahead``); a second engine of the same config
   compiles nothing and gives the same tokens, and a late arrival changes
   nothing of the early request's tokens."""
   prompts = _prompts([3, 25, 7, 16, 2, 11], seed=21)
@@ -401,7 +402,8 @@ def test_an_iteration_plans_once_and_runs_one_step_program(params):
   assert first.num_iterations > 10
   assert set(first.buckets_used) == set(BASE.token_buckets)
   assert first.policy_evaluations == first.num_iterations
-  assert first.host_fetches == 2 * first.num_iterations
+  assert first.host_fetches == 2 * first.num_iterations - first.plan_ahead.used
+  assert first.plan_ahead.used >= 5
   # Every decode-only iteration (at most 4 rows, bound included) ran in the
   # 8-row bucket.
   assert first.buckets_used[8] >= sampling.max_tokens - 1
@@ -439,7 +441,8 @@ def test_the_plan_log_changes_no_token_and_no_clock(params):
                                                           ignore_eos=True))
             for i, p in enumerate(prompts)]
     engine.run()
-    assert engine.host_fetches == (3 if log else 2) * engine.num_iterations
+    assert engine.host_fetches == ((3 if log else 2) * engine.num_iterations
+                                   - engine.plan_ahead.used)
     assert len(engine.plan_log) == (engine.num_iterations if log else 0)
     engine.step()          # nothing left: the pending correction is applied
     state = jax.device_get(engine.state)
@@ -476,8 +479,9 @@ def test_the_policy_is_evaluated_once_per_iteration(params, monkeypatch, mode):
   """Counted on the device, under forced preemptions (recompute, or swap:
   pages copied out and written back), KV pressure that preempts, a prefix
   cache that evicts, and a request the policy can never schedule: each
-  ``step()`` evaluates the policy exactly once, and the plan program and
-  each bucket's step program are traced once."""
+  ``step()`` evaluates the policy exactly once (planning ahead off: it
+  evaluates the next iteration's policy early, ``test_plan_ahead``), and
+  the plan program and each bucket's step program are traced once."""
   from serving.engine import programs as programs_lib
   calls = []
   real = programs_lib.make_policy
@@ -487,6 +491,7 @@ def test_the_policy_is_evaluated_once_per_iteration(params, monkeypatch, mode):
   config = dataclasses.replace(BASE, policy="orca", num_pages=14, force_preempt_every=4,
                                preemption_mode=mode, num_clients=7)
   engine = Engine(CFG, params, config)
+  engine.plan_ahead.enabled = False
   shared = _prompts([12], seed=50)[0]
   # Two waves: the second's prompts need the pages the first left cached.
   waves = [[shared + p for p in _prompts([3, 1, 2], seed=51)] + _prompts([9, 10], seed=52),
