@@ -129,6 +129,7 @@ flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch s
 flags.DEFINE_integer("breakdown_context", 320, "Breakdown section KV rows per sequence.")
 
 _COMPILES = cli.compile_counter()     # XLA backend compiles seen by this process
+_LOAD_AT_START = list(os.getloadavg())   # before this process loads or compiles anything
 
 
 class StepTimer:
@@ -204,6 +205,35 @@ class StepTimer:
     return out
 
 
+class StepGapTimer:
+  """The host's time between steps, without blocking (installs wrappers on
+  one engine): from the return of the fetch that brought a step program's
+  facts to the next step program's dispatch, summed (``step_gap_s``). The
+  device runs at most a plan program in a gap when the plan is made at
+  launch (``StepTimer``'s ``plan`` time) and the small ``retick`` when it
+  was made ahead; the rest of a gap (the drain, the next ``step()``'s host
+  work, the plan's round trip) leaves the device idle."""
+
+  def __init__(self, engine):
+    self.step_gap_s, self._stepped, self._done = 0.0, False, None
+    programs, fetch = engine._programs, engine._fetch   # pylint: disable=protected-access
+
+    def step(*args, **kwargs):
+      if self._done is not None:
+        self.step_gap_s += time.perf_counter() - self._done
+      self._stepped, self._done = True, None
+      return programs.step(*args, **kwargs)
+
+    def fetched(tree):
+      out = fetch(tree)
+      if self._stepped:                   # the step's facts
+        self._stepped, self._done = False, time.perf_counter()
+      return out
+
+    engine._programs = dataclasses.replace(programs, step=step)  # pylint: disable=protected-access
+    engine._fetch = fetched                        # pylint: disable=protected-access
+
+
 def _prompts(lengths, vocab_size, seed=0):
   """Random prompts of the given lengths, ids in [20, min(40000, vocab_size))."""
   rng = np.random.default_rng(seed)
@@ -226,15 +256,21 @@ def _engine(cfg, params, **overrides):
   return Engine(cfg, params, EngineConfig.preset(FLAGS.engine, **overrides))
 
 
-def iterserve_run(cfg, params, prompts, outputs, timer=False, **overrides):
+def iterserve_run(cfg, params, prompts, outputs, timer=False, idle=False, plan_ahead=True,
+                  **overrides):
   """Seconds to finish all requests (all arriving at t=0); outputs checked.
 
   With ``timer``, the engine's ``StepTimer`` is left in ``engine.step_timer``
-  and the XLA compiles during the run in ``engine.compiles_during_run``.
+  and the XLA compiles during the run in ``engine.compiles_during_run``;
+  with ``idle``, its ``StepGapTimer`` in ``engine.idle_timer``. ``plan_ahead``:
+  ``Engine.plan_ahead.enabled``.
   """
   engine = _engine(cfg, params, **overrides)
+  engine.plan_ahead.enabled = plan_ahead
   if timer:
     engine.step_timer = StepTimer(engine)
+  if idle:
+    engine.idle_timer = StepGapTimer(engine)
   compiles = _COMPILES.programs
   t = time.perf_counter()
   for i, (p, n) in enumerate(zip(prompts, outputs)):
@@ -473,7 +509,7 @@ def main(argv):
          "kv_dtype": FLAGS.kv_dtype, "keep_freed_pages": kept,
          "attention_impl": resolve_impl(scratch.config.attention_impl, head_dim=cfg.head_dim),
          "token_buckets": list(scratch.config.token_buckets),
-         "load_average": list(os.getloadavg()),
+         "load_average_at_start": _LOAD_AT_START, "load_average": list(os.getloadavg()),
          "compiled_programs_after_warmup": scratch.compiled_programs(),
          "xla_compiles_during_warmup": _COMPILES.programs}
 
@@ -507,6 +543,18 @@ def main(argv):
              "steps": engine.step_timer.summary(),
              "compiles_during_run": engine.compiles_during_run,
              "compiled_programs": engine.compiled_programs()}
+      # Planning ahead against planning at launch, alternated, nothing blocked.
+      for ahead in (True, False, True, False):
+        s_a, e_a = iterserve_run(cfg, params, prompts, [FLAGS.output_len] * n, idle=True,
+                                 plan_ahead=ahead, **shape)
+        runs = row.setdefault("plan_ahead" if ahead else "plan_at_launch", {})
+        for key, value in (("output_tokens_per_s", total / s_a),
+                           ("step_gap_fraction", e_a.idle_timer.step_gap_s / s_a),
+                           ("step_gap_ms", e_a.idle_timer.step_gap_s * 1e3 / e_a.num_iterations),
+                           ("round_trips_per_iteration", e_a.host_fetches / e_a.num_iterations),
+                           ("plans_taken", e_a.plan_ahead.used),
+                           ("plans_dropped", e_a.plan_ahead.dropped)):
+          runs.setdefault(key, []).append(round(value, 4))
       row["roofline"] = roofline_lib.decode_roofline(
           cost_lib.engine_model_costs(cfg, engine.config), n,
           FLAGS.prompt_len + FLAGS.output_len / 2, row["iterserve_decode_tokens_per_s"],
