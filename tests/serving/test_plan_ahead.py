@@ -46,13 +46,14 @@ def _run(params, config, on):
 
 
 @pytest.mark.parametrize("config", [
-    BASE,
-    dataclasses.replace(BASE, policy="vllm_v1", enable_prefix_caching=False),
-    dataclasses.replace(BASE, force_preempt_every=4, preemption_mode="swap"),
-    dataclasses.replace(BASE, speculative="ngram:k=2,n=2"),
-    dataclasses.replace(BASE, policy="least_slack"),
-], ids=["sarathi_serve", "vllm_v1-no-prefix-cache", "forced-swap", "speculative",
-        "least_slack"])
+    pytest.param(BASE, id="sarathi_serve"),
+    pytest.param(dataclasses.replace(BASE, policy="vllm_v1", enable_prefix_caching=False),
+                 id="vllm_v1-no-prefix-cache", marks=pytest.mark.extended),
+    pytest.param(dataclasses.replace(BASE, force_preempt_every=4, preemption_mode="swap"),
+                 id="forced-swap", marks=pytest.mark.extended),
+    pytest.param(dataclasses.replace(BASE, speculative="ngram:k=2,n=2"), id="speculative"),
+    pytest.param(dataclasses.replace(BASE, policy="least_slack"), id="least_slack"),
+])
 def test_planning_ahead_changes_no_token_plan_or_state(params, config):
   off, off_tokens = _run(params, config, on=False)
   on, on_tokens = _run(params, config, on=True)
