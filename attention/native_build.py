@@ -17,12 +17,18 @@ from the attention kernel's module: the GEMM kernels import this builder,
 not the attention kernel. It imports nothing of iterserve.
 
 A library is compiled on first use with the system C++ compiler (``CXX``,
-default ``g++``) and ``FLAGS`` (``-march=native``) into ``cache_dir()``:
+default ``g++``) and ``build_flags()`` (``-march=native``) into ``cache_dir()``:
 ``$XDG_CACHE_HOME/iterserve/native`` (default ``~/.cache/iterserve/native``;
 ``ITERSERVE_NATIVE_CACHE`` overrides the folder). Its file name,
 ``<source stem>-<key>.so``, carries a hash of the source's bytes, the flags,
 the compiler, jax's version and the CPU's model and flags
 (``library_name``), so a changed source or another machine builds anew.
+
+XLA's own instruction-set cap, ``XLA_FLAGS=--xla_cpu_max_isa=AVX2``, caps the
+native kernels too (``max_isa``, ``build_flags``): they are built without
+AVX-512 (and AMX), so a machine that has it runs the code an AVX2-only CPU
+would, XLA's and ours alike. Timings under the cap are of that code on this
+machine's cores, caches and memory, not of an AVX2 machine.
 The sources (``*.cc``) are package data of ``attention`` and ``models``:
 an installed package builds from its own copy. ``scripts/setup.sh`` builds
 all three once.
@@ -45,6 +51,13 @@ from typing import Callable
 import jax
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+# XLA's --xla_cpu_max_isa values below AVX-512, and what the native kernels
+# leave out under them (``-D`` macros the sources test).
+_CAPS = {"AVX2": ("-mno-avx512f", "-DITERSERVE_NO_AVX512"),
+         "AVX": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-DITERSERVE_NO_AVX512",
+                 "-DITERSERVE_NO_AVX2"),
+         "SSE4_2": ("-mno-avx512f", "-mno-avx", "-mno-avx2", "-mno-fma",
+                    "-DITERSERVE_NO_AVX512", "-DITERSERVE_NO_AVX2")}
 
 
 class NativeUnavailable(RuntimeError):
@@ -80,6 +93,26 @@ def cache_dir() -> Path:
   return Path(base) / "iterserve" / "native"
 
 
+def max_isa() -> str | None:
+  """XLA:CPU's instruction-set cap as ``XLA_FLAGS`` sets it
+  (``--xla_cpu_max_isa=AVX2``), upper case, or None where it sets none (the
+  last one wins, as in XLA)."""
+  cap = None
+  for word in os.environ.get("XLA_FLAGS", "").split():
+    name, _, value = word.partition("=")
+    if name == "--xla_cpu_max_isa" and value:
+      cap = value.upper()
+  return cap
+
+
+def build_flags() -> tuple[str, ...]:
+  """The compiler flags of the native kernels: ``FLAGS``, plus, under an
+  ``XLA_FLAGS`` cap of AVX2 or below (``max_isa``), the flags and macros
+  that leave out what the cap excludes (AVX-512 and AMX; under AVX or
+  SSE4_2 also AVX2 and FMA). A cap of AVX-512 or above changes nothing."""
+  return FLAGS + _CAPS.get(max_isa() or "", ())
+
+
 def _cpu_signature() -> str:
   try:
     text = Path("/proc/cpuinfo").read_text()
@@ -104,14 +137,14 @@ def _source_bytes(kernel: Kernel) -> bytes:
 
 def library_name(kernel: Kernel) -> str:
   """``<source stem>-<key>.so``, ``key`` the first 20 hex digits of a
-  sha256 over the source's bytes, ``FLAGS``, the compiler, jax's version and
+  sha256 over the source's bytes, ``build_flags()``, the compiler, jax's version and
   the CPU's model and flags.
 
   Raises:
     NativeUnavailable: the source is missing.
   """
   key = hashlib.sha256(b"\0".join([
-      _source_bytes(kernel), " ".join(FLAGS).encode(), _compiler().encode(),
+      _source_bytes(kernel), " ".join(build_flags()).encode(), _compiler().encode(),
       jax.__version__.encode(), _cpu_signature().encode()])).hexdigest()[:20]
   return f"{kernel.source.stem}-{key}.so"
 
@@ -133,7 +166,7 @@ def library_path(kernel: Kernel) -> Path:
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
   os.close(fd)
-  cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(kernel.source), "-o", tmp]
+  cmd = [cxx, *build_flags(), f"-I{jax.ffi.include_dir()}", str(kernel.source), "-o", tmp]
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if proc.returncode != 0 or os.path.getsize(tmp) == 0:
     os.unlink(tmp)
@@ -158,7 +191,9 @@ def load(kernel: Kernel) -> str | None:
   except (NativeUnavailable, OSError) as e:
     return str(e)
   if kernel.probe is not None and not getattr(lib, kernel.probe)():
-    return kernel.missing
+    cap = max_isa()
+    return kernel.missing + (f" (XLA_FLAGS caps the instruction set at {cap})"
+                             if cap in _CAPS else "")
   for target, symbol in kernel.targets:
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   return None

@@ -16,14 +16,17 @@ generated rows' (``row_tiled``'s) float32 projections and the LM head when
 (``models.llama.rowwise``). Its bits differ from XLA's: the choice is part
 of a run's numerics, recorded in replay reports.
 
-It needs an x86 CPU with AVX-512F and a C++ compiler (it is built and
-loaded by ``attention.native_build``, as every native kernel).
+It needs an x86 CPU with AVX-512F, or AVX2 and FMA (8-lane vectors, the
+same bits; ``vector_bits`` says which runs; ``XLA_FLAGS=--xla_cpu_max_isa=AVX2``
+caps it as it caps XLA), and a C++ compiler (it is built and loaded by
+``attention.native_build``, as every native kernel).
 ``decode_gemm = "auto"`` picks it where ``available()``; elsewhere XLA's
 GEMM runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import jax
@@ -38,7 +41,8 @@ KERNEL = native_build.Kernel(
     name="the float32 row kernel",
     source=Path(__file__).resolve().parent / "native" / "f32_rows.cc",
     targets=((TARGET, "IterserveF32Rows"), (TARGET_PANELS, "IterserveF32RowsPanels")),
-    probe="iterserve_f32_rows_available", missing="this CPU has no AVX-512F")
+    probe="iterserve_f32_rows_available",
+    missing="this CPU has neither AVX-512F nor AVX2 with FMA")
 PANEL = 64   # columns per panel (one work item)
 GEMMS = ("auto", "native", "xla")
 # Most rows a call takes: the generated rows' tile (``models.llama.ROW_TILE``).
@@ -48,6 +52,14 @@ MAX_ROWS = 32
 def unavailable_reason() -> str | None:
   """None when the kernel builds and runs here, else why not."""
   return native_build.load(KERNEL)
+
+
+def vector_bits() -> int:
+  """The kernel's vector width here: 512 (AVX-512F), 256 (AVX2 + FMA) or 0
+  (it does not run here)."""
+  if unavailable_reason() is not None:
+    return 0
+  return int(ctypes.CDLL(str(native_build.library_path(KERNEL))).iterserve_f32_rows_vector_bits())
 
 
 def available() -> bool:

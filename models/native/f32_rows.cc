@@ -25,12 +25,19 @@
 // XLA's intra-op pool (one thread per core: a helper more than that shared
 // a core with the caller, ~15% slower on 2 cores).
 //
+// On a CPU without AVX-512F but with AVX2 and FMA (or when built with
+// ITERSERVE_NO_AVX512, attention.native_build's AVX2 cap) the same two ways
+// run on 8-lane vectors (BlockY, StreamY): a Block item's 64 columns in
+// four strips of 16 (2 ymm x up to 6 rows: 12 accumulators of 16
+// registers). The fma chains are the same, so the bits are too.
+//
 // Operands: x f32[M, K], w f32[K, N], live s32[] (rows from `live` on are
 // not computed: they are zero). Result: f32[M, N].
 // IterserveF32RowsPanels takes w as panels f32[P, K, 64] (panel p holds
 // columns [64 p, 64 p + 64), zero past N; rowgemm.to_panels) and returns
 // f32[M, 64 P]: the same sums, each item reading one contiguous panel.
-// `iterserve_f32_rows_available` says whether the CPU has AVX-512F.
+// `iterserve_f32_rows_available` says whether the CPU has AVX-512F or AVX2
+// with FMA; `iterserve_f32_rows_vector_bits` which path runs (512, 256, 0).
 
 #include <immintrin.h>
 
@@ -53,10 +60,25 @@ constexpr int64_t kStreamItems = 4;     // Stream work items per call
 constexpr int64_t kStreamCols = 1024;   // most columns of a Stream item
 constexpr int64_t kPrefetchRows = 32;   // weight rows read ahead (Block)
 
-bool Usable() {
+bool Has512() {
+#ifdef ITERSERVE_NO_AVX512
+  return false;
+#else
   static const bool ok = __builtin_cpu_supports("avx512f");
   return ok;
+#endif
 }
+
+bool Has256() {
+#ifdef ITERSERVE_NO_AVX2
+  return false;
+#else
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+#endif
+}
+
+int VectorBits() { return Has512() ? 512 : Has256() ? 256 : 0; }
 
 struct Problem {
   const float* x;   // [m, k]
@@ -65,6 +87,7 @@ struct Problem {
   int64_t m, k, n;
   int64_t live;     // rows computed: [0, live); the others are zeroed
   bool panels;
+  bool wide;        // AVX-512 (else AVX2 + FMA)
   int64_t stream_cols;   // > 0: Stream items of this many columns
   // Floats between weight rows k and k + 1 of a work item's 64 columns.
   int64_t w_stride() const { return panels ? kBlockN : n; }
@@ -225,6 +248,196 @@ void RunStream(const Problem& pb, int64_t i) {
                             static_cast<__mmask16>((1u << std::min<int64_t>(16, c1 - c)) - 1u), z);
 }
 
+// ---- AVX2 + FMA: 8-lane vectors ----
+
+// Lanes [0, count) of an 8-lane mask (count clamped to [0, 8]).
+__attribute__((target("avx2")))
+__m256i LaneMask(int64_t count) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int c = static_cast<int>(std::clamp<int64_t>(count, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane);
+}
+
+template <bool Tail>
+__attribute__((target("avx2"))) inline __m256 LoadY(const float* p, __m256i mask) {
+  if constexpr (Tail) return _mm256_maskload_ps(p, mask);
+  else return _mm256_loadu_ps(p);
+}
+
+// Rows [m0, m0 + R) and columns [c0, c0 + 8 V) of out: a strip of a Block
+// item, R * V <= 12 accumulators (of 16 ymm registers; at least 8, the
+// fma latency times its two ports, where R allows). Tail: some of those
+// columns lie past the weight's (mask[v]: loads read zeros, stores skip).
+#define ITERSERVE_ACC_Y(r)                                                      \
+  __m256 c##r##0 = z, c##r##1 = z, c##r##2 = z, c##r##3 = z;                    \
+  __m256 c##r##4 = z, c##r##5 = z, c##r##6 = z, c##r##7 = z;
+#define ITERSERVE_FMA_Y(r, v)                                                   \
+  if constexpr (V > v) c##r##v = _mm256_fmadd_ps(b, w##v, c##r##v);
+#define ITERSERVE_ROW_Y(r)                                                      \
+  if constexpr (R > r) {                                                       \
+    const __m256 b = _mm256_broadcast_ss(x + r * pb.k + k);                    \
+    ITERSERVE_FMA_Y(r, 0) ITERSERVE_FMA_Y(r, 1) ITERSERVE_FMA_Y(r, 2)          \
+    ITERSERVE_FMA_Y(r, 3) ITERSERVE_FMA_Y(r, 4) ITERSERVE_FMA_Y(r, 5)          \
+    ITERSERVE_FMA_Y(r, 6) ITERSERVE_FMA_Y(r, 7)                                \
+  }
+#define ITERSERVE_STORE1_Y(r, v)                                                \
+  if constexpr (V > v) {                                                       \
+    if constexpr (Tail) _mm256_maskstore_ps(o + 8 * v, mask[v], c##r##v);      \
+    else _mm256_storeu_ps(o + 8 * v, c##r##v);                                 \
+  }
+#define ITERSERVE_STORE_Y(r)                                                    \
+  if constexpr (R > r) {                                                       \
+    float* o = pb.out + (m0 + r) * pb.n + c0;                                  \
+    ITERSERVE_STORE1_Y(r, 0) ITERSERVE_STORE1_Y(r, 1) ITERSERVE_STORE1_Y(r, 2) \
+    ITERSERVE_STORE1_Y(r, 3) ITERSERVE_STORE1_Y(r, 4) ITERSERVE_STORE1_Y(r, 5) \
+    ITERSERVE_STORE1_Y(r, 6) ITERSERVE_STORE1_Y(r, 7)                          \
+  }
+
+template <int R, int V, bool Tail>
+__attribute__((target("avx2,fma")))
+void BlockY(const Problem& pb, int64_t m0, int64_t c0, const float* w, int64_t stride,
+            const __m256i* mask) {
+  static_assert(R * V <= 12 && V <= 8);
+  const __m256 z = _mm256_setzero_ps();
+  ITERSERVE_ACC_Y(0) ITERSERVE_ACC_Y(1) ITERSERVE_ACC_Y(2)
+  ITERSERVE_ACC_Y(3) ITERSERVE_ACC_Y(4) ITERSERVE_ACC_Y(5)
+  const float* x = pb.x + m0 * pb.k;
+  const int64_t ahead = kPrefetchRows * stride;
+  for (int64_t k = 0; k < pb.k; ++k, w += stride) {
+    if (k + kPrefetchRows < pb.k)
+      for (int v = 0; v < V; v += 2)
+        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 8 * v), _MM_HINT_T0);
+    const __m256 w0 = LoadY<Tail>(w, mask[0]);
+    const __m256 w1 = V > 1 ? LoadY<Tail>(w + 8, mask[1]) : z;
+    const __m256 w2 = V > 2 ? LoadY<Tail>(w + 16, mask[2]) : z;
+    const __m256 w3 = V > 3 ? LoadY<Tail>(w + 24, mask[3]) : z;
+    const __m256 w4 = V > 4 ? LoadY<Tail>(w + 32, mask[4]) : z;
+    const __m256 w5 = V > 5 ? LoadY<Tail>(w + 40, mask[5]) : z;
+    const __m256 w6 = V > 6 ? LoadY<Tail>(w + 48, mask[6]) : z;
+    const __m256 w7 = V > 7 ? LoadY<Tail>(w + 56, mask[7]) : z;
+    ITERSERVE_ROW_Y(0)
+    ITERSERVE_ROW_Y(1)
+    ITERSERVE_ROW_Y(2)
+    ITERSERVE_ROW_Y(3)
+    ITERSERVE_ROW_Y(4)
+    ITERSERVE_ROW_Y(5)
+  }
+  ITERSERVE_STORE_Y(0)
+  ITERSERVE_STORE_Y(1)
+  ITERSERVE_STORE_Y(2)
+  ITERSERVE_STORE_Y(3)
+  ITERSERVE_STORE_Y(4)
+  ITERSERVE_STORE_Y(5)
+}
+#undef ITERSERVE_ACC_Y
+#undef ITERSERVE_FMA_Y
+#undef ITERSERVE_ROW_Y
+#undef ITERSERVE_STORE1_Y
+#undef ITERSERVE_STORE_Y
+
+// Rows [m0, m0 + R) of columns [n0, min(n0 + 64, n)), in strips of 8 V;
+// item: the item's weight columns [n0, n0 + 64), rows `stride` apart.
+template <int R, int V>
+__attribute__((target("avx2,fma")))
+void RowsY(const Problem& pb, int64_t m0, int64_t n0, const float* item, int64_t stride) {
+  for (int64_t c0 = n0; c0 < std::min(n0 + kBlockN, pb.n); c0 += 8 * V) {
+    __m256i mask[V];
+    for (int v = 0; v < V; ++v) mask[v] = LaneMask(pb.n - c0 - 8 * v);
+    const float* w = item + (c0 - n0);
+    if (c0 + 8 * V <= pb.n) BlockY<R, V, false>(pb, m0, c0, w, stride, mask);
+    else BlockY<R, V, true>(pb, m0, c0, w, stride, mask);
+  }
+}
+
+// Zeros in columns [c0, c1) of the rows past pb.live.
+__attribute__((target("avx2")))
+void ZeroDeadY(const Problem& pb, int64_t c0, int64_t c1) {
+  for (int64_t m = pb.live; m < pb.m; ++m)
+    for (int64_t c = c0; c < c1; c += 8)
+      _mm256_maskstore_ps(pb.out + m * pb.n + c, LaneMask(c1 - c), _mm256_setzero_ps());
+}
+
+// Columns [n0, min(n0 + 64, n)) of out for every live row: blocks of 6
+// rows in strips of 16 columns, the last block's strips as wide as its
+// rows leave accumulators for (1 row: all 64 columns; 2-3: 32). (Copying a
+// row-major item into a contiguous panel first was no faster.)
+__attribute__((target("avx2,fma")))
+void RunColumnsY(const Problem& pb, int64_t n0) {
+  const float* item = pb.w_item(n0);
+  const int64_t stride = pb.w_stride();
+  int64_t m0 = 0;
+  for (; m0 + kMaxRows <= pb.live; m0 += kMaxRows) RowsY<kMaxRows, 2>(pb, m0, n0, item, stride);
+  switch (pb.live - m0) {
+    case 1: RowsY<1, 8>(pb, m0, n0, item, stride); break;
+    case 2: RowsY<2, 4>(pb, m0, n0, item, stride); break;
+    case 3: RowsY<3, 4>(pb, m0, n0, item, stride); break;
+    case 4: RowsY<4, 2>(pb, m0, n0, item, stride); break;
+    case 5: RowsY<5, 2>(pb, m0, n0, item, stride); break;
+    default: break;
+  }
+  ZeroDeadY(pb, n0, std::min(n0 + kBlockN, pb.n));
+}
+
+// Stream on 8-lane vectors: the same order as Stream.
+template <int R>
+__attribute__((target("avx2,fma")))
+void StreamY(const Problem& pb, int64_t c0, int64_t c1) {
+  alignas(64) float acc[R][kStreamCols];
+  const int64_t cols = c1 - c0;
+  const int64_t vectors = (cols + 7) / 8;
+  const __m256i tail = LaneMask(cols - 8 * (vectors - 1));
+  const __m256i all = LaneMask(8);
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < vectors; ++v) _mm256_store_ps(acc[r] + 8 * v, _mm256_setzero_ps());
+  const int64_t n = pb.n;
+  int64_t k = 0;
+  for (; k + 8 <= pb.k; k += 8) {
+    const float* w = pb.w + k * n + c0;
+    const float* xk = pb.x + k;
+    for (int64_t v = 0; v < vectors; ++v) {
+      const __m256i m = v + 1 < vectors ? all : tail;
+      __m256 wv[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) wv[j] = _mm256_maskload_ps(w + j * n + 8 * v, m);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        __m256 a = _mm256_load_ps(acc[r] + 8 * v);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j)
+          a = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + r * pb.k + j), wv[j], a);
+        _mm256_store_ps(acc[r] + 8 * v, a);
+      }
+    }
+  }
+  for (; k < pb.k; ++k) {
+    const float* w = pb.w + k * n + c0;
+    for (int64_t v = 0; v < vectors; ++v) {
+      const __m256 wv = _mm256_maskload_ps(w + 8 * v, v + 1 < vectors ? all : tail);
+      for (int r = 0; r < R; ++r)
+        _mm256_store_ps(acc[r] + 8 * v,
+                        _mm256_fmadd_ps(_mm256_broadcast_ss(pb.x + r * pb.k + k), wv,
+                                        _mm256_load_ps(acc[r] + 8 * v)));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t v = 0; v < vectors; ++v)
+      _mm256_maskstore_ps(pb.out + r * pb.n + c0 + 8 * v, v + 1 < vectors ? all : tail,
+                          _mm256_load_ps(acc[r] + 8 * v));
+}
+
+__attribute__((target("avx2,fma")))
+void RunStreamY(const Problem& pb, int64_t i) {
+  const int64_t c0 = i * pb.stream_cols, c1 = std::min<int64_t>(c0 + pb.stream_cols, pb.n);
+  switch (pb.live) {
+    case 1: StreamY<1>(pb, c0, c1); break;
+    case 2: StreamY<2>(pb, c0, c1); break;
+    case 3: StreamY<3>(pb, c0, c1); break;
+    case 4: StreamY<4>(pb, c0, c1); break;
+    default: break;
+  }
+  ZeroDeadY(pb, c0, c1);
+}
+
 // Work shared by the calling thread and the pool's helpers; helpers that
 // start after the work is done find nothing and only drop their reference.
 struct Shared {
@@ -237,15 +450,20 @@ void Drain(Shared& sh) {
   for (;;) {
     const int64_t i = sh.next.fetch_add(1, std::memory_order_relaxed);
     if (i >= sh.items) break;
-    if (sh.pb.stream_cols) RunStream(sh.pb, i);
-    else RunColumns(sh.pb, kBlockN * i);
+    if (sh.pb.wide) {
+      if (sh.pb.stream_cols) RunStream(sh.pb, i);
+      else RunColumns(sh.pb, kBlockN * i);
+    } else {
+      if (sh.pb.stream_cols) RunStreamY(sh.pb, i);
+      else RunColumnsY(sh.pb, kBlockN * i);
+    }
     sh.done.fetch_add(1, std::memory_order_release);
   }
 }
 
 ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out, int64_t m,
                int64_t k, int64_t n, int64_t live, bool panels) {
-  if (!Usable()) return ffi::Error::Internal("this CPU has no AVX-512F");
+  if (!VectorBits()) return ffi::Error::Internal("this CPU has neither AVX-512F nor AVX2 with FMA");
   auto sh = std::make_shared<Shared>();
   Problem& pb = sh->pb;
   pb.x = x;
@@ -256,6 +474,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const float* x, const float* w, float* out
   pb.n = n;
   pb.live = std::min<int64_t>(std::max<int64_t>(live, 0), m);
   pb.panels = panels;
+  pb.wide = VectorBits() == 512;
   if (m == 0 || n == 0) return ffi::Error::Success();
   // Up to kStreamRows live rows of a row-major weight: kStreamItems items
   // of whole weight rows' columns (a multiple of 16, at most kStreamCols).
@@ -295,7 +514,8 @@ ffi::Error F32RowsPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
 
 }  // namespace
 
-extern "C" int iterserve_f32_rows_available() { return Usable() ? 1 : 0; }
+extern "C" int iterserve_f32_rows_available() { return VectorBits() ? 1 : 0; }
+extern "C" int iterserve_f32_rows_vector_bits() { return VectorBits(); }
 
 // Both handlers bind x, w, live and the result alike.
 #define ITERSERVE_F32_ROWS_BINDING                                              \

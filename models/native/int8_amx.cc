@@ -54,7 +54,13 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
+// Built under an AVX2 cap (attention.native_build: XLA_FLAGS'
+// --xla_cpu_max_isa=AVX2) the kernel is unavailable, as on a CPU without
+// AVX-512 and AMX.
 bool AmxUsable() {
+#ifdef ITERSERVE_NO_AVX512
+  return false;
+#endif
   static const bool ok = [] {
     if (!__builtin_cpu_supports("avx512bw")) return false;
     unsigned eax, ebx, ecx, edx;

@@ -65,12 +65,12 @@ def default_budget_s() -> float:
 
 def fingerprint() -> dict:
   """The machine as its timings depend on it: JAX backend and device kind,
-  CPU model, cores and vector/matrix extensions (``host_cpu.host_cpu``), jax
-  version."""
+  CPU model, cores, vector/matrix extensions and instruction-set cap
+  (``host_cpu.host_cpu``), jax version."""
   cpu = host_cpu.host_cpu()
   return {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
           "cpu": cpu["model"], "cores": cpu["cores"], "extensions": cpu["extensions"],
-          "jax": jax.__version__}
+          "max_isa": cpu["max_isa"], "jax": jax.__version__}
 
 
 def shape_key(model_cfg, config) -> dict:

@@ -10,6 +10,8 @@ import os
 import platform
 from typing import List, Optional, Tuple
 
+from attention import native_build
+
 # The vector/matrix extensions that decide XLA:CPU's GEMM kernels (and so
 # their speed and their rows' bit classes), in the order reports list them.
 EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile",
@@ -40,9 +42,12 @@ def read_cpuinfo(path: str = "/proc/cpuinfo") -> Tuple[Optional[str], List[str]]
 
 def host_cpu() -> dict:
   """The CPU a run measured: ``model`` (the model name, else Python's
-  processor or machine name), ``cores`` (logical CPUs) and ``extensions``
-  (those of ``EXTENSIONS`` its flags hold, in that order)."""
+  processor or machine name), ``cores`` (logical CPUs), ``extensions``
+  (those of ``EXTENSIONS`` its flags hold, in that order) and ``max_isa``
+  (XLA's instruction-set cap from ``XLA_FLAGS``, which caps the native
+  kernels too: ``attention.native_build.max_isa``; None where none is set)."""
   model, flags = read_cpuinfo()
   seen = set(flags)
   return {"model": model if model is not None else platform.processor() or platform.machine(),
-          "cores": os.cpu_count(), "extensions": [e for e in EXTENSIONS if e in seen]}
+          "cores": os.cpu_count(), "extensions": [e for e in EXTENSIONS if e in seen],
+          "max_isa": native_build.max_isa()}

@@ -77,3 +77,25 @@ def test_a_built_library_is_reused_from_the_cache_and_loaded_once(tmp_path):
   assert native_build.library_path(native.KERNEL) == path      # no rebuild: the same file
   assert native_build.load(native.KERNEL) is None
   assert native_build.load.cache_info().hits >= 1
+
+
+def test_xlas_instruction_set_cap_caps_the_native_builds(monkeypatch):
+  """``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` builds the kernels without AVX-512
+  (another library name); a cap of AVX-512 or none changes nothing; the
+  last flag wins, as in XLA."""
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  plain = native_build.library_name(rowgemm.KERNEL)
+  assert native_build.max_isa() is None and native_build.build_flags() == native_build.FLAGS
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 "
+                                  "--xla_cpu_max_isa=avx512 --xla_cpu_max_isa=avx2")
+  assert native_build.max_isa() == "AVX2"
+  flags = native_build.build_flags()
+  assert flags[:len(native_build.FLAGS)] == native_build.FLAGS
+  assert {"-mno-avx512f", "-DITERSERVE_NO_AVX512"} <= set(flags) and "-mno-avx2" not in flags
+  capped = native_build.library_name(rowgemm.KERNEL)
+  assert capped != plain
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=SSE4_2")
+  assert {"-mno-avx2", "-mno-fma", "-DITERSERVE_NO_AVX2"} <= set(native_build.build_flags())
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX512")
+  assert native_build.build_flags() == native_build.FLAGS
+  assert native_build.library_name(rowgemm.KERNEL) == plain

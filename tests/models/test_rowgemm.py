@@ -3,6 +3,10 @@ k-ordered fma chains against a numpy reference, bit for bit; a row's bits
 independent of the row count; its use in ``llama.forward``."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +14,15 @@ import numpy as np
 import pytest
 
 from models import llama, rowgemm
+from serving.engine import host_cpu
 from tests.serving.engine_testing import CFG
 
 pytestmark = pytest.mark.skipif(not rowgemm.available(),
                                 reason=f"float32 row kernel unavailable: "
                                        f"{rowgemm.unavailable_reason()}")
 
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Wider than the tiny model: at d_model 64 XLA's few-row GEMM happens to
 # compute the same k-ordered chain as the kernel, hiding which one ran.
@@ -67,6 +74,52 @@ def test_a_rows_bits_do_not_depend_on_the_row_count_or_live_rows():
     out = np.asarray(live(x, w, jnp.int32(n)))
     np.testing.assert_array_equal(out[:n], full[:n])
     assert not out[n:].any()
+
+
+_CAPPED = """
+import sys
+import numpy as np, jax, jax.numpy as jnp
+from models import amx, rowgemm
+rng = np.random.default_rng(7)
+out = {"bits": np.int32(rowgemm.vector_bits()), "amx": np.str_(amx.unavailable_reason() or "")}
+for m, k, n in SHAPES:
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  for live in sorted({m, max(m - 3, 0)}):
+    out[f"{m}_{k}_{n}_{live}_rows"] = np.asarray(rowgemm.matmul(x, w, live=live))
+    out[f"{m}_{k}_{n}_{live}_panels"] = np.asarray(
+        rowgemm.matmul(x, rowgemm.to_panels(w), n=n, live=live))
+np.savez(sys.argv[1], **out)
+"""
+_SHAPES = [(1, 64, 40), (2, 70, 130), (3, 33, 17), (5, 96, 200), (9, 64, 72), (32, 576, 1536)]
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(host_cpu.read_cpuinfo()[1]),
+                    reason="the CPU has no AVX2 with FMA")
+def test_the_avx2_path_under_xlas_cap_gives_the_same_bits(tmp_path):
+  """Under ``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` the kernel is built without
+  AVX-512 and runs on 8-lane vectors (``vector_bits`` 256; the AMX kernel
+  says the cap keeps it off): every output, both layouts, live rows or not,
+  is the k-ordered fma chain, bit for bit."""
+  path = tmp_path / "capped.npz"
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=AVX2", PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "-c", f"SHAPES = {_SHAPES!r}\n{_CAPPED}", str(path)],
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  got = np.load(path)
+  assert int(got["bits"]) == 256
+  assert str(got["amx"]).endswith("(XLA_FLAGS caps the instruction set at AVX2)")
+  rng = np.random.default_rng(7)
+  for m, k, n in _SHAPES:
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    full = rowgemm.reference(x, w) if m * k * n < 10 ** 6 else np.asarray(rowgemm.matmul(x, w))
+    for live in sorted({m, max(m - 3, 0)}):
+      want = full.copy()
+      want[live:] = 0
+      for layout in ("rows", "panels"):
+        np.testing.assert_array_equal(_bits(got[f"{m}_{k}_{n}_{live}_{layout}"]), _bits(want),
+                                      err_msg=f"{m}x{k}x{n} live {live} {layout}")
 
 
 def test_bad_operands_and_values_are_refused():

@@ -38,3 +38,7 @@ def test_host_cpu_lists_known_extensions_in_their_order(tmp_path, monkeypatch):
   assert cpu["model"] == "Intel(R) Xeon(R) Test"
   assert cpu["extensions"] == ["avx2", "fma", "avx512f", "amx_bf16", "amx_int8"]
   assert cpu["cores"] >= 1
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert host_cpu.host_cpu()["max_isa"] is None
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=avx2")
+  assert host_cpu.host_cpu()["max_isa"] == "AVX2"
