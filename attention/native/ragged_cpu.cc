@@ -19,7 +19,8 @@
 // everywhere; another compiler or -march may round differently.
 //
 // Written with GCC's vector extensions (__builtin_shuffle: g++ only), which
-// compile to AVX-512, AVX2 or SSE registers for the -march given.
+// compile to AVX-512, AVX2 or SSE registers for the -march given; on AVX2
+// without AVX-512 a 16-lane value is a pair of 8-lane halves (V below).
 //
 // Operands (attention/ragged.py's layout):
 //   q          f32[T, Hq, D]
@@ -51,6 +52,57 @@ namespace {
 constexpr int kLanes = 16;      // one vector: 16 float32 lanes
 constexpr int kRowTile = 16;    // query rows per work item
 
+// V: 16 float32 lanes; VI: 16 int32 lanes (masks: -1 / 0). Where the
+// target has 512-bit vectors (or no AVX2) they are GCC vector types; on
+// AVX2 without AVX-512 a 64-byte vector type has no register and GCC keeps
+// every such value in memory (stores in 16-byte pieces read back 32 bytes
+// at a time: ~10x slower prompt chunks), so there V and VI are pairs of
+// 8-lane halves with the same lane-wise operations: the same bits.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t VI8 __attribute__((vector_size(32)));
+typedef float V8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t VH8u __attribute__((vector_size(16), aligned(2), may_alias));
+typedef uint32_t VU8 __attribute__((vector_size(32)));
+struct V { V8 lo, hi; };
+struct VI { VI8 lo, hi; };
+inline V operator+(V a, V b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline V operator-(V a, V b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline V operator*(V a, V b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline V operator+(V a, float b) { return {a.lo + b, a.hi + b}; }
+inline V operator-(V a, float b) { return {a.lo - b, a.hi - b}; }
+inline V operator*(V a, float b) { return {a.lo * b, a.hi * b}; }
+inline V operator*(float a, V b) { return {a * b.lo, a * b.hi}; }
+inline VI operator>(V a, V b) { return {a.lo > b.lo, a.hi > b.hi}; }
+inline VI operator>(V a, float b) { return {a.lo > b, a.hi > b}; }
+inline VI operator!(VI a) { return {!a.lo, !a.hi}; }
+inline VI operator&(VI a, VI b) { return {a.lo & b.lo, a.hi & b.hi}; }
+inline VI operator+(VI a, int32_t b) { return {a.lo + b, a.hi + b}; }
+inline VI operator<<(VI a, int b) { return {a.lo << b, a.hi << b}; }
+inline VI operator>=(VI a, int32_t b) { return {a.lo >= b, a.hi >= b}; }
+inline VI operator<(VI a, int32_t b) { return {a.lo < b, a.hi < b}; }
+inline V Load(const float* p) {
+  return {*reinterpret_cast<const V8u*>(p), *reinterpret_cast<const V8u*>(p + 8)};
+}
+inline void Store(float* p, V v) {
+  *reinterpret_cast<V8u*>(p) = v.lo;
+  *reinterpret_cast<V8u*>(p + 8) = v.hi;
+}
+inline V Splat(float x) { return {V8{} + x, V8{} + x}; }
+inline VI Iota() { return {VI8{0, 1, 2, 3, 4, 5, 6, 7}, VI8{8, 9, 10, 11, 12, 13, 14, 15}}; }
+inline V Select(VI m, V a, V b) { return {m.lo ? a.lo : b.lo, m.hi ? a.hi : b.hi}; }
+inline float Lane(V v, int i) { return i < 8 ? v.lo[i] : v.hi[i - 8]; }
+inline VI ToInt(V x) {
+  return {__builtin_convertvector(x.lo, VI8), __builtin_convertvector(x.hi, VI8)};
+}
+inline V AsFloat(VI x) { return {reinterpret_cast<const V8&>(x.lo), reinterpret_cast<const V8&>(x.hi)}; }
+// 16 bfloat16 bit patterns -> float32 (the bits shifted into the high half).
+inline V WidenBf16(const uint16_t* p) {
+  const VU8 lo = __builtin_convertvector(*reinterpret_cast<const VH8u*>(p), VU8) << 16;
+  const VU8 hi = __builtin_convertvector(*reinterpret_cast<const VH8u*>(p + 8), VU8) << 16;
+  return {reinterpret_cast<const V8&>(lo), reinterpret_cast<const V8&>(hi)};
+}
+#else
 typedef float V __attribute__((vector_size(64), aligned(4), may_alias));
 typedef int32_t VI __attribute__((vector_size(64), aligned(4), may_alias));
 typedef uint32_t VU __attribute__((vector_size(64), aligned(4), may_alias));
@@ -59,6 +111,16 @@ typedef uint16_t VH __attribute__((vector_size(32), aligned(2), may_alias));
 inline V Load(const float* p) { return *reinterpret_cast<const V*>(p); }
 inline void Store(float* p, V v) { *reinterpret_cast<V*>(p) = v; }
 inline V Splat(float x) { return V{} + x; }
+inline VI Iota() { return VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+inline V Select(VI m, V a, V b) { return m ? a : b; }
+inline float Lane(V v, int i) { return v[i]; }
+inline VI ToInt(V x) { return __builtin_convertvector(x, VI); }
+inline V AsFloat(VI x) { return reinterpret_cast<const V&>(x); }
+inline V WidenBf16(const uint16_t* p) {
+  const VU b = __builtin_convertvector(*reinterpret_cast<const VH*>(p), VU) << 16;
+  return reinterpret_cast<const V&>(b);
+}
+#endif
 
 // The dot of one key with q over head_dim: lane l sums q[c][l] * k[c][l]
 // over the NC chunks c in order.
@@ -74,7 +136,7 @@ inline V DotLanes(const V* q, const float* k) {
 // give 0; the softmax only passes inputs <= 0.
 inline V Exp(V x) {
   const VI zero = !(x > -87.3f);
-  x = zero ? Splat(0.0f) : x;
+  x = Select(zero, Splat(0.0f), x);
   const V kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   V r = x - kf * 0.693359375f;
   r = r - kf * -2.12194440e-4f;
@@ -85,13 +147,35 @@ inline V Exp(V x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const VI bits = (__builtin_convertvector(kf, VI) + 127) << 23;
-  const V scale = reinterpret_cast<const V&>(bits);
-  return zero ? Splat(0.0f) : p * scale;
+  const V scale = AsFloat((ToInt(kf) + 127) << 23);
+  return Select(zero, Splat(0.0f), p * scale);
 }
 
 // Lane sums of 16 vectors in one vector (lane i = the sum of a[i]'s lanes),
 // by four levels of pairwise folds: every sum is the same tree of adds.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The same four levels on 8-lane halves: level 1 adds each vector's halves;
+// levels 2-4 fold within a vector's halves (the lanes as in the other
+// definition's shuffles).
+inline V8 Fold8(V8 a, V8 b, VI8 lo, VI8 hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+inline V Reduce16(V* a) {
+  constexpr VI8 l2_lo = {0, 1, 2, 3, 8, 9, 10, 11}, l2_hi = {4, 5, 6, 7, 12, 13, 14, 15};
+  constexpr VI8 l3_lo = {0, 1, 4, 5, 8, 9, 12, 13}, l3_hi = {2, 3, 6, 7, 10, 11, 14, 15};
+  constexpr VI8 l4_lo = {0, 2, 4, 6, 8, 10, 12, 14}, l4_hi = {1, 3, 5, 7, 9, 11, 13, 15};
+  V b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = {a[2 * i].lo + a[2 * i].hi, a[2 * i + 1].lo + a[2 * i + 1].hi};
+  for (int i = 0; i < 4; ++i)
+    c[i] = {Fold8(b[2 * i].lo, b[2 * i].hi, l2_lo, l2_hi),
+            Fold8(b[2 * i + 1].lo, b[2 * i + 1].hi, l2_lo, l2_hi)};
+  for (int i = 0; i < 2; ++i)
+    d[i] = {Fold8(c[2 * i].lo, c[2 * i].hi, l3_lo, l3_hi),
+            Fold8(c[2 * i + 1].lo, c[2 * i + 1].hi, l3_lo, l3_hi)};
+  return {Fold8(d[0].lo, d[0].hi, l4_lo, l4_hi), Fold8(d[1].lo, d[1].hi, l4_lo, l4_hi)};
+}
+#else
 inline V Reduce16(V* a) {
   constexpr VI l1_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   constexpr VI l1_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -113,6 +197,7 @@ inline V Reduce16(V* a) {
            __builtin_shuffle(c[2 * i], c[2 * i + 1], l3_hi);
   return __builtin_shuffle(d[0], d[1], l4_lo) + __builtin_shuffle(d[0], d[1], l4_hi);
 }
+#endif
 
 struct Problem {
   const float* q;
@@ -158,10 +243,8 @@ void LoadBlock(const Problem& pb, int seq, int64_t k0, int64_t nk, float* k, flo
         const uint16_t* ks = static_cast<const uint16_t*>(pb.k_pages) + off;
         const uint16_t* vs = static_cast<const uint16_t*>(pb.v_pages) + off;
         for (int c = 0; c < NC; ++c) {
-          const VU kb = __builtin_convertvector(*reinterpret_cast<const VH*>(ks + c * kLanes), VU) << 16;
-          const VU vb = __builtin_convertvector(*reinterpret_cast<const VH*>(vs + c * kLanes), VU) << 16;
-          Store(kd + c * kLanes, reinterpret_cast<const V&>(kb));
-          Store(vd + c * kLanes, reinterpret_cast<const V&>(vb));
+          Store(kd + c * kLanes, WidenBf16(ks + c * kLanes));
+          Store(vd + c * kLanes, WidenBf16(vs + c * kLanes));
         }
       } else {
         std::memcpy(kd, static_cast<const float*>(pb.k_pages) + off, d * sizeof(float));
@@ -222,24 +305,26 @@ void PairBlock(const Problem& pb, const Pairs& pr, const float* kb, const float*
         a[p][key] = t;
       }
     }
-    const VI idx = VI{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} +
-                   static_cast<int32_t>(kc);
+    const VI idx = Iota() + static_cast<int32_t>(kc);
     for (int p = 0; p < P; ++p) {
       V sv = Reduce16(a[p]) * pb.sm_scale;
       if (pb.soft_cap > 0.0f) {
-        for (int ln = 0; ln < kLanes; ++ln) sv[ln] = pb.soft_cap * std::tanh(sv[ln] / pb.soft_cap);
+        alignas(64) float t[kLanes];
+        Store(t, sv);
+        for (int ln = 0; ln < kLanes; ++ln) t[ln] = pb.soft_cap * std::tanh(t[ln] / pb.soft_cap);
+        sv = Load(t);
       }
       const VI vis = (idx >= static_cast<int32_t>(pr.vis_lo[p])) &
                      (idx < static_cast<int32_t>(pr.vis_hi[p]));
-      sv = vis ? sv : Splat(-INFINITY);
+      sv = Select(vis, sv, Splat(-INFINITY));
       Store(s + p * bkp + kc, sv);
-      mxv[p] = mxv[p] > sv ? mxv[p] : sv;
+      mxv[p] = Select(mxv[p] > sv, mxv[p], sv);
     }
   }
   float alpha[P];
   for (int p = 0; p < P; ++p) {
     float mx = -INFINITY;                  // max is exact in any order
-    for (int ln = 0; ln < kLanes; ++ln) mx = std::max(mx, mxv[p][ln]);
+    for (int ln = 0; ln < kLanes; ++ln) mx = std::max(mx, Lane(mxv[p], ln));
     const float m_old = *pr.m[p];
     const float m_new = std::max(m_old, mx);
     const float m_safe = std::isinf(m_new) ? 0.0f : m_new;
@@ -253,8 +338,8 @@ void PairBlock(const Problem& pb, const Pairs& pr, const float* kb, const float*
     V fold[kLanes];
     fold[0] = part;
     for (int i = 1; i < kLanes; ++i) fold[i] = Splat(0.0f);
-    const float psum = Reduce16(fold)[0];
-    alpha[p] = Exp(Splat(m_old - m_safe))[0];
+    const float psum = Lane(Reduce16(fold), 0);
+    alpha[p] = Lane(Exp(Splat(m_old - m_safe)), 0);
     *pr.l[p] = alpha[p] * *pr.l[p] + psum;
     *pr.m[p] = m_new;
   }

@@ -7,6 +7,10 @@ the output. The Pallas kernel runs in interpret mode on CPU.
 """
 
 import functools
+import os
+from pathlib import Path
+import subprocess
+import sys
 import warnings
 
 import hypothesis
@@ -446,3 +450,42 @@ def test_pallas_kernel_lowers_to_triton_for_cuda():
   exported = export.export(fn, platforms=["cuda"], disabled_checks=[
       export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
   assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+_CAPPED_CASES = """
+import sys
+import numpy as np, jax.numpy as jnp
+from attention import native, ragged
+from tests.attention.test_ragged import CASES, make_batch
+assert native.available(), native.unavailable_reason()
+out = {}
+for name, seqs in CASES.items():
+  for dtype in (jnp.float32, jnp.bfloat16):
+    args, _, _ = make_batch(seqs, num_rows=64, max_seqs=16, dtype=dtype)
+    out[f"{name}_{jnp.dtype(dtype).name}"] = np.asarray(ragged.ragged_paged_attention(
+        *args, impl="native", sm_scale=64 ** -0.5, soft_cap=3.0).astype(jnp.float32))
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.extended
+def test_native_under_an_avx2_cap_gives_the_same_bits(tmp_path):
+  """Built under ``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` (no AVX-512: 16-lane
+  values as pairs of 8-lane halves), the kernel computes the bits of this
+  process's build on every case, float32 and bfloat16 pages, soft cap on."""
+  if not native.available():
+    pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
+  root = Path(__file__).resolve().parents[2]
+  path = tmp_path / "capped.npz"
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_max_isa=AVX2", PYTHONPATH=str(root))
+  proc = subprocess.run([sys.executable, "-c", _CAPPED_CASES, str(path)], env=env, cwd=root,
+                        capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  got = np.load(path)
+  for name, seqs in CASES.items():
+    for dtype in (jnp.float32, jnp.bfloat16):
+      args, _, _ = make_batch(seqs, num_rows=64, max_seqs=16, dtype=dtype)
+      want = attend(args, "native", soft_cap=3.0)
+      key = f"{name}_{jnp.dtype(dtype).name}"
+      assert want.any()
+      np.testing.assert_array_equal(got[key].view(np.uint32), want.view(np.uint32), err_msg=key)
