@@ -303,10 +303,19 @@ void BlockY(const Problem& pb, int64_t m0, int64_t c0, const float* w, int64_t s
   ITERSERVE_ACC_Y(3) ITERSERVE_ACC_Y(4) ITERSERVE_ACC_Y(5)
   const float* x = pb.x + m0 * pb.k;
   const int64_t ahead = kPrefetchRows * stride;
-  for (int64_t k = 0; k < pb.k; ++k, w += stride) {
-    if (k + kPrefetchRows < pb.k)
-      for (int v = 0; v < V; v += 2)
-        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 8 * v), _MM_HINT_T0);
+  const float* row = w - c0 % kBlockN;   // the item's first column
+  const bool first = c0 % kBlockN == 0;
+  for (int64_t k = 0; k < pb.k; ++k, w += stride, row += stride) {
+    // The first strip fetches the item's whole 256-byte weight rows ahead
+    // (the later strips' rows are then in L2), the others their own lines.
+    if (k + kPrefetchRows < pb.k) {
+      if (first)
+        for (int line = 0; line < 4; ++line)
+          _mm_prefetch(reinterpret_cast<const char*>(row + ahead + 16 * line), _MM_HINT_T0);
+      else
+        for (int v = 0; v < V; v += 2)
+          _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 8 * v), _MM_HINT_T0);
+    }
     const __m256 w0 = LoadY<Tail>(w, mask[0]);
     const __m256 w1 = V > 1 ? LoadY<Tail>(w + 8, mask[1]) : z;
     const __m256 w2 = V > 2 ? LoadY<Tail>(w + 16, mask[2]) : z;
@@ -391,20 +400,28 @@ void StreamY(const Problem& pb, int64_t c0, int64_t c1) {
     for (int64_t v = 0; v < vectors; ++v) _mm256_store_ps(acc[r] + 8 * v, _mm256_setzero_ps());
   const int64_t n = pb.n;
   int64_t k = 0;
+  // Full vectors load plainly (a masked load costs more), the last one
+  // masked where the item's columns end inside it.
+  const int64_t full = cols / 8;
   for (; k + 8 <= pb.k; k += 8) {
     const float* w = pb.w + k * n + c0;
-    const float* xk = pb.x + k;
+    __m256 b[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 8; ++j) b[r][j] = _mm256_broadcast_ss(pb.x + r * pb.k + k + j);
     for (int64_t v = 0; v < vectors; ++v) {
-      const __m256i m = v + 1 < vectors ? all : tail;
       __m256 wv[8];
+      if (v < full) {
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) wv[j] = _mm256_maskload_ps(w + j * n + 8 * v, m);
+        for (int j = 0; j < 8; ++j) wv[j] = _mm256_loadu_ps(w + j * n + 8 * v);
+      } else {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) wv[j] = _mm256_maskload_ps(w + j * n + 8 * v, tail);
+      }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         __m256 a = _mm256_load_ps(acc[r] + 8 * v);
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j)
-          a = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + r * pb.k + j), wv[j], a);
+        for (int j = 0; j < 8; ++j) a = _mm256_fmadd_ps(b[r][j], wv[j], a);
         _mm256_store_ps(acc[r] + 8 * v, a);
       }
     }
