@@ -30,6 +30,7 @@ reference, and the achieved bandwidth of the K/V bytes the mix must read
 import collections
 import gzip
 import json
+import os
 import sys
 import tempfile
 import time
@@ -41,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention import ragged  # noqa: E402
+from attention import native, ragged  # noqa: E402
 from serving import cli  # noqa: E402
+from serving.engine import host_cpu  # noqa: E402
 
 _OUT = flags.DEFINE_string("out", "/tmp/bench_attention.json", "JSON path.")
 _BACKEND = flags.DEFINE_string("backend", "cpu", "JAX platform to run on.")
@@ -214,6 +216,7 @@ def _memory_bandwidth(iters):
 def main(argv):
   del argv
   jax.config.update("jax_platforms", _BACKEND.value)
+  load_at_start = list(os.getloadavg())
   rng = np.random.default_rng(0)
   dtype = jnp.dtype(_DTYPE.value)
   results = []
@@ -262,7 +265,9 @@ def main(argv):
           "page_size": _PAGE, "heads": [_HQ, _HKV],
           "head_dim": _D, "max_num_seqs": _S, "pages_per_seq": _PAGES_PER_SEQ,
           "iters": _ITERS.value, "jax": jax.__version__,
-          "bandwidth": bandwidth}
+          "bandwidth": bandwidth, "host_cpu": host_cpu.host_cpu(),
+          "native_unavailable": native.unavailable_reason(),
+          "load_average_at_start": load_at_start, "load_average_end": list(os.getloadavg())}
   Path(_OUT.value).write_text(json.dumps({"meta": meta, "results": results},
                                          indent=1))
 
