@@ -95,12 +95,12 @@ inline float Lane(V v, int i) { return i < 8 ? v.lo[i] : v.hi[i - 8]; }
 inline VI ToInt(V x) {
   return {__builtin_convertvector(x.lo, VI8), __builtin_convertvector(x.hi, VI8)};
 }
-inline V AsFloat(VI x) { return {reinterpret_cast<const V8&>(x.lo), reinterpret_cast<const V8&>(x.hi)}; }
+inline V AsFloat(VI x) { return {(V8)x.lo, (V8)x.hi}; }   // bit casts
 // 16 bfloat16 bit patterns -> float32 (the bits shifted into the high half).
 inline V WidenBf16(const uint16_t* p) {
   const VU8 lo = __builtin_convertvector(*reinterpret_cast<const VH8u*>(p), VU8) << 16;
   const VU8 hi = __builtin_convertvector(*reinterpret_cast<const VH8u*>(p + 8), VU8) << 16;
-  return {reinterpret_cast<const V8&>(lo), reinterpret_cast<const V8&>(hi)};
+  return {(V8)lo, (V8)hi};
 }
 #else
 typedef float V __attribute__((vector_size(64), aligned(4), may_alias));
@@ -165,8 +165,14 @@ inline V Reduce16(V* a) {
   constexpr VI8 l3_lo = {0, 1, 4, 5, 8, 9, 12, 13}, l3_hi = {2, 3, 6, 7, 10, 11, 14, 15};
   constexpr VI8 l4_lo = {0, 2, 4, 6, 8, 10, 12, 14}, l4_hi = {1, 3, 5, 7, 9, 11, 13, 15};
   V b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = {a[2 * i].lo + a[2 * i].hi, a[2 * i + 1].lo + a[2 * i + 1].hi};
+  for (int i = 0; i < 8; ++i) {
+    V x = a[2 * i], y = a[2 * i + 1];
+    // Where a holds plain products (head_dim 16), GCC would fuse them into
+    // this add (an fma); the other definition's shuffle keeps multiply and
+    // add apart. The empty asm makes the halves opaque, so neither fuses.
+    asm("" : "+x"(x.lo), "+x"(x.hi), "+x"(y.lo), "+x"(y.hi));
+    b[i] = {x.lo + x.hi, y.lo + y.hi};
+  }
   for (int i = 0; i < 4; ++i)
     c[i] = {Fold8(b[2 * i].lo, b[2 * i].hi, l2_lo, l2_hi),
             Fold8(b[2 * i + 1].lo, b[2 * i + 1].hi, l2_lo, l2_hi)};

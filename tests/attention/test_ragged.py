@@ -455,24 +455,34 @@ def test_pallas_kernel_lowers_to_triton_for_cuda():
 _CAPPED_CASES = """
 import sys
 import numpy as np, jax.numpy as jnp
-from attention import native, ragged
-from tests.attention.test_ragged import CASES, make_batch
+from attention import native
+from tests.attention.test_ragged import capped_cases
 assert native.available(), native.unavailable_reason()
-out = {}
-for name, seqs in CASES.items():
-  for dtype in (jnp.float32, jnp.bfloat16):
-    args, _, _ = make_batch(seqs, num_rows=64, max_seqs=16, dtype=dtype)
-    out[f"{name}_{jnp.dtype(dtype).name}"] = np.asarray(ragged.ragged_paged_attention(
-        *args, impl="native", sm_scale=64 ** -0.5, soft_cap=3.0).astype(jnp.float32))
-np.savez(sys.argv[1], **out)
+np.savez(sys.argv[1], **capped_cases())
 """
+
+
+def capped_cases():
+  """Native outputs of every case at head_dim 16 (plain products into the
+  lane fold) and 64, float32 and bfloat16 pages, float32 queries, soft cap
+  on: ``{name: f32 array}``."""
+  out = {}
+  for name, seqs in CASES.items():
+    for head_dim in (16, 64):
+      for dtype in (jnp.float32, jnp.bfloat16):
+        args, _, _ = make_batch(seqs, num_rows=64, max_seqs=16, dtype=dtype, head_dim=head_dim)
+        args = (args[0].astype(jnp.float32),) + args[1:]
+        out[f"{name}_{head_dim}_{jnp.dtype(dtype).name}"] = np.asarray(
+            ragged.ragged_paged_attention(*args, impl="native", sm_scale=head_dim ** -0.5,
+                                          soft_cap=3.0).astype(jnp.float32))
+  return out
 
 
 @pytest.mark.extended
 def test_native_under_an_avx2_cap_gives_the_same_bits(tmp_path):
   """Built under ``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` (no AVX-512: 16-lane
   values as pairs of 8-lane halves), the kernel computes the bits of this
-  process's build on every case, float32 and bfloat16 pages, soft cap on."""
+  process's build on every case (``capped_cases``)."""
   if not native.available():
     pytest.skip(f"native kernel unavailable: {native.unavailable_reason()}")
   root = Path(__file__).resolve().parents[2]
@@ -482,10 +492,8 @@ def test_native_under_an_avx2_cap_gives_the_same_bits(tmp_path):
                         capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   got = np.load(path)
-  for name, seqs in CASES.items():
-    for dtype in (jnp.float32, jnp.bfloat16):
-      args, _, _ = make_batch(seqs, num_rows=64, max_seqs=16, dtype=dtype)
-      want = attend(args, "native", soft_cap=3.0)
-      key = f"{name}_{jnp.dtype(dtype).name}"
-      assert want.any()
-      np.testing.assert_array_equal(got[key].view(np.uint32), want.view(np.uint32), err_msg=key)
+  want = capped_cases()
+  assert sorted(got.files) == sorted(want) and len(want) == 20
+  for key, value in want.items():
+    assert value.any()
+    np.testing.assert_array_equal(got[key].view(np.uint32), value.view(np.uint32), err_msg=key)
