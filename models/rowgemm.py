@@ -134,7 +134,11 @@ def _fma(a, b, c) -> np.ndarray:
 
 def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
   """What ``matmul`` computes for ``w`` [K, N], in numpy: ``acc = fma(x[:,
-  k], w[k], acc)`` for k = 0..K-1 from +0."""
+  k], w[k], acc)`` for k = 0..K-1 from +0.
+
+  For normal values only: the kernel runs on XLA:CPU's threads, which flush
+  subnormal inputs and results to zero (``matmul([[1e-20]], [[1e-20]])`` is
+  0 there, 1e-40 here), and ``_fma``'s long double sum can round twice."""
   x, w = np.asarray(x, np.float32), np.asarray(w, np.float32)
   acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
   for k in range(x.shape[1]):
