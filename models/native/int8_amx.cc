@@ -60,7 +60,7 @@ struct TileConfig {
 bool AmxUsable() {
 #ifdef ITERSERVE_NO_AVX512
   return false;
-#endif
+#else
   static const bool ok = [] {
     if (!__builtin_cpu_supports("avx512bw")) return false;
     unsigned eax, ebx, ecx, edx;
@@ -70,6 +70,7 @@ bool AmxUsable() {
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
+#endif
 }
 
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw")))
