@@ -51,8 +51,11 @@ from typing import Callable
 import jax
 
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-# XLA's --xla_cpu_max_isa values below AVX-512, and what the native kernels
+# The values XLA's --xla_cpu_max_isa accepts (jax 0.10.2; any other is
+# warned about and ignored), and those below AVX-512, and what the native kernels
 # leave out under them (``-D`` macros the sources test).
+XLA_ISAS = ("SSE4_2", "AVX", "AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX", "AMX_FP16",
+            "NEON", "SVE")
 _CAPS = {"AVX2": ("-mno-avx512f", "-DITERSERVE_NO_AVX512"),
          "AVX": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-DITERSERVE_NO_AVX512",
                  "-DITERSERVE_NO_AVX2"),
@@ -96,12 +99,19 @@ def cache_dir() -> Path:
 def max_isa() -> str | None:
   """XLA:CPU's instruction-set cap as ``XLA_FLAGS`` sets it
   (``--xla_cpu_max_isa=AVX2``), upper case, or None where it sets none (the
-  last one wins, as in XLA)."""
+  last one wins, as in XLA).
+
+  Raises:
+    ValueError: a value XLA does not know (it would warn and run uncapped).
+  """
   cap = None
   for word in os.environ.get("XLA_FLAGS", "").split():
     name, _, value = word.partition("=")
     if name == "--xla_cpu_max_isa" and value:
       cap = value.upper()
+  if cap is not None and cap not in XLA_ISAS:
+    raise ValueError(f"XLA_FLAGS --xla_cpu_max_isa must be one of {', '.join(XLA_ISAS)} "
+                     f"(any case), got {cap!r}")
   return cap
 
 

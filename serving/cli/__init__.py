@@ -20,6 +20,8 @@ from typing import Any, Callable, List, NoReturn
 
 from absl import app, flags, logging
 
+from attention import native_build
+
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2
 
@@ -203,6 +205,7 @@ def run(main: Callable[[List[str]], Any]) -> None:
     if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
       logging.set_verbosity(logging.WARNING)
     try:
+      native_build.max_isa()             # XLA_FLAGS' ISA cap: a value XLA knows
       return main(argv)
     except (ValueError, app.UsageError) as e:
       refuse(flag_named(str(e)))

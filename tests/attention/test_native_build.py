@@ -82,7 +82,7 @@ def test_a_built_library_is_reused_from_the_cache_and_loaded_once(tmp_path):
 def test_xlas_instruction_set_cap_caps_the_native_builds(monkeypatch):
   """``XLA_FLAGS=--xla_cpu_max_isa=AVX2`` builds the kernels without AVX-512
   (another library name); a cap of AVX-512 or none changes nothing; the
-  last flag wins, as in XLA."""
+  last flag wins, as in XLA; a value XLA does not know is refused."""
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   plain = native_build.library_name(rowgemm.KERNEL)
   assert native_build.max_isa() is None and native_build.build_flags() == native_build.FLAGS
@@ -99,3 +99,7 @@ def test_xlas_instruction_set_cap_caps_the_native_builds(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=AVX512")
   assert native_build.build_flags() == native_build.FLAGS
   assert native_build.library_name(rowgemm.KERNEL) == plain
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_max_isa=bogus")
+  with pytest.raises(ValueError, match=r"--xla_cpu_max_isa must be one of SSE4_2, AVX, AVX2, "
+                                       r".*got 'BOGUS'"):
+    native_build.build_flags()
