@@ -20,8 +20,6 @@ from typing import Any, Callable, List, NoReturn
 
 from absl import app, flags, logging
 
-from attention import native_build
-
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2
 
@@ -205,7 +203,10 @@ def run(main: Callable[[List[str]], Any]) -> None:
     if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
       logging.set_verbosity(logging.WARNING)
     try:
-      native_build.max_isa()             # XLA_FLAGS' ISA cap: a value XLA knows
+      # XLA_FLAGS' ISA cap: a value XLA knows. Imported here: importing
+      # serving.cli (hostmem's probe) loads no jax.
+      from attention import native_build
+      native_build.max_isa()
       return main(argv)
     except (ValueError, app.UsageError) as e:
       refuse(flag_named(str(e)))
