@@ -5,17 +5,46 @@ A policy records, for every slot, the key it ordered the slots by
 holds the default key (``sort_keys``: phase, priority, arrival, id,
 generation), the stable identity tail every policy's key ends with
 (``identity_keys``), the ascending order of a key (``key_order``), the
-recompute-victim rank (``victim_rank``) and two permutation helpers. It reads
-only the records (no ledger, no policy), so ``validate`` and the ledger both
-build on it.
+recompute-victim rank (``victim_rank``), two permutation helpers and the
+u32 sort the key order runs on (``sort_u32``). It reads only the records (no
+ledger, no policy), so ``validate`` and the ledger both build on it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 
+from attention import native_build
 from scheduler import records as rec
+
+SORT_TARGET = "iterserve_sort_u32"
+SORT_KERNEL = native_build.Kernel(
+    name="the u32 sort kernel",
+    source=Path(__file__).resolve().parent / "native" / "sort_u32.cc",
+    targets=((SORT_TARGET, "IterserveSortU32"),))
+
+
+def sort_u32(values):
+  """u32[n]: ``values`` (u32[n]) in ascending order, ``jax.lax.sort``'s
+  result. On the CPU backend, where the native kernel
+  (``scheduler/native/sort_u32.cc``, a radix sort) builds, it runs as an FFI
+  custom call: XLA:CPU's sort calls a comparator per comparison, and at
+  8,192-16,384 slots the key order's sorts were a quarter of a simulated
+  iteration (docs/archive/benchmarks-log.md "A radix sort for the key
+  order"). Elsewhere, or where the kernel does not build, ``jax.lax.sort``.
+  Either gives the same values: a sort's result does not depend on how it
+  sorts."""
+  if native_build.load(SORT_KERNEL) is not None:
+    return jax.lax.sort(values)
+
+  def native(v):
+    return jax.ffi.ffi_call(SORT_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                            vmap_method="sequential")(v)
+
+  return jax.lax.platform_dependent(values, cpu=native, default=jax.lax.sort)
 
 
 def phase_rank(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
@@ -82,10 +111,10 @@ def key_order(keys):
                               col << jnp.minimum(s - digit, 31))
     lane = jnp.arange(num_slots, dtype=jnp.uint32)
     mask = jnp.uint32((1 << slot_bits) - 1)
-    first = jax.lax.sort((low << slot_bits) | lane) & mask
+    first = sort_u32((low << slot_bits) | lane) & mask
 
     def second_word(_):
-      second = jax.lax.sort((high[first] << slot_bits) | lane) & mask
+      second = sort_u32((high[first] << slot_bits) | lane) & mask
       return first[second]
 
     # An all-zero high word would sort to the identity: one sort is the order.

@@ -39,6 +39,7 @@ from models import rowgemm
 from models import sharding
 from scheduler import apply as apply_lib
 from scheduler import iteration
+from scheduler import keys
 from scheduler import records as rec
 from scheduler import validate
 from scheduler.policies import Budgets, make_policy
@@ -273,23 +274,13 @@ def _rows_bound(manifest, state, token_budget, seq_budget, max_draft=0):
 
 
 def _sum_of_largest(width, k):
-  """i32[]: the sum of the ``k`` (i32[]) largest of ``width`` (i32[R], >= 0).
-
-  Up to 1,024 slots by one sort; above, by selecting the k-th largest
-  value bit by bit (31 counts, O(R) each, no sort). Standalone on this
-  project's 2-core Xeon: 33 vs 48 us at 1,024 slots, 65 vs 62 at 2,048,
-  676 vs 174 at 16,384 (docs/archive/benchmarks-log.md, "Fewer sorts over a
-  large slot table"). Both are exact."""
-  if width.shape[0] <= 1024:
-    widest = -jnp.sort(-width)
-    return jnp.sum(jnp.where(jnp.arange(width.shape[0]) < k, widest, 0))
-  kth = jnp.zeros((), width.dtype)           # the k-th largest width (0 if fewer)
-  for bit in reversed(range(31)):
-    wider = kth | (1 << bit)
-    kth = jnp.where(jnp.sum(width >= wider) >= k, wider, kth)
-  above = width > kth
-  return (jnp.sum(jnp.where(above, width, 0))
-          + jnp.maximum(k - jnp.sum(above), 0) * kth)
+  """i32[]: the sum of the ``k`` (i32[]) largest of ``width`` (i32[R], >= 0):
+  one ascending sort (``keys.sort_u32``, a radix sort on the CPU) and the
+  sum of its last ``k``. Exact: the same multiset of values, however ties
+  are ordered."""
+  num_slots = width.shape[0]
+  ascending = keys.sort_u32(width.astype(jnp.uint32)).astype(width.dtype)
+  return jnp.sum(jnp.where(jnp.arange(num_slots) >= num_slots - k, ascending, 0))
 
 
 def _pages_low_jnp(pages, state, token_budget, seq_budget):

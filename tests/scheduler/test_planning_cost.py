@@ -255,6 +255,33 @@ def test_key_order_is_lexsorts_stable_order():
   assert words[1] > 15 and words[2] > 10 and words["lexsort"] > 5, words
 
 
+def test_sort_u32_is_a_sort_natively_on_the_cpu():
+  """``keys.sort_u32`` (the native radix sort on the CPU) gives
+  ``np.sort``'s values for every digit pattern its passes treat apart: all
+  values equal (no pass), one byte varying (one pass), every byte, packed
+  keys over a slot lane, duplicates, sizes 0-4,097 and under ``vmap``; and
+  the jitted program calls the kernel (not ``jax.lax.sort``)."""
+  from attention import native_build
+  from scheduler import keys
+  reason = native_build.load(keys.SORT_KERNEL)
+  if reason is not None:
+    pytest.skip(f"the native sort does not run here: {reason}")
+  rng = np.random.default_rng(11)
+  sort = jax.jit(keys.sort_u32)
+  patterns = [lambda n: np.full(n, 7), lambda n: rng.integers(0, 256, n),
+              lambda n: rng.integers(0, 256, n) << 24, lambda n: rng.integers(0, 2**32, n),
+              lambda n: (rng.integers(0, 2**18, n) << 14) | rng.permutation(n),
+              lambda n: rng.integers(0, 3, n) * 0x01010101]
+  for n in (0, 1, 2, 255, 256, 257, 4097):
+    for make in patterns:
+      values = np.asarray(make(n), np.uint64).astype(np.uint32)
+      np.testing.assert_array_equal(np.asarray(sort(jnp.asarray(values))), np.sort(values))
+  batch = rng.integers(0, 2**32, (3, 300)).astype(np.uint32)
+  np.testing.assert_array_equal(np.asarray(jax.vmap(keys.sort_u32)(jnp.asarray(batch))),
+                                np.sort(batch, axis=1))
+  assert keys.SORT_TARGET in sort.lower(jnp.zeros(8, jnp.uint32)).as_text()
+
+
 # ------------------------------------------------------ decode runs
 
 
@@ -441,9 +468,8 @@ def test_rank_inversion_of_keys_other_than_int32_compares_as_the_sort_does():
 
 @pytest.mark.parametrize("slots", [64, 1500, 2048])
 def test_rows_bound_sum_of_largest_matches_sorting(slots):
-  """``_sum_of_largest`` (a sort up to 1,024 slots, bitwise selection above)
-  equals numpy's sum of the k largest, ties and k = 0, 1, R and > R
-  included."""
+  """``_sum_of_largest`` (one ``sort_u32``) equals numpy's sum of the k
+  largest, ties and k = 0, 1, R and > R included."""
   rng = np.random.RandomState(slots)
   width = rng.randint(0, 40, size=slots) * (rng.rand(slots) < 0.7)
   width[:5] = 2**27 + 3                          # large values, repeated
