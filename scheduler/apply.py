@@ -72,13 +72,6 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
     redo = jnp.where(completed, jnp.clip(jnp.minimum(plan.end, target) - plan.start,
                                          0, result.service_rows), 0)
     target = jnp.where(preempted, jnp.maximum(target, state.computed), target)
-  per_client = lambda rows: jnp.zeros_like(state.service_rows).at[
-      manifest.client].add(rows)
-  service = state.service_rows + per_client(
-      jnp.where(completed, result.service_rows - redo, 0))
-  recompute_rows = state.recompute_rows
-  if recompute_rows is not None:
-    recompute_rows = recompute_rows + per_client(redo)
   # §0x06 online facts: the realized length of a request that ended
   # (eos / stop / length) joins the completed-output histogram; extensions
   # the plan granted are counted once their row completed.
@@ -87,14 +80,6 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   hist = state.completed_outputs
   if hist is not None:
     hist = hist.at[jnp.minimum(emitted, hist.shape[0] - 1)].add(done.astype(jnp.int32))
-  # The same ended requests, per client: count and outputs (the online facts
-  # of a per-client output-length mean, ``scheduler.policy_length``).
-  client_requests = state.client_completed_requests
-  if client_requests is not None:
-    client_requests = client_requests + per_client(done.astype(jnp.int32))
-  client_outputs = state.client_completed_outputs
-  if client_outputs is not None:
-    client_outputs = client_outputs + per_client(jnp.where(done, emitted, 0))
   extensions = state.num_extensions
   if extensions is not None and plan.extend is not None:
     extensions = extensions + (plan.extend & completed).astype(jnp.int32)
@@ -102,14 +87,32 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   taken = jnp.where(completed, accepted, 0)
   # A row that did not end its request stopped accepting at a rejection.
   rejected = (completed & ~result.finished & (taken < drafts)).astype(jnp.int32)
+  # Per-client counters: service, recompute, the ended requests' count and
+  # outputs (the online facts of a per-client output-length mean,
+  # ``scheduler.policy_length``) and draft counts, each the sum of a
+  # per-slot column over the client's slots. One scatter of every column
+  # the state keeps: XLA:CPU runs a scatter as a loop over its R updates,
+  # one loop per column before ("Fewer scatters" in
+  # docs/archive/benchmarks-log.md). Integer sums: the same values.
+  columns = {"service_rows": jnp.where(completed, result.service_rows - redo, 0),
+             "recompute_rows": redo,
+             "client_completed_requests": done,
+             "client_completed_outputs": jnp.where(done, emitted, 0),
+             "client_draft_tokens": drafts,
+             "client_accepted_tokens": taken,
+             "client_draft_rejections": rejected}
+  columns = {name: col for name, col in columns.items() if getattr(state, name) is not None}
+  counters = jnp.zeros((state.service_rows.shape[0], len(columns)), jnp.int32).at[
+      manifest.client].add(jnp.stack([col.astype(jnp.int32) for col in columns.values()], 1))
+  client = {name: getattr(state, name) + counters[:, j] for j, name in enumerate(columns)}
   add = lambda a, v: None if a is None else a + v
   successor = state.replace(
       draft_tokens=add(state.draft_tokens, drafts),
       accepted_tokens=add(state.accepted_tokens, taken),
       draft_rejections=add(state.draft_rejections, rejected),
-      client_draft_tokens=add(state.client_draft_tokens, per_client(drafts)),
-      client_accepted_tokens=add(state.client_accepted_tokens, per_client(taken)),
-      client_draft_rejections=add(state.client_draft_rejections, per_client(rejected)),
+      client_draft_tokens=client.get("client_draft_tokens"),
+      client_accepted_tokens=client.get("client_accepted_tokens"),
+      client_draft_rejections=client.get("client_draft_rejections"),
       decision_id=state.decision_id + 1,
       state_version=state.state_version + 1,
       now_ms=jnp.maximum(state.now_ms, result.emit_ms),
@@ -123,13 +126,13 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
       last_token_ms=last_token_ms,
       finish_reason=finish_reason.astype(jnp.int32),
       num_preemptions=state.num_preemptions + preempted.astype(jnp.int32),
-      service_rows=service,
-      recompute_rows=recompute_rows,
+      service_rows=client["service_rows"],
+      recompute_rows=client.get("recompute_rows"),
       rebuild_target=target,
       completed_outputs=hist,
       num_extensions=extensions,
-      client_completed_requests=client_requests,
-      client_completed_outputs=client_outputs)
+      client_completed_requests=client.get("client_completed_requests"),
+      client_completed_outputs=client.get("client_completed_outputs"))
   update = getattr(plan.policy, "update", None)
   if update is not None:
     policy_state = update(manifest, state, plan, result, successor)

@@ -233,18 +233,20 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   emit_ms = sim_loop.from_bits(log.emit[:n])
   # Events grouped by request, each request's in iteration order; an
   # ending event (finished or failed) is its request's last.
-  uid = log.event_request[:num_events]
+  column = lambda name: log.event_column(name, num_events)
+  uid = column("request")
   order = np.argsort(uid, kind="stable")
   uids, starts = np.unique(uid[order], return_index=True)
   ends = np.append(starts[1:], num_events).tolist()
-  take = lambda a: a[:num_events][order].tolist()
-  tokens, failed, finished = take(log.event_token), take(log.event_failed), take(
-      log.event_finished)
-  reason, extensions = take(log.event_reason), take(log.event_extensions)
-  times = emit_ms[log.event_iteration[:num_events][order]].tolist()
+  take = lambda name: column(name)[order].tolist()
+  tokens, reason, extensions = take("token"), take("reason"), take("extensions")
+  failed = [bool(f) for f in take("failed")]
+  finished = [bool(f) for f in take("finished")]
+  times = emit_ms[column("iteration")[order]].tolist()
   if log.spec is not None:      # a verified row's tokens (speculative.emitted_tokens)
     rows = log.spec.tokens[:num_events][order]
-    tokens = [row[:1 + n].tolist() for row, n in zip(rows, take(log.spec.accepted))]
+    accepted = log.spec.accepted[:num_events][order].tolist()
+    tokens = [row[:1 + n].tolist() for row, n in zip(rows, accepted)]
     engine.spec_counts.add_counts(log.spec.counts)
   for u, a, b in zip(uids.tolist(), starts.tolist(), ends):
     req, last = by_uid[u], b - 1

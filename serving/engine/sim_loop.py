@@ -73,6 +73,10 @@ from serving.engine.facts import Arrival
 
 
 
+# ``SimLog.events``' columns.
+EVENT_COLUMNS = ("iteration", "request", "token", "finished", "reason", "failed", "extensions")
+
+
 class LoopExit(enum.IntEnum):
   """``SimLog.code``: why a loop call returned (``CONTINUE`` while it runs)."""
 
@@ -201,11 +205,13 @@ class SimLog:
     bucket: i32[K], its token bucket; prefill_rows: i32[K], its prompt and
       rebuild rows; stats: f32[K, S], its ``cost_model.plan_stats``.
     num_events: i32[], events logged.
-    event_iteration, event_request (engine uid), event_token (-1: none),
-    event_reason (``FINISH_NAMES`` index), event_extensions (§0x06, once
-      ended): i32[E]; event_finished, event_failed: bool[E].
+    events: i32[E, len(EVENT_COLUMNS)], an event per row: its iteration,
+      request (engine uid), token (-1: none), finished (0/1), reason
+      (``FINISH_NAMES`` index), failed (0/1) and extensions (§0x06, once
+      ended). One table, so an iteration logs its events in one scatter
+      (XLA:CPU loops over a scatter's R updates once per scatter).
     spec: ``SpecLog`` with speculative decoding (an event's tokens are
-      then its row's, ``event_token`` the first of them); else None.
+      then its row's, the token column the first of them); else None.
   """
 
   code: jax.Array
@@ -218,14 +224,13 @@ class SimLog:
   prefill_rows: jax.Array
   stats: jax.Array
   num_events: jax.Array
-  event_iteration: jax.Array
-  event_request: jax.Array
-  event_token: jax.Array
-  event_finished: jax.Array
-  event_reason: jax.Array
-  event_failed: jax.Array
-  event_extensions: jax.Array
+  events: jax.Array
   spec: Optional[SpecLog] = None
+
+  def event_column(self, name: str, num_events: int) -> np.ndarray:
+    """i32[num_events]: the ``EVENT_COLUMNS`` column ``name`` of the first
+    ``num_events`` events (a fetched log)."""
+    return self.events[:num_events, EVENT_COLUMNS.index(name)]
 
 
 @flax.struct.dataclass
@@ -371,13 +376,10 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
           prefill_rows=log.prefill_rows.at[k].set(step.num_tokens - step.decodes),
           stats=log.stats.at[k].set(step.features),
           num_events=log.num_events + jnp.sum(event, dtype=jnp.int32),
-          event_iteration=put(log.event_iteration, k),
-          event_request=put(log.event_request, c.manifest.request_id),
-          event_token=put(log.event_token, step.token),
-          event_finished=put(log.event_finished, step.finished),
-          event_reason=put(log.event_reason, step.finish_reason),
-          event_failed=put(log.event_failed, step.failed),
-          event_extensions=put(log.event_extensions, state.num_extensions),
+          events=put(log.events, jnp.stack([
+              jnp.broadcast_to(k, event.shape), c.manifest.request_id, step.token,
+              step.finished, step.finish_reason, step.failed, state.num_extensions],
+              axis=1).astype(jnp.int32)),
           spec=None if log.spec is None else _log_spec(log.spec, step.spec, put))
       return c.replace(state=state, pages=pages, log=log)
 
@@ -422,9 +424,8 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       admitted_slot=i32(size, -1), clock=jnp.asarray(clock, jnp.uint32),
       emit=jnp.zeros((num_iterations, 2), jnp.uint32), bucket=i32(num_iterations),
       prefill_rows=i32(num_iterations), stats=None, num_events=jnp.int32(0),
-      event_iteration=i32(capacity), event_request=i32(capacity), event_token=i32(capacity, -1),
-      event_finished=jnp.zeros((capacity,), bool), event_reason=i32(capacity),
-      event_failed=jnp.zeros((capacity,), bool), event_extensions=i32(capacity),
+      events=jnp.zeros((capacity, len(EVENT_COLUMNS)), jnp.int32).at[
+          :, EVENT_COLUMNS.index("token")].set(-1),
       spec=None if config.speculation is None else SpecLog(
           accepted=i32(capacity), tokens=jnp.full((capacity, 1 + config.speculation.k), -1,
                                                   jnp.int32),
