@@ -1,18 +1,21 @@
 """Building and loading the native C++ kernels (XLA FFI custom calls on CPU).
 
 One module builds and loads every native kernel: the attention kernel
-(``attention/native.py`` over ``attention/native/ragged_cpu.cc``) and the
+(``attention/native.py`` over ``attention/native/ragged_cpu.cc``), the
 two GEMM kernels of ``models/`` (``models/amx.py`` over
 ``models/native/int8_amx.cc``, ``models/rowgemm.py`` over
-``models/native/f32_rows.cc``). Each of those modules describes its kernel
-as a ``Kernel`` and asks ``load`` whether it runs here; the FFI handlers are
-registered by ``load`` and nowhere else.
+``models/native/f32_rows.cc``) and the key order's radix sort
+(``scheduler/keys.py`` over ``scheduler/native/sort_u32.cc``). Each of
+those modules describes its kernel as a ``Kernel`` and asks ``load``
+whether it runs here; the FFI handlers are registered by ``load`` and
+nowhere else.
 
-Why here: the packages' imports point down (``scheduler/`` imports no other
-package, ``attention/`` none, ``models/`` imports ``attention/``,
-``serving/`` all of them), so a module that both ``attention/native.py`` and
-``models/`` import lives in ``attention/``, the lowest package with kernels
-(in ``models/`` it would make ``attention/`` import upward). It is apart
+Why here: the packages' imports point down (``attention/`` imports no
+other package, ``scheduler/`` only this builder, ``models/`` imports
+``attention/``, ``serving/`` all of them; ``tests/test_layers.py``), so a
+module that ``attention/native.py``, ``models/`` and ``scheduler/`` import
+lives in ``attention/``, the lowest package with kernels (in ``models/`` it
+would make ``attention/`` import upward). It is apart
 from the attention kernel's module: the GEMM kernels import this builder,
 not the attention kernel. It imports nothing of iterserve.
 
@@ -29,9 +32,9 @@ native kernels too (``max_isa``, ``build_flags``): they are built without
 AVX-512 (and AMX), so a machine that has it runs the code an AVX2-only CPU
 would, XLA's and ours alike. Timings under the cap are of that code on this
 machine's cores, caches and memory, not of an AVX2 machine.
-The sources (``*.cc``) are package data of ``attention`` and ``models``:
-an installed package builds from its own copy. ``scripts/setup.sh`` builds
-all three once.
+The sources (``*.cc``) are package data of ``attention``, ``models`` and
+``scheduler``: an installed package builds from its own copy.
+``scripts/setup.sh`` builds all four once.
 """
 
 from __future__ import annotations

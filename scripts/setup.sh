@@ -25,5 +25,8 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 # CPU without AMX int8 tiles the int8 weights run XLA's GEMM (same bits).
 .venv/bin/python -c "from models import amx; print('int8 GEMM:', amx.resolve('auto'), amx.unavailable_reason() or '')"
 # The float32 decode-row GEMM (models/rowgemm.py, --decode_gemm): on a CPU
-# without AVX-512F generated rows run XLA's GEMM.
+# with neither AVX-512F nor AVX2 + FMA generated rows run XLA's GEMM.
 .venv/bin/python -c "from models import rowgemm; print('decode GEMM:', rowgemm.resolve('auto'), rowgemm.unavailable_reason() or '')"
+# The radix sort of the policies' key order (scheduler/keys.py sort_u32):
+# without it the key order runs jax.lax.sort (the same order, slower).
+.venv/bin/python -c "from attention import native_build; from scheduler import keys; print('key-order sort:', native_build.load(keys.SORT_KERNEL) or 'native')"

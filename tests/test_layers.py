@@ -4,7 +4,9 @@ level or inside a function, read from the source with ``ast``).
 * ``models/`` and ``attention/`` (the model and its kernels) import nothing
   from ``scheduler/`` or ``serving/``.
 * ``scheduler/`` (policies, plans, validation) imports nothing from
-  ``serving/``, except the conformance kit, which drives the engine.
+  ``serving/``, except the conformance kit, which drives the engine, and
+  of ``models/`` and ``attention/`` only the native kernels' builder
+  (``attention.native_build``: the key order's radix sort).
 * The engine core (``serving/engine/`` and ``serving/kv/``: the engine,
   its config, executors, packing, sampling and virtual-clock cost model, the
   KV cache's pages, swap and prefix cache) imports only the core: never the
@@ -61,6 +63,13 @@ def test_scheduler_imports_no_serving():
   bad = [(p.relative_to(ROOT), name) for p in _modules("scheduler")
          if p.stem not in SCHEDULER_MAY_DRIVE_THE_ENGINE
          for name in imports(p) if name.split(".")[0] == "serving"]
+  assert bad == []
+
+
+def test_scheduler_imports_only_the_kernel_builder_below_it():
+  bad = [(p.relative_to(ROOT), name) for p in _modules("scheduler") for name in imports(p)
+         if name.split(".")[0] in ("models", "attention")
+         and name not in ("attention", "attention.native_build")]
   assert bad == []
 
 
