@@ -92,8 +92,8 @@ def apply(manifest: rec.WorkloadManifest, state: rec.SchedulerState,
   # ``scheduler.policy_length``) and draft counts, each the sum of a
   # per-slot column over the client's slots. One scatter of every column
   # the state keeps: XLA:CPU runs a scatter as a loop over its R updates,
-  # one loop per column before ("Fewer scatters" in
-  # docs/archive/benchmarks-log.md). Integer sums: the same values.
+  # one loop per column before (docs/archive/benchmarks-log.md "The
+  # overloaded hour's iteration"). Integer sums: the same values.
   columns = {"service_rows": jnp.where(completed, result.service_rows - redo, 0),
              "recompute_rows": redo,
              "client_completed_requests": done,

@@ -33,8 +33,8 @@ def sort_u32(values):
   (``scheduler/native/sort_u32.cc``, a radix sort) builds, it runs as an FFI
   custom call: XLA:CPU's sort calls a comparator per comparison, and at
   8,192-16,384 slots the key order's sorts were a quarter of a simulated
-  iteration (docs/archive/benchmarks-log.md "A radix sort for the key
-  order"). Elsewhere, or where the kernel does not build, ``jax.lax.sort``.
+  iteration (docs/archive/benchmarks-log.md "The overloaded hour's
+  iteration"). Elsewhere, or where the kernel does not build, ``jax.lax.sort``.
   Either gives the same values: a sort's result does not depend on how it
   sorts."""
   if native_build.load(SORT_KERNEL) is not None:
