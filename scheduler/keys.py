@@ -31,12 +31,19 @@ def sort_u32(values):
   """u32[n]: ``values`` (u32[n]) in ascending order, ``jax.lax.sort``'s
   result. On the CPU backend, where the native kernel
   (``scheduler/native/sort_u32.cc``, a radix sort) builds, it runs as an FFI
-  custom call: XLA:CPU's sort calls a comparator per comparison, and at
+  custom call: XLA:CPU's comparison sort is O(R log R), and at
   8,192-16,384 slots the key order's sorts were a quarter of a simulated
   iteration (docs/archive/benchmarks-log.md "The overloaded hour's
   iteration"). Elsewhere, or where the kernel does not build, ``jax.lax.sort``.
   Either gives the same values: a sort's result does not depend on how it
-  sorts."""
+  sorts.
+
+  Raises:
+    ValueError: ``values`` is not a vector of uint32 (the kernel sorts its
+      buffer as one array, where ``jax.lax.sort`` sorts the last axis).
+  """
+  if values.ndim != 1 or values.dtype != jnp.uint32:
+    raise ValueError(f"sort_u32: values must be u32[n], got {values.dtype}{list(values.shape)}")
   if native_build.load(SORT_KERNEL) is not None:
     return jax.lax.sort(values)
 

@@ -280,6 +280,10 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
   np.testing.assert_array_equal(np.asarray(jax.vmap(keys.sort_u32)(jnp.asarray(batch))),
                                 np.sort(batch, axis=1))
   assert keys.SORT_TARGET in sort.lower(jnp.zeros(8, jnp.uint32)).as_text()
+  with pytest.raises(ValueError, match=r"u32\[n\], got uint32\[2, 3\]"):
+    keys.sort_u32(jnp.zeros((2, 3), jnp.uint32))
+  with pytest.raises(ValueError, match=r"got int32\[4\]"):
+    keys.sort_u32(jnp.zeros(4, jnp.int32))
 
 
 # ------------------------------------------------------ decode runs
