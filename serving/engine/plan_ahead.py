@@ -168,15 +168,16 @@ class PlanAhead:
     return step_facts
 
   def take(self, manifest, state, pages, hits) -> Optional[Ahead]:
-    """The pending early plan when it was made on exactly these tables,
-    else None (dropped). Either way nothing stays pending."""
+    """The pending early plan when planning ahead is still ``enabled`` and
+    it was made on exactly these tables, else None (dropped). Either way
+    nothing stays pending."""
     ahead, self._pending = self._pending, None
     if ahead is None:
       return None
     same_hits = (hits is None and ahead.hits is None) or (
         hits is not None and ahead.hits is not None and np.array_equal(hits, ahead.hits))
-    if (ahead.manifest is manifest and ahead.state is state and ahead.pages is pages
-        and same_hits):
+    if (self.enabled and ahead.manifest is manifest and ahead.state is state
+        and ahead.pages is pages and same_hits):
       self.used += 1
       return ahead
     self.dropped += 1

@@ -86,6 +86,23 @@ def test_a_decode_iteration_makes_one_round_trip(params):
   assert engine.host_fetches - fetches == 6 and engine.plan_ahead.used - used == 6
 
 
+def test_turning_planning_ahead_off_drops_the_pending_plan(params):
+  """A plan made ahead before ``enabled`` went False is dropped, not taken:
+  the next iteration plans at launch (two round trips)."""
+  engine = Engine(CFG, params, BASE)
+  for i, p in enumerate(_prompts([6, 9], seed=3)):
+    engine.add_request(f"d{i}", p, SamplingParams(max_tokens=12, ignore_eos=True))
+  for _ in range(4):                        # prompts, then decode rows planned ahead
+    engine.step()
+  assert engine.plan_ahead.pending
+  fetches, used, dropped = (engine.host_fetches, engine.plan_ahead.used,
+                            engine.plan_ahead.dropped)
+  engine.plan_ahead.enabled = False
+  engine.step()
+  assert engine.plan_ahead.used == used and engine.plan_ahead.dropped == dropped + 1
+  assert engine.host_fetches - fetches == 2 and not engine.plan_ahead.pending
+
+
 def test_every_evaluation_is_a_plan_run_or_one_made_ahead_and_dropped(params, monkeypatch):
   """Counted on the device (a ``jax.debug.callback`` in the policy): the
   policy runs once per iteration, plus once per plan made ahead and
