@@ -451,7 +451,8 @@ def load_flags_model(engine_cfg: EngineConfig):
           f"config and tokenizer read in {seconds:.1f} s (simulated executor: no weights)")
   print(f"model: {cfg.name} ({describe_model(cfg, engine_cfg.max_model_len)}) {read}; "
         f"attention: {attention_impl(engine_cfg, cfg.head_dim)}"
-        + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else ""))
+        + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else "")
+        + (f" ({rowgemm.vector_bits()}-bit vectors)" if rows == "native" else ""))
   return cfg, params, tokenizer
 
 

@@ -95,6 +95,9 @@ def test_generate_streams_transformers_greedy_text(variant, checkpoints, tmp_pat
   line = _loaded_line(proc.stdout)
   assert line.startswith(f"model: {variant} ({FAMILIES[variant]}, 2 layers, d_model 64"), line
   assert ("experts (top 2)" in line) == (variant in MIXTURES), line
+  if "decode GEMM: native" in line:        # the kernel's vector width beside it
+    from models import rowgemm
+    assert f"decode GEMM: native ({rowgemm.vector_bits()}-bit vectors)" in line, line
   for rid, text, chat in (("prompt-0", PROMPT, False), ("chat-0", CHAT, True)):
     head, _, answer = proc.stdout.partition(f"\n=== {rid} (completed, ")
     assert answer, proc.stdout[-2000:]
