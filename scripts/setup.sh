@@ -29,4 +29,4 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 .venv/bin/python -c "from models import rowgemm; print('decode GEMM:', rowgemm.resolve('auto'), rowgemm.unavailable_reason() or '')"
 # The radix sort of the policies' key order (scheduler/keys.py sort_u32):
 # without it the key order runs jax.lax.sort (the same order, slower).
-.venv/bin/python -c "from attention import native_build; from scheduler import keys; print('key-order sort:', native_build.load(keys.SORT_KERNEL) or 'native')"
+.venv/bin/python -c "from attention import native_build; from scheduler import keys; print('key-order sort:', native_build.load(keys.SORT_KERNEL) or native_build.library_path(keys.SORT_KERNEL))"
