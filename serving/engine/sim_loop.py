@@ -376,10 +376,10 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
           prefill_rows=log.prefill_rows.at[k].set(step.num_tokens - step.decodes),
           stats=log.stats.at[k].set(step.features),
           num_events=log.num_events + jnp.sum(event, dtype=jnp.int32),
-          events=put(log.events, jnp.stack([
-              jnp.broadcast_to(k, event.shape), c.manifest.request_id, step.token,
-              step.finished, step.finish_reason, step.failed, state.num_extensions],
-              axis=1).astype(jnp.int32)),
+          events=put(log.events, _event_rows(
+              iteration=jnp.broadcast_to(k, event.shape), request=c.manifest.request_id,
+              token=step.token, finished=step.finished, reason=step.finish_reason,
+              failed=step.failed, extensions=state.num_extensions)),
           spec=None if log.spec is None else _log_spec(log.spec, step.spec, put))
       return c.replace(state=state, pages=pages, log=log)
 
@@ -445,6 +445,12 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       stats=jnp.zeros((num_iterations,) + stats.shape, stats.dtype)))
   carry = jax.lax.while_loop(lambda c: c.log.code == LoopExit.CONTINUE, body, carry)
   return carry.manifest, carry.state, carry.pages, carry.buffers, carry.log, carry.rejected
+
+
+def _event_rows(**columns) -> jax.Array:
+  """i32[R, len(EVENT_COLUMNS)]: one row per slot, ``columns`` (i32 or bool
+  [R] each, by ``EVENT_COLUMNS`` name) in ``EVENT_COLUMNS``' order."""
+  return jnp.stack([jnp.asarray(columns[name], jnp.int32) for name in EVENT_COLUMNS], axis=1)
 
 
 def _log_spec(log: SpecLog, spec, put) -> SpecLog:
