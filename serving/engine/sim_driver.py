@@ -27,8 +27,10 @@ import dataclasses
 import math
 from typing import Dict, List, Optional
 
+import jax
 import numpy as np
 
+from scheduler import records as rec
 from scheduler import validate
 from serving.engine import clocks
 from serving.engine import sim_loop
@@ -49,12 +51,17 @@ class LoopRuns:
       the loop returned for the host (``LoopExit.HOST`` / ``REBASE``).
     exits: loop program calls per ``LoopExit`` name (why each call
       returned; their sum is the number of calls).
+    resources: None, or a list (a ``ledger.ResourceSampler`` sets it) that
+      ``simulate`` extends with ``(iteration, *resource_sample)`` after every
+      iteration it runs, loop or host (``iteration``: ``Engine.num_iterations``
+      after it); its reader empties it.
   """
 
   programs: list = dataclasses.field(default_factory=list)
   loop_iterations: int = 0
   host_iterations: int = 0
   exits: Dict[str, int] = dataclasses.field(default_factory=collections.Counter)
+  resources: Optional[list] = None
 
   def summary(self) -> dict:
     """The counts as JSON: calls, loop and host iterations, the loop's
@@ -64,6 +71,20 @@ class LoopRuns:
             "host_iterations": self.host_iterations,
             "loop_fraction": round(self.loop_iterations / total, 6) if total else None,
             "exits": dict(sorted(self.exits.items()))}
+
+
+def resource_sample(engine) -> tuple:
+  """The engine's tables now, as ``ledger.ResourceSampler.COLUMNS`` (one
+  device fetch): (t_ms, engine ms; kv_pages_live, pages some page table
+  holds, a shared prefix page once; kv_pages_cached, pages only the prefix
+  cache holds; queue_len, pending requests and WAITING slots; running,
+  RUNNING slots)."""
+  refcount, cached, status = jax.device_get((engine.pages.refcount, engine.pages.cached,
+                                             engine.state.status))
+  return (round(engine.now_ms(), 3), int(np.sum(refcount > 0)),
+          int(np.sum(cached & (refcount == 0))),
+          int(np.sum(status == rec.WAITING)) + len(engine.table.pending),
+          int(np.sum(status == rec.RUNNING)))
 
 
 def add_future_request(engine, request_id, prompt_token_ids, sampling, arrival_ms,
@@ -125,6 +146,8 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       before = engine.num_iterations
       outputs = engine.step()
       engine.loop_runs.host_iterations += engine.num_iterations - before
+      if engine.loop_runs.resources is not None and engine.num_iterations > before:
+        engine.loop_runs.resources.append((engine.num_iterations, *resource_sample(engine)))
       if marks is not None:
         step_marks(engine, outputs, marks)
       if until_end and any(out.finished for out in outputs):
@@ -269,6 +292,12 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   for req in admitted:
     if not req.finished:
       table.place(req.slot, req)
+  if engine.loop_runs.resources is not None:
+    pending = len(table.pending)      # the loop admits from its queue only
+    for j, ((live, waiting, running), ms) in enumerate(zip(log.resources[:n].tolist(),
+                                                           emit_ms.tolist())):
+      engine.loop_runs.resources.append(
+          (engine.num_iterations + j + 1, round(ms, 3), live, 0, waiting + pending, running))
   engine.num_iterations += n
   engine.policy_evaluations += n
   for bucket in log.bucket[:n]:

@@ -75,6 +75,10 @@ from serving.engine.facts import Arrival
 
 # ``SimLog.events``' columns.
 EVENT_COLUMNS = ("iteration", "request", "token", "finished", "reason", "failed", "extensions")
+# ``SimLog.resources``' columns: after each committed iteration, the pages
+# some page table holds (the loop runs without prefix caching, so every page
+# off the free stack is held), and the WAITING and RUNNING slots.
+RESOURCE_COLUMNS = ("kv_pages_live", "waiting", "running")
 
 
 class LoopExit(enum.IntEnum):
@@ -223,6 +227,7 @@ class SimLog:
   bucket: jax.Array
   prefill_rows: jax.Array
   stats: jax.Array
+  resources: jax.Array
   num_events: jax.Array
   events: jax.Array
   spec: Optional[SpecLog] = None
@@ -375,6 +380,10 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
           emit=log.emit.at[k].set(emit), bucket=log.bucket.at[k].set(bucket),
           prefill_rows=log.prefill_rows.at[k].set(step.num_tokens - step.decodes),
           stats=log.stats.at[k].set(step.features),
+          resources=log.resources.at[k].set(jnp.stack([
+              pages.num_pages - 1 - pages.num_free,
+              jnp.sum(state.status == rec.WAITING, dtype=jnp.int32),
+              jnp.sum(state.status == rec.RUNNING, dtype=jnp.int32)]).astype(jnp.int32)),
           num_events=log.num_events + jnp.sum(event, dtype=jnp.int32),
           events=put(log.events, _event_rows(
               iteration=jnp.broadcast_to(k, event.shape), request=c.manifest.request_id,
@@ -423,7 +432,9 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       code=jnp.int32(LoopExit.CONTINUE), num_iterations=jnp.int32(0), num_admitted=jnp.int32(0),
       admitted_slot=i32(size, -1), clock=jnp.asarray(clock, jnp.uint32),
       emit=jnp.zeros((num_iterations, 2), jnp.uint32), bucket=i32(num_iterations),
-      prefill_rows=i32(num_iterations), stats=None, num_events=jnp.int32(0),
+      prefill_rows=i32(num_iterations), stats=None,
+      resources=jnp.zeros((num_iterations, len(RESOURCE_COLUMNS)), jnp.int32),
+      num_events=jnp.int32(0),
       events=jnp.zeros((capacity, len(EVENT_COLUMNS)), jnp.int32).at[
           :, EVENT_COLUMNS.index("token")].set(-1),
       spec=None if config.speculation is None else SpecLog(

@@ -28,25 +28,33 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence
 
-import jax
 import numpy as np
 
-from scheduler import records as rec
+from serving.engine import sim_driver
 from serving.harness import metrics
 
 PARTS = ("valid", "completed_miss", "rejected", "cancelled", "failed", "open_at_horizon")
 
 
 class ResourceSampler:
-  """``on_progress`` hook of ``replay``: samples the engine once at least
-  ``every`` iterations ran since the last sample (on ``replay``'s loop path,
-  at the first callback after that: at most ``replay.PROGRESS_ITERATIONS``
-  later). Each sample (``COLUMNS``): t_ms on the engine clock;
-  ``kv_pages_live``, pages some request's page table holds (refcount >= 1,
-  shared prefix pages counted once); ``kv_pages_cached``, pages only the
-  prefix cache holds (refcount 0, kept for later hits, evicted on demand,
-  so free for admission); the queue length (pending + WAITING slots); the
-  running sequences. Live + cached + free pages = ``num_pages - 1``."""
+  """``on_progress`` hook of ``replay``: samples the engine's tables after
+  each iteration that ends at least ``every`` iterations after the last
+  sample. On ``replay``'s step path it reads them when called (after every
+  step); on the loop path ``Engine.simulate`` keeps each iteration's
+  occupancy for it (``sim_driver.LoopRuns.resources``, the loop's
+  ``SimLog.resources``), which it reads when called (at most
+  ``replay.PROGRESS_ITERATIONS`` later), so both paths give the same
+  samples. Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms
+  on the engine clock at the iteration's end; ``kv_pages_live``, pages some
+  request's page table holds (refcount >= 1, shared prefix pages counted
+  once); ``kv_pages_cached``, pages only the prefix cache holds (refcount 0,
+  kept for later hits, evicted on demand, so free for admission); the queue
+  length (pending + WAITING slots); the running sequences. Live + cached +
+  free pages = ``num_pages - 1``.
+
+  Raises:
+    ValueError: ``every`` < 1.
+  """
 
   COLUMNS = ("t_ms", "kv_pages_live", "kv_pages_cached", "queue_len", "running")
 
@@ -56,19 +64,18 @@ class ResourceSampler:
     self.engine, self.every = engine, every
     self._last = engine.num_iterations
     self.samples: List[tuple] = []
+    engine.loop_runs.resources = []
 
   def __call__(self, engine=None) -> None:
     e = self.engine
-    if e.num_iterations - self._last < self.every:
-      return
-    self._last = e.num_iterations
-    refcount, cached, status = jax.device_get((e.pages.refcount, e.pages.cached,
-                                               e.state.status))
-    live = int(np.sum(refcount > 0))
-    cached_only = int(np.sum(cached & (refcount == 0)))
-    waiting = int(np.sum(status == rec.WAITING)) + len(e.table.pending)
-    running = int(np.sum(status == rec.RUNNING))
-    self.samples.append((round(e.now_ms(), 3), live, cached_only, waiting, running))
+    rows, e.loop_runs.resources = e.loop_runs.resources, []
+    for iteration, *sample in rows:
+      if iteration - self._last >= self.every:
+        self._last = iteration
+        self.samples.append(tuple(sample))
+    if e.num_iterations - self._last >= self.every:
+      self._last = e.num_iterations
+      self.samples.append(sim_driver.resource_sample(e))
 
 
 def _ms(x: Optional[float]) -> Optional[float]:

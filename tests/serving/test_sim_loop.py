@@ -267,6 +267,38 @@ def test_a_progress_callback_keeps_the_loop_and_its_records(cost_file, monkeypat
   assert len(sampler.samples) >= 2
 
 
+@pytest.mark.parametrize("progress_iterations", [8, None])
+def test_the_resource_samples_are_the_step_paths(cost_file, monkeypatch, progress_iterations):
+  """``ledger.ResourceSampler`` on the loop path samples the iterations the
+  step path samples, with the same values (the loop logs each iteration's
+  occupancy; host steps inside ``simulate`` are sampled there): KV pages
+  under preemption, a slot table that grows, a queue bound with pending
+  requests; a replay shorter than ``PROGRESS_ITERATIONS`` (None: the
+  default) included, whose peaks the loop once read as 0."""
+  if progress_iterations is not None:
+    monkeypatch.setattr(replay_lib, "PROGRESS_ITERATIONS", progress_iterations)
+  cases = [(WORKLOADS["burst"], dict(num_pages=20), True),
+           (dict(n=24, seed=4, rate_scale=3.0, max_output_len=30),
+            dict(max_queued_requests=8, max_request_slots=4), False)]
+  for args, overrides, preempts in cases:
+    wl = _workload(**args)
+    for every in (1, 3):
+      runs = []
+      for loop in (False, True):
+        engine = _engine(cost_file, **overrides)
+        sampler = ledger.ResourceSampler(engine, every)
+        replay(engine, wl, loop=loop, on_progress=sampler)
+        runs.append((engine, np.array(sampler.samples)))
+      (step_engine, step), (loop_engine, loop) = runs
+      assert loop_engine.loop_runs.loop_iterations > 0
+      assert (loop_engine.loop_runs.host_iterations > 0) == preempts
+      assert len(step) == step_engine.num_iterations // every > 10
+      np.testing.assert_array_equal(loop[:, 1:], step[:, 1:])
+      np.testing.assert_allclose(loop[:, 0], step[:, 0], rtol=0, atol=1e-3)
+      live, queue = step[:, 1], step[:, 3]
+      assert live.max() > 0 and queue.max() > 0
+
+
 @pytest.mark.extended     # test_cluster_sim's overloaded case runs until_end by default
 def test_until_end_returns_after_each_ending_with_the_step_paths_marks(cost_file):
   """``simulate(until_end=True, marks=...)`` returns after exactly the
