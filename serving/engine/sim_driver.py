@@ -51,10 +51,12 @@ class LoopRuns:
       the loop returned for the host (``LoopExit.HOST`` / ``REBASE``).
     exits: loop program calls per ``LoopExit`` name (why each call
       returned; their sum is the number of calls).
-    resources: None, or a list (a ``ledger.ResourceSampler`` sets it) that
-      ``simulate`` extends with ``(iteration, *resource_sample)`` after every
-      iteration it runs, loop or host (``iteration``: ``Engine.num_iterations``
-      after it); its reader empties it.
+    resources: None, or a list (a ``ledger.ResourceSampler`` sets it) to
+      which ``simulate`` adds f64[n, 6] blocks, a row ``(iteration,
+      *resource_sample)`` for every iteration it runs, loop or host
+      (``iteration``: ``Engine.num_iterations`` after it; the loop admits
+      from its queue only, so the pending count is the call's); its reader
+      empties it.
   """
 
   programs: list = dataclasses.field(default_factory=list)
@@ -147,7 +149,8 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       outputs = engine.step()
       engine.loop_runs.host_iterations += engine.num_iterations - before
       if engine.loop_runs.resources is not None and engine.num_iterations > before:
-        engine.loop_runs.resources.append((engine.num_iterations, *resource_sample(engine)))
+        engine.loop_runs.resources.append(
+            np.array([[engine.num_iterations, *resource_sample(engine)]], np.float64))
       if marks is not None:
         step_marks(engine, outputs, marks)
       if until_end and any(out.finished for out in outputs):
@@ -292,12 +295,12 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   for req in admitted:
     if not req.finished:
       table.place(req.slot, req)
-  if engine.loop_runs.resources is not None:
-    pending = len(table.pending)      # the loop admits from its queue only
-    for j, ((live, waiting, running), ms) in enumerate(zip(log.resources[:n].tolist(),
-                                                           emit_ms.tolist())):
-      engine.loop_runs.resources.append(
-          (engine.num_iterations + j + 1, round(ms, 3), live, 0, waiting + pending, running))
+  if engine.loop_runs.resources is not None and n:
+    live, waiting, running = np.asarray(log.resources[:n], np.float64).T
+    t_ms = [round(ms, 3) for ms in emit_ms.tolist()]        # as resource_sample rounds
+    engine.loop_runs.resources.append(np.stack([
+        engine.num_iterations + np.arange(1, n + 1), t_ms, live, np.zeros(n),
+        waiting + len(table.pending), running], axis=1))   # pending: constant in a call
   engine.num_iterations += n
   engine.policy_evaluations += n
   for bucket in log.bucket[:n]:

@@ -68,11 +68,16 @@ class ResourceSampler:
 
   def __call__(self, engine=None) -> None:
     e = self.engine
-    rows, e.loop_runs.resources = e.loop_runs.resources, []
-    for iteration, *sample in rows:
-      if iteration - self._last >= self.every:
-        self._last = iteration
-        self.samples.append(tuple(sample))
+    blocks, e.loop_runs.resources = e.loop_runs.resources, []
+    if blocks:
+      rows = np.concatenate(blocks)
+      iteration = rows[:, 0]        # increasing
+      i = int(np.searchsorted(iteration, self._last + self.every))
+      while i < len(rows):
+        self._last = int(iteration[i])
+        t_ms, *counts = rows[i, 1:].tolist()
+        self.samples.append((t_ms, *map(int, counts)))
+        i = int(np.searchsorted(iteration, self._last + self.every))
     if e.num_iterations - self._last >= self.every:
       self._last = e.num_iterations
       self.samples.append(sim_driver.resource_sample(e))
