@@ -112,9 +112,8 @@ def main(argv):
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
                             top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed)
   texts = prompt_texts()
-  engine, cfg, tokenizer = launch.build_engine()
-  max_model_len = engine.config.max_model_len
-  print(f"context: {max_model_len} tokens (engine max_model_len; model {cfg.max_position})")
+  engine, _, tokenizer = launch.build_engine()
+  max_model_len = engine.config.max_model_len     # the banner's "context" says it
   detok = {}
   for rid, text, chat in texts:
     print(f"[{rid}] >>> {text}")
