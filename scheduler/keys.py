@@ -54,6 +54,14 @@ def sort_u32(values):
   return jax.lax.platform_dependent(values, cpu=native, default=jax.lax.sort)
 
 
+def sort_impl() -> str:
+  """What ``sort_u32`` runs in this process on the default backend, for
+  reports: "native radix sort" or "jax.lax.sort (why the kernel does not
+  run)"."""
+  reason = native_build.load(SORT_KERNEL)
+  return "native radix sort" if reason is None else f"jax.lax.sort ({reason})"
+
+
 def phase_rank(manifest: rec.WorkloadManifest, state: rec.SchedulerState):
   """i32[R]: 0 decode, 1 running prefill/rebuild, 2 waiting, 3 no work."""
   target = rec.prefill_target(manifest, state)

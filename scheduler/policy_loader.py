@@ -41,7 +41,7 @@ def _module_of(where: str, spec: str):
   if where.endswith(".py"):
     path = Path(where).resolve()
     if not path.is_file():
-      raise SpecError(spec, f"no such file {str(path)!r}")
+      raise SpecError(spec, f"must name an existing file: no such file {str(path)!r}")
     name = "iterserve_policy_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if name not in sys.modules:
       loader_spec = importlib.util.spec_from_file_location(name, path)
@@ -57,7 +57,8 @@ def _module_of(where: str, spec: str):
   try:
     return importlib.import_module(where)
   except ModuleNotFoundError as e:
-    raise SpecError(spec, f"cannot import module {where!r} ({e})") from None
+    raise SpecError(spec, f"must name an importable module: cannot import module "
+                          f"{where!r} ({e})") from None
   except Exception as e:                      # the user's code: report, do not crash
     raise SpecError(spec, f"module {where!r} failed to import "
                           f"({type(e).__name__}: {e})") from e

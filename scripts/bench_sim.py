@@ -42,6 +42,7 @@ from absl import flags
 
 from models.config import PRESETS
 from models.loaders import load_config
+from scheduler import keys
 from scheduler import records as rec
 from serving import cli
 from serving.harness import traces
@@ -185,7 +186,7 @@ def main(argv):
          "admitted": admitted(),
          "refused_queue_full": queue_full,
          "path": "loop" if refusal is None else "step", "loop_refusal": refusal,
-         "loop_runs": engine.loop_runs.summary(),
+         "loop_runs": engine.loop_runs.summary(), "key_order_sort": keys.sort_impl(),
          "enable_prefix_caching": FLAGS.enable_prefix_caching,
          "stopped_early": stopped, "wall_s": wall_s,
          "virtual_s": engine.now_ms() / 1000.0, "iterations": engine.num_iterations,

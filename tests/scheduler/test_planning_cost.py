@@ -22,7 +22,10 @@ purpose): ``PYTHONPATH=. python tests/scheduler/test_planning_cost.py``.
 import collections
 import hashlib
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -280,10 +283,30 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
   np.testing.assert_array_equal(np.asarray(jax.vmap(keys.sort_u32)(jnp.asarray(batch))),
                                 np.sort(batch, axis=1))
   assert keys.SORT_TARGET in sort.lower(jnp.zeros(8, jnp.uint32)).as_text()
+  assert keys.sort_impl() == "native radix sort"
   with pytest.raises(ValueError, match=r"u32\[n\], got uint32\[2, 3\]"):
     keys.sort_u32(jnp.zeros((2, 3), jnp.uint32))
   with pytest.raises(ValueError, match=r"got int32\[4\]"):
     keys.sort_u32(jnp.zeros(4, jnp.int32))
+
+
+def test_without_a_compiler_the_key_order_says_it_sorts_with_xla(tmp_path):
+  """Where the sort kernel cannot build (no compiler, an empty kernel
+  cache), ``sort_u32`` falls back to ``jax.lax.sort`` with the same values,
+  and ``sort_impl`` (which reports record as ``key_order_sort``) says so
+  and why."""
+  code = ("import jax, jax.numpy as jnp, numpy as np; from scheduler import keys; "
+          "v = np.random.default_rng(3).integers(0, 2**32, 1000).astype(np.uint32); "
+          "s = jax.jit(keys.sort_u32); "
+          "assert (np.asarray(s(jnp.asarray(v))) == np.sort(v)).all(); "
+          "assert keys.SORT_TARGET not in s.lower(jnp.asarray(v)).as_text(); "
+          "print(keys.sort_impl())")
+  env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
+             ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       cwd=pathlib.Path(__file__).resolve().parents[2], check=True).stdout
+  assert out.strip() == (f"jax.lax.sort (C++ compiler '{tmp_path / 'no-such-c++'}' not "
+                         f"found (set CXX))")
 
 
 # ------------------------------------------------------ decode runs

@@ -97,8 +97,9 @@ def test_a_policy_that_breaks_a_rule_is_refused_naming_it(user_file):
 
 @pytest.mark.parametrize("spec, message", [
     ("sjf_fast", r"EngineConfig.policy must be one of \[.*'sjf'.*\] or 'module:Class'"),
-    ("no_such_module:Fifo", "cannot import module 'no_such_module'"),
-    ("{dir}/none.py:Fifo", "no such file"),
+    ("no_such_module:Fifo", "policy must name an importable module: cannot import module "
+                            "'no_such_module'"),
+    ("{dir}/none.py:Fifo", "policy must name an existing file: no such file"),
     ("{file}:Lifo", "has no attribute 'Lifo'"),
     ("{file}:", "must be a registered name or 'module:Class'"),
     ("{broken}:Fifo", r"failed to load \(SyntaxError"),
