@@ -51,19 +51,19 @@ class LoopRuns:
       the loop returned for the host (``LoopExit.HOST`` / ``REBASE``).
     exits: loop program calls per ``LoopExit`` name (why each call
       returned; their sum is the number of calls).
-    resources: None, or a list (a ``ledger.ResourceSampler`` sets it) to
-      which ``simulate`` adds f64[n, 6] blocks, a row ``(iteration,
-      *resource_sample)`` for every iteration it runs, loop or host
-      (``iteration``: ``Engine.num_iterations`` after it; the loop admits
-      from its queue only, so the pending count is the call's); its reader
-      empties it.
+    resource_readers: a list per ``ledger.ResourceSampler`` on the engine
+      (each adds its own), to which ``simulate`` adds f64[n, 6] blocks: a
+      row ``(iteration, *resource_sample)`` for every iteration it runs,
+      loop or host (``iteration``: ``Engine.num_iterations`` after it). Each
+      reader empties its own list; rows kept for one never read grow with
+      the run (48 bytes an iteration).
   """
 
   programs: list = dataclasses.field(default_factory=list)
   loop_iterations: int = 0
   host_iterations: int = 0
   exits: Dict[str, int] = dataclasses.field(default_factory=collections.Counter)
-  resources: Optional[list] = None
+  resource_readers: List[list] = dataclasses.field(default_factory=list)
 
   def summary(self) -> dict:
     """The counts as JSON: calls, loop and host iterations, the loop's
@@ -148,9 +148,10 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       before = engine.num_iterations
       outputs = engine.step()
       engine.loop_runs.host_iterations += engine.num_iterations - before
-      if engine.loop_runs.resources is not None and engine.num_iterations > before:
-        engine.loop_runs.resources.append(
-            np.array([[engine.num_iterations, *resource_sample(engine)]], np.float64))
+      if engine.loop_runs.resource_readers and engine.num_iterations > before:
+        row = np.array([[engine.num_iterations, *resource_sample(engine)]], np.float64)
+        for reader in engine.loop_runs.resource_readers:
+          reader.append(row)
       if marks is not None:
         step_marks(engine, outputs, marks)
       if until_end and any(out.finished for out in outputs):
@@ -245,7 +246,8 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   """The host's side of a ``loop`` call's iterations, as ``Engine.step``
   keeps them: the admitted requests' slots, each request's news
   (``RequestTable.take_news``: tokens, their times, outcomes), released slots,
-  counters (``Engine.spec_counts`` with speculative decoding); ``marks``
+  counters (``Engine.spec_counts`` with speculative decoding), each
+  iteration's occupancy for ``LoopRuns.resource_readers``; ``marks``
   (``simulate``'s) gets each request's first token and end, at the
   emission time of the iteration that brought it."""
   table = engine.table
@@ -295,12 +297,16 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
   for req in admitted:
     if not req.finished:
       table.place(req.slot, req)
-  if engine.loop_runs.resources is not None and n:
+  if engine.loop_runs.resource_readers and n:
+    # resource_sample's columns; the loop runs without prefix caching (no
+    # cached pages) and admits from its queue only, so the host's pending
+    # requests are those of the call's start (simulate fills free slots first).
     live, waiting, running = np.asarray(log.resources[:n], np.float64).T
     t_ms = [round(ms, 3) for ms in emit_ms.tolist()]        # as resource_sample rounds
-    engine.loop_runs.resources.append(np.stack([
-        engine.num_iterations + np.arange(1, n + 1), t_ms, live, np.zeros(n),
-        waiting + len(table.pending), running], axis=1))   # pending: constant in a call
+    rows = np.stack([engine.num_iterations + np.arange(1, n + 1), t_ms, live, np.zeros(n),
+                     waiting + len(table.pending), running], axis=1)
+    for reader in engine.loop_runs.resource_readers:
+      reader.append(rows)
   engine.num_iterations += n
   engine.policy_evaluations += n
   for bucket in log.bucket[:n]:

@@ -208,6 +208,9 @@ class SimLog:
       bits): its launch plus its modelled step time.
     bucket: i32[K], its token bucket; prefill_rows: i32[K], its prompt and
       rebuild rows; stats: f32[K, S], its ``cost_model.plan_stats``.
+    resources: i32[K, len(RESOURCE_COLUMNS)], the tables' occupancy after
+      it (live KV pages, WAITING and RUNNING slots: what
+      ``ledger.ResourceSampler`` samples).
     num_events: i32[], events logged.
     events: i32[E, len(EVENT_COLUMNS)], an event per row: its iteration,
       request (engine uid), token (-1: none), finished (0/1), reason

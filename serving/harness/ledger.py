@@ -41,10 +41,12 @@ class ResourceSampler:
   each iteration that ends at least ``every`` iterations after the last
   sample. On ``replay``'s step path it reads them when called (after every
   step); on the loop path ``Engine.simulate`` keeps each iteration's
-  occupancy for it (``sim_driver.LoopRuns.resources``, the loop's
-  ``SimLog.resources``), which it reads when called (at most
+  occupancy for it (its own list in ``sim_driver.LoopRuns.resource_readers``,
+  from the loop's ``SimLog.resources``), which it reads when called (at most
   ``replay.PROGRESS_ITERATIONS`` later), so both paths give the same
-  samples. Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms
+  samples, for each of several samplers on one engine. The ledger's
+  ``*_max`` figures are maxima over the samples (a larger ``every`` can
+  miss a peak between two). Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms
   on the engine clock at the iteration's end; ``kv_pages_live``, pages some
   request's page table holds (refcount >= 1, shared prefix pages counted
   once); ``kv_pages_cached``, pages only the prefix cache holds (refcount 0,
@@ -64,11 +66,13 @@ class ResourceSampler:
     self.engine, self.every = engine, every
     self._last = engine.num_iterations
     self.samples: List[tuple] = []
-    engine.loop_runs.resources = []
+    self._rows: List[np.ndarray] = []        # this sampler's LoopRuns.resource_readers list
+    engine.loop_runs.resource_readers.append(self._rows)
 
   def __call__(self, engine=None) -> None:
     e = self.engine
-    blocks, e.loop_runs.resources = e.loop_runs.resources, []
+    blocks = self._rows[:]
+    self._rows.clear()
     if blocks:
       rows = np.concatenate(blocks)
       iteration = rows[:, 0]        # increasing

@@ -271,10 +271,11 @@ def test_a_progress_callback_keeps_the_loop_and_its_records(cost_file, monkeypat
 def test_the_resource_samples_are_the_step_paths(cost_file, monkeypatch, progress_iterations):
   """``ledger.ResourceSampler`` on the loop path samples the iterations the
   step path samples, with the same values (the loop logs each iteration's
-  occupancy; host steps inside ``simulate`` are sampled there): KV pages
-  under preemption, a slot table that grows, a queue bound with pending
-  requests; a replay shorter than ``PROGRESS_ITERATIONS`` (None: the
-  default) included, whose peaks the loop once read as 0."""
+  occupancy; host steps inside ``simulate`` are sampled there), for two
+  samplers of different ``every`` on one engine: KV pages under
+  preemption, a slot table that grows, a queue bound; a replay shorter than
+  ``PROGRESS_ITERATIONS`` (None: the default) included, whose peaks the
+  loop once read as 0."""
   if progress_iterations is not None:
     monkeypatch.setattr(replay_lib, "PROGRESS_ITERATIONS", progress_iterations)
   cases = [(WORKLOADS["burst"], dict(num_pages=20), True),
@@ -282,16 +283,16 @@ def test_the_resource_samples_are_the_step_paths(cost_file, monkeypatch, progres
             dict(max_queued_requests=8, max_request_slots=4), False)]
   for args, overrides, preempts in cases:
     wl = _workload(**args)
-    for every in (1, 3):
-      runs = []
-      for loop in (False, True):
-        engine = _engine(cost_file, **overrides)
-        sampler = ledger.ResourceSampler(engine, every)
-        replay(engine, wl, loop=loop, on_progress=sampler)
-        runs.append((engine, np.array(sampler.samples)))
-      (step_engine, step), (loop_engine, loop) = runs
-      assert loop_engine.loop_runs.loop_iterations > 0
-      assert (loop_engine.loop_runs.host_iterations > 0) == preempts
+    runs = []
+    for loop in (False, True):
+      engine = _engine(cost_file, **overrides)
+      samplers = [ledger.ResourceSampler(engine, every) for every in (1, 3)]
+      replay(engine, wl, loop=loop, on_progress=lambda e: [s(e) for s in samplers])
+      runs.append((engine, [np.array(s.samples) for s in samplers]))
+    (step_engine, step_samples), (loop_engine, loop_samples) = runs
+    assert loop_engine.loop_runs.loop_iterations > 0
+    assert (loop_engine.loop_runs.host_iterations > 0) == preempts
+    for every, step, loop in zip((1, 3), step_samples, loop_samples):
       assert len(step) == step_engine.num_iterations // every > 10
       np.testing.assert_array_equal(loop[:, 1:], step[:, 1:])
       np.testing.assert_allclose(loop[:, 0], step[:, 0], rtol=0, atol=1e-3)
