@@ -126,7 +126,9 @@ def main(argv):
   print(f"replay wall time {wall_s:.1f} s, {engine.num_iterations} iterations "
         f"({engine.num_iterations / max(wall_s, 1e-9):.0f} it/s)")
   print(metrics.format_table(report))
-  print(f"reservation {config['reservation']} ({config['reservation_estimator']}): "
+  estimator = config["reservation_estimator"]
+  estimator = "the policy's own rule" if estimator == "policy" else estimator
+  print(f"reservation {config['reservation']} ({estimator}): "
         f"rejected {report['rejected']}, extensions {report['num_extensions']}, "
         f"preemptions {report['num_preemptions']}")
   if engine.config.speculation is not None:
