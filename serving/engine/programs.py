@@ -209,8 +209,8 @@ def plan_step(policy, prefix_caching, manifest, state, pages, prefix_hits, now_m
   """
   state = ticked_state(state, fix_emitted, fix_stamp, fix_actual, now_ms)
   # A victim's credit is its reclaimable pages, not the shared ones
-  # (``kv_pages.reclaimable``).
-  view = kv_pages.view(pages, prefix_hits)
+  # (``kv_pages.reclaimable``); without prefix caching none is shared.
+  view = kv_pages.view(pages, prefix_hits, caching=prefix_caching)
   ticked, plan = iteration.plan_iteration(policy, manifest, state, view, now_ms)
   bad_plan = validate.any_violation(validate.plan_violations(manifest, ticked, plan, view))
   never = (plan.unschedulable if plan.unschedulable is not None

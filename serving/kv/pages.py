@@ -123,10 +123,18 @@ def reclaimable(pages: PageState) -> jax.Array:
                       lambda pages: pages.pages_held.astype(jnp.int32), pages)
 
 
-def view(pages: PageState, prefix_hit_tokens=None) -> AllocatorView:
+def view(pages: PageState, prefix_hit_tokens=None, caching: bool = True) -> AllocatorView:
   """The facts a policy may read: ``free_pages`` = free + evictable pages;
   ``pages_held`` and ``reclaimable_pages`` (``reclaimable``) per slot; the
-  prefix-hit tokens (i32[R]) when caching."""
+  prefix-hit tokens (i32[R]) when caching. ``caching`` (static) False says
+  prefix caching is off: no page is then cached (none evictable) or held
+  by two tables (refcount <= 1: ``allocate`` takes free pages only), so
+  the counts over the ``num_pages`` refcounts are skipped for their values:
+  ``free_pages`` is the free stack, ``reclaimable_pages`` ``pages_held``."""
+  if not caching:
+    return AllocatorView(free_pages=pages.num_free, pages_held=pages.pages_held,
+                         page_size=pages.page_size, prefix_hit_tokens=prefix_hit_tokens,
+                         reclaimable_pages=pages.pages_held.astype(jnp.int32))
   return AllocatorView(free_pages=pages.num_free + num_evictable(pages),
                        pages_held=pages.pages_held, page_size=pages.page_size,
                        prefix_hit_tokens=prefix_hit_tokens,

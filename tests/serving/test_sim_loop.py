@@ -16,6 +16,7 @@ from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.requests import QueueFull
 from serving.harness import synthetic
+from serving.kv import pages as kv_pages
 from serving.harness import ledger
 from serving.harness import replay as replay_lib
 from serving.harness import workloads
@@ -298,6 +299,27 @@ def test_the_resource_samples_are_the_step_paths(cost_file, monkeypatch, progres
       np.testing.assert_allclose(loop[:, 0], step[:, 0], rtol=0, atol=1e-3)
       live, queue = step[:, 1], step[:, 3]
       assert live.max() > 0 and queue.max() > 0
+
+
+def test_without_prefix_caching_the_allocator_view_skips_the_refcounts(cost_file):
+  """``kv_pages.view(caching=False)``, which the plan program takes when
+  prefix caching is off, equals the general view after every step of a
+  burst that preempts (pages freed and taken again): no page is cached or
+  shared, so the free stack is every free page and a slot's held pages are
+  all reclaimable."""
+  engine = _engine(cost_file, num_pages=20)
+  seen = []
+
+  def check(outputs):
+    general = kv_pages.view(engine.pages)
+    fast = kv_pages.view(engine.pages, caching=False)
+    for name in ("free_pages", "pages_held", "reclaimable_pages"):
+      np.testing.assert_array_equal(np.asarray(getattr(fast, name)),
+                                    np.asarray(getattr(general, name)), err_msg=name)
+    seen.append(int(general.free_pages))
+
+  replay(engine, _workload(**WORKLOADS["burst"]), loop=False, on_step=check)
+  assert engine.num_preemptions > 0 and min(seen) < 4 < max(seen)
 
 
 @pytest.mark.extended     # test_cluster_sim's overloaded case runs until_end by default
