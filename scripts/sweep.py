@@ -72,9 +72,25 @@ flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
 flags.DEFINE_list("policies", ["sarathi_serve", "vllm_v1"], "Policies to compare: "
                   "registered names, or your own as module:Class or "
                   "path/to/file.py:Class (checked by the conformance kit at load).")
-flags.DEFINE_list("rate_scales", ["0.5", "1", "2"], "Arrival-rate multipliers.")
+flags.DEFINE_list("rate_scales", ["0.5", "1", "2"], "Arrival-rate multipliers (any "
+                  "order; run and reported ascending; none twice).")
 flags.DEFINE_integer("trials", 2, "Seeded trials (trace windows) per point.")
-flags.DEFINE_float("window_s", 60.0, "Trace seconds per trial (before rate scaling).")
+
+
+class _TrialSeconds(flags.FloatParser):
+  """``--window_s``: one number (replay.py's ``A,B`` window is another flag)."""
+
+  def convert(self, argument):
+    try:
+      return super().convert(argument)
+    except ValueError:
+      raise ValueError(f"sweep.py's --window_s is one number, the trace seconds of each "
+                       f"trial (trial k replays [k * W, (k + 1) * W)), got {argument!r}") from None
+
+
+flags.DEFINE(_TrialSeconds(), "window_s", 60.0,
+             "Trace seconds per trial (before rate scaling); trial k replays the trace's "
+             "seconds [k * W, (k + 1) * W).")
 flags.DEFINE_float("ttft_ms", 2000.0, "SLO: TTFT limit (ms).")
 flags.DEFINE_float("tpot_ms", 100.0, "SLO: TPOT limit (ms).")
 flags.DEFINE_float("alpha", 0.9, "Attainment target of G*.")
@@ -279,6 +295,11 @@ def _check_flags():
   if not rates or any(not r > 0 for r in rates):
     raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
                      f"{FLAGS.rate_scales}")
+  for name, values in (("rate_scales", rates), ("policies", FLAGS.policies)):
+    twice = sorted({v for v in values if values.count(v) > 1}, key=str)
+    if twice:
+      raise ValueError(f"--{name} must not repeat a value (a point is one value's "
+                       f"trials), got {twice[0]!r} more than once in {getattr(FLAGS, name)}")
   if FLAGS.cache_dir:
     cli.make_dir("cache_dir", FLAGS.cache_dir)
   traces.trace_loader(FLAGS.trace, check_file=True)   # refused here, before any model loads
@@ -296,7 +317,24 @@ def _check_flags():
   if not 0 < FLAGS.alpha <= 1:
     raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
   _check_out()
-  return rates
+  _check_windows()
+  return sorted(rates)
+
+
+def _check_windows() -> None:
+  """Refuses, before any trial runs, --window_s x --trials that reach past
+  the trace: the last trial's window must hold a request (trial k replays
+  the trace's seconds [k * window_s, (k + 1) * window_s))."""
+  loader, path = traces.trace_loader(FLAGS.trace)
+  k, w = FLAGS.trials - 1, FLAGS.window_s
+  try:
+    loader(path, window_s=(k * w, (k + 1) * w), max_output_len=FLAGS.max_output_len, seed=k)
+  except workloads.WorkloadError as e:
+    if "no request in window_s" not in str(e):
+      raise
+    raise ValueError(f"--window_s={w:g} x --trials={FLAGS.trials} reaches past the trace: "
+                     f"trial {k}'s window [{k * w:g}, {(k + 1) * w:g}) s holds no request; "
+                     f"lower --trials or --window_s") from None
 
 
 def main(argv):

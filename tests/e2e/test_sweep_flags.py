@@ -30,7 +30,21 @@ def replay_report(tmp_path):
 def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, replay_report):
   not_json = tmp_path / "bad.json"
   not_json.write_text("{truncated")
+  short = tmp_path / "short.csv"      # arrivals at 0 and 3 s
+  short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
   cases = [
+      (["--rate_scales=1,0.5,1"], "error: --rate_scales must not repeat a value (a point is "
+                                  "one value's trials), got 1.0 more than once in "
+                                  "['1', '0.5', '1']"),
+      (["--policies=vtc,vtc"], "error: --policies must not repeat a value (a point is one "
+                               "value's trials), got 'vtc' more than once in ['vtc', 'vtc']"),
+      (["--window_s=0,60"], "error: flag --window_s=0,60: sweep.py's --window_s is one number, "
+                            "the trace seconds of each trial (trial k replays [k * W, "
+                            "(k + 1) * W)), got '0,60' (--helpfull lists the flags)"),
+      ([f"--trace=azure:{short}", "--window_s=2", "--trials=3"],
+       "error: --window_s=2 x --trials=3 reaches past the trace: trial 2's window [4, 6) s "
+       "holds no request; lower --trials or --window_s"),
       (["--merge=nosuch.json"], "error: --merge: 'nosuch.json' is not a file"),
       ([f"--merge={replay_report}"],
        f"error: --merge takes sweep.json files written by sweep.py; '{replay_report}' is not "
