@@ -46,6 +46,7 @@ from absl import flags
 
 from serving import cli
 from serving.cli import launch
+from serving.harness import metrics
 from serving.harness import workloads
 from serving.engine import calibrations
 from serving.engine import profiles
@@ -113,6 +114,15 @@ def _latencies(report: dict) -> str:
           f"{ms('median_tpot_ms')}")
 
 
+def _goodput(run: dict, records) -> None:
+  """With SLO flags, each request judged by its own SLOs: the run's
+  ``goodput`` block (``metrics.goodput``, as replay.py reports it), printed."""
+  if launch.slo_flags_given():
+    run["goodput"] = metrics.goodput(records, duration_s=run["report"]["duration_s"],
+                                     per_request=True)
+    print("  " + metrics.format_goodput(run["goodput"]))
+
+
 def main(argv):
   del argv
   counts = _check_flags()
@@ -138,17 +148,18 @@ def main(argv):
   runs = []
   for n in counts:
     if link is not None:
-      run, _ = cluster_sim.simulate_pd(cfg, engine_cfg, workload, n[0], n[1], FLAGS.router,
-                                       link, FLAGS.link, FLAGS.model)
+      run, records = cluster_sim.simulate_pd(cfg, engine_cfg, workload, n[0], n[1],
+                                             FLAGS.router, link, FLAGS.link, FLAGS.model)
       runs.append(run)
       report, tr = run["report"], run["transfers"]
       print(f"{n[0]}P{n[1]}D ({FLAGS.router}): {report['completed']}/{len(workload)} completed "
             f"in {report['duration_s']:.1f} virtual s ({run['wall_s']:.1f} s wall); "
             f"{tr['count']} transfers, mean {(tr['mean_ms'] or 0):.3f} ms; "
             f"{_latencies(report)}")
+      _goodput(run, records)
       continue
-    run, _ = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, n, FLAGS.router, FLAGS.model,
-                                        loop=FLAGS.loop)
+    run, records = cluster_sim.simulate_mixed(cfg, engine_cfg, workload, n, FLAGS.router,
+                                              FLAGS.model, loop=FLAGS.loop)
     runs.append(run)
     report, per_replica, path = run["report"], run["per_replica"], run["path"]
     print(f"replicas {n:3d}: {report['completed']}/{len(workload)} completed in "
@@ -156,6 +167,7 @@ def main(argv):
           f"{run['wall_s']:.1f} s wall, {path['path']} path"
           f"{': ' + path['why'] if path['why'] else ''}); per replica "
           f"{[r['completed'] for r in per_replica]}; {_latencies(report)}")
+    _goodput(run, records)
   os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
   with open(FLAGS.out, "w") as f:
     json.dump({"route": FLAGS.router, "runs": runs}, f, indent=1)
