@@ -1,6 +1,11 @@
 """cluster_sim.py's P/D flags and pd_goodput.py's: a bad value is one line
 naming the flag and its rule, exit status 2, before the trace or a model
-config loads."""
+config loads; cluster_sim.py's SLO flags judge every run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,3 +49,32 @@ def test_cluster_sim_refuses_a_bad_pd_flag_before_loading(args, line):
 ])
 def test_pd_goodput_refuses_a_bad_flag_before_loading(args, line):
   assert refusals.refused("pd_goodput.py", *args) == (2, line)
+
+
+def test_cluster_sim_judges_each_run_by_the_slo_flags(tmp_path):
+  """--slo_ttft_ms / --slo_tpot_ms give each run a ``goodput`` block, printed
+  under its line: its SLO-valid count is the hand count over the run's
+  request records (TTFT from arrival, TPOT over the later tokens)."""
+  out = tmp_path / "cluster.json"
+  root = Path(__file__).resolve().parents[2]
+  proc = subprocess.run(
+      [sys.executable, str(root / "scripts" / "cluster_sim.py"), "--engine=tiny",
+       "--num_requests=8", "--replicas=1,2", "--noenable_prefix_caching", "--cache_dir=",
+       "--slo_ttft_ms=1000", "--slo_tpot_ms=150", f"--out={out}"],
+      cwd=root, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  lines = [line.strip() for line in proc.stdout.splitlines()]
+  valid_counts = []
+  for run in json.loads(out.read_text())["runs"]:
+    valid = 0
+    for r in run["report"]["requests"]:
+      times = r["token_times_s"]
+      ttft_ms = (times[0] - r["arrival_s"]) * 1e3
+      tpot_ms = (times[-1] - times[0]) / (len(times) - 1) * 1e3 if len(times) > 1 else 0.0
+      valid += r["outcome"] == "completed" and ttft_ms <= 1000 + 1e-6 and tpot_ms <= 150 + 1e-6
+    g = run["goodput"]
+    assert (g["offered"], g["valid"]) == (8, valid), run["replicas"]
+    assert f"goodput: {valid}/8 SLO-valid" in "\n".join(lines)
+    valid_counts.append(valid)
+  assert 0 < sum(valid_counts) < 16      # the limits split the requests
+
