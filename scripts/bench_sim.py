@@ -61,7 +61,7 @@ flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF dire
 flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
 flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
                      "(serving.harness.workloads.FIT_RULE).")
-flags.DEFINE_string("cost_model", "", "Cost model: a calibration JSON or profile:NAME "
+flags.DEFINE_string("cost_model", None, "Cost model: a calibration JSON or profile:NAME "
                     "(default: the engine preset's cost_model, else the shipped calibration).")
 flags.DEFINE_integer("log_every", 2000, "Iterations between progress rows (>= 1).")
 flags.DEFINE_float("max_wall_s", None, "Stop after this much wall time (s, > 0), checked "
