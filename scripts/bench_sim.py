@@ -45,6 +45,7 @@ from models.loaders import load_config
 from scheduler import keys
 from scheduler import records as rec
 from serving import cli
+from serving.cli import launch
 from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig, SamplingParams
@@ -55,6 +56,8 @@ from serving.engine.requests import QueueFull
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
                     "AzureLLMInferenceTrace_conv.csv", "KIND:PATH.")
+flags.DEFINE_list("window_s", None, "A,B: keep arrivals in [t0+A, t0+B) seconds, t0 the "
+                  "trace's first arrival (default: the whole trace).")
 flags.DEFINE_string("policy", "sarathi_serve", "Policy.")
 flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF directory "
                     "(its config only).")
@@ -96,6 +99,8 @@ def check_flags() -> None:
   # The folder is made (and written to) now: one the process cannot use is
   # refused before the run, not after it.
   cli.make_dir("out", os.path.dirname(os.path.abspath(FLAGS.out)))
+  if FLAGS.window_s is not None:
+    launch.parse_window(FLAGS.window_s)
   traces.trace_loader(FLAGS.trace, check_file=True)
 
 
@@ -106,7 +111,8 @@ def main(argv):
   loader, path = traces.trace_loader(FLAGS.trace)
   cfg = PRESETS[FLAGS.model] if FLAGS.model in PRESETS else load_config(FLAGS.model)[0]
   t = time.perf_counter()
-  wl = workloads.fit_context(loader(path, vocab_size=cfg.vocab_size),
+  window = None if FLAGS.window_s is None else launch.parse_window(FLAGS.window_s)
+  wl = workloads.fit_context(loader(path, window_s=window, vocab_size=cfg.vocab_size),
                              FLAGS.max_model_len)
   load_s = time.perf_counter() - t
   if workloads.fit_note(wl):
