@@ -41,6 +41,7 @@ the seconds its replay spent on programs (tracing, compiling or loading:
 import dataclasses
 import functools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -312,8 +313,8 @@ def _check_flags():
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   for name in ("window_s", "ttft_ms", "tpot_ms"):
-    if not getattr(FLAGS, name) > 0:
-      raise ValueError(f"--{name} must be > 0, got {getattr(FLAGS, name)}")
+    if not (math.isfinite(getattr(FLAGS, name)) and getattr(FLAGS, name) > 0):
+      raise ValueError(f"--{name} must be finite and > 0, got {getattr(FLAGS, name)}")
   if not 0 < FLAGS.alpha <= 1:
     raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
   _check_out()
@@ -322,19 +323,28 @@ def _check_flags():
 
 
 def _check_windows() -> None:
-  """Refuses, before any trial runs, --window_s x --trials that reach past
-  the trace: the last trial's window must hold a request (trial k replays
-  the trace's seconds [k * window_s, (k + 1) * window_s))."""
+  """Refuses, before any trial runs, --window_s x --trials whose trial
+  windows do not each hold a request (trial k replays the trace's seconds
+  [k * window_s, (k + 1) * window_s)): past the trace's last arrival, or
+  over a gap in it."""
   loader, path = traces.trace_loader(FLAGS.trace)
-  k, w = FLAGS.trials - 1, FLAGS.window_s
+  n, w = FLAGS.trials, FLAGS.window_s
   try:
-    loader(path, window_s=(k * w, (k + 1) * w), max_output_len=FLAGS.max_output_len, seed=k)
+    arrivals = [spec.arrival_s for spec in loader(path, window_s=(0.0, n * w),
+                                                    max_output_len=FLAGS.max_output_len)]
   except workloads.WorkloadError as e:
     if "no request in window_s" not in str(e):
       raise
-    raise ValueError(f"--window_s={w:g} x --trials={FLAGS.trials} reaches past the trace: "
-                     f"trial {k}'s window [{k * w:g}, {(k + 1) * w:g}) s holds no request; "
-                     f"lower --trials or --window_s") from None
+    arrivals = []
+  held = {int(t // w) for t in arrivals}
+  for k in range(n):
+    if k in held:
+      continue
+    where = ("reaches past the trace" if not arrivals or k * w > max(arrivals)
+             else "meets a gap in the trace")
+    raise ValueError(f"--window_s={w:g} x --trials={n} {where}: trial {k}'s window "
+                     f"[{k * w:g}, {(k + 1) * w:g}) s holds no request; choose another "
+                     f"--window_s or --trials")
 
 
 def main(argv):

@@ -42,8 +42,9 @@ class ResourceSampler:
   sample. On ``replay``'s step path it reads them when called (after every
   step); on the loop path ``Engine.simulate`` keeps each iteration's
   occupancy for it (its own list in ``sim_driver.LoopRuns.resource_readers``,
-  from the loop's ``SimLog.resources``), which it reads when called (at most
-  ``replay.PROGRESS_ITERATIONS`` later), so both paths give the same
+  from the loop's ``SimLog.resources``), which it reads when called (after at most
+  ``replay.PROGRESS_ITERATIONS`` iterations, plus the rest of the loop call
+  that crossed it), so both paths give the same
   samples, for each of several samplers on one engine. The ledger's
   ``*_max`` figures are maxima over the samples (a larger ``every`` can
   miss a peak between two). Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms

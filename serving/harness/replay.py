@@ -82,9 +82,10 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
     loop: allow ``Engine.simulate`` (False: one ``engine.step()`` per
       iteration).
     on_progress: called with the engine after every step on the step path,
-      and after every ``PROGRESS_ITERATIONS`` iterations at most on the
-      loop path (a progress bar, ``ledger.ResourceSampler``): it does not
-      take the loop away.
+      and on the loop path after every ``PROGRESS_ITERATIONS`` iterations at
+      most, plus the rest of the loop call (up to ``sim_loop.LOOP_ITERATIONS``)
+      that crossed them (a progress bar, ``ledger.ResourceSampler``): it does
+      not take the loop away.
 
   Returns:
     ``(records, duration_s)``: one RequestRecord per workload request, and

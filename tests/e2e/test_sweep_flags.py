@@ -44,7 +44,11 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
                             "(k + 1) * W)), got '0,60' (--helpfull lists the flags)"),
       ([f"--trace=azure:{short}", "--window_s=2", "--trials=3"],
        "error: --window_s=2 x --trials=3 reaches past the trace: trial 2's window [4, 6) s "
-       "holds no request; lower --trials or --window_s"),
+       "holds no request; choose another --window_s or --trials"),
+      ([f"--trace=azure:{short}", "--window_s=1", "--trials=4"],
+       "error: --window_s=1 x --trials=4 meets a gap in the trace: trial 1's window [1, 2) s "
+       "holds no request; choose another --window_s or --trials"),
+      (["--window_s=inf"], "error: --window_s must be finite and > 0, got inf"),
       (["--merge=nosuch.json"], "error: --merge: 'nosuch.json' is not a file"),
       ([f"--merge={replay_report}"],
        f"error: --merge takes sweep.json files written by sweep.py; '{replay_report}' is not "
