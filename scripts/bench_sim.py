@@ -4,8 +4,9 @@
       --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --policy=sarathi_serve --out=runs/bench_sim.json
 
-Replays every request of the trace, or of ``--window_s=A,B`` (outputs uncapped; prompt and output fitted into the
-context by ``serving.harness.workloads.FIT_RULE``, with a note when that cuts) with
+Replays every request of the trace, or of ``--window_s=A,B`` (outputs
+uncapped; prompt and output fitted into the context by
+``serving.harness.workloads.FIT_RULE``, with a note when that cuts) with
 the simulated executor, which holds no weights (``--model`` is a preset, or
 a GGUF file or HF directory of which only the config is read), and logs,
 every ``--log_every``

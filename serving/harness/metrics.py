@@ -476,6 +476,8 @@ def client_service_gap(records: Iterable[RequestRecord], *, w_p: float = 1.0,
         if not (math.isfinite(w) and w >= 0):
             raise ValueError(f"client_service_gap: {name}={w} must be finite and >= 0")
     records = list(records)
+    if len({r.client for r in records}) < 2:
+        return ServiceGap(0.0, None, None)     # no pair of clients (a trace's one client)
     # time -> (clients opening, {client: charge}, clients closing)
     events: dict[float, tuple[list[str], dict[str, float], list[str]]] = {}
 

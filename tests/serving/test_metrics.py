@@ -278,6 +278,10 @@ def test_service_gap_is_zero_without_overlap():
     assert client_service_gap([]) == ServiceGap(0.0, None, None)
     with pytest.raises(ValueError, match="w_q"):
         client_service_gap(records, w_q=-1)
+    one = [_rec("a1", 0.0, [1.0, 2.0], client="A"), _rec("a2", 0.5, [3.0], client="A")]
+    assert client_service_gap(one) == ServiceGap(0.0, None, None)    # no pair
+    with pytest.raises(ValueError, match="w_p"):
+        client_service_gap(one, w_p=math.nan)
 
 
 def test_service_gap_unfinished_request_keeps_its_client_backlogged():
