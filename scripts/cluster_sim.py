@@ -144,7 +144,7 @@ def main(argv):
   engine_cfg = dataclasses.replace(engine_cfg,
                                    num_clients=max(engine_cfg.num_clients, clients))
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
-        f"({workload.source})")
+        f"({workload.source}); clipped prompts: {workload.num_clipped}")
   runs = []
   for n in counts:
     if link is not None:

@@ -64,6 +64,9 @@ def test_cluster_sim_judges_each_run_by_the_slo_flags(tmp_path):
       cwd=root, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   lines = [line.strip() for line in proc.stdout.splitlines()]
+  report = json.loads(out.read_text())["runs"][0]["report"]
+  assert (f"clipped prompts: {report['num_clipped']}" in
+          next(line for line in lines if line.startswith("workload: ")))
   valid_counts = []
   for run in json.loads(out.read_text())["runs"]:
     valid = 0
