@@ -47,7 +47,6 @@ from absl import flags
 from serving import cli
 from serving.cli import launch
 from serving.harness import metrics
-from serving.harness import workloads
 from serving.engine import calibrations
 from serving.engine import profiles
 from serving.harness import cluster_sim
@@ -134,12 +133,11 @@ def main(argv):
       link = profiles.transfer_link(calibrations.load(engine_cfg.cost_model), FLAGS.link)
     except ValueError as e:
       raise ValueError(f"--link={FLAGS.link}: {e}") from None
-  # Read the workload before the model's config (fail fast); draw prompt ids
-  # again if the model's vocabulary differs from the default.
-  workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
+  # The simulated executor reads the model's config alone (no weights), so
+  # it comes first and the workload's prompt ids are drawn once, in its
+  # vocabulary.
   cfg, _, _ = launch.load_flags_model(engine_cfg)
-  if cfg.vocab_size != workloads.DEFAULT_VOCAB_SIZE:
-    workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+  workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})
   engine_cfg = dataclasses.replace(engine_cfg,
                                    num_clients=max(engine_cfg.num_clients, clients))

@@ -77,12 +77,16 @@ def main(argv):
   launch.check_workload_flags()
   engine_cfg = launch.engine_config()
   launch.engine_clock(engine_cfg)
-  # Read and check the workload before loading the model (fail fast); draw
-  # prompt ids again if the model's vocabulary differs from the default.
-  workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
+  # Read and check the workload before loading the model's weights (fail
+  # fast); draw prompt ids again if the model's vocabulary differs from the
+  # default. The simulated executor reads the config alone: it comes first,
+  # and the prompt ids are drawn once.
+  model = launch.load_flags_model(engine_cfg) if engine_cfg.executor == "simulated" else None
+  vocab = workloads.DEFAULT_VOCAB_SIZE if model is None else model[0].vocab_size
+  workload = launch.load_workload(vocab, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})
-  engine, cfg, _ = launch.build_engine(num_clients=max(engine_cfg.num_clients, clients))
-  if cfg.vocab_size != workloads.DEFAULT_VOCAB_SIZE:
+  engine, cfg, _ = launch.build_engine(model, num_clients=max(engine_cfg.num_clients, clients))
+  if cfg.vocab_size != vocab:
     workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")

@@ -567,8 +567,9 @@ def init_processes(engine_cfg: EngineConfig) -> None:
   initialize_processes(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
 
 
-def build_engine(**overrides):
-  """Loads the model and builds the Engine. Returns (engine, cfg, tokenizer).
+def build_engine(model: tuple | None = None, **overrides):
+  """Loads the model (unless ``model``, ``load_flags_model``'s result, is
+  given) and builds the Engine. Returns (engine, cfg, tokenizer).
 
   Raises:
     ValueError: ``engine_config``'s and ``engine_clock``'s refusals, before
@@ -576,7 +577,7 @@ def build_engine(**overrides):
   """
   engine_cfg = engine_config(**overrides)
   engine_clock(engine_cfg)
-  cfg, params, tokenizer = load_flags_model(engine_cfg)
+  cfg, params, tokenizer = model if model is not None else load_flags_model(engine_cfg)
   if FLAGS.autotune_budget_s > 0 and FLAGS.cache_dir:    # "auto" kernels by measurement
     engine_cfg = autotune.choose(cfg, engine_cfg, FLAGS.cache_dir, FLAGS.autotune_budget_s)[0]
   return Engine(cfg, params, engine_cfg, clock=make_clock(engine_cfg)), cfg, tokenizer
