@@ -75,18 +75,23 @@ class LoopRuns:
             "exits": dict(sorted(self.exits.items()))}
 
 
+# A resource sample's columns (``resource_sample``; ``ledger.ResourceSampler``).
+SAMPLE_COLUMNS = ("t_ms", "kv_pages_live", "kv_pages_cached", "queue_len", "running")
+
+
 def resource_sample(engine) -> tuple:
-  """The engine's tables now, as ``ledger.ResourceSampler.COLUMNS`` (one
-  device fetch): (t_ms, engine ms; kv_pages_live, pages some page table
-  holds, a shared prefix page once; kv_pages_cached, pages only the prefix
-  cache holds; queue_len, pending requests and WAITING slots; running,
-  RUNNING slots)."""
+  """The engine's tables now, in ``SAMPLE_COLUMNS`` order (one device
+  fetch): t_ms, engine ms; kv_pages_live, pages some page table holds, a
+  shared prefix page once; kv_pages_cached, pages only the prefix cache
+  holds; queue_len, pending requests and WAITING slots; running, RUNNING
+  slots."""
   refcount, cached, status = jax.device_get((engine.pages.refcount, engine.pages.cached,
                                              engine.state.status))
-  return (round(engine.now_ms(), 3), int(np.sum(refcount > 0)),
-          int(np.sum(cached & (refcount == 0))),
-          int(np.sum(status == rec.WAITING)) + len(engine.table.pending),
-          int(np.sum(status == rec.RUNNING)))
+  sample = dict(t_ms=round(engine.now_ms(), 3), kv_pages_live=int(np.sum(refcount > 0)),
+                kv_pages_cached=int(np.sum(cached & (refcount == 0))),
+                queue_len=int(np.sum(status == rec.WAITING)) + len(engine.table.pending),
+                running=int(np.sum(status == rec.RUNNING)))
+  return tuple(sample[name] for name in SAMPLE_COLUMNS)
 
 
 def add_future_request(engine, request_id, prompt_token_ids, sampling, arrival_ms,
@@ -302,9 +307,11 @@ def take_log(engine, log: sim_loop.SimLog, queued: List[Request],
     # cached pages) and admits from its queue only, so the host's pending
     # requests are those of the call's start (simulate fills free slots first).
     live, waiting, running = np.asarray(log.resources[:n], np.float64).T
-    t_ms = [round(ms, 3) for ms in emit_ms.tolist()]        # as resource_sample rounds
-    rows = np.stack([engine.num_iterations + np.arange(1, n + 1), t_ms, live, np.zeros(n),
-                     waiting + len(table.pending), running], axis=1)
+    sample = dict(t_ms=[round(ms, 3) for ms in emit_ms.tolist()],   # as resource_sample
+                  kv_pages_live=live, kv_pages_cached=np.zeros(n),
+                  queue_len=waiting + len(table.pending), running=running)
+    rows = np.stack([engine.num_iterations + np.arange(1, n + 1)]
+                    + [sample[name] for name in SAMPLE_COLUMNS], axis=1)
     for reader in engine.loop_runs.resource_readers:
       reader.append(rows)
   engine.num_iterations += n

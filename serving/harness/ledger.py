@@ -39,27 +39,28 @@ PARTS = ("valid", "completed_miss", "rejected", "cancelled", "failed", "open_at_
 class ResourceSampler:
   """``on_progress`` hook of ``replay``: samples the engine's tables after
   each iteration that ends at least ``every`` iterations after the last
-  sample. On ``replay``'s step path it reads them when called (after every
-  step); on the loop path ``Engine.simulate`` keeps each iteration's
-  occupancy for it (its own list in ``sim_driver.LoopRuns.resource_readers``,
-  from the loop's ``SimLog.resources``), which it reads when called (after at most
+  sample, on either path of ``replay``, with the same samples. On the step
+  path it reads the tables when called (after every step). On the loop path
+  ``Engine.simulate`` keeps each iteration's occupancy for it (its own list
+  in ``sim_driver.LoopRuns.resource_readers``, from the loop's
+  ``SimLog.resources``), which it reads when called (after at most
   ``replay.PROGRESS_ITERATIONS`` iterations, plus the rest of the loop call
-  that crossed it), so both paths give the same
-  samples, for each of several samplers on one engine. The ledger's
-  ``*_max`` figures are maxima over the samples (a larger ``every`` can
-  miss a peak between two). Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms
-  on the engine clock at the iteration's end; ``kv_pages_live``, pages some
+  that crossed them); several samplers may share an engine.
+
+  Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms on the
+  engine clock at the iteration's end; ``kv_pages_live``, pages some
   request's page table holds (refcount >= 1, shared prefix pages counted
   once); ``kv_pages_cached``, pages only the prefix cache holds (refcount 0,
   kept for later hits, evicted on demand, so free for admission); the queue
   length (pending + WAITING slots); the running sequences. Live + cached +
-  free pages = ``num_pages - 1``.
+  free pages = ``num_pages - 1``. The ledger's ``*_max`` figures are maxima
+  over the samples (a larger ``every`` can miss a peak between two).
 
   Raises:
     ValueError: ``every`` < 1.
   """
 
-  COLUMNS = ("t_ms", "kv_pages_live", "kv_pages_cached", "queue_len", "running")
+  COLUMNS = sim_driver.SAMPLE_COLUMNS
 
   def __init__(self, engine, every: int = 1):
     if every < 1:
