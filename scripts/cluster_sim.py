@@ -96,6 +96,9 @@ def _check_flags() -> list:
   for text in FLAGS.replicas if not pd else ():
     if not text.isdigit() or int(text) < 1:
       raise ValueError(f"--replicas entries must be integers >= 1, got {text!r}")
+    if int(text) in counts:
+      raise ValueError(f"--replicas must not repeat a count (a run each), got {int(text)} "
+                       f"more than once in {FLAGS.replicas}")
     counts.append(int(text))
   if FLAGS.executor == "model":
     raise ValueError("--executor=model: cluster_sim.py runs every replica on the simulated "

@@ -36,6 +36,8 @@ def _stop_refusal_servers():
      "error: --replicas: give either --replicas (mixed replicas) or "
      "--prefill_replicas/--decode_replicas, not both"),
     (["--link=inter"], "error: --link applies to --prefill_replicas/--decode_replicas only"),
+    (["--replicas=2,1,2"], "error: --replicas must not repeat a count (a run each), got 2 "
+                           "more than once in ['2', '1', '2']"),
 ])
 def test_cluster_sim_refuses_a_bad_pd_flag_before_loading(args, line):
   assert refusals.refused("cluster_sim.py", *args) == (2, line)
