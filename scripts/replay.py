@@ -105,7 +105,8 @@ def main(argv):
     bar.set_postfix(iterations=engine.num_iterations, refresh=False)
 
   t = time.perf_counter()
-  records, duration_s = replay(engine, workload, on_progress=progress)
+  records, duration_s = replay(engine, workload, on_progress=progress,
+                               origin_ms=sampler.origin_ms)
   wall_s = time.perf_counter() - t
   bar.close()
   config = run_config(engine, FLAGS.model)
@@ -122,7 +123,9 @@ def main(argv):
   report["slo"] = {"ttft_ms": FLAGS.slo_ttft_ms, "tpot_ms": FLAGS.slo_tpot_ms,
                    "tbt_ms": FLAGS.ledger_tbt_ms, "classes": FLAGS.slo_class}
   if launch.slo_flags_given():           # each request judged by its own SLOs
-    report["goodput"] = metrics.goodput(records, duration_s=duration_s, per_request=True)
+    report["goodput"] = metrics.goodput(records, ttft_ms=FLAGS.slo_ttft_ms,
+                                        tpot_ms=FLAGS.slo_tpot_ms, duration_s=duration_s,
+                                        per_request=True)
   report["ledger"] = ledger.build_ledger(
       records, duration_s=duration_s, ttft_ms=FLAGS.slo_ttft_ms,
       tpot_ms=FLAGS.slo_tpot_ms, tbt_ms=FLAGS.ledger_tbt_ms,

@@ -155,7 +155,8 @@ def run_trial(model_cfg, params, config, wl):
   compiles = cli.compile_counter()
   before = compiles.snapshot()
   t = time.perf_counter()
-  records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler)
+  records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler,
+                               origin_ms=sampler.origin_ms)
   wall_s = time.perf_counter() - t
   compiled = compiles.since(before)
   led = ledger.build_ledger(records, duration_s=duration_s, ttft_ms=FLAGS.ttft_ms,

@@ -29,6 +29,7 @@ class EngineClocks:
   def __init__(self, clock: Callable[[], float]):
     self.clock = clock
     self.t0 = clock()
+    self.skipped_ms = 0.0           # idle time skipped without waiting (``skip``)
     self.device_epoch_ms = 0.0      # host ms at device time 0
     # The last iteration's (emitted bool[R], launch stamp, publication time)
     # in device ms, corrected on the device by the next plan program.
@@ -36,8 +37,27 @@ class EngineClocks:
     self._no_stamp_mask = None
 
   def now_ms(self) -> float:
-    """Engine clock: ms since construction (float64 on the host)."""
-    return (self.clock() - self.t0) * 1000.0
+    """Engine clock: ms since construction (float64 on the host), the
+    skipped idle time included."""
+    return (self.clock() - self.t0) * 1000.0 + self.skipped_ms
+
+  def skip(self, ms: float) -> None:
+    """Moves the engine clock ``ms`` (>= 0) forward without waiting: a
+    replay not in real time skipping an idle gap on the wall clock, as a
+    virtual clock's ``advance`` does (``replay(realtime=False)``); so the
+    gap is in every later time, one axis for all. Only between requests
+    (nothing live), or a live request's times would jump.
+
+    Raises:
+      ValueError: ``ms`` < 0; a virtual clock (it advances itself, and the
+        device loop reads its time from it).
+    """
+    if ms < 0:
+      raise ValueError(f"EngineClocks.skip needs ms >= 0, got {ms}")
+    if hasattr(self.clock, "advance"):
+      raise ValueError("EngineClocks.skip is for the wall clock; a virtual clock advances "
+                       "(VirtualClock.advance)")
+    self.skipped_ms += ms
 
   def device_ms(self, host_ms: float) -> np.float32:
     """A host time as the device's float32 ms since the device epoch."""

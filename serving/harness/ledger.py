@@ -47,8 +47,10 @@ class ResourceSampler:
   ``replay.PROGRESS_ITERATIONS`` iterations, plus the rest of the loop call
   that crossed them); several samplers may share an engine.
 
-  Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms on the
-  engine clock at the iteration's end; ``kv_pages_live``, pages some
+  Each sample (``COLUMNS``, ``sim_driver.resource_sample``): t_ms, the
+  iteration's end on the engine clock minus ``origin_ms`` (the engine time
+  when the sampler was made, unless given: pass it to ``replay``'s
+  ``origin_ms`` and the rows are on the records' time axis); ``kv_pages_live``, pages some
   request's page table holds (refcount >= 1, shared prefix pages counted
   once); ``kv_pages_cached``, pages only the prefix cache holds (refcount 0,
   kept for later hits, evicted on demand, so free for admission); the queue
@@ -62,10 +64,11 @@ class ResourceSampler:
 
   COLUMNS = sim_driver.SAMPLE_COLUMNS
 
-  def __init__(self, engine, every: int = 1):
+  def __init__(self, engine, every: int = 1, origin_ms: Optional[float] = None):
     if every < 1:
       raise ValueError(f"ResourceSampler.every must be >= 1, got {every}")
     self.engine, self.every = engine, every
+    self.origin_ms = engine.now_ms() if origin_ms is None else origin_ms
     self._last = engine.num_iterations
     self.samples: List[tuple] = []
     self._rows: List[np.ndarray] = []        # this sampler's LoopRuns.resource_readers list
@@ -82,11 +85,12 @@ class ResourceSampler:
       while i < len(rows):
         self._last = int(iteration[i])
         t_ms, *counts = rows[i, 1:].tolist()
-        self.samples.append((t_ms, *map(int, counts)))
+        self.samples.append((t_ms - self.origin_ms, *map(int, counts)))
         i = int(np.searchsorted(iteration, self._last + self.every))
     if e.num_iterations - self._last >= self.every:
       self._last = e.num_iterations
-      self.samples.append(sim_driver.resource_sample(e))
+      t_ms, *counts = sim_driver.resource_sample(e)
+      self.samples.append((t_ms - self.origin_ms, *counts))
 
 
 def _ms(x: Optional[float]) -> Optional[float]:
@@ -134,7 +138,10 @@ def build_ledger(records: Sequence[metrics.RequestRecord], *, duration_s: float,
   Args:
     records: every offered request (one record each; N_off = len).
     duration_s: the run's duration (s), the goodput denominator.
-    ttft_ms, tpot_ms, tbt_ms: SLO limits (ms) or None.
+    ttft_ms, tpot_ms, tbt_ms: SLO limits (ms) or None; ttft_ms and tpot_ms
+      apply where a request declared none of its own. ``goodput`` is there
+      when some limit applies (these, or a request's own), with
+      ``metrics.goodput(per_request=True)``: the partition's judgement.
     horizon_s: requests not finished by then are ``open_at_horizon``.
     cohort_s: width of an arrival cohort (s, > 0).
     starvation_s: a request without a first token this long after arrival
@@ -165,9 +172,11 @@ def build_ledger(records: Sequence[metrics.RequestRecord], *, duration_s: float,
          "horizon_s": horizon_s, "cohort_s": cohort_s,
          "outcomes": {"total": total, "by_cohort": cohorts,
                       "by_client": {c: _partition(v, **kw) for c, v in sorted(by_client.items())}}}
-  if (ttft_ms is not None or tpot_ms is not None) and duration_s > 0:
+  own = any(r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in records)
+  if (ttft_ms is not None or tpot_ms is not None or own) and duration_s > 0:
+    # Judged as ``classify`` judges: a request's own SLOs first.
     out["goodput"] = metrics.goodput(records, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-                                     duration_s=duration_s)
+                                     duration_s=duration_s, per_request=True)
   if tbt_ms is not None:
     gaps = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
     misses = sum(g * 1000.0 > tbt_ms + 1e-6 for g in gaps)

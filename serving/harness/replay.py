@@ -57,8 +57,8 @@ def path(engine: Engine, *, loop: bool = True, on_step: Optional[Callable] = Non
 def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
            sampling: Callable = None, on_step: Optional[Callable] = None,
            step_ms: Optional[List[float]] = None, loop: bool = True,
-           on_progress: Optional[Callable[[Engine], None]] = None
-           ) -> Tuple[List[RequestRecord], float]:
+           on_progress: Optional[Callable[[Engine], None]] = None,
+           origin_ms: Optional[float] = None) -> Tuple[List[RequestRecord], float]:
   """Runs the workload to completion.
 
   A simulated engine on a virtual clock whose config the device loop
@@ -72,7 +72,9 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
     engine: a fresh Engine.
     workload: requests with ``arrival_s`` offsets from the replay start.
     realtime: wait for wall-clock arrivals (True) or admit each request as
-      soon as the engine is idle or its time has come (False).
+      soon as the engine is idle or its time has come (False: an idle gap
+      is skipped, the engine clock moved past it, ``EngineClocks.skip``,
+      so times and ``duration_s`` include it, as on a virtual clock).
     sampling: ``spec -> SamplingParams``; default greedy with the spec's
       ``max_tokens`` and ``ignore_eos``.
     on_step: called after every engine step with its RequestOutputs.
@@ -86,6 +88,10 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
       most, plus the rest of the loop call (up to ``sim_loop.LOOP_ITERATIONS``)
       that crossed them (a progress bar, ``ledger.ResourceSampler``): it does
       not take the loop away.
+    origin_ms: the engine time (ms) the arrival offsets and the records'
+      times count from; default the engine clock when the replay starts.
+      ``ResourceSampler.origin_ms`` puts a sampler's rows on the records'
+      axis.
 
   Returns:
     ``(records, duration_s)``: one RequestRecord per workload request, and
@@ -99,20 +105,19 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
   virtual = isinstance(engine.clock, VirtualClock)
   for spec in specs:      # hidden truth for a simulated executor only
     engine.realized_output_tokens[spec.request_id] = spec.max_tokens
-  start_ms = engine.now_ms()
-  shift_ms = 0.0       # non-realtime: idle gaps are skipped
+  start_ms = engine.now_ms() if origin_ms is None else origin_ms
   refused = {}
   i = 0
   if path(engine, loop=loop, on_step=on_step, step_ms=step_ms)[0] == "loop":
     i = len(specs)
     refused = _simulate(engine, specs, sampling, start_ms, on_progress)
   while i < len(specs) or engine.has_unfinished():
-    now_ms = engine.now_ms() - start_ms + shift_ms
+    now_ms = engine.now_ms() - start_ms
     while i < len(specs) and specs[i].arrival_s * 1000.0 <= now_ms:
       spec = specs[i]
       try:
         engine.add_request(spec.request_id, spec.prompt_token_ids, sampling(spec),
-                           arrival_ms=start_ms - shift_ms + spec.arrival_s * 1000.0,
+                           arrival_ms=start_ms + spec.arrival_s * 1000.0,
                            priority=spec.priority, client=spec.client,
                            slo_ttft_ms=spec.slo_ttft_ms, slo_tpot_ms=spec.slo_tpot_ms)
       except (ValueError, QueueFull) as e:
@@ -126,7 +131,7 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
         elif realtime:
           time.sleep(max(wait_ms, 0.0) / 1000.0)
         else:
-          shift_ms += max(wait_ms, 0.0)
+          engine.clocks.skip(max(wait_ms, 0.0))
       continue
     if step_ms is None:
       outputs = engine.step()
@@ -139,9 +144,8 @@ def replay(engine: Engine, workload: Workload, *, realtime: bool = True,
     if on_progress is not None:
       on_progress(engine)
   duration_s = (engine.now_ms() - start_ms) / 1000.0
-  origin_ms = start_ms - shift_ms
   return [_refused(spec, refused[spec.request_id]) if spec.request_id in refused
-          else _record(engine, spec, origin_ms) for spec in specs], duration_s
+          else _record(engine, spec, start_ms) for spec in specs], duration_s
 
 
 def _simulate(engine: Engine, specs, sampling: Callable, start_ms: float,

@@ -51,6 +51,13 @@ def test_replay_completes_every_request_with_its_output_length(tmp_path):
   assert (good["valid"], good["offered_attainment"], good["admitted_attainment"]) == (4, 1.0, 1.0)
   assert all(r["slo_ttft_ms"] == 600000 and r["recompute_tokens"] == 0
              for r in report["requests"])
+  assert good["slo"] == {"ttft_ms": 600000, "tpot_ms": 600000, "e2el_ms": None,
+                         "per_request": True}
+  assert report["ledger"]["goodput"]["valid"] == 4
+  # The resource time series is on the requests' axis: every row within the
+  # replay (the model's load and compilation before it are not in t_ms).
+  rows = report["ledger"]["resources"]["timeseries"]["rows"]
+  assert rows and all(0 <= row[0] <= report["duration_s"] * 1000 for row in rows)
 
 
 # Loads the real weights (extended); test_family_launchers runs generate.py against

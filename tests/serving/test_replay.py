@@ -1,6 +1,7 @@
 """Deterministic replay: same seed and workload -> same tokens and report."""
 
 import jax
+import pytest
 
 from models import llama
 from models.config import get_config
@@ -86,3 +87,47 @@ def test_request_the_engine_refuses_is_recorded_rejected_and_the_replay_goes_on(
   assert rejected[0]["request_id"] == too_long.request_id
   assert "max_model_len=64" in rejected[0]["finish_reason"]
 
+
+
+class _HandClock:
+  """A wall clock that moves only when told (seconds): steps take no time."""
+
+  def __init__(self):
+    self.t = 100.0
+
+  def __call__(self):
+    return self.t
+
+
+def test_a_replay_not_in_real_time_skips_idle_gaps_on_one_time_axis():
+  """``realtime=False`` on the wall clock skips the idle gap before a late
+  arrival by moving the engine clock past it: every record keeps its
+  workload arrival, its tokens come after it, and ``duration_s`` spans the
+  gap, as on a virtual clock. Before, the gap moved only the later
+  requests' offsets, so the early ones were recorded arriving 53 s late
+  and the duration (the engine's busy time) ended before their tokens."""
+  import dataclasses
+  from serving.harness import ledger
+  params = llama.init_params(CFG, jax.random.PRNGKey(2), layer_scale=8)
+  wl = _workload()
+  arrivals = [0.0, 0.0, 52.0, 53.0]
+  wl = dataclasses.replace(wl, requests=tuple(
+      dataclasses.replace(r, arrival_s=a) for r, a in zip(wl.requests, arrivals)))
+  clock = _HandClock()
+  engine = Engine(CFG, params, CONFIG, clock=clock)
+  clock.t += 40.0                    # load and compilation before the replay
+  sampler = ledger.ResourceSampler(engine)
+  records, duration_s = replay(engine, wl, realtime=False, on_progress=sampler,
+                               origin_ms=sampler.origin_ms)
+  assert [r.outcome for r in records] == ["completed"] * 4
+  assert [r.arrival_s for r in records] == arrivals
+  # Steps take no time on this clock: each request's tokens all come at its
+  # arrival, and the replay ends at the last one.
+  assert [r.token_times_s[-1] for r in records] == arrivals
+  assert duration_s == 53.0
+  # The sampler's rows are on the records' axis (not 40 s later): the last
+  # one at the replay's end.
+  t_ms = [row[0] for row in sampler.samples]
+  assert t_ms[0] == 0.0 and t_ms[-1] == 53_000.0 and t_ms == sorted(t_ms)
+  with pytest.raises(ValueError, match="ms >= 0"):
+    engine.clocks.skip(-1.0)
