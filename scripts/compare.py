@@ -158,8 +158,8 @@ def rows_of(path: str, run: dict, name: Optional[str] = None):
                    {"g_star": g["g_star"], "g_star_interpolated": g["g_star_interpolated"],
                     "g": g}))
     return runs
-  # Goodput keys: the ledger's (one SLO pair for all), else those of the
-  # report's per-request goodput (--slo_class: each request its own SLOs).
+  # Goodput keys: the ledger's (each request judged by its own SLOs, else
+  # the ledger's limits), else those of the report's top-level goodput.
   led = run.get("ledger", {}).get("goodput") or run.get("goodput", {})
   return [(path, run["config"]["policy_id"], run, {**run, **led, **fairness_figures(run)})]
 

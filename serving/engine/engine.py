@@ -213,7 +213,8 @@ class Engine:
 
   # ----------------------------------------------------------------- clocks
   def now_ms(self) -> float:
-    """Engine clock: ms since construction (float64 on the host)."""
+    """Engine clock: ms since construction, skipped idle gaps included
+    (``EngineClocks``; float64 on the host)."""
     return self.clocks.now_ms()
 
   def _rebase_device_clock(self, now_ms: float) -> None:

@@ -147,7 +147,9 @@ def _bits(x):
 
 
 def _engine_ms(clock, t0):
-  """f64[]: ``Engine.now_ms`` of the clock's seconds (bits; inside ``_X64``)."""
+  """f64[]: ``Engine.now_ms`` of the clock's seconds (bits; inside ``_X64``).
+  The loop runs on a ``VirtualClock`` only, which ``EngineClocks.skip``
+  refuses, so no skipped time is left out."""
   return (_f64(clock) - _f64(t0)) * 1000.0
 
 

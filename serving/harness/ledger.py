@@ -85,12 +85,12 @@ class ResourceSampler:
       while i < len(rows):
         self._last = int(iteration[i])
         t_ms, *counts = rows[i, 1:].tolist()
-        self.samples.append((t_ms - self.origin_ms, *map(int, counts)))
+        self.samples.append((round(t_ms - self.origin_ms, 3), *map(int, counts)))
         i = int(np.searchsorted(iteration, self._last + self.every))
     if e.num_iterations - self._last >= self.every:
       self._last = e.num_iterations
       t_ms, *counts = sim_driver.resource_sample(e)
-      self.samples.append((t_ms - self.origin_ms, *counts))
+      self.samples.append((round(t_ms - self.origin_ms, 3), *counts))
 
 
 def _ms(x: Optional[float]) -> Optional[float]:
@@ -141,7 +141,9 @@ def build_ledger(records: Sequence[metrics.RequestRecord], *, duration_s: float,
     ttft_ms, tpot_ms, tbt_ms: SLO limits (ms) or None; ttft_ms and tpot_ms
       apply where a request declared none of its own. ``goodput`` is there
       when some limit applies (these, or a request's own), with
-      ``metrics.goodput(per_request=True)``: the partition's judgement.
+      ``metrics.goodput(per_request=True, horizon_s=horizon_s)``: the
+      partition's judgement (its valid requests are the partition's; the
+      open ones count as missed there).
     horizon_s: requests not finished by then are ``open_at_horizon``.
     cohort_s: width of an arrival cohort (s, > 0).
     starvation_s: a request without a first token this long after arrival
@@ -176,7 +178,8 @@ def build_ledger(records: Sequence[metrics.RequestRecord], *, duration_s: float,
   if (ttft_ms is not None or tpot_ms is not None or own) and duration_s > 0:
     # Judged as ``classify`` judges: a request's own SLOs first.
     out["goodput"] = metrics.goodput(records, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-                                     duration_s=duration_s, per_request=True)
+                                     duration_s=duration_s, per_request=True,
+                                     horizon_s=horizon_s)
   if tbt_ms is not None:
     gaps = [b - a for r in records for a, b in zip(r.token_times_s, r.token_times_s[1:])]
     misses = sum(g * 1000.0 > tbt_ms + 1e-6 for g in gaps)

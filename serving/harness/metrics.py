@@ -315,13 +315,17 @@ def goodput(
     e2el_ms: float | None = None,
     duration_s: float | None = None,
     per_request: bool = False,
+    horizon_s: float | None = None,
 ) -> dict:
     """Request-level SLO goodput and its three attainment denominators (§0x07).
 
     With ``per_request=True`` each record is judged by its own
     ``slo_ttft_ms`` / ``slo_tpot_ms`` (None: no limit), where given, instead
     of the shared ``ttft_ms`` / ``tpot_ms``; a record without any limit
-    passes on completion.
+    passes on completion. With ``horizon_s`` (s), a request whose last token
+    comes after it (or that has none) is not valid: open at the horizon, as
+    the ledger's partition counts it (``ledger.classify``); it counts as
+    missed here.
 
     A request is SLO-valid when it completed and every given limit holds
     (metric <= limit, as vLLM's goodput): TTFT from original arrival, TPOT
@@ -354,6 +358,8 @@ def goodput(
 
     def valid(r: RequestRecord) -> bool:
         if r.outcome != "completed":
+            return False
+        if horizon_s is not None and (not r.token_times_s or r.token_times_s[-1] > horizon_s):
             return False
         ttft = r.slo_ttft_ms if per_request and r.slo_ttft_ms is not None else ttft_ms
         tpot = r.slo_tpot_ms if per_request and r.slo_tpot_ms is not None else tpot_ms

@@ -3,8 +3,10 @@
 Each request is added when the engine clock reaches its arrival; its TTFT and
 E2EL are measured from that intended arrival, so host lag counts against the
 engine, not for it. When nothing is live the host sleeps until the next
-arrival (``realtime=True``) or jumps to it (``realtime=False``: arrivals are
-then only an order, which is what deterministic tests use).
+arrival (``realtime=True``) or skips the gap (``realtime=False``: the engine
+clock moves past it without waiting, so every time keeps its place, as on a
+virtual clock; a busy engine still admits a request only once its time has
+come).
 
 On an engine with a virtual clock (``sim_executor.VirtualClock``) every
 arrival is admitted by virtual time: the clock advances by each step's

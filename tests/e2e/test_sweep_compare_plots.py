@@ -172,7 +172,8 @@ def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
 def _replay_json(path, policy, slo_ms=None, speed=1.0, clients=("default",)):
   """A replay report as scripts/replay.py writes it (``metrics.build_report``,
   its ``slo`` block and ledger, and with ``slo_ms`` = (TTFT, TPOT) limits
-  the goodput block), on four hand-made requests whose token gaps scale
+  the goodput block; with no request SLOs of their own, per_request does
+  not change it), on four hand-made requests whose token gaps scale
   with 1 / ``speed``: no engine runs."""
   from serving.harness import ledger
   from serving.harness import metrics

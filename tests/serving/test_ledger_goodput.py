@@ -31,3 +31,15 @@ def test_ledger_goodput_uses_each_requests_own_slo_before_the_shared_one():
   assert own["outcomes"]["total"]["valid"] == own["goodput"]["valid"] == 3
   none = ledger.build_ledger([_rec("d", 0.6)], duration_s=2.0)
   assert "goodput" not in none                # no limit anywhere: no goodput block
+
+
+def test_ledger_goodput_counts_a_request_open_at_the_horizon_as_not_valid():
+  """Both requests meet their 300 ms TTFT; "late" emits its last token at
+  1.3 s, after the 1.0 s horizon: the partition says 1 valid and 1 open at
+  the horizon, and the goodput 1 valid (the open one missed), not 2."""
+  records = [_rec("early", 0.2, 300.0), _rec("late", 0.2, 300.0)]
+  records[1] = RequestRecord(**{**records[1].__dict__, "token_times_s": [0.2, 1.3]})
+  out = ledger.build_ledger(records, duration_s=2.0, horizon_s=1.0)
+  total = out["outcomes"]["total"]
+  assert (total["valid"], total["open_at_horizon"]) == (1, 1)
+  assert (out["goodput"]["valid"], out["goodput"]["missed"]) == (1, 1)
