@@ -319,27 +319,20 @@ def goodput(
 ) -> dict:
     """Request-level SLO goodput and its three attainment denominators (§0x07).
 
-    With ``per_request=True`` each record is judged by its own
-    ``slo_ttft_ms`` / ``slo_tpot_ms`` (None: no limit), where given, instead
-    of the shared ``ttft_ms`` / ``tpot_ms``; a record without any limit
-    passes on completion. With ``horizon_s`` (s), a request whose last token
-    comes after it (or that has none) is not valid: open at the horizon, as
-    the ledger's partition counts it (``ledger.classify``); it counts as
-    missed here.
-
     A request is SLO-valid when it completed and every given limit holds
     (metric <= limit, as vLLM's goodput): TTFT from original arrival, TPOT
-    only where defined (a one-output request passes the TPOT limit vacuously,
-    its TTFT still counts), E2EL.
+    only where defined (a one-output request passes it vacuously), E2EL;
+    with ``per_request=True`` its own ``slo_ttft_ms`` / ``slo_tpot_ms`` first
+    (no limit at all: valid on completion); with ``horizon_s`` (s) its last
+    token by then (else open at the horizon, ``ledger.classify``: missed).
 
-    Returns a dict with counts `offered, admitted, completed, valid, missed,
-    rejected, other` (other = failed + cancelled; offered = valid + missed +
-    rejected + other), the fractions `offered_attainment` (valid/offered),
-    `admitted_attainment` (valid/admitted) and
-    `completion_conditioned_attainment` (valid/completed, diagnostic only),
-    each None on a zero denominator; and, when duration_s is given,
+    Returns counts `offered, admitted, completed, valid, missed, rejected,
+    other` (other = failed + cancelled; offered = valid + missed + rejected
+    + other), `offered_attainment` (valid/offered), `admitted_attainment`
+    (valid/admitted), `completion_conditioned_attainment` (valid/completed,
+    diagnostic only), each None on a zero denominator; with duration_s,
     `request_goodput` (valid/s) and `token_goodput` (output tokens of valid
-    requests per s).
+    requests per s); `slo`, the limits and rules used.
 
     Raises:
       ValueError: no limit given, duration_s <= 0, duplicate request ids.
@@ -378,7 +371,7 @@ def goodput(
 
     out = {
         "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2el_ms": e2el_ms,
-                "per_request": per_request},
+                "per_request": per_request, "horizon_s": horizon_s},
         "offered": offered,
         "admitted": admitted,
         "completed": completed,

@@ -52,7 +52,7 @@ def test_replay_completes_every_request_with_its_output_length(tmp_path):
   assert all(r["slo_ttft_ms"] == 600000 and r["recompute_tokens"] == 0
              for r in report["requests"])
   assert good["slo"] == {"ttft_ms": 600000, "tpot_ms": 600000, "e2el_ms": None,
-                         "per_request": True}
+                         "per_request": True, "horizon_s": None}
   assert report["ledger"]["goodput"]["valid"] == 4
   # The resource time series is on the requests' axis: every row within the
   # replay (the model's load and compilation before it are not in t_ms).

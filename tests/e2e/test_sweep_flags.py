@@ -143,3 +143,34 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
   loaded = [sum(t["compile"]["loaded_from_cache"] for t in r["trials"]) for r in runs]
   assert loaded[1] > loaded[0], loaded
 
+
+
+@pytest.mark.extended    # the real model, its buckets compiled in a subprocess
+def test_a_model_sweep_compiles_first_and_keeps_the_idle_gap_in_its_times(tmp_path):
+  """On the model executor a trial compiles its token buckets before the
+  replay (``compile_seconds_by_bucket``), so its replay compiles nothing and
+  no request's TTFT holds a compilation; a replay that does not wait for
+  arrivals skips the 34 s gap between the two bursts without losing it:
+  the trial's duration spans the last arrival (36.1 s), and the time
+  series' rows after the gap start at the second burst."""
+  trace = tmp_path / "gap.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+      f"2023-11-16 18:15:{s},{p},{o}\n" for s, p, o in [
+          ("00.0000000", 60, 8), ("00.5000000", 90, 12), ("01.2000000", 40, 10),
+          ("35.0000000", 70, 8), ("35.4000000", 50, 12), ("36.1000000", 80, 10)]))
+  out = tmp_path / "sweep"
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--trace=azure:{trace}",
+       "--executor=model", "--engine=cpu_small", "--max_model_len=512", "--window_s=40",
+       "--trials=1", "--rate_scales=1", "--policies=sarathi_serve", "--sample_every=1",
+       f"--cache_dir={tmp_path / 'cache'}", f"--out={out}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  trial = json.loads((out / "sweep.json").read_text())["trials"][0]
+  assert trial["compile_seconds_by_bucket"] and trial["compile"]["programs"] == 0
+  assert trial["outcomes"]["valid"] + trial["outcomes"]["completed_miss"] == 6
+  assert trial["duration_s"] >= 36.1
+  t_s = [row[0] / 1000 for row in trial["resources"]["timeseries"]["rows"]]
+  assert t_s == sorted(t_s) and t_s[-1] <= trial["duration_s"]
+  after_gap = [t for t in t_s if t > 1.2 + 30]        # idle: no iteration in the gap
+  assert after_gap and min(after_gap) >= 35.0

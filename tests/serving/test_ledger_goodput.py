@@ -26,7 +26,7 @@ def test_ledger_goodput_uses_each_requests_own_slo_before_the_shared_one():
   assert (g["valid"], g["missed"]) == (2, 1)
   assert g["request_goodput"] == 1.0          # 2 valid / 2 s
   assert g["slo"] == {"ttft_ms": 250.0, "tpot_ms": None, "e2el_ms": None,
-                      "per_request": True}
+                      "per_request": True, "horizon_s": None}
   own = ledger.build_ledger(records, duration_s=2.0)
   assert own["outcomes"]["total"]["valid"] == own["goodput"]["valid"] == 3
   none = ledger.build_ledger([_rec("d", 0.6)], duration_s=2.0)
@@ -43,3 +43,4 @@ def test_ledger_goodput_counts_a_request_open_at_the_horizon_as_not_valid():
   total = out["outcomes"]["total"]
   assert (total["valid"], total["open_at_horizon"]) == (1, 1)
   assert (out["goodput"]["valid"], out["goodput"]["missed"]) == (1, 1)
+  assert out["goodput"]["slo"]["horizon_s"] == 1.0
