@@ -249,9 +249,11 @@ def main(argv):
   g_metric = metric in G_STAR_METRICS and all("g" in m for *_, m in rows)
   missing = [n for n, _, _, m in rows if not is_number(m.get(metric))
              and not (g_metric and m["g"].get("g_star_below_lowest_rate"))]
+  # Runs that differ in a coordinate are refused first: no metric makes them
+  # comparable.
+  ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
   if missing:
     raise ValueError(missing_metric_error(metric, missing, runs_by_name, rows))
-  ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
   if note:
     print(note)
   columns = [c for c in ("completed", "rejected", "failed") if all(c in m for *_, m in rows)]
@@ -265,7 +267,7 @@ def main(argv):
     print(warning)
   print("coordinates (equal for every run):")
   for k, v in ablation.coordinates(rows[0][2]).items():
-    print(f"  {k}: {v[:160]}")
+    print(f"  {k}: {v if len(v) <= 160 else v[:157] + '...'}")
 
 
 if __name__ == "__main__":

@@ -237,6 +237,16 @@ def test_compare_replays_with_slos_ranks_by_goodput_by_default(tmp_path):
                                                      ["sarathi_serve", "0"]], out
 
 
+def test_compare_names_a_differing_coordinate_before_a_missing_metric(tmp_path):
+  """A replay with SLOs and one without differ in their ``slo`` coordinate
+  and only one has goodput: the refusal names the coordinate (declaring
+  SLOs in the second would not make them comparable), not the metric."""
+  a = _replay_json(tmp_path / "a.json", "sarathi_serve", slo_ms=(200.0, 100.0))
+  b = _replay_json(tmp_path / "b.json", "fastserve")
+  last = _run("compare.py", a, b, expect_rc=2).stderr.strip().splitlines()[-1]
+  assert "coordinate 'slo' differs" in last and "--metric" not in last, last
+
+
 def test_compare_ranks_replays_by_a_ledger_fairness_figure(tmp_path):
   """--metric=client_service_gap reads ledger.fairness.client_service_gap.gap
   and ranks lower first; a dotted path reaches any number of the report;
