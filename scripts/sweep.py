@@ -250,7 +250,7 @@ def plots(result, out):
       ax[1].plot(t["tbt_ms_quantiles"], q, label=p)
   ax[0].set(xscale="log", xlabel="TTFT (ms)", ylabel="CDF", title=f"rate x{mid}")
   ax[1].set(xscale="log", xlabel="TBT gap (ms)", ylabel="CDF")
-  ax[0].legend()
+  _legend(ax[0])
   fig.tight_layout()
   fig.savefig(f"{out}/ttft_tbt_cdf.png", dpi=90)
   plt.close(fig)
@@ -261,16 +261,20 @@ def plots(result, out):
     if not len(rows):
       continue
     col = lambda name: rows[:, cols.index(name)]
+    dots = {"marker": "o", "ms": 3} if len(rows) < 30 else {}     # a few rows: seen
     if "kv_pages_live" in cols:
-      line, = ax[0].plot(col("t_ms") / 1e3, col("kv_pages_live"), label=f"{p} live")
+      line, = ax[0].plot(col("t_ms") / 1e3, col("kv_pages_live"), label=f"{p} live", **dots)
       ax[0].plot(col("t_ms") / 1e3, col("kv_pages_cached"), ls="--", c=line.get_color(),
-                 label=f"{p} cached only")
+                 label=f"{p} cached only", **dots)
     else:             # a sweep.json written before live and cached pages were apart
-      ax[0].plot(col("t_ms") / 1e3, col("kv_pages_in_use"), label=f"{p} live + cached")
-    ax[1].plot(col("t_ms") / 1e3, col("queue_len"), label=p)
+      ax[0].plot(col("t_ms") / 1e3, col("kv_pages_in_use"), label=f"{p} live + cached", **dots)
+    ax[1].plot(col("t_ms") / 1e3, col("queue_len"), label=p, **dots)
   ax[0].set(xlabel="time (s)", ylabel="KV pages", title=f"rate x{mid}, trial 0")
   ax[1].set(xlabel="time (s)", ylabel="queue length (waiting)")
-  ax[0].legend()
+  if not ax[0].lines:
+    ax[0].text(0.5, 0.5, "no rows: the trials ran fewer iterations than --sample_every",
+               ha="center", fontsize=8, transform=ax[0].transAxes)
+  _legend(ax[0])
   fig.tight_layout()
   fig.savefig(f"{out}/kv_queue.png", dpi=90)
   plt.close(fig)
@@ -280,10 +284,16 @@ def plots(result, out):
       if curve:
         a.plot([x[0] for x in curve], [x[1] for x in curve], label=c)
     a.set(xlabel="time (s)", ylabel="weighted service (tokens)", title=p)
-    a.legend(fontsize=7)
+    _legend(a, fontsize=7)
   fig.tight_layout()
   fig.savefig(f"{out}/client_service.png", dpi=90)
   plt.close(fig)
+
+
+def _legend(ax, **kw) -> None:
+  """A legend where the axes drew a labelled line (matplotlib warns on none)."""
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(**kw)
 
 
 def _check_out() -> None:
