@@ -170,11 +170,14 @@ def build_ledger(records: Sequence[metrics.RequestRecord], *, duration_s: float,
              for k, v in sorted(by_cohort.items())]
   if sum(c["offered"] for c in cohorts) != total["offered"]:
     raise AssertionError("ledger cohorts do not cover the offered requests")
-  out = {"slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "tbt_ms": tbt_ms},
+  own = any(r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in records)
+  # "requests_declare_slos": some request brought its own limits, which
+  # classify applies before these (``--slo_class``: each class its own).
+  out = {"slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "tbt_ms": tbt_ms,
+                 "requests_declare_slos": own},
          "horizon_s": horizon_s, "cohort_s": cohort_s,
          "outcomes": {"total": total, "by_cohort": cohorts,
                       "by_client": {c: _partition(v, **kw) for c, v in sorted(by_client.items())}}}
-  own = any(r.slo_ttft_ms is not None or r.slo_tpot_ms is not None for r in records)
   if (ttft_ms is not None or tpot_ms is not None or own) and duration_s > 0:
     # Judged as ``classify`` judges: a request's own SLOs first.
     out["goodput"] = metrics.goodput(records, ttft_ms=ttft_ms, tpot_ms=tpot_ms,

@@ -27,10 +27,12 @@ def test_ledger_goodput_uses_each_requests_own_slo_before_the_shared_one():
   assert g["request_goodput"] == 1.0          # 2 valid / 2 s
   assert g["slo"] == {"ttft_ms": 250.0, "tpot_ms": None, "e2el_ms": None,
                       "per_request": True, "horizon_s": None}
+  assert out["slo"]["requests_declare_slos"] is True
   own = ledger.build_ledger(records, duration_s=2.0)
   assert own["outcomes"]["total"]["valid"] == own["goodput"]["valid"] == 3
   none = ledger.build_ledger([_rec("d", 0.6)], duration_s=2.0)
   assert "goodput" not in none                # no limit anywhere: no goodput block
+  assert none["slo"]["requests_declare_slos"] is False
 
 
 def test_ledger_goodput_counts_a_request_open_at_the_horizon_as_not_valid():
