@@ -97,6 +97,8 @@ def main(argv):
     compile_s = {}
     print("compile: each program when first needed (a virtual clock: no step waits on it)")
   bar = tqdm(total=len(workload), unit="req", desc="replay")
+  if engine.cost_model is not None:       # the first iterations wait on compilation
+    bar.set_postfix_str("compiling the first programs", refresh=True)
   sampler = ledger.ResourceSampler(engine, FLAGS.sample_every)
 
   def progress(engine):
