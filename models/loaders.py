@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models import hf_config, sharding
-from models.config import ModelConfig, RopeConfig
+from models.config import PRESETS, ModelConfig, RopeConfig
 from models.hf_config import ModelLoadError
 from models.tokenizer import Tokenizer, build_bpe_tokenizer
 
@@ -802,6 +802,11 @@ def resolve_model_path(name_or_path: Union[str, Path]) -> tuple[Path, str]:
   if path.is_dir() and (path / "config.json").exists():
     return path, path.name
   if not path.exists():
+    if text in PRESETS:        # a config without weights: the simulated executor's
+      raise ModelLoadError(
+          f"model {text!r} is a config preset without weights (the simulated executor "
+          f"runs it); models with weights: {sorted(NAMED_MODELS)}, a *.gguf file or an HF "
+          f"directory")
     raise ModelLoadError(
         f"unknown model {text!r}: not a preset ({sorted(NAMED_MODELS)}) and no such path")
   raise ModelLoadError(

@@ -350,3 +350,16 @@ def test_load_config_reads_no_tensor(saved, tmp_path):
   assert tok2.encode("hello world") == tok.encode("hello world")
   with pytest.raises(ModelLoadError, match="no .*safetensors"):
     loaders.read_hf_dir(bare)
+
+
+def test_a_config_preset_without_weights_is_named_as_such(tmp_path, monkeypatch):
+  """``tiny`` is a config preset (the simulated executor runs it) with no
+  weights: loading it says so and lists what has weights, where it said
+  "not a preset"; a name that is neither still says that."""
+  monkeypatch.chdir(tmp_path)                  # no ./tiny directory in the way
+  with pytest.raises(ModelLoadError, match=r"model 'tiny' is a config preset without "
+                     r"weights \(the simulated executor runs it\); models with weights: "
+                     r"\['smollm2-135m'\]"):
+    loaders.resolve_model_path("tiny")
+  with pytest.raises(ModelLoadError, match=r"unknown model 'nope': not a preset"):
+    loaders.resolve_model_path("nope")
