@@ -131,3 +131,7 @@ def test_a_replay_not_in_real_time_skips_idle_gaps_on_one_time_axis():
   assert t_ms[0] == 0.0 and t_ms[-1] == 53_000.0 and t_ms == sorted(t_ms)
   with pytest.raises(ValueError, match="ms >= 0"):
     engine.clocks.skip(-1.0)
+  from serving.engine.clocks import EngineClocks
+  from serving.engine.sim_executor import VirtualClock
+  with pytest.raises(ValueError, match="a virtual clock advances"):
+    EngineClocks(VirtualClock()).skip(1.0)
