@@ -57,11 +57,13 @@ def is_loopback(host: str) -> bool:
 
 def parse_api_keys(text: str, source: str = "--api_key") -> Dict[str, Optional[str]]:
   """``KEY[:TENANT]`` entries, comma- or newline-separated -> {key: tenant
-  or None}. A key holds no ',', ':' or whitespace; a tenant is non-empty.
+  or None}. A key holds no ',', ':' or whitespace; a tenant is non-empty
+  and holds no '|' (it ends its prefix-cache salt, ``prefix_salt``).
 
   Raises:
-    ValueError: no entry, an empty key or tenant, a key given twice; the
-      message names ``source`` and the entry's position (never the key).
+    ValueError: no entry, an empty key or tenant, a tenant with '|', a key
+      given twice; the message names ``source`` and the entry's position
+      (never the key).
   """
   entries = [e.strip() for e in text.replace("\n", ",").split(",")]
   entries = [e for e in entries if e]
@@ -73,10 +75,26 @@ def parse_api_keys(text: str, source: str = "--api_key") -> Dict[str, Optional[s
     if not key or any(c.isspace() for c in key) or (":" in entry and not tenant):
       raise ValueError(f"{source}: entry {i + 1} must be KEY or KEY:TENANT (a key without "
                        f"spaces, a non-empty tenant)")
+    if "|" in tenant:
+      raise ValueError(f"{source}: entry {i + 1}'s tenant must not hold '|'")
     if key in keys:
       raise ValueError(f"{source}: entry {i + 1} repeats a key")
     keys[key] = tenant or None
   return keys
+
+
+def prefix_salt(tenant: Optional[str], salt: str) -> str:
+  """The prefix-cache salt of a request (``Engine.add_request(cache_salt)``:
+  hits only between requests of one salt) from its API key's tenant and
+  its body's ``cache_salt`` ("" for none). A tenant's requests are salted
+  ``tenant:TENANT|SALT``, so no other tenant hits its pages or learns from
+  ``cached_tokens``; a request without a tenant keeps the unsalted shared
+  chain (""), or ``salt:SALT``, which no tenant's salt begins with (a body
+  salt of ``tenant:alice|`` cannot reach alice's pages). One home for the
+  server and the replica front's cache model."""
+  if tenant is not None:
+    return f"tenant:{tenant}|{salt}"
+  return f"salt:{salt}" if salt else ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,7 +112,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard, own_records
+from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard, own_records, prefix_salt
 from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
                                    BadRequest, LongInt, Overloaded, Unavailable, _error_response,
                                    _sse, json_body, model_card, model_routes, openai_errors)
@@ -441,8 +441,7 @@ class ReplicaFront:
     # The replicas' salt (``OpenAIServer._parse``), for the router's cache model.
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else ""
     tenant = request.scope.get(TENANT_SCOPE_KEY)
-    if tenant is not None:
-      salt = f"tenant:{tenant}|{salt}"
+    salt = prefix_salt(tenant, salt)
     rid = f"route-{next(self._ids)}"
     record = dict(request_id=rid, client_request_id=request.headers.get(REQUEST_ID_HEADER),
                   tenant=tenant, path=path, arrival_s=arrival_s, prompt_tokens=len(ids),

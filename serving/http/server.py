@@ -102,7 +102,7 @@ from scheduler import records as rec
 from serving.engine.engine import Engine
 from serving.http import responses
 from serving.http.engine_loop import EngineLoop, _Live
-from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard
+from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard, prefix_salt
 from serving.http.metrics import ServerMetrics
 from serving.http.parsing import ParsedRequest, RequestParser
 from serving.http.protocol import (MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER, TENANT_HEADER,
@@ -315,7 +315,9 @@ class OpenAIServer:
     parsed = self.parser.parse(json_body(raw), chat)
     if tenant is not None:
       parsed.client = tenant
-      parsed.extra["cache_salt"] = f"tenant:{tenant}|{parsed.extra.get('cache_salt', '')}"
+    salt = prefix_salt(tenant, parsed.extra.get("cache_salt", ""))
+    if salt:
+      parsed.extra["cache_salt"] = salt
     return parsed
 
   def _tenant(self, request: HttpRequest) -> Optional[str]:

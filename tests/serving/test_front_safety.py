@@ -116,7 +116,7 @@ def test_a_front_with_keys_forwards_the_tenant_and_models_its_salt(served, monke
   trusts the front's headers as the engine client, and the router's cache
   model keys the tenant's prompt apart from the same prompt unsalted."""
   from serving.http import guard
-  access = guard.Access(api_keys={"key-a": "tenant-a"})
+  access = guard.Access(api_keys={"key-a": "tenant-a", "key-p": None})
   facts = [httpx.get(f"{served.url}/engine", timeout=10).json()]
   front_obj = ReplicaFront([served.url], facts, access=access)
   front = HttpApp(front_obj.app)
@@ -147,6 +147,12 @@ def test_a_front_with_keys_forwards_the_tenant_and_models_its_salt(served, monke
     r = front.http.post("/v1/completions", json={**body, "cache_salt": "x"},
                         headers={"authorization": "Bearer key-a"})
     assert r.status_code == 200 and submitted[-1] == "tenant:tenant-a|x"
+    # The key without a tenant: its salt cannot be a tenant's (guard.prefix_salt),
+    # in the front's cache model as on the replicas.
+    r = front.http.post("/v1/completions", json={**body, "cache_salt": "tenant:tenant-a|"},
+                        headers={"authorization": "Bearer key-p"})
+    assert r.status_code == 200 and submitted[-1] == "salt:tenant:tenant-a|"
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     record = front.http.get("/router", headers={"authorization": "Bearer key-a"}).json()
     assert record["requests"][-1]["decisions"][0]["facts"][0]["cached_tokens"] == 0
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

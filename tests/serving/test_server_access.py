@@ -134,7 +134,11 @@ def test_tenants_are_the_fairness_identity_and_isolate_the_prefix_cache(guarded,
   assert cached("key-plain", cache_salt="s1") == 0   # cache_salt (vLLM's field)
   assert cached("key-plain", cache_salt="s2") == 0
   assert cached("key-plain", cache_salt="s1") == 20
-  assert clients == ["tenant-a", "tenant-b", "tenant-a"] + ["self-declared"] * 4
+  # A key without a tenant cannot forge a tenant's salt to reach its pages
+  # (or learn from cached_tokens that the tenant sent this prefix).
+  assert cached("key-plain", cache_salt="tenant:tenant-a|") == 0
+  assert cached("key-plain", cache_salt="tenant:tenant-a|") == 20     # its own salt only
+  assert clients == ["tenant-a", "tenant-b", "tenant-a"] + ["self-declared"] * 6
   r = guarded.http.post("/v1/completions", headers=_auth("key-a"), json={
       "model": MODEL, "prompt": "hi", "cache_salt": ""})
   assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
@@ -159,6 +163,7 @@ def test_tokenizer_routes_count_against_the_live_bound(guarded):
     ("a:", "entry 1 must be KEY or KEY:TENANT"),
     ("a b", "entry 1 must be KEY or KEY:TENANT"),
     ("a,a:t", "entry 2 repeats a key"),
+    ("a:t,b:x|y", "entry 2's tenant must not hold '|'"),
 ])
 def test_bad_key_lists_are_refused_naming_the_entry(text, message):
   with pytest.raises(ValueError, match=message):
