@@ -31,6 +31,8 @@ EXECUTORS = ("model", "simulated")
 # An engine's place in a deployment (``HarnessConfig.role``).
 ROLES = ("mixed", "prefill", "decode")
 WEIGHTS = ("dense", "int8")
+# The largest finite float32: the device's sampling parameters are float32.
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def bucket_index(buckets, num_rows, xp=np):
@@ -73,8 +75,10 @@ class SamplingParams:
     c = "SamplingParams"
     _require(1 <= self.max_tokens < 2**31, c, "max_tokens", "must be in [1, 2**31)",
              self.max_tokens)
-    _require(math.isfinite(self.temperature) and self.temperature >= 0.0, c, "temperature",
-             "must be finite and >= 0", self.temperature)
+    # The engine holds it in float32: a larger value would be inf there.
+    _require(math.isfinite(self.temperature) and 0.0 <= self.temperature <= _F32_MAX, c,
+             "temperature", f"must be finite and in [0, {_F32_MAX:.4g}] (float32)",
+             self.temperature)
     _require(0 <= self.top_k < 2**31, c, "top_k", "must be in [0, 2**31) (0 = off)",
              self.top_k)
     _require(0.0 < self.top_p <= 1.0, c, "top_p", "must be in (0, 1]", self.top_p)

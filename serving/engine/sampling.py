@@ -20,7 +20,10 @@ def _filtered_logits(logits, top_k, top_p):
   desc = jnp.where(desc >= k_thresh, desc, -jnp.inf)
   probs = jax.nn.softmax(desc)
   mass_before = jnp.cumsum(probs) - probs
-  keep = (mass_before < top_p) & (desc > -jnp.inf)
+  # The top token always stays: a top_p below float32's range arrives as 0,
+  # where ``mass_before < top_p`` would keep none (and id 0 was drawn).
+  first = jax.lax.broadcasted_iota(jnp.int32, desc.shape, desc.ndim - 1) == 0
+  keep = ((mass_before < top_p) | first) & (desc > -jnp.inf)
   p_thresh = jnp.min(jnp.where(keep, desc, jnp.inf))
   return jnp.where(logits >= jnp.maximum(k_thresh, p_thresh), logits, -jnp.inf)
 

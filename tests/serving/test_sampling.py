@@ -32,6 +32,30 @@ def test_top_k_and_top_p_masks_by_hand():
   assert keep(3, 0.5) == [False, True, False, True]
 
 
+def test_a_top_p_that_is_zero_in_float32_keeps_the_top_token():
+  """top_p = 1e-45 passes SamplingParams' (0, 1] check but is 0 (or a
+  denormal flushed to 0) in float32: the nucleus is the top token, so the
+  draw is greedy's for every seed, never id 0 from an all -inf row."""
+  from serving.engine.config import SamplingParams
+  logits = np.random.default_rng(1).standard_normal((4, 50))
+  logits[:, 0] = -9.0                                # id 0 is never the top
+  SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-45)        # accepted
+  for top_p in (0.0, 1e-45, 1e-39):
+    for seed in range(4):
+      assert (_call(logits, temperature=1.0, top_p=top_p, seed=seed) == _call(logits)).all()
+  row = jnp.log(jnp.array([0.1, 0.4, 0.2, 0.3]))
+  assert np.isfinite(np.asarray(_filtered_logits(row, 0, 0.0))).tolist() == [
+      False, True, False, False]
+
+
+def test_a_temperature_beyond_float32_is_refused():
+  import pytest
+  from serving.engine.config import SamplingParams
+  with pytest.raises(ValueError, match=r"temperature must be finite and in \[0, 3.403e\+38\]"):
+    SamplingParams(max_tokens=1, temperature=1e300)
+  SamplingParams(max_tokens=1, temperature=3e38)     # finite in float32
+
+
 def test_top_k_one_equals_greedy_at_any_temperature():
   logits = np.random.default_rng(0).standard_normal((8, 50))
   assert (_call(logits, temperature=2.0, top_k=1, seed=3) == _call(logits)).all()

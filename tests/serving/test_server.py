@@ -176,7 +176,7 @@ BAD = [
     ("top_p", {"prompt": "hi", "top_p": 2.0}, "top_p", "must be in (0, 1]"),
     ("temperature inf",
      b'{"model": "%s", "prompt": "hi", "temperature": Infinity}' % MODEL.encode(),
-     "temperature", "must be finite and >= 0"),
+     "temperature", "must be finite and in [0, 3.403e+38] (float32)"),
     ("logprobs beyond the device's top-k", {"prompt": "hi", "logprobs": 21}, "logprobs",
      "must be in [0, 20]"),
     ("echo not a bool", {"prompt": "hi", "echo": "yes"}, "echo", "must be bool"),
