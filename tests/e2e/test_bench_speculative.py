@@ -43,7 +43,7 @@ def test_one_run_compares_every_setting_and_concurrency_with_the_same_tokens(tmp
   report = json.loads(out.read_text())
   assert "refused" not in report and "bench_speculative.py" in report["command"]
   assert len(report["load_average_start"]) == len(report["load_average_end"]) == 3
-  assert set(report["host_cpu"]) == {"model", "cores", "extensions"}
+  assert set(report["host_cpu"]) == {"model", "cores", "extensions", "max_isa"}
   assert report["jax_version"] and report["token_buckets"] == [16]
   assert len(report["prompt_tokens"]) == 3
   runs = report["runs"]
