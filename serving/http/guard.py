@@ -115,6 +115,9 @@ class Access:
   def __post_init__(self):
     if self.max_body_bytes < 1:
       raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+    if any(t is not None and (not t or "|" in t) for t in self.api_keys.values()):
+      raise ValueError("Access.api_keys: a tenant must be non-empty and hold no '|' "
+                       "(it ends its prefix-cache salt, prefix_salt)")
 
 
 def _error(status: int, message: str, kind: str, code: Optional[str] = None) -> Tuple:

@@ -326,6 +326,9 @@ class OpenAIServer:
     tenant = request.scope.get(TENANT_SCOPE_KEY)
     if tenant is None and self.trust_front_headers:
       tenant = request.headers.get(TENANT_HEADER)
+      if tenant is not None and (not tenant or "|" in tenant):
+        raise BadRequest(f"the {TENANT_HEADER} header must be a non-empty tenant without '|'",
+                         TENANT_HEADER)
     return tenant
 
   @property

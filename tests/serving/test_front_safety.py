@@ -147,15 +147,17 @@ def test_a_front_with_keys_forwards_the_tenant_and_models_its_salt(served, monke
     r = front.http.post("/v1/completions", json={**body, "cache_salt": "x"},
                         headers={"authorization": "Bearer key-a"})
     assert r.status_code == 200 and submitted[-1] == "tenant:tenant-a|x"
+    record = front.http.get("/router", headers={"authorization": "Bearer key-a"}).json()
+    assert record["requests"][-1]["decisions"][0]["facts"][0]["cached_tokens"] == 0
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # The key without a tenant: its salt cannot be a tenant's (guard.prefix_salt),
     # in the front's cache model as on the replicas.
     r = front.http.post("/v1/completions", json={**body, "cache_salt": "tenant:tenant-a|"},
                         headers={"authorization": "Bearer key-p"})
     assert r.status_code == 200 and submitted[-1] == "salt:tenant:tenant-a|"
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    record = front.http.get("/router", headers={"authorization": "Bearer key-a"}).json()
+    record = front.http.get("/router", headers={"authorization": "Bearer key-p"}).json()
     assert record["requests"][-1]["decisions"][0]["facts"][0]["cached_tokens"] == 0
-    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
   finally:
     front.close()
 

@@ -169,6 +169,8 @@ def test_bad_key_lists_are_refused_naming_the_entry(text, message):
   with pytest.raises(ValueError, match=message):
     guard.parse_api_keys(text)
   assert guard.parse_api_keys("k1:t1,\nk2") == {"k1": "t1", "k2": None}
+  with pytest.raises(ValueError, match="a tenant must be non-empty and hold no '|'"):
+    guard.Access(api_keys={"k1": "a|b", "k2": "a"})       # built in code, not parsed
 
 
 def test_own_records_keeps_the_callers_tenant_or_every_record_without_keys():

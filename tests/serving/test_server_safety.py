@@ -16,7 +16,7 @@ import pytest
 
 from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
-from serving.http.protocol import ARRIVAL_HEADER
+from serving.http.protocol import ARRIVAL_HEADER, TENANT_HEADER
 from serving.http.server import OpenAIServer
 from tests.serving.engine_testing import CFG, HttpApp, tiny_tokenizer
 from tests.serving.engine_testing import wait_until as _wait
@@ -123,6 +123,10 @@ def test_the_arrival_header_is_ignored_unless_trusted_and_then_bounded(served, m
                        headers={ARRIVAL_HEADER: repr(time.monotonic() - 5.0)})
   assert r.status_code == 200
   assert served.metrics()[ttft_sum] - before >= 5.0
+  # A front's tenant header is a tenant (guard.prefix_salt ends it at '|').
+  for value in ("a|b", ""):
+    r = served.http.post("/v1/completions", json=body, headers={TENANT_HEADER: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == TENANT_HEADER, r.text
 
 
 @pytest.fixture(scope="module")
