@@ -372,8 +372,10 @@ class OpenAIServer:
       return key, key, key
     if not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii()
             and given.isprintable()):
+      # Header bytes arrive as latin-1 text: shown as the UTF-8 the client sent.
+      shown = given[:80].encode("latin-1", "replace").decode("utf-8", "replace")
       raise BadRequest(f"header '{REQUEST_ID_HEADER}' must be 1..{MAX_REQUEST_ID_CHARS} "
-                       f"printable ASCII characters, got {given[:80]!r}", REQUEST_ID_HEADER)
+                       f"printable ASCII characters, got {shown!r}", REQUEST_ID_HEADER)
     return key, f"{kind}-{given}", given
 
   async def _serve(self, request: HttpRequest, chat: bool):

@@ -181,6 +181,10 @@ def test_x_request_id_is_the_request_id_and_is_echoed(served):
   assert {c["id"] for c in chunks} == {"cmpl-bench-8"}
   bad = served.http.post("/v1/completions", json=body, headers={"x-request-id": "x" * 300})
   assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+  # A UTF-8 id is refused naming it as sent (it read 'hÃ©llo').
+  bad = served.http.post("/v1/completions", json=body,
+                         headers={"x-request-id": "héllo".encode()})
+  assert bad.status_code == 400 and bad.json()["error"]["message"].endswith("got 'héllo'")
 
 
 def test_unknown_fields_are_refused_and_null_stop_accepted(served):
