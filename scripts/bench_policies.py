@@ -94,9 +94,7 @@ def run_policy(name, cfg, params, workload, num_clients):
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   report["engine_outcomes"] = run_outcomes(engine)
   if launch.slo_flags_given():
-    report["goodput"] = metrics.goodput(records, ttft_ms=FLAGS.slo_ttft_ms,
-                                        tpot_ms=FLAGS.slo_tpot_ms, duration_s=duration_s,
-                                        per_request=True)
+    report["goodput"] = launch.flag_goodput(records, duration_s)
   gap = metrics.client_service_gap(records)
   return summarize(name, report, gap), report
 

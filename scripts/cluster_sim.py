@@ -120,9 +120,7 @@ def _goodput(run: dict, records) -> None:
   """With SLO flags, each request judged by its own SLOs: the run's
   ``goodput`` block (``metrics.goodput``, as replay.py reports it), printed."""
   if launch.slo_flags_given():
-    run["goodput"] = metrics.goodput(records, ttft_ms=FLAGS.slo_ttft_ms,
-                                     tpot_ms=FLAGS.slo_tpot_ms,
-                                     duration_s=run["report"]["duration_s"], per_request=True)
+    run["goodput"] = launch.flag_goodput(records, run["report"]["duration_s"])
     print("  " + metrics.format_goodput(run["goodput"]))
 
 

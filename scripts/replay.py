@@ -125,9 +125,7 @@ def main(argv):
   report["slo"] = {"ttft_ms": FLAGS.slo_ttft_ms, "tpot_ms": FLAGS.slo_tpot_ms,
                    "tbt_ms": FLAGS.ledger_tbt_ms, "classes": FLAGS.slo_class}
   if launch.slo_flags_given():           # each request judged by its own SLOs
-    report["goodput"] = metrics.goodput(records, ttft_ms=FLAGS.slo_ttft_ms,
-                                        tpot_ms=FLAGS.slo_tpot_ms, duration_s=duration_s,
-                                        per_request=True)
+    report["goodput"] = launch.flag_goodput(records, duration_s)
   report["ledger"] = ledger.build_ledger(
       records, duration_s=duration_s, ttft_ms=FLAGS.slo_ttft_ms,
       tpot_ms=FLAGS.slo_tpot_ms, tbt_ms=FLAGS.ledger_tbt_ms,

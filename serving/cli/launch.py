@@ -21,7 +21,7 @@ from models.loaders import load_config, load_model, resolve_model_path
 from models.sharding import initialize_processes, make_mesh
 from serving import cli
 from serving.cli import hostmem
-from serving.harness import traces, workloads
+from serving.harness import metrics, traces, workloads
 from serving.harness import synthetic as synthetic_workloads
 from serving.engine import autotune, speculative
 from serving.engine import calibrations as cal_lib
@@ -269,12 +269,19 @@ def slo_flags_given() -> bool:
           or FLAGS.slo_class is not None)
 
 
+def flag_goodput(records, duration_s: float):
+  """A run's goodput with SLO flags (each request by its own SLOs); else None."""
+  if not slo_flags_given():
+    return None
+  return metrics.goodput(records, ttft_ms=FLAGS.slo_ttft_ms, tpot_ms=FLAGS.slo_tpot_ms,
+                         duration_s=duration_s, per_request=True)
+
+
 def _with_flag_slos(workload: workloads.Workload) -> workloads.Workload:
   """Declares --slo_ttft_ms / --slo_tpot_ms / --slo_class on every request."""
   if not slo_flags_given():
     return workload
-  classes = (workloads.parse_slo_classes(FLAGS.slo_class)
-             if FLAGS.slo_class is not None else ())
+  classes = workloads.parse_slo_classes(FLAGS.slo_class) if FLAGS.slo_class else ()
   return workloads.with_slos(workload, ttft_ms=FLAGS.slo_ttft_ms,
                              tpot_ms=FLAGS.slo_tpot_ms, classes=classes)
 
@@ -352,15 +359,13 @@ def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True,
                  flag: str = "--model"):
   """``random:PRESET[,key=value...]``: a named model's config with overridden
   shape fields and random weights (``llama.init_params``, seed 0; None when
-  ``weights`` is False), its tokenizer the named model's. For timing runs
-  (calibration, fidelity, simulation) of shapes without a checkpoint: a
-  step's time does not depend on the weights' values; the text is noise.
+  ``weights`` is False), its tokenizer the named model's: timing runs of
+  shapes without a checkpoint (a step's time does not depend on weights).
 
   Raises:
-    ValueError: naming ``flag`` (the flag that gave ``spec``): an unknown
-      preset or field, a malformed pair, a value not of the field's type, a
-      value the config refuses, or a ``vocab_size`` override (the tokenizer
-      is fixed).
+    ValueError: naming ``flag``: an unknown preset or field, a malformed
+      pair, a value not of the field's type or that the config refuses, or
+      a ``vocab_size`` override (the tokenizer is fixed).
   """
   from models import llama              # pylint: disable=import-outside-toplevel
   preset, *pairs = spec[len(RANDOM_PREFIX):].split(",")
@@ -395,9 +400,8 @@ def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True,
 
 def check_model_spec(flag: str, spec: str) -> None:
   """Checks a model flag's value before any model loads: a ``random:`` spec
-  parses and its config takes the overrides (``random_model`` without
-  weights: the preset's config and tokenizer are read), any other names a
-  preset, a ``*.gguf`` file or an HF directory (``resolve_model_path``).
+  parses with its overrides (``random_model`` without weights), any other
+  names a preset, a ``*.gguf`` file or an HF directory.
 
   Raises:
     ValueError: naming ``flag`` and what is wrong with ``spec``.
@@ -539,8 +543,7 @@ def check_model_attention(engine_cfg: EngineConfig, cfg: ModelConfig) -> None:
 
 
 def attention_impl(engine_cfg: EngineConfig, head_dim: int | None) -> str:
-  """The attention implementation the engine runs for a model of
-  ``head_dim`` (``--attention_impl`` resolved for this backend)."""
+  """``--attention_impl`` resolved for this backend and ``head_dim``."""
   if engine_cfg.executor == "simulated":
     return "none (simulated executor)"
   with warnings.catch_warnings():
@@ -569,7 +572,7 @@ def init_processes(engine_cfg: EngineConfig) -> None:
 
 def build_engine(model: tuple | None = None, **overrides):
   """Loads the model (unless ``model``, ``load_flags_model``'s result, is
-  given) and builds the Engine. Returns (engine, cfg, tokenizer).
+  given), builds the Engine: (engine, cfg, tokenizer).
 
   Raises:
     ValueError: ``engine_config``'s and ``engine_clock``'s refusals, before
@@ -606,11 +609,7 @@ def engine_clock(engine_cfg: EngineConfig) -> str:
 
 def make_clock(engine_cfg: EngineConfig):
   """The --clock flag as an engine clock: a fresh ``VirtualClock`` or
-  ``time.monotonic``.
-
-  Raises:
-    ValueError: ``engine_clock``'s refusals.
-  """
+  ``time.monotonic`` (ValueError: ``engine_clock``'s refusals)."""
   return VirtualClock() if engine_clock(engine_cfg) == "virtual" else time.monotonic
 
 
