@@ -103,18 +103,8 @@ def classify(r: metrics.RequestRecord, *, ttft_ms=None, tpot_ms=None,
   judged against its own declared SLOs (``r.slo_ttft_ms`` / ``r.slo_tpot_ms``,
   set by ``--slo_ttft_ms`` / ``--slo_tpot_ms`` / ``--slo_class``) uses them;
   ``ttft_ms`` / ``tpot_ms`` apply where a request declared none."""
-  ttft_ms = r.slo_ttft_ms if r.slo_ttft_ms is not None else ttft_ms
-  tpot_ms = r.slo_tpot_ms if r.slo_tpot_ms is not None else tpot_ms
-  if r.outcome != "completed":
-    return r.outcome          # rejected, cancelled or failed
-  if horizon_s is not None and (not r.token_times_s or r.token_times_s[-1] > horizon_s):
-    return "open_at_horizon"
-  tol = 1e-6
-  if ttft_ms is not None and r.ttft_s * 1000.0 > ttft_ms + tol:
-    return "completed_miss"
-  if tpot_ms is not None and r.tpot_s is not None and r.tpot_s * 1000.0 > tpot_ms + tol:
-    return "completed_miss"
-  return "valid"
+  return metrics.slo_outcome(r, ttft_ms=ttft_ms, tpot_ms=tpot_ms, per_request=True,
+                             horizon_s=horizon_s)
 
 
 def _partition(records, **kw) -> dict:

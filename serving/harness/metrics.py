@@ -304,7 +304,26 @@ def _record_dict(r: RequestRecord) -> dict:
     return out
 
 
-_ON_LIMIT_TOLERANCE_MS = 1e-6
+_ON_LIMIT_TOLERANCE_MS = 1e-6      # 1 ns: a metric exactly on its limit passes
+
+
+def slo_outcome(r: RequestRecord, *, ttft_ms=None, tpot_ms=None, e2el_ms=None,
+                per_request: bool = False, horizon_s: float | None = None) -> str:
+    """One request's judgement (``goodput``'s, the ledger's partition): its
+    outcome unless "completed"; "open_at_horizon" when its last token comes
+    after ``horizon_s``; "valid" when every limit holds, else "completed_miss"."""
+    if r.outcome != "completed":
+        return r.outcome
+    if horizon_s is not None and (not r.token_times_s or r.token_times_s[-1] > horizon_s):
+        return "open_at_horizon"
+    ttft = r.slo_ttft_ms if per_request and r.slo_ttft_ms is not None else ttft_ms
+    tpot = r.slo_tpot_ms if per_request and r.slo_tpot_ms is not None else tpot_ms
+    over = lambda value_s, limit_ms: value_s * 1e3 > limit_ms + _ON_LIMIT_TOLERANCE_MS
+    if ((ttft is not None and over(r.ttft_s, ttft))
+            or (tpot is not None and r.tpot_s is not None and over(r.tpot_s, tpot))
+            or (e2el_ms is not None and over(r.e2el_s, e2el_ms))):
+        return "completed_miss"
+    return "valid"
 
 
 def goodput(
@@ -330,7 +349,7 @@ def goodput(
     other` (other = failed + cancelled; offered = valid + missed + rejected
     + other), `offered_attainment` (valid/offered), `admitted_attainment`
     (valid/admitted), `completion_conditioned_attainment` (valid/completed,
-    diagnostic only), each None on a zero denominator; with duration_s,
+    diagnostic), each None on a zero denominator; with duration_s,
     `request_goodput` (valid/s) and `token_goodput` (output tokens of valid
     requests per s); `slo`, the limits and rules used.
 
@@ -342,27 +361,9 @@ def goodput(
                          "(or per_request=True)")
     records = list(records)
     counts = _check_partition(records, None)
-
-    def within(value_s: float, limit_ms: float) -> bool:
-        # Clock values are seconds in binary floating point: 0.03 s * 1e3 is
-        # 30.000000000000004 ms. A metric exactly on its limit passes, so
-        # compare with a 1 ns tolerance.
-        return value_s * 1e3 <= limit_ms + _ON_LIMIT_TOLERANCE_MS
-
-    def valid(r: RequestRecord) -> bool:
-        if r.outcome != "completed":
-            return False
-        if horizon_s is not None and (not r.token_times_s or r.token_times_s[-1] > horizon_s):
-            return False
-        ttft = r.slo_ttft_ms if per_request and r.slo_ttft_ms is not None else ttft_ms
-        tpot = r.slo_tpot_ms if per_request and r.slo_tpot_ms is not None else tpot_ms
-        if ttft is not None and not within(r.ttft_s, ttft):
-            return False
-        if tpot is not None and r.tpot_s is not None and not within(r.tpot_s, tpot):
-            return False
-        return e2el_ms is None or within(r.e2el_s, e2el_ms)
-
-    good = [r for r in records if valid(r)]
+    good = [r for r in records if slo_outcome(
+        r, ttft_ms=ttft_ms, tpot_ms=tpot_ms, e2el_ms=e2el_ms, per_request=per_request,
+        horizon_s=horizon_s) == "valid"]
     offered, completed = len(records), counts["completed"]
     admitted = offered - counts["rejected"]
 
