@@ -478,6 +478,7 @@ class Engine:
       RuntimeError: the policy selected nothing while requests are live and
         no arrival is pending (no progress is possible).
     """
+    self._rebase_device_clock(self.now_ms())   # first: arrivals are written at the new epoch
     self._fill_slots()
     if self.prefix is not None:
       slots, programs = self.table.slots, self._programs
@@ -487,9 +488,7 @@ class Engine:
       if self._pages_low:
         self.state, self.pages = self.prefix.unpin_waiting_hits(
             slots, self.state, self.pages, programs, self._fetch)
-    now_ms = self.now_ms()
-    self._rebase_device_clock(now_ms)
-    launch = self.clocks.device_ms(now_ms)
+    launch = self.clocks.device_ms(self.now_ms())
     plan, facts, refcount = self._plan_iteration(launch)
     if facts.bad_plan:
       validate.validate_plan(self.manifest.online(), self.state, plan,

@@ -143,8 +143,8 @@ def simulate(engine, stop_ms: float, max_iterations: Optional[int],
       _advance_to(engine, table.future[0].arrival_ms)
       table.take_arrived(table.future[0].arrival_ms)
       continue
-    engine._fill_slots()
     engine._rebase_device_clock(engine.now_ms())
+    engine._fill_slots()
     code = _call(engine, stop_ms, iterations_per_call, marks, until_end)
     if code == sim_loop.LoopExit.END:
       return

@@ -106,3 +106,25 @@ def test_device_clock_rebases_and_keeps_ms_resolution_after_hours(params):
     np.testing.assert_allclose(np.diff(b.token_times_ms), np.diff(a.token_times_ms),
                                atol=1e-6)
     assert np.all(np.diff(b.token_times_ms) >= 1.0)
+
+
+def test_arrivals_after_hours_idle_keep_sub_ms_device_times(params):
+  """Two requests that arrive 0.4 ms apart after three idle hours: the step
+  that takes them moves the device epoch first, so their float32 device
+  arrival times are written at the new epoch (0 and 0.4 ms), not rounded
+  at the old one (1 ms apart near 1.08e7 ms) and then shifted."""
+  clock = _Clock(0.0)
+  engine = Engine(CFG, params, BASE, clock=clock)
+  engine.add_request("r0", _prompts([5], seed=51)[0], LONG)
+  engine.run()
+  assert engine.clocks.device_epoch_ms == 0.0
+  clock.t += 3 * 3600.0
+  now = engine.now_ms()
+  late = [engine.add_request(f"late{i}", p, LONG, arrival_ms=now - 1.0 + 0.4 * i)
+          for i, p in enumerate(_prompts([4, 6], seed=52))]
+  engine.step()
+  assert engine.clocks.device_epoch_ms == late[0].arrival_ms
+  device = np.asarray(engine.manifest.arrival_ms)
+  slots = [engine.table.slots.index(r) for r in late]
+  assert device[slots[0]] == 0.0
+  assert device[slots[1]] == pytest.approx(0.4, abs=1e-6)
