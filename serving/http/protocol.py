@@ -159,7 +159,9 @@ def _parse_int(text: str):
 
 
 def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
-  """``body[name]`` checked against ``kinds`` (bool is never an int here)."""
+  """``body[name]`` checked against ``kinds`` (bool is never an int here).
+  Where an int is wanted and a float is not, a float with no fraction
+  (``3.0``) is that int, as pydantic's lax mode reads it for vLLM."""
   value = body.get(name, _MISSING)
   if value is _MISSING or value is None:
     if default is _MISSING:
@@ -171,6 +173,9 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
     raise BadRequest(f"'{name}' must be {rule or names}, got an integer of {value.digits} "
                      f"digits (more than the {sys.get_int_max_str_digits()} an integer "
                      f"may hold here)", name)
+  if (int in kinds and float not in kinds and isinstance(value, float)
+      and value.is_integer()):
+    value = int(value)
   if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
     raise BadRequest(f"'{name}' must be {rule or names}, got {type(value).__name__}", name)
   return value

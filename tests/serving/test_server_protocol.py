@@ -126,6 +126,21 @@ def test_max_completion_tokens_wins_over_max_tokens():
       _parser().parse({**body, "max_completion_tokens": 2, "max_tokens": "3"}, chat)
 
 
+def test_an_integer_field_takes_a_float_without_fraction_only():
+  """``3.0`` is 3 where an int is wanted (pydantic's lax mode, as vLLM
+  reads it); ``3.5``, ``inf`` and ``nan`` are refused naming the field."""
+  parsed = _parser().parse({"prompt": [5, 6], "max_tokens": 3.0, "n": 2.0, "seed": 7.0,
+                            "top_k": -1.0}, chat=False)
+  assert [s.max_tokens for s in parsed.samplings] == [3, 3]
+  assert [s.seed for s in parsed.samplings] == [7, 8]
+  assert parsed.samplings[0].top_k == 0
+  assert all(type(s.max_tokens) is int for s in parsed.samplings)
+  for field, value in [("max_tokens", 3.5), ("n", float("inf")), ("seed", float("nan"))]:
+    with pytest.raises(BadRequest, match=f"'{field}' must be int, got float") as e:
+      _parser().parse({"prompt": [5, 6], field: value}, chat=False)
+    assert e.value.param == field
+
+
 def test_top_k_minus_one_is_off_and_the_refusal_says_so():
   for top_k, expected in [(-1, 0), (0, 0), (5, 5)]:
     parsed = _parser().parse({"prompt": [5, 6], "top_k": top_k}, chat=False)
