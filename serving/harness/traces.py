@@ -41,7 +41,7 @@ import math
 import re
 from datetime import date
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from serving.harness.workloads import (
     _TAG_AZURE,
@@ -93,8 +93,10 @@ def _decode(path: Path, data: bytes) -> str:
         raise WorkloadError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-def _fail(path: Path, line: int, field: str, rule: str, value) -> WorkloadError:
-    return WorkloadError(f"{path}:{line}: field {field!r} {rule} (got {value!r})")
+def _fail(path: Path, line: int, field: Optional[str], rule: str, value) -> WorkloadError:
+    """``PATH:LINE: field 'F' RULE (got V)``; ``field`` None: the line as a whole."""
+    what = "the line" if field is None else f"field {field!r}"
+    return WorkloadError(f"{path}:{line}: {what} {rule} (got {value!r})")
 
 
 def _parse_length(path: Path, line: int, field: str, text, *, json_value: bool = False) -> int:
@@ -407,10 +409,10 @@ def load_mooncake_trace(
         try:
             obj = json.loads(line_text)
         except json.JSONDecodeError as e:
-            raise _fail(path, line, "<json>", f"must be one JSON object per line ({e.msg})",
+            raise _fail(path, line, None, f"must be one JSON object ({e.msg})",
                         line_text[:80]) from None
         if not isinstance(obj, dict):
-            raise _fail(path, line, "<json>", "must be a JSON object", line_text[:80])
+            raise _fail(path, line, None, "must be a JSON object", line_text[:80])
         for key in ("timestamp", "input_length", "output_length", "hash_ids"):
             if key not in obj:
                 raise _fail(path, line, key, "is required", None)
