@@ -32,6 +32,14 @@ class SpecError(ValueError):
     self.reason = reason
 
 
+def missing_class(name: str) -> str:
+  """A note for a name that is neither registered nor a spec: a file named
+  without its class says which part is missing; '' otherwise."""
+  if isinstance(name, str) and name.endswith(".py") and ":" not in name:
+    return f" ({name!r} names a file but not the class in it: write '{name}:Class')"
+  return ""
+
+
 def is_spec(name: str) -> bool:
   """True when ``name`` names a user's policy rather than a registered one."""
   return isinstance(name, str) and ":" in name
