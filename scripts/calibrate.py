@@ -104,6 +104,10 @@ flags.DEFINE_list("refit", None, "Fit from saved grids (.npz of previous runs, e
 flags.DEFINE_list("features", None, "Fit only these of cost_model.FEATURES (the others stay "
                   "0), e.g. the terms a validation on replay steps kept; default: all (the "
                   "weight-read term only with two or more models).")
+flags.DEFINE_enum("fit_error", "absolute", ["absolute", "relative"], "What the fit "
+                  "minimizes: the steps' errors in ms, or their relative errors (each "
+                  "step weighted by 1 / its time; short decode steps count as much as "
+                  "long prompt steps).")
 flags.DEFINE_list("refit_steps", None, "Fit on the steps of real replays (.npz step logs "
                   "of scripts/fidelity.py --step_log) instead of measuring a grid.")
 flags.DEFINE_bool("holdout_only", False, "Skip the grid; check the calibration in "
@@ -359,7 +363,8 @@ def main(argv):
                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     free = [f for f in FLAGS.features or cost_lib.FEATURES
             if f != "weight_read_gb" or len(meta["models"]) > 1]
-    model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
+    model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta,
+                         relative=FLAGS.fit_error == "relative")
     model.save(out)
     if not FLAGS.refit:
       np.savez(os.path.splitext(out)[0] + "_grid.npz", features=x, step_ms=y,

@@ -713,8 +713,14 @@ def from_json(d: dict, where: str) -> CostModel:
 
 
 def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float = 0.0,
-        meta: Dict = None, nonnegative: bool = True) -> CostModel:
+        meta: Dict = None, nonnegative: bool = True, relative: bool = False) -> CostModel:
   """Least-squares fit of the "sum" model.
+
+  ``relative``: minimize the steps' relative errors (each row weighted by
+  1 / its time) rather than their errors in ms. Step times span 20-600 ms
+  on a CPU grid; in ms the long prompt steps decide the shared terms and a
+  decode step's error can reach 20% (docs/simulator.md, "The Intel Xeon
+  calibration").
 
   With ``nonnegative`` (default) every coefficient is constrained to >= 0
   (``scipy.optimize.nnls``): a row, a FLOP or a byte never saves time, and
@@ -733,14 +739,17 @@ def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float
     RMS residual each fitted feature's removal would leave
     (``residual_without``: what each term earns).
   Raises:
-    ValueError: shapes disagree, an unknown feature in ``free``, or fewer
-      samples than unknowns.
+    ValueError: shapes disagree, an unknown feature in ``free``, fewer
+      samples than unknowns, or a step time <= 0 with ``relative``.
   """
   x = np.asarray(features, np.float64)
   y = np.asarray(step_ms, np.float64)
   if x.ndim != 2 or x.shape[1] != len(FEATURES) or y.shape != (x.shape[0],):
     raise ValueError(f"fit needs features f64[N, {len(FEATURES)}] and step_ms f64[N], "
                      f"got {x.shape} and {y.shape}")
+  if relative and not np.all(y > 0):
+    raise ValueError("fit(relative=True) needs every step_ms > 0")
+  w = 1.0 / y if relative else np.ones_like(y)
   unknown = sorted(set(free) - set(FEATURES))
   if unknown:
     raise ValueError(f"fit: unknown feature(s) in free: {unknown}; features are {FEATURES}")
@@ -752,9 +761,9 @@ def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float
     a = x[:, use]
     if nonnegative:
       from scipy.optimize import nnls     # pylint: disable=import-outside-toplevel
-      c, _ = nnls(a, y)
+      c, _ = nnls(a * w[:, None], y * w)
     else:
-      c, *_ = np.linalg.lstsq(a, y, rcond=None)
+      c, *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
     return c, y - a @ c
 
   coef_free, resid = solve(cols)
@@ -766,6 +775,7 @@ def fit(features, step_ms, *, free: Sequence[str] = FEATURES, min_step_ms: float
       without[FEATURES[i]] = float(np.sqrt(np.mean(solve([j for j in cols if j != i])[1] ** 2)))
   meta = dict(meta or {}, num_samples=int(x.shape[0]), free=[FEATURES[i] for i in cols],
               solver="nnls" if nonnegative else "lstsq",
+              fit_error="relative" if relative else "absolute",
               rms_residual_ms=float(np.sqrt(np.mean(resid ** 2))),
               max_abs_residual_ms=float(np.max(np.abs(resid))),
               median_rel_residual=float(np.median(np.abs(resid) / np.maximum(y, 1e-9))),

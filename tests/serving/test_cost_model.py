@@ -222,6 +222,30 @@ def test_one_model_fit_folds_weight_reads_into_the_step_term():
     cost_lib.fit(x[:3], y[:3])
 
 
+def test_a_relative_fit_weights_each_step_by_its_time():
+  """One free term (``step``) over steps of 1 and 3 ms: in ms the fit is
+  their mean, 2; in relative error it minimizes (c-1)^2 + ((c-3)/3)^2,
+  so 9(c-1) + (c-3) = 0 and c = 1.2. Residuals are reported in ms."""
+  x = np.zeros((2, len(cost_lib.FEATURES)))
+  x[:, cost_lib.FEATURES.index("step")] = 1.0
+  y = np.array([1.0, 3.0])
+  absolute = cost_lib.fit(x, y, free=["step"])
+  assert absolute.coef_ms[0] == pytest.approx(2.0) and absolute.meta["fit_error"] == "absolute"
+  relative = cost_lib.fit(x, y, free=["step"], relative=True)
+  assert relative.coef_ms[0] == pytest.approx(1.2) and relative.meta["fit_error"] == "relative"
+  assert relative.meta["rms_residual_ms"] == pytest.approx(np.sqrt((0.2**2 + 1.8**2) / 2))
+  assert relative.meta["median_rel_residual"] == pytest.approx((0.2 + 0.6) / 2)
+  # Exact data is fitted exactly either way.
+  rng = np.random.default_rng(2)
+  grid = _synthetic_grid(rng, get_config("tiny"), 200)
+  true = np.array([cost_lib.CostModel.of(**TRUE).predict_ms(r) for r in grid])
+  free = [f for f in cost_lib.FEATURES if f != "weight_read_gb"]
+  assert (cost_lib.fit(grid, true, free=free, relative=True).coef_ms
+          == pytest.approx(cost_lib.fit(grid, true, free=free).coef_ms, rel=1e-6, abs=1e-9))
+  with pytest.raises(ValueError, match="every step_ms > 0"):
+    cost_lib.fit(x, np.array([1.0, 0.0]), free=["step"], relative=True)
+
+
 def test_h100_profile_by_hand_on_llama_8b():
   """A decode step of 8 sequences at 1,024 tokens each on the fitted H100
   profile, by its formula from the profile's own numbers: 3 ms per step, the
