@@ -12,6 +12,7 @@ AVX2_EPYC = {"backend": "cpu", "kind": "cpu", "count": 1, "cpu": "AMD EPYC", "cp
              "id": "not-shipped", "flags": _BASE + ["avx2"]}
 AVX512_EPYC = dict(AVX2_EPYC, flags=_BASE + ["avx2", "avx512f", "avx512bw"])
 XEON = dict(AVX512_EPYC, cpu="Intel(R) Xeon(R) Processor")
+XEON_AVX2 = dict(AVX2_EPYC, cpu="Intel(R) Xeon(R) Processor")    # no shipped calibration
 GPU = {"backend": "gpu", "kind": "NVIDIA H100 80GB HBM3", "count": 1, "id": "gpu"}
 SMOLLM2 = cost_lib.model_costs(get_config("smollm2-135m"), "float32")
 OTHER = cost_lib.model_costs(get_config("tiny"), "float32")
@@ -35,12 +36,15 @@ def test_each_kind_gets_its_own_calibration():
   for costs in (SMOLLM2, OTHER, None):
     path, line = cal_lib.select_calibration(AVX512_EPYC, costs)
     assert path.name == "cost_model_cpu.json" and line == ""
+    path, line = cal_lib.select_calibration(XEON, costs)      # two models: any model
+    assert path.name == "cost_model_cpu_xeon.json" and line == ""
 
 
 def test_none_holds_is_said_naming_calibrate():
-  for fp, costs, why in ((XEON, SMOLLM2, "none of this machine's kind (Intel(R) Xeon(R) "
-                                          "Processor, 2 CPUs, AVX-512; shipped: AMD EPYC, 2 "
-                                          "CPUs, AVX-512; AMD EPYC, 2 CPUs, AVX2)"),
+  for fp, costs, why in ((XEON_AVX2, SMOLLM2, "none of this machine's kind (Intel(R) Xeon(R) "
+                                               "Processor, 2 CPUs, AVX2; shipped: AMD EPYC, 2 "
+                                               "CPUs, AVX-512; AMD EPYC, 2 CPUs, AVX2; "
+                                               "Intel(R) Xeon(R) Processor, 2 CPUs, AVX-512)"),
                          (GPU, SMOLLM2, "none of this machine's kind (not a CPU;"),
                          (AVX2_EPYC, OTHER, "cannot predict this model: "
                                             "cost_model_cpu_avx2.json (fitted on smollm2-135m "
@@ -60,7 +64,7 @@ def test_resolve_swaps_the_default_for_the_machines_and_says_so_once():
   assert lines[0] == ("cost model: cost_model_cpu_avx2.json, the shipped calibration for this "
                       "machine (AMD EPYC, 2 CPUs, AVX2)")
   lines.clear()
-  model = cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=XEON, say=lines.append)
+  model = cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=XEON_AVX2, say=lines.append)
   assert model.meta["path"] == "cost_model_cpu.json"
   said = [line for line in lines if "calibrat" in line]
   assert len(said) == 1 and "scripts/calibrate.py" in said[0]
