@@ -36,6 +36,8 @@ def missing_class(name: str) -> str:
   """A note for a name that is neither registered nor a spec: a file named
   without its class says which part is missing; '' otherwise."""
   if isinstance(name, str) and name.endswith(".py") and ":" not in name:
+    if not Path(name).is_file():
+      return f" (no such file {str(Path(name).resolve())!r}, and no class named)"
     return f" ({name!r} names a file but not the class in it: write '{name}:Class')"
   return ""
 

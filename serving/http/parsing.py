@@ -226,7 +226,7 @@ class RequestParser:
     vocab = self.vocab_size
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                for t in stop_ids):
-      raise BadRequest(f"'stop_token_ids' must be token ids in [0, {vocab})",
+      raise BadRequest(f"'stop_token_ids' must be integer token ids in [0, {vocab})",
                        "stop_token_ids")
     if len(stop_ids) > self.max_stop_ids:
       raise BadRequest(f"'stop_token_ids' holds at most {self.max_stop_ids} ids, got "

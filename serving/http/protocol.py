@@ -173,8 +173,10 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
     raise BadRequest(f"'{name}' must be {rule or names}, got an integer of {value.digits} "
                      f"digits (more than the {sys.get_int_max_str_digits()} an integer "
                      f"may hold here)", name)
-  if (int in kinds and float not in kinds and isinstance(value, float)
-      and value.is_integer()):
+  if int in kinds and float not in kinds and isinstance(value, float):
+    if not value.is_integer():
+      raise BadRequest(f"'{name}' must be {rule or names} (a whole number), got {value!r}",
+                       name)
     value = int(value)
   if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
     raise BadRequest(f"'{name}' must be {rule or names}, got {type(value).__name__}", name)

@@ -273,7 +273,7 @@ class OpenAIServer:
                        f"got {len(tokens)}", "tokens")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                for t in tokens):
-      raise BadRequest(f"'tokens' must be token ids in [0, {vocab})", "tokens")
+      raise BadRequest(f"'tokens' must be integer token ids in [0, {vocab})", "tokens")
     return self.tokenizer.decode(tokens)
 
   def _tokenize_body(self, raw: bytes) -> List[int]:
