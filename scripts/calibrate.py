@@ -372,6 +372,11 @@ def main(argv):
     print(json.dumps({**model.to_json(), "efficiencies": model.efficiencies()}, indent=1))
   result = holdout(engine_cfg, cfg, params, cfg.vocab_size, out)
   result["load_avg_ok"] = result["load_avg"][0] <= FLAGS.max_load
+  if not result["load_avg_ok"]:
+    print(f"held-out check: the 1-minute load was {result['load_avg'][0]:.2f} at its start "
+          f"(> --max_load={FLAGS.max_load}): its measured replay ran beside other work, so "
+          f"its errors measure that contention as much as the calibration; check again "
+          f"alone (--holdout_only)", file=sys.stderr)
   os.makedirs(os.path.dirname(FLAGS.holdout_out) or ".", exist_ok=True)
   with open(FLAGS.holdout_out, "w") as f:
     json.dump(result, f, indent=1)
