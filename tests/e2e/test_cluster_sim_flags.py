@@ -62,7 +62,9 @@ def test_cluster_sim_judges_each_run_by_the_slo_flags(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(root / "scripts" / "cluster_sim.py"), "--engine=tiny",
        "--num_requests=8", "--replicas=1,2", "--noenable_prefix_caching", "--cache_dir=",
-       "--slo_ttft_ms=1000", "--slo_tpot_ms=150", f"--out={out}"],
+       "--slo_ttft_ms=1000", "--slo_tpot_ms=150", f"--out={out}",
+       # One calibration on every machine kind: the limits below split its times.
+       "--cost_model=configs/calibration/cost_model_cpu.json"],
       cwd=root, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   lines = [line.strip() for line in proc.stdout.splitlines()]
