@@ -365,7 +365,7 @@ def test_smollm2_greedy_over_http_equals_generate_py():
        f"--prompt={prompt}", f"--max_tokens={max_tokens}"],
       cwd=root, capture_output=True, text=True, timeout=600)
   assert generated.returncode == 0, generated.stderr[-3000:]
-  expected = generated.stdout.split("=== prompt-0")[1].split("\n", 1)[1].rstrip("\n")
+  expected = generated.stdout.split("=== prompt-0")[1].split("\n", 1)[1].removesuffix("\n")
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
