@@ -632,9 +632,9 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
   greedy = SamplingParams(max_tokens=2, ignore_eos=True)
   n = max(1, min(c.token_buckets[-1], c.max_model_len - 2))
   ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
-  for size in sizes:
+  for size in sizes:     # each borrows the engine's KV cache (no copy of it stays mapped)
     scratch = Engine(engine.model_cfg, engine.params,
-                     dataclasses.replace(c, max_request_slots=size))
+                     dataclasses.replace(c, max_request_slots=size), kv=engine.kv)
     for bucket, s in scratch.compile_buckets().items():
       seconds[bucket] = round(seconds.get(bucket, 0.0) + s, 2)
     for name in ("warmup", "warmup-hit"):    # the second one hits the cache
@@ -645,5 +645,6 @@ def warmup(engine: Engine, num_requests: int = 0) -> dict:
       scratch.run()
     for request_id in list(scratch.requests):
       scratch.evict(request_id)
+    engine.kv = scratch.kv        # the steps donated the buffer they were lent
   print(f"compiled token buckets (s): {seconds} for slot tables {sizes}")
   return seconds

@@ -99,6 +99,8 @@ class Engine:
       simulated executor. On a VirtualClock every step advances time by the
       cost model's prediction for its shape (``config.cost_model``), with
       either executor, so a replay's schedule repeats bit for bit.
+    kv: a KV cache of these configs to adopt, not allocate (``launch.warmup``'s
+      engines borrow one: a page's rows are read only once a request wrote them).
 
   Raises:
     ValueError: the simulated executor with a clock that is not virtual;
@@ -109,7 +111,7 @@ class Engine:
   """
 
   def __init__(self, model_cfg, params, config: EngineConfig,
-               clock: Optional[Callable[[], float]] = None):
+               clock: Optional[Callable[[], float]] = None, kv=None):
     self.model_cfg = model_cfg
     self.config = config
     if config.max_model_len > model_cfg.max_position:
@@ -137,9 +139,8 @@ class Engine:
     if simulated and not self._virtual:
       raise ValueError("EngineConfig.executor='simulated' charges modelled step times "
                        "and needs a sim_executor.VirtualClock clock")
-    # The model's cost features (``serving.engine.cost_model``): every committed step
-    # keeps its plan statistics, from which ``last_step_features`` is computed when
-    # read (what calibrate.py fits); on a virtual clock the cost model charges them each step.
+    # The model's cost features (``cost_model``): each committed step keeps its plan statistics
+    # (``last_step_features``, what calibrate.py fits), charged on a virtual clock.
     self.model_costs = cost_lib.engine_model_costs(model_cfg, config)
     self._last_plan_stats = None
     self.cost_model = None
@@ -150,7 +151,7 @@ class Engine:
     c = config
     self._programs = programs_lib.programs(model_cfg, config)
     # The device tables: KV cache, pages, buffers, manifest, state.
-    self.kv = programs_lib.kv_cache(model_cfg, c, self._placement)
+    self.kv = programs_lib.kv_cache(model_cfg, c, self._placement) if kv is None else kv
     (self.pages, self.buffers, self.manifest, self.state) = programs_lib.slot_tables(
         c, c.max_request_slots, self._placement, policy=self._programs.policy)
     # Host tables: accepted requests, slots, queues, clients.

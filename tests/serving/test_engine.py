@@ -602,6 +602,28 @@ def test_fresh_engine_reuses_compiled_programs(params):
   assert compiles == []
 
 
+def test_warmup_borrows_the_engines_kv_cache(params, monkeypatch):
+  """``launch.warmup``'s throwaway engines (one per slot-table size) run on
+  the engine's own KV cache, allocating none of theirs (a server with
+  glibc's freed pages kept held every copy: ~3 GB each on SmolLM2), and the
+  warmed engine's tokens are a fresh engine's: the warm-up's stale rows
+  are never read."""
+  from serving.engine import programs as programs_lib
+  made = []
+  real = programs_lib.kv_cache
+  monkeypatch.setattr(programs_lib, "kv_cache", lambda *a: made.append(1) or real(*a))
+  config = dataclasses.replace(BASE, max_request_slots=4, max_queued_requests=16)
+  engine = Engine(CFG, params, config)
+  assert len(made) == 1
+  launch.warmup(engine, num_requests=10)                 # slot tables 4, 8, 16
+  assert len(made) == 1
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.kv))
+  prompts = _prompts([9, 14, 3], seed=41)
+  warmed = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
+  fresh = [r.output_token_ids for r in Engine(CFG, params, config).generate(prompts, GREEDY)]
+  assert warmed == fresh
+
+
 def test_nothing_compiles_after_warmup(params):
   """``launch.warmup`` compiles the plan program and each bucket's step
   program once: a later run that uses every bucket, hits the prefix cache,
