@@ -60,6 +60,7 @@ source ("replay steps"), files and step count.
 import dataclasses
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -218,6 +219,12 @@ def measure_grid(engine_cfg, cfg, params):
   return np.array(rows, np.float64), np.array(times, np.float64), float(np.median(spreads))
 
 
+def _efficiencies(model) -> dict:
+  """``CostModel.efficiencies`` as JSON: null for a term the fit left at 0
+  (its inf is no JSON number)."""
+  return {f: (None if math.isinf(v) else v) for f, v in model.efficiencies().items()}
+
+
 def holdout(engine_cfg, cfg, params, vocab, cost_path):
   """``replay.fidelity`` of the simulated replay of a short workload against
   its real replay (model executor, wall clock)."""
@@ -248,7 +255,7 @@ def refit_steps(paths) -> None:
   meta = model.meta
   out = FLAGS.out or default_out(meta["dtype"], meta["engine"], meta["model"], meta["device"])
   model.save(out)
-  print(json.dumps({**model.to_json(), "efficiencies": model.efficiencies()}, indent=1))
+  print(json.dumps({**model.to_json(), "efficiencies": _efficiencies(model)}, indent=1))
   print(f"calibration: {out}")
 
 
@@ -369,7 +376,7 @@ def main(argv):
     if not FLAGS.refit:
       np.savez(os.path.splitext(out)[0] + "_grid.npz", features=x, step_ms=y,
                meta=json.dumps(meta))
-    print(json.dumps({**model.to_json(), "efficiencies": model.efficiencies()}, indent=1))
+    print(json.dumps({**model.to_json(), "efficiencies": _efficiencies(model)}, indent=1))
   result = holdout(engine_cfg, cfg, params, cfg.vocab_size, out)
   result["load_avg_ok"] = result["load_avg"][0] <= FLAGS.max_load
   if not result["load_avg_ok"]:
