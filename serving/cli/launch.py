@@ -11,7 +11,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import flags
 
 from attention import native, ragged
@@ -26,11 +25,11 @@ from serving.harness import synthetic as synthetic_workloads
 from serving.engine import autotune, speculative
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
-from serving.engine.config import EngineConfig, SamplingParams
+from serving.engine.config import EngineConfig
 from serving.engine.engine import Engine
 from serving.engine.programs import resolve_decode_gemm
 from serving.engine.sim_executor import VirtualClock
-from serving.kv import transfer
+from serving.cli.warmup import warmup  # noqa: F401 (the launchers call launch.warmup)
 
 FLAGS = flags.FLAGS
 
@@ -611,40 +610,3 @@ def make_clock(engine_cfg: EngineConfig):
   """The --clock flag as an engine clock: a fresh ``VirtualClock`` or
   ``time.monotonic`` (ValueError: ``engine_clock``'s refusals)."""
   return VirtualClock() if engine_clock(engine_cfg) == "virtual" else time.monotonic
-
-
-def warmup(engine: Engine, num_requests: int = 0) -> dict:
-  """Compiles every token-row bucket once, on throwaway engines of the same
-  configs (which share compiled programs), for every slot-table size the
-  engine can grow to while ``num_requests`` requests queue: per size the
-  ``plan`` and every bucket's ``step`` program (``Engine.compile_buckets``),
-  the arrival, release and prefix-cache writers (a decode engine's through
-  a handoff) and the client eviction. Later, only preemptions and
-  ``DEVICE_REBASE_MS`` compile (small model-free programs). Returns
-  {bucket: seconds} summed over the sizes (compile + one empty run)."""
-  c = engine.config
-  sizes, size = [c.max_request_slots], c.max_request_slots
-  while size < min(num_requests, c.max_queued_requests):
-    size = min(2 * size, c.max_queued_requests)
-    sizes.append(size)
-  rng = np.random.default_rng(0)
-  seconds = {}
-  greedy = SamplingParams(max_tokens=2, ignore_eos=True)
-  n = max(1, min(c.token_buckets[-1], c.max_model_len - 2))
-  ids = rng.integers(20, min(1000, engine.model_cfg.vocab_size), size=n).tolist()
-  for size in sizes:     # each borrows the engine's KV cache (no copy of it stays mapped)
-    scratch = Engine(engine.model_cfg, engine.params,
-                     dataclasses.replace(c, max_request_slots=size), kv=engine.kv)
-    for bucket, s in scratch.compile_buckets().items():
-      seconds[bucket] = round(seconds.get(bucket, 0.0) + s, 2)
-    for name in ("warmup", "warmup-hit"):    # the second one hits the cache
-      if c.role == "decode":                # takes handoffs only: zero pages will do
-        scratch.add_handoff(transfer.zero_handoff(f"{name}-{size}", ids, greedy, scratch))
-      else:
-        scratch.add_request(f"{name}-{size}", ids, greedy)
-      scratch.run()
-    for request_id in list(scratch.requests):
-      scratch.evict(request_id)
-    engine.kv = scratch.kv        # the steps donated the buffer they were lent
-  print(f"compiled token buckets (s): {seconds} for slot tables {sizes}")
-  return seconds

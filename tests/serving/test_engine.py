@@ -622,6 +622,8 @@ def test_warmup_borrows_the_engines_kv_cache(params, monkeypatch):
   warmed = [r.output_token_ids for r in engine.generate(prompts, GREEDY)]
   fresh = [r.output_token_ids for r in Engine(CFG, params, config).generate(prompts, GREEDY)]
   assert warmed == fresh
+  with pytest.raises(ValueError, match="needs an engine that has not run"):
+    launch.warmup(engine)                 # its pages hold the requests' prefixes
 
 
 def test_nothing_compiles_after_warmup(params):
