@@ -251,7 +251,8 @@ def default_out(dtype: str, engine: str, model_name: str, fingerprint: dict) -> 
 
 def refit_steps(paths) -> None:
   """Fits and writes a calibration from real replays' step logs."""
-  model = step_log.fit_steps(paths, FLAGS.max_load, features=FLAGS.features)
+  model = step_log.fit_steps(paths, FLAGS.max_load, features=FLAGS.features,
+                             relative=FLAGS.fit_error == "relative")
   meta = model.meta
   out = FLAGS.out or default_out(meta["dtype"], meta["engine"], meta["model"], meta["device"])
   model.save(out)

@@ -224,7 +224,8 @@ def load(path: str) -> dict:
 
 
 def fit_steps(paths: Sequence[str], max_load: float,
-              features: Optional[Sequence[str]] = None) -> cost_lib.CostModel:
+              features: Optional[Sequence[str]] = None,
+              relative: bool = False) -> cost_lib.CostModel:
   """Fits the "sum" cost model (``cost_model.fit``, NNLS) on the steps of
   the step logs at ``paths``.
 
@@ -234,6 +235,7 @@ def fit_steps(paths: Sequence[str], max_load: float,
   source ("replay steps"), the files, the step count, the load averages,
   the models, and the new fit's median of predicted / measured - 1 per step
   class. ``features`` (None: all) names the terms fitted; the others stay 0.
+  ``relative``: fit relative step errors (``cost_model.fit``).
 
   Raises:
     ValueError: a log recorded at a load average above ``max_load`` (naming
@@ -275,7 +277,8 @@ def fit_steps(paths: Sequence[str], max_load: float,
               max_load=max_load,
               cases=[c for log in logs for c in log["meta"]["cases"]],
               created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-  model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta)
+  model = cost_lib.fit(x, y, free=free, min_step_ms=float(np.min(y)) * 0.5, meta=meta,
+                       relative=relative)
   predicted = np.array([model.predict_ms(r) for r in x])
   model.meta["by_class"] = {
       name: {"count": int((classes == i).sum()),

@@ -432,6 +432,8 @@ class ReplicaFront:
       return refusal
     ids, longest = tokenized
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(max_tokens, float) and max_tokens.is_integer():   # as the replica reads it
+      max_tokens = int(max_tokens)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
       max_tokens = self.max_model_len - longest        # the replica checks the body
     # The estimate's figure, clamped to what the context allows: any larger
