@@ -402,27 +402,36 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
     return c.replace(log=c.log.replace(code=code))
 
   def live_iteration(c: _Carry) -> _Carry:
-    c = admit(c)
+    live = (c.state.status == rec.WAITING) | (c.state.status == rec.RUNNING)
+    with _X64():
+      now_ms = _engine_ms(c.log.clock, t0)
+      # EngineClocks.rebase: the epoch moves at an iteration's start once
+      # the clock is DEVICE_REBASE_MS past it, over the live requests and
+      # the queued ones due now (the host's pending), unless one of them
+      # arrived at it; before the iteration's arrivals are written, as in
+      # Engine.step (the host admits them after the rebase).
+      rebase_due = ~(now_ms - _f64(epoch) < _f64(rebase))
+      k = jnp.arange(size)
+      pending = (k >= c.log.num_admitted) & (k < queue.count) & (_f64(queue.due) <= now_ms)
+    rebase_now = (rebase_due & (jnp.any(live) | jnp.any(pending))
+                  & ~jnp.any(live & c.at_epoch) & ~jnp.any(pending & queue.at_epoch))
+    c = when(~rebase_now, admit, c)
     live = (c.state.status == rec.WAITING) | (c.state.status == rec.RUNNING)
     queued = c.log.num_admitted < queue.count
     i = jnp.minimum(c.log.num_admitted, size - 1)
     with _X64():
-      seconds, now_ms = _f64(c.log.clock), _engine_ms(c.log.clock, t0)
-      # EngineClocks.rebase: the epoch moves at an iteration's start
-      # once the clock is DEVICE_REBASE_MS past it (and no live request
-      # arrived at it, below).
-      rebase_due = ~(now_ms - _f64(epoch) < _f64(rebase))
+      seconds = _f64(c.log.clock)
       # sim_driver._advance_to the next arrival, one step of it.
       jumped = _bits(seconds + jnp.maximum((_f64(queue.due[i]) - now_ms) / 1000.0,
                                            jnp.nextafter(seconds, jnp.inf) - seconds))
-    rebase_now = rebase_due & ~jnp.any(live & c.at_epoch)
-    # Nothing live: jump to the next arrival, or return idle; a rebase
-    # returns to the host; otherwise an iteration.
+    # A rebase returns to the host; nothing live: jump to the next arrival,
+    # or return idle; otherwise an iteration.
     any_live = jnp.any(live)
     c = c.replace(log=c.log.replace(
-        clock=jnp.where(~any_live & queued, jumped, c.log.clock),
-        code=jnp.where(any_live, jnp.where(rebase_now, LoopExit.REBASE, c.log.code),
-                       jnp.where(queued, c.log.code, LoopExit.IDLE)).astype(jnp.int32)))
+        clock=jnp.where(~rebase_now & ~any_live & queued, jumped, c.log.clock),
+        code=jnp.where(rebase_now, LoopExit.REBASE,
+                       jnp.where(any_live | queued, c.log.code, LoopExit.IDLE)
+                       ).astype(jnp.int32)))
     return when(any_live & ~rebase_now, iterate, c)
 
   def body(c: _Carry) -> _Carry:

@@ -415,3 +415,51 @@ def test_a_broken_result_raises_at_the_step_paths_iteration(cost_file, stale_res
       assert engine.loop_runs.loop_iterations == engine.num_iterations > 0
   assert raised[0] == raised[1]
   assert max(raised[0][3]) == 3       # raised when a request had emitted its third token
+
+
+def _step_to(engine, num_iterations):
+  """The step path (``Engine.step``), fed as ``sim_driver.simulate`` feeds
+  its host steps, until ``num_iterations`` ran or nothing is left."""
+  table = engine.table
+  while engine.num_iterations < num_iterations and engine.has_unfinished():
+    table.take_arrived(engine.now_ms())
+    if not table.pending and not table.num_live():
+      sim_driver._advance_to(engine, table.future[0].arrival_ms)
+      continue
+    engine.step()
+
+
+def _device_arrivals(engine):
+  """The device epoch and each live request's float32 device arrival time."""
+  device = np.asarray(engine.manifest.arrival_ms)
+  return engine.clocks.device_epoch_ms, {
+      r.request_id: float(device[s]) for s, r in enumerate(engine.table.slots) if r is not None}
+
+
+def test_arrivals_at_a_moving_epoch_get_the_same_device_times_on_both_paths(cost_file,
+                                                                             monkeypatch):
+  """With the epoch moving every 20 ms many arrivals come due in an
+  iteration that moves it: both paths move it first and write them at the
+  new epoch (the loop returns ``REBASE`` before admitting them), so every
+  live request's float32 device arrival time is the same, bit for bit,
+  after every loop call."""
+  monkeypatch.setattr(clocks, "DEVICE_REBASE_MS", 20.0)
+  specs = sorted(_workload(n=10, seed=8, rate_scale=3.0).requests, key=lambda s: s.arrival_s)
+  engines = [_engine(cost_file), _engine(cost_file)]
+  for engine in engines:
+    for s in specs:
+      engine.realized_output_tokens[s.request_id] = s.max_tokens
+      engine.add_future_request(s.request_id, s.prompt_token_ids,
+                                SamplingParams(max_tokens=s.max_tokens, ignore_eos=True),
+                                arrival_ms=s.arrival_s * 1000.0 + 0.1234567)
+  step_engine, loop_engine = engines
+  seen = 0
+  while loop_engine.has_unfinished():
+    loop_engine.simulate(iterations_per_call=8, max_iterations=1)   # one loop call
+    _step_to(step_engine, loop_engine.num_iterations)
+    assert step_engine.num_iterations == loop_engine.num_iterations
+    assert _device_arrivals(loop_engine) == _device_arrivals(step_engine), (
+        loop_engine.num_iterations)
+    seen += len(_device_arrivals(loop_engine)[1])
+  assert not step_engine.has_unfinished() and seen > 0
+  assert loop_engine.loop_runs.exits["REBASE"] >= 5
