@@ -30,8 +30,9 @@ policy can never schedule, a preemption or the re-admission of a preempted
 request (§0x0C records), an empty plan, or the device epoch to move
 (``clocks.DEVICE_REBASE_MS``). These are read from the plan's facts before
 the step runs, so such an iteration is not committed: the tables are those
-it started from (after its arrivals), and the host runs it again as an
-ordinary ``Engine.step``. The step then writes the page tables and buffers
+it started from (after its arrivals; before them when the epoch moves, so
+that they are written at the new one, as ``Engine.step`` does), and the
+host runs it again as an ordinary ``Engine.step``. The step then writes the page tables and buffers
 in place (no copy of them is kept); a result that breaks a rule
 (``StepFacts.bad_result``) returns ``LoopExit.RESULT`` with the tables the
 step path has when ``Engine.step`` raises on it (the step's pages and
