@@ -269,9 +269,8 @@ def slo_flags_given() -> bool:
 
 
 def flag_goodput(records, duration_s: float):
-  """A run's goodput with SLO flags (each request by its own SLOs); else None."""
-  if not slo_flags_given():
-    return None
+  """A run's goodput block when ``slo_flags_given()``: each request judged by
+  its own SLOs, the flags' limits named."""
   return metrics.goodput(records, ttft_ms=FLAGS.slo_ttft_ms, tpot_ms=FLAGS.slo_tpot_ms,
                          duration_s=duration_s, per_request=True)
 

@@ -32,12 +32,13 @@ request (§0x0C records), an empty plan, or the device epoch to move
 the step runs, so such an iteration is not committed: the tables are those
 it started from (after its arrivals; before them when the epoch moves, so
 that they are written at the new one, as ``Engine.step`` does), and the
-host runs it again as an ordinary ``Engine.step``. The step then writes the page tables and buffers
-in place (no copy of them is kept); a result that breaks a rule
-(``StepFacts.bad_result``) returns ``LoopExit.RESULT`` with the tables the
-step path has when ``Engine.step`` raises on it (the step's pages and
-buffers, the plan's ticked state) and the plan and result, from which
-``Engine.simulate`` raises the rule's ``ResultValidationError``.
+host runs it again as an ordinary ``Engine.step``. The step then writes
+the page tables and buffers in place (no copy of them is kept); a result
+that breaks a rule (``StepFacts.bad_result``) returns ``LoopExit.RESULT``
+with the tables the step path has when ``Engine.step`` raises on it (the
+step's pages and buffers, the plan's ticked state) and the plan and
+result, from which ``Engine.simulate`` raises the rule's
+``ResultValidationError``.
 
 Clocks: the loop keeps the host's clock, the ``VirtualClock``'s float64
 seconds, on the device (carried as its bits, u32[2], computed in a

@@ -158,10 +158,19 @@ def _parse_int(text: str):
   return int(text)
 
 
+def whole_int(value) -> Optional[int]:
+  """``value`` as an int field reads it: an int (never a bool), or a float
+  with no fraction (``3.0`` is 3, as pydantic's lax mode reads it for
+  vLLM); None for anything else."""
+  if isinstance(value, float):
+    return int(value) if value.is_integer() else None
+  return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
   """``body[name]`` checked against ``kinds`` (bool is never an int here).
-  Where an int is wanted and a float is not, a float with no fraction
-  (``3.0``) is that int, as pydantic's lax mode reads it for vLLM."""
+  Where an int is wanted and a float is not, a float is read by
+  ``whole_int``."""
   value = body.get(name, _MISSING)
   if value is _MISSING or value is None:
     if default is _MISSING:
@@ -174,10 +183,10 @@ def _get(body: dict, name: str, kinds, default=_MISSING, rule: str = ""):
                      f"digits (more than the {sys.get_int_max_str_digits()} an integer "
                      f"may hold here)", name)
   if int in kinds and float not in kinds and isinstance(value, float):
-    if not value.is_integer():
+    if whole_int(value) is None:
       raise BadRequest(f"'{name}' must be {rule or names} (a whole number), got {value!r}",
                        name)
-    value = int(value)
+    value = whole_int(value)
   if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
     raise BadRequest(f"'{name}' must be {rule or names}, got {type(value).__name__}", name)
   return value

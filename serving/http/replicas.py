@@ -115,7 +115,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.http.guard import TENANT_SCOPE_KEY, Access, Guard, own_records, prefix_salt
 from serving.http.protocol import (ARRIVAL_HEADER, REQUEST_ID_HEADER, TENANT_HEADER,
                                    BadRequest, LongInt, Overloaded, Unavailable, _error_response,
-                                   _sse, json_body, model_card, model_routes, openai_errors)
+                                   _sse, json_body, model_card, model_routes, openai_errors,
+                                   whole_int)
 from serving.http.router import RouteCost, router_for
 
 _DISCONNECT_POLL_S = 0.25       # seconds between client disconnect checks
@@ -431,10 +432,8 @@ class ReplicaFront:
     if refusal is not None:
       return refusal
     ids, longest = tokenized
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    if isinstance(max_tokens, float) and max_tokens.is_integer():   # as the replica reads it
-      max_tokens = int(max_tokens)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    max_tokens = whole_int(body.get("max_completion_tokens") or body.get("max_tokens"))
+    if max_tokens is None or max_tokens < 1:
       max_tokens = self.max_model_len - longest        # the replica checks the body
     # The estimate's figure, clamped to what the context allows: any larger
     # value is the replica's 400 to give, never an overflow here.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from serving.http.parsing import RequestParser
-from serving.http.protocol import BadRequest
+from serving.http.protocol import BadRequest, whole_int
 from tests.serving.engine_testing import CFG, CHAT_TEMPLATE
 from tests.serving.engine_testing import wait_until as _wait
 from tests.serving.test_server import MODEL, TOK, _greedy_text, openai_client
@@ -140,6 +140,13 @@ def test_an_integer_field_takes_a_float_without_fraction_only():
       _parser().parse({"prompt": [5, 6], field: value}, chat=False)
     assert str(e.value) == f"'{field}' must be int (a whole number), got {value!r}"
     assert e.value.param == field
+
+
+def test_whole_int_is_the_one_reading_of_an_int_field():
+  """The parser and the replica front's load estimate read int fields alike."""
+  for value, expected in [(3, 3), (3.0, 3), (-2.0, -2), (True, None), (3.5, None),
+                          ("3", None), (float("nan"), None), (float("inf"), None), (None, None)]:
+    assert whole_int(value) == expected and (expected is None or type(whole_int(value)) is int)
 
 
 def test_top_k_minus_one_is_off_and_the_refusal_says_so():
