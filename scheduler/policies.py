@@ -31,7 +31,7 @@ def check_policy_name(owner: str, name: str) -> None:
     return
   if not policy_loader.is_spec(name):
     raise ValueError(f"{owner}.policy must be one of {sorted(POLICIES)} or "
-                     f"{policy_loader.FORMS}, got {name!r}{policy_loader.missing_class(name)}")
+                     f"{policy_loader.FORMS}{policy_loader.missing_class(name)}, got {name!r}")
   try:
     policy_loader.load_factory(name)
   except policy_loader.SpecError as e:
@@ -49,7 +49,7 @@ def check_policy_flag(flag: str, names) -> None:
       continue
     if not policy_loader.is_spec(name):
       raise ValueError(f"{flag} must name registered policies {sorted(POLICIES)} or "
-                       f"{policy_loader.FORMS}, got {name!r}{policy_loader.missing_class(name)}")
+                       f"{policy_loader.FORMS}{policy_loader.missing_class(name)}, got {name!r}")
     try:
       policy_loader.load_factory(name)
     except policy_loader.SpecError as e:

@@ -33,7 +33,8 @@ class SpecError(ValueError):
 
 
 def missing_class(name: str) -> str:
-  """A note for a name that is neither registered nor a spec: a file named
+  """A note for a name that is neither registered nor a spec, put before the
+  refusal's ", got NAME" (which ``cli.flag_named`` reads): a file named
   without its class says which part is missing; '' otherwise."""
   if isinstance(name, str) and name.endswith(".py") and ":" not in name:
     if not Path(name).is_file():

@@ -66,4 +66,4 @@ def factory(name: str) -> Callable[[Budgets], object]:
   if policy_loader.is_spec(name):
     return policy_loader.load_factory(name)
   raise ValueError(f"policy must be one of {sorted(POLICIES)} or "
-                   f"{policy_loader.FORMS}, got {name!r}{policy_loader.missing_class(name)}")
+                   f"{policy_loader.FORMS}{policy_loader.missing_class(name)}, got {name!r}")

@@ -102,9 +102,9 @@ def test_a_policy_that_breaks_a_rule_is_refused_naming_it(user_file):
     ("{dir}/none.py:Fifo", "policy must name an existing file: no such file"),
     ("{file}:Lifo", "has no attribute 'Lifo'"),
     ("{file}:", "must be a registered name or 'module:Class'"),
-    ("{file}", r"got '.*mine.py' \('.*mine.py' names a file but not the class in it: "
-               r"write '.*mine.py:Class'\)"),
-    ("{dir}/none.py", r"got '.*none.py' \(no such file '.*none.py', and no class named\)"),
+    ("{file}", r"\('.*mine.py' names a file but not the class in it: "
+               r"write '.*mine.py:Class'\), got '.*mine.py'"),
+    ("{dir}/none.py", r"\(no such file '.*none.py', and no class named\), got '.*none.py'"),
     ("{broken}:Fifo", r"failed to load \(SyntaxError"),
     ("{file}:NotPolicy", r"EngineConfig.policy 'NotPolicy' must be a scheduling policy "
                          r"class \(a subclass of PolicyBase, or one whose instances are "
