@@ -4,8 +4,10 @@ One module builds and loads every native kernel: the attention kernel
 (``attention/native.py`` over ``attention/native/ragged_cpu.cc``), the
 two GEMM kernels of ``models/`` (``models/amx.py`` over
 ``models/native/int8_amx.cc``, ``models/rowgemm.py`` over
-``models/native/f32_rows.cc``) and the key order's radix sort
-(``scheduler/keys.py`` over ``scheduler/native/sort_u32.cc``). Each of
+``models/native/f32_rows.cc``), the key order's radix sort
+(``scheduler/keys.py`` over ``scheduler/native/sort_u32.cc``) and the
+scheduler's scans (``scheduler/scan.py`` over
+``scheduler/native/scan_i32.cc``). Each of
 those modules describes its kernel as a ``Kernel`` and asks ``load``
 whether it runs here; the FFI handlers are registered by ``load`` and
 nowhere else.
@@ -34,7 +36,7 @@ would, XLA's and ours alike. Timings under the cap are of that code on this
 machine's cores, caches and memory, not of an AVX2 machine.
 The sources (``*.cc``) are package data of ``attention``, ``models`` and
 ``scheduler``: an installed package builds from its own copy.
-``scripts/setup.sh`` builds all four once.
+``scripts/setup.sh`` builds all five once.
 """
 
 from __future__ import annotations

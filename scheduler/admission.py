@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from scheduler import scan
+
 POLICY_KINDS = ("max", "point", "quantile", "watermark")
 # The engine's kinds: "policy" keeps each policy's published rule (ORCA
 # reserves the declared maximum; the others allocate output rows on demand).
@@ -52,7 +54,7 @@ def completed_quantile(completed_outputs, quantile: float):
   0 when empty. The smallest n with ``cumsum[n] >= ceil(q * total)``."""
   total = jnp.sum(completed_outputs)
   rank = jnp.maximum(jnp.ceil(quantile * total.astype(jnp.float32)).astype(jnp.int32), 1)
-  return jnp.argmax(jnp.cumsum(completed_outputs) >= rank).astype(jnp.int32)
+  return jnp.argmax(scan.cumsum_i32(completed_outputs) >= rank).astype(jnp.int32)
 
 
 def completed_mean(completed_outputs):

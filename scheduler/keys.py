@@ -5,9 +5,11 @@ A policy records, for every slot, the key it ordered the slots by
 holds the default key (``sort_keys``: phase, priority, arrival, id,
 generation), the stable identity tail every policy's key ends with
 (``identity_keys``), the ascending order of a key (``key_order``), the
-recompute-victim rank (``victim_rank``), two permutation helpers and the
-u32 sort the key order runs on (``sort_u32``). It reads only the records (no
-ledger, no policy), so ``validate`` and the ledger both build on it.
+recompute-victim rank (``victim_rank``) and the u32 sort the key order
+runs on (``sort_u32``); its permutation helpers (``inverse_permutation``,
+``stable_partition``) live in ``scan`` and are re-exported here. It reads
+only the records (no ledger, no policy), so ``validate`` and the ledger
+both build on it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 
 from attention import native_build
 from scheduler import records as rec
+from scheduler.scan import inverse_permutation, stable_partition  # noqa: F401 (re-exported)
 
 SORT_TARGET = "iterserve_sort_u32"
 SORT_KERNEL = native_build.Kernel(
@@ -159,23 +162,3 @@ def victim_rank(manifest: rec.WorkloadManifest):
   later one of the same priority keeps running."""
   return inverse_permutation(key_order(jnp.stack(
       [manifest.priority, manifest.arrival_seq, manifest.request_id], axis=1)))
-
-
-def inverse_permutation(order):
-  """i32[R]: ``pos[order[i]] = i``."""
-  n = order.shape[0]
-  return jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-
-
-def stable_partition(order, mask):
-  """(walk, count): ``order`` (i32[R], a permutation of the slots) with the
-  slots where ``mask`` (bool[R], by slot) holds first, each part in
-  ``order``'s order, and i32[] how many hold. O(R): two prefix sums and a
-  scatter, no sort."""
-  keep = mask[order]
-  num_slots = order.shape[0]
-  count = jnp.sum(keep, dtype=jnp.int32)
-  first = jnp.cumsum(keep, dtype=jnp.int32) - 1
-  rest = count + jnp.cumsum(~keep, dtype=jnp.int32) - 1
-  dest = jnp.where(keep, first, rest)
-  return jnp.zeros((num_slots,), jnp.int32).at[dest].set(order), count

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from scheduler import admission as adm
 from scheduler import records as rec
+from scheduler import scan
 from scheduler.keys import (identity_keys, inverse_permutation, key_order,  # noqa: F401
                             phase_rank, sort_keys, stable_partition, victim_rank)
 
@@ -590,8 +591,8 @@ def take_decode_run(x: LedgerContext, c: LedgerCarry, walk, i, count):
   need = x.decode_need[s]
   own = x.own[s]
   from_own = jnp.minimum(need, own)
-  free = c.free - (jnp.cumsum(need) - need)
-  reserved = c.reserved - (jnp.cumsum(from_own) - from_own)
+  free = c.free - (scan.cumsum_i32(need) - need)
+  reserved = c.reserved - (scan.cumsum_i32(from_own) - from_own)
   ok = ((i + j < count) & x.decode[s] & ~c.preempt[s] & ~c.selected[s]
         & (c.tok + j < b.token_budget) & (c.seq + j < b.seq_budget)
         & (need <= free - (reserved - own)))
@@ -619,7 +620,7 @@ def finish_plan(manifest, state, x: LedgerContext, c: LedgerCarry, keys, order, 
   selected = c.selected
   in_order = selected[order]
   rank = jnp.full(selected.shape, -1, jnp.int32).at[order].set(
-      jnp.where(in_order, jnp.cumsum(in_order) - 1, -1).astype(jnp.int32))
+      jnp.where(in_order, scan.cumsum_i32(in_order) - 1, -1))
   computed = state.computed
   decode = x.decode | x.resume
   kind = jnp.where(decode, rec.DECODE_ROW, _work_kind(manifest, state))

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from scheduler import ledger as base
 from scheduler import records as rec
+from scheduler import scan
 
 
 def _live(state):
@@ -302,7 +303,7 @@ class Vtc(base.PolicyBase):
       queue = jnp.lexsort((position, group))
     count = jnp.zeros((num_clients,), jnp.int32).at[client].add(
         own.astype(jnp.int32), mode="drop")
-    last = jnp.cumsum(count, dtype=jnp.int32)
+    last = scan.cumsum_i32(count)
     head = last - count                  # i32[C]: each client's next candidate
 
     def admit_step(carry):

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduler import records as rec
+from scheduler import scan
 from scheduler.keys import sort_keys
 
 
@@ -320,7 +321,7 @@ def _groups(order, cols):
   for col in cols:
     col = col[order]
     differs = differs | (col[1:] != col[:-1])
-  return jnp.cumsum(jnp.concatenate([jnp.zeros((1,), bool), differs]), dtype=jnp.int32)
+  return scan.cumsum_i32(jnp.concatenate([jnp.zeros((1,), bool), differs]))
 
 
 def _sorted_groups(cols):

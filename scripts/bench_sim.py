@@ -45,6 +45,7 @@ from models.config import PRESETS
 from models.loaders import load_config
 from scheduler import keys
 from scheduler import records as rec
+from scheduler import scan
 from serving import cli
 from serving.cli import launch
 from serving.harness import traces
@@ -195,6 +196,7 @@ def main(argv):
          "refused_queue_full": queue_full,
          "path": "loop" if refusal is None else "step", "loop_refusal": refusal,
          "loop_runs": engine.loop_runs.summary(), "key_order_sort": keys.sort_impl(),
+         "scan_kernels": scan.scan_impl(),
          "enable_prefix_caching": FLAGS.enable_prefix_caching,
          "stopped_early": stopped, "wall_s": wall_s,
          "virtual_s": engine.now_ms() / 1000.0, "iterations": engine.num_iterations,

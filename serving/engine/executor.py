@@ -33,6 +33,7 @@ from models import llama
 from models import quant
 from scheduler import iteration
 from scheduler import records as rec
+from scheduler import scan
 from serving.kv import pages as kv_pages
 from serving.engine import speculative
 from serving.engine.pack import pack
@@ -301,7 +302,7 @@ def draft_propose(draft: ModelRunner, params, kv, packed, num_draft, known, prom
     table = packed.page_table[:n][order]
     base = (known[seq_slots] - 1)[order]
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                                 jnp.cumsum(i < live).astype(jnp.int32)])
+                                 scan.cumsum_i32(i < live)])
     most = jnp.max(seq_k)
 
     def one_pass(j, carry):

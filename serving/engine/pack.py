@@ -13,6 +13,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from scheduler import scan
 from scheduler.records import IterationPlan
 
 
@@ -65,7 +66,7 @@ def pack(plan: IterationPlan, token_buffer, page_table, page_size: int, *,
   valid_seq = jnp.arange(num_seqs) < plan.num_seqs
   q_len = jnp.where(valid_seq, plan.end[seq_slots] - plan.start[seq_slots], 0)
   cu_q_lens = jnp.concatenate(
-      [jnp.zeros((1,), jnp.int32), jnp.cumsum(q_len).astype(jnp.int32)])
+      [jnp.zeros((1,), jnp.int32), scan.cumsum_i32(q_len.astype(jnp.int32))])
 
   rows = jnp.arange(num_rows, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, rows, side="right") - 1, 0, num_seqs - 1)

@@ -68,6 +68,7 @@ import numpy as np
 from scheduler import apply as apply_lib
 from serving.engine.control import when
 from scheduler import records as rec
+from scheduler import scan
 from serving.engine import cost_model as cost_lib
 from serving.engine import programs as programs_lib
 from serving.engine.config import EngineConfig
@@ -377,7 +378,7 @@ def simulate_steps(policy, executor, config: EngineConfig, cost_model, costs, wi
       release = lambda t: programs_lib.release_slots(*t, no_slots, ended)
       state, pages = when(jnp.any(ended), release, (state, c.pages))
       event = step.emitted | ended
-      at = jnp.where(event, log.num_events + jnp.cumsum(event) - 1, capacity)
+      at = jnp.where(event, log.num_events + scan.cumsum_i32(event) - 1, capacity)
       put = lambda a, v: a.at[at].set(v, mode="drop")
       log = log.replace(
           num_iterations=k + 1, clock=clock,

@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Tuple
 import jax
 
 from scheduler import keys
+from scheduler import scan
 from scheduler.admission import estimator_name
 from serving.engine.config import SamplingParams
 from serving.engine import sim_loop
@@ -243,6 +244,7 @@ def run_config(engine: Engine, model_name: str) -> dict:
       "policy_version": engine.policy.version,
       "attention_impl": c.attention_impl,
       "key_order_sort": keys.sort_impl(),
+      "scan_kernels": scan.scan_impl(),
       "jax_version": jax.__version__,
       "device": str(jax.devices()[0]),
       "mesh": c.mesh,

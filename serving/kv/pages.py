@@ -44,6 +44,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from scheduler import scan
 from scheduler.records import AllocatorView
 
 NULL_PAGE = 0
@@ -173,7 +174,7 @@ def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int,
   total = jnp.sum(need)
   lanes = num_slots * max_new_per_slot if max_new_total is None else max_new_total
   ok = (total <= pages.num_free) & (total <= lanes)
-  offset = jnp.cumsum(need) - need                     # [R] first new page's lane
+  offset = scan.cumsum_i32(need) - need                     # [R] first new page's lane
   # Lane k (the k-th new page, popped from the stack's top) belongs to the
   # slot whose [offset, offset + need) holds k: count the slots with pages
   # that start at or before k.
@@ -181,9 +182,9 @@ def allocate(pages: PageState, rows_needed, *, max_new_per_slot: int,
   has = need > 0
   starts = jnp.zeros((lanes,), jnp.int32).at[jnp.where(has, offset, lanes)].add(
       1, mode="drop")
-  nth = jnp.cumsum(starts) - 1                         # among slots with pages
+  nth = scan.cumsum_i32(starts) - 1                         # among slots with pages
   with_pages = jnp.zeros((num_slots,), jnp.int32).at[
-      jnp.where(has, jnp.cumsum(has) - 1, num_slots)].set(
+      jnp.where(has, scan.cumsum_i32(has) - 1, num_slots)].set(
           jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
   slot = with_pages[jnp.clip(nth, 0, num_slots - 1)]
   take = (k < total) & ok
@@ -205,7 +206,7 @@ def _push_free(pages: PageState, give) -> PageState:
   ascending id order."""
   give = give.at[NULL_PAGE].set(False)
   count = give.astype(jnp.int32)
-  pos = jnp.where(give, pages.num_free + jnp.cumsum(count) - count, pages.num_pages)
+  pos = jnp.where(give, pages.num_free + scan.cumsum_i32(count) - count, pages.num_pages)
   stack = pages.free_stack.at[pos].set(
       jnp.arange(pages.num_pages, dtype=jnp.int32), mode="drop")
   return pages.replace(free_stack=stack, num_free=pages.num_free + jnp.sum(count))
@@ -233,7 +234,7 @@ def deallocate(pages: PageState, release) -> PageState:
     refcount = pages.refcount.at[jnp.where(held, row, pages.num_pages)].add(-1, mode="drop")
     freed = held & (refcount[row] == 0) & ~pages.cached[row]
     count = jnp.sum(freed, dtype=jnp.int32)
-    pos = jnp.where(freed, pages.num_free + jnp.cumsum(freed, dtype=jnp.int32) - 1,
+    pos = jnp.where(freed, pages.num_free + scan.cumsum_i32(freed) - 1,
                     pages.num_pages)
     pages = pages.replace(
         page_table=pages.page_table.at[slot].set(NULL_PAGE),

@@ -290,23 +290,92 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
     keys.sort_u32(jnp.zeros(4, jnp.int32))
 
 
+def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
+  """``scan``'s kernels (native on the CPU) give the ``jnp`` forms' and
+  numpy's bits: ``cumsum_i32`` for bools and int32s of sizes 0-4,097,
+  wrapping an int32 overflow as XLA and numpy do; ``inverse_permutation``
+  and ``stable_partition`` for random permutations and masks (none, all,
+  some held); each under ``vmap``; the jitted programs call the kernels
+  (no ``reduce-window``, no ``scatter``); other dtypes and shapes are
+  refused by name."""
+  from attention import native_build
+  from scheduler import scan
+  reason = native_build.load(scan.SCAN_KERNEL)
+  if reason is not None:
+    pytest.skip(f"the native scan kernels do not run here: {reason}")
+  rng = np.random.default_rng(5)
+  cumsum = jax.jit(scan.cumsum_i32)
+  inverse = jax.jit(scan.inverse_permutation)
+  partition = jax.jit(scan.stable_partition)
+  for n in (0, 1, 2, 255, 256, 4097):
+    ints = rng.integers(-2**31, 2**31, n).astype(np.int32)     # overflows wrap
+    small = rng.integers(-3, 40, n).astype(np.int32)
+    flags = rng.random(n) < 0.3
+    for values in (ints, small, flags):
+      got = np.asarray(cumsum(jnp.asarray(values)))
+      assert got.dtype == np.int32
+      np.testing.assert_array_equal(got, np.cumsum(values.astype(np.int32), dtype=np.int32))
+    order = rng.permutation(n).astype(np.int32)
+    pos = np.empty(n, np.int32)
+    pos[order] = np.arange(n)
+    np.testing.assert_array_equal(np.asarray(inverse(jnp.asarray(order))), pos)
+    for mask in (np.zeros(n, bool), np.ones(n, bool), rng.random(n) < 0.4):
+      walk, count = partition(jnp.asarray(order), jnp.asarray(mask))
+      held = order[mask[order]]
+      np.testing.assert_array_equal(np.asarray(walk),
+                                    np.concatenate([held, order[~mask[order]]]))
+      assert int(count) == len(held)
+  batch = rng.integers(-9, 9, (3, 300)).astype(np.int32)
+  np.testing.assert_array_equal(np.asarray(jax.vmap(scan.cumsum_i32)(jnp.asarray(batch))),
+                                np.cumsum(batch, axis=1, dtype=np.int32))
+  orders = np.stack([rng.permutation(300) for _ in range(3)]).astype(np.int32)
+  masks = rng.random((3, 300)) < 0.5
+  walks, counts = jax.vmap(scan.stable_partition)(jnp.asarray(orders), jnp.asarray(masks))
+  for o, m, w, c in zip(orders, masks, np.asarray(walks), np.asarray(counts)):
+    np.testing.assert_array_equal(w, np.concatenate([o[m[o]], o[~m[o]]]))
+    assert c == m.sum()
+  np.testing.assert_array_equal(np.asarray(jax.vmap(scan.inverse_permutation)(
+      jnp.asarray(orders))), np.argsort(orders, axis=1))
+  z, f = jnp.zeros(8, jnp.int32), jnp.zeros(8, bool)
+  for fn, target, args in ((cumsum, scan.CUMSUM_TARGET, (z,)),
+                           (inverse, scan.INVERSE_TARGET, (z,)),
+                           (partition, scan.PARTITION_TARGET, (z, f))):
+    text = fn.lower(*args).as_text()
+    assert target in text and "reduce_window" not in text and "scatter" not in text
+  assert scan.scan_impl() == "native"
+  with pytest.raises(ValueError, match=r"cumsum_i32: values must be i32\[n\] or bool\[n\], "
+                                       r"got int32\[2, 3\]"):
+    scan.cumsum_i32(jnp.zeros((2, 3), jnp.int32))
+  with pytest.raises(ValueError, match=r"got float32\[4\]"):
+    scan.cumsum_i32(jnp.zeros(4, jnp.float32))
+  with pytest.raises(ValueError, match=r"stable_partition: mask must be bool\[n\], got int32"):
+    scan.stable_partition(z, z)
+
+
 def test_without_a_compiler_the_key_order_says_it_sorts_with_xla(tmp_path):
-  """Where the sort kernel cannot build (no compiler, an empty kernel
-  cache), ``sort_u32`` falls back to ``jax.lax.sort`` with the same values,
-  and ``sort_impl`` (which reports record as ``key_order_sort``) says so
-  and why."""
+  """Where the native kernels cannot build (no compiler, an empty kernel
+  cache), ``sort_u32`` falls back to ``jax.lax.sort`` and ``scan``'s
+  functions to their ``jnp`` forms, with the same values, and ``sort_impl``
+  and ``scan_impl`` (which reports record) say so and why."""
   code = ("import jax, jax.numpy as jnp, numpy as np; from scheduler import keys; "
           "v = np.random.default_rng(3).integers(0, 2**32, 1000).astype(np.uint32); "
           "s = jax.jit(keys.sort_u32); "
           "assert (np.asarray(s(jnp.asarray(v))) == np.sort(v)).all(); "
           "assert keys.SORT_TARGET not in s.lower(jnp.asarray(v)).as_text(); "
-          "print(keys.sort_impl())")
+          "from scheduler import scan; c = jax.jit(scan.cumsum_i32); "
+          "w = (v % 7).astype(np.int32); o = np.argsort(v).astype(np.int32); "
+          "assert (np.asarray(c(jnp.asarray(w))) == np.cumsum(w, dtype=np.int32)).all(); "
+          "p = jax.jit(scan.stable_partition); m = jnp.asarray(w > 2); "
+          "assert (np.asarray(p(jnp.asarray(o), m)[0]) == np.concatenate("
+          "[o[(w > 2)[o]], o[(w <= 2)[o]]])).all(); "
+          "assert scan.CUMSUM_TARGET not in c.lower(jnp.asarray(w)).as_text(); "
+          "print(keys.sort_impl()); print(scan.scan_impl())")
   env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
              ITERSERVE_NATIVE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        cwd=pathlib.Path(__file__).resolve().parents[2], check=True).stdout
-  assert out.strip() == (f"jax.lax.sort (C++ compiler '{tmp_path / 'no-such-c++'}' not "
-                         f"found (set CXX))")
+  why = f"C++ compiler '{tmp_path / 'no-such-c++'}' not found (set CXX)"
+  assert out.splitlines() == [f"jax.lax.sort ({why})", f"xla ({why})"]
 
 
 # ------------------------------------------------------ decode runs

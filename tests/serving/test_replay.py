@@ -7,6 +7,7 @@ from models import llama
 from models.config import get_config
 from attention import native_build
 from scheduler import keys
+from scheduler import scan
 from serving.harness import metrics
 from serving.harness import synthetic
 from serving.engine.config import EngineConfig
@@ -68,6 +69,11 @@ def test_same_seed_and_workload_give_same_tokens_and_report():
     assert sort == "native radix sort"
   else:
     assert sort.startswith("jax.lax.sort (") and sort.endswith(")")
+  scans = report_a["config"]["scan_kernels"]
+  if native_build.load(scan.SCAN_KERNEL) is None:
+    assert scans == "native"
+  else:
+    assert scans.startswith("xla (") and scans.endswith(")")
   # The report carries every request's token ids, as the engine emitted them.
   assert {r["request_id"]: r["output_token_ids"] for r in report_a["requests"]} == {
       rid: tokens_a[rid] for rid in tokens_a}

@@ -1,0 +1,119 @@
+"""The scheduler's O(R) passes over slot vectors, native on the CPU:
+``cumsum_i32`` (an inclusive prefix sum), ``inverse_permutation`` and
+``stable_partition``.
+
+The plan (the ledger's ranks, decode runs, victim and work walks), the page
+allocator (``serving/kv/pages.py``) and the simulation loop's event log take
+prefix sums of per-slot counts and permute the slots every iteration.
+XLA:CPU lowers ``jnp.cumsum`` to tiled ``reduce-window``s with their pads and
+copies, several operations each, and runs a scatter as a loop over its
+updates; at 8,192-16,384 slots these were a fifth of a simulated iteration
+(docs/archive/benchmarks-log.md "The overloaded hour's iteration"). On the
+CPU backend, where the native kernels (``scheduler/native/scan_i32.cc``,
+one pass each) build, each function runs its kernel as an FFI custom call;
+elsewhere the ``jnp`` form beside it. Both give the same bits: integer sums
+do not depend on their order, and a permutation's inverse and a stable
+partition have one answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from attention import native_build
+
+CUMSUM_TARGET = "iterserve_cumsum_i32"
+INVERSE_TARGET = "iterserve_inverse_permutation"
+PARTITION_TARGET = "iterserve_stable_partition"
+SCAN_KERNEL = native_build.Kernel(
+    name="the scan kernels",
+    source=Path(__file__).resolve().parent / "native" / "scan_i32.cc",
+    targets=((CUMSUM_TARGET, "IterserveCumsumI32"),
+             (INVERSE_TARGET, "IterserveInversePermutation"),
+             (PARTITION_TARGET, "IterserveStablePartition")))
+
+
+def _vector(name: str, values, dtypes) -> None:
+  if values.ndim != 1 or values.dtype not in dtypes:
+    kinds = " or ".join(f"{'i32' if d == jnp.int32 else 'bool'}[n]" for d in dtypes)
+    raise ValueError(f"{name} must be {kinds}, got {values.dtype}{list(values.shape)}")
+
+
+def _native_or(xla, native, *args):
+  """``native(*args)`` on the CPU where the kernels build, else ``xla``."""
+  if native_build.load(SCAN_KERNEL) is not None:
+    return xla(*args)
+  return jax.lax.platform_dependent(*args, cpu=native, default=xla)
+
+
+def cumsum_i32(values):
+  """i32[n]: the inclusive prefix sum of ``values`` (bool[n] or i32[n]),
+  ``out[i] = values[0] + ... + values[i]``, as int32 whatever
+  ``jax_enable_x64`` says (``jnp.cumsum`` of int32 gives int64 under it:
+  the values are the same while the sums fit in int32, which counts of
+  slots, pages, rows and events do). An int32 overflow wraps as XLA's does.
+
+  Raises:
+    ValueError: ``values`` is not a vector of bool or int32.
+  """
+  _vector("cumsum_i32: values", values, (jnp.int32, jnp.bool_))
+  xla = lambda v: jnp.cumsum(v, dtype=jnp.int32)
+  native = lambda v: jax.ffi.ffi_call(CUMSUM_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                      vmap_method="sequential")(v)
+  return _native_or(xla, native, values.astype(jnp.int32))
+
+
+def inverse_permutation(order):
+  """i32[R]: ``pos[order[i]] = i`` for ``order`` (i32[R], a permutation of
+  0..R-1). The native kernel raises at run time on an entry outside
+  [0, R) (XLA's scatter would drop it).
+
+  Raises:
+    ValueError: ``order`` is not a vector of int32.
+  """
+  _vector("inverse_permutation: order", order, (jnp.int32,))
+  n = order.shape[0]
+  xla = lambda o: jnp.zeros((n,), jnp.int32).at[o].set(jnp.arange(n, dtype=jnp.int32))
+  native = lambda o: jax.ffi.ffi_call(INVERSE_TARGET, jax.ShapeDtypeStruct(o.shape, o.dtype),
+                                      vmap_method="sequential")(o)
+  return _native_or(xla, native, order)
+
+
+def stable_partition(order, mask):
+  """(walk, count): ``order`` (i32[R], a permutation of the slots) with the
+  slots where ``mask`` (bool[R], by slot) holds first, each part in
+  ``order``'s order, and i32[] how many hold. O(R): one pass natively; two
+  prefix sums and a scatter in XLA.
+
+  Raises:
+    ValueError: ``order`` is not i32[R] or ``mask`` not bool[R].
+  """
+  _vector("stable_partition: order", order, (jnp.int32,))
+  _vector("stable_partition: mask", mask, (jnp.bool_,))
+  num_slots = order.shape[0]
+
+  def xla(order, mask):
+    keep = mask[order]
+    count = jnp.sum(keep, dtype=jnp.int32)
+    first = jnp.cumsum(keep, dtype=jnp.int32) - 1
+    rest = count + jnp.cumsum(~keep, dtype=jnp.int32) - 1
+    dest = jnp.where(keep, first, rest)
+    return jnp.zeros((num_slots,), jnp.int32).at[dest].set(order), count
+
+  def native(order, mask):
+    return jax.ffi.ffi_call(
+        PARTITION_TARGET, (jax.ShapeDtypeStruct(order.shape, jnp.int32),
+                           jax.ShapeDtypeStruct((), jnp.int32)),
+        vmap_method="sequential")(order, mask)
+
+  return _native_or(xla, native, order, mask)
+
+
+def scan_impl() -> str:
+  """What these functions run in this process on the default backend, for
+  reports: "native" or "xla (why the kernels do not run)"."""
+  reason = native_build.load(SCAN_KERNEL)
+  return "native" if reason is None else f"xla ({reason})"
