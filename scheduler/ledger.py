@@ -528,7 +528,7 @@ def greedy_scan(x: LedgerContext, c: LedgerCarry, order, fcfs_break=True,
 
   def next_of(kind):
     here = jnp.concatenate([kind[walk], jnp.zeros((1,), bool)]) & (position < count)
-    return jax.lax.cummin(jnp.where(here, position, count), reverse=True)
+    return scan.suffix_min_i32(jnp.where(here, position, count))
 
   next_decode = next_of(x.decode | x.resume)
   next_running = next_of(x.decode | x.resume | x.partial)

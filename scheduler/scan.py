@@ -1,8 +1,9 @@
 """The scheduler's O(R) passes over slot vectors, native on the CPU:
-``cumsum_i32`` (an inclusive prefix sum), ``inverse_permutation`` and
-``stable_partition``.
+``cumsum_i32`` (an inclusive prefix sum), ``suffix_min_i32``,
+``inverse_permutation`` and ``stable_partition``.
 
-The plan (the ledger's ranks, decode runs, victim and work walks), the page
+The plan (the ledger's ranks, decode runs, victim and work walks, the
+walk's skips), the page
 allocator (``serving/kv/pages.py``) and the simulation loop's event log take
 prefix sums of per-slot counts and permute the slots every iteration.
 XLA:CPU lowers ``jnp.cumsum`` to tiled ``reduce-window``s with their pads and
@@ -26,12 +27,14 @@ import jax.numpy as jnp
 from attention import native_build
 
 CUMSUM_TARGET = "iterserve_cumsum_i32"
+SUFFIX_MIN_TARGET = "iterserve_suffix_min_i32"
 INVERSE_TARGET = "iterserve_inverse_permutation"
 PARTITION_TARGET = "iterserve_stable_partition"
 SCAN_KERNEL = native_build.Kernel(
     name="the scan kernels",
     source=Path(__file__).resolve().parent / "native" / "scan_i32.cc",
     targets=((CUMSUM_TARGET, "IterserveCumsumI32"),
+             (SUFFIX_MIN_TARGET, "IterserveSuffixMinI32"),
              (INVERSE_TARGET, "IterserveInversePermutation"),
              (PARTITION_TARGET, "IterserveStablePartition")))
 
@@ -64,6 +67,20 @@ def cumsum_i32(values):
   native = lambda v: jax.ffi.ffi_call(CUMSUM_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                       vmap_method="sequential")(v)
   return _native_or(xla, native, values.astype(jnp.int32))
+
+
+def suffix_min_i32(values):
+  """i32[n]: ``out[i] = min(values[i:])`` for ``values`` (i32[n]),
+  ``jax.lax.cummin(values, reverse=True)``.
+
+  Raises:
+    ValueError: ``values`` is not a vector of int32.
+  """
+  _vector("suffix_min_i32: values", values, (jnp.int32,))
+  xla = lambda v: jax.lax.cummin(v, reverse=True)
+  native = lambda v: jax.ffi.ffi_call(SUFFIX_MIN_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                      vmap_method="sequential")(v)
+  return _native_or(xla, native, values)
 
 
 def inverse_permutation(order):

@@ -5,6 +5,8 @@
 //   out[i] = in[0] + ... + in[i], wrapping modulo 2**32 as XLA's int32 sum
 //   does (the adds are unsigned, so an overflow is defined and gives XLA's
 //   bits). Integer sums do not depend on their order: `jnp.cumsum`'s result.
+// - IterserveSuffixMinI32: s32[n] -> s32[n], out[i] = min(in[i], ..., in[n-1]),
+//   `jax.lax.cummin(in, reverse=True)`'s result.
 // - IterserveInversePermutation: s32[n] order -> s32[n] pos with
 //   pos[order[i]] = i, `jnp.zeros(n).at[order].set(arange(n))`'s result for
 //   a permutation.
@@ -15,8 +17,8 @@
 // XLA:CPU lowers `jnp.cumsum` to tiled reduce-windows with their pads and
 // copies (37 us for 16,384 values on a 2-core Xeon, jitted alone, where one
 // pass takes 6 us) and runs a scatter as a loop over its updates; a
-// simulated iteration at 16,384 slots takes a dozen prefix sums and five
-// permutation scatters. An order entry outside [0, n) is an error (the
+// simulated iteration at 16,384 slots takes a dozen prefix sums, four suffix
+// minima and five permutation scatters. An order entry outside [0, n) is an error (the
 // callers pass permutations of the slots).
 
 #include <cstdint>
@@ -38,6 +40,22 @@ ffi::Error CumsumI32(ffi::Buffer<ffi::S32> in, ffi::ResultBuffer<ffi::S32> out) 
   for (int64_t i = 0; i < n; ++i) {
     sum += src[i];
     dst[i] = sum;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error SuffixMinI32(ffi::Buffer<ffi::S32> in, ffi::ResultBuffer<ffi::S32> out) {
+  const int64_t n = static_cast<int64_t>(in.element_count());
+  if (out->element_count() != in.element_count()) {
+    return ffi::Error::InvalidArgument("suffix_min_i32: the result must have the operand's size");
+  }
+  const int32_t* src = in.typed_data();
+  int32_t* dst = out->typed_data();
+  if (n == 0) return ffi::Error::Success();
+  int32_t least = src[n - 1];
+  for (int64_t i = n - 1; i >= 0; --i) {
+    least = src[i] < least ? src[i] : least;
+    dst[i] = least;
   }
   return ffi::Error::Success();
 }
@@ -92,6 +110,11 @@ ffi::Error StablePartition(ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::PRED> m
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveCumsumI32, CumsumI32,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IterserveSuffixMinI32, SuffixMinI32,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

@@ -293,7 +293,8 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
 def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
   """``scan``'s kernels (native on the CPU) give the ``jnp`` forms' and
   numpy's bits: ``cumsum_i32`` for bools and int32s of sizes 0-4,097,
-  wrapping an int32 overflow as XLA and numpy do; ``inverse_permutation``
+  wrapping an int32 overflow as XLA and numpy do; ``suffix_min_i32``;
+  ``inverse_permutation``
   and ``stable_partition`` for random permutations and masks (none, all,
   some held); each under ``vmap``; the jitted programs call the kernels
   (no ``reduce-window``, no ``scatter``); other dtypes and shapes are
@@ -315,6 +316,8 @@ def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
       got = np.asarray(cumsum(jnp.asarray(values)))
       assert got.dtype == np.int32
       np.testing.assert_array_equal(got, np.cumsum(values.astype(np.int32), dtype=np.int32))
+    least = np.asarray(jax.jit(scan.suffix_min_i32)(jnp.asarray(ints)))
+    np.testing.assert_array_equal(least, np.minimum.accumulate(ints[::-1])[::-1])
     order = rng.permutation(n).astype(np.int32)
     pos = np.empty(n, np.int32)
     pos[order] = np.arange(n)
@@ -338,6 +341,7 @@ def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
       jnp.asarray(orders))), np.argsort(orders, axis=1))
   z, f = jnp.zeros(8, jnp.int32), jnp.zeros(8, bool)
   for fn, target, args in ((cumsum, scan.CUMSUM_TARGET, (z,)),
+                           (jax.jit(scan.suffix_min_i32), scan.SUFFIX_MIN_TARGET, (z,)),
                            (inverse, scan.INVERSE_TARGET, (z,)),
                            (partition, scan.PARTITION_TARGET, (z, f))):
     text = fn.lower(*args).as_text()
