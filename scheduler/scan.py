@@ -39,10 +39,17 @@ SCAN_KERNEL = native_build.Kernel(
              (PARTITION_TARGET, "IterserveStablePartition")))
 
 
-def _vector(name: str, values, dtypes) -> None:
+# Integer dtypes whose every value int32 holds: cast to int32 exactly.
+_EXACT_IN_I32 = (jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16)
+
+
+def _vector(name: str, values, kinds: str, dtypes):
+  """``values`` as a jax vector cast to int32 (bool kept), or ValueError
+  naming ``name`` and the rule."""
+  values = jnp.asarray(values)
   if values.ndim != 1 or values.dtype not in dtypes:
-    kinds = " or ".join(f"{'i32' if d == jnp.int32 else 'bool'}[n]" for d in dtypes)
     raise ValueError(f"{name} must be {kinds}, got {values.dtype}{list(values.shape)}")
+  return values if values.dtype == jnp.bool_ else values.astype(jnp.int32)
 
 
 def _native_or(xla, native, *args):
@@ -58,11 +65,16 @@ def cumsum_i32(values):
   ``jax_enable_x64`` says (``jnp.cumsum`` of int32 gives int64 under it:
   the values are the same while the sums fit in int32, which counts of
   slots, pages, rows and events do). An int32 overflow wraps as XLA's does.
+  Narrower integers (int8/16, uint8/16) are cast to int32 first.
 
   Raises:
-    ValueError: ``values`` is not a vector of bool or int32.
+    ValueError: ``values`` is not a vector of bool or of an integer type
+      int32 holds (an int64 or uint32 one would need a cast that can
+      change values: the caller decides).
   """
-  _vector("cumsum_i32: values", values, (jnp.int32, jnp.bool_))
+  values = _vector("cumsum_i32: values", values,
+                   "a vector of bool or of int32 or a narrower integer",
+                   _EXACT_IN_I32 + (jnp.bool_,))
   xla = lambda v: jnp.cumsum(v, dtype=jnp.int32)
   native = lambda v: jax.ffi.ffi_call(CUMSUM_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                       vmap_method="sequential")(v)
@@ -74,9 +86,10 @@ def suffix_min_i32(values):
   ``jax.lax.cummin(values, reverse=True)``.
 
   Raises:
-    ValueError: ``values`` is not a vector of int32.
+    ValueError: ``values`` is not a vector of int32 or a narrower integer.
   """
-  _vector("suffix_min_i32: values", values, (jnp.int32,))
+  values = _vector("suffix_min_i32: values", values,
+                   "a vector of int32 or a narrower integer", _EXACT_IN_I32)
   xla = lambda v: jax.lax.cummin(v, reverse=True)
   native = lambda v: jax.ffi.ffi_call(SUFFIX_MIN_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                       vmap_method="sequential")(v)
@@ -84,14 +97,17 @@ def suffix_min_i32(values):
 
 
 def inverse_permutation(order):
-  """i32[R]: ``pos[order[i]] = i`` for ``order`` (i32[R], a permutation of
-  0..R-1). The native kernel raises at run time on an entry outside
-  [0, R) (XLA's scatter would drop it).
+  """i32[R]: ``pos[order[i]] = i`` for ``order`` (a permutation of
+  0..R-1, int32 or int64). Every caller passes a permutation (a key order,
+  its reverse, a stable partition of one); on an entry outside [0, R) the
+  native kernel fails the program at run time (INVALID_ARGUMENT) where
+  the ``jnp`` form wraps a negative entry and drops one >= R.
 
   Raises:
-    ValueError: ``order`` is not a vector of int32.
+    ValueError: ``order`` is not a vector of integers.
   """
-  _vector("inverse_permutation: order", order, (jnp.int32,))
+  order = _vector("inverse_permutation: order", order, "a vector of integers",
+                  _EXACT_IN_I32 + (jnp.int64, jnp.uint32, jnp.uint64))
   n = order.shape[0]
   xla = lambda o: jnp.zeros((n,), jnp.int32).at[o].set(jnp.arange(n, dtype=jnp.int32))
   native = lambda o: jax.ffi.ffi_call(INVERSE_TARGET, jax.ShapeDtypeStruct(o.shape, o.dtype),
@@ -100,16 +116,18 @@ def inverse_permutation(order):
 
 
 def stable_partition(order, mask):
-  """(walk, count): ``order`` (i32[R], a permutation of the slots) with the
-  slots where ``mask`` (bool[R], by slot) holds first, each part in
-  ``order``'s order, and i32[] how many hold. O(R): one pass natively; two
-  prefix sums and a scatter in XLA.
+  """(walk, count): ``order`` (a permutation of the slots, int32 or int64)
+  with the slots where ``mask`` (bool[R], by slot) holds first, each part
+  in ``order``'s order, as i32[R], and i32[] how many hold. O(R): one pass
+  natively; two prefix sums and a scatter in XLA. An entry outside [0, R)
+  fails the native program at run time, as in ``inverse_permutation``.
 
   Raises:
-    ValueError: ``order`` is not i32[R] or ``mask`` not bool[R].
+    ValueError: ``order`` is not a vector of integers or ``mask`` not bool.
   """
-  _vector("stable_partition: order", order, (jnp.int32,))
-  _vector("stable_partition: mask", mask, (jnp.bool_,))
+  order = _vector("stable_partition: order", order, "a vector of integers",
+                  _EXACT_IN_I32 + (jnp.int64, jnp.uint32, jnp.uint64))
+  mask = _vector("stable_partition: mask", mask, "a vector of bool", (jnp.bool_,))
   num_slots = order.shape[0]
 
   def xla(order, mask):

@@ -6,8 +6,9 @@ import pytest
 
 from attention import native, native_build
 from models import amx, rowgemm
+from scheduler import keys, scan
 
-KERNELS = (native.KERNEL, amx.KERNEL, rowgemm.KERNEL)
+KERNELS = (native.KERNEL, amx.KERNEL, rowgemm.KERNEL, keys.SORT_KERNEL, scan.SCAN_KERNEL)
 
 
 def _copy(kernel, tmp_path, text=None):
@@ -19,10 +20,11 @@ def _copy(kernel, tmp_path, text=None):
 def test_every_kernel_source_is_a_packaged_cc_file_of_its_package():
   names = [(k.source.parent.parent.name, k.source.parent.name, k.source.name) for k in KERNELS]
   assert names == [("attention", "native", "ragged_cpu.cc"), ("models", "native", "int8_amx.cc"),
-                   ("models", "native", "f32_rows.cc")]
+                   ("models", "native", "f32_rows.cc"), ("scheduler", "native", "sort_u32.cc"),
+                   ("scheduler", "native", "scan_i32.cc")]
   assert all(k.source.is_file() for k in KERNELS)
   targets = [t for k in KERNELS for t, _ in k.targets]
-  assert len(targets) == len(set(targets)) == 4
+  assert len(targets) == len(set(targets)) == 9
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.source.stem)

@@ -347,12 +347,23 @@ def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
     text = fn.lower(*args).as_text()
     assert target in text and "reduce_window" not in text and "scatter" not in text
   assert scan.scan_impl() == "native"
-  with pytest.raises(ValueError, match=r"cumsum_i32: values must be i32\[n\] or bool\[n\], "
-                                       r"got int32\[2, 3\]"):
+  # Narrower integers and host arrays are taken as int32 (numpy's int64 is
+  # int32 without jax_enable_x64); an entry outside [0, R) fails the program.
+  np.testing.assert_array_equal(np.asarray(scan.cumsum_i32(np.array([3, -1, 2], np.int16))),
+                                [3, 2, 4])
+  np.testing.assert_array_equal(np.asarray(scan.inverse_permutation(np.array([2, 0, 1]))),
+                                [1, 2, 0])
+  with pytest.raises(Exception, match="outside"):
+    np.asarray(inverse(jnp.asarray([0, 3, 1], jnp.int32)))
+  with pytest.raises(Exception, match="outside"):
+    np.asarray(partition(jnp.asarray([0, -1, 1], jnp.int32), jnp.ones(3, bool))[0])
+  with pytest.raises(ValueError, match=r"cumsum_i32: values must be a vector of bool or of int32 "
+                                       r"or a narrower integer, got int32\[2, 3\]"):
     scan.cumsum_i32(jnp.zeros((2, 3), jnp.int32))
   with pytest.raises(ValueError, match=r"got float32\[4\]"):
     scan.cumsum_i32(jnp.zeros(4, jnp.float32))
-  with pytest.raises(ValueError, match=r"stable_partition: mask must be bool\[n\], got int32"):
+  with pytest.raises(ValueError, match=r"stable_partition: mask must be a vector of bool, "
+                                       r"got int32\[8\]"):
     scan.stable_partition(z, z)
 
 
@@ -372,6 +383,10 @@ def test_without_a_compiler_the_key_order_says_it_sorts_with_xla(tmp_path):
           "p = jax.jit(scan.stable_partition); m = jnp.asarray(w > 2); "
           "assert (np.asarray(p(jnp.asarray(o), m)[0]) == np.concatenate("
           "[o[(w > 2)[o]], o[(w <= 2)[o]]])).all(); "
+          "assert (np.asarray(jax.jit(scan.inverse_permutation)(jnp.asarray(o)))"
+          " == np.argsort(o)).all(); "
+          "s = np.asarray(jax.jit(scan.suffix_min_i32)(jnp.asarray(w - 3))); "
+          "assert (s == np.minimum.accumulate((w - 3)[::-1])[::-1]).all(); "
           "assert scan.CUMSUM_TARGET not in c.lower(jnp.asarray(w)).as_text(); "
           "print(keys.sort_impl()); print(scan.scan_impl())")
   env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"),
