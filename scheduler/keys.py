@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention import native_build
 from scheduler import records as rec
@@ -30,9 +31,13 @@ SORT_KERNEL = native_build.Kernel(
     targets=((SORT_TARGET, "IterserveSortU32"),))
 
 
-def sort_u32(values):
+def sort_u32(values, ordered_low_bits: int = 0):
   """u32[n]: ``values`` (u32[n]) in ascending order, ``jax.lax.sort``'s
-  result. On the CPU backend, where the native kernel
+  result. ``ordered_low_bits`` (static, 0-32): the caller's word for the
+  kernel that the values' low bits ascend along the vector (the key
+  order's words hold the slot there), so it sorts on the bits above them
+  only; the kernel checks it and sorts on every bit where it does not hold,
+  so the result never depends on it. On the CPU backend, where the native kernel
   (``scheduler/native/sort_u32.cc``, a radix sort) builds, it runs as an FFI
   custom call: XLA:CPU's comparison sort is O(R log R), and at
   8,192-16,384 slots the key order's sorts were a quarter of a simulated
@@ -47,12 +52,15 @@ def sort_u32(values):
   """
   if values.ndim != 1 or values.dtype != jnp.uint32:
     raise ValueError(f"sort_u32: values must be u32[n], got {values.dtype}{list(values.shape)}")
+  if not 0 <= ordered_low_bits <= 32:
+    raise ValueError(f"sort_u32: ordered_low_bits must be in [0, 32], got {ordered_low_bits}")
   if native_build.load(SORT_KERNEL) is not None:
     return jax.lax.sort(values)
 
   def native(v):
     return jax.ffi.ffi_call(SORT_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
-                            vmap_method="sequential")(v)
+                            vmap_method="sequential")(
+                                v, ordered_low_bits=np.int32(ordered_low_bits))
 
   return jax.lax.platform_dependent(values, cpu=native, default=jax.lax.sort)
 
@@ -129,10 +137,10 @@ def key_order(keys):
                               col << jnp.minimum(s - digit, 31))
     lane = jnp.arange(num_slots, dtype=jnp.uint32)
     mask = jnp.uint32((1 << slot_bits) - 1)
-    first = sort_u32((low << slot_bits) | lane) & mask
+    first = sort_u32((low << slot_bits) | lane, slot_bits) & mask
 
     def second_word(_):
-      second = sort_u32((high[first] << slot_bits) | lane) & mask
+      second = sort_u32((high[first] << slot_bits) | lane, slot_bits) & mask
       return first[second]
 
     # An all-zero high word would sort to the identity: one sort is the order.

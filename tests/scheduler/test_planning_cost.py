@@ -279,6 +279,19 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
     for make in patterns:
       values = np.asarray(make(n), np.uint64).astype(np.uint32)
       np.testing.assert_array_equal(np.asarray(sort(jnp.asarray(values))), np.sort(values))
+  # ordered_low_bits: the passes over the low bits left out where they
+  # ascend (the key order's slot lane), every bit sorted where they do not.
+  for n in (1, 2, 255, 4097, 16384):
+    slot_bits = max(1, (n - 1).bit_length())
+    for key_bits in (0, 3, 18, 32 - slot_bits):
+      lane = np.arange(n, dtype=np.uint64)
+      packed = ((rng.integers(0, 2**key_bits, n).astype(np.uint64) << np.uint64(slot_bits))
+                | lane).astype(np.uint32)
+      anything = rng.integers(0, 2**32, n).astype(np.uint32)
+      for values, b in ((packed, slot_bits), (anything, slot_bits), (packed, 0),
+                        (np.sort(anything), 32), (anything, 32)):
+        got = jax.jit(lambda v, b=b: keys.sort_u32(v, b))(jnp.asarray(values))
+        np.testing.assert_array_equal(np.asarray(got), np.sort(values))
   batch = rng.integers(0, 2**32, (3, 300)).astype(np.uint32)
   np.testing.assert_array_equal(np.asarray(jax.vmap(keys.sort_u32)(jnp.asarray(batch))),
                                 np.sort(batch, axis=1))
@@ -288,6 +301,8 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
     keys.sort_u32(jnp.zeros((2, 3), jnp.uint32))
   with pytest.raises(ValueError, match=r"got int32\[4\]"):
     keys.sort_u32(jnp.zeros(4, jnp.int32))
+  with pytest.raises(ValueError, match=r"ordered_low_bits must be in \[0, 32\], got 33"):
+    keys.sort_u32(jnp.zeros(4, jnp.uint32), 33)
 
 
 def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
