@@ -48,12 +48,17 @@ def sort_u32(values, ordered_low_bits: int = 0):
 
   Raises:
     ValueError: ``values`` is not a vector of uint32 (the kernel sorts its
-      buffer as one array, where ``jax.lax.sort`` sorts the last axis).
+      buffer as one array, where ``jax.lax.sort`` sorts the last axis), or
+      ``ordered_low_bits`` is not a Python int in [0, 32] (static: under
+      ``jax.jit`` pass it through ``static_argnums`` or a closure).
   """
+  values = jnp.asarray(values)
   if values.ndim != 1 or values.dtype != jnp.uint32:
     raise ValueError(f"sort_u32: values must be u32[n], got {values.dtype}{list(values.shape)}")
-  if not 0 <= ordered_low_bits <= 32:
-    raise ValueError(f"sort_u32: ordered_low_bits must be in [0, 32], got {ordered_low_bits}")
+  if (isinstance(ordered_low_bits, bool) or not isinstance(ordered_low_bits, (int, np.integer))
+      or not 0 <= ordered_low_bits <= 32):
+    raise ValueError(f"sort_u32: ordered_low_bits must be a static int in [0, 32], got "
+                     f"{ordered_low_bits!r}")
   if native_build.load(SORT_KERNEL) is not None:
     return jax.lax.sort(values)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention import native_build
 
@@ -45,10 +46,19 @@ _EXACT_IN_I32 = (jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16)
 
 def _vector(name: str, values, kinds: str, dtypes):
   """``values`` as a jax vector cast to int32 (bool kept), or ValueError
-  naming ``name`` and the rule."""
-  values = jnp.asarray(values)
+  naming ``name``, the rule and the dtype and shape given. A host array
+  (numpy, a list) of a wider integer type is taken where its values fit
+  in int32 (numpy's default int64), never truncated."""
+  if not isinstance(values, jax.Array):
+    host = np.asarray(values)
+    if (host.ndim == 1 and host.dtype.kind in "iu" and host.dtype not in dtypes
+        and jnp.int32 in dtypes and (host.size == 0 or (
+            host.min() >= np.iinfo(np.int32).min and host.max() <= np.iinfo(np.int32).max))):
+      host = host.astype(np.int32)
+    values = host
   if values.ndim != 1 or values.dtype not in dtypes:
     raise ValueError(f"{name} must be {kinds}, got {values.dtype}{list(values.shape)}")
+  values = jnp.asarray(values)
   return values if values.dtype == jnp.bool_ else values.astype(jnp.int32)
 
 
@@ -70,7 +80,8 @@ def cumsum_i32(values):
   Raises:
     ValueError: ``values`` is not a vector of bool or of an integer type
       int32 holds (an int64 or uint32 one would need a cast that can
-      change values: the caller decides).
+      change values: the caller decides; a host array of one is taken
+      where every value fits in int32).
   """
   values = _vector("cumsum_i32: values", values,
                    "a vector of bool or of int32 or a narrower integer",
@@ -98,16 +109,17 @@ def suffix_min_i32(values):
 
 def inverse_permutation(order):
   """i32[R]: ``pos[order[i]] = i`` for ``order`` (a permutation of
-  0..R-1, int32 or int64). Every caller passes a permutation (a key order,
-  its reverse, a stable partition of one); on an entry outside [0, R) the
-  native kernel fails the program at run time (INVALID_ARGUMENT) where
-  the ``jnp`` form wraps a negative entry and drops one >= R.
+  0..R-1, int32 or a narrower integer). Every caller passes a permutation
+  (a key order, its reverse, a stable partition of one); on an entry
+  outside [0, R) the native kernel fails the program at run time
+  (INVALID_ARGUMENT, naming the entry) where the ``jnp`` form (other
+  backends) wraps a negative entry and drops one >= R.
 
   Raises:
-    ValueError: ``order`` is not a vector of integers.
+    ValueError: ``order`` is not a vector of int32 or a narrower integer.
   """
-  order = _vector("inverse_permutation: order", order, "a vector of integers",
-                  _EXACT_IN_I32 + (jnp.int64, jnp.uint32, jnp.uint64))
+  order = _vector("inverse_permutation: order", order,
+                  "a vector of int32 or a narrower integer", _EXACT_IN_I32)
   n = order.shape[0]
   xla = lambda o: jnp.zeros((n,), jnp.int32).at[o].set(jnp.arange(n, dtype=jnp.int32))
   native = lambda o: jax.ffi.ffi_call(INVERSE_TARGET, jax.ShapeDtypeStruct(o.shape, o.dtype),
@@ -116,18 +128,23 @@ def inverse_permutation(order):
 
 
 def stable_partition(order, mask):
-  """(walk, count): ``order`` (a permutation of the slots, int32 or int64)
-  with the slots where ``mask`` (bool[R], by slot) holds first, each part
-  in ``order``'s order, as i32[R], and i32[] how many hold. O(R): one pass
-  natively; two prefix sums and a scatter in XLA. An entry outside [0, R)
-  fails the native program at run time, as in ``inverse_permutation``.
+  """(walk, count): ``order`` (a permutation of the slots, int32 or a
+  narrower integer) with the slots where ``mask`` (bool[R], by slot)
+  holds first, each part in ``order``'s order, as i32[R], and i32[] how
+  many hold. O(R): one pass natively; two prefix sums and a scatter in
+  XLA. An entry outside [0, R) fails the native program at run time, as
+  in ``inverse_permutation``.
 
   Raises:
-    ValueError: ``order`` is not a vector of integers or ``mask`` not bool.
+    ValueError: ``order`` is not a vector of int32 or a narrower integer,
+      ``mask`` not a vector of bool, or their lengths differ.
   """
-  order = _vector("stable_partition: order", order, "a vector of integers",
-                  _EXACT_IN_I32 + (jnp.int64, jnp.uint32, jnp.uint64))
+  order = _vector("stable_partition: order", order,
+                  "a vector of int32 or a narrower integer", _EXACT_IN_I32)
   mask = _vector("stable_partition: mask", mask, "a vector of bool", (jnp.bool_,))
+  if mask.shape != order.shape:
+    raise ValueError(f"stable_partition: mask must have order's length {order.shape[0]} "
+                     f"(one flag per slot), got {mask.shape[0]}")
   num_slots = order.shape[0]
 
   def xla(order, mask):

@@ -30,6 +30,7 @@ if [[ "${1:-}" == "--reference" ]]; then extras="test,reference"; fi
 # The radix sort of the policies' key order (scheduler/keys.py sort_u32):
 # without it the key order runs jax.lax.sort (the same order, slower).
 .venv/bin/python -c "from attention import native_build; from scheduler import keys; print('key-order sort:', native_build.load(keys.SORT_KERNEL) or native_build.library_path(keys.SORT_KERNEL))"
-# The prefix sums and slot permutations of the plan, the page allocator and
-# the loop's event log (scheduler/scan.py): without them XLA's (the same bits).
+# The prefix sums, suffix minima and slot permutations of the plan, the page
+# allocator and the loop's event log (scheduler/scan.py): without them
+# XLA's (the same bits).
 .venv/bin/python -c "from attention import native_build; from scheduler import scan; print('scan kernels:', native_build.load(scan.SCAN_KERNEL) or native_build.library_path(scan.SCAN_KERNEL))"

@@ -22,6 +22,7 @@
 // callers pass permutations of the slots).
 
 #include <cstdint>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -72,7 +73,9 @@ ffi::Error InversePermutation(ffi::Buffer<ffi::S32> order, ffi::ResultBuffer<ffi
   for (int64_t i = 0; i < n; ++i) {
     const int64_t at = src[i];
     if (at < 0 || at >= n) {
-      return ffi::Error::InvalidArgument("inverse_permutation: an entry outside [0, n)");
+      return ffi::Error::InvalidArgument(
+          "inverse_permutation: order[" + std::to_string(i) + "] = " + std::to_string(at) +
+          " is outside [0, " + std::to_string(n) + ")");
     }
     dst[at] = static_cast<int32_t>(i);
   }
@@ -94,7 +97,9 @@ ffi::Error StablePartition(ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::PRED> m
   for (int64_t i = 0; i < n; ++i) {
     const int64_t at = src[i];
     if (at < 0 || at >= n) {
-      return ffi::Error::InvalidArgument("stable_partition: an order entry outside [0, n)");
+      return ffi::Error::InvalidArgument(
+          "stable_partition: order[" + std::to_string(i) + "] = " + std::to_string(at) +
+          " is outside [0, " + std::to_string(n) + ")");
     }
     held += keep[at] ? 1 : 0;
   }

@@ -26,6 +26,7 @@ METRIC_DEFINITIONS = ("vLLM benchmark_serving TTFT/TPOT/ITL/E2EL from original a
 # ``run_outcomes`` kept those in the config; they are skipped there).
 _NOT_COORDINATES = {"policy_id", "policy_version", "workload", "compile_seconds_by_bucket",
                     "cost_model", "slo", "trace", "platform", "device", "key_order_sort",
+                    "scan_kernels",
                     "compiled_programs", "bucket_histogram", "iterations", "preemptions",
                     "swap", "recompute_tokens", "num_slots", "extensions",
                     "prefill_tokens_computed", "prefix_cache_queries", "prefix_cache_hits",

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -301,8 +302,10 @@ def test_sort_u32_is_a_sort_natively_on_the_cpu():
     keys.sort_u32(jnp.zeros((2, 3), jnp.uint32))
   with pytest.raises(ValueError, match=r"got int32\[4\]"):
     keys.sort_u32(jnp.zeros(4, jnp.int32))
-  with pytest.raises(ValueError, match=r"ordered_low_bits must be in \[0, 32\], got 33"):
-    keys.sort_u32(jnp.zeros(4, jnp.uint32), 33)
+  for bad in (33, -1, 1.5, True, "3", None):
+    with pytest.raises(ValueError, match=r"ordered_low_bits must be a static int in \[0, 32\], "
+                                         rf"got {re.escape(repr(bad))}$"):
+      keys.sort_u32(jnp.zeros(4, jnp.uint32), bad)
 
 
 def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
@@ -366,12 +369,24 @@ def test_scan_kernels_give_xla_bits_natively_on_the_cpu():
   # int32 without jax_enable_x64); an entry outside [0, R) fails the program.
   np.testing.assert_array_equal(np.asarray(scan.cumsum_i32(np.array([3, -1, 2], np.int16))),
                                 [3, 2, 4])
-  np.testing.assert_array_equal(np.asarray(scan.inverse_permutation(np.array([2, 0, 1]))),
+  np.testing.assert_array_equal(np.asarray(scan.inverse_permutation(np.array([2, 0, 1],
+                                                                            np.int32))),
                                 [1, 2, 0])
-  with pytest.raises(Exception, match="outside"):
+  with pytest.raises(Exception, match=r"order\[1\] = 3 is outside \[0, 3\)"):
     np.asarray(inverse(jnp.asarray([0, 3, 1], jnp.int32)))
-  with pytest.raises(Exception, match="outside"):
+  with pytest.raises(Exception, match=r"order\[1\] = -1 is outside \[0, 3\)"):
     np.asarray(partition(jnp.asarray([0, -1, 1], jnp.int32), jnp.ones(3, bool))[0])
+  with pytest.raises(ValueError, match=r"mask must have order's length 4 \(one flag per slot\), "
+                                       r"got 2"):
+    scan.stable_partition(jnp.arange(4, dtype=jnp.int32), jnp.ones(2, bool))
+  # A host array of int64 is taken where its values fit in int32, refused
+  # (not truncated, as JAX's conversion would) where they do not.
+  np.testing.assert_array_equal(np.asarray(scan.cumsum_i32(np.array([4, 5], np.int64))), [4, 9])
+  with pytest.raises(ValueError, match=r"inverse_permutation: order must be a vector of int32 "
+                                       r"or a narrower integer, got int64\[2\]"):
+    scan.inverse_permutation(np.array([2**32, 0], np.int64))
+  with pytest.raises(ValueError, match=r"got float64\[3\]"):
+    scan.cumsum_i32(np.zeros(3))
   with pytest.raises(ValueError, match=r"cumsum_i32: values must be a vector of bool or of int32 "
                                        r"or a narrower integer, got int32\[2, 3\]"):
     scan.cumsum_i32(jnp.zeros((2, 3), jnp.int32))

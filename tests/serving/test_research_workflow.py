@@ -155,6 +155,12 @@ def test_outcomes_are_not_coordinates_so_policies_compare(cost_file):
   assert outcomes(a) != outcomes(b), (outcomes(a), outcomes(b))
   assert a["engine_outcomes"]["prefix_cache_pages"] > 0
   ablation.check_comparable([a, b], ["a.json", "b.json"])
+  # Which sort and scan kernels ran (native, or XLA's without a compiler
+  # or off the CPU) gives the same bits: not a coordinate.
+  xla = dict(b, config=dict(b["config"], key_order_sort="jax.lax.sort (no compiler)",
+                            scan_kernels="xla (no compiler)"))
+  assert a["config"]["scan_kernels"] != xla["config"]["scan_kernels"]
+  ablation.check_comparable([a, xla], ["a.json", "b.json"])
   # A report written before outcomes left the config compares too.
   legacy = [dict(r, config={**r["config"], **r.pop("engine_outcomes")}) for r in (a, b)]
   ablation.check_comparable(legacy, ["a.json", "b.json"])
