@@ -3,9 +3,9 @@
 ``inverse_permutation`` and ``stable_partition``.
 
 The plan (the ledger's ranks, decode runs, victim and work walks, the
-walk's skips), the page
-allocator (``serving/kv/pages.py``) and the simulation loop's event log take
-prefix sums of per-slot counts and permute the slots every iteration.
+walk's skips), the page allocator (``serving/kv/pages.py``) and the
+simulation loop's event log take prefix sums of per-slot counts and
+permute the slots every iteration.
 XLA:CPU lowers ``jnp.cumsum`` to tiled ``reduce-window``s with their pads and
 copies, several operations each, and runs a scatter as a loop over its
 updates; at 8,192-16,384 slots these were a fifth of a simulated iteration
