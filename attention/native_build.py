@@ -214,6 +214,18 @@ def load(kernel: Kernel) -> str | None:
   return None
 
 
+def on_cpu(kernel: Kernel, native: Callable, default: Callable, *args):
+  """``native(*args)`` (an FFI call of ``kernel``) where the program runs on
+  the CPU and ``kernel`` loads here, else ``default(*args)``: through
+  ``jax.lax.platform_dependent``, so a program lowered for another backend
+  takes ``default``; where the kernel does not load (``load`` gives why),
+  ``default`` alone is traced. For kernels whose result is ``default``'s
+  bit for bit (the scheduler's sort and scans)."""
+  if load(kernel) is not None:
+    return default(*args)
+  return jax.lax.platform_dependent(*args, cpu=native, default=default)
+
+
 def resolve_choice(field: str, value: str, choices: tuple[str, ...], kernel: str,
                    unavailable_reason: Callable[[], str | None]) -> str:
   """``value`` of a config field choosing "auto", a native kernel or "xla",

@@ -59,15 +59,13 @@ def sort_u32(values, ordered_low_bits: int = 0):
       or not 0 <= ordered_low_bits <= 32):
     raise ValueError(f"sort_u32: ordered_low_bits must be a static int in [0, 32], got "
                      f"{ordered_low_bits!r}")
-  if native_build.load(SORT_KERNEL) is not None:
-    return jax.lax.sort(values)
 
   def native(v):
     return jax.ffi.ffi_call(SORT_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                             vmap_method="sequential")(
                                 v, ordered_low_bits=np.int32(ordered_low_bits))
 
-  return jax.lax.platform_dependent(values, cpu=native, default=jax.lax.sort)
+  return native_build.on_cpu(SORT_KERNEL, native, jax.lax.sort, values)
 
 
 def sort_impl() -> str:

@@ -62,13 +62,6 @@ def _vector(name: str, values, kinds: str, dtypes):
   return values if values.dtype == jnp.bool_ else values.astype(jnp.int32)
 
 
-def _native_or(xla, native, *args):
-  """``native(*args)`` on the CPU where the kernels build, else ``xla``."""
-  if native_build.load(SCAN_KERNEL) is not None:
-    return xla(*args)
-  return jax.lax.platform_dependent(*args, cpu=native, default=xla)
-
-
 def cumsum_i32(values):
   """i32[n]: the inclusive prefix sum of ``values`` (bool[n] or i32[n]),
   ``out[i] = values[0] + ... + values[i]``, as int32 whatever
@@ -89,7 +82,7 @@ def cumsum_i32(values):
   xla = lambda v: jnp.cumsum(v, dtype=jnp.int32)
   native = lambda v: jax.ffi.ffi_call(CUMSUM_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                       vmap_method="sequential")(v)
-  return _native_or(xla, native, values.astype(jnp.int32))
+  return native_build.on_cpu(SCAN_KERNEL, native, xla, values.astype(jnp.int32))  # bool too
 
 
 def suffix_min_i32(values):
@@ -104,7 +97,7 @@ def suffix_min_i32(values):
   xla = lambda v: jax.lax.cummin(v, reverse=True)
   native = lambda v: jax.ffi.ffi_call(SUFFIX_MIN_TARGET, jax.ShapeDtypeStruct(v.shape, v.dtype),
                                       vmap_method="sequential")(v)
-  return _native_or(xla, native, values)
+  return native_build.on_cpu(SCAN_KERNEL, native, xla, values)
 
 
 def inverse_permutation(order):
@@ -124,7 +117,7 @@ def inverse_permutation(order):
   xla = lambda o: jnp.zeros((n,), jnp.int32).at[o].set(jnp.arange(n, dtype=jnp.int32))
   native = lambda o: jax.ffi.ffi_call(INVERSE_TARGET, jax.ShapeDtypeStruct(o.shape, o.dtype),
                                       vmap_method="sequential")(o)
-  return _native_or(xla, native, order)
+  return native_build.on_cpu(SCAN_KERNEL, native, xla, order)
 
 
 def stable_partition(order, mask):
@@ -161,7 +154,7 @@ def stable_partition(order, mask):
                            jax.ShapeDtypeStruct((), jnp.int32)),
         vmap_method="sequential")(order, mask)
 
-  return _native_or(xla, native, order, mask)
+  return native_build.on_cpu(SCAN_KERNEL, native, xla, order, mask)
 
 
 def scan_impl() -> str:
