@@ -106,7 +106,9 @@ def inverse_permutation(order):
   (a key order, its reverse, a stable partition of one); on an entry
   outside [0, R) the native kernel fails the program at run time
   (INVALID_ARGUMENT, naming the entry) where the ``jnp`` form (other
-  backends) wraps a negative entry and drops one >= R.
+  backends) wraps a negative entry and drops one >= R. An in-range entry
+  given twice is not checked: the result is then not an inverse of
+  anything (each position takes its last ``i``, missing ones 0).
 
   Raises:
     ValueError: ``order`` is not a vector of int32 or a narrower integer.
