@@ -108,7 +108,7 @@ def inverse_permutation(order):
   (INVALID_ARGUMENT, naming the entry) where the ``jnp`` form (other
   backends) wraps a negative entry and drops one >= R. An in-range entry
   given twice is not checked: the result is then not an inverse of
-  anything (each position takes its last ``i``, missing ones 0).
+  anything (natively each position takes its last ``i``, missing ones 0).
 
   Raises:
     ValueError: ``order`` is not a vector of int32 or a narrower integer.
