@@ -103,7 +103,9 @@ class Engine:
       engines borrow one: a page's rows are read only once a request wrote them).
 
   Raises:
-    ValueError: the simulated executor with a clock that is not virtual;
+    ValueError: ``config.max_model_len`` past the model's context;
+      ``jax_enable_x64`` on (``programs.check_engine``);
+      the simulated executor with a clock that is not virtual;
       ``params`` None with the model executor;
       ``config.weights`` "int8" with parameters that are not float32;
       ``config.int8_gemm`` "amx" where the AMX kernel cannot run;
@@ -114,13 +116,7 @@ class Engine:
                clock: Optional[Callable[[], float]] = None, kv=None):
     self.model_cfg = model_cfg
     self.config = config
-    if config.max_model_len > model_cfg.max_position:
-      # Past its context a model's positions are untrained (and dynamic
-      # RoPE, read as plain RoPE within it, would rescale there).
-      raise ValueError(
-          f"EngineConfig.max_model_len ({config.max_model_len}) must not exceed the "
-          f"model's context, ModelConfig.max_position ({model_cfg.max_position}) of "
-          f"{model_cfg.name!r} (the launchers take --max_model_len={model_cfg.max_position})")
+    programs_lib.check_engine(model_cfg, config)
     # Tensor parallelism (``models.sharding``): weights and the KV cache
     # split over the mesh's model axis, every other table replicated.
     self.mesh = sharding.make_mesh(config.mesh)

@@ -124,6 +124,32 @@ def _executor(model_cfg, executor_config: ExecutorConfig, executor: str,
       traces=traces)
 
 
+def check_engine(model_cfg, config: EngineConfig) -> None:
+  """Refuses an engine its programs cannot run.
+
+  Raises:
+    ValueError: ``config.max_model_len`` above ``model_cfg.max_position``
+      (past its context a model's positions are untrained, and dynamic RoPE,
+      read as plain RoPE within it, would rescale there); ``jax_enable_x64``
+      on for the whole process: the tables are int32 and float32
+      (``scheduler.records``) and under the flag ``jnp`` widens their
+      arithmetic to int64, which the scheduler's loops cannot carry (the
+      simulated loop's float64 clock takes a ``jax.enable_x64`` scope of its
+      own, ``sim_loop``).
+  """
+  if config.max_model_len > model_cfg.max_position:
+    raise ValueError(
+        f"EngineConfig.max_model_len ({config.max_model_len}) must not exceed the "
+        f"model's context, ModelConfig.max_position ({model_cfg.max_position}) of "
+        f"{model_cfg.name!r} (the launchers take --max_model_len={model_cfg.max_position})")
+  if jax.config.jax_enable_x64:
+    raise ValueError(
+        "jax_enable_x64 must be off while an Engine is built and run (its tables are int32 "
+        "and float32), got on: unset JAX_ENABLE_X64 or drop "
+        "jax.config.update('jax_enable_x64', True); float64 code of your own can run in "
+        "a `with jax.enable_x64(True):` scope")
+
+
 def resolve_decode_gemm(config: EngineConfig) -> str | None:
   """``config.decode_gemm`` resolved: "native" (``models.rowgemm``) or
   "xla"; None for the simulated executor, which runs no GEMM. "auto" is

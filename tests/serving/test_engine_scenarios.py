@@ -150,3 +150,18 @@ def test_max_model_len_past_the_models_context_is_refused(params):
   with pytest.raises(ValueError, match=r"EngineConfig.max_model_len \(513\) must not exceed "
                                        r"the model's context, ModelConfig.max_position \(512\)"):
     Engine(CFG, params, config)
+
+
+def test_global_x64_is_refused_by_name(params):
+  # Under a process-wide jax_enable_x64 every policy's walk failed to trace
+  # at the first step (int64 arithmetic in an int32 loop carry); the engine
+  # refuses it when built, and builds once the flag is off again.
+  import jax
+  jax.config.update("jax_enable_x64", True)
+  try:
+    with pytest.raises(ValueError, match=r"jax_enable_x64 must be off .* got on: unset "
+                                         r"JAX_ENABLE_X64"):
+      Engine(CFG, params, BASE)
+  finally:
+    jax.config.update("jax_enable_x64", False)
+  assert Engine(CFG, params, BASE).num_iterations == 0
