@@ -993,8 +993,10 @@ def check_policy(policy, profile: str = "fast", *, seed: int = 0,
     rules: the rules to run (default: all of ``RULES``).
   Raises:
     ConformanceError: a broken rule, with a shrunk example.
-    ValueError: an unknown profile or rule.
+    ValueError: an unknown profile or rule; ``jax_enable_x64`` on
+      (``records.refuse_x64``).
   """
+  rec.refuse_x64("the conformance kit")
   if profile not in PROFILES:
     raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {profile!r}")
   rules = list(RULES) if rules is None else list(rules)

@@ -135,6 +135,28 @@ class PerClient:
     return cls(value=jnp.full((num_clients,), fresh, dtype), fresh=fresh)
 
 
+def refuse_x64(who: str) -> None:
+  """Refuses ``jax_enable_x64`` where ``who`` builds or traces programs over
+  these tables.
+
+  The tables here are int32 and float32; under the flag ``jnp`` widens their
+  arithmetic to int64 (``jnp.arange``, Python-int sums), which the
+  scheduler's loop carries cannot hold: every registered policy failed to
+  trace with a ``TypeError`` from inside the ledger. The simulated loop's
+  float64 clock takes a ``jax.enable_x64`` scope of its own inside its
+  program (``serving.engine.sim_loop``).
+
+  Raises:
+    ValueError: the flag on, process-wide or in a ``jax.enable_x64`` scope.
+  """
+  if jax.config.jax_enable_x64:
+    raise ValueError(
+        f"jax_enable_x64 must be off where {who} builds or traces its programs (the "
+        f"scheduler's tables are int32 and float32), got on: unset JAX_ENABLE_X64, drop "
+        f"jax.config.update('jax_enable_x64', True), or leave the "
+        f"`with jax.enable_x64(True):` scope first")
+
+
 def restart(policy_state, kind, index):
   """``policy_state`` with entry ``index`` (i32[]) of every ``kind``
   (``PerSlot`` or ``PerClient``) column set back to its ``fresh`` value;

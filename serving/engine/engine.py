@@ -109,7 +109,8 @@ class Engine:
       ``params`` None with the model executor;
       ``config.weights`` "int8" with parameters that are not float32;
       ``config.int8_gemm`` "amx" where the AMX kernel cannot run;
-      ``config.decode_gemm`` "native" where its kernel cannot run.
+      ``config.decode_gemm`` "native" where its kernel cannot run;
+      ``kv`` of another shape or dtype than these configs' cache.
   """
 
   def __init__(self, model_cfg, params, config: EngineConfig,
@@ -147,7 +148,8 @@ class Engine:
     c = config
     self._programs = programs_lib.programs(model_cfg, config)
     # The device tables: KV cache, pages, buffers, manifest, state.
-    self.kv = programs_lib.kv_cache(model_cfg, c, self._placement) if kv is None else kv
+    self.kv = (programs_lib.kv_cache(model_cfg, c, self._placement) if kv is None
+               else programs_lib.adopt_kv(model_cfg, c, kv))
     (self.pages, self.buffers, self.manifest, self.state) = programs_lib.slot_tables(
         c, c.max_request_slots, self._placement, policy=self._programs.policy)
     # Host tables: accepted requests, slots, queues, clients.

@@ -131,23 +131,15 @@ def check_engine(model_cfg, config: EngineConfig) -> None:
     ValueError: ``config.max_model_len`` above ``model_cfg.max_position``
       (past its context a model's positions are untrained, and dynamic RoPE,
       read as plain RoPE within it, would rescale there); ``jax_enable_x64``
-      on for the whole process: the tables are int32 and float32
-      (``scheduler.records``) and under the flag ``jnp`` widens their
-      arithmetic to int64, which the scheduler's loops cannot carry (the
-      simulated loop's float64 clock takes a ``jax.enable_x64`` scope of its
-      own, ``sim_loop``).
+      on (``scheduler.records.refuse_x64``; every program refuses it again
+      when traced, ``counting_jit``).
   """
   if config.max_model_len > model_cfg.max_position:
     raise ValueError(
         f"EngineConfig.max_model_len ({config.max_model_len}) must not exceed the "
         f"model's context, ModelConfig.max_position ({model_cfg.max_position}) of "
         f"{model_cfg.name!r} (the launchers take --max_model_len={model_cfg.max_position})")
-  if jax.config.jax_enable_x64:
-    raise ValueError(
-        "jax_enable_x64 must be off while an Engine is built and run (its tables are int32 "
-        "and float32), got on: unset JAX_ENABLE_X64 or drop "
-        "jax.config.update('jax_enable_x64', True); float64 code of your own can run in "
-        "a `with jax.enable_x64(True):` scope")
+  rec.refuse_x64("an Engine")
 
 
 def resolve_decode_gemm(config: EngineConfig) -> str | None:
@@ -193,12 +185,15 @@ def _simulated_execute(*args, **kwargs):
 
 
 def counting_jit(name, fn, traces, **jit_kwargs):
-  """jax.jit whose traces (one per compiled program) are counted by name."""
+  """jax.jit whose traces (one per compiled program) are counted by name;
+  a trace under ``jax_enable_x64`` (turned on after the engine was built)
+  raises ``ValueError`` (``scheduler.records.refuse_x64``)."""
   traces[name] = 0
 
   @functools.wraps(fn)
   def traced(*args, **kwargs):
     traces[name] += 1          # runs only while tracing, never per call
+    rec.refuse_x64("an Engine")
     return fn(*args, **kwargs)
 
   return jax.jit(traced, **jit_kwargs)
@@ -483,20 +478,54 @@ def draft_model_config(model_cfg, config: EngineConfig):
   return cost_lib.draft_config(model_cfg, spec.draft, same_windows=False)
 
 
+def _kv_layout(model_cfg, config: EngineConfig):
+  """(dtype, pages, draft model config or None) of these configs' KV cache."""
+  dtype = jnp.bfloat16 if config.kv_cache_dtype == "bfloat16" else jnp.float32
+  num_pages = 2 if config.executor == "simulated" else config.num_pages
+  return dtype, num_pages, draft_model_config(model_cfg, config)
+
+
 def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
   """A fresh KV cache (``config.num_pages`` pages; 2 for the simulated
   executor, which writes none) committed to the device as every later
   (jit-output) version is: a fresh engine's first step then reuses the
   programs an engine with equal configs compiled, instead of compiling
   again for uncommitted inputs."""
-  c = config
-  dtype = jnp.bfloat16 if c.kv_cache_dtype == "bfloat16" else jnp.float32
-  num_pages = 2 if c.executor == "simulated" else c.num_pages
-  kv = placement.kv(llama.init_kv_cache(model_cfg, num_pages, c.page_size, dtype))
-  draft_cfg = draft_model_config(model_cfg, c)
+  dtype, num_pages, draft_cfg = _kv_layout(model_cfg, config)
+  kv = placement.kv(llama.init_kv_cache(model_cfg, num_pages, config.page_size, dtype))
   if draft_cfg is not None:    # the draft's K/V in the same pages (no mesh: refused)
     kv = kv.replace(draft=jax.device_put(
-        llama.init_kv_cache(draft_cfg, num_pages, c.page_size, dtype), jax.local_devices()[0]))
+        llama.init_kv_cache(draft_cfg, num_pages, config.page_size, dtype),
+        jax.local_devices()[0]))
+  return kv
+
+
+def adopt_kv(model_cfg, config: EngineConfig, kv):
+  """``kv``, a KV cache made for these configs (``Engine(kv=...)``), checked
+  leaf by leaf against what ``kv_cache`` would make.
+
+  Raises:
+    ValueError: naming the first leaf (its pytree path) whose shape or dtype
+      differs, or a tree of other leaves, with what these configs make.
+  """
+  dtype, num_pages, draft_cfg = _kv_layout(model_cfg, config)
+  want = jax.eval_shape(lambda: llama.init_kv_cache(model_cfg, num_pages, config.page_size,
+                                                    dtype))
+  if draft_cfg is not None:
+    want = want.replace(draft=jax.eval_shape(lambda: llama.init_kv_cache(
+        draft_cfg, num_pages, config.page_size, dtype)))
+  got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(kv)
+  want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
+  if got_tree != want_tree:
+    raise ValueError(f"Engine(kv=...) must be a KV cache of these configs' structure "
+                     f"({want_tree}), got {got_tree}")
+  for (path, got), (_, w) in zip(got_leaves, want_leaves):
+    if (tuple(np.shape(got)), np.dtype(got.dtype)) != (w.shape, np.dtype(w.dtype)):
+      raise ValueError(
+          f"Engine(kv=...){jax.tree_util.keystr(path)} must be {w.dtype}{list(w.shape)} "
+          f"for these configs (num_pages={num_pages}, page_size={config.page_size}, "
+          f"kv_cache_dtype={config.kv_cache_dtype!r}), got "
+          f"{np.dtype(got.dtype)}{list(np.shape(got))}")
   return kv
 
 

@@ -153,15 +153,43 @@ def test_max_model_len_past_the_models_context_is_refused(params):
 
 
 def test_global_x64_is_refused_by_name(params):
-  # Under a process-wide jax_enable_x64 every policy's walk failed to trace
-  # at the first step (int64 arithmetic in an int32 loop carry); the engine
-  # refuses it when built, and builds once the flag is off again.
+  # Under jax_enable_x64 every policy's walk failed to trace at the first
+  # step (int64 arithmetic in an int32 loop carry). The engine refuses it
+  # when built, in a scope as well, and its programs refuse it when traced
+  # (the flag turned on after the engine was built).
   import jax
+  from scheduler import conformance
+  refusal = r"jax_enable_x64 must be off where an Engine builds or traces its programs"
   jax.config.update("jax_enable_x64", True)
   try:
-    with pytest.raises(ValueError, match=r"jax_enable_x64 must be off .* got on: unset "
-                                         r"JAX_ENABLE_X64"):
+    with pytest.raises(ValueError, match=refusal + r" .* got on: unset JAX_ENABLE_X64"):
       Engine(CFG, params, BASE)
+    with pytest.raises(ValueError, match=r"where the conformance kit builds"):
+      conformance.check_policy("sarathi_serve")
   finally:
     jax.config.update("jax_enable_x64", False)
-  assert Engine(CFG, params, BASE).num_iterations == 0
+  with jax.enable_x64(True), pytest.raises(ValueError, match=refusal):
+    Engine(CFG, params, BASE)
+  engine = Engine(CFG, params, BASE)
+  engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+  with jax.enable_x64(True), pytest.raises(ValueError, match=refusal):
+    engine.step()
+  while engine.has_unfinished():
+    engine.step()
+  assert engine.num_iterations >= 2
+
+
+def test_an_adopted_kv_cache_of_other_configs_is_refused(params):
+  # ``Engine(kv=...)`` adopts a cache (launch.warmup's engines borrow one);
+  # one of other configs used to fail only inside the first step's program.
+  engine = Engine(CFG, params, BASE)
+  borrower = Engine(CFG, params, dataclasses.replace(BASE, max_request_slots=8), kv=engine.kv)
+  assert borrower.kv is engine.kv
+  pages = BASE.num_pages
+  bigger = dataclasses.replace(BASE, num_pages=2 * pages)
+  with pytest.raises(ValueError, match=r"Engine\(kv=\.\.\.\)\S+ must be float32\[.*"
+                                       rf"\(num_pages={2 * pages}, page_size=.*got float32\["):
+    Engine(CFG, params, bigger, kv=engine.kv)
+  with pytest.raises(ValueError, match=r"Engine\(kv=\.\.\.\) must be a KV cache of these "
+                                       r"configs' structure"):
+    Engine(CFG, params, BASE, kv={"k": engine.kv})
