@@ -35,7 +35,11 @@ grows through the same sizes at every rate) are kept in the XLA
 compilation cache under ``--cache_dir``: each compiles once, in whichever
 process needs it first, and a later sweep loads them. Each trial records
 the seconds its replay spent on programs (tracing, compiling or loading:
-``compile``) beside its ``wall_s``.
+``compile``) beside its ``wall_s``. A process whose compiled programs pass
+half of the kernel's memory-map limit lets them go after a trial
+(``sim_loop.release_programs``; the trial records ``released_programs``) and
+the next trial loads what it needs from the cache: a whole-hour grid kept
+every (policy, slot-table size) program and died at the limit.
 """
 
 import dataclasses
@@ -63,6 +67,7 @@ from serving.harness import metrics
 from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig
+from serving.engine import sim_loop
 from serving.engine.engine import Engine
 from serving.harness.replay import path as replay_path
 from serving.harness.replay import replay, run_config, run_outcomes
@@ -428,6 +433,12 @@ def trial(policy: str, rate: float, k: int) -> dict:
   if note and policy == FLAGS.policies[0]:     # the same cut for every policy
     print(f"trial {k} x{rate:g}: {note}")
   t = run_trial(model_cfg, params, config, wl)
+  # A process that keeps every (policy, slot-table size) program of a grid
+  # passes the kernel's memory-map limit; the next trial reloads what it
+  # needs from --cache_dir.
+  t["released_programs"] = sim_loop.maps_crowded()
+  if t["released_programs"]:
+    sim_loop.release_programs()
   t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
            offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
            window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])

@@ -529,6 +529,13 @@ def adopt_kv(model_cfg, config: EngineConfig, kv):
   return kv
 
 
+def release_programs() -> None:
+  """Forgets the jitted programs and executors built so far (``programs``,
+  ``_executor``); ``sim_loop.release_programs`` says when and why."""
+  programs.cache_clear()
+  _executor.cache_clear()
+
+
 def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages, buffers,
                     manifest, state, prefix_hits, launch, no_stamp, realized):
   """Runs the ``plan`` and ``retick`` programs and the ``step`` program of

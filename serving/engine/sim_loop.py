@@ -556,3 +556,35 @@ def make_queue(arrivals: List[Arrival], due_ms: List[float], realized: List[int]
       due=np.stack([to_bits(t) for t in list(due_ms) + [math.inf] * (size - n)]),
       realized=pad(realized, 0, np.int32), at_epoch=pad(at_epoch, False, bool),
       count=np.int32(n))
+
+
+def maps_crowded(fraction: float = 0.5) -> bool:
+  """True where this process holds more memory maps than ``fraction`` of the
+  kernel's limit (``/proc/self/maps`` against ``vm.max_map_count``); False
+  where either cannot be read (not Linux).
+
+  Each compiled XLA:CPU program holds its code in memory maps (~1,000 for a
+  loop program and its engine's programs at one slot-table size), so a
+  process that keeps every (policy, table size) a sweep reaches passes the
+  limit (65,530 by default) and dies in LLVM with "Cannot allocate memory".
+  """
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      limit = int(f.read())
+    with open("/proc/self/maps", "rb") as f:
+      held = sum(1 for _ in f)
+  except (OSError, ValueError):
+    return False
+  return held > fraction * limit
+
+
+def release_programs() -> None:
+  """Drops every compiled program this process holds: the loop programs,
+  the engine's programs and executors (``serving.engine.programs``) and
+  JAX's own caches (``jax.clear_caches``). A later engine traces its
+  programs again or loads them from the persistent compilation cache
+  (``jax_compilation_cache_dir``, the launchers' ``--cache_dir``). Engines
+  still alive keep the programs they hold."""
+  loop_program.cache_clear()
+  programs_lib.release_programs()
+  jax.clear_caches()

@@ -2,6 +2,7 @@
 ``serving.engine.sim_loop``) against one ``Engine.step`` per iteration."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +163,29 @@ def test_two_loop_replays_are_byte_identical(cost_file):
     records, duration_s = replay(engine, wl)
     runs.append(repr(([dataclasses.asdict(r) for r in records], duration_s,
                       _counters(engine))))
+  assert runs[0] == runs[1]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_released_programs_give_back_their_memory_maps_and_the_same_replay(cost_file):
+  # A sweep process that kept every (policy, slot-table size) program died
+  # at the kernel's memory-map limit; release_programs lets them go and the
+  # next engine builds them again to the same records.
+  def maps():
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+
+  wl = _workload(**WORKLOADS["burst"])
+  runs = []
+  for _ in range(2):
+    engine = _engine(cost_file, "vllm_v1", num_pages=20)
+    records, duration_s = replay(engine, wl)
+    runs.append(repr(([dataclasses.asdict(r) for r in records], duration_s)))
+    del engine
+    held = maps()
+    sim_loop.release_programs()
+    assert maps() < held - 100
+    assert sim_loop.maps_crowded(0.0) and not sim_loop.maps_crowded(1.0)
   assert runs[0] == runs[1]
 
 
