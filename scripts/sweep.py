@@ -39,7 +39,9 @@ the seconds its replay spent on programs (tracing, compiling or loading:
 half of the kernel's memory-map limit lets them go after a trial
 (``sim_loop.release_programs``; the trial records ``released_programs``) and
 the next trial loads what it needs from the cache: a whole-hour grid kept
-every (policy, slot-table size) program and died at the limit.
+every (policy, slot-table size) program and died at the limit. Each trial's
+record is also appended to ``OUT/trials.jsonl`` as the trial ends, so a
+sweep stopped or broken midway keeps the trials that finished.
 """
 
 import dataclasses
@@ -74,6 +76,8 @@ from serving.harness.replay import replay, run_config, run_outcomes
 from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
+TRIALS_FILE = "trials.jsonl"     # one JSON line per finished trial, in finishing order
+
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
                     "AzureLLMInferenceTrace_conv.csv", "KIND:PATH (azure, vtc, mooncake).")
 flags.DEFINE_list("policies", ["sarathi_serve", "vllm_v1"], "Policies to compare: "
@@ -119,8 +123,9 @@ flags.DEFINE_string("cost_model", None, "Cost model: a calibration JSON or profi
 flags.DEFINE_integer("sample_every", 64, "Ledger time series: once N iterations ran since "
                      "the last sample (>= 1; 64 keeps the 4x Azure conv hour's trial at "
                      "~820 rows of sweep.json).")
-flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs); created with "
-                    "its missing parents, an existing sweep.json in it is overwritten.")
+flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs; trials.jsonl as "
+                    "trials end); created with its missing parents, an existing sweep.json "
+                    "and trials.jsonl in it are overwritten.")
 flags.DEFINE_integer("jobs", 1, "Trials run at once, each in a process of its own "
                      "(spawned; every trial is deterministic, so the results do not depend "
                      "on it, but for wall times and program counts). 2 uses both cores of "
@@ -391,18 +396,28 @@ def main(argv):
   tasks = [(policy, rate, k) for policy in FLAGS.policies for rate in rates
            for k in range(FLAGS.trials)]
   t = time.perf_counter()
-  if FLAGS.jobs == 1:
-    result["trials"] = [trial(*task) for task in tasks]
-  else:               # spawned, not forked: JAX is not fork-safe once started
-    ctx = multiprocessing.get_context("spawn")
-    with futures.ProcessPoolExecutor(FLAGS.jobs, mp_context=ctx, initializer=_parse_flags,
-                                     initargs=(list(sys.argv),)) as pool:
-      # Handed out rate by rate, so the processes run different policies
-      # at once: a policy's program for a slot-table size compiles in one
-      # of them and the other loads it from the compilation cache.
-      spread = sorted(tasks, key=lambda task: (rates.index(task[1]), task[2]))
-      done = dict(zip(spread, pool.map(trial, *zip(*spread))))
-      result["trials"] = [done[task] for task in tasks]
+  done = {}
+  with open(f"{FLAGS.out}/{TRIALS_FILE}", "w") as log:
+    def keep(task, record):    # each trial on disk as it ends
+      done[task] = record
+      log.write(json.dumps(record) + "\n")
+      log.flush()
+
+    if FLAGS.jobs == 1:
+      for task in tasks:
+        keep(task, trial(*task))
+    else:             # spawned, not forked: JAX is not fork-safe once started
+      ctx = multiprocessing.get_context("spawn")
+      with futures.ProcessPoolExecutor(FLAGS.jobs, mp_context=ctx, initializer=_parse_flags,
+                                       initargs=(list(sys.argv),)) as pool:
+        # Handed out rate by rate, so the processes run different policies
+        # at once: a policy's program for a slot-table size compiles in one
+        # of them and the other loads it from the compilation cache.
+        spread = sorted(tasks, key=lambda task: (rates.index(task[1]), task[2]))
+        running = {pool.submit(trial, *task): task for task in spread}
+        for future in futures.as_completed(running):
+          keep(running[future], future.result())
+  result["trials"] = [done[task] for task in tasks]
   result["wall_s"] = time.perf_counter() - t
   result["load_avg_end"] = os.getloadavg()
   finish(result)

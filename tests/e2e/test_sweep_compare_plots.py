@@ -65,6 +65,10 @@ def test_sweep_then_compare_then_plots(trace, tmp_path):
   assert len(notes) == 2, proc.stdout      # one per (rate, trial), not per policy
   result = json.loads((out / "sweep.json").read_text())
   assert len(result["trials"]) == 4
+  # Each trial was on disk as it ended: the same records, in finishing order.
+  kept = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+  key = lambda t: (t["policy"], t["rate_scale"], t["trial"])
+  assert sorted(kept, key=key) == sorted(result["trials"], key=key)
   for t in result["trials"]:
     assert t["outcomes"]["valid"] == t["outcomes"]["offered"] == len(ROWS) == t["num_requests"]
     assert not OUTCOME_KEYS & set(t["config"]) and OUTCOME_KEYS <= set(t["engine_outcomes"])

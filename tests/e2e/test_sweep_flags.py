@@ -130,6 +130,8 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     runs.append(json.loads((out / "sweep.json").read_text()))
+    kept = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert sorted(map(json.dumps, kept)) == sorted(map(json.dumps, runs[-1]["trials"]))
   wall = ("wall_s", "iterations_per_s", "compile")   # and the process's program counts:
   strip = lambda r: [{k: (dict(v, compiled_programs=None) if k == "engine_outcomes" else v)
                       for k, v in t.items() if k not in wall} for t in r["trials"]]
