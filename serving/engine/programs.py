@@ -478,42 +478,41 @@ def draft_model_config(model_cfg, config: EngineConfig):
   return cost_lib.draft_config(model_cfg, spec.draft, same_windows=False)
 
 
-def _kv_layout(model_cfg, config: EngineConfig):
-  """(dtype, pages, draft model config or None) of these configs' KV cache."""
+def _fresh_kv(model_cfg, config: EngineConfig):
+  """(model's cache, draft model's cache or None): these configs' KV caches,
+  uncommitted (``config.num_pages`` pages; 2 for the simulated executor,
+  which writes none)."""
   dtype = jnp.bfloat16 if config.kv_cache_dtype == "bfloat16" else jnp.float32
   num_pages = 2 if config.executor == "simulated" else config.num_pages
-  return dtype, num_pages, draft_model_config(model_cfg, config)
+  draft_cfg = draft_model_config(model_cfg, config)
+  return (llama.init_kv_cache(model_cfg, num_pages, config.page_size, dtype),
+          None if draft_cfg is None else
+          llama.init_kv_cache(draft_cfg, num_pages, config.page_size, dtype))
 
 
 def kv_cache(model_cfg, config: EngineConfig, placement: sharding.Placement):
-  """A fresh KV cache (``config.num_pages`` pages; 2 for the simulated
-  executor, which writes none) committed to the device as every later
+  """A fresh KV cache (``_fresh_kv``) committed to the device as every later
   (jit-output) version is: a fresh engine's first step then reuses the
   programs an engine with equal configs compiled, instead of compiling
   again for uncommitted inputs."""
-  dtype, num_pages, draft_cfg = _kv_layout(model_cfg, config)
-  kv = placement.kv(llama.init_kv_cache(model_cfg, num_pages, config.page_size, dtype))
-  if draft_cfg is not None:    # the draft's K/V in the same pages (no mesh: refused)
-    kv = kv.replace(draft=jax.device_put(
-        llama.init_kv_cache(draft_cfg, num_pages, config.page_size, dtype),
-        jax.local_devices()[0]))
+  kv, draft = _fresh_kv(model_cfg, config)
+  kv = placement.kv(kv)
+  if draft is not None:    # the draft's K/V in the same pages (no mesh: refused)
+    kv = kv.replace(draft=jax.device_put(draft, jax.local_devices()[0]))
   return kv
 
 
 def adopt_kv(model_cfg, config: EngineConfig, kv):
   """``kv``, a KV cache made for these configs (``Engine(kv=...)``), checked
-  leaf by leaf against what ``kv_cache`` would make.
+  leaf by leaf against the shapes ``kv_cache`` would make (no allocation).
 
   Raises:
     ValueError: naming the first leaf (its pytree path) whose shape or dtype
       differs, or a tree of other leaves, with what these configs make.
   """
-  dtype, num_pages, draft_cfg = _kv_layout(model_cfg, config)
-  want = jax.eval_shape(lambda: llama.init_kv_cache(model_cfg, num_pages, config.page_size,
-                                                    dtype))
-  if draft_cfg is not None:
-    want = want.replace(draft=jax.eval_shape(lambda: llama.init_kv_cache(
-        draft_cfg, num_pages, config.page_size, dtype)))
+  want, draft = jax.eval_shape(lambda: _fresh_kv(model_cfg, config))
+  if draft is not None:
+    want = want.replace(draft=draft)
   got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(kv)
   want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
   if got_tree != want_tree:
@@ -523,8 +522,8 @@ def adopt_kv(model_cfg, config: EngineConfig, kv):
     if (tuple(np.shape(got)), np.dtype(got.dtype)) != (w.shape, np.dtype(w.dtype)):
       raise ValueError(
           f"Engine(kv=...){jax.tree_util.keystr(path)} must be {w.dtype}{list(w.shape)} "
-          f"for these configs (num_pages={num_pages}, page_size={config.page_size}, "
-          f"kv_cache_dtype={config.kv_cache_dtype!r}), got "
+          f"for these configs (num_pages={config.num_pages}, page_size={config.page_size}, "
+          f"kv_cache_dtype={config.kv_cache_dtype!r}, executor={config.executor!r}), got "
           f"{np.dtype(got.dtype)}{list(np.shape(got))}")
   return kv
 
