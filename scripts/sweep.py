@@ -77,6 +77,10 @@ from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 TRIALS_FILE = "trials.jsonl"     # one JSON line per finished trial, in finishing order
+# The flags a trial's record depends on, kept in it ("settings"): --resume
+# reuses a record only when they equal this run's.
+TRIAL_SETTINGS = ("trace", "window_s", "ttft_ms", "tpot_ms", "model", "engine", "max_model_len",
+                  "max_output_len", "executor", "clock", "cost_model", "sample_every")
 
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
                     "AzureLLMInferenceTrace_conv.csv", "KIND:PATH (azure, vtc, mooncake).")
@@ -125,7 +129,7 @@ flags.DEFINE_integer("sample_every", 64, "Ledger time series: once N iterations 
                      "~820 rows of sweep.json).")
 flags.DEFINE_string("out", "runs/sweep", "Output folder (sweep.json + PNGs; trials.jsonl as "
                     "trials end); created with its missing parents, an existing sweep.json "
-                    "and trials.jsonl in it are overwritten.")
+                    "and trials.jsonl in it are overwritten (--resume keeps trials.jsonl).")
 flags.DEFINE_integer("jobs", 1, "Trials run at once, each in a process of its own "
                      "(spawned; every trial is deterministic, so the results do not depend "
                      "on it, but for wall times and program counts). 2 uses both cores of "
@@ -134,6 +138,9 @@ flags.DEFINE_string("cache_dir", ".cache/iterserve", "XLA compilation cache unde
                     "CACHE_DIR/xla, shared by the trial processes and later sweeps: a "
                     "program (one per policy and slot-table size) compiles once, not once "
                     "per process ('' = none).")
+flags.DEFINE_bool("resume", False, "Finish a sweep that stopped part-way: keep the trials "
+                  "OUT/trials.jsonl holds (each run with this sweep's settings, or refused), "
+                  "run only the grid's others, appending them to it.")
 flags.DEFINE_list("merge", None, "Instead of running: merge the trials of these "
                   "sweep.json files (same trace, window, SLOs, alpha and trials; "
                   "different rate grids) into --out, recomputing G* and plots.")
@@ -383,6 +390,8 @@ def main(argv):
   if FLAGS["merge"].present:
     if not FLAGS.merge:
       raise ValueError("--merge must name at least one sweep.json, got ''")
+    if FLAGS.resume:
+      raise ValueError("--resume finishes a run's trials; --merge runs none (use one of them)")
     _check_out()
     return finish(merge(FLAGS.merge))
   rates = _check_flags()
@@ -396,15 +405,17 @@ def main(argv):
   tasks = [(policy, rate, k) for policy in FLAGS.policies for rate in rates
            for k in range(FLAGS.trials)]
   t = time.perf_counter()
-  done = {}
-  with open(f"{FLAGS.out}/{TRIALS_FILE}", "w") as log:
+  done = resumed(tasks) if FLAGS.resume else {}
+  result["resumed_trials"] = len(done)
+  with open(f"{FLAGS.out}/{TRIALS_FILE}", "a" if FLAGS.resume else "w") as log:
     def keep(task, record):    # each trial on disk as it ends
       done[task] = record
       log.write(json.dumps(record) + "\n")
       log.flush()
 
+    todo = [task for task in tasks if task not in done]
     if FLAGS.jobs == 1:
-      for task in tasks:
+      for task in todo:
         keep(task, trial(*task))
     else:             # spawned, not forked: JAX is not fork-safe once started
       ctx = multiprocessing.get_context("spawn")
@@ -413,14 +424,70 @@ def main(argv):
         # Handed out rate by rate, so the processes run different policies
         # at once: a policy's program for a slot-table size compiles in one
         # of them and the other loads it from the compilation cache.
-        spread = sorted(tasks, key=lambda task: (rates.index(task[1]), task[2]))
+        spread = sorted(todo, key=lambda task: (rates.index(task[1]), task[2]))
         running = {pool.submit(trial, *task): task for task in spread}
         for future in futures.as_completed(running):
           keep(running[future], future.result())
   result["trials"] = [done[task] for task in tasks]
   result["wall_s"] = time.perf_counter() - t
   result["load_avg_end"] = os.getloadavg()
-  finish(result)
+  finish(result, f"{FLAGS.out}/{TRIALS_FILE}")
+
+
+def resumed(tasks) -> dict:
+  """--resume: the records of OUT/trials.jsonl for this run's tasks, by
+  (policy, rate scale, trial). The file is rewritten with its complete
+  lines first (a crash can leave a last line cut short; it is dropped and
+  its trial runs again).
+
+  Raises:
+    ValueError: no such file, a line that is not a trial record, or one
+      run with other settings (TRIAL_SETTINGS) than this run.
+  """
+  path = f"{FLAGS.out}/{TRIALS_FILE}"
+  if not os.path.isfile(path):
+    raise ValueError(f"--resume keeps the trials of {path}, which does not exist (is --out "
+                     f"the stopped sweep's folder?)")
+  with open(path) as f:
+    lines = f.read().split("\n")
+  ours, kept = settings(), []
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      if n == len(lines):      # cut short by the stop: no newline after it
+        print(f"--resume: {path} line {n} was cut short; its trial runs again")
+        continue
+      raise ValueError(f"--resume: {path} line {n} is not JSON") from None
+    theirs = record.get("settings") if isinstance(record, dict) else None
+    if not isinstance(theirs, dict):
+      raise ValueError(f"--resume: {path} line {n} is not a trial record of this sweep.py "
+                       f"(it has no 'settings')")
+    differ = [k for k in TRIAL_SETTINGS if theirs.get(k) != ours[k]]
+    if differ:
+      k = differ[0]
+      raise ValueError(f"--resume: {path} line {n} was run with --{k}={theirs.get(k)}, this "
+                       f"run has --{k}={ours[k]}; its trials cannot join this sweep (run with "
+                       f"its flags, or another --out)")
+    kept.append(record)
+  with open(path, "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in kept))
+  wanted = set(tasks)
+  done = {}
+  for r in kept:
+    task = (r["policy"], r["rate_scale"], r["trial"])
+    if task in wanted:
+      done.setdefault(task, r)
+  print(f"--resume: {len(done)} of the grid's {len(tasks)} trials kept from {path}; "
+        f"running {len(tasks) - len(done)}", flush=True)
+  return done
+
+
+def settings() -> dict:
+  """The flags a trial's record depends on (TRIAL_SETTINGS), by name."""
+  return {k: getattr(FLAGS, k) for k in TRIAL_SETTINGS}
 
 
 def _parse_flags(argv) -> None:
@@ -454,7 +521,7 @@ def trial(policy: str, rate: float, k: int) -> dict:
   t["released_programs"] = sim_loop.maps_crowded()
   if t["released_programs"]:
     sim_loop.release_programs()
-  t.update(policy=policy, rate_scale=rate, trial=k, num_requests=len(wl),
+  t.update(policy=policy, rate_scale=rate, trial=k, settings=settings(), num_requests=len(wl),
            offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
            window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
   print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
@@ -521,7 +588,7 @@ def _read_sweep(path: str, keys) -> dict:
   return run
 
 
-def finish(result):
+def finish(result, trials_file=None):
   summarize(result)
   os.makedirs(FLAGS.out, exist_ok=True)
   with open(f"{FLAGS.out}/sweep.json", "w") as f:
@@ -530,7 +597,8 @@ def finish(result):
   for p, g in result["g_star"].items():
     print(f"G*({p}) at alpha={result['alpha']}: {ablation.g_star_text(g)} req/s "
           f"({ablation.g_star_note(g)})")
-  print(f"wrote {FLAGS.out}/sweep.json and PNGs")
+  also = f", {trials_file}" if trials_file else ""
+  print(f"wrote {FLAGS.out}/sweep.json{also} and PNGs")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,44 @@ def test_sweep_then_compare_then_plots(trace, tmp_path):
   assert f">= {top:.4g}" in table and "cannot be ranked on g_star" in table
 
 
+def test_a_resumed_sweep_runs_only_the_trials_it_lacks(trace, tmp_path):
+  """A sweep stopped after one trial (its trials.jsonl: that trial's line,
+  then a line cut short): ``--resume`` keeps the first trial's record as
+  written, runs the other three, and ends with the uninterrupted sweep's
+  records; a record run with another --window_s is refused by name."""
+  args = [f"--trace={trace}", "--engine=tiny", "--max_model_len=64",
+          "--policies=sarathi_serve,vllm_v1", "--rate_scales=0.5,2", "--trials=1",
+          "--window_s=10", "--ttft_ms=600000", "--tpot_ms=600000"]
+  whole = tmp_path / "whole"
+  _run("sweep.py", *args, f"--out={whole}")
+  full = json.loads((whole / "sweep.json").read_text())
+  lines = (whole / "trials.jsonl").read_text().splitlines()
+  first = json.loads(lines[0])
+  assert first["settings"]["window_s"] == 10.0 and first["settings"]["engine"] == "tiny"
+  out = tmp_path / "stopped"
+  out.mkdir()
+  (out / "trials.jsonl").write_text(lines[0] + "\n" + lines[1][:40])
+  proc = _run("sweep.py", *args, f"--out={out}", "--resume")
+  assert "line 2 was cut short" in proc.stdout
+  assert "1 of the grid's 4 trials kept" in proc.stdout and "running 3" in proc.stdout
+  resumed = json.loads((out / "sweep.json").read_text())
+  assert resumed["resumed_trials"] == 1
+  key = lambda t: (t["policy"], t["rate_scale"], t["trial"])
+  kept = next(t for t in resumed["trials"] if key(t) == key(first))
+  assert kept == first                     # reused as written, wall time included
+  wall = ("wall_s", "iterations_per_s", "compile", "released_programs")
+  strip = lambda ts: sorted(({k: (dict(v, compiled_programs=None) if k == "engine_outcomes"
+                                  else v) for k, v in t.items() if k not in wall}
+                             for t in ts), key=key)
+  assert strip(resumed["trials"]) == strip(full["trials"])
+  assert resumed["g_star"] == full["g_star"]
+  on_disk = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+  assert sorted(map(key, on_disk)) == sorted(map(key, full["trials"]))
+  proc = _run("sweep.py", *args[:-3], "--window_s=20", "--ttft_ms=600000",
+              "--tpot_ms=600000", f"--out={out}", "--resume", expect_rc=2)
+  assert "line 1 was run with --window_s=10.0, this run has --window_s=20.0" in proc.stderr
+
+
 def _sweep_json(path, attainment, alpha=0.9, rates=(0.01, 0.02, 0.04), legacy=False):
   """A sweep.json as sweep.py writes it, reduced to what compare.py reads:
   ``attainment`` maps each policy to its mean attainment per rate (req/s).
