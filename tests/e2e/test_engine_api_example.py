@@ -1,0 +1,41 @@
+"""docs/examples/engine_api.py, the engine from Python as README shows it,
+run as a user runs it (a subprocess): every request ends with an outcome
+and its token count, on the simulated executor and on the real model."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "docs" / "examples" / "engine_api.py"
+
+
+def _run(*args):
+  proc = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd="/", capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_the_engine_example_on_the_simulated_executor():
+  """No weights: three requests of 5 tokens each end completed (length),
+  the virtual clock advanced by the cost model's step times."""
+  out = _run("--simulated", "--engine=tiny", "--max_tokens=5", "--policy=vllm_v1")
+  ends = re.findall(r"^(req-\d): (\w+) \((\w+)\), (\d+) tokens$", out, flags=re.M)
+  assert sorted(ends) == [(f"req-{i}", "completed", "length", "5") for i in range(3)], out
+  clock = re.search(r"^(\d+) iterations, policy vllm_v1, clock at ([\d.]+) ms$", out, re.M)
+  assert clock and int(clock[1]) >= 5 and float(clock[2]) > 0, out
+
+
+@pytest.mark.slow      # SmolLM2-135M's weights; the tiny preset's one bucket compiles
+def test_the_engine_example_on_the_real_model():
+  """Greedy SmolLM2 text: each request ends completed, by length or at its
+  end-of-text token, and its text is printed."""
+  out = _run("--engine=tiny", "--max_tokens=8")
+  ends = re.findall(r"^(req-\d): completed \((length|stop)\), (\d+) tokens$", out, flags=re.M)
+  assert [e[0] for e in sorted(ends)] == ["req-0", "req-1", "req-2"], out
+  assert all(1 <= int(n) <= 8 and (n == "8") == (why == "length") for _, why, n in ends), out
+  assert re.search(r"^req-0 'The capital of France is' -> '.+'$", out, flags=re.M), out
