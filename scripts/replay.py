@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from serving import cli
 from serving.cli import launch
+from serving.engine import host_cpu
 from serving.harness import ledger
 from serving.harness import metrics
 from serving.harness import workloads
@@ -106,6 +107,7 @@ def main(argv):
     bar.update(engine.table.num_ended - bar.n)
     bar.set_postfix(iterations=engine.num_iterations, refresh=False)
 
+  load_start = os.getloadavg()
   t = time.perf_counter()
   records, duration_s = replay(engine, workload, on_progress=progress,
                                origin_ms=sampler.origin_ms)
@@ -121,6 +123,9 @@ def main(argv):
     config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   report["engine_outcomes"] = run_outcomes(engine)
+  if engine.cost_model is None:     # what the wall-clock figures ran on, and beside what
+    report["machine"] = {"host_cpu": host_cpu.host_cpu(), "load_avg_start": load_start,
+                         "load_avg_end": os.getloadavg(), "replay_wall_s": wall_s}
   # What the requests were judged by: a comparison coordinate (serving.harness.ablation).
   report["slo"] = {"ttft_ms": FLAGS.slo_ttft_ms, "tpot_ms": FLAGS.slo_tpot_ms,
                    "tbt_ms": FLAGS.ledger_tbt_ms, "classes": FLAGS.slo_class}
