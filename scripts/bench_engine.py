@@ -122,8 +122,9 @@ flags.DEFINE_integer("token_budget", 0, "Token budget and prefill chunk cap per 
                      "scanned chunks.")
 flags.DEFINE_string("profile", "", "Write a JAX profiler trace of a few decode steps here.")
 flags.DEFINE_integer("profile_steps", 4, "Steps in the --profile trace.")
+flags.DEFINE_integer("profile_requests", 32, "Requests of the --profile trace (>= 1).")
 flags.DEFINE_enum("profile_phase", "decode", ["decode", "prefill"],
-                  "--profile traces 32 requests' decode steps (after their prompts) "
+                  "--profile traces --profile_requests' decode steps (after their prompts) "
                   "or their first steps (prompt chunks, then prompt chunks with decode rows).")
 flags.DEFINE_list("breakdown_seqs", ["1", "8", "32"], "Breakdown section batch sizes.")
 flags.DEFINE_integer("breakdown_context", 320, "Breakdown section KV rows per sequence.")
@@ -475,6 +476,9 @@ def main(argv):
   for w in FLAGS.hf_weights:
     if w not in ("dense", "int8"):
       raise ValueError(f"--hf_weights entries must be dense or int8, got {w!r}")
+  for name in ("profile_steps", "profile_requests"):
+    if getattr(FLAGS, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   # The launchers' refusals, before any model loads: the flags' combination
   # (EngineConfig), --attention_impl=native and --int8_gemm=amx where their
   # kernels cannot run.
@@ -579,7 +583,7 @@ def main(argv):
     print("prefill_step", out["prefill_step"])
 
   if FLAGS.profile:
-    n = 32
+    n = FLAGS.profile_requests
     engine = _engine(cfg, params)
     for i, p in enumerate(_prompts([FLAGS.prompt_len] * n, cfg.vocab_size, seed=n)):
       engine.add_request(f"p{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
