@@ -21,8 +21,11 @@ KV for the unknown output length (the report's ``config.reservation`` and
 ``reservation_estimator``). ``config`` holds what the run was given;
 what it measured (iterations, preemptions, extensions, prompt rows
 computed, prefix-cache counters, speculative decoding's drafts and
-acceptance) is in ``engine_outcomes``; with --speculative the table is
-followed by one line of the drafts and the acceptance rate.
+acceptance) is in ``engine_outcomes``. After the table, one line per
+rejection reason gives how many requests it rejected (``rejected 3 of 32:
+needs 40 KV pages ...``, saying so when every request was); a run that
+rejected everything still exits 0: rejection is an outcome. With
+--speculative one line gives the drafts and the acceptance rate.
 
   python scripts/replay.py --engine=cpu_small --num_pages=24 --reservation=point
 """
@@ -138,6 +141,9 @@ def main(argv):
   print(f"replay wall time {wall_s:.1f} s, {engine.num_iterations} iterations "
         f"({engine.num_iterations / max(wall_s, 1e-9):.0f} it/s)")
   print(metrics.format_table(report))
+  rejections = metrics.format_rejections(report)     # why, in the records' words
+  if rejections:
+    print(rejections)
   estimator = config["reservation_estimator"]
   estimator = "the policy's own rule" if estimator == "policy" else estimator
   print(f"reservation {config['reservation']} ({estimator}): "

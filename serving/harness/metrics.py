@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -592,6 +593,48 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# A number in a reason's text (not one inside a word, as in "smollm2").
+_NUMBER = re.compile(r"\b\d+(?:\.\d+)?\b")
+
+
+def _one_text(reasons: Sequence[str]) -> str:
+    """One text for reasons that differ only in their numbers: a number
+    every reason has the same stays as it is, one that differs becomes
+    ``"LO to HI"`` (smallest and largest of them)."""
+    pieces = _NUMBER.split(reasons[0])
+    columns = zip(*(_NUMBER.findall(r) for r in reasons))
+    numbers = []
+    for column in columns:
+        lo, hi = min(column, key=float), max(column, key=float)
+        numbers.append(lo if lo == hi else f"{lo} to {hi}")
+    return pieces[0] + "".join(n + p for n, p in zip(numbers, pieces[1:]))
+
+
+def format_rejections(report: dict) -> str:
+    """Why the requests of a `build_report` result were rejected: one line
+    per reason, the most frequent first, ``"rejected N of TOTAL: REASON"``,
+    the reason the records' ``finish_reason``. Reasons that differ only in
+    their numbers (``"needs 36 KV pages ..."``, ``"needs 17 KV pages ..."``)
+    are one line, each number that differs given as its range
+    (``"needs 17 to 36 KV pages ..."``). When every request was rejected the
+    first line says so. "" when none was.
+    """
+    rejected = [r.get("finish_reason") or "no reason given"
+                for r in report["requests"] if r["outcome"] == "rejected"]
+    kinds: dict[str, list[str]] = {}        # reason with numbers masked -> reasons
+    for reason in rejected:
+        kinds.setdefault(_NUMBER.sub("#", reason), []).append(reason)
+    total = report["num_requests"]
+    lines = []
+    for reasons in sorted(kinds.values(), key=len, reverse=True):   # stable: first seen first
+        every = ""
+        if not lines and len(rejected) == total:
+            every = (" (every request was rejected)" if len(kinds) == 1 else
+                     f" (every request was rejected, for {len(kinds)} reasons)")
+        lines.append(f"rejected {len(reasons)} of {total}{every}: {_one_text(reasons)}")
+    return "\n".join(lines)
+
+
 def number_text(value, digits: int = 4) -> str:
     """``value`` for a line of text: None as ``"n/a"``, an int as it is, a
     float to ``digits`` significant digits (0.09424083769633508 ->
@@ -645,6 +688,6 @@ def write_report(path: str | Path, report: dict) -> None:
 
 __all__ = [
     "DEFAULT_PERCENTILES", "LATENCY_METRICS", "OUTCOMES", "RequestRecord", "ServiceGap",
-    "build_report", "client_service_gap", "format_table", "goodput", "min_samples_for_percentile",
-    "percentile_nearest_rank", "write_report"
+    "build_report", "client_service_gap", "format_rejections", "format_table", "goodput",
+    "min_samples_for_percentile", "percentile_nearest_rank", "write_report"
 ]

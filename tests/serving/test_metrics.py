@@ -16,6 +16,7 @@ from serving.harness.metrics import (
     build_report,
     client_service_gap,
     format_goodput,
+    format_rejections,
     format_spec_decode,
     format_table,
     goodput,
@@ -220,6 +221,39 @@ def test_format_table_and_json(tmp_path):
     path = tmp_path / "out" / "report.json"
     write_report(path, r)
     assert json.loads(path.read_text()) == r
+
+
+def test_rejection_lines_count_each_reason_and_range_its_numbers():
+    """One line per reason, the most frequent first; two reasons that differ
+    in numbers only are one line, each differing number as its range (3 to
+    12 compared as numbers, not as text), a shared one (9) as it is; the
+    cancelled request is no rejection; every request rejected is said."""
+    needs = "needs {} KV pages for {} KV rows (prompt + max_tokens - 1); the cache has 9"
+    never = "policy fcfs can never schedule it (token budget 16, 9 KV pages)"
+    records = [
+        _rec("A", 0.0, [0.1, 0.2]),
+        _rec("R1", 0.1, [], outcome="rejected", finish_reason=needs.format(12, 45)),
+        _rec("R2", 0.2, [], outcome="rejected", finish_reason=never),
+        _rec("R3", 0.3, [], outcome="rejected", finish_reason=needs.format(3, 10)),
+        _rec("R4", 0.4, [], outcome="rejected"),
+        _rec("E", 0.5, [0.6], outcome="cancelled", finish_reason="abort"),
+    ]
+    report = build_report(records, duration_s=1.0)
+    assert format_rejections(report).splitlines() == [
+        "rejected 2 of 6: " + needs.format("3 to 12", "10 to 45"),
+        "rejected 1 of 6: " + never,
+        "rejected 1 of 6: no reason given",
+    ]
+    assert format_rejections(build_report(records[:1], duration_s=1.0)) == ""
+    every = build_report(records[1:4], duration_s=1.0)
+    assert format_rejections(every).splitlines() == [
+        "rejected 2 of 3 (every request was rejected, for 2 reasons): "
+        + needs.format("3 to 12", "10 to 45"),
+        "rejected 1 of 3: " + never,
+    ]
+    one = build_report(records[1:2], duration_s=1.0)
+    assert format_rejections(one) == ("rejected 1 of 1 (every request was rejected): "
+                                      + needs.format(12, 45))
 
 
 def test_goodput_metric_exactly_on_its_limit_passes():
