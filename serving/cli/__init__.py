@@ -193,18 +193,22 @@ def flag_named(message: str) -> str:
 
 def run(main: Callable[[List[str]], Any]) -> None:
   """``app.run(main)`` with the refusals above: flags parsed by
-  ``parse_flags``; a ValueError or ``app.UsageError`` out of ``main`` (bad
-  flag value, file, model or request) becomes one line (``flag_named``) and
-  exit status 2. Any other exception keeps its traceback (a bug, not bad
-  input)."""
+  ``parse_flags``; ``jax_enable_x64`` on (``JAX_ENABLE_X64=1``) refused
+  before ``main`` runs, so before any model loads or kernel is timed
+  (``scheduler.records.refuse_x64``); a ValueError or ``app.UsageError``
+  out of ``main`` (bad flag value, file, model or request) becomes one line
+  (``flag_named``) and exit status 2. Any other exception keeps its
+  traceback (a bug, not bad input)."""
 
   @functools.wraps(main)
   def refusing(argv):
     if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
       logging.set_verbosity(logging.WARNING)
     try:
-      # XLA_FLAGS' ISA cap: a value XLA knows. Imported here: importing
-      # serving.cli (hostmem's probe) loads no jax.
+      # Imported here: importing serving.cli (hostmem's probe) loads no jax.
+      from scheduler import records
+      records.refuse_x64(Path(argv[0]).name)
+      # XLA_FLAGS' ISA cap: a value XLA knows.
       from attention import native_build
       native_build.max_isa()
       return main(argv)

@@ -125,6 +125,24 @@ def test_an_unknown_engine_preset_names_its_flag_and_the_presets(script, args):
                                f"{PRESETS}) or an existing *.json file, got {name!r}")
 
 
+def test_x64_is_refused_before_anything_loads():
+  """JAX_ENABLE_X64=1 is refused by ``cli.run`` before ``main`` runs:
+  generate.py loaded the model and timed its kernels first, then refused
+  it when the engine built its programs. A process of its own, not a
+  refusal server's child: JAX reads the variable when it is imported."""
+  env = dict(os.environ, JAX_ENABLE_X64="1")
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--prompt=hi"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "model:" not in proc.stdout
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+      "error: jax_enable_x64 must be off where generate.py builds or traces its programs (the "
+      "scheduler's tables are int32 and float32), got on: unset JAX_ENABLE_X64, drop "
+      "jax.config.update('jax_enable_x64', True), or leave the `with jax.enable_x64(True):` "
+      "scope first")
+
+
 def test_native_attention_without_a_compiler_is_refused_before_loading(tmp_path):
   """--attention_impl=native where the kernel cannot build (no compiler, an
   empty kernel cache) is one line naming the flag and the reason."""
