@@ -25,7 +25,9 @@ ranked on it (two lower bounds are not a tie).
 Runs are ranked only when every comparison coordinate
 (model, executor + cost model, trace + window + rate scale, SLOs, metric
 definitions, engine config apart from the policy) is equal; otherwise the
-script prints one line naming every key that differs (e.g. ``coordinate
+script prints one short line naming the two runs (by the names above, a
+replay report by its file name) and the first coordinate that differs with
+both values (e.g. ``refusing to rank a.json and b.json: coordinate
 'engine_config' differs in max_num_seqs (32 vs 8)``) and exits with status
 2. Coordinates are what the user set: what a run measured (the report's
 ``engine_outcomes``: iterations, preemptions, extensions, prompt rows
@@ -239,19 +241,20 @@ def main(argv):
   runs = [_load(p) for p in paths]
   check_one_kind(paths, runs)
   metric, note = (FLAGS.metric, None) if FLAGS.metric is not None else default_metric(runs)
-  rows, runs_by_name = [], {}
+  rows, runs_by_name, labels = [], {}, []
   for path, run, name in zip(paths, runs, short_names(paths)):
     for row in rows_of(path, run, name):
       if "." in metric and kind_of(run) == "replay report":
         row[3][metric] = lookup(run, metric)
       rows.append(row)
       runs_by_name[row[0]] = run
+      labels.append(name if kind_of(run) == "replay report" else row[0])
   g_metric = metric in G_STAR_METRICS and all("g" in m for *_, m in rows)
   missing = [n for n, _, _, m in rows if not is_number(m.get(metric))
              and not (g_metric and m["g"].get("g_star_below_lowest_rate"))]
   # Runs that differ in a coordinate are refused first: no metric makes them
   # comparable.
-  ablation.check_comparable([r[2] for r in rows], [r[0] for r in rows])
+  ablation.check_comparable([r[2] for r in rows], labels)
   if missing:
     raise ValueError(missing_metric_error(metric, missing, runs_by_name, rows))
   if note:

@@ -4,10 +4,11 @@ Two runs may be ranked only when every coordinate that shapes their numbers
 is equal: the model, the executor (and for a modelled clock its cost model),
 the trace, its window and rate scale, the SLOs, the metric definitions and
 the engine configuration apart from the policy being compared.
-``check_comparable`` refuses otherwise and names, in one line, every key
-in which they differ. Coordinates are what the user set; what a run
-measured (``serving.harness.replay.run_outcomes``: iterations, preemptions,
-extensions, prompt rows computed, prefix-cache counters) never is one.
+``check_comparable`` refuses otherwise in one short line naming the first
+coordinate that differs, with both values. Coordinates are what the user
+set; what a run measured (``serving.harness.replay.run_outcomes``:
+iterations, preemptions, extensions, prompt rows computed, prefix-cache
+counters) never is one.
 """
 
 from __future__ import annotations
@@ -82,26 +83,48 @@ def differing_keys(a, b, prefix: str = "") -> List[str]:
   return [] if a == b else [f"{prefix or 'value'} ({_short(a)} vs {_short(b)})"]
 
 
-def _difference(key: str, a, b) -> str:
-  if isinstance(a, dict) and isinstance(b, dict):
-    return f"coordinate {key!r} differs in " + ", ".join(differing_keys(a, b))
-  return f"coordinate {key!r} differs ({_short(a)} vs {_short(b)})"
+# The most characters of ``check_comparable``'s line (bar long run names or
+# values): the differences that fit, then how many more.
+MAX_REFUSAL_CHARS = 200
+
+
+def _refusal(first: str, other: str, diffs: List[tuple]) -> str:
+  """``check_comparable``'s line from ``diffs``, ``(coordinate, a, b)`` per
+  differing coordinate in order: the first one's differing keys (a cost
+  model's ``file`` first: it names the rest) as many as fit in
+  ``MAX_REFUSAL_CHARS`` (at least one) and how many more, then the names of
+  the other differing coordinates."""
+  key, a, b = diffs[0]
+  rest = [k for k, _, _ in diffs[1:]]
+  tail = (f"; {', '.join(map(repr, rest))} {'differs' if len(rest) == 1 else 'differ'} too"
+          if rest else "")
+  head = f"refusing to rank {first} and {other}: coordinate {key!r} differs"
+  if not (isinstance(a, dict) and isinstance(b, dict)):
+    return f"{head} ({_short(a)} vs {_short(b)}){tail}"
+  keys = sorted(differing_keys(a, b), key=lambda d: not d.startswith("file "))
+  for n in range(len(keys), 0, -1):
+    more = f" and {len(keys) - n} more keys" if n < len(keys) else ""
+    line = f"{head} in {', '.join(keys[:n])}{more}{tail}"
+    if len(line) <= MAX_REFUSAL_CHARS or n == 1:
+      return line
 
 
 def check_comparable(runs: Sequence[dict], names: Optional[Sequence[str]] = None) -> None:
-  """Raises ValueError, in one line, naming the first run that differs from
-  the first one and every coordinate key in which it differs, e.g.
-  ``coordinate 'engine_config' differs in max_num_batched_tokens (256 vs 32)``."""
+  """Raises ValueError naming the first run that differs from the first one
+  and, in one line of at most ``MAX_REFUSAL_CHARS`` where the names and
+  values allow, the first coordinate in which it differs with both values
+  (and the other differing coordinates), e.g. ``refusing to rank a.json and
+  b.json: coordinate 'engine_config' differs in max_num_seqs (256 vs 32)``."""
   names = list(names or [f"run{i}" for i in range(len(runs))])
   if len(runs) < 2:
     return
   base = coordinates(runs[0])
   for name, run in zip(names[1:], runs[1:]):
     other = coordinates(run)
-    diffs = [_difference(key, json.loads(base[key]), json.loads(other[key]))
+    diffs = [(key, json.loads(base[key]), json.loads(other[key]))
              for key in base if base[key] != other[key]]
     if diffs:
-      raise ValueError(f"refusing to rank {names[0]} and {name}: " + "; ".join(diffs))
+      raise ValueError(_refusal(names[0], name, diffs))
 
 
 def g_star(rates: Sequence[float], attainment: Sequence[float], alpha: float) -> dict:

@@ -211,12 +211,12 @@ def test_compare_refuses_to_mix_replay_reports_and_sweeps(tmp_path):
                     f"reports, or sweeps with sweeps (--metric=g_star)"), last
 
 
-def _replay_json(path, policy, slo_ms=None, speed=1.0, clients=("default",)):
+def _replay_json(path, policy, slo_ms=None, speed=1.0, clients=("default",), config=None):
   """A replay report as scripts/replay.py writes it (``metrics.build_report``,
   its ``slo`` block and ledger, and with ``slo_ms`` = (TTFT, TPOT) limits
   the goodput block; with no request SLOs of their own, per_request does
   not change it), on four hand-made requests whose token gaps scale
-  with 1 / ``speed``: no engine runs."""
+  with 1 / ``speed``, ``config`` added to its config: no engine runs."""
   from serving.harness import ledger
   from serving.harness import metrics
   records = [metrics.RequestRecord(
@@ -227,7 +227,7 @@ def _replay_json(path, policy, slo_ms=None, speed=1.0, clients=("default",)):
   duration_s = 3.0 + 0.6 / speed
   ttft_ms, tpot_ms = slo_ms or (None, None)
   report = metrics.build_report(records, duration_s, {"policy_id": policy, "model": "tiny",
-                                                     "executor": "simulated"},
+                                                     "executor": "simulated", **(config or {})},
                                 num_offered=len(records))
   report["slo"] = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "tbt_ms": None, "classes": None}
   if slo_ms:
@@ -287,6 +287,40 @@ def test_compare_names_a_differing_coordinate_before_a_missing_metric(tmp_path):
   b = _replay_json(tmp_path / "b.json", "fastserve")
   last = _run("compare.py", a, b, expect_rc=2).stderr.strip().splitlines()[-1]
   assert "coordinate 'slo' differs" in last and "--metric" not in last, last
+
+
+def _cost_model(path, step, rows, attention, min_step):
+  """A report's ``config.cost_model`` (what replay.py keeps of it) with the
+  coefficients (ms) given."""
+  return {"coef_ms": {"step": step, "rows": rows, "attention_gflop": attention},
+          "combine": "sum", "min_step_ms": min_step, "meta": {"path": path}}
+
+
+def test_compare_refuses_other_cost_models_in_one_short_line(tmp_path):
+  """Replays on two calibrations (coefficients of the shipped AMD EPYC and
+  Xeon ones) differ in five keys of the cost model: the line names the two
+  runs by their short names, the calibration files first, and counts the
+  other four keys: 159 characters after "error: ", where naming a
+  coefficient too (", coef_ms.attention_gflop (5.314007103751877 vs
+  5.239855959729992)", 66 more) would pass 200. A second differing
+  coordinate is named after it."""
+  epyc = _cost_model("cost_model_cpu.json", 15.973685059943906, 0.3995970481745004,
+                     5.314007103751877, 15.477390250453027)
+  xeon = _cost_model("cost_model_cpu_xeon.json", 1.897480339437097, 0.1910253507891024,
+                     5.239855959729992, 9.591005749825854)
+  (tmp_path / "epyc").mkdir()
+  (tmp_path / "xeon").mkdir()
+  a = _replay_json(tmp_path / "epyc" / "run.json", "vllm_v1", config={"cost_model": epyc})
+  b = _replay_json(tmp_path / "xeon" / "run.json", "vllm_v1", config={"cost_model": xeon})
+  last = _run("compare.py", a, b, expect_rc=2).stderr.strip().splitlines()[-1]
+  assert last == ("error: refusing to rank epyc/run.json and xeon/run.json: coordinate "
+                  "'cost_model' differs in file (\"cost_model_cpu.json\" vs "
+                  "\"cost_model_cpu_xeon.json\") and 4 more keys"), last
+  assert len(last) == len("error: ") + 159, last
+  c = _replay_json(tmp_path / "c.json", "vllm_v1",
+                   config={"cost_model": dict(xeon, combine="max"), "max_num_seqs": 2})
+  last = _run("compare.py", a, c, expect_rc=2).stderr.strip().splitlines()[-1]
+  assert last.endswith("and 5 more keys; 'engine_config' differs too"), last
 
 
 def test_compare_ranks_replays_by_a_ledger_fairness_figure(tmp_path):
