@@ -71,8 +71,8 @@ from serving.harness import roofline as roofline_lib
 from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.programs import resolve_decode_gemm
-from serving.cli.launch import (check_attention_impl, check_model_attention, describe_model,
-                            model_costs, warmup)
+from serving.cli.launch import (check_attention_impl, check_model_attention, check_model_spec,
+                                describe_model, model_costs, warmup)
 from serving.cli.launch import decode_gemm as launch_decode_gemm
 from serving.cli.launch import int8_gemm as launch_int8_gemm
 from serving.engine.sampling import sample
@@ -483,6 +483,7 @@ def main(argv):
   # (EngineConfig), --attention_impl=native and --int8_gemm=amx where their
   # kernels cannot run.
   cli.check_engine_preset("engine", FLAGS.engine)
+  check_model_spec("--model", FLAGS.model)
   probe = EngineConfig.preset(FLAGS.engine, dtype=FLAGS.dtype, weights=FLAGS.weights,
                               int8_gemm=FLAGS.int8_gemm, decode_gemm=FLAGS.decode_gemm,
                               attention_impl=FLAGS.attention_impl)

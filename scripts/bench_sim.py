@@ -104,6 +104,8 @@ def check_flags() -> None:
   if FLAGS.window_s is not None:
     launch.parse_window(FLAGS.window_s)
   traces.trace_loader(FLAGS.trace, check_file=True)
+  if FLAGS.model not in PRESETS:          # read by load_config
+    launch.check_model_spec("--model", FLAGS.model)
 
 
 def main(argv):

@@ -30,6 +30,7 @@ from absl import flags
 from models import llama, quant
 from models.loaders import load_model
 from serving import cli
+from serving.cli import launch
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
@@ -97,6 +98,7 @@ def next_token_log_probs(params, cfg, ids, rows, page_size=16):
 
 def main(argv):
   del argv
+  launch.check_model_spec("--model", FLAGS.model)
   docs, source = texts()
   cfg, params, tokenizer = load_model(FLAGS.model, dtype=jnp.float32,
                                       cache_dir=f"{FLAGS.cache_dir}/weights")

@@ -187,9 +187,14 @@ def _check_pd_flags() -> None:
 
 def _front_tokenizer():
   """The model's tokenizer, read without its weights (the engine actors
-  load those)."""
+  load those).
+
+  Raises:
+    ValueError: naming --model, a model that cannot be found or read.
+  """
   if FLAGS.model.startswith(launch.RANDOM_PREFIX):
     return launch.random_model(FLAGS.model, weights=False)[2]
+  launch.check_model_spec("--model", FLAGS.model)
   from models.loaders import load_config
   return load_config(FLAGS.model)[1]
 

@@ -428,7 +428,17 @@ def check_cache_dir() -> None:
 def load_flags_model(engine_cfg: EngineConfig):
   """Loads --model in the engine's dtype (and turns on the caches under
   --cache_dir). Returns (cfg, params, tokenizer); params is None for the
-  simulated executor, which reads only the config and tokenizer (``load_config``)."""
+  simulated executor, which reads only the config and tokenizer (``load_config``).
+
+  Raises:
+    ValueError: naming --model, a model that cannot be found (no such file,
+      a directory without config.json: ``check_model_spec``) before any
+      kernel builds or weights load; the kernel checks' refusals
+      (``check_attention_impl``, ``int8_gemm``, ``decode_gemm``,
+      ``check_model_attention``).
+  """
+  if not FLAGS.model.startswith(RANDOM_PREFIX):   # random_model names --model itself
+    check_model_spec("--model", FLAGS.model)
   if FLAGS.keep_freed_pages:
     hostmem.keep_freed_pages()
   init_processes(engine_cfg)
