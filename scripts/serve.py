@@ -179,7 +179,7 @@ def _check_pd_flags() -> None:
       launch.engine_config(role=role)
     except (ValueError, TypeError) as e:
       named = cli.flag_named(str(e))
-      if named != str(e):               # a config field's rule, said of its flag
+      if named != str(e) or named.startswith("--"):   # a flag's rule, said of the flag
         raise ValueError(f"{named} (for the {role} engines of --{role}_replicas)") from None
       raise ValueError(f"--policy={FLAGS.policy}: cannot run on a {role} engine: {e}"
                        if FLAGS.policy else f"a {role} engine: {e}") from None
