@@ -29,14 +29,16 @@ loaded).
 
 ``--jobs=2`` runs two trials at a time, each in a spawned process; trials
 are handed out rate by rate, so the processes run different policies at
-once. The programs that take over a second to compile (the loop program,
-one per policy and slot-table size, with prefix caching off; the table
-grows through the same sizes at every rate) are kept in the XLA
-compilation cache under ``--cache_dir``: each compiles once, in whichever
-process needs it first, and a later sweep loads them. Each trial records
-the seconds its replay spent on programs (tracing, compiling or loading:
-``compile``) beside its ``wall_s``. A process whose compiled programs pass
-half of the kernel's memory-map limit lets them go after a trial
+once. The cost model's lines (which calibration, where it may not hold)
+are said once, before the processes start. The programs that take over a
+second to compile (the loop program, one per policy and slot-table size,
+with prefix caching off; the table grows through the same sizes at every
+rate) are kept in the XLA compilation cache under ``--cache_dir``: each
+compiles once, in whichever process needs it first, and a later sweep
+loads them. Each trial records the seconds its replay spent on programs
+(tracing, compiling or loading: ``compile``) beside its ``wall_s``. A
+process whose compiled programs pass half of the kernel's memory-map limit
+lets them go after a trial
 (``sim_loop.release_programs``; the trial records ``released_programs``) and
 the next trial loads what it needs from the cache: a whole-hour grid kept
 every (policy, slot-table size) program and died at the limit. Each trial's
@@ -68,6 +70,8 @@ from serving.harness import ledger
 from serving.harness import metrics
 from serving.harness import traces
 from serving.harness import workloads
+from serving.engine import calibrations as cal_lib
+from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig
 from serving.engine import sim_loop
 from serving.engine.engine import Engine
@@ -156,22 +160,33 @@ def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
   return workloads.fit_context(wl, max_model_len)
 
 
+def config_only(name: str):
+  """The ModelConfig of ``name`` without its weights: a preset's, or
+  ``loaders.load_config``'s."""
+  from models import loaders
+  return PRESETS[name] if name in PRESETS else loaders.load_config(name)[0]
+
+
 def model_config(name: str):
   """(ModelConfig, params): params None for the simulated executor, which
-  reads only the config (a preset's, or ``loaders.load_config``'s)."""
+  reads only the config (``config_only``)."""
   from models import loaders
   if FLAGS.executor == "model":
     cfg, params, _ = loaders.load_model(name)
     return cfg, params
-  return (PRESETS[name] if name in PRESETS else loaders.load_config(name)[0]), None
+  return config_only(name), None
+
+
+def clock_of(config) -> str:
+  """The trials' clock: --clock, else virtual for the simulated executor."""
+  return FLAGS.clock or ("virtual" if config.executor == "simulated" else "wall")
 
 
 def run_trial(model_cfg, params, config, wl):
   """One replay of ``wl`` on a new engine; its record (without the trial's
   coordinates, which ``trial`` adds)."""
-  clock = FLAGS.clock or ("virtual" if config.executor == "simulated" else "wall")
   engine = Engine(model_cfg, params, config,
-                  clock=VirtualClock() if clock == "virtual" else time.monotonic)
+                  clock=VirtualClock() if clock_of(config) == "virtual" else time.monotonic)
   # The model executor compiles its buckets first, as replay.py does, so no
   # request's latency holds a compilation (a virtual clock charges none).
   warmup = launch.warmup(engine, len(wl)) if engine.cost_model is None else None
@@ -419,8 +434,10 @@ def main(argv):
         keep(task, trial(*task))
     else:             # spawned, not forked: JAX is not fork-safe once started
       ctx = multiprocessing.get_context("spawn")
-      with futures.ProcessPoolExecutor(FLAGS.jobs, mp_context=ctx, initializer=_parse_flags,
-                                       initargs=(list(sys.argv),)) as pool:
+      said = say_cost_model()     # once for the sweep, not once per process
+      with futures.ProcessPoolExecutor(FLAGS.jobs, mp_context=ctx,
+                                       initializer=_start_trial_process,
+                                       initargs=(list(sys.argv), said)) as pool:
         # Handed out rate by rate, so the processes run different policies
         # at once: a policy's program for a slot-table size compiles in one
         # of them and the other loads it from the compilation cache.
@@ -490,9 +507,35 @@ def settings() -> dict:
   return {k: getattr(FLAGS, k) for k in TRIAL_SETTINGS}
 
 
-def _parse_flags(argv) -> None:
-  """A trial process's start: the parent's flags."""
+def say_cost_model() -> list:
+  """The cost model's lines (``calibrations.resolve``: which calibration,
+  and where its times may not hold), said here before the trial processes
+  start and returned for them to keep quiet (``_start_trial_process``):
+  each would say them again. Empty on the wall clock, which has no cost
+  model."""
+  base = base_config()
+  if clock_of(base) != "virtual":
+    return []
+  lines = []
+  costs = cost_lib.engine_model_costs(config_only(FLAGS.model), base)
+  cal_lib.resolve(cal_lib.load(base.cost_model), costs, say=lines.append)
+  for line in lines:
+    cal_lib.say_once(line)
+  return lines
+
+
+def _start_trial_process(argv, said) -> None:
+  """A trial process's start: the parent's flags, and the lines it said
+  (``say_cost_model``) counted as said here."""
   FLAGS(argv)
+  cal_lib.count_as_said(said)
+
+
+def base_config() -> EngineConfig:
+  """The trials' EngineConfig but for the policy."""
+  return EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
+                             executor=FLAGS.executor, cost_model=FLAGS.cost_model,
+                             num_clients=64)
 
 
 @functools.lru_cache(maxsize=1)
@@ -500,10 +543,7 @@ def _setup():
   """(base EngineConfig, ModelConfig, params), once per process, with the
   compilation cache of --cache_dir turned on in it."""
   cli.use_compile_cache("cache_dir", FLAGS.cache_dir)
-  base = EngineConfig.preset(FLAGS.engine, max_model_len=FLAGS.max_model_len,
-                             executor=FLAGS.executor, cost_model=FLAGS.cost_model,
-                             num_clients=64)
-  return (base,) + model_config(FLAGS.model)
+  return (base_config(),) + model_config(FLAGS.model)
 
 
 def trial(policy: str, rate: float, k: int) -> dict:

@@ -245,6 +245,13 @@ def say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+def count_as_said(lines) -> None:
+  """Makes ``say_once`` keep ``lines`` (strings) quiet in this process: a
+  process started to share a run whose parent said them already (sweep.py's
+  trial processes)."""
+  _SAID.update(lines)
+
+
 def resolve(model: CostModel, costs: ModelCosts, *,
             fingerprint: Optional[dict] = None,
             say: Callable[[str], None] = print) -> CostModel:

@@ -114,12 +114,14 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
   """``--jobs=2`` runs the trials two at a time in spawned processes; every
   trial is deterministic, so the sweep equals the one-process sweep but for
   wall-clock fields. The two sweeps share ``--cache_dir``: the second's
-  processes load programs the first compiled."""
+  processes load programs the first compiled. Both say the cost model's
+  lines (which calibration; where it may not hold) once, not once per
+  process."""
   trace = tmp_path / "trace.csv"
   trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                    "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:11.0000000,12,6\n"
                    "2023-11-16 18:15:11.5000000,30,3\n")
-  runs = []
+  runs, said = [], []
   for jobs in (1, 2):
     out = tmp_path / f"jobs{jobs}"
     proc = subprocess.run(
@@ -129,6 +131,8 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
          "--sample_every=1", f"--cache_dir={tmp_path / 'cache'}", f"--out={out}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said.append([line for line in (proc.stdout + proc.stderr).splitlines()
+                 if line.startswith("cost model:")])
     runs.append(json.loads((out / "sweep.json").read_text()))
     kept = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
     assert sorted(map(json.dumps, kept)) == sorted(map(json.dumps, runs[-1]["trials"]))
@@ -138,6 +142,8 @@ def test_trials_in_processes_give_the_same_sweep(tmp_path):
   assert [(t["policy"], t["rate_scale"]) for t in runs[1]["trials"]] == [
       ("sarathi_serve", 1.0), ("sarathi_serve", 2.0), ("vllm_v1", 1.0), ("vllm_v1", 2.0)]
   assert strip(runs[0]) == strip(runs[1])
+  assert said[0] and len(set(said[0])) == len(said[0]), said
+  assert said[1] == said[0], said
   assert runs[0]["g_star"] == runs[1]["g_star"] and runs[1]["jobs"] == 2
   assert runs[1]["compile_cache"] == str(tmp_path / "cache" / "xla")
   # A process may load what it stored itself (one program reached by two
