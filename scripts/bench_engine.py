@@ -72,7 +72,7 @@ from serving.engine.config import EngineConfig, SamplingParams
 from serving.engine.engine import Engine
 from serving.engine.programs import resolve_decode_gemm
 from serving.cli.launch import (check_attention_impl, check_model_attention, check_model_spec,
-                                describe_model, model_costs, warmup)
+                                describe_model, engine_preset_help, model_costs, warmup)
 from serving.cli.launch import decode_gemm as launch_decode_gemm
 from serving.cli.launch import int8_gemm as launch_int8_gemm
 from serving.engine.sampling import sample
@@ -94,7 +94,7 @@ flags.DEFINE_string("trace", str(Path(__file__).resolve().parents[2] / "shared/d
 flags.DEFINE_bool("keep_freed_pages", True, "serving.cli.hostmem.keep_freed_pages before "
                   "anything loads (the launchers' default; both engines in the process share it).")
 flags.DEFINE_bool("hf", True, "Also run HF transformers (needs the reference extra).")
-flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
+flags.DEFINE_string("engine", "cpu_default", engine_preset_help())
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                   "Weights, activations and KV cache of iterserve and of transformers.")
 flags.DEFINE_enum("weights", "dense", ["dense", "int8"],

@@ -63,7 +63,7 @@ flags.DEFINE_list("window_s", None, "A,B: keep arrivals in [t0+A, t0+B) seconds,
 flags.DEFINE_string("policy", "sarathi_serve", "Policy.")
 flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF directory "
                     "(its config only).")
-flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
+flags.DEFINE_string("engine", "cpu_default", launch.engine_preset_help())
 flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
                      "(serving.harness.workloads.FIT_RULE).")
 flags.DEFINE_string("cost_model", None, "Cost model: a calibration JSON or profile:NAME "

@@ -64,15 +64,14 @@ def check_engine_preset(flag: str, name: str) -> None:
   ``EngineConfig.preset`` cannot find: ``name`` must be a preset in configs/
   or, ending in ``.json``, an existing file. Checked before a trace or model
   loads."""
-  from serving.engine.config import CONFIG_DIR  # pylint: disable=import-outside-toplevel
+  from serving.engine import config  # pylint: disable=import-outside-toplevel
   if name.endswith(".json"):
     found = Path(name).is_file()
   else:
-    found = (CONFIG_DIR / f"{name}.json").is_file()
+    found = (config.CONFIG_DIR / f"{name}.json").is_file()
   if not found:
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-    raise ValueError(f"--{flag} must be a preset in configs/ (one of {known}) or an "
-                     f"existing *.json file, got {name!r}")
+    raise ValueError(f"--{flag} must be a preset in configs/ (one of {config.preset_names()}) "
+                     f"or an existing *.json file, got {name!r}")
 
 
 def use_compile_cache(flag: str, path: str) -> None:

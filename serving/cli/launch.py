@@ -25,7 +25,7 @@ from serving.harness import synthetic as synthetic_workloads
 from serving.engine import autotune, speculative
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
-from serving.engine.config import EngineConfig
+from serving.engine.config import EngineConfig, preset_names
 from serving.engine.engine import Engine
 from serving.engine.programs import resolve_decode_gemm
 from serving.engine.sim_executor import VirtualClock
@@ -34,10 +34,24 @@ from serving.cli.warmup import warmup  # noqa: F401 (the launchers call launch.w
 FLAGS = flags.FLAGS
 
 
+def engine_preset_help() -> str:
+  """An --engine flag's help: the presets in configs/, read when the flag is
+  defined, and the JSON path it takes instead."""
+  return (f"Engine preset: one of {', '.join(preset_names())} (configs/NAME.json), or the "
+          f"path of a JSON file of EngineConfig fields.")
+
+
 def define_engine_flags() -> None:
-  """--model, --engine preset, and overrides of its budgets."""
+  """--model, --engine preset, and overrides of its budgets. The caller's
+  ``--help`` lists --model and --engine (the two choices every run makes);
+  ``--helpfull`` lists the overrides too."""
   flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
-  flags.DEFINE_string("engine", "cpu_default", "Engine preset in configs/ (or a JSON path).")
+  flags.DEFINE_string("engine", "cpu_default", engine_preset_help())
+  # absl keys a module's flags by its name, the script's path for __main__.
+  caller = sys._getframe(1).f_globals.get("__name__")  # pylint: disable=protected-access
+  for name in ("model", "engine"):
+    FLAGS.register_key_flag_for_module(sys.argv[0] if caller == "__main__" else caller,
+                                       FLAGS[name])
   flags.DEFINE_string("dtype", None, "Override the preset's dtype: float32 or bfloat16.")
   flags.DEFINE_integer("max_model_len", None, "Override the preset's context (prompt + "
                        "output tokens per request); at most the model's own.")

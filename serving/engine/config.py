@@ -35,6 +35,12 @@ WEIGHTS = ("dense", "int8")
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def preset_names() -> list:
+  """The engine presets ``EngineConfig.preset`` finds by name: the stems of
+  ``configs/*.json``, sorted."""
+  return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
 def bucket_index(buckets, num_rows, xp=np):
   """Index of the smallest of ``buckets`` (ascending) holding ``num_rows``
   rows, ``len(buckets)`` when none does; numpy on the host, ``jax.numpy``
@@ -488,8 +494,7 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     """
     path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
     if not path.exists():
-      known = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-      raise ValueError(f"engine preset {name!r} not found; known presets: {known}")
+      raise ValueError(f"engine preset {name!r} not found; known presets: {preset_names()}")
     fields = json.loads(path.read_text())
     fields.pop("description", None)
     unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}

@@ -501,3 +501,21 @@ def test_help_exits_0(script, flag):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "--max_load" in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["replay.py", "bench_sim.py"])
+def test_help_lists_the_engine_presets(script):
+  """``--help`` shows --engine (and --model) with the presets in configs/,
+  read from the folder when the flag is defined, and says a JSON path is
+  taken too."""
+  from serving.engine import config
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  _, found, rest = proc.stdout.partition("\n  --engine: ")
+  assert found, proc.stdout
+  engine_help = " ".join(rest.split("\n  --")[0].split())
+  assert config.preset_names() == ["cpu_default", "cpu_small", "tiny"]
+  assert engine_help.startswith("Engine preset: one of cpu_default, cpu_small, tiny "
+                                "(configs/NAME.json), or the path of a JSON file"), engine_help
+  assert "\n  --model: " in proc.stdout
