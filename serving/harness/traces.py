@@ -198,6 +198,10 @@ def _finalize(
 
     `ts` offsets are taken in the row's exact unit and then divided by
     `units_per_second`, so integer timestamps give correctly rounded seconds.
+
+    Raises:
+        WorkloadError: no rows, or no row in `window_s` (the message gives the
+            seconds from the first to the last arrival).
     """
     num_rows_read = len(rows)
     if not rows:
@@ -206,10 +210,12 @@ def _finalize(
     t0 = rows[0].ts
     if window_s is not None:
         a, b = window_s
+        span_s = (rows[-1].ts - t0) / units_per_second  # first to last arrival
         rows = [r for r in rows if a <= (r.ts - t0) / units_per_second < b]
         if not rows:
             raise WorkloadError(
-                f"{path}: no request in window_s={window_s} (trace starts at offset 0)")
+                f"{path}: no request in window_s={window_s} (seconds from the trace's first "
+                f"arrival; its arrivals span {round(span_s, 3)} s, first to last)")
     if max_requests is not None:
         rows = rows[:max_requests]
     t_first = rows[0].ts

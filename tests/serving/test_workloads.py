@@ -324,6 +324,25 @@ def test_missing_file_and_empty_results(tmp_path):
     assert issubclass(WorkloadError, ValueError)
 
 
+def test_an_empty_window_names_the_traces_span_of_arrivals(tmp_path):
+    """A window past the end (or in a gap) says how long the trace is: the
+    seconds from its first to its last arrival, in each loader's unit."""
+    vtc = _write(tmp_path, "vtc.csv", VTC)  # arrivals 0 .. 2.25 s
+    with pytest.raises(WorkloadError) as e:
+        load_vtc_trace(vtc, window_s=(100.0, 200.0))
+    assert str(e.value) == (
+        f"{vtc}: no request in window_s=(100.0, 200.0) (seconds from the trace's first "
+        f"arrival; its arrivals span 2.25 s, first to last)")
+    with pytest.raises(WorkloadError, match=r"in window_s=\(1.0, 2.0\) .* span 2.25 s"):
+        load_vtc_trace(vtc, window_s=(1.0, 2.0))  # a gap: 0.5 .. 2.25
+    azure = _write(tmp_path, "azure.csv", AZURE)  # 18:15:45.0 .. 18:15:50.995169
+    with pytest.raises(WorkloadError, match=r"its arrivals span 5.995 s, first to last"):
+        load_azure_trace(azure, window_s=(60.0, 120.0))
+    mooncake = _write(tmp_path, "mc.jsonl", _mooncake_text(MOONCAKE))  # spread: 0 .. 7.497 s
+    with pytest.raises(WorkloadError, match=r"its arrivals span 7.497 s, first to last"):
+        load_mooncake_trace(mooncake, window_s=(60.0, 120.0))
+
+
 # --------------------------------------------------------------------------
 # Synthetic default
 
