@@ -316,7 +316,7 @@ def engine_config(**overrides) -> EngineConfig:
 
   Raises:
     ValueError: an unknown preset (``cli.check_engine_preset``), a
-      --num_pages the preset's watermark leaves no page (``check_num_pages``),
+      --num_pages the preset's watermark leaves no page (``cli.check_num_pages``),
       a value the config refuses (``cli.run`` names an override's flag), a
       draft model refused (``check_draft_model``) or a bad ``--cost_model``.
   """
@@ -330,7 +330,7 @@ def engine_config(**overrides) -> EngineConfig:
            "cost_model", "enable_prefix_caching", "mesh")
   fields = {**{name: getattr(FLAGS, name) for name in names}, **overrides}
   cli.check_engine_preset("engine", FLAGS.engine)
-  check_num_pages(fields["num_pages"], fields["watermark_pages"])
+  cli.check_num_pages(FLAGS.engine, fields["num_pages"], fields["watermark_pages"])
   spec = fields["speculative"] or EngineConfig.preset_fields(FLAGS.engine).get("speculative", "")
   speculative.check_draft_model(FLAGS.model, spec)   # before the config's rules on a draft
   config = EngineConfig.preset(FLAGS.engine, **fields)
@@ -345,28 +345,6 @@ def engine_config(**overrides) -> EngineConfig:
       print(f"cost model: {found} (calibrated on this device)")
       config = dataclasses.replace(config, cost_model=str(found))
   return config
-
-
-def check_num_pages(num_pages: int | None, watermark_pages: int | None) -> None:
-  """EngineConfig's rule on the KV cache's pages, ``watermark_pages <=
-  num_pages - 1``, said of --num_pages when that is the flag given
-  (``num_pages``) and the watermark is the --engine preset's
-  (``watermark_pages`` None): the config's refusal names watermark_pages,
-  a field the user did not type. With both given, or neither, the config
-  says it.
-
-  Raises:
-    ValueError: naming --num_pages, the preset's watermark and both ways out.
-  """
-  if num_pages is None or watermark_pages is not None:
-    return
-  watermark = EngineConfig.preset_fields(FLAGS.engine).get("watermark_pages",
-                                                           EngineConfig.watermark_pages)
-  if num_pages <= watermark:
-    raise ValueError(f"--num_pages must be > watermark_pages = {watermark} (the pages "
-                     f"--engine={FLAGS.engine} keeps free at admission, and at least one "
-                     f"usable page past them: raise --num_pages to at least {watermark + 1} "
-                     f"or lower --watermark_pages), got {num_pages}")
 
 
 def check_cost_model() -> None:
