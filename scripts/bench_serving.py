@@ -55,6 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving import cli
 from serving.cli import launch
 from serving.harness import metrics
+from serving.harness import report_text
 from serving.http import replicas
 from serving.harness import workloads
 
@@ -275,7 +276,7 @@ def main(argv):
             "client-side timestamps", "max_model_len": info["max_model_len"],
             "workload": workload.describe()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
-  print(metrics.format_table(report))
+  print(report_text.format_table(report))
   routed = _router_report(root, headers)
   if routed is not None and routed_before is not None:     # a router front
     report["router"] = summary = replicas.route_summary(routed, routed_before)

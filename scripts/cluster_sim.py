@@ -46,7 +46,7 @@ from absl import flags
 
 from serving import cli
 from serving.cli import launch
-from serving.harness import metrics
+from serving.harness import report_text
 from serving.engine import calibrations
 from serving.engine import profiles
 from serving.harness import cluster_sim
@@ -121,7 +121,7 @@ def _goodput(run: dict, records) -> None:
   ``goodput`` block (``metrics.goodput``, as replay.py reports it), printed."""
   if launch.slo_flags_given():
     run["goodput"] = launch.flag_goodput(records, run["report"]["duration_s"])
-    print("  " + metrics.format_goodput(run["goodput"]))
+    print("  " + report_text.format_goodput(run["goodput"]))
 
 
 def main(argv):

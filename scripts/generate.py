@@ -24,7 +24,7 @@ from absl import flags
 from serving import cli
 from serving.cli import launch
 from serving.engine.config import SamplingParams
-from serving.harness import metrics
+from serving.harness import report_text
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("prompt", [], "Raw text prompt (no chat template).")
@@ -146,7 +146,7 @@ def main(argv):
     print(f"\n=== {rid} ({req.outcome}, {len(req.output_token_ids)} tokens)\n{text}")
   if engine.config.speculation is not None:
     spec = engine.spec_counts.stats()
-    print("\n" + metrics.format_spec_decode(spec, engine.config.speculative))
+    print("\n" + report_text.format_spec_decode(spec, engine.config.speculative))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from serving.cli import launch
 from serving.engine import host_cpu
 from serving.harness import ledger
 from serving.harness import metrics
+from serving.harness import report_text
 from serving.harness import workloads
 from serving.harness.replay import path as replay_path
 from serving.harness.replay import replay, run_config, run_outcomes
@@ -140,8 +141,8 @@ def main(argv):
       horizon_s=FLAGS.ledger_horizon_s, engine=engine, sampler=sampler)
   print(f"replay wall time {wall_s:.1f} s, {engine.num_iterations} iterations "
         f"({engine.num_iterations / max(wall_s, 1e-9):.0f} it/s)")
-  print(metrics.format_table(report))
-  rejections = metrics.format_rejections(report)     # why, in the records' words
+  print(report_text.format_table(report))
+  rejections = report_text.format_rejections(report)     # why, in the records' words
   if rejections:
     print(rejections)
   estimator = config["reservation_estimator"]
@@ -150,10 +151,10 @@ def main(argv):
         f"rejected {report['rejected']}, extensions {report['num_extensions']}, "
         f"preemptions {report['num_preemptions']}")
   if engine.config.speculation is not None:
-    print(metrics.format_spec_decode(report["engine_outcomes"]["spec_decode"],
+    print(report_text.format_spec_decode(report["engine_outcomes"]["spec_decode"],
                                      engine.config.speculative))
   if "goodput" in report:
-    print(metrics.format_goodput(report["goodput"]))
+    print(report_text.format_goodput(report["goodput"]))
   metrics.write_report(FLAGS.out, report)
   print(f"report: {FLAGS.out}")
 

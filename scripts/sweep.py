@@ -120,7 +120,7 @@ flags.DEFINE_float("alpha", 0.9, "Attainment target of G*.")
 flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF directory "
                     "(its config shapes the run; weights are loaded only for "
                     "--executor=model).")
-flags.DEFINE_string("engine", "cpu_default", "Engine preset.")
+flags.DEFINE_string("engine", "cpu_default", launch.engine_preset_help())
 flags.DEFINE_integer("max_model_len", 8192, "Context; prompt + output are fitted into it "
                      "(serving.harness.workloads.FIT_RULE).")
 flags.DEFINE_integer("max_output_len", None, "Cap output lengths (default: none).")
@@ -358,6 +358,8 @@ def _check_flags():
     cli.make_dir("cache_dir", FLAGS.cache_dir)
   traces.trace_loader(FLAGS.trace, check_file=True)   # refused here, before any model loads
   cli.check_engine_preset("engine", FLAGS.engine)
+  if FLAGS.model not in PRESETS:
+    launch.check_model_spec("--model", FLAGS.model)
   if FLAGS.max_model_len < 2:
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
                      f"got {FLAGS.max_model_len}")

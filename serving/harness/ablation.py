@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional, Sequence
 
-from serving.harness.metrics import number_text
+from serving.harness.report_text import number_text
 
 METRIC_DEFINITIONS = ("vLLM benchmark_serving TTFT/TPOT/ITL/E2EL from original arrival; "
                       "attainment = valid/offered (§0x07); G* = largest rate with mean "

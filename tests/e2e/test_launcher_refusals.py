@@ -161,10 +161,7 @@ MODEL_LAUNCHERS = [
     ("bench_sim.py", ["--trace=azure:{trace}", "--out={out}.json"]),
     ("bench_engine.py", ["--out={out}.json"]),
     ("quant_quality.py", ["--out={out}.json"]),
-    pytest.param("sweep.py", ["--trace=azure:{trace}", "--window_s=60", "--trials=1",
-                              "--out={out}"],
-                 marks=pytest.mark.xfail(strict=True, reason="sweep.py reads --model through "
-                                         "models.loaders without naming the flag")),
+    ("sweep.py", ["--trace=azure:{trace}", "--window_s=60", "--trials=1", "--out={out}"]),
 ]
 
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from serving.harness import metrics
+from serving.harness import report_text
 from tests.e2e import refusals
 
 MODEL = "random:smollm2-135m,d_model=64,n_heads=4,n_kv_heads=2,ffn_dim=128,n_layers=2"
@@ -57,7 +57,7 @@ def test_generate_prints_the_acceptance_of_its_drafts():
   [(setting, drafts, draft_tokens, accepted, rate)] = _spec_lines(lines)
   assert setting == "ngram:k=2,n=2"
   assert 0 < drafts <= draft_tokens <= 2 * drafts and 0 < accepted <= draft_tokens
-  assert rate == metrics.number_text(accepted / draft_tokens)
+  assert rate == report_text.number_text(accepted / draft_tokens)
   assert lines[-1] == lines[-1].strip() and lines[-1].startswith("speculative decoding")
   tokens = [int(m[1]) for m in (re.match(r"=== \S+ \(completed, (\d+) tokens\)", line)
                                 for line in lines) if m]
@@ -91,7 +91,7 @@ def test_replay_prints_the_reports_acceptance_under_its_table(tmp_path):
   assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
   assert _spec_lines(lines) == [("ngram:k=2", spec["num_drafts"], spec["num_draft_tokens"],
                                  spec["num_accepted_tokens"],
-                                 metrics.number_text(spec["acceptance_rate"]))]
+                                 report_text.number_text(spec["acceptance_rate"]))]
   table_end = max(i for i, line in enumerate(lines) if line.startswith("reservation "))
   assert lines[table_end + 1].startswith("speculative decoding ")
   plain = _run("replay.py", *args, f"--out={tmp_path / 'off.json'}")

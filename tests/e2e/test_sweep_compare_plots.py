@@ -346,8 +346,8 @@ def test_compare_ranks_replays_by_a_ledger_fairness_figure(tmp_path):
 
 
 def test_table_prints_4_significant_digits():
-  from serving.harness import ablation, metrics
-  assert [metrics.number_text(v) for v in (0.09424083769633508, 2356.1228521072185,
+  from serving.harness import ablation, report_text
+  assert [report_text.number_text(v) for v in (0.09424083769633508, 2356.1228521072185,
                                             123456.7, 9999.6, 3, None)] == [
       "0.09424", "2356", "123457", "10000", "3", "n/a"]
   rows = [{"name": "a", "policy": "orca", "median_ttft_ms": 2356.1228521072185,

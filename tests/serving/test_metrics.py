@@ -15,14 +15,16 @@ from serving.harness.metrics import (
     ServiceGap,
     build_report,
     client_service_gap,
-    format_goodput,
-    format_rejections,
-    format_spec_decode,
-    format_table,
     goodput,
     min_samples_for_percentile,
     percentile_nearest_rank,
     write_report,
+)
+from serving.harness.report_text import (
+    format_goodput,
+    format_rejections,
+    format_spec_decode,
+    format_table,
 )
 
 
