@@ -30,7 +30,8 @@ def test_the_engine_example_on_the_simulated_executor():
   assert clock and int(clock[1]) >= 5 and float(clock[2]) > 0, out
 
 
-@pytest.mark.slow      # SmolLM2-135M's weights; the tiny preset's one bucket compiles
+@pytest.mark.slow
+@pytest.mark.extended  # SmolLM2-135M's weights; the tiny preset's one bucket compiles (~25 s)
 def test_the_engine_example_on_the_real_model():
   """Greedy SmolLM2 text: each request ends completed, by length or at its
   end-of-text token, and its text is printed."""
