@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, List, NoReturn, Optional
+from typing import Any, Callable, List, NoReturn
 
 from absl import app, flags, logging
 
@@ -72,31 +72,6 @@ def check_engine_preset(flag: str, name: str) -> None:
   if not found:
     raise ValueError(f"--{flag} must be a preset in configs/ (one of {config.preset_names()}) "
                      f"or an existing *.json file, got {name!r}")
-
-
-def check_num_pages(engine: str, num_pages: Optional[int],
-                    watermark_pages: Optional[int]) -> None:
-  """EngineConfig's rule on the KV cache's pages, ``watermark_pages <=
-  num_pages - 1``, said of --num_pages when that is the flag given
-  (``num_pages``) and the watermark is the preset ``engine``'s
-  (``watermark_pages`` None, no --watermark_pages): the config's refusal
-  names watermark_pages, a field the user did not type. With both flags
-  given, or neither, the config says it. Checked after
-  ``check_engine_preset``.
-
-  Raises:
-    ValueError: naming --num_pages, the preset's watermark and both ways out.
-  """
-  if num_pages is None or watermark_pages is not None:
-    return
-  from serving.engine.config import EngineConfig  # pylint: disable=import-outside-toplevel
-  watermark = EngineConfig.preset_fields(engine).get("watermark_pages",
-                                                     EngineConfig.watermark_pages)
-  if num_pages <= watermark:
-    raise ValueError(f"--num_pages must be > watermark_pages = {watermark} (the pages "
-                     f"--engine={engine} keeps free at admission, and at least one usable "
-                     f"page past them: raise --num_pages to at least {watermark + 1} or lower "
-                     f"--watermark_pages), got {num_pages}")
 
 
 def use_compile_cache(flag: str, path: str) -> None:

@@ -316,7 +316,6 @@ def engine_config(**overrides) -> EngineConfig:
 
   Raises:
     ValueError: an unknown preset (``cli.check_engine_preset``), a
-      --num_pages the preset's watermark leaves no page (``cli.check_num_pages``),
       a value the config refuses (``cli.run`` names an override's flag), a
       draft model refused (``check_draft_model``) or a bad ``--cost_model``.
   """
@@ -330,7 +329,6 @@ def engine_config(**overrides) -> EngineConfig:
            "cost_model", "enable_prefix_caching", "mesh")
   fields = {**{name: getattr(FLAGS, name) for name in names}, **overrides}
   cli.check_engine_preset("engine", FLAGS.engine)
-  cli.check_num_pages(FLAGS.engine, fields["num_pages"], fields["watermark_pages"])
   spec = fields["speculative"] or EngineConfig.preset_fields(FLAGS.engine).get("speculative", "")
   speculative.check_draft_model(FLAGS.model, spec)   # before the config's rules on a draft
   config = EngineConfig.preset(FLAGS.engine, **fields)

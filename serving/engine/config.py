@@ -413,10 +413,12 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     _require(simulated_spec or self.spec_acceptance == 0.0, c, "spec_acceptance",
              "must be 0 (unset) unless executor is 'simulated' and speculative is set "
              "(the model executor's tokens decide acceptance)", self.spec_acceptance)
-    _require(self.watermark_pages <= self.num_pages - 1, c, "watermark_pages",
-             f"must be in [0, num_pages - 1] = [0, {self.num_pages - 1}] (at most the "
-             f"usable pages; num_pages={self.num_pages}: raise num_pages to at least "
-             f"{self.watermark_pages + 1} or lower watermark_pages)", self.watermark_pages)
+    # Said of num_pages, the flag a user shrinks: with --watermark_pages set
+    # alone, cli.flag_named adds "(set it with --num_pages)".
+    _require(self.num_pages > self.watermark_pages, c, "num_pages",
+             f"must be > watermark_pages = {self.watermark_pages} (the pages kept free at "
+             f"admission, and at least one usable page past them: raise num_pages to at "
+             f"least {self.watermark_pages + 1} or lower watermark_pages)", self.num_pages)
 
   def _part(self, cls):
     return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

@@ -417,7 +417,7 @@ def test_reservation_settings_name_the_field():
     dataclasses.replace(BASE, reservation="p90")
   with pytest.raises(ValueError, match="watermark_pages must be >= 1"):
     dataclasses.replace(BASE, reservation="watermark")
-  with pytest.raises(ValueError, match=r"watermark_pages must be in \[0, num_pages - 1\]"):
+  with pytest.raises(ValueError, match=r"num_pages must be > watermark_pages = "):
     dataclasses.replace(BASE, reservation="watermark", watermark_pages=BASE.num_pages)
   dataclasses.replace(BASE, reservation="watermark", watermark_pages=BASE.num_pages - 1)
   with pytest.raises(ValueError, match="reservation_quantile must be in"):
