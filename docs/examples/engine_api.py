@@ -7,9 +7,11 @@
 Each ``Engine.step()`` is one iteration (§0x03): the policy plans the
 batch, the model (or the simulated executor's cost model) runs it, and
 the step returns each request's new tokens and, at its end, its outcome
-(completed, rejected, cancelled or failed). ``--model`` takes a preset
-name, a GGUF file or an HF checkpoint directory, as the launchers do;
-``--engine`` a preset of ``configs/`` (``tiny`` is the tests' small one).
+(completed, rejected, cancelled or failed). ``--model`` takes a model
+name (``smollm2-135m``), a GGUF file or an HF checkpoint directory, as
+replay.py's does; ``--engine`` a preset of ``configs/`` (``tiny`` is the
+tests' small one). A bad argument ends with one ``error:`` line (exit 2):
+every ValueError below names the field and the rule.
 """
 
 import argparse
@@ -37,7 +39,14 @@ def main() -> None:
                       help="the simulated executor: no weights, step times from a cost model "
                            "on a virtual clock (token ids are placeholders)")
   args = parser.parse_args()
+  try:
+    run(args)
+  except ValueError as e:       # a bad preset, policy, model or sampling value
+    parser.error(str(e))
 
+
+def run(args) -> None:
+  """Builds the engine of ``args``, runs the prompts, prints what ended."""
   # An engine preset is a JSON file of EngineConfig fields; any field can
   # be replaced (dataclasses.replace, or keyword overrides of preset()).
   config = EngineConfig.preset(args.engine, policy=args.policy)
@@ -63,8 +72,9 @@ def main() -> None:
         print(f"{out.request_id}: {out.outcome} ({out.finish_reason}), "
               f"{len(tokens[out.request_id])} tokens")
     iterations += 1
-  print(f"{iterations} iterations, policy {engine.config.policy}, "
-        f"clock at {engine.now_ms():.1f} ms")
+  clock = "virtual" if args.simulated else "wall (compiling included)"
+  print(f"{iterations} iterations, policy {engine.config.policy}, {clock} clock at "
+        f"{engine.now_ms():.1f} ms")
   for i, text in enumerate(PROMPTS):
     rid = f"req-{i}"
     shown = repr(tokenizer.decode(tokens[rid])) if not args.simulated else tokens[rid][:8]

@@ -26,8 +26,13 @@ def test_the_engine_example_on_the_simulated_executor():
   out = _run("--simulated", "--engine=tiny", "--max_tokens=5", "--policy=vllm_v1")
   ends = re.findall(r"^(req-\d): (\w+) \((\w+)\), (\d+) tokens$", out, flags=re.M)
   assert sorted(ends) == [(f"req-{i}", "completed", "length", "5") for i in range(3)], out
-  clock = re.search(r"^(\d+) iterations, policy vllm_v1, clock at ([\d.]+) ms$", out, re.M)
+  clock = re.search(r"^(\d+) iterations, policy vllm_v1, virtual clock at ([\d.]+) ms$", out,
+                    re.M)
   assert clock and int(clock[1]) >= 5 and float(clock[2]) > 0, out
+  bad = subprocess.run([sys.executable, str(EXAMPLE), "--simulated", "--engine=tiny",
+                        "--max_tokens=0"], cwd="/", capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+      "engine_api.py: error: SamplingParams.max_tokens must be in [1, 2**31), got 0")
 
 
 @pytest.mark.slow
