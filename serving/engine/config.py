@@ -416,8 +416,8 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
     # Said of num_pages, the flag a user shrinks: with --watermark_pages set
     # alone, cli.flag_named adds "(set it with --num_pages)".
     _require(self.num_pages > self.watermark_pages, c, "num_pages",
-             f"must be > watermark_pages = {self.watermark_pages} (the pages kept free at "
-             f"admission, and at least one usable page past them: raise num_pages to at "
+             f"must be > watermark_pages = {self.watermark_pages} (page 0 is the null page; "
+             f"the others must hold the pages kept free at admission: raise num_pages to at "
              f"least {self.watermark_pages + 1} or lower watermark_pages)", self.num_pages)
 
   def _part(self, cls):

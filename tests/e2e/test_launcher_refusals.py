@@ -47,8 +47,8 @@ def test_a_flag_every_replica_refuses_is_one_line_from_the_front():
      "error: --ray_address applies only with --replicas or --prefill_replicas / "
      "--decode_replicas (engine actors)"),
     (["--prefill_replicas=1", "--decode_replicas=1", "--num_pages=2", "--policy=vtc"],
-     "error: --num_pages must be > watermark_pages = 8 (the pages kept free at admission, "
-     "and at least one usable page past them: raise num_pages to at least 9 or lower "
+     "error: --num_pages must be > watermark_pages = 8 (page 0 is the null page; the "
+     "others must hold the pages kept free at admission: raise num_pages to at least 9 or lower "
      "watermark_pages), got 2 (for the prefill engines of --prefill_replicas)"),
 ])
 def test_prefill_decode_flags_are_refused_before_anything_loads(args, line):
@@ -77,24 +77,24 @@ def test_a_port_in_use_is_refused_before_loading():
     ("generate.py", ["--prompt=hi", "--max_tokens=0"],
      "error: --max_tokens must be in [1, 2**31), got 0"),
     ("generate.py", ["--prompt=hi", "--num_pages=2"],
-     "error: --num_pages must be > watermark_pages = 8 (the pages kept free at admission, "
-     "and at least one usable page past them: raise num_pages to at least 9 or lower "
+     "error: --num_pages must be > watermark_pages = 8 (page 0 is the null page; the "
+     "others must hold the pages kept free at admission: raise num_pages to at least 9 or lower "
      "watermark_pages), got 2"),
     ("replay.py", ["--num_pages=2"],
-     "error: --num_pages must be > watermark_pages = 8 (the pages kept free at admission, "
-     "and at least one usable page past them: raise num_pages to at least 9 or lower "
+     "error: --num_pages must be > watermark_pages = 8 (page 0 is the null page; the "
+     "others must hold the pages kept free at admission: raise num_pages to at least 9 or lower "
      "watermark_pages), got 2"),
     ("replay.py", ["--engine=cpu_small", "--num_pages=2"],
-     "error: --num_pages must be > watermark_pages = 2 (the pages kept free at admission, "
-     "and at least one usable page past them: raise num_pages to at least 3 or lower "
+     "error: --num_pages must be > watermark_pages = 2 (page 0 is the null page; the "
+     "others must hold the pages kept free at admission: raise num_pages to at least 3 or lower "
      "watermark_pages), got 2"),
     ("replay.py", ["--executor=simulated", "--watermark_pages=100000"],
-     "error: EngineConfig.num_pages must be > watermark_pages = 100000 (the pages kept free "
-     "at admission, and at least one usable page past them: raise num_pages to at least "
+     "error: EngineConfig.num_pages must be > watermark_pages = 100000 (page 0 is the null "
+     "page; the others must hold the pages kept free at admission: raise num_pages to at least "
      "100001 or lower watermark_pages), got 4096 (set it with --num_pages)"),
     ("replay.py", ["--num_pages=2", "--watermark_pages=2"],
-     "error: --num_pages must be > watermark_pages = 2 (the pages kept free at admission, "
-     "and at least one usable page past them: raise num_pages to at least 3 or lower "
+     "error: --num_pages must be > watermark_pages = 2 (page 0 is the null page; the "
+     "others must hold the pages kept free at admission: raise num_pages to at least 3 or lower "
      "watermark_pages), got 2"),
     ("generate.py", ["--prompt=hi", "--weights=int8", "--dtype=bfloat16"],
      "error: --weights must be 'dense' when dtype is 'bfloat16' (int8 weights are quantized "
