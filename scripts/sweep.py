@@ -48,6 +48,7 @@ sweep stopped or broken midway keeps the trials that finished.
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import multiprocessing
@@ -467,8 +468,12 @@ def resumed(tasks) -> dict:
   if not os.path.isfile(path):
     raise ValueError(f"--resume keeps the trials of {path}, which does not exist (is --out "
                      f"the stopped sweep's folder?)")
-  with open(path) as f:
-    lines = f.read().split("\n")
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().split("\n")
+  except UnicodeDecodeError:
+    raise ValueError(f"--resume: {path} is not a trials.jsonl sweep.py wrote (not UTF-8 "
+                     f"text)") from None
   ours, kept = settings(), []
   for n, line in enumerate(lines, 1):
     if not line.strip():
@@ -484,7 +489,11 @@ def resumed(tasks) -> dict:
     if not isinstance(theirs, dict):
       raise ValueError(f"--resume: {path} line {n} is not a trial record of this sweep.py "
                        f"(it has no 'settings')")
-    differ = [k for k in TRIAL_SETTINGS if theirs.get(k) != ours[k]]
+    differ = [k for k in ours if theirs.get(k) != ours[k]]
+    if differ and differ[0] == "trace_sha256":
+      raise ValueError(f"--resume: {path} line {n} was run on another --trace file (the file "
+                       f"{FLAGS.trace!r} names changed since: sha256 differs); its trials "
+                       f"cannot join this sweep (another --out)")
     if differ:
       k = differ[0]
       raise ValueError(f"--resume: {path} line {n} was run with --{k}={theirs.get(k)}, this "
@@ -505,8 +514,17 @@ def resumed(tasks) -> dict:
 
 
 def settings() -> dict:
-  """The flags a trial's record depends on (TRIAL_SETTINGS), by name."""
-  return {k: getattr(FLAGS, k) for k in TRIAL_SETTINGS}
+  """The flags a trial's record depends on (TRIAL_SETTINGS), by name, and
+  the trace file's sha256 (``trace_sha256``: a file edited in place is
+  another trace)."""
+  return dict({k: getattr(FLAGS, k) for k in TRIAL_SETTINGS}, trace_sha256=_trace_sha256())
+
+
+@functools.lru_cache(maxsize=1)
+def _trace_sha256() -> str:
+  _, path = traces.trace_loader(FLAGS.trace)
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def say_cost_model() -> list:

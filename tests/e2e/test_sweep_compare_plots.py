@@ -92,8 +92,11 @@ def test_a_resumed_sweep_runs_only_the_trials_it_lacks(trace, tmp_path):
   """A sweep stopped after one trial (its trials.jsonl: that trial's line,
   then a line cut short): ``--resume`` keeps the first trial's record as
   written, runs the other three, and ends with the uninterrupted sweep's
-  records; a record run with another --window_s is refused by name."""
-  args = [f"--trace={trace}", "--engine=tiny", "--max_model_len=64",
+  records; a record run with another --window_s, or on the trace file as it
+  was before an edit, is refused by name."""
+  own = tmp_path / "trace.csv"           # this test's copy: edited at the end
+  own.write_text(Path(trace.split(":", 1)[1]).read_text())
+  args = [f"--trace=azure:{own}", "--engine=tiny", "--max_model_len=64",
           "--policies=sarathi_serve,vllm_v1", "--rate_scales=0.5,2", "--trials=1",
           "--window_s=10", "--ttft_ms=600000", "--tpot_ms=600000"]
   whole = tmp_path / "whole"
@@ -124,6 +127,9 @@ def test_a_resumed_sweep_runs_only_the_trials_it_lacks(trace, tmp_path):
   proc = _run("sweep.py", *args[:-3], "--window_s=20", "--ttft_ms=600000",
               "--tpot_ms=600000", f"--out={out}", "--resume", expect_rc=2)
   assert "line 1 was run with --window_s=10.0, this run has --window_s=20.0" in proc.stderr
+  own.write_text(own.read_text() + "2023-11-16 18:15:17.0000000,10,5\n")   # the same path
+  proc = _run("sweep.py", *args, f"--out={out}", "--resume", expect_rc=2)
+  assert "line 1 was run on another --trace file" in proc.stderr
 
 
 def _sweep_json(path, attainment, alpha=0.9, rates=(0.01, 0.02, 0.04), legacy=False):
