@@ -79,6 +79,7 @@ def test_generate_simulated_counts_by_hand():
   assert "=== prompt-0 (completed, 7 tokens)" in plain and _spec_lines(plain) == []
 
 
+@pytest.mark.extended   # a replay process (~27 s); format_spec_decode's line is unit-tested
 def test_replay_prints_the_reports_acceptance_under_its_table(tmp_path):
   """The line gives the report's ``engine_outcomes.spec_decode``; with
   --spec_acceptance=0.5 some drafts are refused; without --speculative no
