@@ -619,8 +619,13 @@ def merge(paths):
       if r[k] != runs[0][k]:
         raise ValueError(f"--merge: {p} differs from {paths[0]} in {k!r}")
   rates = sorted(x for r in runs for x in r["rate_scales"])
-  if len(set(rates)) != len(rates):
-    raise ValueError(f"--merge: a rate scale appears in two sweeps: {rates}")
+  seen = {}
+  for p, r in zip(paths, runs):
+    for x in r["rate_scales"]:
+      if x in seen:
+        raise ValueError(f"--merge: rate scale {x:g} is in both {seen[x]} and {p} (each "
+                         f"rate's trials must come from one sweep)")
+      seen[x] = p
   # Engine config, model, executor and cost model equal across every trial.
   ablation.check_comparable([dict(t, rate_scale=None) for r in runs for t in r["trials"]])
   return dict({k: runs[0][k] for k in keys}, rate_scales=rates, merged_from=list(paths),

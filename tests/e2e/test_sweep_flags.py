@@ -30,6 +30,13 @@ def replay_report(tmp_path):
 def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, replay_report):
   not_json = tmp_path / "bad.json"
   not_json.write_text("{truncated")
+  # Two sweep.json files sharing a rate (the keys merge reads, no trial).
+  sweep = {"trace": "t", "window_s": 60.0, "trials_per_point": 1, "slo": {}, "alpha": 0.9,
+           "policies": ["vtc"], "metric_definitions": "m", "rate_scales": [0.5, 1.0],
+           "trials": []}
+  swept, swept_again = tmp_path / "a.json", tmp_path / "b.json"
+  swept.write_text(json.dumps(sweep))
+  swept_again.write_text(json.dumps(dict(sweep, rate_scales=[0.5, 2.0])))
   short = tmp_path / "short.csv"      # arrivals at 0 and 3 s
   short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
                    "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
@@ -58,6 +65,9 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
        f"error: --merge: '{not_json}' cannot be read as JSON (Expecting property name "
        f"enclosed in double quotes: line 1 column 2 (char 1))"),
       (["--merge="], "error: --merge must name at least one sweep.json, got ''"),
+      ([f"--merge={swept},{swept_again}"],
+       f"error: --merge: rate scale 0.5 is in both {swept} and {swept_again} (each rate's "
+       f"trials must come from one sweep)"),
       (["--out="], "error: --out must name the folder for sweep.json and the PNGs, got ''"),
       ([f"--merge={replay_report}", "--out="],
        "error: --out must name the folder for sweep.json and the PNGs, got ''"),
