@@ -93,14 +93,29 @@ def device_difference(made: dict, here: dict) -> str:
   named (at most 5) where both fingerprints hold the list; '' when no
   compared field differs. A field only one of them records (an older or
   hand-written fingerprint) is not compared."""
-  differ = [k for k in _DEVICE_FIELDS
-            if k in made and k in here and made[k] != here[k]]
+  differ = _differing_fields(made, here)
   if not differ:
     return ""
   if {"backend", "kind"} & set(differ):
     return f"another kind of device ({made.get('kind', '?')} vs {here.get('kind', '?')})"
   if "cpu" in differ:
     return f"another CPU model ({made.get('cpu', '?')} vs {here.get('cpu', '?')})"
+  if made.get("cpu"):
+    cpus = "" if "cpus" in differ else f", {made.get('cpus')} CPUs"
+    same = f"same CPU model ({made['cpu']}{cpus})"
+  else:
+    same = f"same kind of device ({made.get('kind', '?')})"
+  return f"{same} but {_other_parts(made, here, differ)}"
+
+
+def _differing_fields(made: dict, here: dict) -> list:
+  return [k for k in _DEVICE_FIELDS if k in made and k in here and made[k] != here[k]]
+
+
+def _other_parts(made: dict, here: dict, differ: list) -> str:
+  """The device count, CPU count and CPU flags that differ (``differ``),
+  e.g. ``another CPU count (2 vs 4) and other CPU feature flags (this one
+  lacks avx512f)``."""
   parts = []
   if "count" in differ:
     parts.append(f"another device count ({made.get('count')} vs {here.get('count')})")
@@ -120,12 +135,7 @@ def device_difference(made: dict, here: dict) -> str:
         words.append(f"{hidden} more")
       if words:
         parts[-1] += f" (this one {'; '.join(words)})"
-  if made.get("cpu"):
-    cpus = "" if "cpus" in differ else f", {made.get('cpus')} CPUs"
-    same = f"same CPU model ({made['cpu']}{cpus})"
-  else:
-    same = f"same kind of device ({made.get('kind', '?')})"
-  return f"{same} but {' and '.join(parts)}"
+  return " and ".join(parts)
 
 
 CALIBRATION_DIR = _CALIBRATIONS
@@ -252,6 +262,27 @@ def count_as_said(lines) -> None:
   _SAID.update(lines)
 
 
+def _shipped_line(name: str, here: dict, made: dict) -> str:
+  """``resolve``'s one line for the shipped calibration ``name`` chosen by
+  this machine's kind (``here`` its fingerprint, ``made`` the calibration's):
+  which it is and, where it was made on another fingerprint, how that
+  device differs (the kind's CPU model and count are the same, so the
+  flags or device count; ``device_difference`` where more differs)."""
+  kind = _kind_words(machine_kind(here))
+  if made.get("id") == here.get("id"):
+    return (f"cost model: {name}, the shipped calibration for this machine ({kind}), made on "
+            f"a machine of this fingerprint (id {here.get('id')})")
+  differ = _differing_fields(made, here)
+  if {"backend", "kind", "cpu", "cpus"} & set(differ):
+    how = f"on another device: {device_difference(made, here)}"
+  elif differ:
+    how = f"on a machine of this kind with {_other_parts(made, here, differ)}"
+  else:
+    how = "on a machine of this kind with another fingerprint"
+  return (f"cost model: {name}, the shipped calibration for this machine's kind ({kind}), made "
+          f"{how} (id {made.get('id')} vs {here.get('id')}): its times may not hold here")
+
+
 def resolve(model: CostModel, costs: ModelCosts, *,
             fingerprint: Optional[dict] = None,
             say: Callable[[str], None] = print) -> CostModel:
@@ -267,8 +298,10 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     profile (``uncalibrated``) a one-line note.
   * The default calibration (``load`` given no path) is replaced by the
     shipped one of this machine's kind for this model
-    (``select_calibration``), said in one line; where none holds, one line
-    says so and names ``scripts/calibrate.py``, and the default is kept.
+    (``select_calibration``), said in one line that also says how the
+    machine it was made on differs from this one (``_shipped_line``: VMs of
+    one kind may differ in their flags); where none holds, one line says
+    so and names ``scripts/calibrate.py``, and the default is kept.
 
   Args:
     model: the loaded cost model.
@@ -282,8 +315,9 @@ def resolve(model: CostModel, costs: ModelCosts, *,
   Raises:
     ValueError: a one-model calibration for another model, naming both.
   """
+  device_said = False     # the default's one line says it, or that no shipped one holds
   if model.meta.get("chosen") == "default" and model.combine == "sum":
-    fp = fingerprint or device_fingerprint()
+    fp, device_said = fingerprint or device_fingerprint(), True
     path, line = select_calibration(fp, costs)
     if path is None:
       say(line)
@@ -291,9 +325,7 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     else:
       model = load(path)
       model.meta["chosen"] = f"by machine kind ({_kind_words(machine_kind(fp))})"
-      say(f"cost model: {path.name}, the shipped calibration for this machine "
-          f"({_kind_words(machine_kind(fp))})")
-      fingerprint = fp
+      say(_shipped_line(path.name, fp, model.meta.get("device", {})))
   where = model.meta.get("path") or model.meta.get("profile") or "the cost model"
   _check_predicts(model, costs, where, "this model", say)
   if costs.draft is not None:
@@ -308,7 +340,7 @@ def resolve(model: CostModel, costs: ModelCosts, *,
     fitted = model.meta["fitted"]
     say(f"cost model: accelerator profile {model.meta.get('profile')!r}: "
         f"{fitted.get('summary', 'fitted to measured operator timings')}")
-  elif model.meta.get("device") and model.meta.get("chosen") != "default, none holds":
+  elif model.meta.get("device") and not device_said:
     fp = fingerprint or device_fingerprint()
     made = model.meta["device"]
     if made.get("id") != fp["id"]:

@@ -61,8 +61,11 @@ def test_resolve_swaps_the_default_for_the_machines_and_says_so_once():
   assert model.meta["path"] == "cost_model_cpu_avx2.json"
   assert model.coef_ms == cal_lib.load(cal_lib.CALIBRATION_DIR
                                        / "cost_model_cpu_avx2.json").coef_ms
-  assert lines[0] == ("cost model: cost_model_cpu_avx2.json, the shipped calibration for this "
-                      "machine (AMD EPYC, 2 CPUs, AVX2)")
+  # AVX2_EPYC records no flags hash: nothing compared differs but the id.
+  assert lines == ["cost model: cost_model_cpu_avx2.json, the shipped calibration for this "
+                   "machine's kind (AMD EPYC, 2 CPUs, AVX2), made on a machine of this kind with "
+                   "another fingerprint (id 44f9d5b4d575 vs not-shipped): its times may not hold "
+                   "here"]
   lines.clear()
   model = cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=XEON_AVX2, say=lines.append)
   assert model.meta["path"] == "cost_model_cpu.json"
@@ -74,3 +77,35 @@ def test_resolve_swaps_the_default_for_the_machines_and_says_so_once():
   assert cal_lib.resolve(named, SMOLLM2, fingerprint=AVX2_EPYC,
                          say=lines.append).meta["path"] == "cost_model_cpu.json"
   assert "chosen" not in named.meta
+
+
+def test_the_shipped_calibration_and_how_its_machine_differs_are_one_line():
+  """Which shipped calibration is used, for which machine kind, and how the
+  machine it was made on differs from this one, in one line (it was two:
+  "the shipped calibration for this machine", then "calibrated on another
+  device than this one")."""
+  made = cal_lib.load().meta["device"]            # stored without its flag list
+  other_flags = dict(AVX512_EPYC, flags_sha="0123456789ab", id="here")
+  lines = []
+  cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=other_flags, say=lines.append)
+  assert lines == [f"cost model: cost_model_cpu.json, the shipped calibration for this machine's "
+                   f"kind (AMD EPYC, 2 CPUs, AVX-512), made on a machine of this kind with other "
+                   f"CPU feature flags (id {made['id']} vs here): its times may not hold here"]
+  # Both flag lists known: the flags that differ are named.
+  xeon = cal_lib.load(cal_lib.CALIBRATION_DIR / "cost_model_cpu_xeon.json").meta["device"]
+  flags = sorted(set(xeon["flags"]) - {"avx512_fp16"} | {"new_flag"})
+  lines.clear()
+  cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=dict(xeon, flags=flags, flags_sha="x",
+                                                            id="here"), say=lines.append)
+  assert lines == ["cost model: cost_model_cpu_xeon.json, the shipped calibration for this "
+                   "machine's kind (Intel(R) Xeon(R) Processor, 2 CPUs, AVX-512), made on a "
+                   "machine of this kind with other CPU feature flags (this one lacks "
+                   "avx512_fp16; has new_flag) (id dc306fe970da vs here): its times may not "
+                   "hold here"]
+  # Made on this very fingerprint: nothing differs to say.
+  lines.clear()
+  cal_lib.resolve(cal_lib.load(), SMOLLM2, fingerprint=dict(made, flags=AVX512_EPYC["flags"]),
+                  say=lines.append)
+  assert lines == [f"cost model: cost_model_cpu.json, the shipped calibration for this machine "
+                   f"(AMD EPYC, 2 CPUs, AVX-512), made on a machine of this fingerprint (id "
+                   f"{made['id']})"]
