@@ -32,6 +32,15 @@ from serving.engine.sampling import MAX_LOGPROBS
 from serving.kv import pages as kv_pages
 
 
+def _usable_pages(c: EngineConfig) -> str:
+  """The pages a request may take, said with their makeup: every page but
+  the null page. The watermark's pages are kept free at admission only
+  while other requests run, so a request alone may take them."""
+  held = (f"; its {c.watermark_pages} watermark pages are kept free only while other "
+          f"requests run" if c.watermark_pages else "")
+  return f"{c.num_pages - 1} (num_pages {c.num_pages} less page 0, the null page{held})"
+
+
 class RequestTable:
   """Accepted requests, their slots and queues, and client indices.
 
@@ -145,7 +154,8 @@ class RequestTable:
     need = kv_pages.pages_for(rows, c.page_size)
     if need > c.num_pages - 1:
       self.end(req, "rejected", f"needs {need} KV pages for {rows} KV rows (prompt + "
-               f"max_tokens - 1); the cache has {c.num_pages - 1}")
+               f"max_tokens - 1); the cache has {_usable_pages(c)}: raise num_pages "
+               f"(--num_pages) to at least {need + 1}")
     return req
 
   def max_tokens(self, sampling: SamplingParams) -> int:

@@ -71,13 +71,17 @@ _NUMBER = re.compile(r"\b\d+(?:\.\d+)?\b")
 def _one_text(reasons: Sequence[str]) -> str:
     """One text for reasons that differ only in their numbers: a number
     every reason has the same stays as it is, one that differs becomes
-    ``"LO to HI"`` (smallest and largest of them)."""
+    ``"LO to HI"`` (smallest and largest of them), and one after "at least"
+    the largest (the bound that holds for every reason)."""
     pieces = _NUMBER.split(reasons[0])
     columns = zip(*(_NUMBER.findall(r) for r in reasons))
     numbers = []
-    for column in columns:
+    for before, column in zip(pieces, columns):
         lo, hi = min(column, key=float), max(column, key=float)
-        numbers.append(lo if lo == hi else f"{lo} to {hi}")
+        if before.endswith("at least "):
+            numbers.append(hi)
+        else:
+            numbers.append(lo if lo == hi else f"{lo} to {hi}")
     return pieces[0] + "".join(n + p for n, p in zip(numbers, pieces[1:]))
 
 

@@ -258,6 +258,19 @@ def test_rejection_lines_count_each_reason_and_range_its_numbers():
                                       + needs.format(12, 45))
 
 
+def test_a_rejection_lines_at_least_bound_is_the_largest():
+    """"raise num_pages ... to at least N" holds for every request of a line
+    only at the largest N: that one is given, not a range."""
+    needs = ("needs {} KV pages for {} KV rows (prompt + max_tokens - 1); the cache has 9 "
+             "(num_pages 10 less page 0, the null page): raise num_pages (--num_pages) to at "
+             "least {}")
+    records = [_rec(f"R{n}", 0.1 * n, [], outcome="rejected",
+                    finish_reason=needs.format(n, 16 * n - 5, n + 1)) for n in (36, 16, 20)]
+    assert format_rejections(build_report(records, duration_s=1.0)) == (
+        "rejected 3 of 3 (every request was rejected): " + needs.format("16 to 36", "251 to 571",
+                                                                        37))
+
+
 def test_goodput_metric_exactly_on_its_limit_passes():
     # 0.03 s of TTFT is 30.000000000000004 ms in binary floating point; a
     # request exactly on a 30 ms limit is SLO-valid, one 1 us over is not.
