@@ -190,11 +190,29 @@ def flag_named(message: str) -> str:
   return f"--{name} {rest}"
 
 
+def refuse_x64(launcher: str) -> None:
+  """Refuses ``jax_enable_x64`` (``JAX_ENABLE_X64=1``) in ``launcher``, as
+  every launcher does, whether or not it builds JAX programs itself: the
+  reason is iterserve's, not the launcher's (its programs are int32 and
+  float32; ``scheduler.records.refuse_x64`` says what broke under the
+  flag), so one rule holds for them all.
+
+  Raises:
+    ValueError: the flag on.
+  """
+  import jax    # pylint: disable=import-outside-toplevel (hostmem's probe loads no jax)
+  if jax.config.jax_enable_x64:
+    raise ValueError(
+        f"jax_enable_x64 must be off in every iterserve launcher, {launcher} included "
+        f"(iterserve's JAX programs are written for int32 and float32, and the flag makes "
+        f"jnp's Python numbers and aranges 64-bit), got on: unset JAX_ENABLE_X64")
+
+
 def run(main: Callable[[List[str]], Any]) -> None:
   """``app.run(main)`` with the refusals above: flags parsed by
   ``parse_flags``; ``jax_enable_x64`` on (``JAX_ENABLE_X64=1``) refused
   before ``main`` runs, so before any model loads or kernel is timed
-  (``scheduler.records.refuse_x64``); a ValueError or ``app.UsageError``
+  (``refuse_x64``); a ValueError or ``app.UsageError``
   out of ``main`` (bad flag value, file, model or request) becomes one line
   (``flag_named``) and exit status 2. Any other exception keeps its
   traceback (a bug, not bad input)."""
@@ -204,9 +222,7 @@ def run(main: Callable[[List[str]], Any]) -> None:
     if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
       logging.set_verbosity(logging.WARNING)
     try:
-      # Imported here: importing serving.cli (hostmem's probe) loads no jax.
-      from scheduler import records
-      records.refuse_x64(Path(argv[0]).name)
+      refuse_x64(Path(argv[0]).name)
       # XLA_FLAGS' ISA cap: a value XLA knows.
       from attention import native_build
       native_build.max_isa()

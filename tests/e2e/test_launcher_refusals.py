@@ -196,22 +196,26 @@ def test_a_model_that_cannot_be_found_names_model(tmp_path, script, args, model)
   assert status == 2 and last.startswith(f"error: --model={model}: "), last
 
 
-def test_x64_is_refused_before_anything_loads():
+@pytest.mark.parametrize("script,args", [("generate.py", ["--prompt=hi"]),
+                                         ("slice_mooncake.py", ["--out={out}"])])
+def test_x64_is_refused_before_anything_loads(tmp_path, script, args):
   """JAX_ENABLE_X64=1 is refused by ``cli.run`` before ``main`` runs:
   generate.py loaded the model and timed its kernels first, then refused
-  it when the engine built its programs. A process of its own, not a
-  refusal server's child: JAX reads the variable when it is imported."""
+  it when the engine built its programs. The reason holds for a launcher
+  that builds no program of its own (slice_mooncake.py reads a trace). A
+  process of its own, not a refusal server's child: JAX reads the variable
+  when it is imported."""
   env = dict(os.environ, JAX_ENABLE_X64="1")
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--prompt=hi"],
+  args = [a.format(out=tmp_path / "slice.jsonl") for a in args]
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-  assert "model:" not in proc.stdout
+  assert "model:" not in proc.stdout and not (tmp_path / "slice.jsonl").exists()
   assert proc.returncode == 2, proc.stderr[-3000:]
   assert proc.stderr.strip().splitlines()[-1] == (
-      "error: jax_enable_x64 must be off where generate.py builds or traces its programs (the "
-      "scheduler's tables are int32 and float32), got on: unset JAX_ENABLE_X64, drop "
-      "jax.config.update('jax_enable_x64', True), or leave the `with jax.enable_x64(True):` "
-      "scope first")
+      f"error: jax_enable_x64 must be off in every iterserve launcher, {script} included "
+      f"(iterserve's JAX programs are written for int32 and float32, and the flag makes jnp's "
+      f"Python numbers and aranges 64-bit), got on: unset JAX_ENABLE_X64")
 
 
 def test_native_attention_without_a_compiler_is_refused_before_loading(tmp_path):
