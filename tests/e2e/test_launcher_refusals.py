@@ -410,6 +410,9 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
      "error: EngineConfig.spec_acceptance must be in (0, 1] with executor 'simulated'"),
     ("replay.py", ["--executor=simulated", "--speculative=draft:/nope/draft"],    # named first
      "error: --speculative: the draft model '/nope/draft' cannot be read: unknown model"),
+    ("replay.py", ["--executor=simulated", "--model=/nope/model",       # --model before it
+                   "--speculative=draft:/nope/draft,k=2"],
+     "error: --model=/nope/model: unknown model"),
     ("replay.py", ["--cache_dir=/proc/nope", "--executor=simulated", "--num_requests=2"],
      "error: --cache_dir: the directory '/proc/nope' cannot be made ("),
     ("replay.py", ["--out=/proc/nope/x.json", "--executor=simulated", "--num_requests=2"],
