@@ -16,10 +16,11 @@ from absl import flags
 from attention import native, ragged
 from models import amx, rowgemm
 from models.config import ModelConfig
-from models.loaders import load_config, load_model, resolve_model_path
+from models.loaders import load_config, load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import cli
 from serving.cli import hostmem
+from serving.cli.model_spec import RANDOM_PREFIX, check_model_spec, random_model
 from serving.harness import metrics, traces, workloads
 from serving.harness import synthetic as synthetic_workloads
 from serving.engine import autotune, speculative
@@ -362,69 +363,6 @@ def check_cost_model() -> None:
                      f"scripts/calibrate.py, or profile:NAME): {e}") from None
   except ValueError as e:
     raise ValueError(f"--cost_model={path}: {e}") from None
-
-
-RANDOM_PREFIX = "random:"
-
-
-def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True,
-                 flag: str = "--model"):
-  """``random:PRESET[,key=value...]``: a named model's config with overridden
-  shape fields and random weights (``llama.init_params``, seed 0; None when
-  ``weights`` is False), its tokenizer the named model's: timing runs of
-  shapes without a checkpoint (a step's time does not depend on weights).
-
-  Raises:
-    ValueError: naming ``flag``: an unknown preset or field, a malformed
-      pair, a value not of the field's type or that the config refuses, or
-      a ``vocab_size`` override (the tokenizer is fixed).
-  """
-  from models import llama              # pylint: disable=import-outside-toplevel
-  preset, *pairs = spec[len(RANDOM_PREFIX):].split(",")
-  try:
-    base, tokenizer = load_config(preset)
-  except ValueError as e:
-    raise ValueError(f"{flag}={spec}: {e}") from None
-  fields = {f.name for f in dataclasses.fields(base)}
-  overrides = {}
-  for pair in pairs:
-    key, eq, value = pair.partition("=")
-    if not eq or key not in fields:
-      raise ValueError(f"{flag}={spec}: {pair!r} must be FIELD=VALUE with FIELD a "
-                       f"ModelConfig field")
-    if key == "vocab_size":
-      raise ValueError(f"{flag}={spec}: vocab_size cannot change (the tokenizer is "
-                       f"{preset}'s)")
-    kind = type(getattr(base, key))
-    try:
-      overrides[key] = kind(value)
-    except ValueError:
-      article = "an" if kind.__name__[0] in "aeiou" else "a"
-      raise ValueError(f"{flag}={spec}: {key} must be {article} {kind.__name__}, got "
-                       f"{value!r}") from None
-  try:
-    cfg = dataclasses.replace(base, name=spec[len(RANDOM_PREFIX):], **overrides)
-  except ValueError as e:
-    raise ValueError(f"{flag}={spec}: {e}") from None
-  params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype) if weights else None
-  return cfg, params, tokenizer
-
-
-def check_model_spec(flag: str, spec: str) -> None:
-  """Checks a model flag's value before any model loads: a ``random:`` spec
-  parses with its overrides (``random_model`` without weights), any other
-  names a preset, a ``*.gguf`` file or an HF directory.
-
-  Raises:
-    ValueError: naming ``flag`` and what is wrong with ``spec``.
-  """
-  if spec.startswith(RANDOM_PREFIX):
-    random_model(spec, weights=False, flag=flag)
-    return
-  try:
-    resolve_model_path(spec)
-  except ValueError as e:
-    raise ValueError(f"{flag}={spec}: {e}") from None
 
 
 def check_cache_dir() -> None:

@@ -1,0 +1,77 @@
+"""A model flag's value (``--model``, ``--second_model``), checked before
+anything loads: a named model (``smollm2-135m``), a ``*.gguf`` file, an HF
+checkpoint directory, or ``random:PRESET[,field=value...]`` (a shape with
+random weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.loaders import load_config, resolve_model_path
+
+RANDOM_PREFIX = "random:"
+
+
+def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True,
+                 flag: str = "--model"):
+  """``random:PRESET[,key=value...]``: a named model's config with overridden
+  shape fields and random weights (``llama.init_params``, seed 0; None when
+  ``weights`` is False), its tokenizer the named model's: timing runs of
+  shapes without a checkpoint (a step's time does not depend on weights).
+
+  Raises:
+    ValueError: naming ``flag``: an unknown preset or field, a malformed
+      pair, a value not of the field's type or that the config refuses, or
+      a ``vocab_size`` override (the tokenizer is fixed).
+  """
+  from models import llama              # pylint: disable=import-outside-toplevel
+  preset, *pairs = spec[len(RANDOM_PREFIX):].split(",")
+  try:
+    base, tokenizer = load_config(preset)
+  except ValueError as e:
+    raise ValueError(f"{flag}={spec}: {e}") from None
+  fields = {f.name for f in dataclasses.fields(base)}
+  overrides = {}
+  for pair in pairs:
+    key, eq, value = pair.partition("=")
+    if not eq or key not in fields:
+      raise ValueError(f"{flag}={spec}: {pair!r} must be FIELD=VALUE with FIELD a "
+                       f"ModelConfig field")
+    if key == "vocab_size":
+      raise ValueError(f"{flag}={spec}: vocab_size cannot change (the tokenizer is "
+                       f"{preset}'s)")
+    kind = type(getattr(base, key))
+    try:
+      overrides[key] = kind(value)
+    except ValueError:
+      article = "an" if kind.__name__[0] in "aeiou" else "a"
+      raise ValueError(f"{flag}={spec}: {key} must be {article} {kind.__name__}, got "
+                       f"{value!r}") from None
+  try:
+    cfg = dataclasses.replace(base, name=spec[len(RANDOM_PREFIX):], **overrides)
+  except ValueError as e:
+    raise ValueError(f"{flag}={spec}: {e}") from None
+  params = llama.init_params(cfg, jax.random.PRNGKey(0), dtype) if weights else None
+  return cfg, params, tokenizer
+
+
+def check_model_spec(flag: str, spec: str) -> None:
+  """Checks a model flag's value before any model loads: a ``random:`` spec
+  parses with its overrides (``random_model`` without weights), any other
+  names a preset, a ``*.gguf`` file or an HF directory.
+
+  Raises:
+    ValueError: naming ``flag`` and what is wrong with ``spec``.
+  """
+  if spec.startswith(RANDOM_PREFIX):
+    random_model(spec, weights=False, flag=flag)
+    return
+  try:
+    resolve_model_path(spec)
+  except ValueError as e:
+    raise ValueError(f"{flag}={spec}: {e}") from None
+
