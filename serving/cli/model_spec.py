@@ -7,6 +7,7 @@ random weights).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,8 @@ def check_model_spec(flag: str, spec: str) -> None:
   names a preset, a ``*.gguf`` file or an HF directory.
 
   Raises:
-    ValueError: naming ``flag`` and what is wrong with ``spec``.
+    ValueError: naming ``flag`` and what is wrong with ``spec``, the value
+      said once.
   """
   if spec.startswith(RANDOM_PREFIX):
     random_model(spec, weights=False, flag=flag)
@@ -73,5 +75,14 @@ def check_model_spec(flag: str, spec: str) -> None:
   try:
     resolve_model_path(spec)
   except ValueError as e:
-    raise ValueError(f"{flag}={spec}: {e}") from None
+    raise ValueError(f"{flag}={spec}: {_without_name(str(e), spec)}") from None
 
+
+def _without_name(message: str, spec: str) -> str:
+  """A loader's message about ``spec`` without its own naming of it (the
+  flag's ``FLAG=SPEC: `` prefix names it): ``unknown model 'x': ...``
+  becomes ``unknown model: ...``, ``/path: expected ...`` ``expected ...``."""
+  path = f"{Path(spec).expanduser()}: "
+  if message.startswith(path):
+    return message[len(path):]
+  return message.replace(f" {spec!r}", "", 1)

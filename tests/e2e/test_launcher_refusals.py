@@ -366,7 +366,7 @@ TRACE_KINDS = "['azure', 'mooncake', 'vtc']"
                  "error: --second_model=random:smollm2-135m,d_model=abc: d_model must be an "
                  "int, got 'abc'", marks=needs_smollm2),
     pytest.param("calibrate.py", ["--second_model=/nonexist.gguf"],
-                 "error: --second_model=/nonexist.gguf: unknown model '/nonexist.gguf'",
+                 "error: --second_model=/nonexist.gguf: unknown model: not a preset",
                  marks=needs_smollm2),
     ("fidelity.py", ["--traces=foo:bar", "--max_load=100"],
      f"error: --traces entries must be KIND:PATH with KIND in {TRACE_KINDS}, got 'foo:bar'"),

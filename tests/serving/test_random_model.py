@@ -31,7 +31,7 @@ def test_overrides_shape_keeps_the_tokenizer_and_refuses_bad_fields():
     launch.random_model("random:smollm2-135m,d_model=abc", flag="--second_model")
   with pytest.raises(ValueError, match=r"^--model=random:nope: unknown model 'nope'"):
     launch.check_model_spec("--model", "random:nope")
-  with pytest.raises(ValueError, match=r"^--second_model=nope: unknown model 'nope'"):
+  with pytest.raises(ValueError, match=r"^--second_model=nope: unknown model: not a preset"):
     launch.check_model_spec("--second_model", "nope")
   launch.check_model_spec("--model", "smollm2-135m")
 
