@@ -5,6 +5,7 @@
       --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,60 --time_scale=4
   python scripts/replay.py --executor=simulated --trace=azure:... # whole trace, virtual time
+  python scripts/replay.py --executor=simulated --model=tiny --engine=tiny  # a config preset
 
 With a virtual clock (``--executor=simulated`` or ``--clock=virtual``) two
 runs of the same command write byte-identical reports.
@@ -86,7 +87,8 @@ def main(argv):
   # fast); draw prompt ids again if the model's vocabulary differs from the
   # default. The simulated executor reads the config alone: it comes first,
   # and the prompt ids are drawn once.
-  model = launch.load_flags_model(engine_cfg) if engine_cfg.executor == "simulated" else None
+  model = (launch.load_flags_model(engine_cfg, needs_tokenizer=False)
+           if engine_cfg.executor == "simulated" else None)
   vocab = workloads.DEFAULT_VOCAB_SIZE if model is None else model[0].vocab_size
   workload = launch.load_workload(vocab, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})

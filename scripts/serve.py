@@ -194,7 +194,8 @@ def _front_tokenizer():
   """
   if FLAGS.model.startswith(launch.RANDOM_PREFIX):
     return launch.random_model(FLAGS.model, weights=False)[2]
-  launch.check_model_spec("--model", FLAGS.model)
+  launch.check_model_spec("--model", FLAGS.model, simulated=FLAGS.executor == "simulated",
+                          needs_tokenizer=True)
   from models.loaders import load_config
   return load_config(FLAGS.model)[1]
 

@@ -9,8 +9,10 @@ batch, the model (or the simulated executor's cost model) runs it, and
 the step returns each request's new tokens and, at its end, its outcome
 (completed, rejected, cancelled or failed). ``--model`` takes a model
 name (``smollm2-135m``), a GGUF file or an HF checkpoint directory, as
-replay.py's does; ``--engine`` a preset of ``configs/`` (``tiny`` is the
-tests' small one). A bad argument ends with one ``error:`` line (exit 2):
+replay.py's does, and with ``--simulated`` also a config preset without
+weights (``tiny``: no tokenizer either, so the prompts' bytes stand in for
+token ids); ``--engine`` a preset of ``configs/`` (``tiny`` is the tests'
+small one). A bad argument ends with one ``error:`` line (exit 2):
 every ValueError below names the field and the rule.
 """
 
@@ -21,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # run from anywhere
 
-from models.loaders import load_config, load_model  # noqa: E402
+from models.loaders import load_model  # noqa: E402
+from serving.cli.model_spec import check_model_spec, model_config  # noqa: E402
 from serving.engine.config import EngineConfig, SamplingParams  # noqa: E402
 from serving.engine.engine import Engine  # noqa: E402
 from serving.engine.sim_executor import VirtualClock  # noqa: E402
@@ -50,17 +53,21 @@ def run(args) -> None:
   # An engine preset is a JSON file of EngineConfig fields; any field can
   # be replaced (dataclasses.replace, or keyword overrides of preset()).
   config = EngineConfig.preset(args.engine, policy=args.policy)
+  # The launchers' check: a config preset (tiny) only with --simulated.
+  check_model_spec("--model", args.model, simulated=args.simulated,
+                   simulated_flag="--simulated")
   if args.simulated:
     config = dataclasses.replace(config, executor="simulated")
-    (model_cfg, tokenizer), params = load_config(args.model), None
-    engine = Engine(model_cfg, params, config, clock=VirtualClock())
+    model_cfg, tokenizer = model_config(args.model)        # no weights; a preset: no tokenizer
+    engine = Engine(model_cfg, None, config, clock=VirtualClock())
   else:
     model_cfg, params, tokenizer = load_model(args.model)   # float32 on the CPU
     engine = Engine(model_cfg, params, config)               # wall clock
 
   sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)   # greedy
   for i, text in enumerate(PROMPTS):
-    ids = tokenizer.encode(text, add_special_tokens=True)
+    ids = (tokenizer.encode(text, add_special_tokens=True) if tokenizer is not None
+           else list(text.encode()))        # placeholder ids: the simulated executor's
     engine.add_request(f"req-{i}", ids, sampling)
 
   tokens = {f"req-{i}": [] for i in range(len(PROMPTS))}

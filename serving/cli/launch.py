@@ -16,11 +16,11 @@ from absl import flags
 from attention import native, ragged
 from models import amx, rowgemm
 from models.config import ModelConfig
-from models.loaders import load_config, load_model
+from models.loaders import load_model
 from models.sharding import initialize_processes, make_mesh
 from serving import cli
 from serving.cli import hostmem
-from serving.cli.model_spec import RANDOM_PREFIX, check_model_spec, random_model
+from serving.cli.model_spec import RANDOM_PREFIX, check_model_spec, model_config, random_model
 from serving.harness import metrics, traces, workloads
 from serving.harness import synthetic as synthetic_workloads
 from serving.engine import autotune, speculative
@@ -46,7 +46,9 @@ def define_engine_flags() -> None:
   """--model, --engine preset, and overrides of its budgets. The caller's
   ``--help`` lists --model and --engine (the two choices every run makes);
   ``--helpfull`` lists the overrides too."""
-  flags.DEFINE_string("model", "smollm2-135m", "Preset name, *.gguf file or HF directory.")
+  flags.DEFINE_string("model", "smollm2-135m", "A model with weights (smollm2-135m), a *.gguf "
+                      "file or an HF directory; with --executor=simulated also a config "
+                      "preset (tiny).")
   flags.DEFINE_string("engine", "cpu_default", engine_preset_help())
   # absl keys a module's flags by its name, the script's path for __main__.
   caller = sys._getframe(1).f_globals.get("__name__")  # pylint: disable=protected-access
@@ -377,20 +379,25 @@ def check_cache_dir() -> None:
     cli.make_dir("cache_dir", FLAGS.cache_dir)
 
 
-def load_flags_model(engine_cfg: EngineConfig):
+def load_flags_model(engine_cfg: EngineConfig, *, needs_tokenizer: bool = True):
   """Loads --model in the engine's dtype (and turns on the caches under
   --cache_dir). Returns (cfg, params, tokenizer); params is None for the
-  simulated executor, which reads only the config and tokenizer (``load_config``).
+  simulated executor, which reads only the config and tokenizer
+  (``model_spec.model_config``). A caller that does not use the tokenizer
+  (``needs_tokenizer`` False) also takes a config preset without weights
+  there (``tiny``), its tokenizer None.
 
   Raises:
     ValueError: naming --model, a model that cannot be found (no such file,
-      a directory without config.json: ``check_model_spec``) before any
-      kernel builds or weights load; the kernel checks' refusals
+      a directory without config.json) or a config preset without the
+      simulated executor (``check_model_spec``), before any kernel builds
+      or weights load; the kernel checks' refusals
       (``check_attention_impl``, ``int8_gemm``, ``decode_gemm``,
       ``check_model_attention``).
   """
   if not FLAGS.model.startswith(RANDOM_PREFIX):   # random_model names --model itself
-    check_model_spec("--model", FLAGS.model)
+    check_model_spec("--model", FLAGS.model, simulated=engine_cfg.executor == "simulated",
+                     needs_tokenizer=needs_tokenizer)
   if FLAGS.keep_freed_pages:
     hostmem.keep_freed_pages()
   init_processes(engine_cfg)
@@ -404,7 +411,7 @@ def load_flags_model(engine_cfg: EngineConfig):
     cfg, params, tokenizer = random_model(FLAGS.model, dtype,
                                           weights=engine_cfg.executor != "simulated")
   elif engine_cfg.executor == "simulated":   # no model runs: the config and tokenizer only
-    (cfg, tokenizer), params = load_config(FLAGS.model), None
+    (cfg, tokenizer), params = model_config(FLAGS.model), None
   else:
     cfg, params, tokenizer = load_model(
         FLAGS.model, dtype=dtype, cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir
@@ -412,7 +419,8 @@ def load_flags_model(engine_cfg: EngineConfig):
   check_model_attention(engine_cfg, cfg)
   seconds = time.perf_counter() - t
   read = (f"loaded in {seconds:.1f} s" if params is not None else
-          f"config and tokenizer read in {seconds:.1f} s (simulated executor: no weights)")
+          f"config and tokenizer read in {seconds:.1f} s (simulated executor: no weights)"
+          if tokenizer is not None else "config preset (simulated executor: no weights)")
   print(f"model: {cfg.name} ({describe_model(cfg, engine_cfg.max_model_len)}) {read}; "
         f"attention: {attention_impl(engine_cfg, cfg.head_dim)}"
         + (f"; int8 GEMM: {gemm}" if gemm else "") + (f"; decode GEMM: {rows}" if rows else "")

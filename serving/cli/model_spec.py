@@ -1,7 +1,10 @@
-"""A model flag's value (``--model``, ``--second_model``), checked before
-anything loads: a named model (``smollm2-135m``), a ``*.gguf`` file, an HF
-checkpoint directory, or ``random:PRESET[,field=value...]`` (a shape with
-random weights).
+"""A model flag's value (``--model``, ``--second_model``): checked before
+anything loads, and read without weights for the simulated executor.
+
+A value is a named model with weights (``smollm2-135m``), a ``*.gguf`` file,
+an HF checkpoint directory, ``random:PRESET[,field=value...]`` (a shape with
+random weights), or, for the simulated executor only, a config preset of
+``models.config.PRESETS`` that has no weights (``tiny``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from models.loaders import load_config, resolve_model_path
+from models.config import PRESETS
+from models.loaders import NAMED_MODELS, load_config, resolve_model_path
 
 RANDOM_PREFIX = "random:"
 
@@ -60,22 +64,55 @@ def random_model(spec: str, dtype=jnp.float32, *, weights: bool = True,
   return cfg, params, tokenizer
 
 
-def check_model_spec(flag: str, spec: str) -> None:
+def is_config_preset(spec: str) -> bool:
+  """Whether ``spec`` names a config preset without weights (``tiny``): in
+  ``PRESETS``, not a named model with weights, and no file or directory of
+  that name in the way (the loaders take a path first)."""
+  return spec in PRESETS and spec not in NAMED_MODELS and not Path(spec).exists()
+
+
+def check_model_spec(flag: str, spec: str, *, simulated: bool = False,
+                     needs_tokenizer: bool = False,
+                     simulated_flag: str = "--executor=simulated") -> None:
   """Checks a model flag's value before any model loads: a ``random:`` spec
-  parses with its overrides (``random_model`` without weights), any other
-  names a preset, a ``*.gguf`` file or an HF directory.
+  parses with its overrides (``random_model`` without weights), a config
+  preset without weights (``is_config_preset``) is taken where ``simulated``
+  (the simulated executor reads a config alone) and the caller
+  ``needs_tokenizer`` not (a preset has none), any other value names a model
+  with weights, a ``*.gguf`` file or an HF directory.
 
   Raises:
     ValueError: naming ``flag`` and what is wrong with ``spec``, the value
-      said once.
+      said once; a config preset without ``simulated`` names
+      ``simulated_flag``, the caller's way to the simulated executor.
   """
   if spec.startswith(RANDOM_PREFIX):
     random_model(spec, weights=False, flag=flag)
+    return
+  if is_config_preset(spec):
+    models = f"{sorted(NAMED_MODELS)}, a *.gguf file or an HF directory"
+    if not simulated:
+      raise ValueError(f"{flag}={spec}: a config preset without weights runs only on the "
+                       f"simulated executor ({simulated_flag}); models with weights: {models}")
+    if needs_tokenizer:
+      raise ValueError(f"{flag}={spec}: a config preset has no tokenizer, and this launcher "
+                       f"takes a model with one: {models}")
     return
   try:
     resolve_model_path(spec)
   except ValueError as e:
     raise ValueError(f"{flag}={spec}: {_without_name(str(e), spec)}") from None
+
+
+def model_config(spec: str):
+  """``(ModelConfig, Tokenizer or None)`` of a model flag's value without
+  its weights, for the simulated executor: a config preset's
+  (``is_config_preset``; no tokenizer, None), else ``load_config``'s.
+
+  Raises:
+    ValueError: as ``load_config``.
+  """
+  return (PRESETS[spec], None) if is_config_preset(spec) else load_config(spec)
 
 
 def _without_name(message: str, spec: str) -> str:

@@ -2,6 +2,8 @@
 run as a user runs it (a subprocess): every request ends with an outcome
 and its token count, on the simulated executor and on the real model."""
 
+import argparse
+import importlib.util
 import re
 import subprocess
 import sys
@@ -45,3 +47,25 @@ def test_the_engine_example_on_the_real_model():
   assert [e[0] for e in sorted(ends)] == ["req-0", "req-1", "req-2"], out
   assert all(1 <= int(n) <= 8 and (n == "8") == (why == "length") for _, why, n in ends), out
   assert re.search(r"^req-0 'The capital of France is' -> '.+'$", out, flags=re.M), out
+
+
+def test_the_engine_example_takes_a_config_preset_on_the_simulated_executor(capsys):
+  """``--simulated --model=tiny``: the launchers' model check takes a config
+  preset there (no weights, no tokenizer: the prompts' bytes stand in for
+  token ids), in the example's own process; without --simulated it is
+  refused naming --model and the flag that would run it."""
+  spec = importlib.util.spec_from_file_location("engine_api", EXAMPLE)
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  args = argparse.Namespace(model="tiny", engine="tiny", policy="vllm_v1", max_tokens=2,
+                            simulated=True)
+  example.run(args)
+  out = capsys.readouterr().out
+  ends = re.findall(r"^(req-\d): (\w+) \((\w+)\), (\d+) tokens$", out, flags=re.M)
+  assert sorted(ends) == [(f"req-{i}", "completed", "length", "2") for i in range(3)], out
+  assert re.search(r"^req-1 'def fibonacci\(n\):' -> \[\d+, \d+\]$", out, flags=re.M), out
+  with pytest.raises(ValueError) as refused:
+    example.run(argparse.Namespace(**dict(vars(args), simulated=False)))
+  assert str(refused.value) == (
+      "--model=tiny: a config preset without weights runs only on the simulated executor "
+      "(--simulated); models with weights: ['smollm2-135m'], a *.gguf file or an HF directory")

@@ -1,9 +1,67 @@
-"""replay.py's model and workload flags: a model flag's refusal naming its
-value once."""
+"""replay.py's model and workload flags: a config preset on the simulated
+executor, and a model flag's refusal naming its value once."""
+
+import json
 
 import pytest
 
 from serving.cli import launch
+from tests.e2e import refusals
+from tests.serving.engine_testing import free_port
+
+WITH_WEIGHTS = "['smollm2-135m'], a *.gguf file or an HF directory"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_refusal_servers():
+  yield
+  refusals.stop_servers()
+
+
+@pytest.fixture
+def short_trace(tmp_path):
+  """An Azure trace of two requests, arriving at 0 and 3 s."""
+  path = tmp_path / "short.csv"
+  path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                  "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  return path
+
+
+def test_a_config_preset_replays_on_the_simulated_executor(tmp_path):
+  """``--model=tiny`` (a config, no weights, no tokenizer) replays with
+  --executor=simulated, as sweep.py and bench_sim.py take it."""
+  out = tmp_path / "replay.json"
+  status, stdout, stderr = refusals.run(
+      "replay.py", "--executor=simulated", "--model=tiny", "--engine=tiny",
+      "--num_requests=2", "--max_output_len=2", f"--out={out}")
+  assert status == 0, stderr[-3000:]
+  assert ("model: tiny (llama, 2 layers, d_model 64, context 64 (the model's 512)) config "
+          "preset (simulated executor: no weights); attention: none (simulated executor)\n"
+          ) in stdout
+  report = json.loads(out.read_text())
+  assert (report["config"]["model"], report["config"]["family"]) == ("tiny", "llama")
+  assert (report["completed"], report["total_output_tokens"]) == (2, 4)
+
+
+@pytest.mark.parametrize("script,args,line", [
+    ("replay.py", [],
+     f"error: --model=tiny: a config preset without weights runs only on the simulated "
+     f"executor (--executor=simulated); models with weights: {WITH_WEIGHTS}"),
+    ("replay.py", ["--executor=model", "--trace=azure:{trace}"],
+     f"error: --model=tiny: a config preset without weights runs only on the simulated "
+     f"executor (--executor=simulated); models with weights: {WITH_WEIGHTS}"),
+    ("generate.py", ["--prompt=hi", "--executor=simulated", "--engine=tiny"],
+     f"error: --model=tiny: a config preset has no tokenizer, and this launcher takes a "
+     f"model with one: {WITH_WEIGHTS}"),
+    ("serve.py", ["--executor=simulated", "--engine=tiny", "--port={port}"],
+     f"error: --model=tiny: a config preset has no tokenizer, and this launcher takes a "
+     f"model with one: {WITH_WEIGHTS}"),
+])
+def test_a_config_preset_is_refused_where_it_cannot_run(short_trace, script, args, line):
+  """On the model executor (no weights), or by a launcher that reads text
+  (no tokenizer), before any model loads, the refusal saying why."""
+  args = [a.format(trace=short_trace, port=free_port()) for a in args]
+  assert refusals.refused(script, "--model=tiny", *args) == (2, line)
 
 
 def test_a_model_that_cannot_be_found_is_named_once(tmp_path):
