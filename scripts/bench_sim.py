@@ -4,7 +4,7 @@
       --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --policy=sarathi_serve --out=runs/bench_sim.json
 
-Replays every request of the trace, or of ``--window_s=A,B`` (outputs
+Replays every request of the trace, or of ``--window_s=N`` or ``A,B`` (outputs
 uncapped; prompt and output fitted into the context by
 ``serving.harness.workloads.FIT_RULE``, with a note when that cuts) with
 the simulated executor, which holds no weights (``--model`` is a preset, or
@@ -58,8 +58,8 @@ from serving.engine.requests import QueueFull
 FLAGS = flags.FLAGS
 flags.DEFINE_string("trace", "azure:../shared/data/traces/azure2023/"
                     "AzureLLMInferenceTrace_conv.csv", "KIND:PATH.")
-flags.DEFINE_list("window_s", None, "A,B: keep arrivals in [t0+A, t0+B) seconds, t0 the "
-                  "trace's first arrival (default: the whole trace).")
+flags.DEFINE_list("window_s", None, "N: the trace's first N seconds of arrivals; A,B: its "
+                  "arrivals in [t0+A, t0+B) seconds, t0 its first (default: the whole trace).")
 flags.DEFINE_string("policy", "sarathi_serve", "Policy.")
 flags.DEFINE_string("model", "smollm2-135m", "Model preset, GGUF file or HF directory "
                     "(its config only).")

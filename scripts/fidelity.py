@@ -71,7 +71,8 @@ from serving.engine.sim_executor import VirtualClock
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("traces", None, "KIND:PATH traces (azure, mooncake, vtc).")
-flags.DEFINE_list("window_s", ["0", "30"], "A,B: arrivals in [t0+A, t0+B) seconds.")
+flags.DEFINE_list("window_s", ["0", "30"], "N: the first N seconds of arrivals; A,B: the "
+                  "arrivals in [t0+A, t0+B) seconds.")
 flags.DEFINE_list("time_scales", ["8", "2", "1"], "Loads: inter-arrival gaps x this.")
 flags.DEFINE_integer("max_prompt_len", 1024, "Clip longer prompts.")
 flags.DEFINE_integer("max_output_len", 256, "Cap output lengths.")
@@ -129,8 +130,7 @@ def _measured_case(data: dict, key: str, requests: int, flag: str) -> dict:
 
 def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
   loader, path = traces.trace_loader(trace, "--traces entries")
-  a, b = (float(x) for x in FLAGS.window_s)
-  wl = loader(path, time_scale=time_scale, window_s=(a, b),
+  wl = loader(path, time_scale=time_scale, window_s=launch.parse_window(FLAGS.window_s),
             max_requests=FLAGS.max_requests, max_prompt_len=FLAGS.max_prompt_len,
             max_output_len=FLAGS.max_output_len, seed=0, vocab_size=vocab)
   return workloads.fit_context(wl, max_model_len)

@@ -4,7 +4,9 @@
       --rate_scales=0.25,0.5,1,2 --trials=2 --window_s=120 --out=runs/sweep_azure
 
 Each trial replays a window of the trace, ``[k*W, (k+1)*W)`` seconds for
-trial k (distinct slices of real traffic), with inter-arrival gaps divided
+trial k with ``--window_s=W`` (``A,B``: trial 0 replays ``[A, B)`` and trial
+k the k-th window of its length after it; distinct slices of real traffic,
+the flag read as replay.py reads it), with inter-arrival gaps divided
 by the rate scale, through the real scheduler code: the simulated executor
 on a virtual clock by default (``--executor=model`` runs the model, on the
 wall clock unless ``--clock=virtual``). Per (policy, rate) the mean offered
@@ -15,7 +17,7 @@ misses); when every rate meets alpha it is a lower bound, printed ``>= R``
 (raise --rate_scales), and when the lowest misses it is ``< R`` (lower them).
 Every trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
 A trial's offered rate is its requests over its window as replayed,
-``--window_s`` / rate scale seconds (``offered_rate``), so a window with one
+its window's length / rate scale seconds (``offered_rate``), so a window with one
 request, or with its arrivals bunched at one end, offers what the trace did.
 
 Prompt and output lengths are fitted into ``--max_model_len`` together
@@ -99,20 +101,10 @@ flags.DEFINE_list("rate_scales", ["0.01", "0.03", "0.1"], "Arrival-rate multipli
 flags.DEFINE_integer("trials", 2, "Seeded trials (trace windows) per point.")
 
 
-class _TrialSeconds(flags.FloatParser):
-  """``--window_s``: one number (replay.py's ``A,B`` window is another flag)."""
-
-  def convert(self, argument):
-    try:
-      return super().convert(argument)
-    except ValueError:
-      raise ValueError(f"sweep.py's --window_s is one number, the trace seconds of each "
-                       f"trial (trial k replays [k * W, (k + 1) * W)), got {argument!r}") from None
-
-
-flags.DEFINE(_TrialSeconds(), "window_s", 60.0,
-             "Trace seconds per trial (before rate scaling); trial k replays the trace's "
-             "seconds [k * W, (k + 1) * W).")
+flags.DEFINE_list("window_s", ["60"], "Trial 0's window of the trace, as replay.py's: N, "
+                  "its first N seconds, or A,B, its arrivals in [A, B) seconds after the "
+                  "first (before rate scaling); trial k replays the k-th window of that "
+                  "length after it: [k * N, (k + 1) * N) for N.")
 flags.DEFINE_float("ttft_ms", 20000.0, "SLO: TTFT limit (ms). The default fits the default "
                   "CPU setup, where a prompt of a few thousand tokens takes seconds; a "
                   "GPU setup takes a paper's limit (e.g. 2000).")
@@ -155,10 +147,25 @@ def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
   """Trial ``trial``'s window of --trace at ``rate_scale``, fitted into the
   context (``workloads.fit_context``)."""
   loader, path = traces.trace_loader(FLAGS.trace)
-  w = FLAGS.window_s
-  wl = loader(path, time_scale=1.0 / rate_scale, window_s=(trial * w, (trial + 1) * w),
+  wl = loader(path, time_scale=1.0 / rate_scale, window_s=trial_window(trial),
               max_output_len=FLAGS.max_output_len, seed=trial, vocab_size=vocab)
   return workloads.fit_context(wl, max_model_len)
+
+
+def trial_window(k: int) -> tuple:
+  """Trial ``k``'s window, (start, end) seconds after the trace's first
+  arrival: --window_s's (``launch.parse_window``) moved on by k of its
+  length."""
+  a, b = launch.parse_window(FLAGS.window_s)
+  return a + k * (b - a), a + (k + 1) * (b - a)
+
+
+def window_setting():
+  """--window_s as sweep.json and each trial's settings keep it: the
+  length W of a window from 0 (as sweep.py kept it before it took A,B, so
+  --resume and --merge still take those files), else [A, B]."""
+  a, b = launch.parse_window(FLAGS.window_s)
+  return b if a == 0 else [a, b]
 
 
 def config_only(name: str):
@@ -368,7 +375,8 @@ def _check_flags():
   for name in ("trials", "sample_every", "jobs"):
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
-  for name in ("window_s", "ttft_ms", "tpot_ms"):
+  launch.parse_window(FLAGS.window_s)
+  for name in ("ttft_ms", "tpot_ms"):
     if not (math.isfinite(getattr(FLAGS, name)) and getattr(FLAGS, name) > 0):
       raise ValueError(f"--{name} must be finite and > 0, got {getattr(FLAGS, name)}")
   if not 0 < FLAGS.alpha <= 1:
@@ -380,26 +388,28 @@ def _check_flags():
 
 def _check_windows() -> None:
   """Refuses, before any trial runs, --window_s x --trials whose trial
-  windows do not each hold a request (trial k replays the trace's seconds
-  [k * window_s, (k + 1) * window_s)): past the trace's last arrival, or
-  over a gap in it."""
+  windows (``trial_window``) do not each hold a request: past the trace's
+  last arrival, or over a gap in it."""
   loader, path = traces.trace_loader(FLAGS.trace)
-  n, w = FLAGS.trials, FLAGS.window_s
-  try:
-    arrivals = [spec.arrival_s for spec in loader(path, window_s=(0.0, n * w),
+  n = FLAGS.trials
+  a, b = launch.parse_window(FLAGS.window_s)
+  w = b - a
+  try:         # from the first arrival, so the times are seconds after it
+    arrivals = [spec.arrival_s for spec in loader(path, window_s=(0.0, trial_window(n - 1)[1]),
                                                     max_output_len=FLAGS.max_output_len)]
   except workloads.WorkloadError as e:
     if "no request in window_s" not in str(e):
       raise
     arrivals = []
-  held = {int(t // w) for t in arrivals}
+  held = {int((t - a) // w) for t in arrivals if t >= a}
   for k in range(n):
     if k in held:
       continue
-    where = ("reaches past the trace" if not arrivals or k * w > max(arrivals)
+    start, stop = trial_window(k)
+    where = ("reaches past the trace" if not arrivals or start > max(arrivals)
              else "meets a gap in the trace")
-    raise ValueError(f"--window_s={w:g} x --trials={n} {where}: trial {k}'s window "
-                     f"[{k * w:g}, {(k + 1) * w:g}) s holds no request; choose another "
+    raise ValueError(f"--window_s={','.join(FLAGS.window_s)} x --trials={n} {where}: trial "
+                     f"{k}'s window [{start:g}, {stop:g}) s holds no request; choose another "
                      f"--window_s or --trials")
 
 
@@ -414,7 +424,7 @@ def main(argv):
     return finish(merge(FLAGS.merge))
   rates = _check_flags()
   cli.make_dir("out", FLAGS.out)
-  result = {"trace": FLAGS.trace, "window_s": FLAGS.window_s, "trials_per_point": FLAGS.trials,
+  result = {"trace": FLAGS.trace, "window_s": window_setting(), "trials_per_point": FLAGS.trials,
             "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
             "policies": FLAGS.policies, "rate_scales": rates,
             "metric_definitions": ablation.METRIC_DEFINITIONS, "jobs": FLAGS.jobs,
@@ -517,7 +527,8 @@ def settings() -> dict:
   """The flags a trial's record depends on (TRIAL_SETTINGS), by name, and
   the trace file's sha256 (``trace_sha256``: a file edited in place is
   another trace)."""
-  return dict({k: getattr(FLAGS, k) for k in TRIAL_SETTINGS}, trace_sha256=_trace_sha256())
+  return dict({k: getattr(FLAGS, k) for k in TRIAL_SETTINGS}, window_s=window_setting(),
+              trace_sha256=_trace_sha256())
 
 
 @functools.lru_cache(maxsize=1)
@@ -581,9 +592,9 @@ def trial(policy: str, rate: float, k: int) -> dict:
   t["released_programs"] = sim_loop.maps_crowded()
   if t["released_programs"]:
     sim_loop.release_programs()
+  start, stop = trial_window(k)
   t.update(policy=policy, rate_scale=rate, trial=k, settings=settings(), num_requests=len(wl),
-           offered_rate_req_s=offered_rate(len(wl), FLAGS.window_s, rate),
-           window=[k * FLAGS.window_s, (k + 1) * FLAGS.window_s])
+           offered_rate_req_s=offered_rate(len(wl), stop - start, rate), window=[start, stop])
   print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
         f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s (programs "
         f"{t['compile']['seconds']:.1f} s)", flush=True)

@@ -151,7 +151,8 @@ def define_workload_flags() -> None:
   flags.DEFINE_float("rate_scale", 0.1, "Synthetic default: fraction of the Azure "
                      "conv trace's arrival rate (5.53 req/s).")
   flags.DEFINE_float("time_scale", 1.0, "Multiply inter-arrival gaps (>1 = slower).")
-  flags.DEFINE_list("window_s", None, "A,B: keep arrivals in [t0+A, t0+B) seconds.")
+  flags.DEFINE_list("window_s", None, "N: the trace's first N seconds of arrivals; A,B: "
+                    "its arrivals in [t0+A, t0+B) seconds, t0 its first arrival.")
   flags.DEFINE_integer("max_requests", None, "Keep at most this many requests.")
   flags.DEFINE_integer("max_prompt_len", None, "Clip longer prompts (counted); default "
                        "512 for the synthetic workload, 1024 for traces.")
@@ -180,8 +181,9 @@ def check_workload_flags() -> None:
       kind (--window_s, --time_scale, --max_requests, --mooncake_block_tokens
       apply to --trace only; --num_requests, --rate_scale to the synthetic
       workload only), a malformed --trace or one whose file is missing, a
-      --window_s not A,B with 0 <= A < B, a --time_scale or --rate_scale not
-      finite and > 0, a count or length below 1.
+      --window_s not N or A,B with 0 <= A < B finite (``parse_window``), a
+      --time_scale or --rate_scale not finite and > 0, a count or length
+      below 1.
   """
   for name in ("slo_ttft_ms", "slo_tpot_ms"):
     value = FLAGS[name].value
@@ -235,20 +237,27 @@ def check_workload_flags() -> None:
       raise ValueError(f"--{name} must be >= 1, got {value}")
 
 
-def parse_window(values) -> tuple:
-  """A --window_s list flag's value as (A, B) seconds.
+def parse_window(value) -> tuple:
+  """A --window_s value, a list flag's strings or one string, as (A, B)
+  seconds after the trace's first arrival: ``N`` is its first N seconds
+  (0, N), ``A,B`` the arrivals in [A, B).
 
   Raises:
-    ValueError: not two numbers, or not 0 <= A < B (naming --window_s).
+    ValueError: naming --window_s and its rule: not one or two numbers, or
+      not 0 <= A < B with B finite.
   """
+  parts = value.split(",") if isinstance(value, str) else list(value)
   try:
-    a, b = (float(x) for x in values)
+    numbers = [float(x) for x in parts]
   except ValueError:
-    raise ValueError(f"--window_s must be A,B (seconds after the trace's first arrival) "
-                     f"with 0 <= A < B, got {','.join(values)!r}") from None
-  if not 0 <= a < b:
-    raise ValueError(f"--window_s must be A,B with 0 <= A < B, got {a:g},{b:g}")
-  return a, b
+    numbers = []
+  if len(numbers) == 1:
+    numbers = [0.0] + numbers            # N: the first N seconds
+  if len(numbers) != 2 or not 0 <= numbers[0] < numbers[1] < math.inf:
+    raise ValueError(f"--window_s must be N > 0 (the trace's first N seconds of arrivals) or "
+                     f"A,B with 0 <= A < B (its arrivals in [A, B) seconds after the first), "
+                     f"finite, got {','.join(parts)!r}")
+  return numbers[0], numbers[1]
 
 
 def _flag_window():

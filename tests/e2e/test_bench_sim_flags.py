@@ -24,9 +24,12 @@ def _stop_refusal_servers():
                          "got 0.0"),
     (["--max_wall_s=nan"], "error: --max_wall_s must be finite and > 0 (unset: no limit), "
                            "got nan"),
-    (["--window_s=5,2"], "error: --window_s must be A,B with 0 <= A < B, got 5,2"),
-    (["--window_s=60"], "error: --window_s must be A,B (seconds after the trace's first "
-                        "arrival) with 0 <= A < B, got '60'"),
+    (["--window_s=5,2"], "error: --window_s must be N > 0 (the trace's first N seconds of "
+                         "arrivals) or A,B with 0 <= A < B (its arrivals in [A, B) seconds "
+                         "after the first), finite, got '5,2'"),
+    (["--window_s=-60"], "error: --window_s must be N > 0 (the trace's first N seconds of "
+                         "arrivals) or A,B with 0 <= A < B (its arrivals in [A, B) seconds "
+                         "after the first), finite, got '-60'"),
     (["--out="], "error: --out must be a file path for the report JSON, got ''"),
     (["--out=scripts"], "error: --out must be a file path for the report JSON, got 'scripts'"),
     (["--out=README.md/x.json"], "error: --out 'README.md/x.json' cannot be created: "

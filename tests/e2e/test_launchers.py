@@ -103,8 +103,8 @@ def test_bad_flags_stop_with_one_line_naming_the_field(tmp_path):
                         cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 2
   assert proc.stderr.strip().splitlines()[-1] == (
-      "error: --window_s must be A,B (seconds after the trace's first arrival) with "
-      "0 <= A < B, got '1,2,3'")
+      "error: --window_s must be N > 0 (the trace's first N seconds of arrivals) or A,B with "
+      "0 <= A < B (its arrivals in [A, B) seconds after the first), finite, got '1,2,3'")
   assert "Traceback" not in proc.stderr
 
 

@@ -1,5 +1,6 @@
 """replay.py's model and workload flags: a config preset on the simulated
-executor, and a model flag's refusal naming its value once."""
+executor, --window_s's two forms, and a model flag's refusal naming its
+value once."""
 
 import json
 
@@ -9,6 +10,8 @@ from serving.cli import launch
 from tests.e2e import refusals
 from tests.serving.engine_testing import free_port
 
+WINDOW_RULE = ("--window_s must be N > 0 (the trace's first N seconds of arrivals) or A,B "
+               "with 0 <= A < B (its arrivals in [A, B) seconds after the first), finite")
 WITH_WEIGHTS = "['smollm2-135m'], a *.gguf file or an HF directory"
 
 
@@ -62,6 +65,24 @@ def test_a_config_preset_is_refused_where_it_cannot_run(short_trace, script, arg
   (no tokenizer), before any model loads, the refusal saying why."""
   args = [a.format(trace=short_trace, port=free_port()) for a in args]
   assert refusals.refused(script, "--model=tiny", *args) == (2, line)
+
+
+@pytest.mark.parametrize("value,window", [
+    ("60", (0.0, 60.0)), (["60"], (0.0, 60.0)), (["3", "5.5"], (3.0, 5.5)), ("0,1", (0.0, 1.0)),
+])
+def test_window_s_is_n_or_a_b(value, window):
+  """N is the first N seconds of arrivals, A,B the arrivals in [A, B): the
+  one parser of replay.py's, sweep.py's, bench_sim.py's and fidelity.py's
+  --window_s."""
+  assert launch.parse_window(value) == window
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x", "1,2,3", "2,2", "nan", []])
+def test_a_bad_window_s_names_the_flag_and_its_rule(value):
+  shown = ",".join(value) if isinstance(value, list) else value
+  with pytest.raises(ValueError) as e:
+    launch.parse_window(value)
+  assert str(e.value) == f"{WINDOW_RULE}, got {shown!r}"
 
 
 def test_a_model_that_cannot_be_found_is_named_once(tmp_path):

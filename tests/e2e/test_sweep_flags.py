@@ -46,16 +46,26 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
                                   "['1', '0.5', '1']"),
       (["--policies=vtc,vtc"], "error: --policies must not repeat a value (a point is one "
                                "value's trials), got 'vtc' more than once in ['vtc', 'vtc']"),
-      (["--window_s=0,60"], "error: flag --window_s=0,60: sweep.py's --window_s is one number, "
-                            "the trace seconds of each trial (trial k replays [k * W, "
-                            "(k + 1) * W)), got '0,60' (--helpfull lists the flags)"),
+      (["--window_s=5,1"], "error: --window_s must be N > 0 (the trace's first N seconds of "
+                           "arrivals) or A,B with 0 <= A < B (its arrivals in [A, B) seconds "
+                           "after the first), finite, got '5,1'"),
       ([f"--trace=azure:{short}", "--window_s=2", "--trials=3"],
        "error: --window_s=2 x --trials=3 reaches past the trace: trial 2's window [4, 6) s "
        "holds no request; choose another --window_s or --trials"),
       ([f"--trace=azure:{short}", "--window_s=1", "--trials=4"],
        "error: --window_s=1 x --trials=4 meets a gap in the trace: trial 1's window [1, 2) s "
        "holds no request; choose another --window_s or --trials"),
-      (["--window_s=inf"], "error: --window_s must be finite and > 0, got inf"),
+      (["--window_s=inf"], "error: --window_s must be N > 0 (the trace's first N seconds of "
+                           "arrivals) or A,B with 0 <= A < B (its arrivals in [A, B) seconds "
+                           "after the first), finite, got 'inf'"),
+      # A,B as replay.py takes it: trial k replays the k-th window of B - A
+      # seconds after [A, B).
+      ([f"--trace=azure:{short}", "--window_s=1,3", "--trials=2"],
+       "error: --window_s=1,3 x --trials=2 meets a gap in the trace: trial 0's window [1, 3) s "
+       "holds no request; choose another --window_s or --trials"),
+      ([f"--trace=azure:{short}", "--window_s=3,4", "--trials=2"],
+       "error: --window_s=3,4 x --trials=2 reaches past the trace: trial 1's window [4, 5) s "
+       "holds no request; choose another --window_s or --trials"),
       (["--merge=nosuch.json"], "error: --merge: 'nosuch.json' is not a file"),
       ([f"--merge={replay_report}"],
        f"error: --merge takes sweep.json files written by sweep.py; '{replay_report}' is not "
@@ -117,6 +127,25 @@ def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
                                         f"{tmp_path / 'other.json'}", f"--out={merged}")
   assert status == 0, stderr[-3000:]
   assert json.loads((merged / "sweep.json").read_text())["rate_scales"] == [1.0, 4.0, 8.0]
+
+
+def test_a_sweep_takes_a_window_as_a_b(tmp_path):
+  """--window_s=A,B, as replay.py takes it: trial 0 replays [A, B) of the
+  trace (here its second request, at 3 s), its rate over B - A seconds;
+  sweep.json keeps the window as [A, B] (a window from 0 as its length)."""
+  trace = tmp_path / "two.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  out = tmp_path / "sweep"
+  status, stdout, stderr = refusals.run(
+      "sweep.py", f"--trace=azure:{trace}", "--engine=tiny", "--max_model_len=64",
+      "--policies=sarathi_serve", "--window_s=2,6", "--rate_scales=1", "--trials=1",
+      f"--out={out}")
+  assert status == 0, stderr[-3000:]
+  result = json.loads((out / "sweep.json").read_text())
+  (t,) = result["trials"]
+  assert (t["window"], t["num_requests"], t["offered_rate_req_s"]) == ([2.0, 6.0], 1, 0.25)
+  assert result["window_s"] == t["settings"]["window_s"] == [2.0, 6.0]
 
 
 @pytest.mark.extended    # two sweeps, one of them in two spawned processes
