@@ -80,7 +80,7 @@ def _check_report_flags() -> None:
 def main(argv):
   del argv
   _check_report_flags()
-  launch.check_workload_flags()
+  launch.check_workload_flags()     # a trace's --window_s read from it, before any model
   engine_cfg = launch.engine_config()
   launch.engine_clock(engine_cfg)
   # Read and check the workload before loading the model's weights (fail

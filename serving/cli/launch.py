@@ -171,9 +171,11 @@ def define_workload_flags() -> None:
 
 
 def check_workload_flags() -> None:
-  """The values of define_workload_flags(), checked before any trace or
-  model loads, each refusal naming the flag and its rule (the loaders in
-  serving.harness, a Python API, name their arguments instead).
+  """The values of define_workload_flags(), checked before any model loads,
+  each refusal naming the flag and its rule (the loaders in
+  serving.harness, a Python API, name their arguments instead). A trace's
+  --window_s is read from the file (one request drawn), so a window that
+  holds no request is refused now too, not once the model has loaded.
 
   Raises:
     ValueError: an SLO flag not finite and > 0, --slo_class malformed or
@@ -181,9 +183,9 @@ def check_workload_flags() -> None:
       kind (--window_s, --time_scale, --max_requests, --mooncake_block_tokens
       apply to --trace only; --num_requests, --rate_scale to the synthetic
       workload only), a malformed --trace or one whose file is missing, a
-      --window_s not N or A,B with 0 <= A < B finite (``parse_window``), a
-      --time_scale or --rate_scale not finite and > 0, a count or length
-      below 1.
+      --window_s not N or A,B with 0 <= A < B finite (``parse_window``) or
+      one no request of the trace is in, a --time_scale or --rate_scale not
+      finite and > 0, a count or length below 1.
   """
   for name in ("slo_ttft_ms", "slo_tpot_ms"):
     value = FLAGS[name].value
@@ -218,7 +220,7 @@ def check_workload_flags() -> None:
     if not (math.isfinite(FLAGS.rate_scale) and FLAGS.rate_scale > 0):
       raise ValueError(f"--rate_scale must be finite and > 0, got {FLAGS.rate_scale}")
   else:
-    loader, _ = traces.trace_loader(FLAGS.trace)
+    loader, path = traces.trace_loader(FLAGS.trace)
     blocks = FLAGS.mooncake_block_tokens
     if blocks is not None and loader is not traces.load_mooncake_trace:
       raise ValueError(f"--mooncake_block_tokens applies only to --trace=mooncake:PATH, "
@@ -231,6 +233,8 @@ def check_workload_flags() -> None:
       raise ValueError(f"--time_scale must be finite and > 0 (a factor on the trace's "
                        f"gaps), got {FLAGS.time_scale}")
     traces.trace_loader(FLAGS.trace, check_file=True)
+    if FLAGS.window_s is not None:       # a window with no request: refused now
+      loader(path, window_s=_flag_window(), max_requests=1)
   for name in ("max_requests", "max_prompt_len", "max_output_len", "clients", "priorities"):
     value = FLAGS[name].value
     if value is not None and value < 1:
@@ -261,8 +265,8 @@ def parse_window(value) -> tuple:
 
 
 def _flag_window():
-  """--window_s as (A, B), or None when unset (``parse_window``)."""
-  return parse_window(FLAGS.window_s) if FLAGS.window_s else None
+  """--window_s as (A, B), or None when not given (``parse_window``)."""
+  return parse_window(FLAGS.window_s) if FLAGS.window_s is not None else None
 
 
 def load_workload(vocab_size: int, max_model_len: int) -> workloads.Workload:

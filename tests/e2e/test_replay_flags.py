@@ -1,6 +1,6 @@
 """replay.py's model and workload flags: a config preset on the simulated
-executor, --window_s's two forms, and a model flag's refusal naming its
-value once."""
+executor, a trace's window checked before any model loads, --window_s's two
+forms, and a model flag's refusal naming its value once."""
 
 import json
 
@@ -65,6 +65,23 @@ def test_a_config_preset_is_refused_where_it_cannot_run(short_trace, script, arg
   (no tokenizer), before any model loads, the refusal saying why."""
   args = [a.format(trace=short_trace, port=free_port()) for a in args]
   assert refusals.refused(script, "--model=tiny", *args) == (2, line)
+
+
+@pytest.mark.parametrize("executor", ["model", "simulated"])
+@pytest.mark.parametrize("window,line", [
+    ("10,20", "error: {trace}: no request in window_s=(10.0, 20.0) (seconds from the trace's "
+              "first arrival; its arrivals span 3.0 s, first to last)"),
+    ("", f"error: {WINDOW_RULE}, got ''"),
+    ("5,1", f"error: {WINDOW_RULE}, got '5,1'"),
+    ("0,inf", f"error: {WINDOW_RULE}, got '0,inf'"),
+])
+def test_a_window_is_refused_before_the_model_loads(short_trace, executor, window, line):
+  """A window no request of the trace is in, or one not N or A,B, is refused
+  with either executor before the model (or its config) loads: no
+  ``model:`` line (``refusals.refused`` checks it)."""
+  status, last = refusals.refused("replay.py", f"--executor={executor}",
+                                  f"--trace=azure:{short_trace}", f"--window_s={window}")
+  assert (status, last) == (2, line.format(trace=short_trace))
 
 
 @pytest.mark.parametrize("value,window", [
