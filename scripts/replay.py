@@ -58,6 +58,10 @@ flags.DEFINE_integer("sample_every", 1, "Ledger: sample KV pages/queue once N it
                      "ran since the last sample.")
 launch.define_workload_flags()
 launch.define_engine_flags()
+# --help lists these beside the workload's flags, --model and --engine; the
+# other engine overrides are under --helpfull.
+for _name in ("executor", "cost_model", "policy", "num_pages"):
+  flags.declare_key_flag(_name)
 
 
 def _check_report_flags() -> None:

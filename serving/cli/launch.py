@@ -42,6 +42,16 @@ def engine_preset_help() -> str:
           f"path of a JSON file of EngineConfig fields.")
 
 
+def _key_flags_of_caller(*names: str) -> None:
+  """Lists flags ``names`` in ``--help`` of the module that called the
+  define_*_flags function calling this (``--helpfull`` lists every flag)."""
+  # absl keys a module's flags by its name, the script's path for __main__.
+  caller = sys._getframe(2).f_globals.get("__name__")  # pylint: disable=protected-access
+  for name in names:
+    FLAGS.register_key_flag_for_module(sys.argv[0] if caller == "__main__" else caller,
+                                       FLAGS[name])
+
+
 def define_engine_flags() -> None:
   """--model, --engine preset, and overrides of its budgets. The caller's
   ``--help`` lists --model and --engine (the two choices every run makes);
@@ -50,11 +60,7 @@ def define_engine_flags() -> None:
                       "file or an HF directory; with --executor=simulated also a config "
                       "preset (tiny).")
   flags.DEFINE_string("engine", "cpu_default", engine_preset_help())
-  # absl keys a module's flags by its name, the script's path for __main__.
-  caller = sys._getframe(1).f_globals.get("__name__")  # pylint: disable=protected-access
-  for name in ("model", "engine"):
-    FLAGS.register_key_flag_for_module(sys.argv[0] if caller == "__main__" else caller,
-                                       FLAGS[name])
+  _key_flags_of_caller("model", "engine")
   flags.DEFINE_string("dtype", None, "Override the preset's dtype: float32 or bfloat16.")
   flags.DEFINE_integer("max_model_len", None, "Override the preset's context (prompt + "
                        "output tokens per request); at most the model's own.")
@@ -140,7 +146,9 @@ def define_engine_flags() -> None:
 
 
 def define_workload_flags() -> None:
-  """--trace (or the synthetic default), its window, time scale and clips."""
+  """--trace (or the synthetic default), its window, time scale and clips.
+  The caller's ``--help`` lists the flags that choose the workload, its
+  clips and its SLOs; ``--helpfull`` the synthetic draws and seed too."""
   flags.DEFINE_string("trace", None, "KIND:PATH with KIND in azure, mooncake, vtc; "
                       "unset = the embedded synthetic Azure-conv workload.")
   flags.DEFINE_integer("num_requests", 32, "Requests of the synthetic default workload.")
@@ -168,6 +176,9 @@ def define_workload_flags() -> None:
   flags.DEFINE_string("slo_class", None, "Per-class SLOs NAME:TTFT_MS:TPOT_MS,...; a "
                       "request whose client names a class takes it, the others cycle "
                       "through the classes by arrival index.")
+  _key_flags_of_caller("trace", "window_s", "time_scale", "max_requests", "num_requests",
+                       "rate_scale", "max_prompt_len", "max_output_len", "slo_ttft_ms",
+                       "slo_tpot_ms")
 
 
 def check_workload_flags() -> None:

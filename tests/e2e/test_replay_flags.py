@@ -1,8 +1,12 @@
 """replay.py's model and workload flags: a config preset on the simulated
 executor, a trace's window checked before any model loads, --window_s's two
-forms, and a model flag's refusal naming its value once."""
+forms, the flags --help lists, and a model flag's refusal naming its value
+once."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +14,7 @@ from serving.cli import launch
 from tests.e2e import refusals
 from tests.serving.engine_testing import free_port
 
+ROOT = Path(__file__).resolve().parents[2]
 WINDOW_RULE = ("--window_s must be N > 0 (the trace's first N seconds of arrivals) or A,B "
                "with 0 <= A < B (its arrivals in [A, B) seconds after the first), finite")
 WITH_WEIGHTS = "['smollm2-135m'], a *.gguf file or an HF directory"
@@ -100,6 +105,25 @@ def test_a_bad_window_s_names_the_flag_and_its_rule(value):
   with pytest.raises(ValueError) as e:
     launch.parse_window(value)
   assert str(e.value) == f"{WINDOW_RULE}, got {shown!r}"
+
+
+def test_help_lists_the_flags_a_replay_sets():
+  """``--help`` lists the workload's flags and the engine choices a replay
+  makes (--trace, --executor, --policy, --num_pages, ...); the other
+  overrides only ``--helpfull``."""
+  def listed(flag):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "replay.py"), flag],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {line.split(":")[0][4:] for line in proc.stdout.splitlines()
+            if line.startswith("  --")}
+
+  short = listed("--help")
+  assert {"trace", "window_s", "time_scale", "max_requests", "num_requests", "rate_scale",
+          "max_prompt_len", "max_output_len", "slo_ttft_ms", "slo_tpot_ms", "executor",
+          "cost_model", "policy", "num_pages", "model", "engine", "out"} <= short, short
+  assert not {"dtype", "mesh", "seed", "reservation"} & short, short
+  assert {"dtype", "mesh", "seed", "reservation"} <= listed("--helpfull")
 
 
 def test_a_model_that_cannot_be_found_is_named_once(tmp_path):
