@@ -103,10 +103,11 @@ class SchedulerConfig:
     max_num_seqs: sequence budget per iteration (S).
     max_num_batched_tokens: token budget per iteration (tau).
     long_prefill_token_threshold: per-request prefill chunk cap.
-    max_request_slots: initial size R (>= S) of the scheduler's slot table.
-      Every accepted, unfinished request holds a slot, so the policy sees
-      the whole queue; the table doubles when full (one compiled program
-      set per size) up to ``max_queued_requests``.
+    max_request_slots: initial and smallest size R (>= S) of the
+      scheduler's slot table. Every accepted, unfinished request holds a
+      slot, so the policy sees the whole queue; the table doubles when full
+      (one compiled program set per size) up to ``max_queued_requests``,
+      and halves when a half would be at most three-quarters full.
     max_queued_requests: bound on accepted, unfinished requests; past it
       ``Engine.add_request`` raises ``QueueFull`` (a server's HTTP 429).
     watermark_pages: pages kept free at admission while anything runs (W of

@@ -33,14 +33,15 @@ queues, clients), ``EngineClocks`` (host and device clocks), ``PrefixBook``
 (``sim_driver``: many iterations per program call, ``sim_loop``).
 
 Every accepted, unfinished request holds a slot, so the policy decides over
-the whole queue: the slot table starts at ``max_request_slots`` and doubles
-when full (one compiled program set per size) up to ``max_queued_requests``;
-past that bound ``add_request`` raises ``QueueFull``. Every accepted
-request ends with exactly one outcome: ``completed``, ``rejected`` (can
-never fit the KV cache), ``cancelled`` (``abort``) or ``failed``
-(non-finite logits, or preempted too often); ``Request.finish_reason`` says
-why. A long-running engine stays bounded: ``evict`` drops a finished
-request, and a client with none left gives its index back.
+the whole queue: the slot table starts at ``max_request_slots``, doubles
+when full (one compiled program set per size) up to ``max_queued_requests``
+and halves when a half would be at most three-quarters full; past that
+bound ``add_request`` raises ``QueueFull``. Every accepted request ends
+with exactly one outcome: ``completed``, ``rejected`` (can never fit the KV
+cache), ``cancelled`` (``abort``) or ``failed`` (non-finite logits, or
+preempted too often); ``Request.finish_reason`` says why. A long-running
+engine stays bounded: ``evict`` drops a finished request, and a client with
+none left gives its index back.
 docs/architecture.md follows one iteration through the code.
 """
 
@@ -195,7 +196,7 @@ class Engine:
 
   @property
   def num_slots(self) -> int:
-    """Size R of the slot table (doubles up to ``max_queued_requests``)."""
+    """Size R of the slot table (``RequestTable.resized``)."""
     return len(self.table.slots)
 
   requests = property(lambda self: self.table.requests)
@@ -410,13 +411,13 @@ class Engine:
 
   def _fill_slots(self) -> None:
     """Moves every request accepted since the last step into a free slot,
-    doubling the slot table when none is free (``_grow``). Which slot a
+    resizing the slot table first (``_resize``). Which slot a
     request gets decides nothing: policies order by recorded keys."""
     table = self.table
+    size = table.resized(len(table.pending) + table.num_live())
+    if size != self.num_slots:
+      self._resize(size)
     free = table.free_slots()
-    if len(free) < len(table.pending):
-      self._grow(len(table.pending) + table.num_live())
-      free = table.free_slots()
     placed = list(zip(free, table.pending))
     hits = [0] * len(placed)
     if self.prefix is not None:
@@ -435,25 +436,26 @@ class Engine:
         self.prefix.placed(req)
     table.pending = []
 
-  def _grow(self, num_requests: int) -> None:
-    """Doubles the slot table until it holds ``num_requests``
-    (``RequestTable.grow``, which raises RuntimeError past
-    ``max_queued_requests``). Live slots keep their rows; the programs of
-    the new size compile once per size, so an engine compiles at most
-    log2(max_queued_requests / max_request_slots) + 1 sets."""
-    c = self.config
-    size = self.table.grow(num_requests)
+  def _resize(self, size: int) -> None:
+    """Resizes the slot table to ``size`` (``RequestTable.resized``): grown,
+    every slot keeps its rows; shrunk, the live slots move to the first
+    ones, in slot order (``moved_slots``), which decides nothing: policies
+    order by recorded keys (the kit's ``whole_queue`` rule). Programs compile
+    once per size: log2(max_queued_requests / max_request_slots) + 1 sets."""
+    c, moved = self.config, self.table.moved_slots(size)
     old = (self.pages, self.buffers, self.manifest, self.state)
     new = programs_lib.slot_tables(c, size, self._placement, policy=self._programs.policy)
-    self.pages, self.buffers, self.manifest, self.state = jax.tree.map(
-        programs_lib.keep_rows, new, old)
-    if self.clocks.stamp is not None:        # the pending emission correction keeps its slots
+    move = lambda n, o: programs_lib.moved_rows(n, o, moved)
+    self.pages, self.buffers, self.manifest, self.state = jax.tree.map(move, new, old)
+    if self.clocks.stamp is not None:        # the pending emission correction moves too
       emitted, stamp, actual = self.clocks.stamp
-      mask = self._placement.tables(np.zeros(size, bool))
-      self.clocks.stamp = (programs_lib.keep_rows(mask, emitted), stamp, actual)
+      self.clocks.stamp = (move(self._placement.tables(np.zeros(size, bool)), emitted),
+                           stamp, actual)
+    self.table.move_slots(size, moved)
     self._programs = programs_lib.programs(self.model_cfg,
                                            dataclasses.replace(c, max_request_slots=size))
-    self._program_sets.append(self._programs)
+    if self._programs not in self._program_sets:
+      self._program_sets.append(self._programs)
 
   def _prefix_hits(self) -> Optional[np.ndarray]:
     """i32[R] prefix-hit tokens of each slot's request (None when off)."""

@@ -564,12 +564,16 @@ def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages
   return kv, pages, buffers, seconds
 
 
-def keep_rows(new, old):
-  """A leaf of the grown slot table: ``old``'s rows over ``new``'s free ones
-  for per-slot arrays (leading axis R -> R'), ``old`` for the rest."""
+def moved_rows(new, old, moved):
+  """A leaf of the resized slot table (``Engine._resize``): for a per-slot
+  array (leading axis R -> R'), ``old``'s rows ``moved`` (i32[n], n <= R,
+  R') in ``new``'s first n rows, the rest ``new``'s free ones; ``old`` for
+  the rest (leaves whose shape does not change with R)."""
   if new.shape == old.shape:
     return old
-  return new.at[:old.shape[0]].set(old)
+  if moved.shape[0] == old.shape[0] and np.array_equal(moved, np.arange(moved.shape[0])):
+    return new.at[:old.shape[0]].set(old)       # grown: every row in place
+  return new.at[:moved.shape[0]].set(old[jnp.asarray(moved)])
 
 
 def release_slots(state, pages, cancel_mask, release_mask):

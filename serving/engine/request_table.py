@@ -221,10 +221,21 @@ class RequestTable:
   def vacate(self, slot: int) -> None:
     self.slots[slot] = None
 
-  def grow(self, num_requests: int) -> int:
-    """Doubles the slot table until it holds ``num_requests`` (at most
-    ``max_queued_requests``, which ``accept`` enforces); the new slots are
-    free. Returns the new size.
+  def sizes(self) -> List[int]:
+    """The slot-table sizes in use: ``max_request_slots``, doubled until
+    ``max_queued_requests`` (the last one capped there)."""
+    c = self.config
+    sizes = [c.max_request_slots]
+    while sizes[-1] < c.max_queued_requests:
+      sizes.append(min(2 * sizes[-1], c.max_queued_requests))
+    return sizes
+
+  def resized(self, num_requests: int) -> int:
+    """The slot-table size for ``num_requests`` requests (live ones and
+    pending ones): the next sizes up (``sizes``) until it holds them, or
+    the next ones down while the smaller size would be at most
+    three-quarters full (so a table that shrank grows again only after
+    its requests grew by a third); else the current size.
 
     Raises:
       RuntimeError: ``num_requests`` over ``max_queued_requests`` (a
@@ -236,11 +247,30 @@ class RequestTable:
           f"slot table asked for {num_requests} slots, over "
           f"EngineConfig.max_queued_requests={c.max_queued_requests} (every accepted, "
           f"unfinished request counts against it; more than that got past the bound)")
-    size = len(self.slots)
-    while size < num_requests:
-      size = min(2 * size, c.max_queued_requests)
-    self.slots += [None] * (size - len(self.slots))
-    return size
+    sizes = self.sizes()
+    i = sizes.index(len(self.slots))
+    while sizes[i] < num_requests:
+      i += 1
+    while i > 0 and 4 * num_requests <= 3 * sizes[i - 1]:
+      i -= 1
+    return sizes[i]
+
+  def moved_slots(self, size: int) -> np.ndarray:
+    """i32[n]: the slots whose rows a table of ``size`` slots keeps, slot
+    ``moved[j]`` becoming slot j: every slot when it grows (none moves),
+    the occupied ones in slot order when it shrinks."""
+    if size >= len(self.slots):
+      return np.arange(len(self.slots), dtype=np.int32)
+    return np.array([s for s, r in enumerate(self.slots) if r is not None], np.int32)
+
+  def move_slots(self, size: int, moved: np.ndarray) -> None:
+    """Resizes the host's slots to ``size``: slot ``moved[j]``'s request
+    (``moved_slots``) to slot j, the rest free."""
+    slots = [self.slots[s] for s in moved.tolist()]
+    self.slots = slots + [None] * (size - len(slots))
+    for j, req in enumerate(slots):
+      if req is not None:
+        req.slot = j
 
   def arrival(self, req: Request, device_arrival_ms) -> Arrival:
     """The ``Arrival`` record the ``arrive`` program writes for ``req``;

@@ -125,6 +125,8 @@ def test_a_priority_request_overtakes_a_backlog(params):
   config = EngineConfig.preset("tiny", policy="vllm_v1_priority", max_request_slots=8,
                                max_num_seqs=4, executor="simulated")
   engine = Engine(CFG, params, config)
+  resize, sizes = engine._resize, []
+  engine._resize = lambda size: (sizes.append(size), resize(size))
   engine.record_plans = True
   sampling = SamplingParams(max_tokens=4, ignore_eos=True)
   for i, p in enumerate(_prompts([6] * 20)):
@@ -135,7 +137,7 @@ def test_a_priority_request_overtakes_a_backlog(params):
   engine.run(max_iterations=300)
   admitted = [r for plan in engine.plan_log for r in plan["admitted"]]
   assert admitted.index("urgent") == len(first)
-  assert engine.num_slots == 32                  # 8 -> 16 -> 32 slots for 21
+  assert sizes[0] == 32, sizes                   # 8 -> 32 slots (doubled twice) for 21
   assert all(r.outcome == "completed" for r in engine.requests.values())
 
 
@@ -162,6 +164,8 @@ def test_queue_bound_refuses_with_a_typed_error(params):
   config = EngineConfig.preset("tiny", max_request_slots=16, max_queued_requests=32,
                                executor="simulated")
   engine = Engine(CFG, params, config)
+  resize, sizes = engine._resize, []
+  engine._resize = lambda size: (sizes.append(size), resize(size))
   sampling = SamplingParams(max_tokens=2, ignore_eos=True)
   for i, p in enumerate(_prompts([4] * 32)):
     engine.add_request(f"r{i}", p, sampling)
@@ -169,7 +173,7 @@ def test_queue_bound_refuses_with_a_typed_error(params):
     engine.add_request("late", _prompts([4])[0], sampling)
   assert "late" not in engine.requests
   engine.run(max_iterations=200)
-  assert engine.num_slots == 32                  # 16 -> 32, the bound
+  assert sizes[0] == 32, sizes                   # 16 -> 32, the bound
   engine.add_request("late", _prompts([4])[0], sampling)    # room again
   engine.run(max_iterations=100)
   assert all(r.outcome == "completed" for r in engine.requests.values())

@@ -2,6 +2,7 @@
 ``serving.engine.sim_loop``) against one ``Engine.step`` per iteration."""
 
 import dataclasses
+import functools
 import os
 
 import jax.numpy as jnp
@@ -96,6 +97,8 @@ def test_the_loop_runs_the_step_paths_iterations(cost_file, policy):
     step_engine = _engine(cost_file, policy, num_pages=20)
     step, step_s = replay(step_engine, wl, loop=False)
     loop_engine = _engine(cost_file, policy, num_pages=20)
+    resize, sizes = loop_engine._resize, []
+    loop_engine._resize = lambda size: (sizes.append(size), resize(size))
     loop, loop_s = replay(loop_engine, wl)
     assert "loop" not in step_engine.compiled_programs(), name
     assert loop_engine.compiled_programs()["loop"] >= 1, name
@@ -104,7 +107,7 @@ def test_the_loop_runs_the_step_paths_iterations(cost_file, policy):
     assert _counters(loop_engine) == _counters(step_engine), name
     assert sum(r.outcome == "completed" for r in loop) >= len(wl) - 1, name
     if name == "burst":
-      assert loop_engine.num_preemptions > 0 and loop_engine.num_slots > 8
+      assert loop_engine.num_preemptions > 0 and max(sizes) > 8, sizes
 
 
 def test_the_queue_bound_refuses_the_same_arrivals_on_both_paths(cost_file):
@@ -259,10 +262,58 @@ def test_the_slot_table_refuses_to_grow_past_the_bound(cost_file):
   error naming the bound, not a doubling loop that never ends."""
   engine = _engine(cost_file, max_request_slots=4, max_queued_requests=8)
   with pytest.raises(RuntimeError, match=r"9 slots.*max_queued_requests=8"):
-    engine._grow(9)
+    engine.table.resized(9)
   assert engine.num_slots == 4
-  engine._grow(8)
+  engine._resize(engine.table.resized(8))
   assert engine.num_slots == 8
+
+
+def test_the_slot_table_sizes_grow_and_shrink_with_a_margin(cost_file):
+  """Sizes 4, 8, 16, 32 (and a capped last one); a table grows to the
+  first size holding its requests and shrinks while the smaller size would
+  be at most three-quarters full."""
+  table = _engine(cost_file, max_request_slots=4, max_queued_requests=32).table
+  assert table.sizes() == [4, 8, 16, 32]
+  assert [table.resized(n) for n in (0, 3, 4, 5, 9, 17, 32)] == [4, 4, 4, 8, 16, 32, 32]
+  table.slots = [None] * 32
+  # 12 fit three-quarters of 16, not of 8; 13 do not fit three-quarters of 16.
+  assert [table.resized(n) for n in (32, 13, 12, 6, 3, 0)] == [32, 32, 16, 8, 4, 4]
+  table.slots = [None] * 16
+  assert [table.resized(n) for n in (17, 16, 7, 6)] == [32, 16, 16, 8]
+  capped = _engine(cost_file, max_request_slots=4, max_queued_requests=12).table
+  assert capped.sizes() == [4, 8, 12]
+  capped.slots = [None] * 12
+  assert [capped.resized(n) for n in (12, 9, 7, 6, 3)] == [12, 12, 12, 8, 4]
+
+
+# sarathi_serve on the loop path in the default run; the step path and the
+# policies with state of their own in the extended profile (suite time:
+# each table size compiles its programs).
+@pytest.mark.parametrize("policy,loop", [
+    ("sarathi_serve", True), pytest.param("sarathi_serve", False, marks=pytest.mark.extended),
+    pytest.param("fastserve", True, marks=pytest.mark.extended),
+    pytest.param("vtc", True, marks=pytest.mark.extended)])
+def test_a_shrinking_slot_table_changes_no_request(cost_file, policy, loop):
+  """A burst grows the table from 4 to 16 slots; as it drains the table
+  shrinks (its live requests move to the first slots) and the records equal
+  those of an engine whose table never shrinks: tokens, outcomes and times,
+  the policy's own state (fastserve's per-slot levels, vtc's per-client
+  counters) moving with its requests. Loop calls of 8 iterations, so that
+  the table can shrink between them."""
+  wl = _workload(n=14, seed=4, rate_scale=40.0, clients=3, max_output_len=30)
+  runs, sizes = {}, {}
+  for shrink in (True, False):
+    engine = _engine(cost_file, policy, num_pages=200, max_request_slots=4,
+                     max_queued_requests=16)
+    table, resize, sizes[shrink] = engine.table, engine._resize, []
+    if not shrink:
+      table.resized = lambda n: max(len(table.slots), min(s for s in table.sizes() if s >= n))
+    engine._resize = lambda size, r=resize, seen=sizes[shrink]: (seen.append(size), r(size))
+    engine.simulate = functools.partial(engine.simulate, iterations_per_call=8)
+    runs[shrink] = replay(engine, wl, loop=loop)[0]
+  assert sizes[False] == [8, 16]
+  assert sizes[True][:2] == [8, 16] and min(sizes[True][2:], default=16) < 16, sizes[True]
+  _same(runs[False], runs[True])
 
 
 def test_a_progress_callback_keeps_the_loop_and_its_records(cost_file, monkeypatch):
