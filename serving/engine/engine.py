@@ -442,15 +442,14 @@ class Engine:
     ones, in slot order (``moved_slots``), which decides nothing: policies
     order by recorded keys (the kit's ``whole_queue`` rule). Programs compile
     once per size: log2(max_queued_requests / max_request_slots) + 1 sets."""
-    c, moved = self.config, self.table.moved_slots(size)
-    old = (self.pages, self.buffers, self.manifest, self.state)
-    new = programs_lib.slot_tables(c, size, self._placement, policy=self._programs.policy)
-    move = lambda n, o: programs_lib.moved_rows(n, o, moved)
-    self.pages, self.buffers, self.manifest, self.state = jax.tree.map(move, new, old)
-    if self.clocks.stamp is not None:        # the pending emission correction moves too
-      emitted, stamp, actual = self.clocks.stamp
-      self.clocks.stamp = (move(self._placement.tables(np.zeros(size, bool)), emitted),
-                           stamp, actual)
+    c, moved, stamp = self.config, self.table.moved_slots(size), self.clocks.stamp
+    old = (self.pages, self.buffers, self.manifest, self.state), stamp and stamp[0]
+    new = (programs_lib.slot_tables(c, size, self._placement, policy=self._programs.policy),
+           stamp and self._placement.tables(np.zeros(size, bool)))
+    (self.pages, self.buffers, self.manifest, self.state), emitted = programs_lib.moved_rows(
+        new, old, np.pad(moved, (0, size - len(moved))), np.int32(len(moved)))
+    if stamp is not None:        # the pending emission correction moves too
+      self.clocks.stamp = (emitted,) + stamp[1:]
     self.table.move_slots(size, moved)
     self._programs = programs_lib.programs(self.model_cfg,
                                            dataclasses.replace(c, max_request_slots=size))

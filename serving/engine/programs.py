@@ -564,16 +564,26 @@ def compile_buckets(programs: _Programs, config: EngineConfig, params, kv, pages
   return kv, pages, buffers, seconds
 
 
-def moved_rows(new, old, moved):
-  """A leaf of the resized slot table (``Engine._resize``): for a per-slot
-  array (leading axis R -> R'), ``old``'s rows ``moved`` (i32[n], n <= R,
-  R') in ``new``'s first n rows, the rest ``new``'s free ones; ``old`` for
-  the rest (leaves whose shape does not change with R)."""
-  if new.shape == old.shape:
-    return old
-  if moved.shape[0] == old.shape[0] and np.array_equal(moved, np.arange(moved.shape[0])):
-    return new.at[:old.shape[0]].set(old)       # grown: every row in place
-  return new.at[:moved.shape[0]].set(old[jnp.asarray(moved)])
+@jax.jit
+def moved_rows(new, old, moved, count):
+  """The resized slot tables (``Engine._resize``): for each per-slot array
+  (leading axis R -> R'), ``old``'s rows ``moved[:count]`` in ``new``'s
+  first ``count`` rows, the rest ``new``'s free ones; ``old`` for the
+  leaves whose shape does not change with R. One program per (R, R').
+
+  Args:
+    new, old: the same pytree of tables at sizes R' and R.
+    moved: i32[R'], the old slot each new slot takes (``RequestTable.
+      moved_slots``, padded with 0 past ``count``); count: i32[].
+  """
+  keep = jnp.arange(moved.shape[0]) < count
+
+  def one(n, o):
+    if n.shape == o.shape:
+      return o
+    return jnp.where(keep.reshape((-1,) + (1,) * (n.ndim - 1)), o[moved], n)
+
+  return jax.tree.map(one, new, old)
 
 
 def release_slots(state, pages, cancel_mask, release_mask):

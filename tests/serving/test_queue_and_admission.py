@@ -192,7 +192,8 @@ def _random_workload(seed, n=6):
 
 
 def _trace(params, policy, num_slots, workload, cost_file=None):
-  """One run of ``workload``; with ``cost_file`` on the simulated executor
+  """One run of ``workload``: its plans, tokens and the largest size its
+  slot table reached; with ``cost_file`` on the simulated executor
   (only the model call is replaced: the same tick, policy, validation and
   apply programs decide) and a virtual clock, else on the model."""
   executor = dict(executor="simulated", cost_model=cost_file) if cost_file else {}
@@ -201,6 +202,8 @@ def _trace(params, policy, num_slots, workload, cost_file=None):
                                **executor)
   engine = Engine(CFG, params, config,
                   clock=VirtualClock() if cost_file else _fake_clock())
+  resize, sizes = engine._resize, [num_slots]
+  engine._resize = lambda size: (sizes.append(size), resize(size))
   engine.record_plans = True
   step = 0
   while step < 300:
@@ -214,7 +217,7 @@ def _trace(params, policy, num_slots, workload, cost_file=None):
   plans = [(p["admitted"], p["scheduled"], p["preempted"]) for p in engine.plan_log]
   tokens = {r.request_id: (r.outcome, r.output_token_ids)
             for r in engine.requests.values()}
-  return plans, tokens, engine.num_slots
+  return plans, tokens, max(sizes)
 
 
 @pytest.fixture(scope="module")
