@@ -69,6 +69,7 @@ from scheduler import policies
 from serving.harness import ablation
 from serving import cli
 from serving.cli import launch
+from serving.cli import model_spec
 from serving.harness import ledger
 from serving.harness import metrics
 from serving.harness import traces
@@ -354,8 +355,8 @@ def _check_flags():
     rates = [float(r) for r in FLAGS.rate_scales]
   except ValueError:
     raise ValueError(f"--rate_scales must be numbers, got {FLAGS.rate_scales}") from None
-  if not rates or any(not r > 0 for r in rates):
-    raise ValueError(f"--rate_scales must be a non-empty list of numbers > 0, got "
+  if not rates or any(not 0 < r < math.inf for r in rates):
+    raise ValueError(f"--rate_scales must be a non-empty list of finite numbers > 0, got "
                      f"{FLAGS.rate_scales}")
   for name, values in (("rate_scales", rates), ("policies", FLAGS.policies)):
     twice = sorted({v for v in values if values.count(v) > 1}, key=str)
@@ -366,8 +367,8 @@ def _check_flags():
     cli.make_dir("cache_dir", FLAGS.cache_dir)
   traces.trace_loader(FLAGS.trace, check_file=True)   # refused here, before any model loads
   cli.check_engine_preset("engine", FLAGS.engine)
-  if FLAGS.model not in PRESETS:
-    launch.check_model_spec("--model", FLAGS.model)
+  if FLAGS.model not in PRESETS or model_spec.is_config_preset(FLAGS.model):
+    launch.check_model_spec("--model", FLAGS.model, simulated=FLAGS.executor == "simulated")
   if FLAGS.max_model_len < 2:
     raise ValueError(f"--max_model_len must be >= 2 (a prompt and an output token), "
                      f"got {FLAGS.max_model_len}")

@@ -44,6 +44,12 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
       (["--rate_scales=1,0.5,1"], "error: --rate_scales must not repeat a value (a point is "
                                   "one value's trials), got 1.0 more than once in "
                                   "['1', '0.5', '1']"),
+      (["--rate_scales=1,inf"], "error: --rate_scales must be a non-empty list of finite "
+                                "numbers > 0, got ['1', 'inf']"),
+      (["--model=tiny", "--executor=model"],
+       "error: --model=tiny: a config preset without weights runs only on the simulated "
+       "executor (--executor=simulated); models with weights: ['smollm2-135m'], a *.gguf "
+       "file or an HF directory"),
       (["--policies=vtc,vtc"], "error: --policies must not repeat a value (a point is one "
                                "value's trials), got 'vtc' more than once in ['vtc', 'vtc']"),
       (["--window_s=5,1"], "error: --window_s must be N > 0 (the trace's first N seconds of "
