@@ -177,14 +177,15 @@ def flag_named(message: str) -> str:
   ``EngineConfig``, ``SamplingParams``), said of the flag that gave the
   value: ``"--<field> <rule>, got <value>"`` when a flag of that name was
   given with that value; when the flag was not given (the value is a
-  preset's), the message with ``" (set it with --<field>)"`` appended; any
-  other message unchanged."""
+  preset's), the message with ``" (set it with --<field>)"`` appended
+  unless it names ``--<field>`` already; any other message unchanged."""
   head, _, rest = message.partition(" ")
   owner, dot, name = head.partition(".")
   if not (dot and owner.isidentifier() and name in FLAGS):
     return message
   if not FLAGS[name].present:
-    return f"{message} (set it with --{name})"
+    # a message that already names the flag (a config's own advice) is said once
+    return message if f"--{name}" in message else f"{message} (set it with --{name})"
   if not rest.endswith(f", got {FLAGS[name].value!r}"):
     return message                   # the value came from elsewhere (a preset, a file)
   return f"--{name} {rest}"

@@ -537,3 +537,13 @@ def test_help_lists_the_engine_presets(script):
   assert engine_help.startswith("Engine preset: one of cpu_default, cpu_small, tiny "
                                 "(configs/NAME.json), or the path of a JSON file"), engine_help
   assert "\n  --model: " in proc.stdout
+
+
+def test_a_config_rule_that_names_its_flag_says_it_once():
+  """A config refusal whose advice names the flag already (the model's
+  context) is not told "(set it with --max_model_len)" on top of it."""
+  status, _, stderr = refusals.run("replay.py", "--model=tiny", "--executor=simulated")
+  assert "Traceback" not in stderr, stderr[-3000:]
+  assert (status, stderr.strip().splitlines()[-1]) == (
+      2, "error: EngineConfig.max_model_len (2048) must not exceed the model's context, "
+         "ModelConfig.max_position (512) of 'tiny' (the launchers take --max_model_len=512)")
