@@ -436,8 +436,10 @@ DRAFT_ON_ONE_DEVICE = ("--speculative with a draft model runs on one device in a
                        "handed off), got 'draft:smollm2-135m,k=2'")
 
 
+# The second policy in the extended profile (suite time): the same refusal.
 @needs_smollm2
-@pytest.mark.parametrize("policy", [[], ["--policy=vllm_v1"]])
+@pytest.mark.parametrize("policy", [[], pytest.param(["--policy=vllm_v1"],
+                                                     marks=pytest.mark.extended)])
 def test_a_draft_model_with_a_mesh_or_prefill_decode_pools_is_refused_naming_the_flag(policy):
   """The engine's rule on a draft model, said of --speculative (the flag
   typed), not of EngineConfig.speculative nor of --policy."""
