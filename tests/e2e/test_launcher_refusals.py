@@ -179,14 +179,13 @@ OWN_MODEL_CHECK = ("replay.py", "serve.py", "bench_sim.py", "bench_engine.py",
     (script, args, model) for script, args in MODEL_LAUNCHERS
     for model in ("/nonexistent.gguf", "no-config-dir")
     if model == "/nonexistent.gguf" or script in OWN_MODEL_CHECK])
-def test_a_model_that_cannot_be_found_names_model(tmp_path, script, args, model):
+def test_a_model_that_cannot_be_found_names_model(tmp_path, short_trace, script, args,
+                                                    model):
   """A missing *.gguf (every launcher that loads a --model) and a directory
   without config.json are refused naming --model (``launch.check_model_spec``)
   before any model loads; the loaders' own message followed, without the
   flag."""
-  trace = tmp_path / "short.csv"
-  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  trace = short_trace
   if model == "no-config-dir":
     model = tmp_path / "no-config"
     model.mkdir()

@@ -27,7 +27,8 @@ def replay_report(tmp_path):
   return path
 
 
-def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, replay_report):
+def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, replay_report,
+                                                                   short_trace):
   not_json = tmp_path / "bad.json"
   not_json.write_text("{truncated")
   # Two sweep.json files sharing a rate (the keys merge reads, no trial).
@@ -37,9 +38,7 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
   swept, swept_again = tmp_path / "a.json", tmp_path / "b.json"
   swept.write_text(json.dumps(sweep))
   swept_again.write_text(json.dumps(dict(sweep, rate_scales=[0.5, 2.0])))
-  short = tmp_path / "short.csv"      # arrivals at 0 and 3 s
-  short.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  short = short_trace      # arrivals at 0 and 3 s
   cases = [
       (["--rate_scales=1,0.5,1"], "error: --rate_scales must not repeat a value (a point is "
                                   "one value's trials), got 1.0 more than once in "
@@ -101,14 +100,12 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
     assert refusals.refused("sweep.py", *args, *trace) == (2, line), args
 
 
-def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
+def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path, short_trace):
   """Trace windows of 2 s holding one request each: the offered rate is
   requests x rate scale / window (0.5 and 2 req/s), not requests over the
   span of their arrivals (0 s: 1e9 req/s). A merge of the sweep with a
   copy at another rate scale reads both."""
-  trace = tmp_path / "one_per_window.csv"
-  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  trace = short_trace      # arrivals at 0 and 3 s
   out = tmp_path / "sweep"
   proc = subprocess.run(
       [sys.executable, str(ROOT / "scripts" / "sweep.py"), f"--trace=azure:{trace}",
@@ -135,13 +132,11 @@ def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path):
   assert json.loads((merged / "sweep.json").read_text())["rate_scales"] == [1.0, 4.0, 8.0]
 
 
-def test_a_sweep_takes_a_window_as_a_b(tmp_path):
+def test_a_sweep_takes_a_window_as_a_b(tmp_path, short_trace):
   """--window_s=A,B, as replay.py takes it: trial 0 replays [A, B) of the
   trace (here its second request, at 3 s), its rate over B - A seconds;
   sweep.json keeps the window as [A, B] (a window from 0 as its length)."""
-  trace = tmp_path / "two.csv"
-  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:13.0000000,30,4\n")
+  trace = short_trace      # arrivals at 0 and 3 s
   out = tmp_path / "sweep"
   status, stdout, stderr = refusals.run(
       "sweep.py", f"--trace=azure:{trace}", "--engine=tiny", "--max_model_len=64",
