@@ -357,6 +357,8 @@ def engine_config(**overrides) -> EngineConfig:
   fields = {**{name: getattr(FLAGS, name) for name in names}, **overrides}
   cli.check_engine_preset("engine", FLAGS.engine)
   spec = fields["speculative"] or EngineConfig.preset_fields(FLAGS.engine).get("speculative", "")
+  if spec.startswith("draft:"):       # a target that cannot be read is --model's, said first
+    check_model_spec("--model", FLAGS.model, simulated=True)
   speculative.check_draft_model(FLAGS.model, spec)   # before the config's rules on a draft
   config = EngineConfig.preset(FLAGS.engine, **fields)
   check_cost_model()

@@ -175,36 +175,27 @@ def check_draft(target_cfg, draft_cfg, field: str = "EngineConfig.speculative") 
                      f"{target_cfg.name})")
 
 
-def check_draft_model(target: str, speculative: str, field: str = "--speculative",
-                      target_field: str = "--model") -> None:
+def check_draft_model(target: str, speculative: str, field: str = "--speculative") -> None:
   """Refuses, before any weights load, a draft model (``draft:MODEL``) whose
   config or tokenizer cannot be read, or whose vocabulary or tokenizer is
   not the target's (``target`` a model source as ``load_config`` takes;
   a ``random:`` target is checked by vocabulary size when the engine
-  starts). A target that cannot be read is refused first, naming
-  ``target_field`` as the launchers' own ``--model`` check does (it runs
-  later, when the model loads), not the draft. Nothing happens for other
-  settings.
+  starts). Nothing happens for other settings.
 
   Raises:
-    ValueError: naming ``target_field`` or ``field`` and the rule.
+    ValueError: naming ``field`` and the rule.
   """
   spec = Speculation.parse(speculative, field)
   if spec is None or spec.method != "draft":
     return
   from models import loaders
-  target_cfg = None
-  if not target.startswith("random:"):
-    try:
-      target_cfg, target_tok = loaders.load_config(target)
-    except ValueError as e:
-      raise ValueError(f"{target_field}={target}: {e}") from None
   try:
     draft_cfg, draft_tok = loaders.load_config(spec.draft)
   except ValueError as e:
     raise ValueError(f"{field}: the draft model {spec.draft!r} cannot be read: {e}") from None
-  if target_cfg is None:
+  if target.startswith("random:"):
     return
+  target_cfg, target_tok = loaders.load_config(target)
   check_draft(target_cfg, draft_cfg, field)
   if draft_tok.backend.get_vocab() != target_tok.backend.get_vocab():
     raise ValueError(f"{field}: the draft model's tokenizer ({spec.draft}) must map tokens "

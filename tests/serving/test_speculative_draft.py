@@ -122,19 +122,6 @@ def test_tokens_with_another_draft_equal_the_tokens_without(checkpoints, target,
   assert_pages_free(engine)
 
 
-def test_a_bad_target_is_refused_naming_the_model_flag_before_the_draft(tmp_path):
-  """A --model that cannot be read is refused naming --model, as the
-  launchers' --model check does, whether the draft is readable or not: the
-  draft check read the target after the draft and let the loader's
-  message through, naming no flag."""
-  target = str(tmp_path / "no-such-model")
-  for draft in ("smollm2-135m", str(tmp_path / "no-such-draft")):
-    with pytest.raises(ValueError) as got:
-      speculative.check_draft_model(target, f"draft:{draft},k=2")
-    assert str(got.value) == (f"--model={target}: unknown model {target!r}: not a preset "
-                              f"(['smollm2-135m']) and no such path")
-
-
 def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(checkpoints, tmp_path):
   other_vocab = tmp_path / "other_vocab"
   shutil.copytree(checkpoints("other"), other_vocab)
