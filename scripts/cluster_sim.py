@@ -28,11 +28,12 @@ Every engine runs ``--policy``: a registered name, or your own as
 For each run the JSON holds the global report (vLLM benchmark keys, over
 every request) and one per engine (its requests, its iterations), plus the
 simulation's wall time (P/D: the transfers and the router's choices per
-engine); no model weights are loaded. A bad flag (an empty ``--replicas``,
-one of ``--prefill_replicas`` / ``--decode_replicas`` without the other or
-below 1, a router not registered for the mode, ``--executor=model``, a
-trace, window, policy or engine value) is refused in one line before the
-model's config or the trace loads.
+engine); no model weights load and no text is tokenized, so ``--model``
+may be a config preset without either (``tiny``). A bad flag (an empty
+``--replicas``, one of ``--prefill_replicas`` / ``--decode_replicas``
+without the other or below 1, a router not registered for the mode,
+``--executor=model``, a trace, window, policy or engine value) is refused
+in one line before the model's config or the trace loads.
 """
 
 import dataclasses
@@ -135,10 +136,11 @@ def main(argv):
       link = profiles.transfer_link(calibrations.load(engine_cfg.cost_model), FLAGS.link)
     except ValueError as e:
       raise ValueError(f"--link={FLAGS.link}: {e}") from None
-  # The simulated executor reads the model's config alone (no weights), so
-  # it comes first and the workload's prompt ids are drawn once, in its
+  # The simulated executor reads the model's config alone (no weights; no
+  # text is tokenized here, so a config preset such as tiny will do), so it
+  # comes first and the workload's prompt ids are drawn once, in its
   # vocabulary.
-  cfg, _, _ = launch.load_flags_model(engine_cfg)
+  cfg, _, _ = launch.load_flags_model(engine_cfg, needs_tokenizer=False)
   workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})
   engine_cfg = dataclasses.replace(engine_cfg,

@@ -24,7 +24,9 @@ attainments, TTFT and TPOT percentiles, transfer figures and the path the
 simulation took (``path``: mixed replicas the loop covers run many
 iterations per program call, ``cluster_sim.replay_cluster``); the tables are
 printed at the end. Every engine runs the ``--engine`` preset
-(``--decode_engine``, when given, for decode engines).
+(``--decode_engine``, when given, for decode engines). No weights load and
+no text is tokenized: ``--model`` may be a config preset without either
+(``tiny``).
 """
 
 import dataclasses
@@ -221,7 +223,7 @@ def main(argv):
       link = profiles.transfer_link(calibrations.load(engine_cfg.cost_model), FLAGS.link)
     except ValueError as e:
       raise ValueError(f"--link={FLAGS.link}: {e}") from None
-  cfg, _, _ = launch.load_flags_model(engine_cfg)
+  cfg, _, _ = launch.load_flags_model(engine_cfg, needs_tokenizer=False)
   runs, goodput = {}, {}
   for split in splits:
     name = split_name(split)

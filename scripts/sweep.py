@@ -48,6 +48,7 @@ record is also appended to ``OUT/trials.jsonl`` as the trial ends, so a
 sweep stopped or broken midway keeps the trials that finished.
 """
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -247,8 +248,9 @@ def offered_rate(num_requests: int, window_s: float, rate_scale: float) -> float
   length as replayed (``window_s`` trace seconds, every gap divided by
   ``rate_scale``). Not over the span from the first arrival to the last,
   which is 0 s for a window with one request (a rate of 1e9 req/s) and
-  short for one whose arrivals bunch up."""
-  return num_requests * rate_scale / window_s
+  short for one whose arrivals bunch up. Divided before it is multiplied:
+  2 requests in 4 s at 1e308 offer 5e307 req/s, not 2e308 / 4 = inf."""
+  return num_requests / window_s * rate_scale
 
 
 def _service_curve(records, client, w_p=1.0, w_q=2.0, points=40):
@@ -376,21 +378,25 @@ def _check_flags():
   for name in ("trials", "sample_every", "jobs"):
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
-  launch.parse_window(FLAGS.window_s)
+  a, b = launch.parse_window(FLAGS.window_s)
+  launch.check_replay_span(f"--window_s={','.join(FLAGS.window_s)} / --rate_scales="
+                           f"{min(rates):g}", f"a trial's window of {b - a:g} s",
+                           (b - a) / min(rates))
   for name in ("ttft_ms", "tpot_ms"):
     if not (math.isfinite(getattr(FLAGS, name)) and getattr(FLAGS, name) > 0):
       raise ValueError(f"--{name} must be finite and > 0, got {getattr(FLAGS, name)}")
   if not 0 < FLAGS.alpha <= 1:
     raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
   _check_out()
-  _check_windows()
+  _check_windows(rates)
   return sorted(rates)
 
 
-def _check_windows() -> None:
+def _check_windows(rates) -> None:
   """Refuses, before any trial runs, --window_s x --trials whose trial
   windows (``trial_window``) do not each hold a request: past the trace's
-  last arrival, or over a gap in it."""
+  last arrival, or over a gap in it; and a rate scale of ``rates`` at which
+  a window's requests would offer more req/s than a float64 holds."""
   loader, path = traces.trace_loader(FLAGS.trace)
   n = FLAGS.trials
   a, b = launch.parse_window(FLAGS.window_s)
@@ -402,7 +408,8 @@ def _check_windows() -> None:
     if "no request in window_s" not in str(e):
       raise
     arrivals = []
-  held = {int((t - a) // w) for t in arrivals if t >= a}
+  trial_of = (int((t - a) // w) for t in arrivals if t >= a)
+  held = collections.Counter(k for k in trial_of if k < n)     # requests per trial
   for k in range(n):
     if k in held:
       continue
@@ -412,6 +419,15 @@ def _check_windows() -> None:
     raise ValueError(f"--window_s={','.join(FLAGS.window_s)} x --trials={n} {where}: trial "
                      f"{k}'s window [{start:g}, {stop:g}) s holds no request; choose another "
                      f"--window_s or --trials")
+  # A rate scale so high that a window's arrivals fall on one instant is a
+  # burst, and runs; its offered rate must still be a number.
+  k, most = held.most_common(1)[0]
+  fastest = max(rates)
+  if not math.isfinite(offered_rate(most, w, fastest)):
+    raise ValueError(f"--rate_scales={fastest:g}: trial {k}'s window of {w:g} s holds {most} "
+                     f"request(s), which would offer {most} / {w:g} x {fastest:g} req/s, past "
+                     f"float64's range (sweep.json and G* give rates in req/s); lower the "
+                     f"highest rate scale")
 
 
 def main(argv):

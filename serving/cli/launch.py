@@ -11,6 +11,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 
 from attention import native, ragged
@@ -33,6 +34,17 @@ from serving.engine.sim_executor import VirtualClock
 from serving.cli.warmup import warmup  # noqa: F401 (the launchers call launch.warmup)
 
 FLAGS = flags.FLAGS
+# The longest span of arrivals a replay takes, in virtual seconds as
+# replayed: a trace window's length x --time_scale (sweep.py: / its rate
+# scale), the synthetic workload's arrivals at --rate_scale. The engine's
+# clocks are float64 seconds and ms since its start (serving.engine.clocks,
+# the VirtualClock), whose resolution falls with the time they hold: 2**-19
+# s ~ 2 us at 1e10 s (~300 years). Measured on 13 requests of the Azure conv
+# trace, tiny model: the median gap between tokens (3 ms on profile:h100) is
+# off by 0.04% at 1e10 s, by 1% at 1e11 s, 5% at 1e12 s, and 0 ms at 1e14 s;
+# past ~3e35 s a device epoch's shift overflows float32 ms
+# (clocks.EngineClocks.rebase) and the report's JSON gets inf.
+MAX_REPLAY_SPAN_S = 1e10
 
 
 def engine_preset_help() -> str:
@@ -185,8 +197,10 @@ def check_workload_flags() -> None:
   """The values of define_workload_flags(), checked before any model loads,
   each refusal naming the flag and its rule (the loaders in
   serving.harness, a Python API, name their arguments instead). A trace's
-  --window_s is read from the file (one request drawn), so a window that
-  holds no request is refused now too, not once the model has loaded.
+  rows are read from the file (for its span; one request drawn for
+  --window_s), so a window that holds no request, or a time scale that
+  stretches the trace too far, is refused now too, not once the model has
+  loaded.
 
   Raises:
     ValueError: an SLO flag not finite and > 0, --slo_class malformed or
@@ -196,7 +210,10 @@ def check_workload_flags() -> None:
       workload only), a malformed --trace or one whose file is missing, a
       --window_s not N or A,B with 0 <= A < B finite (``parse_window``) or
       one no request of the trace is in, a --time_scale or --rate_scale not
-      finite and > 0, a count or length below 1.
+      finite and > 0, a count or length below 1; a --time_scale or
+      --rate_scale that stretches the arrivals (--window_s's length, the
+      trace's or the synthetic workload's span) past MAX_REPLAY_SPAN_S
+      (``check_replay_span``).
   """
   for name in ("slo_ttft_ms", "slo_tpot_ms"):
     value = FLAGS[name].value
@@ -244,12 +261,36 @@ def check_workload_flags() -> None:
       raise ValueError(f"--time_scale must be finite and > 0 (a factor on the trace's "
                        f"gaps), got {FLAGS.time_scale}")
     traces.trace_loader(FLAGS.trace, check_file=True)
-    if FLAGS.window_s is not None:       # a window with no request: refused now
-      loader(path, window_s=_flag_window(), max_requests=1)
   for name in ("max_requests", "max_prompt_len", "max_output_len", "clients", "priorities"):
     value = FLAGS[name].value
     if value is not None and value < 1:
       raise ValueError(f"--{name} must be >= 1, got {value}")
+  # Last, what the flags' values need read from the trace or drawn.
+  if synthetic:
+    check_replay_span(f"--rate_scale={FLAGS.rate_scale:g}", f"the synthetic workload's "
+                      f"{FLAGS.num_requests} arrivals", _synthetic_span_s())
+    return
+  _check_trace_span()
+  if FLAGS.window_s is not None:       # a window with no request: refused now
+    loader(path, window_s=_flag_window(), max_requests=1)
+
+
+def check_replay_span(given: str, what: str, span_s: float) -> None:
+  """Refuses a time or rate scale that stretches a replay's arrivals past
+  ``MAX_REPLAY_SPAN_S``: ``span_s`` is ``what`` (a window or a trace's
+  arrivals) as replayed, in seconds (inf where scaling overflowed): the
+  one bound of --time_scale, the synthetic workload's --rate_scale and
+  sweep.py's --rate_scales.
+
+  Raises:
+    ValueError: naming ``given`` (the flags as typed), the span and the
+      bound with its reason.
+  """
+  if not span_s <= MAX_REPLAY_SPAN_S:
+    raise ValueError(f"{given}: {what} would span {span_s:.3g} s as replayed; a replay spans "
+                     f"at most {MAX_REPLAY_SPAN_S:g} s of virtual time (the engine's float64 "
+                     f"clocks resolve ~2 us there; further on a step of a few ms is off by 1% "
+                     f"and more)")
 
 
 def parse_window(value) -> tuple:
@@ -273,6 +314,33 @@ def parse_window(value) -> tuple:
                      f"A,B with 0 <= A < B (its arrivals in [A, B) seconds after the first), "
                      f"finite, got {','.join(parts)!r}")
   return numbers[0], numbers[1]
+
+
+def _synthetic_span_s() -> float:
+  """The synthetic workload's arrivals' span (s) at --rate_scale, drawn with
+  one token a request (its arrivals do not depend on the lengths); inf
+  where they overflow."""
+  try:
+    with np.errstate(over="ignore"):
+      return synthetic_workloads.synthetic_azure_conv(
+          FLAGS.num_requests, FLAGS.rate_scale, FLAGS.seed, max_prompt_len=1,
+          max_output_len=1).duration_s
+  except ValueError:      # its flags are checked: an arrival past float64's range
+    return math.inf
+
+
+def _check_trace_span() -> None:
+  """--time_scale on --window_s's length, or on the trace's arrivals (read
+  from the file, no prompt drawn) without it: ``check_replay_span``."""
+  scale, window = FLAGS.time_scale, _flag_window()
+  if window is not None:
+    length = window[1] - window[0]
+    given = f"--window_s={','.join(FLAGS.window_s)} x --time_scale={scale:g}"
+    what = f"a window of {length:g} s"
+  else:
+    length = traces.arrival_span_s(FLAGS.trace)
+    given, what = f"--time_scale={scale:g}", f"the trace's arrivals ({length:g} s, first to last)"
+  check_replay_span(given, what, length * scale)
 
 
 def _flag_window():

@@ -57,6 +57,8 @@ from serving.harness.workloads import (
 )
 
 MOONCAKE_BLOCK_TOKENS = 512
+# Each kind's timestamp unit: Azure's are ns, VTC's s, Mooncake's ms.
+_UNITS_PER_SECOND = {"azure": 1e9, "vtc": 1.0, "mooncake": 1e3}
 
 
 # --------------------------------------------------------------------------
@@ -282,6 +284,18 @@ def load_azure_trace(
     """
     _check_options(time_scale, window_s, max_requests, max_prompt_len, max_output_len)
     sampler = _TokenSampler(vocab_size, reserved_token_ids)
+    path, sha, rows = _azure_rows(path)
+    return _finalize(
+        path=path, sha256=sha, source="azure_llm_inference", rows=rows,
+        units_per_second=_UNITS_PER_SECOND["azure"],
+        prompt_fn=lambda r, n: sampler.draw((seed, _TAG_AZURE, r.index), n), id_prefix="azure",
+        time_scale=time_scale, window_s=window_s, max_requests=max_requests,
+        max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
+    )
+
+
+def _azure_rows(path: str | Path) -> tuple[Path, str, list[_Row]]:
+    """An Azure trace's (path, sha256, rows), `ts` in ns (`load_azure_trace`)."""
     path, data, sha = _read_bytes(path)
     text = _decode(path, data)
     rows = []
@@ -296,12 +310,7 @@ def load_azure_trace(
                          prompt_len=_parse_length(path, line, "ContextTokens", f["ContextTokens"]),
                          output_len=_parse_length(path, line, "GeneratedTokens",
                                                   f["GeneratedTokens"])))
-    return _finalize(
-        path=path, sha256=sha, source="azure_llm_inference", rows=rows, units_per_second=1e9,
-        prompt_fn=lambda r, n: sampler.draw((seed, _TAG_AZURE, r.index), n), id_prefix="azure",
-        time_scale=time_scale, window_s=window_s, max_requests=max_requests,
-        max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
-    )
+    return path, sha, rows
 
 
 def load_vtc_trace(
@@ -330,6 +339,17 @@ def load_vtc_trace(
     """
     _check_options(time_scale, window_s, max_requests, max_prompt_len, max_output_len)
     sampler = _TokenSampler(vocab_size, reserved_token_ids)
+    path, sha, rows = _vtc_rows(path)
+    return _finalize(
+        path=path, sha256=sha, source="vtc", rows=rows, units_per_second=_UNITS_PER_SECOND["vtc"],
+        prompt_fn=lambda r, n: sampler.draw((seed, _TAG_VTC, r.index), n), id_prefix="vtc",
+        time_scale=time_scale, window_s=window_s, max_requests=max_requests,
+        max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
+    )
+
+
+def _vtc_rows(path: str | Path) -> tuple[Path, str, list[_Row]]:
+    """A VTC trace's (path, sha256, rows), `ts` in s (`load_vtc_trace`)."""
     path, data, sha = _read_bytes(path)
     text = _decode(path, data)
     rows, seen = [], {}
@@ -352,12 +372,7 @@ def load_vtc_trace(
                          prompt_len=_parse_length(path, line, "prompt_len", f["prompt_len"]),
                          output_len=_parse_length(path, line, "output_len", f["output_len"]),
                          client=client, request_id=request_id))
-    return _finalize(
-        path=path, sha256=sha, source="vtc", rows=rows, units_per_second=1.0,
-        prompt_fn=lambda r, n: sampler.draw((seed, _TAG_VTC, r.index), n), id_prefix="vtc",
-        time_scale=time_scale, window_s=window_s, max_requests=max_requests,
-        max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
-    )
+    return path, sha, rows
 
 
 def load_mooncake_trace(
@@ -406,6 +421,31 @@ def load_mooncake_trace(
         raise ValueError(
             f"block_tokens={block_tokens!r} must be an int in [1, {MOONCAKE_BLOCK_TOKENS}]")
     sampler = _TokenSampler(vocab_size, reserved_token_ids)
+    path, sha, rows = _mooncake_rows(path, bucket_ms, block_tokens)
+    blocks: dict[int, tuple[int, ...]] = {}
+
+    def prompt(r: _Row, n: int) -> tuple[int, ...]:
+        out: list[int] = []
+        for h in r.hash_ids[: -(-n // block_tokens)]:
+            block = blocks.get(h)
+            if block is None:
+                block = sampler.draw((seed, _TAG_MOONCAKE, h), MOONCAKE_BLOCK_TOKENS)[:block_tokens]
+                blocks[h] = block
+            out.extend(block)
+        return tuple(out[:n])
+
+    return _finalize(
+        path=path, sha256=sha, source="mooncake", rows=rows,
+        units_per_second=_UNITS_PER_SECOND["mooncake"], prompt_fn=prompt, id_prefix="mooncake",
+        time_scale=time_scale, window_s=window_s, max_requests=max_requests,
+        max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
+    )
+
+
+def _mooncake_rows(path: str | Path, bucket_ms: float = 3000.0,
+                   block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> tuple[Path, str, list[_Row]]:
+    """A Mooncake trace's (path, sha256, rows), `ts` in ms spread over its
+    buckets, prompt lengths scaled to `block_tokens` (`load_mooncake_trace`)."""
     path, data, sha = _read_bytes(path)
     text = _decode(path, data)
     raw = []
@@ -460,25 +500,27 @@ def load_mooncake_trace(
     rows = [_Row(index=i, line=line, ts=spread_ms[i], prompt_len=scaled(n_in), output_len=n_out,
                  hash_ids=h)
             for i, (line, _, n_in, n_out, h) in enumerate(raw)]
+    return path, sha, rows
 
-    blocks: dict[int, tuple[int, ...]] = {}
 
-    def prompt(r: _Row, n: int) -> tuple[int, ...]:
-        out: list[int] = []
-        for h in r.hash_ids[: -(-n // block_tokens)]:
-            block = blocks.get(h)
-            if block is None:
-                block = sampler.draw((seed, _TAG_MOONCAKE, h), MOONCAKE_BLOCK_TOKENS)[:block_tokens]
-                blocks[h] = block
-            out.extend(block)
-        return tuple(out[:n])
+def arrival_span_s(spec: str, flag: str = "--trace") -> float:
+    """Seconds from the first to the last arrival of the ``KIND:PATH`` trace
+    ``spec`` (Mooncake's spread over their buckets as its loader spreads
+    them), before any window or time scale: the span a replay of the whole
+    trace scales. Reads the rows only, no prompt is drawn.
 
-    return _finalize(
-        path=path, sha256=sha, source="mooncake", rows=rows, units_per_second=1e3,
-        prompt_fn=prompt, id_prefix="mooncake",
-        time_scale=time_scale, window_s=window_s, max_requests=max_requests,
-        max_prompt_len=max_prompt_len, max_output_len=max_output_len, seed=seed,
-    )
+    Raises:
+      ValueError: ``trace_loader``'s refusals of ``spec``, naming ``flag``.
+      WorkloadError: as the loaders: the file missing or malformed, no rows.
+    """
+    _, path = trace_loader(spec, flag)
+    kind = spec.partition(":")[0]
+    read = {"azure": _azure_rows, "mooncake": _mooncake_rows, "vtc": _vtc_rows}[kind]
+    path, _, rows = read(path)
+    if not rows:
+        raise WorkloadError(f"{path}: no data rows")
+    stamps = [r.ts for r in rows]
+    return (max(stamps) - min(stamps)) / _UNITS_PER_SECOND[kind]
 
 
 def trace_loader(spec: str, flag: str = "--trace", *, check_file: bool = False):
@@ -502,6 +544,7 @@ def trace_loader(spec: str, flag: str = "--trace", *, check_file: bool = False):
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
+    "arrival_span_s",
     "load_azure_trace",
     "load_mooncake_trace",
     "load_vtc_trace",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from serving.cli import launch
+from serving.harness import traces
 from tests.e2e import refusals
 from tests.serving.engine_testing import free_port
 
@@ -18,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WINDOW_RULE = ("--window_s must be N > 0 (the trace's first N seconds of arrivals) or A,B "
                "with 0 <= A < B (its arrivals in [A, B) seconds after the first), finite")
 WITH_WEIGHTS = "['smollm2-135m'], a *.gguf file or an HF directory"
+SPAN_RULE = ("a replay spans at most 1e+10 s of virtual time (the engine's float64 clocks "
+             "resolve ~2 us there; further on a step of a few ms is off by 1% and more)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,6 +82,57 @@ def test_a_window_is_refused_before_the_model_loads(short_trace, executor, windo
   status, last = refusals.refused("replay.py", f"--executor={executor}",
                                   f"--trace=azure:{short_trace}", f"--window_s={window}")
   assert (status, last) == (2, line.format(trace=short_trace))
+
+
+@pytest.mark.parametrize("executor", ["model", "simulated"])
+@pytest.mark.parametrize("args,line", [
+    (["--trace=azure:{trace}", "--time_scale=1e300"],
+     f"error: --time_scale=1e+300: the trace's arrivals (3 s, first to last) would span "
+     f"3e+300 s as replayed; {SPAN_RULE}"),
+    (["--trace=azure:{trace}", "--time_scale=1e10"],
+     f"error: --time_scale=1e+10: the trace's arrivals (3 s, first to last) would span "
+     f"3e+10 s as replayed; {SPAN_RULE}"),
+    (["--trace=azure:{trace}", "--window_s=2,6", "--time_scale=1e300"],
+     f"error: --window_s=2,6 x --time_scale=1e+300: a window of 4 s would span 4e+300 s as "
+     f"replayed; {SPAN_RULE}"),
+    (["--trace=azure:{trace}", "--window_s=1e300", "--time_scale=1e10"],
+     f"error: --window_s=1e300 x --time_scale=1e+10: a window of 1e+300 s would span inf s as "
+     f"replayed; {SPAN_RULE}"),
+    (["--rate_scale=1e-300"],
+     f"error: --rate_scale=1e-300: the synthetic workload's 32 arrivals would span 6.03e+300 s "
+     f"as replayed; {SPAN_RULE}"),
+    (["--num_requests=2", "--rate_scale=1e-309"],      # its one gap overflows
+     f"error: --rate_scale=1e-309: the synthetic workload's 2 arrivals would span inf s as "
+     f"replayed; {SPAN_RULE}"),
+])
+def test_a_time_scale_past_the_longest_replay_is_refused_before_the_model_loads(
+    short_trace, executor, args, line):
+  """--time_scale stretches the trace's arrivals (or --window_s's length),
+  --rate_scale the synthetic workload's, past ``launch.MAX_REPLAY_SPAN_S``
+  of virtual time: refused naming the flags and the bound, with either
+  executor, before the model loads, and without a numpy warning."""
+  args = [a.format(trace=short_trace) for a in args]
+  status, stdout, stderr = refusals.run("replay.py", f"--executor={executor}", *args)
+  assert "Traceback" not in stderr and "Warning" not in stderr, stderr[-3000:]
+  assert (status, stdout, stderr.strip().splitlines()) == (2, "", [line])
+
+
+@pytest.mark.parametrize("kind,text", [
+    ("azure", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:13.5000000,30,4\n"
+              "2023-11-16 18:15:10.0000000,20,4\n"),
+    ("vtc", "arrival_s,client,prompt_len,output_len\n2.5,a,8,2\n0.5,b,8,2\n4,a,8,2\n"),
+    ("mooncake", '{"timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [1]}\n'
+                 '{"timestamp": 0, "input_length": 8, "output_length": 2, "hash_ids": [2]}\n'
+                 '{"timestamp": 6000, "input_length": 8, "output_length": 2, "hash_ids": [3]}\n'),
+])
+def test_a_traces_arrival_span_is_its_loaders(tmp_path, kind, text):
+  """``traces.arrival_span_s``, which --time_scale's bound scales, reads
+  the rows only and gives the whole trace's span as its loader does
+  (rows out of order; Mooncake's spread over a bucket)."""
+  path = tmp_path / f"trace.{kind}"
+  path.write_text(text)
+  loader, _ = traces.trace_loader(f"{kind}:{path}")
+  assert traces.arrival_span_s(f"{kind}:{path}") == loader(path).duration_s > 0
 
 
 @pytest.mark.parametrize("value,window", [

@@ -12,6 +12,8 @@ import pytest
 from tests.e2e import refusals
 
 ROOT = Path(__file__).resolve().parents[2]
+SPAN_RULE = ("a replay spans at most 1e+10 s of virtual time (the engine's float64 clocks "
+             "resolve ~2 us there; further on a step of a few ms is off by 1% and more)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,6 +94,19 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
       (["--jobs=0"], "error: --jobs must be >= 1, got 0"),
       (["--trace=azure:/nonexist.csv"],
        "error: --trace: '/nonexist.csv' (of 'azure:/nonexist.csv') is not a file"),
+      # A rate scale's bounds: the lowest stretches a window past a replay's
+      # longest span; the highest may make a burst, but not an offered rate
+      # past float64's range.
+      (["--rate_scales=1e-300,1"],
+       f"error: --window_s=60 / --rate_scales=1e-300: a trial's window of 60 s would span "
+       f"6e+301 s as replayed; {SPAN_RULE}"),
+      (["--window_s=2,12", "--rate_scales=1e-10,1"],
+       f"error: --window_s=2,12 / --rate_scales=1e-10: a trial's window of 10 s would span "
+       f"1e+11 s as replayed; {SPAN_RULE}"),
+      ([f"--trace=azure:{short}", "--window_s=0.5", "--trials=1", "--rate_scales=1,1e308"],
+       "error: --rate_scales=1e+308: trial 0's window of 0.5 s holds 1 request(s), which would "
+       "offer 1 / 0.5 x 1e+308 req/s, past float64's range (sweep.json and G* give rates in "
+       "req/s); lower the highest rate scale"),
   ]
   for args, line in cases:
     # README.md stands for the default trace (../shared may be absent): the
@@ -130,6 +145,22 @@ def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path, shor
                                         f"{tmp_path / 'other.json'}", f"--out={merged}")
   assert status == 0, stderr[-3000:]
   assert json.loads((merged / "sweep.json").read_text())["rate_scales"] == [1.0, 4.0, 8.0]
+
+
+def test_a_rate_scale_that_makes_a_burst_runs_and_reports_its_rate(tmp_path, short_trace):
+  """At --rate_scales=1e308 a window's two arrivals fall on one instant (a
+  burst, legal); its offered rate, 2 / 4 s x 1e308 = 5e307 req/s, is a
+  number (once 2 x 1e308 / 4 = inf, and G* printed "< inf")."""
+  out = tmp_path / "sweep"
+  status, stdout, stderr = refusals.run(
+      "sweep.py", f"--trace=azure:{short_trace}", "--engine=tiny", "--max_model_len=64",
+      "--policies=sarathi_serve", "--window_s=4", "--rate_scales=1e308", "--trials=1",
+      f"--out={out}")
+  assert status == 0 and "Warning" not in stderr, stderr[-3000:]
+  (t,) = json.loads((out / "sweep.json").read_text())["trials"]
+  assert (t["num_requests"], t["offered_rate_req_s"]) == (2, 5e307)
+  (said,) = [line for line in stdout.splitlines() if line.startswith("G*(sarathi_serve)")]
+  assert "5e+307 req/s" in said and "inf" not in said, said     # '< R' or '>= R'
 
 
 def test_a_sweep_takes_a_window_as_a_b(tmp_path, short_trace):
