@@ -12,7 +12,8 @@ name (``smollm2-135m``), a GGUF file or an HF checkpoint directory, as
 replay.py's does, and with ``--simulated`` also a config preset without
 weights (``tiny``: no tokenizer either, so the prompts' bytes stand in for
 token ids); ``--engine`` a preset of ``configs/`` (``tiny`` is the tests'
-small one). A bad argument ends with one ``error:`` line (exit 2):
+small one), ``--max_model_len`` its context where the model's is shorter
+(``tiny``'s 512). A bad argument ends with one ``error:`` line (exit 2):
 every ValueError below names the field and the rule.
 """
 
@@ -37,6 +38,8 @@ def main() -> None:
   parser.add_argument("--model", default="smollm2-135m")
   parser.add_argument("--engine", default="cpu_default")
   parser.add_argument("--policy", default="sarathi_serve", help="a registered policy")
+  parser.add_argument("--max_model_len", type=int, default=None,
+                      help="the context in tokens (default: the --engine preset's)")
   parser.add_argument("--max_tokens", type=int, default=16)
   parser.add_argument("--simulated", action="store_true",
                       help="the simulated executor: no weights, step times from a cost model "
@@ -51,8 +54,10 @@ def main() -> None:
 def run(args) -> None:
   """Builds the engine of ``args``, runs the prompts, prints what ended."""
   # An engine preset is a JSON file of EngineConfig fields; any field can
-  # be replaced (dataclasses.replace, or keyword overrides of preset()).
-  config = EngineConfig.preset(args.engine, policy=args.policy)
+  # be replaced (dataclasses.replace, or keyword overrides of preset(),
+  # which keeps the preset's value where an override is None).
+  config = EngineConfig.preset(args.engine, policy=args.policy,
+                               max_model_len=args.max_model_len)
   # The launchers' check: a config preset (tiny) only with --simulated.
   check_model_spec("--model", args.model, simulated=args.simulated,
                    simulated_flag="--simulated")

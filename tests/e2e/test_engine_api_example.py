@@ -49,16 +49,40 @@ def test_the_engine_example_on_the_real_model():
   assert re.search(r"^req-0 'The capital of France is' -> '.+'$", out, flags=re.M), out
 
 
+def _load_example():
+  spec = importlib.util.spec_from_file_location("engine_api", EXAMPLE)
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  return example
+
+
+def test_the_context_refusal_names_a_flag_the_example_takes(monkeypatch, capsys):
+  """``--simulated --model=tiny`` on the default engine (a 2048-token
+  context, tiny's is 512) is refused in one line whose advice is a flag of
+  the example's own; run with it, every request completes."""
+  bad = subprocess.run([sys.executable, str(EXAMPLE), "--simulated", "--model=tiny"], cwd="/",
+                       capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+      "engine_api.py: error: EngineConfig.max_model_len (2048) must not exceed the model's "
+      "context, ModelConfig.max_position (512) of 'tiny' (the launchers take "
+      "--max_model_len=512)")
+  advice = re.search(r"take (--\w+=\d+)\)$", bad.stderr.strip())[1]
+  monkeypatch.setattr(sys, "argv", ["engine_api.py", "--simulated", "--model=tiny", advice,
+                                    "--max_tokens=2", "--policy=vllm_v1"])
+  _load_example().main()
+  out = capsys.readouterr().out
+  ends = re.findall(r"^(req-\d): (\w+) \((\w+)\), (\d+) tokens$", out, flags=re.M)
+  assert sorted(ends) == [(f"req-{i}", "completed", "length", "2") for i in range(3)], out
+
+
 def test_the_engine_example_takes_a_config_preset_on_the_simulated_executor(capsys):
   """``--simulated --model=tiny``: the launchers' model check takes a config
   preset there (no weights, no tokenizer: the prompts' bytes stand in for
   token ids), in the example's own process; without --simulated it is
   refused naming --model and the flag that would run it."""
-  spec = importlib.util.spec_from_file_location("engine_api", EXAMPLE)
-  example = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(example)
+  example = _load_example()
   args = argparse.Namespace(model="tiny", engine="tiny", policy="vllm_v1", max_tokens=2,
-                            simulated=True)
+                            simulated=True, max_model_len=None)
   example.run(args)
   out = capsys.readouterr().out
   ends = re.findall(r"^(req-\d): (\w+) \((\w+)\), (\d+) tokens$", out, flags=re.M)
