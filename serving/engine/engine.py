@@ -533,12 +533,12 @@ class Engine:
     return plan, facts, refcount
 
   def _reject_never(self, never) -> List[RequestOutput]:
-    """Rejects the slots (bool[R]) the policy says it can never schedule;
-    their news ends the iteration."""
+    """Rejects the slots (bool[R]) the policy says it can never schedule,
+    each with its own reason (``RequestTable.never_reason``); their news
+    ends the iteration."""
     names = [self.table.slots[s] for s in np.flatnonzero(never)]
-    self._reject_slots(never, f"policy {self.policy.policy_id} can never schedule it "
-                       f"(token budget {self.config.max_num_batched_tokens}, "
-                       f"{self.config.num_pages - 1} KV pages)")
+    for s, req in zip(np.flatnonzero(never), names):
+      self._reject_slots(self._one_slot(s), self.table.never_reason(req, self.policy.policy_id))
     return [RequestOutput(r.request_id, [], True, r.outcome, r.finish_reason)
             for r in names]
 

@@ -17,7 +17,7 @@ step, ``take_news`` for both it and the simulate driver; logprobs with
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
@@ -39,6 +39,14 @@ def _usable_pages(c: EngineConfig) -> str:
   held = (f"; its {c.watermark_pages} watermark pages are kept free only while other "
           f"requests run" if c.watermark_pages else "")
   return f"{c.num_pages - 1} (num_pages {c.num_pages} less page 0, the null page{held})"
+
+
+def _needs_pages(c: EngineConfig, rows: int, need: int) -> str:
+  """A request's KV need beside the cache, the one wording of both
+  rejections: ``need`` pages for ``rows`` KV rows, and the usable pages'
+  makeup (``_usable_pages``)."""
+  return (f"needs {need} KV pages for {rows} KV rows (prompt + max_tokens - 1); the cache "
+          f"has {_usable_pages(c)}")
 
 
 class RequestTable:
@@ -148,15 +156,36 @@ class RequestTable:
       req.prompt_logprobs = PromptLogprobs.empty(len(ids), min(MAX_LOGPROBS, self.vocab_size))
     self.next_uid += 1
     self.requests[request_id] = req
-    # KV rows written at most: p + m - 1 (the last output is never fed
-    # back), and never past the context (rows [0, max_model_len - 1)).
-    rows = min(rec.kv_rows(len(ids), self.max_tokens(sampling)), c.max_model_len - 1)
-    need = kv_pages.pages_for(rows, c.page_size)
+    rows, need = self.kv_need(req)
     if need > c.num_pages - 1:
-      self.end(req, "rejected", f"needs {need} KV pages for {rows} KV rows (prompt + "
-               f"max_tokens - 1); the cache has {_usable_pages(c)}: raise num_pages "
+      self.end(req, "rejected", f"{_needs_pages(c, rows, need)}: raise num_pages "
                f"(--num_pages) to at least {need + 1}")
     return req
+
+  def kv_need(self, req: Request) -> Tuple[int, int]:
+    """(KV rows, KV pages) ``req`` writes at most: ``p + m - 1`` rows (the
+    last output is never fed back; ``m`` is ``max_tokens``), never past the
+    context (rows ``[0, max_model_len - 1)``), in pages of ``page_size``."""
+    c = self.config
+    rows = min(rec.kv_rows(len(req.prompt_token_ids), self.max_tokens(req.sampling)),
+               c.max_model_len - 1)
+    return rows, kv_pages.pages_for(rows, c.page_size)
+
+  def never_reason(self, req: Request, policy_id: str) -> str:
+    """Why ``req``, accepted, is rejected when policy ``policy_id`` says it
+    can never schedule it: its prompt beside the token budget, its KV need
+    beside the cache (``_needs_pages``: admission took it, so its pages fit),
+    and, where its prompt is wider than the budget, the budget that would
+    take the prompt whole (what a policy that does not chunk prompts, e.g.
+    ``orca``, needs; the policy alone knows which rule it broke)."""
+    c = self.config
+    prompt, budget = len(req.prompt_token_ids), c.max_num_batched_tokens
+    rows, need = self.kv_need(req)
+    wide = (f"; to run its prompt whole, raise max_num_batched_tokens "
+            f"(--max_num_batched_tokens) to at least {prompt}" if prompt > budget else "")
+    return (f"policy {policy_id} can never schedule it: its prompt has {prompt} tokens, the "
+            f"token budget (max_num_batched_tokens) {budget}; it "
+            f"{_needs_pages(c, rows, need)}{wide}")
 
   def max_tokens(self, sampling: SamplingParams) -> int:
     """The output tokens this engine runs for a request: its

@@ -51,6 +51,28 @@ def test_a_request_needs_prompt_plus_max_tokens_minus_one_kv_rows(
     assert "needs 3 KV pages for 9 KV rows" in req.finish_reason
 
 
+def test_a_request_the_policy_can_never_schedule_is_told_why_and_the_fix(params):
+  """ORCA prefills a prompt whole: a 20-token prompt can never fit the
+  16-token budget. Admission took it (20 + 4 - 1 = 23 KV rows, 6 pages of
+  4; num_pages=10 is the null page and 9 usable), so the policy rejects it,
+  its reason in the admission rejection's wording: the pages' makeup, and
+  the budget that takes the prompt whole. The other request completes."""
+  config = dataclasses.replace(BASE, num_pages=10, watermark_pages=2, policy="orca",
+                               executor="simulated")
+  engine = Engine(CFG, params, config)
+  wide = engine.add_request("wide", _prompts([20])[0], SamplingParams(max_tokens=4))
+  ok = engine.add_request("ok", _prompts([5])[0], SamplingParams(max_tokens=4))
+  engine.run(max_iterations=50)
+  assert (wide.outcome, wide.finish_reason) == (
+      "rejected", "policy orca can never schedule it: its prompt has 20 tokens, the token "
+                  "budget (max_num_batched_tokens) 16; it needs 6 KV pages for 23 KV rows "
+                  "(prompt + max_tokens - 1); the cache has 9 (num_pages 10 less page 0, the "
+                  "null page; its 2 watermark pages are kept free only while other requests "
+                  "run); to run its prompt whole, raise max_num_batched_tokens "
+                  "(--max_num_batched_tokens) to at least 20")
+  assert ok.outcome == "completed"
+
+
 # --------------------------------------------------------------- victims
 # vLLM's priority mode, and a policy whose walk puts prefill work before
 # decode rows (sarathi: its earliest request was the victim 65 times).

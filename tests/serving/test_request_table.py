@@ -1,6 +1,7 @@
 """The request table's intake (``serving.engine.request_table``): a request
 that can never fit the KV cache is rejected on arrival, its reason saying
-the usable pages' makeup and the num_pages that would hold it."""
+the usable pages' makeup and the num_pages that would hold it; one a policy
+can never schedule is told the same makeup (``never_reason``)."""
 
 import dataclasses
 
@@ -36,3 +37,33 @@ def test_the_watermark_is_said_not_to_count_against_a_request_alone():
       "less page 0, the null page; its 2 watermark pages are kept free only while other "
       "requests run): raise num_pages (--num_pages) to at least 7")
   assert not _accept(dataclasses.replace(config, num_pages=7), 20, 4).finished
+
+
+def test_a_request_the_policy_can_never_schedule_is_told_its_prompt_and_pages():
+  """Accepted (20 + 4 - 1 = 23 KV rows, 6 pages of the 9 usable), then
+  refused by a policy: the reason gives its prompt beside the token budget
+  and its pages beside the cache's makeup, the admission rejection's
+  wording; a 20-token prompt wider than the 16-token budget is told the
+  budget that takes it whole."""
+  table = RequestTable(dataclasses.replace(TINY, num_pages=10, watermark_pages=2), 512)
+  wide = table.accept("w", list(range(1, 21)), SamplingParams(max_tokens=4), 0.0, 0, "c",
+                      None, None, False, False)
+  assert not wide.finished
+  assert table.never_reason(wide, "orca") == (
+      "policy orca can never schedule it: its prompt has 20 tokens, the token budget "
+      "(max_num_batched_tokens) 16; it needs 6 KV pages for 23 KV rows (prompt + max_tokens "
+      "- 1); the cache has 9 (num_pages 10 less page 0, the null page; its 2 watermark pages "
+      "are kept free only while other requests run); to run its prompt whole, raise "
+      "max_num_batched_tokens (--max_num_batched_tokens) to at least 20")
+
+
+def test_a_never_reason_within_the_budget_gives_the_numbers_alone():
+  """12 + 8 - 1 = 19 KV rows, 5 pages: the prompt fits the budget and the
+  pages the cache, so the policy's own rule refused it and no fix is said."""
+  table = RequestTable(TINY, 512)
+  req = table.accept("r", list(range(1, 13)), SamplingParams(max_tokens=8), 0.0, 0, "c",
+                     None, None, False, False)
+  assert table.never_reason(req, "mine") == (
+      "policy mine can never schedule it: its prompt has 12 tokens, the token budget "
+      "(max_num_batched_tokens) 16; it needs 5 KV pages for 19 KV rows (prompt + max_tokens "
+      "- 1); the cache has 63 (num_pages 64 less page 0, the null page)")
