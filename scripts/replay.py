@@ -87,6 +87,9 @@ def main(argv):
   launch.check_workload_flags()     # a trace's --window_s read from it, before any model
   engine_cfg = launch.engine_config()
   launch.engine_clock(engine_cfg)
+  # --model's refusal (a config preset on the model executor) is said
+  # first, before the workload's fit note.
+  launch.check_model_spec("--model", FLAGS.model, simulated=engine_cfg.executor == "simulated")
   # Read and check the workload before loading the model's weights (fail
   # fast); draw prompt ids again if the model's vocabulary differs from the
   # default. The simulated executor reads the config alone: it comes first,

@@ -29,7 +29,7 @@ from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig, preset_names
 from serving.engine.engine import Engine
-from serving.engine.programs import resolve_decode_gemm
+from serving.engine.programs import check_engine, resolve_decode_gemm
 from serving.engine.sim_executor import VirtualClock
 from serving.cli.warmup import warmup  # noqa: F401 (the launchers call launch.warmup)
 
@@ -487,7 +487,8 @@ def load_flags_model(engine_cfg: EngineConfig, *, needs_tokenizer: bool = True):
       simulated executor (``check_model_spec``), before any kernel builds
       or weights load; the kernel checks' refusals
       (``check_attention_impl``, ``int8_gemm``, ``decode_gemm``,
-      ``check_model_attention``).
+      ``check_model_attention``); a context past the model's
+      (``programs.check_engine``), before the ``model:`` line.
   """
   if not FLAGS.model.startswith(RANDOM_PREFIX):   # random_model names --model itself
     check_model_spec("--model", FLAGS.model, simulated=engine_cfg.executor == "simulated",
@@ -511,6 +512,7 @@ def load_flags_model(engine_cfg: EngineConfig, *, needs_tokenizer: bool = True):
         FLAGS.model, dtype=dtype, cache_dir=f"{FLAGS.cache_dir}/weights" if FLAGS.cache_dir
         else None, mesh=make_mesh(engine_cfg.mesh))
   check_model_attention(engine_cfg, cfg)
+  check_engine(cfg, engine_cfg)      # the context refused before the line below says it
   seconds = time.perf_counter() - t
   read = (f"loaded in {seconds:.1f} s" if params is not None else
           f"config and tokenizer read in {seconds:.1f} s (simulated executor: no weights)"

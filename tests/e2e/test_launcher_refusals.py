@@ -543,8 +543,9 @@ def test_help_lists_the_engine_presets(script):
 def test_a_config_rule_that_names_its_flag_says_it_once():
   """A config refusal whose advice names the flag already (the model's
   context) is not told "(set it with --max_model_len)" on top of it."""
-  status, _, stderr = refusals.run("replay.py", "--model=tiny", "--executor=simulated")
+  status, stdout, stderr = refusals.run("replay.py", "--model=tiny", "--executor=simulated")
   assert "Traceback" not in stderr, stderr[-3000:]
+  assert "model:" not in stdout, stdout        # the refused context is not said first
   assert (status, stderr.strip().splitlines()[-1]) == (
       2, "error: EngineConfig.max_model_len (2048) must not exceed the model's context, "
          "ModelConfig.max_position (512) of 'tiny' (the launchers take --max_model_len=512)")

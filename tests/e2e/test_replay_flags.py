@@ -67,6 +67,17 @@ def test_a_config_preset_is_refused_where_it_cannot_run(short_trace, script, arg
   assert refusals.refused(script, "--model=tiny", *args) == (2, line)
 
 
+def test_a_config_preset_on_the_model_executor_is_the_first_thing_said():
+  """--model=tiny with --executor=model is refused before the workload is
+  built: no note about fitting it into tiny's context comes first."""
+  status, stdout, stderr = refusals.run("replay.py", "--model=tiny", "--engine=tiny",
+                                        "--executor=model")
+  assert "Traceback" not in stderr, stderr[-3000:]
+  assert (status, stdout, stderr.strip().splitlines()) == (2, "", [
+      f"error: --model=tiny: a config preset without weights runs only on the simulated "
+      f"executor (--executor=simulated); models with weights: {WITH_WEIGHTS}"])
+
+
 @pytest.mark.parametrize("executor", ["model", "simulated"])
 @pytest.mark.parametrize("window,line", [
     ("10,20", "error: {trace}: no request in window_s=(10.0, 20.0) (seconds from the trace's "
