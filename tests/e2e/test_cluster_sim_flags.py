@@ -60,14 +60,16 @@ def test_cluster_sim_judges_each_run_by_the_slo_flags(tmp_path):
   out = tmp_path / "cluster.json"
   root = Path(__file__).resolve().parents[2]
   proc = subprocess.run(
-      [sys.executable, str(root / "scripts" / "cluster_sim.py"), "--engine=tiny",
+      [sys.executable, str(root / "scripts" / "cluster_sim.py"), "--model=tiny", "--engine=tiny",
        "--num_requests=8", "--replicas=1,2", "--noenable_prefix_caching", "--cache_dir=",
-       "--slo_ttft_ms=1000", "--slo_tpot_ms=150", f"--out={out}",
+       "--slo_ttft_ms=100", "--slo_tpot_ms=17.5", f"--out={out}",
        # One calibration on every machine kind: the limits below split its times.
        "--cost_model=configs/calibration/cost_model_cpu.json"],
       cwd=root, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   lines = [line.strip() for line in proc.stdout.splitlines()]
+  # A config preset needs no tokenizer here: --model=tiny is taken.
+  assert any(line.startswith("model: tiny (") and "config preset" in line for line in lines)
   report = json.loads(out.read_text())["runs"][0]["report"]
   assert (f"clipped prompts: {report['num_clipped']}" in
           next(line for line in lines if line.startswith("workload: ")))
@@ -78,7 +80,7 @@ def test_cluster_sim_judges_each_run_by_the_slo_flags(tmp_path):
       times = r["token_times_s"]
       ttft_ms = (times[0] - r["arrival_s"]) * 1e3
       tpot_ms = (times[-1] - times[0]) / (len(times) - 1) * 1e3 if len(times) > 1 else 0.0
-      valid += r["outcome"] == "completed" and ttft_ms <= 1000 + 1e-6 and tpot_ms <= 150 + 1e-6
+      valid += r["outcome"] == "completed" and ttft_ms <= 100 + 1e-6 and tpot_ms <= 17.5 + 1e-6
     g = run["goodput"]
     assert (g["offered"], g["valid"]) == (8, valid), run["replicas"]
     assert f"goodput: {valid}/8 SLO-valid" in "\n".join(lines)

@@ -1,8 +1,8 @@
-"""cluster_sim.py and pd_goodput.py on a config preset (``--model=tiny``: a
-config without weights or tokenizer): both run only the simulated executor
-and tokenize no text, so they take it, as replay.py does, and replay a
-trace to the end (cluster_sim.py's mixed replicas, pd_goodput.py's P/D
-pair)."""
+"""pd_goodput.py on a config preset (``--model=tiny``: a config without
+weights or tokenizer): it runs only the simulated executor and tokenizes no
+text, so it takes it, as replay.py does, and replays a trace to the end on
+a P/D pair (cluster_sim.py's run on the preset is
+tests/e2e/test_cluster_sim_flags.py's SLO test)."""
 
 import json
 
@@ -27,21 +27,6 @@ def _ended(report: dict) -> list:
   outcomes = [r["outcome"] for r in report["requests"]]
   assert all(o in OUTCOMES for o in outcomes), outcomes
   return outcomes
-
-
-def test_cluster_sim_replays_a_trace_on_a_config_preset(tmp_path, short_trace):
-  """Two mixed replicas: both requests of the trace end completed, and the
-  replicas' counts add up to the run's."""
-  out = tmp_path / "cluster.json"
-  status, stdout, stderr = refusals.run(
-      "cluster_sim.py", *TINY, f"--trace=azure:{short_trace}", "--replicas=2", f"--out={out}")
-  assert status == 0, stderr[-3000:]
-  assert PRESET_LINE in stdout
-  (run,) = json.loads(out.read_text())["runs"]
-  report = run["report"]
-  assert report["config"]["model"] == "tiny"
-  assert _ended(report) == ["completed", "completed"], report["requests"]
-  assert report["completed"] == 2 == sum(r["completed"] for r in run["per_replica"])
 
 
 def test_pd_goodput_measures_a_config_preset(tmp_path, short_trace):
