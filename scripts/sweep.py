@@ -350,6 +350,15 @@ def _check_out() -> None:
   cli.check_creatable("out", FLAGS.out, directory=True)
 
 
+def _check_resume() -> None:
+  """--resume: OUT/trials.jsonl must exist (ValueError naming the flag),
+  checked before anything is created."""
+  path = f"{FLAGS.out}/{TRIALS_FILE}"
+  if not os.path.isfile(path):
+    raise ValueError(f"--resume keeps the trials of {path}, which does not exist (is --out "
+                     f"the stopped sweep's folder?)")
+
+
 def _check_flags():
   """The sweep's flags, checked before any trial runs; returns the rate
   scales. Raises ValueError naming the flag and the rule."""
@@ -365,6 +374,9 @@ def _check_flags():
     if twice:
       raise ValueError(f"--{name} must not repeat a value (a point is one value's "
                        f"trials), got {twice[0]!r} more than once in {getattr(FLAGS, name)}")
+  _check_out()
+  if FLAGS.resume:         # refused before any folder is made (--out's or --cache_dir's)
+    _check_resume()
   if FLAGS.cache_dir:
     cli.make_dir("cache_dir", FLAGS.cache_dir)
   traces.trace_loader(FLAGS.trace, check_file=True)   # refused here, before any model loads
@@ -387,7 +399,6 @@ def _check_flags():
       raise ValueError(f"--{name} must be finite and > 0, got {getattr(FLAGS, name)}")
   if not 0 < FLAGS.alpha <= 1:
     raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
-  _check_out()
   _check_windows(rates)
   return sorted(rates)
 
@@ -491,10 +502,8 @@ def resumed(tasks) -> dict:
     ValueError: no such file, a line that is not a trial record, or one
       run with other settings (TRIAL_SETTINGS) than this run.
   """
+  _check_resume()
   path = f"{FLAGS.out}/{TRIALS_FILE}"
-  if not os.path.isfile(path):
-    raise ValueError(f"--resume keeps the trials of {path}, which does not exist (is --out "
-                     f"the stopped sweep's folder?)")
   try:
     with open(path, encoding="utf-8") as f:
       lines = f.read().split("\n")

@@ -115,6 +115,17 @@ def test_sweep_refuses_bad_flags_and_merge_inputs_before_loading(tmp_path, repla
     assert refusals.refused("sweep.py", *args, *trace) == (2, line), args
 
 
+def test_resume_of_a_folder_that_does_not_exist_creates_nothing(tmp_path):
+  """--resume with an --out that holds no trials.jsonl is refused before
+  any folder is made, --out's or --cache_dir's."""
+  out, cache = tmp_path / "does_not_exist", tmp_path / "cache"
+  status, last = refusals.refused("sweep.py", "--resume", f"--out={out}",
+                                  f"--cache_dir={cache}", "--trace=azure:README.md")
+  assert (status, last) == (2, f"error: --resume keeps the trials of {out}/trials.jsonl, which "
+                               f"does not exist (is --out the stopped sweep's folder?)")
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path, short_trace):
   """Trace windows of 2 s holding one request each: the offered rate is
   requests x rate scale / window (0.5 and 2 req/s), not requests over the
