@@ -1,10 +1,10 @@
-"""Replays a workload (a real trace or the embedded default) against a model.
+r"""Replays a workload (a real trace or the embedded default) against a model.
 
-  python scripts/replay.py                                 # default workload
+  python scripts/replay.py  # the default workload
   python scripts/replay.py \
       --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \
       --window_s=0,60 --time_scale=4
-  python scripts/replay.py --executor=simulated --trace=azure:... # whole trace, virtual time
+  python scripts/replay.py --executor=simulated --trace=azure:...  # whole trace, virtual time
   python scripts/replay.py --executor=simulated --model=tiny --engine=tiny  # a config preset
 
 With a virtual clock (``--executor=simulated`` or ``--clock=virtual``) two
@@ -60,7 +60,7 @@ launch.define_workload_flags()
 launch.define_engine_flags()
 # --help lists these beside the workload's flags, --model and --engine; the
 # other engine overrides are under --helpfull.
-for _name in ("executor", "cost_model", "policy", "num_pages"):
+for _name in ("executor", "cost_model", "policy", "num_pages", "reservation"):
   flags.declare_key_flag(_name)
 
 

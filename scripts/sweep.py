@@ -1,4 +1,4 @@
-"""Goodput-capacity sweep: policies x arrival-rate scales x seeded trials.
+r"""Goodput-capacity sweep: policies x arrival-rate scales x seeded trials.
 
   python scripts/sweep.py --policies=sarathi_serve,vllm_v1,orca \
       --rate_scales=0.25,0.5,1,2 --trials=2 --window_s=120 --out=runs/sweep_azure

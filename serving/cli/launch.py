@@ -190,7 +190,7 @@ def define_workload_flags() -> None:
                       "through the classes by arrival index.")
   _key_flags_of_caller("trace", "window_s", "time_scale", "max_requests", "num_requests",
                        "rate_scale", "max_prompt_len", "max_output_len", "slo_ttft_ms",
-                       "slo_tpot_ms")
+                       "slo_tpot_ms", "slo_class")
 
 
 def check_workload_flags() -> None:

@@ -164,23 +164,47 @@ def test_a_bad_window_s_names_the_flag_and_its_rule(value):
   assert str(e.value) == f"{WINDOW_RULE}, got {shown!r}"
 
 
+def _help(script, flag="--help"):
+  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), flag],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
 def test_help_lists_the_flags_a_replay_sets():
   """``--help`` lists the workload's flags and the engine choices a replay
-  makes (--trace, --executor, --policy, --num_pages, ...); the other
-  overrides only ``--helpfull``."""
+  makes (--trace, --executor, --policy, --num_pages, ...), and every flag
+  its text names (--reservation, --slo_class); the other overrides only
+  ``--helpfull``."""
   def listed(flag):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "replay.py"), flag],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {line.split(":")[0][4:] for line in proc.stdout.splitlines()
+    return {line.split(":")[0][4:] for line in _help("replay.py", flag).splitlines()
             if line.startswith("  --")}
 
   short = listed("--help")
   assert {"trace", "window_s", "time_scale", "max_requests", "num_requests", "rate_scale",
-          "max_prompt_len", "max_output_len", "slo_ttft_ms", "slo_tpot_ms", "executor",
-          "cost_model", "policy", "num_pages", "model", "engine", "out"} <= short, short
-  assert not {"dtype", "mesh", "seed", "reservation"} & short, short
+          "max_prompt_len", "max_output_len", "slo_ttft_ms", "slo_tpot_ms", "slo_class",
+          "executor", "cost_model", "policy", "num_pages", "reservation", "model", "engine",
+          "out"} <= short, short
+  assert not {"dtype", "mesh", "seed"} & short, short
   assert {"dtype", "mesh", "seed", "reservation"} <= listed("--helpfull")
+
+
+@pytest.mark.parametrize("script", ["replay.py", "sweep.py"])
+def test_help_examples_are_commands_to_copy(script):
+  """Each usage example of ``--help`` reads as typed: no run of spaces
+  inside a command (a ``\\`` continuation in the docstring once joined its
+  lines), and a continued line ends in `` \\``."""
+  lines = _help(script).split("\n")
+  commands = [i for i, line in enumerate(lines) if line.lstrip().startswith("python scripts/")]
+  assert commands, lines[:20]
+  for i in commands:
+    while True:
+      command = lines[i].split(" # ")[0].strip()
+      assert "  " not in command, lines[i]
+      if not command.endswith("\\"):
+        break
+      assert command.endswith(" \\"), lines[i]
+      i += 1
 
 
 def test_a_model_that_cannot_be_found_is_named_once(tmp_path):
