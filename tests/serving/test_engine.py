@@ -615,10 +615,10 @@ def test_warmup_borrows_the_engines_kv_cache(params, monkeypatch):
   made = []
   real = programs_lib.kv_cache
   monkeypatch.setattr(programs_lib, "kv_cache", lambda *a: made.append(1) or real(*a))
-  config = dataclasses.replace(BASE, max_request_slots=4, max_queued_requests=16)
+  config = dataclasses.replace(BASE, max_request_slots=4, max_queued_requests=8)
   engine = Engine(CFG, params, config)
   assert len(made) == 1
-  launch.warmup(engine, num_requests=10)                 # slot tables 4, 8, 16
+  launch.warmup(engine, num_requests=6)                  # slot tables 4 and 8
   assert len(made) == 1
   assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.kv))
   prompts = _prompts([9, 14, 3], seed=41)

@@ -142,13 +142,12 @@ def _fake_clock():
 
 
 def test_a_priority_request_overtakes_a_backlog(params):
-  """vllm_v1_priority, 8 initial slots, 4 seqs: 20 priority-5 requests, one
-  step, then one priority-0 request: it is the next request admitted."""
-  config = EngineConfig.preset("tiny", policy="vllm_v1_priority", max_request_slots=8,
+  """vllm_v1_priority, 4 seqs: 20 priority-5 requests, one step, then one
+  priority-0 request: it is the next request admitted. (32 slots from the
+  start, one table size: the growth is test_queue_bound_refuses_with_a_typed_error's.)"""
+  config = EngineConfig.preset("tiny", policy="vllm_v1_priority", max_request_slots=32,
                                max_num_seqs=4, executor="simulated")
   engine = Engine(CFG, params, config)
-  resize, sizes = engine._resize, []
-  engine._resize = lambda size: (sizes.append(size), resize(size))
   engine.record_plans = True
   sampling = SamplingParams(max_tokens=4, ignore_eos=True)
   for i, p in enumerate(_prompts([6] * 20)):
@@ -159,15 +158,14 @@ def test_a_priority_request_overtakes_a_backlog(params):
   engine.run(max_iterations=300)
   admitted = [r for plan in engine.plan_log for r in plan["admitted"]]
   assert admitted.index("urgent") == len(first)
-  assert sizes[0] == 32, sizes                   # 8 -> 32 slots (doubled twice) for 21
   assert all(r.outcome == "completed" for r in engine.requests.values())
 
 
 def test_vtc_serves_a_new_client_behind_a_deep_backlog(params):
-  """vtc, 8 initial slots: client A sends 29 requests, then client B 3. All
-  are visible, so VTC's smaller counter (B's, at 0) wins a slot among the
-  first admissions once A has been served."""
-  config = EngineConfig.preset("tiny", policy="vtc", max_request_slots=8,
+  """vtc, 32 slots (one table size): client A sends 29 requests, then client
+  B 3. All are visible, so VTC's smaller counter (B's, at 0) wins a slot
+  among the first admissions once A has been served."""
+  config = EngineConfig.preset("tiny", policy="vtc", max_request_slots=32,
                                executor="simulated")
   engine = Engine(CFG, params, config)
   engine.record_plans = True
