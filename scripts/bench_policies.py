@@ -24,7 +24,7 @@ from absl import flags
 
 from scheduler.registry import POLICIES
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.harness import metrics
 from serving.harness import workloads
 from serving.engine.engine import Engine
@@ -34,7 +34,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("policies", sorted(POLICIES), "Registered policy names to compare.")
 flags.DEFINE_string("out", "runs/bench_policies.json", "Result JSON path.")
 flags.DEFINE_string("table_out", "runs/bench_policies.md", "Markdown table path.")
-launch.define_workload_flags()
+workload_flags.define_workload_flags()
 launch.define_engine_flags()
 FLAGS.set_default("trace", "vtc:" + str(Path(__file__).resolve().parents[2] /
                                         "shared/data/traces/vtc_lmsys/vtc_real_trace.csv"))
@@ -93,8 +93,8 @@ def run_policy(name, cfg, params, workload, num_clients):
   config["compile_seconds_by_bucket"] = {str(k): v for k, v in compile_s.items()}
   report = metrics.build_report(records, duration_s, config, num_offered=len(workload))
   report["engine_outcomes"] = run_outcomes(engine)
-  if launch.slo_flags_given():
-    report["goodput"] = launch.flag_goodput(records, duration_s)
+  if workload_flags.slo_flags_given():
+    report["goodput"] = workload_flags.flag_goodput(records, duration_s)
   gap = metrics.client_service_gap(records)
   return summarize(name, report, gap), report
 
@@ -107,11 +107,11 @@ def main(argv):
   if unknown or not FLAGS.policies:
     raise ValueError(f"--policies must name policies in {sorted(POLICIES)}, got {unknown}")
   engine_cfg = launch.engine_config()
-  workload = launch.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
+  workload = workload_flags.load_workload(workloads.DEFAULT_VOCAB_SIZE, engine_cfg.max_model_len)
   num_clients = max(engine_cfg.num_clients, len({s.client for s in workload}))
   cfg, params, _ = launch.load_flags_model(engine_cfg)
   if cfg.vocab_size != workloads.DEFAULT_VOCAB_SIZE:
-    workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+    workload = workload_flags.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
   out = {"argv": sys.argv[1:], "workload": workload.describe(), "policies": {}}

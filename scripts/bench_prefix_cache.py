@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.harness import metrics
 from serving.engine.engine import Engine
 from serving.harness.replay import replay, run_config, run_outcomes
@@ -29,7 +29,7 @@ from serving.harness.replay import replay, run_config, run_outcomes
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "runs/bench_prefix_cache.json", "Result JSON path.")
 flags.DEFINE_string("table_out", "runs/bench_prefix_cache.md", "Markdown table path.")
-launch.define_workload_flags()
+workload_flags.define_workload_flags()
 launch.define_engine_flags()
 FLAGS.set_default("trace", "mooncake:" + str(
     Path(__file__).resolve().parents[2] /
@@ -75,7 +75,7 @@ def main(argv):
     raise ValueError("--enable_prefix_caching does not apply here: both settings run")
   engine_cfg = launch.engine_config()
   cfg, params, _ = launch.load_flags_model(engine_cfg)
-  workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+  workload = workload_flags.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}", flush=True)
   out = {"argv": sys.argv[1:], "workload": workload.describe(), "runs": {}}

@@ -53,7 +53,7 @@ from absl import flags
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import cli
-from serving.cli import launch
+from serving.cli import workload_flags
 from serving.harness import metrics
 from serving.harness import report_text
 from serving.http import replicas
@@ -72,7 +72,7 @@ flags.DEFINE_integer("n", 0, "> 1: compare n parallel samples of one prompt with
                      "independent requests (counts only) instead of the workload.")
 flags.DEFINE_integer("n_prompt_len", 256, "--n: prompt tokens (random ids).")
 flags.DEFINE_integer("n_max_tokens", 32, "--n: output tokens of every choice.")
-launch.define_workload_flags()
+workload_flags.define_workload_flags()
 
 
 async def _one(client, spec, model, origin, max_model_len):
@@ -266,7 +266,7 @@ def main(argv):
     metrics.write_report(FLAGS.out, report)
     print(f"report: {FLAGS.out}")
     return
-  workload = launch.load_workload(info["vocab_size"], info["max_model_len"])
+  workload = workload_flags.load_workload(info["vocab_size"], info["max_model_len"])
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}) against {root} ({model})")
   routed_before = _router_report(root, headers)

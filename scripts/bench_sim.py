@@ -47,7 +47,7 @@ from scheduler import keys
 from scheduler import records as rec
 from scheduler import scan
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.harness import traces
 from serving.harness import workloads
 from serving.engine.config import EngineConfig, SamplingParams
@@ -102,7 +102,7 @@ def check_flags() -> None:
   # refused before the run, not after it.
   cli.make_dir("out", os.path.dirname(os.path.abspath(FLAGS.out)))
   if FLAGS.window_s is not None:
-    launch.parse_window(FLAGS.window_s)
+    workload_flags.parse_window(FLAGS.window_s)
   traces.trace_loader(FLAGS.trace, check_file=True)
   if FLAGS.model not in PRESETS:          # read by load_config
     launch.check_model_spec("--model", FLAGS.model)
@@ -115,7 +115,7 @@ def main(argv):
   loader, path = traces.trace_loader(FLAGS.trace)
   cfg = PRESETS[FLAGS.model] if FLAGS.model in PRESETS else load_config(FLAGS.model)[0]
   t = time.perf_counter()
-  window = None if FLAGS.window_s is None else launch.parse_window(FLAGS.window_s)
+  window = None if FLAGS.window_s is None else workload_flags.parse_window(FLAGS.window_s)
   wl = workloads.fit_context(loader(path, window_s=window, vocab_size=cfg.vocab_size),
                              FLAGS.max_model_len)
   load_s = time.perf_counter() - t

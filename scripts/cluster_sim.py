@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.harness import report_text
 from serving.engine import calibrations
 from serving.engine import profiles
@@ -68,7 +68,7 @@ flags.DEFINE_integer("decode_replicas", None, "Decode engines (with --prefill_re
 flags.DEFINE_enum("link", "intra", list(profiles.LINKS), "The link a KV handoff crosses: "
                   "intra-node or inter-node (the cost model's figures).")
 flags.DEFINE_string("out", "runs/cluster.json", "Result JSON.")
-launch.define_workload_flags()
+workload_flags.define_workload_flags()
 launch.define_engine_flags()
 
 
@@ -105,7 +105,7 @@ def _check_flags() -> list:
     raise ValueError("--executor=model: cluster_sim.py runs every replica on the simulated "
                      "executor (leave --executor unset)")
   cli.check_creatable("out", FLAGS.out)
-  launch.check_workload_flags()
+  workload_flags.check_workload_flags()
   return counts
 
 
@@ -120,8 +120,8 @@ def _latencies(report: dict) -> str:
 def _goodput(run: dict, records) -> None:
   """With SLO flags, each request judged by its own SLOs: the run's
   ``goodput`` block (``metrics.goodput``, as replay.py reports it), printed."""
-  if launch.slo_flags_given():
-    run["goodput"] = launch.flag_goodput(records, run["report"]["duration_s"])
+  if workload_flags.slo_flags_given():
+    run["goodput"] = workload_flags.flag_goodput(records, run["report"]["duration_s"])
     print("  " + report_text.format_goodput(run["goodput"]))
 
 
@@ -141,7 +141,7 @@ def main(argv):
   # comes first and the workload's prompt ids are drawn once, in its
   # vocabulary.
   cfg, _, _ = launch.load_flags_model(engine_cfg, needs_tokenizer=False)
-  workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+  workload = workload_flags.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})
   engine_cfg = dataclasses.replace(engine_cfg,
                                    num_clients=max(engine_cfg.num_clients, clients))

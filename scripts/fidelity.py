@@ -57,7 +57,7 @@ from absl import flags
 import jax
 
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.harness import step_log
@@ -130,7 +130,7 @@ def _measured_case(data: dict, key: str, requests: int, flag: str) -> dict:
 
 def _workload(trace: str, time_scale: float, vocab: int, max_model_len: int):
   loader, path = traces.trace_loader(trace, "--traces entries")
-  wl = loader(path, time_scale=time_scale, window_s=launch.parse_window(FLAGS.window_s),
+  wl = loader(path, time_scale=time_scale, window_s=workload_flags.parse_window(FLAGS.window_s),
             max_requests=FLAGS.max_requests, max_prompt_len=FLAGS.max_prompt_len,
             max_output_len=FLAGS.max_output_len, seed=0, vocab_size=vocab)
   return workloads.fit_context(wl, max_model_len)
@@ -146,7 +146,7 @@ def _check_flags() -> None:
   for trace in FLAGS.traces:
     traces.trace_loader(trace, "--traces entries")
     traces.trace_loader(trace, "--traces", check_file=True)
-  launch.parse_window(FLAGS.window_s)
+  a, b = workload_flags.parse_window(FLAGS.window_s)
   for x in FLAGS.time_scales:
     try:
       ok = float(x) > 0 and math.isfinite(float(x))
@@ -154,6 +154,10 @@ def _check_flags() -> None:
       ok = False
     if not ok:
       raise ValueError(f"--time_scales must be numbers > 0, got {x!r}")
+  slowest = max(float(x) for x in FLAGS.time_scales)
+  workload_flags.check_replay_span(
+      f"--window_s={','.join(FLAGS.window_s)} x --time_scales={slowest:g}",
+      f"a window of {b - a:g} s", (b - a) * slowest)
   if not FLAGS.max_load > 0:
     raise ValueError(f"--max_load must be > 0, got {FLAGS.max_load}")
   for name in ("max_prompt_len", "max_output_len", "max_requests"):

@@ -12,7 +12,8 @@ the simulator (DistServe's question, OSDI'24).
 For every split (``N``: N mixed replicas behind the ``--mixed_router``;
 ``PpDd``: P prefill and D decode engines behind the P/D ``--router``, each
 handoff over ``--link``) and every ``--rate_scales`` entry r (the trace's
-arrival gaps divided by r, ascending), one ``serving.harness.cluster_sim``
+arrival gaps divided by r, or the synthetic workload without ``--trace``
+drawn at ``--rate_scale`` x r; ascending), one ``serving.harness.cluster_sim``
 run on the simulated executor. A request is SLO-valid under a ``--slos``
 pair when it completed within its TTFT and TPOT limits (``metrics.goodput``;
 every pair is judged on the same runs). A split's goodput under a pair is
@@ -31,6 +32,7 @@ no text is tokenized: ``--model`` may be a config preset without either
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -40,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags
 
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.engine import calibrations
 from serving.engine import profiles
 from serving.engine.config import EngineConfig
@@ -63,7 +65,7 @@ flags.DEFINE_string("label", None, "Name of this run's engines in the table (def
                     "--engine file's stem).")
 flags.DEFINE_list("table", None, "Print the table of these saved JSONs and stop.")
 flags.DEFINE_string("out", "runs/pd_goodput.json", "Result JSON.")
-launch.define_workload_flags()
+workload_flags.define_workload_flags()
 launch.define_engine_flags()
 
 _SPLIT = re.compile(r"^(?:(\d+)|(\d+)P(\d+)D)$")
@@ -106,14 +108,14 @@ def _check_flags():
     rates = [float(r) for r in FLAGS.rate_scales]
   except ValueError:
     raise ValueError(f"--rate_scales must be numbers > 0, got {FLAGS.rate_scales}") from None
-  if not rates or min(rates) <= 0:
-    raise ValueError(f"--rate_scales must be numbers > 0, got {FLAGS.rate_scales}")
+  if not rates or not all(0 < r < math.inf for r in rates):
+    raise ValueError(f"--rate_scales must be finite numbers > 0, got {FLAGS.rate_scales}")
   if not FLAGS.slos:
     raise ValueError("--slos must name at least one TTFT_MS:TPOT_MS pair")
   slos = [parse_slo(t) for t in FLAGS.slos]
   router_lib.check_router_name(FLAGS.router, pd=True)
   router_lib.check_router_name(FLAGS.mixed_router, pd=False, flag="mixed_router")
-  if launch.slo_flags_given():
+  if workload_flags.slo_flags_given():
     raise ValueError("--slo_ttft_ms / --slo_tpot_ms / --slo_class: give --slos instead")
   if not 0 < FLAGS.attainment <= 1:
     raise ValueError(f"--attainment must be in (0, 1], got {FLAGS.attainment}")
@@ -124,8 +126,18 @@ def _check_flags():
   if FLAGS.decode_engine:
     cli.check_engine_preset("decode_engine", FLAGS.decode_engine)
   cli.check_creatable("out", FLAGS.out)
-  launch.check_workload_flags()
+  workload_flags.check_workload_flags()
+  slowest = min(rates)      # the longest replay: its span bounded as replay.py's
+  workload_flags.check_scaled_span(_scale_at(slowest, FLAGS.rate_scale),
+                                   f"--rate_scales={slowest:g}")
   return splits, sorted(rates), slos
+
+
+def _scale_at(r: float, base_rate_scale: float) -> float:
+  """The flags' workload scale at rate scale ``r``: a trace's time scale
+  1 / r, or the synthetic workload's rate scale ``base_rate_scale`` (its
+  --rate_scale) x r."""
+  return base_rate_scale * r if FLAGS.trace is None else 1.0 / r
 
 
 def split_name(split) -> str:
@@ -225,12 +237,14 @@ def main(argv):
       raise ValueError(f"--link={FLAGS.link}: {e}") from None
   cfg, _, _ = launch.load_flags_model(engine_cfg, needs_tokenizer=False)
   runs, goodput = {}, {}
+  scaled = "rate_scale" if FLAGS.trace is None else "time_scale"
+  base_rate_scale = FLAGS.rate_scale
   for split in splits:
     name = split_name(split)
     runs[name] = []
     for r in rates:
-      FLAGS.time_scale = 1.0 / r
-      workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+      FLAGS[scaled].value = _scale_at(r, base_rate_scale)
+      workload = workload_flags.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
       if isinstance(split, tuple):
         run, records = cluster_sim.simulate_pd(cfg, engine_cfg, workload, split[0], split[1],
                                                FLAGS.router, link, FLAGS.link, FLAGS.model,

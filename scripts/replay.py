@@ -41,7 +41,7 @@ from absl import flags
 from tqdm import tqdm
 
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.engine import host_cpu
 from serving.harness import ledger
 from serving.harness import metrics
@@ -56,7 +56,7 @@ flags.DEFINE_float("ledger_tbt_ms", None, "SLO the ledger scores: per-gap TBT li
 flags.DEFINE_float("ledger_horizon_s", None, "Requests unfinished by then are open.")
 flags.DEFINE_integer("sample_every", 1, "Ledger: sample KV pages/queue once N iterations "
                      "ran since the last sample.")
-launch.define_workload_flags()
+workload_flags.define_workload_flags()
 launch.define_engine_flags()
 # --help lists these beside the workload's flags, --model and --engine; the
 # other engine overrides are under --helpfull.
@@ -84,7 +84,7 @@ def _check_report_flags() -> None:
 def main(argv):
   del argv
   _check_report_flags()
-  launch.check_workload_flags()     # a trace's --window_s read from it, before any model
+  workload_flags.check_workload_flags()     # a trace's --window_s read from it, before any model
   engine_cfg = launch.engine_config()
   launch.engine_clock(engine_cfg)
   # --model's refusal (a config preset on the model executor) is said
@@ -97,11 +97,11 @@ def main(argv):
   model = (launch.load_flags_model(engine_cfg, needs_tokenizer=False)
            if engine_cfg.executor == "simulated" else None)
   vocab = workloads.DEFAULT_VOCAB_SIZE if model is None else model[0].vocab_size
-  workload = launch.load_workload(vocab, engine_cfg.max_model_len)
+  workload = workload_flags.load_workload(vocab, engine_cfg.max_model_len)
   clients = len({spec.client for spec in workload})
   engine, cfg, _ = launch.build_engine(model, num_clients=max(engine_cfg.num_clients, clients))
   if cfg.vocab_size != vocab:
-    workload = launch.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+    workload = workload_flags.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
   sim_path, why = replay_path(engine)
@@ -142,8 +142,8 @@ def main(argv):
   # What the requests were judged by: a comparison coordinate (serving.harness.ablation).
   report["slo"] = {"ttft_ms": FLAGS.slo_ttft_ms, "tpot_ms": FLAGS.slo_tpot_ms,
                    "tbt_ms": FLAGS.ledger_tbt_ms, "classes": FLAGS.slo_class}
-  if launch.slo_flags_given():           # each request judged by its own SLOs
-    report["goodput"] = launch.flag_goodput(records, duration_s)
+  if workload_flags.slo_flags_given():           # each request judged by its own SLOs
+    report["goodput"] = workload_flags.flag_goodput(records, duration_s)
   report["ledger"] = ledger.build_ledger(
       records, duration_s=duration_s, ttft_ms=FLAGS.slo_ttft_ms,
       tpot_ms=FLAGS.slo_tpot_ms, tbt_ms=FLAGS.ledger_tbt_ms,

@@ -69,7 +69,7 @@ from models.config import PRESETS
 from scheduler import policies
 from serving.harness import ablation
 from serving import cli
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.cli import model_spec
 from serving.harness import ledger
 from serving.harness import metrics
@@ -156,9 +156,9 @@ def load(rate_scale: float, trial: int, vocab: int, max_model_len: int):
 
 def trial_window(k: int) -> tuple:
   """Trial ``k``'s window, (start, end) seconds after the trace's first
-  arrival: --window_s's (``launch.parse_window``) moved on by k of its
+  arrival: --window_s's (``workload_flags.parse_window``) moved on by k of its
   length."""
-  a, b = launch.parse_window(FLAGS.window_s)
+  a, b = workload_flags.parse_window(FLAGS.window_s)
   return a + k * (b - a), a + (k + 1) * (b - a)
 
 
@@ -166,7 +166,7 @@ def window_setting():
   """--window_s as sweep.json and each trial's settings keep it: the
   length W of a window from 0 (as sweep.py kept it before it took A,B, so
   --resume and --merge still take those files), else [A, B]."""
-  a, b = launch.parse_window(FLAGS.window_s)
+  a, b = workload_flags.parse_window(FLAGS.window_s)
   return b if a == 0 else [a, b]
 
 
@@ -390,8 +390,8 @@ def _check_flags():
   for name in ("trials", "sample_every", "jobs"):
     if getattr(FLAGS, name) < 1:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
-  a, b = launch.parse_window(FLAGS.window_s)
-  launch.check_replay_span(f"--window_s={','.join(FLAGS.window_s)} / --rate_scales="
+  a, b = workload_flags.parse_window(FLAGS.window_s)
+  workload_flags.check_replay_span(f"--window_s={','.join(FLAGS.window_s)} / --rate_scales="
                            f"{min(rates):g}", f"a trial's window of {b - a:g} s",
                            (b - a) / min(rates))
   for name in ("ttft_ms", "tpot_ms"):
@@ -410,7 +410,7 @@ def _check_windows(rates) -> None:
   a window's requests would offer more req/s than a float64 holds."""
   loader, path = traces.trace_loader(FLAGS.trace)
   n = FLAGS.trials
-  a, b = launch.parse_window(FLAGS.window_s)
+  a, b = workload_flags.parse_window(FLAGS.window_s)
   w = b - a
   try:         # from the first arrival, so the times are seconds after it
     arrivals = [spec.arrival_s for spec in loader(path, window_s=(0.0, trial_window(n - 1)[1]),

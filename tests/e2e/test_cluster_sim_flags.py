@@ -47,7 +47,16 @@ def test_cluster_sim_refuses_a_bad_pd_flag_before_loading(args, line):
     (["--splits=1P0D"], "error: --splits entries must be N or PpDd with counts >= 1 (e.g. 2, "
                         "1P2D), got '1P0D'"),
     (["--slos=1000"], "error: --slos entries must be TTFT_MS:TPOT_MS, both > 0, got '1000'"),
-    (["--rate_scales=0"], "error: --rate_scales must be numbers > 0, got ['0']"),
+    (["--rate_scales=0"], "error: --rate_scales must be finite numbers > 0, got ['0']"),
+    (["--rate_scales=1,inf"], "error: --rate_scales must be finite numbers > 0, got "
+                              "['1', 'inf']"),
+    # The slowest rate's replay is bounded as replay.py's (the synthetic
+    # workload's 32 arrivals at --rate_scale 0.1 x 1e-20).
+    (["--rate_scales=1e-20,1"], "error: --rate_scales=1e-20: the synthetic workload's 32 "
+                                "arrivals would span 6.03e+21 s as replayed; a replay spans at "
+                                "most 1e+10 s of virtual time (the engine's float64 clocks "
+                                "resolve ~2 us there; further on a step of a few ms is off by "
+                                "1% and more)"),
 ])
 def test_pd_goodput_refuses_a_bad_flag_before_loading(args, line):
   assert refusals.refused("pd_goodput.py", *args) == (2, line)

@@ -121,6 +121,8 @@ def test_bad_input_is_one_line_and_exit_2(script, args, line):
 
 
 PRESETS = "['cpu_default', 'cpu_small', 'tiny']"
+SPAN_RULE = ("a replay spans at most 1e+10 s of virtual time (the engine's float64 clocks "
+             "resolve ~2 us there; further on a step of a few ms is off by 1% and more)")
 # A file standing for the default trace (../shared may be absent), so that
 # the refusal under test comes before the trace's existence check.
 ANY_TRACE = "--trace=azure:README.md"
@@ -377,6 +379,9 @@ WINDOW_RULE = ("--window_s must be N > 0 (the trace's first N seconds of arrival
      "error: --time_scales must be numbers > 0, got '-1'"),
     ("fidelity.py", ["--traces=azure:README.md", "--window_s=5,1"],
      f"error: {WINDOW_RULE}, got '5,1'"),
+    ("fidelity.py", ["--traces=azure:README.md", "--time_scales=1,1e12"],
+     f"error: --window_s=0,30 x --time_scales=1e+12: a window of 30 s would span 3e+13 s as "
+     f"replayed; {SPAN_RULE}"),
     ("fidelity.py", ["--traces=azure:README.md", "--max_load=0"],
      "error: --max_load must be > 0, got 0.0"),
     ("fidelity.py", ["--traces=azure:README.md", "--reuse_measured",

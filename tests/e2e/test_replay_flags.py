@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.cli import launch
+from serving.cli import launch, workload_flags
 from serving.harness import traces
 from tests.e2e import refusals
 from tests.serving.engine_testing import free_port
@@ -119,7 +119,7 @@ def test_a_window_is_refused_before_the_model_loads(short_trace, executor, windo
 def test_a_time_scale_past_the_longest_replay_is_refused_before_the_model_loads(
     short_trace, executor, args, line):
   """--time_scale stretches the trace's arrivals (or --window_s's length),
-  --rate_scale the synthetic workload's, past ``launch.MAX_REPLAY_SPAN_S``
+  --rate_scale the synthetic workload's, past ``workload_flags.MAX_REPLAY_SPAN_S``
   of virtual time: refused naming the flags and the bound, with either
   executor, before the model loads, and without a numpy warning."""
   args = [a.format(trace=short_trace) for a in args]
@@ -153,14 +153,14 @@ def test_window_s_is_n_or_a_b(value, window):
   """N is the first N seconds of arrivals, A,B the arrivals in [A, B): the
   one parser of replay.py's, sweep.py's, bench_sim.py's and fidelity.py's
   --window_s."""
-  assert launch.parse_window(value) == window
+  assert workload_flags.parse_window(value) == window
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x", "1,2,3", "2,2", "nan", []])
 def test_a_bad_window_s_names_the_flag_and_its_rule(value):
   shown = ",".join(value) if isinstance(value, list) else value
   with pytest.raises(ValueError) as e:
-    launch.parse_window(value)
+    workload_flags.parse_window(value)
   assert str(e.value) == f"{WINDOW_RULE}, got {shown!r}"
 
 
