@@ -36,7 +36,14 @@ def check_creatable(flag: str, path: str, *, directory: bool = False) -> None:
   writable directory), or a new one whose nearest existing ancestor is a
   file (or else not a directory) or a directory the process cannot write.
   Checked before a model loads, so a run's results are not lost at the end;
-  an existing file is overwritten."""
+  an existing file is overwritten. An empty path is refused, and a file
+  path ending in a separator (a folder's spelling) too."""
+  if not path:
+    raise ValueError(f"--{flag} must be a {'directory' if directory else 'file'} path, "
+                     f"got ''")
+  if not directory and path.endswith(("/", os.sep)):
+    raise ValueError(f"--{flag} {path!r} names a folder (it ends in {path[-1]!r}); give the "
+                     f"file's path")
   target = Path(path).absolute()
   if target.exists():
     if directory:
@@ -209,9 +216,12 @@ def refuse_x64(launcher: str) -> None:
         f"jnp's Python numbers and aranges 64-bit), got on: unset JAX_ENABLE_X64")
 
 
-def run(main: Callable[[List[str]], Any]) -> None:
+def run(main: Callable[[List[str]], Any], *, positional: bool = False) -> None:
   """``app.run(main)`` with the refusals above: flags parsed by
-  ``parse_flags``; ``jax_enable_x64`` on (``JAX_ENABLE_X64=1``) refused
+  ``parse_flags``; an argument that is not a flag refused unless the
+  launcher takes ``positional`` ones (a word after the flags, or a value
+  with a space left unquoted, ``--out=a b.json``, would otherwise be
+  dropped); ``jax_enable_x64`` on (``JAX_ENABLE_X64=1``) refused
   before ``main`` runs, so before any model loads or kernel is timed
   (``refuse_x64``); a ValueError or ``app.UsageError``
   out of ``main`` (bad flag value, file, model or request) becomes one line
@@ -222,6 +232,9 @@ def run(main: Callable[[List[str]], Any]) -> None:
   def refusing(argv):
     if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
       logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1 and not positional:
+      refuse(f"unexpected argument {argv[1]!r}: {Path(argv[0]).name} takes only --flags "
+             f"(quote a value that holds a space; --helpfull lists the flags)")
     try:
       refuse_x64(Path(argv[0]).name)
       # XLA_FLAGS' ISA cap: a value XLA knows.

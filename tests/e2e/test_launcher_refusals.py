@@ -287,6 +287,29 @@ def test_an_existing_out_file_is_overwritten_not_refused(tmp_path):
   with pytest.raises(ValueError, match="--cache_dir .* it exists and is not a writable "
                                        "directory"):
     cli.check_creatable("cache_dir", str(out), directory=True)
+  # An empty path, and a file's path spelled as a folder's (it wrote a file
+  # named after the folder).
+  with pytest.raises(ValueError, match="^--out must be a file path, got ''$"):
+    cli.check_creatable("out", "")
+  with pytest.raises(ValueError, match="^--cache_dir must be a directory path, got ''$"):
+    cli.check_creatable("cache_dir", "", directory=True)
+  folder = f"{tmp_path}/new/29/"
+  with pytest.raises(ValueError) as e:
+    cli.check_creatable("out", folder)
+  assert str(e.value) == (f"--out {folder!r} names a folder (it ends in '/'); give the "
+                          f"file's path")
+  cli.check_creatable("cache_dir", folder, directory=True)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]     # nothing made
+
+
+@pytest.mark.parametrize("script", ["replay.py", "sweep.py", "cluster_sim.py"])
+def test_an_argument_that_is_not_a_flag_is_refused(script):
+  """A word after the flags (or a value with an unquoted space) was
+  dropped and the run went on; compare.py alone takes positional paths."""
+  status, last = _run(script, "--out=a", "b.json")
+  assert (status, last) == (2, f"error: unexpected argument 'b.json': {script} takes only "
+                               f"--flags (quote a value that holds a space; --helpfull lists "
+                               f"the flags)")
 
 
 @pytest.mark.parametrize("script,args", [("generate.py", ["--prompt=hi"]),
