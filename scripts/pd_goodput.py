@@ -5,7 +5,7 @@ the simulator (DistServe's question, OSDI'24).
       --trace=azure:../shared/data/traces/azure2023/AzureLLMInferenceTrace_conv.csv \\
       --window_s=0,60 --model=runs/models/llama-2-13b \\
       --engine=docs/scale-out/a100_llama13b_vllm.json \\
-      --splits=2,3,1P1D,1P2D,2P1D --rate_scales=0.5,1,2 \\
+      --cost_model=profile:a100 --splits=2,3,1P1D,1P2D,2P1D --rate_scales=0.5,1,2 \\
       --slos=1000:100,1000:60 --out=runs/pd/conv.json
   python scripts/pd_goodput.py --table=runs/pd/conv.json,runs/pd/other.json   # saved runs
 
@@ -28,6 +28,15 @@ printed at the end. Every engine runs the ``--engine`` preset
 (``--decode_engine``, when given, for decode engines). No weights load and
 no text is tokenized: ``--model`` may be a config preset without either
 (``tiny``).
+
+A handoff's time is the cost model's ``--link`` figures, which only an
+accelerator profile states (``--cost_model=profile:NAME``: a100, h100, h200,
+tpu_v5e, tpu_v6e); a CPU calibration (the default, as on ``--model=tiny
+--engine=tiny``) states none, so a ``PpDd`` split with one is refused before
+anything runs: give a profile (e.g. ``--cost_model=profile:h100``) or run
+mixed splits only. Entries of ``--splits`` and ``--rate_scales`` must not
+repeat. ``--table`` prints the tables of saved result JSONs (this script's
+``--out``) under the SLO pairs every one of them judged.
 """
 
 import dataclasses
@@ -101,15 +110,24 @@ def parse_slo(text: str):
 
 
 def _check_flags():
+  """The flags of a run, checked before any model loads or run starts;
+  returns the splits, the rate scales (ascending), the SLO pairs, the
+  engine config and the P/D splits' link (None without one). Raises
+  ValueError naming the flag and the rule."""
   if FLAGS.table is not None:
-    return None, None, None
+    return None, None, None, None, None
+  if not FLAGS.splits:
+    raise ValueError("--splits must name at least one split (N mixed replicas or PpDd, e.g. "
+                     "2, 1P2D)")
   splits = [parse_split(t) for t in FLAGS.splits]
+  _check_unique("splits", [split_text(s) for s in splits], "each is one row of the tables")
   try:
     rates = [float(r) for r in FLAGS.rate_scales]
   except ValueError:
     raise ValueError(f"--rate_scales must be numbers > 0, got {FLAGS.rate_scales}") from None
   if not rates or not all(0 < r < math.inf for r in rates):
     raise ValueError(f"--rate_scales must be finite numbers > 0, got {FLAGS.rate_scales}")
+  _check_unique("rate_scales", rates, "each is a run of every split")
   if not FLAGS.slos:
     raise ValueError("--slos must name at least one TTFT_MS:TPOT_MS pair")
   slos = [parse_slo(t) for t in FLAGS.slos]
@@ -130,7 +148,49 @@ def _check_flags():
   slowest = min(rates)      # the longest replay: its span bounded as replay.py's
   workload_flags.check_scaled_span(_scale_at(slowest, FLAGS.rate_scale),
                                    f"--rate_scales={slowest:g}")
-  return splits, sorted(rates), slos
+  engine_cfg = launch.engine_config(executor="simulated")
+  launch.engine_clock(engine_cfg)
+  return splits, sorted(rates), slos, engine_cfg, _pd_link(engine_cfg, splits)
+
+
+def _check_unique(name: str, values: list, each: str) -> None:
+  """Refuses a value that ``--name`` (its entries parsed to ``values``)
+  gives twice, as sweep.py's --rate_scales."""
+  twice = [v for i, v in enumerate(values) if v in values[:i]]
+  if twice:
+    raise ValueError(f"--{name} must not repeat a value ({each}), got {twice[0]!r} more than "
+                     f"once in {getattr(FLAGS, name)}")
+
+
+def _pd_link(engine_cfg: EngineConfig, splits: list):
+  """The figures of the ``--link`` the P/D splits' handoffs cross
+  (``profiles.transfer_link`` of the engine's cost model), None without a
+  P/D split.
+
+  Raises:
+    ValueError: naming --link: the cost model states no such link (a CPU
+      calibration, the default), with the profiles that do.
+  """
+  pd = [split_text(s) for s in splits if isinstance(s, tuple)]
+  if not pd:
+    return None
+  try:
+    return profiles.transfer_link(calibrations.load(engine_cfg.cost_model), FLAGS.link)
+  except ValueError as e:
+    stating = [name for name in profiles.profile_names()
+               if _states_link(f"{calibrations.PROFILE_PREFIX}{name}", FLAGS.link)]
+    example = "h100" if "h100" in stating else (stating or ["NAME"])[0]
+    raise ValueError(f"--link={FLAGS.link}: {e}; the P/D splits {pd} hand KV over it: give "
+                     f"--cost_model=profile:NAME, a profile that states it (one of {stating}; "
+                     f"e.g. --cost_model=profile:{example}), or run mixed splits only") from None
+
+
+def _states_link(cost_model: str, link: str) -> bool:
+  try:
+    profiles.transfer_link(calibrations.load(cost_model), link)
+  except ValueError:
+    return False
+  return True
 
 
 def _scale_at(r: float, base_rate_scale: float) -> float:
@@ -142,6 +202,11 @@ def _scale_at(r: float, base_rate_scale: float) -> float:
 
 def split_name(split) -> str:
   return f"{split[0]}P{split[1]}D" if isinstance(split, tuple) else f"{split} mixed"
+
+
+def split_text(split) -> str:
+  """A split as ``--splits`` spells it: ``"3"`` or ``"1P2D"``."""
+  return f"{split[0]}P{split[1]}D" if isinstance(split, tuple) else str(split)
 
 
 def slo_key(slo) -> str:
@@ -209,32 +274,73 @@ def table(results: list, slo: str) -> str:
   return "\n".join(rows)
 
 
-def _tables(results: list) -> str:
-  keys = list(results[0]["goodput"][next(iter(results[0]["goodput"]))])
+# What ``table`` reads of a saved result: dotted keys.
+RESULT_KEYS = ("config.label", "config.engine.policy",
+               "config.engine.long_prefill_token_threshold", "config.engine.max_model_len",
+               "goodput", "runs")
+
+
+def read_result(path: str) -> dict:
+  """A saved result of --table (this script's --out JSON).
+
+  Raises:
+    ValueError: naming --table and the file: not a file, not JSON, or not a
+      pd_goodput.py JSON (the first key it lacks, or no split).
+  """
+  if not os.path.isfile(path):
+    raise ValueError(f"--table: {path!r} is not a file")
+  try:
+    with open(path) as f:
+      result = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"--table: {path!r} is not JSON: {e}") from None
+  for key in RESULT_KEYS:
+    node = result
+    for part in key.split("."):
+      node = node.get(part) if isinstance(node, dict) else None
+    if node is None:
+      raise ValueError(f"--table: {path!r} is not a pd_goodput.py JSON (it has no {key!r})")
+  goodput = result["goodput"]
+  if not (isinstance(goodput, dict) and goodput
+          and all(isinstance(g, dict) for g in goodput.values())):
+    raise ValueError(f"--table: {path!r} is not a pd_goodput.py JSON (its 'goodput' holds no "
+                     f"split)")
+  return result
+
+
+def _slo_pairs(result: dict) -> list:
+  """The SLO pairs every split of ``result`` was judged under."""
+  by_split = [list(g) for g in result["goodput"].values()]
+  return [k for k in by_split[0] if all(k in pairs for pairs in by_split)]
+
+
+def _tables(results: list, paths=None) -> str:
+  """The tables of ``results`` (read from ``paths``, for a refusal) under
+  each SLO pair every one of them judged, in the first's order.
+
+  Raises:
+    ValueError: naming --table: no pair common to all.
+  """
+  keys = [k for k in _slo_pairs(results[0]) if all(k in _slo_pairs(r) for r in results)]
+  if not keys:
+    judged = {path: _slo_pairs(r) for path, r in zip(paths or range(len(results)), results)}
+    raise ValueError(f"--table: the files judged no SLO pair in common (a table compares its "
+                     f"runs under one): {judged}")
   return "\n\n".join(f"SLO TTFT:TPOT ms {k}\n\n{table(results, k)}" for k in keys)
 
 
 def main(argv):
   del argv
-  splits, rates, slos = _check_flags()
+  splits, rates, slos, engine_cfg, link = _check_flags()
   if FLAGS.table is not None:
-    results = []
-    for path in FLAGS.table:
-      with open(path) as f:
-        results.append(json.load(f))
-    print(_tables(results))
+    if not FLAGS.table:
+      raise ValueError("--table must name at least one saved pd_goodput.py JSON (its --out)")
+    results = [read_result(path) for path in FLAGS.table]
+    print(_tables(results, FLAGS.table))
     return
-  engine_cfg = launch.engine_config(executor="simulated")
-  launch.engine_clock(engine_cfg)
   decode_cfg = (EngineConfig.preset(FLAGS.decode_engine, executor="simulated",
                                     cost_model=engine_cfg.cost_model)
                 if FLAGS.decode_engine else None)
-  link = None
-  if any(isinstance(s, tuple) for s in splits):
-    try:
-      link = profiles.transfer_link(calibrations.load(engine_cfg.cost_model), FLAGS.link)
-    except ValueError as e:
-      raise ValueError(f"--link={FLAGS.link}: {e}") from None
   cfg, _, _ = launch.load_flags_model(engine_cfg, needs_tokenizer=False)
   runs, goodput = {}, {}
   scaled = "rate_scale" if FLAGS.trace is None else "time_scale"

@@ -1,6 +1,7 @@
 """cluster_sim.py's P/D flags and pd_goodput.py's: a bad value is one line
 naming the flag and its rule, exit status 2, before the trace or a model
-config loads; cluster_sim.py's SLO flags judge every run."""
+config loads (pd_goodput.py's --table: a file it did not write, named);
+cluster_sim.py's SLO flags judge every run."""
 
 import json
 import subprocess
@@ -57,9 +58,87 @@ def test_cluster_sim_refuses_a_bad_pd_flag_before_loading(args, line):
                                 "most 1e+10 s of virtual time (the engine's float64 clocks "
                                 "resolve ~2 us there; further on a step of a few ms is off by "
                                 "1% and more)"),
+    (["--splits="], "error: --splits must name at least one split (N mixed replicas or PpDd, "
+                    "e.g. 2, 1P2D)"),
+    # A repeat is the same split or rate however spelled (a split's runs are
+    # saved under its name: a second one would overwrite the first).
+    (["--splits=1P1D,2,1P1D"], "error: --splits must not repeat a value (each is one row of "
+                               "the tables), got '1P1D' more than once in ['1P1D', '2', "
+                               "'1P1D']"),
+    (["--splits=2,02"], "error: --splits must not repeat a value (each is one row of the "
+                        "tables), got '2' more than once in ['2', '02']"),
+    (["--rate_scales=1,1"], "error: --rate_scales must not repeat a value (each is a run of "
+                            "every split), got 1.0 more than once in ['1', '1']"),
+    (["--rate_scales=0.5,1,1.0"], "error: --rate_scales must not repeat a value (each is a run "
+                                  "of every split), got 1.0 more than once in ['0.5', '1', "
+                                  "'1.0']"),
+    (["--table=/missing.json"], "error: --table: '/missing.json' is not a file"),
+    (["--table="], "error: --table must name at least one saved pd_goodput.py JSON (its --out)"),
+    (["--table=docs"], "error: --table: 'docs' is not a file"),
+    # A CPU calibration (the default cost model; --cache_dir= so that no
+    # calibration of this machine is found) states no link for a handoff.
+    (["--model=tiny", "--engine=tiny", "--cache_dir=", "--splits=2,1P1D"],
+     "error: --link=intra: cost model 'cost_model_cpu.json' states no intra link (a profile's "
+     "send_recv or links does); the P/D splits ['1P1D'] hand KV over it: give "
+     "--cost_model=profile:NAME, a profile that states it (one of ['a100', 'h100', 'h200', "
+     "'tpu_v5e', 'tpu_v6e']; e.g. --cost_model=profile:h100), or run mixed splits only"),
+    (["--cost_model=configs/calibration/cost_model_cpu.json", "--splits=1P2D,2P1D",
+      "--link=inter"],
+     "error: --link=inter: cost model 'cost_model_cpu.json' states no inter link (a profile's "
+     "send_recv or links does); the P/D splits ['1P2D', '2P1D'] hand KV over it: give "
+     "--cost_model=profile:NAME, a profile that states it (one of ['a100', 'h100', 'h200', "
+     "'tpu_v5e', 'tpu_v6e']; e.g. --cost_model=profile:h100), or run mixed splits only"),
 ])
 def test_pd_goodput_refuses_a_bad_flag_before_loading(args, line):
   assert refusals.refused("pd_goodput.py", *args) == (2, line)
+
+
+@pytest.mark.parametrize("text,line", [
+    ("", "is not JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("[1, 2]", "is not a pd_goodput.py JSON (it has no 'config.label')"),
+    ('{"config": {"label": "x", "engine": {"policy": "orca"}}}',
+     "is not a pd_goodput.py JSON (it has no 'config.engine.long_prefill_token_threshold')"),
+    ('{"config": {"label": "x", "engine": {"policy": "orca", "max_model_len": 64, '
+     '"long_prefill_token_threshold": 64}}, "runs": {}}',
+     "is not a pd_goodput.py JSON (it has no 'goodput')"),
+    ('{"config": {"label": "x", "engine": {"policy": "orca", "max_model_len": 64, '
+     '"long_prefill_token_threshold": 64}}, "goodput": {}, "runs": {}}',
+     "is not a pd_goodput.py JSON (its 'goodput' holds no split)"),
+])
+def test_pd_goodput_refuses_a_table_file_it_did_not_write(tmp_path, text, line):
+  """--table reads saved results only: a file that is not JSON, or JSON
+  without what the tables read, is refused naming --table and the file."""
+  saved = tmp_path / "saved.json"
+  saved.write_text(text)
+  assert refusals.refused("pd_goodput.py", f"--table={saved}") == (
+      2, f"error: --table: {str(saved)!r} {line}")
+
+
+ARCHIVE = Path(__file__).resolve().parents[2] / "docs/archive/simulator/disaggregation"
+
+
+def test_pd_goodput_tables_saved_runs_under_the_slo_pairs_they_share(tmp_path):
+  """Saved runs judged under different --slos are tabled under the pairs
+  every file judged (before, a pair one file lacked was a KeyError); none in
+  common is refused naming each file's pairs."""
+  conv = json.loads((ARCHIVE / "conv_vllm.json").read_text())
+  assert conv["config"]["slos"] == ["1000:100", "1000:50"]
+  one = json.loads(json.dumps(conv))
+  one["config"]["label"] = "one"
+  for by_slo in one["goodput"].values():
+    del by_slo["1000:50"]
+  saved = tmp_path / "one.json"
+  saved.write_text(json.dumps(one))
+  status, stdout, stderr = refusals.run("pd_goodput.py",
+                                        f"--table={ARCHIVE / 'conv_vllm.json'},{saved}")
+  assert status == 0, stderr[-3000:]
+  assert [line for line in stdout.splitlines() if line.startswith("SLO")] == [
+      "SLO TTFT:TPOT ms 1000:100"]
+  code = ARCHIVE / "code_vllm.json"
+  assert refusals.refused("pd_goodput.py", f"--table={saved},{code}") == (
+      2, f"error: --table: the files judged no SLO pair in common (a table compares its runs "
+         f"under one): {{{str(saved)!r}: ['1000:100'], {str(code)!r}: ['2000:100', "
+         f"'2000:50']}}")
 
 
 def test_cluster_sim_judges_each_run_by_the_slo_flags(tmp_path):
