@@ -6,8 +6,9 @@ Presets live as JSON in ``configs/`` and load with ``EngineConfig.preset``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
+import numbers
 from pathlib import Path
 from typing import Tuple
 
@@ -51,6 +52,40 @@ def bucket_index(buckets, num_rows, xp=np):
 def _require(cond: bool, cls: str, field: str, rule: str, value) -> None:
   if not cond:
     raise ValueError(f"{cls}.{field} {rule}, got {value!r}")
+
+
+# What a config field's annotation admits, and how its refusal names the
+# type (the annotations are strings: ``from __future__ import annotations``).
+# A bool is not a number here; an int is a float's value; numpy's integers
+# and floats are ints and floats.
+_FIELD_TYPES = {
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an int"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+              "a float (or an int)"),
+    "str": (lambda v: isinstance(v, str), "a str"),
+    "bool": (lambda v: isinstance(v, bool), "a bool"),
+}
+
+
+def _wrong_type(annotation: str, value):
+  """How a refusal names the type a field annotated ``annotation`` wants
+  (``"an int"``, ...) when ``value`` is not of it; None when it is, or when
+  the annotation is not one of ``_FIELD_TYPES`` (the field's own rules
+  check it)."""
+  admits, name = _FIELD_TYPES.get(annotation, (lambda v: True, None))
+  return None if admits(value) else name
+
+
+def _check_types(config, cls: str) -> None:
+  """Refuses the first field of the dataclass ``config`` whose value is not
+  of its annotated type (``_wrong_type``), before any rule compares it.
+
+  Raises:
+    ValueError: ``<cls>.<field> must be <type>, got <value>``.
+  """
+  for f in dataclasses.fields(config):
+    wanted = _wrong_type(f.type, getattr(config, f.name))
+    _require(wanted is None, cls, f.name, f"must be {wanted}", getattr(config, f.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +207,7 @@ class SchedulerConfig:
   speculative: str = ""
 
   def __post_init__(self):
+    _check_types(self, type(self).__name__)
     self._check_scheduler(type(self).__name__)
 
   @property
@@ -204,8 +240,6 @@ class SchedulerConfig:
              "force_preempt_every", "must be 0 (off) or >= 2", self.force_preempt_every)
     _require(self.max_preemptions_per_request >= 0, c, "max_preemptions_per_request",
              "must be >= 0 (0 = no bound)", self.max_preemptions_per_request)
-    _require(isinstance(self.enable_prefix_caching, bool), c, "enable_prefix_caching",
-             "must be a bool", self.enable_prefix_caching)
     spec = Speculation.parse(self.speculative, f"{c}.speculative")
     _require(spec is None or spec.k + 1 <= self.max_num_batched_tokens, c, "speculative",
              f"k must be <= max_num_batched_tokens - 1 = {self.max_num_batched_tokens - 1} "
@@ -280,6 +314,7 @@ class ExecutorConfig:
   mesh: str = ""
 
   def __post_init__(self):
+    _check_types(self, type(self).__name__)
     self._check_executor(type(self).__name__)
 
   def _check_executor(self, c: str) -> None:
@@ -320,8 +355,6 @@ class ExecutorConfig:
     _require(self.prefill_chunk_rows >= 0 and self.prefill_chunk_rows % 8 == 0, c,
              "prefill_chunk_rows", "must be 0 (off) or a positive multiple of 8",
              self.prefill_chunk_rows)
-    _require(isinstance(self.mesh, str), c, "mesh", "must be a str like 'model:2'",
-             self.mesh)
     parse_mesh(self.mesh)
 
 
@@ -359,6 +392,7 @@ class HarnessConfig:
   spec_seed: int = 0
 
   def __post_init__(self):
+    _check_types(self, type(self).__name__)
     self._check_harness(type(self).__name__)
 
   def _check_harness(self, c: str) -> None:
@@ -367,10 +401,7 @@ class HarnessConfig:
     _require(self.role in ROLES, c, "role", f"must be one of {ROLES}", self.role)
     _require(0.0 <= self.spec_acceptance <= 1.0, c, "spec_acceptance",
              "must be in [0, 1] (0: unset)", self.spec_acceptance)
-    _require(isinstance(self.spec_seed, int) and self.spec_seed >= 0, c, "spec_seed",
-             "must be an int >= 0", self.spec_seed)
-    _require(isinstance(self.cost_model, str), c, "cost_model",
-             "must be a str (a calibration JSON path, 'profile:NAME' or '')", self.cost_model)
+    _require(self.spec_seed >= 0, c, "spec_seed", "must be an int >= 0", self.spec_seed)
     if self.cost_model.startswith("profile:"):
       profiles = profile_lib.profile_names()
       _require(self.cost_model[len("profile:"):] in profiles, c, "cost_model",
@@ -392,12 +423,14 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
 
   Raises:
     ValueError: ``EngineConfig.<field> <rule>, got <value>`` for the first
-      field that breaks its part's rule or a rule across parts (the
+      field whose value is not of its type (``must be an int``, ...), else
+      the first that breaks its part's rule or a rule across parts (the
       watermark within the KV cache).
   """
 
   def __post_init__(self):
     c = type(self).__name__
+    _check_types(self, c)
     self._check_scheduler(c)
     self._check_executor(c)
     self._check_harness(c)
@@ -482,25 +515,47 @@ class EngineConfig(HarnessConfig, ExecutorConfig, SchedulerConfig):
 
   @classmethod
   def preset(cls, name: str, **overrides) -> "EngineConfig":
-    """Loads ``configs/<name>.json`` (or a JSON path) and applies overrides."""
+    """Loads ``configs/<name>.json`` (or a JSON path) and applies overrides
+    (those that are not None).
+
+    Raises:
+      ValueError: ``preset_fields``' refusals, or the config's (the class
+        docstring) of the fields with the overrides.
+    """
     fields = cls.preset_fields(name)
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return cls(**fields)
 
   @classmethod
   def preset_fields(cls, name: str) -> dict:
-    """The fields ``configs/<name>.json`` (or a JSON path) sets, unchecked
-    against each other (``preset`` checks them).
+    """The fields ``configs/<name>.json`` (or a JSON path) sets, each of its
+    field's type but unchecked against the rules (``preset`` checks them).
 
     Raises:
-      ValueError: no such preset, or a field EngineConfig does not have.
+      ValueError: no such preset; a file that cannot be read or is not JSON
+        (naming it); JSON that is not an object; a field EngineConfig does
+        not have; or ``<path>: EngineConfig.<field> must be <type>, got
+        <value>`` for a value of the wrong type.
     """
     path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
-    if not path.exists():
+    if not path.is_file():
       raise ValueError(f"engine preset {name!r} not found; known presets: {preset_names()}")
-    fields = json.loads(path.read_text())
+    try:
+      fields = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+      raise ValueError(f"engine preset {str(path)!r} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:          # JSONDecodeError, UnicodeDecodeError
+      raise ValueError(f"engine preset {str(path)!r} is not JSON ({e})") from None
+    if not isinstance(fields, dict):
+      raise ValueError(f"engine preset {str(path)!r} must hold a JSON object of EngineConfig "
+                       f"fields, got a {type(fields).__name__}")
     fields.pop("description", None)
-    unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    unknown = set(fields) - set(types)
     if unknown:
       raise ValueError(f"{path}: unknown EngineConfig fields {sorted(unknown)}")
+    for field, value in fields.items():
+      wanted = _wrong_type(types[field], value)
+      if wanted is not None:
+        raise ValueError(f"{path}: {cls.__name__}.{field} must be {wanted}, got {value!r}")
     return fields

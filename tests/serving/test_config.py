@@ -66,3 +66,54 @@ def test_scheduler_settings_alone_share_the_slot_programs():
   for field, value in [("num_pages", base.num_pages + 1), ("max_request_slots", 128),
                        ("executor", "simulated"), ("max_num_seqs", base.max_num_seqs - 1)]:
     assert key(dataclasses.replace(base, **{field: value})) != key(base), field
+
+
+@pytest.mark.parametrize("field, value, wanted", [
+    ("max_num_seqs", "four", "an int"),
+    ("max_num_seqs", True, "an int"),               # a bool is not an int
+    ("num_pages", 64.0, "an int"),
+    ("swap_space_mb", "1024", "a float (or an int)"),
+    ("spec_acceptance", False, "a float (or an int)"),
+    ("policy", 3, "a str"),
+    ("enable_prefix_caching", 1, "a bool"),
+    ("max_model_len", None, "an int"),
+])
+def test_a_value_of_the_wrong_type_is_refused_before_the_rules(field, value, wanted):
+  with pytest.raises(ValueError, match=rf"^EngineConfig\.{field} must be {re.escape(wanted)}, "
+                                       rf"got {re.escape(repr(value))}$"):
+    EngineConfig(**{field: value})
+
+
+def test_an_int_is_a_float_fields_value():
+  config = EngineConfig(swap_space_mb=512, reservation_quantile=1)
+  assert (config.swap_space_mb, config.reservation_quantile) == (512, 1)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"max_num_seqs": "four"}', "{path}: EngineConfig.max_num_seqs must be an int, got 'four'"),
+    ('{"enable_prefix_caching": "no"}',
+     "{path}: EngineConfig.enable_prefix_caching must be a bool, got 'no'"),
+    ('{"num_pages": null}', "{path}: EngineConfig.num_pages must be an int, got None"),
+    ('{"speculative": 5}', "{path}: EngineConfig.speculative must be a str, got 5"),
+    ("{truncated", "engine preset '{path}' is not JSON (Expecting property name enclosed in "
+                   "double quotes: line 1 column 2 (char 1))"),
+    ("[1, 2]", "engine preset '{path}' must hold a JSON object of EngineConfig fields, "
+               "got a list"),
+])
+def test_a_preset_file_of_wrong_types_or_not_json_is_refused_naming_it(tmp_path, text, message):
+  """preset_fields refuses what it reads (launch.engine_config reads a
+  draft's ``speculative`` from it before the config is built)."""
+  path = tmp_path / "engine.json"
+  path.write_text(text)
+  expected = message.format(path=path)
+  for load in (EngineConfig.preset_fields, EngineConfig.preset):
+    with pytest.raises(ValueError) as refused:
+      load(str(path))
+    assert str(refused.value) == expected
+
+
+def test_a_preset_file_that_is_not_utf8_is_not_json(tmp_path):
+  path = tmp_path / "engine.json"
+  path.write_bytes(b"\xff\xfe{}")
+  with pytest.raises(ValueError, match=rf"^engine preset '{re.escape(str(path))}' is not JSON "):
+    EngineConfig.preset(str(path))
