@@ -34,6 +34,7 @@ rejected everything still exits 0: rejection is an outcome. With
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -66,19 +67,42 @@ for _name in ("executor", "cost_model", "policy", "num_pages", "reservation"):
 
 def _check_report_flags() -> None:
   """The report's flags, checked before the model loads (ValueError naming
-  the flag and the rule)."""
+  the flag and the rule). Nothing is left behind: ``main`` makes --out's
+  folder once every check has passed."""
   if not FLAGS.out or os.path.isdir(FLAGS.out):
     raise ValueError(f"--out must be a file path for the report JSON, got {FLAGS.out!r}")
-  cli.check_creatable("out", FLAGS.out)
-  # Its directory made and written to now: a path only writing refuses
-  # (``/proc``, a read-only file system) must not cost the run's report.
-  cli.make_dir("out", os.path.dirname(os.path.abspath(FLAGS.out)))
+  _check_out_dir()
   for name in ("ledger_tbt_ms", "ledger_horizon_s"):
     value = getattr(FLAGS, name)
     if value is not None and not value > 0:
       raise ValueError(f"--{name} must be > 0 (or unset), got {value}")
   if FLAGS.sample_every < 1:
     raise ValueError(f"--sample_every must be >= 1, got {FLAGS.sample_every}")
+
+
+def _out_dir() -> Path:
+  return Path(os.path.abspath(FLAGS.out)).parent
+
+
+def _check_out_dir() -> None:
+  """--out's folder, made and written to (``cli.make_dir``: a path only
+  writing refuses, ``/proc`` or a read-only file system, is refused before
+  the model loads, not after the replay) and then unmade: the folders made
+  are removed again, so a run refused by a later check leaves none.
+
+  Raises:
+    ValueError: naming --out (``cli.make_dir``).
+  """
+  folder = _out_dir()
+  made = [p for p in (folder, *folder.parents) if not p.exists()]     # deepest first
+  try:
+    cli.make_dir("out", str(folder))
+  finally:
+    for path in made:
+      try:
+        path.rmdir()
+      except OSError:      # not made (refused part-way), or no longer empty
+        pass
 
 
 def main(argv):
@@ -102,6 +126,7 @@ def main(argv):
   engine, cfg, _ = launch.build_engine(model, num_clients=max(engine_cfg.num_clients, clients))
   if cfg.vocab_size != vocab:
     workload = workload_flags.load_workload(cfg.vocab_size, engine_cfg.max_model_len)
+  cli.make_dir("out", str(_out_dir()))     # every check passed (_check_out_dir)
   print(f"workload: {len(workload)} requests over {workload.duration_s:.1f} s "
         f"({workload.source}); clipped prompts: {workload.num_clipped}")
   sim_path, why = replay_path(engine)

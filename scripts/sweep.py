@@ -14,7 +14,11 @@ attainment (valid/offered, SLO ``--ttft_ms`` and ``--tpot_ms``) gives G* at
 ``--alpha`` (DistServe's definition, ``serving.harness.ablation.g_star``). G*
 is measured only when the grid brackets it (a rate meets alpha, the next
 misses); when every rate meets alpha it is a lower bound, printed ``>= R``
-(raise --rate_scales), and when the lowest misses it is ``< R`` (lower them).
+(raise --rate_scales), and when the lowest misses it is ``< R`` (lower them;
+unless most of its misses were rejected requests, which a lower rate rejects
+too: then the note gives the first rejection reason). Each trial's line
+says how many of its requests were rejected; its record keeps why
+(``rejections``).
 Every trial is kept in ``OUT/sweep.json``; PNG plots are written beside it.
 A trial's offered rate is its requests over its window as replayed,
 its window's length / rate scale seconds (``offered_rate``), so a window with one
@@ -45,7 +49,10 @@ lets them go after a trial
 the next trial loads what it needs from the cache: a whole-hour grid kept
 every (policy, slot-table size) program and died at the limit. Each trial's
 record is also appended to ``OUT/trials.jsonl`` as the trial ends, so a
-sweep stopped or broken midway keeps the trials that finished.
+sweep stopped or broken midway keeps the trials that finished. OUT/ and
+--cache_dir are made once the flags and the trials' engine (its config,
+cost model and the model's context) passed their checks: a refused sweep
+leaves neither.
 """
 
 import collections
@@ -73,11 +80,13 @@ from serving.cli import launch, workload_flags
 from serving.cli import model_spec
 from serving.harness import ledger
 from serving.harness import metrics
+from serving.harness import report_text
 from serving.harness import traces
 from serving.harness import workloads
 from serving.engine import calibrations as cal_lib
 from serving.engine import cost_model as cost_lib
 from serving.engine.config import EngineConfig
+from serving.engine import programs
 from serving.engine import sim_loop
 from serving.engine.engine import Engine
 from serving.harness.replay import path as replay_path
@@ -232,6 +241,8 @@ def run_trial(model_cfg, params, config, wl):
       "request_goodput": led["goodput"]["request_goodput"],
       "token_goodput": led["goodput"]["token_goodput"],
       "outcomes": led["outcomes"]["total"], "tbt": led["tbt"],
+      # Why requests were rejected, one line a reason, the most frequent first.
+      "rejections": report_text.format_rejections(report).splitlines(),
       "fairness": {k: led["fairness"][k] for k in ("starved", "client_service_gap")},
       "resources": {k: v for k, v in led["resources"].items() if k != "per_request"},
       "report": {k: report[k] for k in report if k.startswith(("median_", "p90_", "p99_"))},
@@ -377,8 +388,8 @@ def _check_flags():
   _check_out()
   if FLAGS.resume:         # refused before any folder is made (--out's or --cache_dir's)
     _check_resume()
-  if FLAGS.cache_dir:
-    cli.make_dir("cache_dir", FLAGS.cache_dir)
+  if FLAGS.cache_dir:      # made with --out, once every check passed (main)
+    cli.check_creatable("cache_dir", FLAGS.cache_dir, directory=True)
   traces.trace_loader(FLAGS.trace, check_file=True)   # refused here, before any model loads
   cli.check_engine_preset("engine", FLAGS.engine)
   if FLAGS.model not in PRESETS or model_spec.is_config_preset(FLAGS.model):
@@ -400,7 +411,27 @@ def _check_flags():
   if not 0 < FLAGS.alpha <= 1:
     raise ValueError(f"--alpha must be in (0, 1], got {FLAGS.alpha}")
   _check_windows(rates)
+  _check_engine()
   return sorted(rates)
+
+
+def _check_engine() -> None:
+  """The trials' engine, checked before OUT/ is made (once the first trial
+  refused it, leaving an empty OUT/trials.jsonl): its config (the --engine
+  preset with --max_model_len, --executor and --cost_model), --cost_model's
+  file, the model's context, and each user policy of --policies by the
+  conformance kit (once per process: the first trial does not run it
+  again).
+
+  Raises:
+    ValueError: naming the flag, the field or the policy.
+  """
+  base = base_config()
+  launch.check_cost_model()
+  programs.check_engine(config_only(FLAGS.model), base)
+  for name in FLAGS.policies:
+    if not policies.is_registered(name):
+      policies.check_user_policy(name)
 
 
 def _check_windows(rates) -> None:
@@ -451,6 +482,8 @@ def main(argv):
     _check_out()
     return finish(merge(FLAGS.merge))
   rates = _check_flags()
+  if FLAGS.cache_dir:
+    cli.make_dir("cache_dir", FLAGS.cache_dir)
   cli.make_dir("out", FLAGS.out)
   result = {"trace": FLAGS.trace, "window_s": window_setting(), "trials_per_point": FLAGS.trials,
             "slo": {"ttft_ms": FLAGS.ttft_ms, "tpot_ms": FLAGS.tpot_ms}, "alpha": FLAGS.alpha,
@@ -621,9 +654,11 @@ def trial(policy: str, rate: float, k: int) -> dict:
   start, stop = trial_window(k)
   t.update(policy=policy, rate_scale=rate, trial=k, settings=settings(), num_requests=len(wl),
            offered_rate_req_s=offered_rate(len(wl), stop - start, rate), window=[start, stop])
-  print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req, attainment "
-        f"{t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s (programs "
-        f"{t['compile']['seconds']:.1f} s)", flush=True)
+  rejected = t["outcomes"]["rejected"]
+  print(f"{policy:22s} x{rate:<5g} trial {k}: {len(wl)} req"
+        + (f" ({rejected} rejected)" if rejected else "")
+        + f", attainment {t['attainment']:.3f}, {t['iterations']} it in {t['wall_s']:.1f} s "
+        f"(programs {t['compile']['seconds']:.1f} s)", flush=True)
   return t
 
 
@@ -640,6 +675,27 @@ def summarize(result):
     result["points"][policy] = pts
     result["g_star"][policy] = ablation.g_star([p["rate_req_s"] for p in pts],
                                                [p["attainment"] for p in pts], result["alpha"])
+
+
+def g_star_note(result, policy: str, g: dict) -> str:
+  """``ablation.g_star_note`` of ``policy``'s G* ``g``, but where the lowest
+  rate missed alpha mostly by rejected requests (more than half of its
+  trials' misses: requests the engine cannot hold, at any rate): that, and
+  the first trial's most frequent rejection reason, instead of advising
+  lower rates."""
+  if not g.get("g_star_below_lowest_rate"):
+    return ablation.g_star_note(g)
+  lowest = result["rate_scales"][0]
+  trials = [t for t in result["trials"] if t["policy"] == policy and t["rate_scale"] == lowest]
+  count = lambda part: sum(t.get("outcomes", {}).get(part, 0) for t in trials)
+  missed, rejected = count("offered") - count("valid"), count("rejected")
+  if not 2 * rejected > missed:
+    return ablation.g_star_note(g)
+  why = next((f"; x{lowest:g} trial {t['trial']}: {t['rejections'][0]}" for t in trials
+              if t.get("rejections")), "")        # a sweep.json of before they were kept
+  return (f"the lowest rate tried missed the SLOs, but {rejected} of its {missed} misses were "
+          f"rejected requests, which a lower rate rejects too{why}; sweep.py takes num_pages "
+          f"from --engine (a preset or a JSON file) and the context from --max_model_len")
 
 
 def merge(paths):
@@ -698,7 +754,7 @@ def finish(result, trials_file=None):
   plots(result, FLAGS.out)
   for p, g in result["g_star"].items():
     print(f"G*({p}) at alpha={result['alpha']}: {ablation.g_star_text(g)} req/s "
-          f"({ablation.g_star_note(g)})")
+          f"({g_star_note(result, p, g)})")
   also = f", {trials_file}" if trials_file else ""
   print(f"wrote {FLAGS.out}/sweep.json{also} and PNGs")
 

@@ -33,7 +33,7 @@ def _stop_refusal_servers():
 def test_a_config_preset_replays_on_the_simulated_executor(tmp_path):
   """``--model=tiny`` (a config, no weights, no tokenizer) replays with
   --executor=simulated, as sweep.py and bench_sim.py take it."""
-  out = tmp_path / "replay.json"
+  out = tmp_path / "a" / "b" / "replay.json"       # its folders made once the checks passed
   status, stdout, stderr = refusals.run(
       "replay.py", "--executor=simulated", "--model=tiny", "--engine=tiny",
       "--num_requests=2", "--max_output_len=2", f"--out={out}")
@@ -65,6 +65,47 @@ def test_a_config_preset_is_refused_where_it_cannot_run(short_trace, script, arg
   (no tokenizer), before any model loads, the refusal saying why."""
   args = [a.format(trace=short_trace, port=free_port()) for a in args]
   assert refusals.refused(script, "--model=tiny", *args) == (2, line)
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--num_requests=0"], "error: --num_requests must be >= 1, got 0"),
+    (["--trace=azure:{trace}", "--time_scale=0"],
+     "error: --time_scale must be finite and > 0 (a factor on the trace's gaps), got 0.0"),
+    (["--engine={dir}/bad.json"],
+     "error: {dir}/bad.json: EngineConfig.max_num_seqs must be an int, got 'four'"),
+    (["--engine={dir}/bool.json"],
+     "error: {dir}/bool.json: EngineConfig.num_pages must be an int, got True"),
+    (["--engine={dir}/not.json"],
+     "error: engine preset '{dir}/not.json' is not JSON (Expecting property name enclosed in "
+     "double quotes: line 1 column 2 (char 1))"),
+    (["--policy=nope"], "error: --policy must be one of [..."),
+    (["--cost_model=profile:nope"],
+     "error: --cost_model must name a shipped accelerator profile, one of [..."),
+    (["--model=/nope"],
+     "error: --model=/nope: unknown model: not a preset (['smollm2-135m']) and no such path"),
+    (["--model=tiny", "--max_model_len=100000"],
+     "error: EngineConfig.max_model_len (100000) must not exceed the model's context, ..."),
+])
+def test_a_refused_replay_leaves_no_out_folder(tmp_path, short_trace, args, line):
+  """--out's folders are checked (made, written to and removed) first, and
+  made only once every check passed: a run refused by a later flag (the
+  workload's, --engine's file, --policy, --cost_model, --model, the
+  model's context) leaves none behind. An engine JSON of a wrongly typed
+  field, or not JSON, is refused naming the file and the field."""
+  files = tmp_path / "files"
+  files.mkdir()
+  (files / "bad.json").write_text('{"max_num_seqs": "four"}')
+  (files / "bool.json").write_text('{"num_pages": true}')
+  (files / "not.json").write_text("{truncated")
+  args = [a.format(trace=short_trace, dir=files) for a in args]
+  status, stdout, stderr = refusals.run("replay.py", "--executor=simulated", *args,
+                                        f"--out={tmp_path / 'x1' / 'a' / 'b' / 'r.json'}")
+  assert "Traceback" not in stderr, stderr[-3000:]
+  last, line = stderr.strip().splitlines()[-1], line.format(dir=files)
+  if line.endswith("..."):            # the rest is another test's
+    last, line = last[:len(line) - 3], line[:-3]
+  assert (status, last) == (2, line)
+  assert not (tmp_path / "x1").exists()
 
 
 def test_a_config_preset_on_the_model_executor_is_the_first_thing_said():

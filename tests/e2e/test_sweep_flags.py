@@ -126,6 +126,72 @@ def test_resume_of_a_folder_that_does_not_exist_creates_nothing(tmp_path):
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--max_model_len=100000"],
+     "error: EngineConfig.max_model_len (100000) must not exceed the model's context, "
+     "ModelConfig.max_position (8192) of 'smollm2-135m' (the launchers take "
+     "--max_model_len=8192)"),
+    (["--model=tiny", "--max_model_len=1000"],
+     "error: EngineConfig.max_model_len (1000) must not exceed the model's context, "
+     "ModelConfig.max_position (512) of 'tiny' (the launchers take --max_model_len=512)"),
+    (["--cost_model=profile:nope"],
+     "error: --cost_model must name a shipped accelerator profile, one of ['profile:a100', "
+     "'profile:h100', 'profile:h200', 'profile:tpu_v5e', 'profile:tpu_v6e'], got 'profile:nope'"),
+    (["--cost_model={files}/not.json"],
+     "error: --cost_model '{files}/not.json' is not a cost model JSON (a calibration of "
+     "scripts/calibrate.py, or profile:NAME): Expecting property name enclosed in double "
+     "quotes: line 1 column 2 (char 1)"),
+    (["--engine={files}/bad.json"],
+     "error: {files}/bad.json: EngineConfig.max_num_seqs must be an int, got 'four'"),
+    (["--engine={files}/not.json"],
+     "error: engine preset '{files}/not.json' is not JSON (Expecting property name enclosed "
+     "in double quotes: line 1 column 2 (char 1))"),
+])
+def test_a_refusal_of_the_engine_leaves_no_out_folder(tmp_path, short_trace, args, line):
+  """The trials' engine (its config, cost model and the model's context)
+  is checked before OUT/ or --cache_dir is made: a refused sweep left OUT/
+  with an empty trials.jsonl."""
+  files = tmp_path / "files"
+  files.mkdir()
+  (files / "bad.json").write_text('{"max_num_seqs": "four"}')
+  (files / "not.json").write_text("{truncated")
+  made = tmp_path / "made"
+  status, last = refusals.refused(
+      "sweep.py", f"--trace=azure:{short_trace}", "--window_s=4", "--trials=1",
+      "--rate_scales=1", "--policies=vtc", f"--out={made / 'sweep'}",
+      f"--cache_dir={made / 'cache'}", *[a.format(files=files) for a in args])
+  assert (status, last) == (2, line.format(files=files))
+  assert not made.exists()
+
+
+def test_a_sweep_whose_requests_are_rejected_says_so_not_lower_the_rate(tmp_path):
+  """Two of four requests need more KV pages than tiny's cache has: each
+  trial's line counts the rejected requests, and G*'s note, the lowest rate
+  having missed, says the misses were rejections (with the reason) instead
+  of advising lower rates."""
+  trace = tmp_path / "long_prompts.csv"
+  trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                   "2023-11-16 18:15:10.0000000,20,4\n2023-11-16 18:15:10.5000000,400,4\n"
+                   "2023-11-16 18:15:11.0000000,300,8\n2023-11-16 18:15:11.5000000,30,4\n")
+  out = tmp_path / "sweep"
+  status, stdout, stderr = refusals.run(
+      "sweep.py", f"--trace=azure:{trace}", "--model=tiny", "--engine=tiny",
+      "--max_model_len=512", "--policies=vtc", "--window_s=4", "--rate_scales=1",
+      "--trials=1", f"--out={out}")
+  assert status == 0, stderr[-3000:]
+  assert "vtc                    x1     trial 0: 4 req (2 rejected), attainment 0.500, " in stdout
+  (said,) = [line for line in stdout.splitlines() if line.startswith("G*(vtc)")]
+  assert said == (
+      "G*(vtc) at alpha=0.9: < 1 req/s (the lowest rate tried missed the SLOs, but 2 of its "
+      "2 misses were rejected requests, which a lower rate rejects too; x1 trial 0: rejected "
+      "2 of 4: needs 77 to 101 KV pages for 307 to 403 KV rows (prompt + max_tokens - 1); the "
+      "cache has 63 (num_pages 64 less page 0, the null page): raise num_pages (--num_pages) "
+      "to at least 102; sweep.py takes num_pages from --engine (a preset or a JSON file) and "
+      "the context from --max_model_len)")
+  (t,) = json.loads((out / "sweep.json").read_text())["trials"]
+  assert t["rejections"] == [said.split("x1 trial 0: ")[1].split("; sweep.py")[0]]
+
+
 def test_a_sweep_trial_with_one_request_offers_it_over_the_window(tmp_path, short_trace):
   """Trace windows of 2 s holding one request each: the offered rate is
   requests x rate scale / window (0.5 and 2 req/s), not requests over the
