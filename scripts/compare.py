@@ -234,6 +234,7 @@ def unbracketed_warning(rows, metric: str):
           f"ranked on {metric} (two bounds are not a tie) ({'; '.join(why)})")
 
 
+@cli.takes_arguments
 def main(argv):
   paths = argv[1:]
   if not paths:
@@ -274,4 +275,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, positional=True)
+  cli.run(main)

@@ -216,12 +216,19 @@ def refuse_x64(launcher: str) -> None:
         f"jnp's Python numbers and aranges 64-bit), got on: unset JAX_ENABLE_X64")
 
 
-def run(main: Callable[[List[str]], Any], *, positional: bool = False) -> None:
+def takes_arguments(main: Callable[[List[str]], Any]) -> Callable[[List[str]], Any]:
+  """Marks a launcher's ``main`` as reading arguments that are not flags
+  (compare.py's report paths), which ``run`` refuses otherwise."""
+  main.takes_arguments = True
+  return main
+
+
+def run(main: Callable[[List[str]], Any]) -> None:
   """``app.run(main)`` with the refusals above: flags parsed by
-  ``parse_flags``; an argument that is not a flag refused unless the
-  launcher takes ``positional`` ones (a word after the flags, or a value
-  with a space left unquoted, ``--out=a b.json``, would otherwise be
-  dropped); ``jax_enable_x64`` on (``JAX_ENABLE_X64=1``) refused
+  ``parse_flags``; an argument that is not a flag refused unless ``main``
+  ``takes_arguments`` (a word after the flags, or a value with a space
+  left unquoted, ``--out=a b.json``, would otherwise be dropped);
+  ``jax_enable_x64`` on (``JAX_ENABLE_X64=1``) refused
   before ``main`` runs, so before any model loads or kernel is timed
   (``refuse_x64``); a ValueError or ``app.UsageError``
   out of ``main`` (bad flag value, file, model or request) becomes one line
@@ -232,7 +239,7 @@ def run(main: Callable[[List[str]], Any], *, positional: bool = False) -> None:
   def refusing(argv):
     if not FLAGS["verbosity"].present:   # JAX's backend probe, checkpoint libraries
       logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1 and not positional:
+    if len(argv) > 1 and not getattr(main, "takes_arguments", False):
       refuse(f"unexpected argument {argv[1]!r}: {Path(argv[0]).name} takes only --flags "
              f"(quote a value that holds a space; --helpfull lists the flags)")
     try:
