@@ -71,6 +71,7 @@ def _check_report_flags() -> None:
   folder once every check has passed."""
   if not FLAGS.out or os.path.isdir(FLAGS.out):
     raise ValueError(f"--out must be a file path for the report JSON, got {FLAGS.out!r}")
+  cli.check_creatable("out", FLAGS.out)      # makes nothing; a folder's spelling refused
   _check_out_dir()
   for name in ("ledger_tbt_ms", "ledger_horizon_s"):
     value = getattr(FLAGS, name)

@@ -110,6 +110,8 @@ def test_a_port_in_use_is_refused_before_loading():
      f"does not exist"),
     ("serve.py", ["--served_model_name="],
      "error: --served_model_name must be non-empty (unset: the --model name)"),
+    ("replay.py", ["--out=runs/no_such/29/"],
+     "error: --out 'runs/no_such/29/' names a folder (it ends in '/'); give the file's path"),
     ("bench_serving.py", ["--timeout_s=0"], "error: --timeout_s must be > 0, got 0.0"),
     ("bench_serving.py", ["--timeout_s=-5"], "error: --timeout_s must be > 0, got -5.0"),
     ("serve.py", ["--router=nearest"],
