@@ -85,29 +85,30 @@ WORKLOADS = {"steady": dict(n=12, seed=1, rate_scale=3.0, clients=3, slo=True),
                            max_output_len=30)}
 
 
-# sarathi_serve and vllm_v1 in the default run; vtc and least_slack (the
-# fairness and SLO orders) in the extended profile (suite time).
+# sarathi_serve on the burst in the default run; the steady workload, and
+# vllm_v1, vtc and least_slack (the fairness and SLO orders), in the
+# extended profile (suite time).
+@pytest.mark.parametrize("name", ["burst", pytest.param("steady", marks=pytest.mark.extended)])
 @pytest.mark.parametrize("policy", ["sarathi_serve",
                                     pytest.param("vllm_v1", marks=pytest.mark.extended),
                                     pytest.param("vtc", marks=pytest.mark.extended),
                                     pytest.param("least_slack", marks=pytest.mark.extended)])
-def test_the_loop_runs_the_step_paths_iterations(cost_file, policy):
-  for name, args in WORKLOADS.items():
-    wl = _workload(**args)
-    step_engine = _engine(cost_file, policy, num_pages=20)
-    step, step_s = replay(step_engine, wl, loop=False)
-    loop_engine = _engine(cost_file, policy, num_pages=20)
-    resize, sizes = loop_engine._resize, []
-    loop_engine._resize = lambda size: (sizes.append(size), resize(size))
-    loop, loop_s = replay(loop_engine, wl)
-    assert "loop" not in step_engine.compiled_programs(), name
-    assert loop_engine.compiled_programs()["loop"] >= 1, name
-    _same(step, loop)
-    assert loop_s == pytest.approx(step_s, abs=TIME_TOL_MS / 1000.0), name
-    assert _counters(loop_engine) == _counters(step_engine), name
-    assert sum(r.outcome == "completed" for r in loop) >= len(wl) - 1, name
-    if name == "burst":
-      assert loop_engine.num_preemptions > 0 and max(sizes) > 8, sizes
+def test_the_loop_runs_the_step_paths_iterations(cost_file, policy, name):
+  wl = _workload(**WORKLOADS[name])
+  step_engine = _engine(cost_file, policy, num_pages=20)
+  step, step_s = replay(step_engine, wl, loop=False)
+  loop_engine = _engine(cost_file, policy, num_pages=20)
+  resize, sizes = loop_engine._resize, []
+  loop_engine._resize = lambda size: (sizes.append(size), resize(size))
+  loop, loop_s = replay(loop_engine, wl)
+  assert "loop" not in step_engine.compiled_programs()
+  assert loop_engine.compiled_programs()["loop"] >= 1
+  _same(step, loop)
+  assert loop_s == pytest.approx(step_s, abs=TIME_TOL_MS / 1000.0)
+  assert _counters(loop_engine) == _counters(step_engine)
+  assert sum(r.outcome == "completed" for r in loop) >= len(wl) - 1
+  if name == "burst":
+    assert loop_engine.num_preemptions > 0 and max(sizes) > 8, sizes
 
 
 def test_the_queue_bound_refuses_the_same_arrivals_on_both_paths(cost_file):
