@@ -31,10 +31,23 @@ def test_the_engine_example_on_the_simulated_executor():
   clock = re.search(r"^(\d+) iterations, policy vllm_v1, virtual clock at ([\d.]+) ms$", out,
                     re.M)
   assert clock and int(clock[1]) >= 5 and float(clock[2]) > 0, out
-  bad = subprocess.run([sys.executable, str(EXAMPLE), "--simulated", "--engine=tiny",
-                        "--max_tokens=0"], cwd="/", capture_output=True, text=True, timeout=300)
-  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+
+
+def test_the_example_refuses_a_bad_value_in_one_line(monkeypatch, capsys):
+  """A bad value is argparse's one line and exit status 2 (the example's
+  own process: its refusal needs no engine)."""
+  assert _refused(monkeypatch, capsys, "--simulated", "--engine=tiny", "--max_tokens=0") == (
       "engine_api.py: error: SamplingParams.max_tokens must be in [1, 2**31), got 0")
+
+
+def _refused(monkeypatch, capsys, *args) -> str:
+  """The example's main on ``args`` in this process: its exit status must
+  be 2; returns the last line it wrote to stderr."""
+  monkeypatch.setattr(sys, "argv", ["engine_api.py", *args])
+  with pytest.raises(SystemExit) as e:
+    _load_example().main()
+  assert e.value.code == 2
+  return capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -60,13 +73,12 @@ def test_the_context_refusal_names_a_flag_the_example_takes(monkeypatch, capsys)
   """``--simulated --model=tiny`` on the default engine (a 2048-token
   context, tiny's is 512) is refused in one line whose advice is a flag of
   the example's own; run with it, every request completes."""
-  bad = subprocess.run([sys.executable, str(EXAMPLE), "--simulated", "--model=tiny"], cwd="/",
-                       capture_output=True, text=True, timeout=300)
-  assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+  line = _refused(monkeypatch, capsys, "--simulated", "--model=tiny")
+  assert line == (
       "engine_api.py: error: EngineConfig.max_model_len (2048) must not exceed the model's "
       "context, ModelConfig.max_position (512) of 'tiny' (the launchers take "
       "--max_model_len=512)")
-  advice = re.search(r"take (--\w+=\d+)\)$", bad.stderr.strip())[1]
+  advice = re.search(r"take (--\w+=\d+)\)$", line)[1]
   monkeypatch.setattr(sys, "argv", ["engine_api.py", "--simulated", "--model=tiny", advice,
                                     "--max_tokens=2", "--policy=vllm_v1"])
   _load_example().main()
