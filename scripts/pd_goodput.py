@@ -287,13 +287,7 @@ def read_result(path: str) -> dict:
     ValueError: naming --table and the file: not a file, not JSON, or not a
       pd_goodput.py JSON (the first key it lacks, or no split).
   """
-  if not os.path.isfile(path):
-    raise ValueError(f"--table: {path!r} is not a file")
-  try:
-    with open(path) as f:
-      result = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"--table: {path!r} is not JSON: {e}") from None
+  result = cli.read_json("table", path)
   for key in RESULT_KEYS:
     node = result
     for part in key.split("."):

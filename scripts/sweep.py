@@ -730,13 +730,7 @@ def merge(paths):
 def _read_sweep(path: str, keys) -> dict:
   """A sweep.json of --merge, or ValueError naming the flag and the file:
   missing, not JSON, or not a sweep (a replay report has no rate grid)."""
-  if not os.path.isfile(path):
-    raise ValueError(f"--merge: {path!r} is not a file")
-  try:
-    with open(path) as f:
-      run = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"--merge: {path!r} cannot be read as JSON ({e})") from None
+  run = cli.read_json("merge", path)
   missing = [k for k in keys if k not in run] if isinstance(run, dict) else list(keys)
   if missing:
     named = ", ".join(map(repr, missing[:3])) + (f" and {len(missing) - 3} more"

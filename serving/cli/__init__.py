@@ -12,6 +12,7 @@ status 0. Every launcher starts through ``run``:
 """
 
 import functools
+import json
 import os
 import sys
 import tempfile
@@ -64,6 +65,23 @@ def check_creatable(flag: str, path: str, *, directory: bool = False) -> None:
   if not os.access(here, os.W_OK | os.X_OK):
     raise ValueError(f"--{flag} {path!r} cannot be created: {str(here)!r} is not a "
                      f"writable directory")
+
+
+def read_json(flag: str, path: str):
+  """The JSON value of the file ``path`` a launcher's ``--flag`` names
+  (a saved report or sweep it reads back).
+
+  Raises:
+    ValueError: naming ``--flag`` and the path: not a file, or not
+      readable as JSON (json's or the decoder's reason).
+  """
+  if not os.path.isfile(path):
+    raise ValueError(f"--{flag}: {path!r} is not a file")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"--{flag}: {path!r} cannot be read as JSON ({e})") from None
 
 
 def check_engine_preset(flag: str, name: str) -> None:

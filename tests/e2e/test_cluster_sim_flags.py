@@ -94,7 +94,7 @@ def test_pd_goodput_refuses_a_bad_flag_before_loading(args, line):
 
 
 @pytest.mark.parametrize("text,line", [
-    ("", "is not JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("", "cannot be read as JSON (Expecting value: line 1 column 1 (char 0))"),
     ("[1, 2]", "is not a pd_goodput.py JSON (it has no 'config.label')"),
     ('{"config": {"label": "x", "engine": {"policy": "orca"}}}',
      "is not a pd_goodput.py JSON (it has no 'config.engine.long_prefill_token_threshold')"),
